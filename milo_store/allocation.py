@@ -1,0 +1,112 @@
+"""Rank allocation under a byte budget (paper §4.3), with the scopes and policies the evaluation compares.
+
+Every (block, layer, kind, head) matrix is a *unit*; giving it one more rank costs T + d + 1 values.
+Within an allocation *group* (chosen by ``scope`` and ``kv_split``) every unit starts at r_min, and
+further rank increments are taken in order of a key until the group's budget is spent:
+
+- ``entropy``: the paper's marginal gain log(1 + σ²/ε²) per rank unit. It is monotone in σ, so the
+  order (and the allocation) does not depend on ε: it hands increments out by singular value;
+- ``energy``: σ² per value of cost, which minimises the summed squared (Eckart–Young) error per byte
+  when blocks differ in length;
+- ``uniform``: lowest rank first, so all units of a group rise together;
+- ``random``: a seeded random order (ablation).
+
+Gains never increase along a unit's spectrum, so a sort by key takes each unit's increments in order.
+A group's budget is ratio × its fp16 full-KV bytes, less its share of the index bytes, so that the
+whole compressed set, index included, lands at the target ratio.
+"""
+import numpy as np
+
+from .layout import Layout, full_kv_bytes, index_bytes
+
+POLICIES = ("entropy", "energy", "uniform", "random")
+SCOPES = ("head", "layer", "global")  # per (layer, head[, kind]); per layer[, kind]; whole store[, per kind]
+KV_SPLITS = ("separate", "shared")
+
+
+class BudgetError(ValueError):
+    """The requested ratio cannot hold even the minimum rank everywhere."""
+
+
+def allocate_ranks(spectra: np.ndarray, tokens: np.ndarray, layout: Layout, ratio: float, *,
+                   policy: str = "entropy", scope: str = "head", kv_split: str = "separate",
+                   r_min: int = 1, r_max: int | None = None, eps: float = 1e-3, seed: int = 0,
+                   bytes_per_value: int = 2) -> np.ndarray:
+    """Ranks int16 [N, L, 2, H] from singular values ``spectra`` [N, L, 2, H, n] (descending, zero-padded)."""
+    if not 0 < ratio <= 1:
+        raise ValueError(f"ratio must be in (0, 1]; got {ratio}")
+    for name, value, allowed in (("policy", policy, POLICIES), ("scope", scope, SCOPES), ("kv_split", kv_split, KV_SPLITS)):
+        if value not in allowed:
+            raise ValueError(f"unknown {name} {value!r}; expected one of {allowed}")
+    spectra = np.asarray(spectra, dtype=np.float64)
+    tokens = np.asarray(tokens, dtype=np.int64)
+    N, L, K, H, n = spectra.shape
+    if (L, K, H) != (layout.num_layers, 2, layout.num_kv_heads) or len(tokens) != N:
+        raise ValueError(f"spectra shape {spectra.shape} does not match layout {layout} and {len(tokens)} blocks")
+    d = layout.head_dim
+    cap = np.minimum(np.minimum(tokens, d), n if r_max is None else min(r_max, n))  # [N]
+    if r_min > cap.min(initial=d):
+        raise ValueError(f"r_min={r_min} exceeds the largest possible rank {int(cap.min())} of some block")
+    cost = (tokens + d + 1).astype(np.float64)  # values per rank unit, per block
+
+    full = full_kv_bytes(layout, tokens, 2)
+    spendable = ratio * full - index_bytes(layout, N)  # bytes the factors may take, store-wide
+    ranks = np.full((N, L, K, H), r_min, dtype=np.int64)
+    keep = [1, 3] if scope == "head" else [1] if scope == "layer" else []
+    if kv_split == "separate":
+        keep = sorted(keep + [2])
+    group_shape = [spectra.shape[a] for a in keep]
+    rng = np.random.default_rng(seed)
+    for g in np.ndindex(*group_shape):
+        sel = [slice(None)] * 4
+        for axis, i in zip(keep, g):
+            sel[axis] = slice(i, i + 1)
+        sel = tuple(sel)
+        sub = spectra[sel]  # [N', L', K', H', n] with group axes of size 1
+        group_tokens = int(np.broadcast_to(tokens.reshape(-1, 1, 1, 1), sub.shape[:4]).sum())
+        budget_values = spendable * (group_tokens * d * 2) / full / bytes_per_value
+        ranks[sel] = _allocate_group(sub, np.broadcast_to(cost.reshape(-1, 1, 1, 1), sub.shape[:4]),
+                                     np.broadcast_to(cap.reshape(-1, 1, 1, 1), sub.shape[:4]),
+                                     budget_values, policy, r_min, eps, rng)
+    return ranks.astype(np.int16)
+
+
+def _allocate_group(spectra, cost, cap, budget_values, policy, r_min, eps, rng) -> np.ndarray:
+    """Greedy fill of one group: ranks shaped like cost, spending at most ``budget_values``."""
+    shape = cost.shape
+    s, cost, cap = spectra.reshape(-1, spectra.shape[-1]), cost.reshape(-1), cap.reshape(-1)
+    left = budget_values - r_min * cost.sum()
+    if left < 0:
+        need = r_min * cost.sum()
+        raise BudgetError(f"the budget holds {budget_values:.0f} values but r_min={r_min} everywhere needs {need:.0f}; "
+                          f"raise the ratio or lower r_min")
+    units, steps = np.nonzero(np.arange(s.shape[1])[None, :] < cap[:, None])  # candidate increments
+    mask = steps >= r_min
+    units, steps = units[mask], steps[mask]
+    sigma2 = s[units, steps] ** 2
+    if policy == "entropy":
+        key = np.log1p(sigma2 / eps ** 2)
+    elif policy == "energy":
+        key = sigma2 / cost[units]
+    elif policy == "uniform":
+        key = -steps.astype(np.float64)
+    else:
+        key = rng.random(len(units))
+    if policy in ("entropy", "energy"):  # spending bytes on an exactly-zero direction buys nothing
+        live = sigma2 > 0
+        units, steps, key = units[live], steps[live], key[live]
+    order = np.lexsort((steps, units, -key))
+    units, steps = units[order], steps[order]
+    spent = np.cumsum(cost[units])
+    take = int(np.searchsorted(spent, left, side="right"))
+    ranks = np.full(len(cost), r_min, dtype=np.int64)
+    np.add.at(ranks, units[:take], 1)
+    # The prefix stops at the first increment that does not fit; cheaper units' next steps may still fit.
+    left -= spent[take - 1] if take else 0.0
+    rest_u, rest_s = units[take:], steps[take:]
+    frontier = rest_s == ranks[rest_u]
+    for u in rest_u[frontier]:
+        if cost[u] <= left:
+            ranks[u] += 1
+            left -= cost[u]
+    return ranks.reshape(shape)
