@@ -1,0 +1,38 @@
+"""The on-disk format: names, version, and the checks both writer and reader rely on (docs/format.md)."""
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+FORMAT_VERSION = 1
+ATTRS_KEY = "milo"
+FACTORS, RANKS, TOKENS, CHECKSUMS, ANCHOR = "factors", "ranks", "block_tokens", "checksums", "anchor_kv"
+EXAMPLES = "examples"  # group with arrays input, output, id (str) and block (int32)
+MAX_CHUNK_BYTES = 64 << 20
+# numpy cannot hold bfloat16: its bits go to disk as uint16 and are viewed back as torch.bfloat16.
+NUMPY_DTYPES = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32}
+TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def chunk_values(total_values: int, itemsize: int, max_chunk_bytes: int = MAX_CHUNK_BYTES) -> int:
+    """Equal chunks of at most max_chunk_bytes: the padded edge chunk wastes fewer values than chunks."""
+    per = max(1, max_chunk_bytes // itemsize)
+    n = max(1, math.ceil(total_values / per))
+    return max(1, math.ceil(total_values / n))
+
+
+def factor_chunk_path(store_path: Path, index: int) -> Path:
+    """File of chunk ``index`` of the 1-D factor array (zarr v3 default chunk key encoding, '/' separator)."""
+    return Path(store_path) / FACTORS / "c" / str(index)
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor as the numpy array the store writes (bfloat16 as its uint16 bits)."""
+    t = t.detach().cpu().contiguous()
+    return t.view(torch.uint16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
+
+
+def from_numpy(a: np.ndarray, dtype: str) -> torch.Tensor:
+    t = torch.from_numpy(a)
+    return t.view(torch.bfloat16) if dtype == "bfloat16" else t

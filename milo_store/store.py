@@ -1,0 +1,223 @@
+"""Mount a store: metadata through zarr, factor bytes straight from the chunk files into tensors.
+
+Tiers:
+- ``host``: the whole factor array in one tensor (page-locked with cudaHostRegister when CUDA is
+  there, so its size is exact rather than rounded up by the caching host allocator); a block is a
+  zero-copy view.
+- ``disk``: every block read is a ``preadv`` of its byte range from the chunk files into a fresh tensor.
+- ``cached``: ``disk`` behind an LRU of whole blocks bounded in bytes.
+
+Reads bypass zarr's codec pipeline on purpose: the factor array is uncompressed with the default
+chunk key encoding, so a block's bytes are plain byte ranges of at most a few files, and reading them
+into place is several times faster than a zarr slice (docs/benchmarks.md). Integrity comes from the
+per-block CRC32C, checked on every read unless ``verify=False``.
+"""
+import os
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import torch
+import zarr
+
+from . import format as fmt
+from .checksum import crc32c
+from .errors import FormatVersionError, NotAStoreError, StoreCorruptedError, StoreError
+from .layout import Layout, compressed_bytes
+
+TIERS = ("host", "disk", "cached")
+
+
+class MiloStore:
+    """A mounted store. Use ``MiloStore.open(path, tier=...)``."""
+
+    def __init__(self, path: Path, group, meta: dict, tier: str, verify: bool, cache_bytes: int, pin: bool | None):
+        self.path, self.group, self.meta, self.tier, self.verify = path, group, meta, tier, verify
+        lay = meta["layout"]
+        self.layout = Layout(lay["num_layers"], lay["num_kv_heads"], lay["head_dim"])
+        self.dtype = meta["factor_dtype"]
+        self.torch_dtype = fmt.TORCH_DTYPES[self.dtype]
+        self.itemsize = torch.empty(0, dtype=self.torch_dtype).element_size()
+        self.ranks = np.asarray(group[fmt.RANKS][...], dtype=np.int16)
+        self.block_tokens = np.asarray(group[fmt.TOKENS][...], dtype=np.int64)
+        self.checksums = np.asarray(group[fmt.CHECKSUMS][...], dtype=np.uint32)
+        self._check_index()
+        self.offsets = self.layout.block_offsets(self.ranks, self.block_tokens)
+        factors = group[fmt.FACTORS]
+        if factors.shape != (int(self.offsets[-1]),):
+            raise StoreCorruptedError(f"{path}: factor array holds {factors.shape[0]} values, ranks describe {self.offsets[-1]}")
+        self.chunk = factors.chunks[0]
+        self._fds = self._open_chunks(factors.shape[0])
+        self._host = None
+        self._cache, self._cache_bytes, self._cache_limit = OrderedDict(), 0, cache_bytes
+        if tier == "host":
+            self._load_host(pin)
+
+    @classmethod
+    def open(cls, path, tier: str = "host", *, verify: bool = True, cache_bytes: int = 1 << 30,
+             pin: bool | None = None) -> "MiloStore":
+        """Mount the store at ``path``. Raises a StoreError subclass naming what is wrong."""
+        if tier not in TIERS:
+            raise ValueError(f"unknown tier {tier!r}; expected one of {TIERS}")
+        path = Path(path)
+        if not path.is_dir():
+            raise NotAStoreError(f"{path}: no such store directory")
+        if not (path / "zarr.json").is_file():
+            raise NotAStoreError(f"{path}: not a milo store (no zarr.json)")
+        try:
+            group = zarr.open_group(str(path), mode="r")
+            meta = group.attrs.get(fmt.ATTRS_KEY)
+        except Exception as e:
+            raise StoreCorruptedError(f"{path}: unreadable store metadata ({e})") from e
+        if not isinstance(meta, dict):
+            raise NotAStoreError(f"{path}: a zarr group but not a milo store (no '{fmt.ATTRS_KEY}' attributes)")
+        version = meta.get("format_version")
+        if version != fmt.FORMAT_VERSION:
+            raise FormatVersionError(f"{path}: store format version {version!r}; this milo reads version {fmt.FORMAT_VERSION}")
+        try:
+            return cls(path, group, meta, tier, verify, cache_bytes, pin)
+        except (KeyError, ValueError, FileNotFoundError) as e:
+            raise StoreCorruptedError(f"{path}: broken store structure ({type(e).__name__}: {e})") from e
+
+    # -- structure -------------------------------------------------------------------------------
+    def _check_index(self):
+        n = len(self.block_tokens)
+        want = (n, self.layout.num_layers, 2, self.layout.num_kv_heads)
+        if self.ranks.shape != want or self.checksums.shape != (n,):
+            raise StoreCorruptedError(f"{self.path}: index shapes disagree: ranks {self.ranks.shape}, expected {want}; "
+                                      f"checksums {self.checksums.shape}")
+        if n and (self.block_tokens.min() < 1 or self.ranks.min() < 0 or self.ranks.max() > self.layout.head_dim):
+            raise StoreCorruptedError(f"{self.path}: index holds impossible token counts or ranks")
+
+    def _open_chunks(self, total: int) -> list[int]:
+        fds, nbytes = [], self.chunk * self.itemsize
+        for c in range(-(-total // self.chunk) if total else 0):
+            p = fmt.factor_chunk_path(self.path, c)
+            if not p.is_file():
+                raise StoreCorruptedError(f"{self.path}: factor chunk {p.name} is missing")
+            size = p.stat().st_size
+            if size != nbytes:
+                raise StoreCorruptedError(f"{self.path}: factor chunk {p.name} is {size} bytes, expected {nbytes} (truncated?)")
+            fds.append(os.open(p, os.O_RDONLY))
+        return fds
+
+    # -- reading ---------------------------------------------------------------------------------
+    def _read_range(self, start: int, stop: int, out: torch.Tensor) -> None:
+        """preadv values [start, stop) of the flat factor array into ``out`` (CPU, contiguous)."""
+        view = memoryview(out.view(torch.uint8).numpy())
+        pos, done = start, 0
+        while pos < stop:
+            c, within = divmod(pos, self.chunk)
+            n = min(stop - pos, self.chunk - within)
+            got = os.preadv(self._fds[c], [view[done:done + n * self.itemsize]], within * self.itemsize)
+            if got != n * self.itemsize:
+                raise StoreCorruptedError(f"{self.path}: short read in factor chunk {c}")
+            pos, done = pos + n, done + n * self.itemsize
+
+    def _load_host(self, pin: bool | None):
+        total = int(self.offsets[-1])
+        self._host = torch.empty(total, dtype=self.torch_dtype)
+        if pin if pin is not None else torch.cuda.is_available():
+            _register_pinned(self._host)
+        self._read_range(0, total, self._host)
+        if self.verify:
+            for i in range(self.num_blocks):
+                self._check(i, self._host[self.offsets[i]:self.offsets[i + 1]])
+
+    def _check(self, i: int, data: torch.Tensor):
+        if crc32c(data) != int(self.checksums[i]):
+            raise StoreCorruptedError(f"{self.path}: block {i} fails its checksum (corrupted factor bytes)")
+
+    def block(self, i: int) -> torch.Tensor:
+        """Block i's packed factors, flat. A view in the host tier; a fresh tensor from disk otherwise."""
+        if not 0 <= i < self.num_blocks:
+            raise IndexError(f"block {i} out of range: the store has {self.num_blocks} blocks")
+        start, stop = int(self.offsets[i]), int(self.offsets[i + 1])
+        if self._host is not None:
+            return self._host[start:stop]
+        if i in self._cache:
+            self._cache.move_to_end(i)
+            return self._cache[i]
+        data = torch.empty(stop - start, dtype=self.torch_dtype)
+        self._read_range(start, stop, data)
+        if self.verify:
+            self._check(i, data)
+        if self.tier == "cached" and data.numel() * self.itemsize <= self._cache_limit:
+            self._cache[i] = data
+            self._cache_bytes += data.numel() * self.itemsize
+            while self._cache_bytes > self._cache_limit:
+                _, old = self._cache.popitem(last=False)
+                self._cache_bytes -= old.numel() * self.itemsize
+        return data
+
+    def block_layer_bounds(self, i: int) -> np.ndarray:
+        """Offsets of each layer inside block i (int64 [L + 1]), relative to the block's start."""
+        return self.layout.layer_offsets(self.ranks[i], int(self.block_tokens[i]))
+
+    def verify_all(self) -> list[str]:
+        """Every problem found, one line each, naming the block (empty when the store is sound)."""
+        problems = []
+        for i in range(self.num_blocks):
+            start, stop = int(self.offsets[i]), int(self.offsets[i + 1])
+            data = torch.empty(stop - start, dtype=self.torch_dtype)
+            try:
+                self._read_range(start, stop, data)
+                self._check(i, data)
+            except StoreError as e:
+                problems.append(str(e))
+        return problems
+
+    # -- metadata --------------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_tokens)
+
+    def anchor_kv(self) -> torch.Tensor | None:
+        """The uncompressed anchor K/V [L, 2, H, T_anchor, d] (pre-RoPE keys), or None."""
+        if fmt.ANCHOR not in self.group:
+            return None
+        return fmt.from_numpy(np.asarray(self.group[fmt.ANCHOR][...]), self.dtype)
+
+    def examples(self) -> dict:
+        """Demonstrations: lists 'input', 'output', 'id' and 'block' (empty lists when none were stored)."""
+        if fmt.EXAMPLES not in self.group:
+            return {"input": [], "output": [], "id": [], "block": []}
+        g = self.group[fmt.EXAMPLES]
+        return {k: g[k][...].tolist() for k in ("input", "output", "id", "block")}
+
+    def accounting(self) -> dict:
+        """Planned and actual bytes: the accounted compressed set, and what the store takes on disk."""
+        acc = compressed_bytes(self.layout, self.ranks, self.block_tokens, self.itemsize)
+        acc["disk_bytes"] = sum(f.stat().st_size for f in self.path.rglob("*") if f.is_file())
+        acc["factor_file_bytes"] = sum(f.stat().st_size for f in (self.path / fmt.FACTORS).rglob("*") if f.is_file())
+        acc["planned_ratio"] = self.meta.get("allocation", {}).get("ratio")
+        return acc
+
+    def close(self):
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+        if self._host is not None and getattr(self._host, "_milo_pinned", False):
+            torch.cuda.cudart().cudaHostUnregister(self._host.data_ptr())
+        self._host = None
+        self._cache.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        return f"MiloStore({str(self.path)!r}, tier={self.tier!r}, blocks={self.num_blocks})"
+
+
+def _register_pinned(t: torch.Tensor) -> None:
+    """Page-lock an existing CPU allocation in place (exact size, unlike the caching host allocator)."""
+    if t.numel() == 0:
+        return
+    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister failed with error {int(err)}")
+    t._milo_pinned = True
+

@@ -1,0 +1,216 @@
+"""Atomic store writer: a store appears at its path only once it is complete.
+
+Everything is written under ``<path>.tmp-<pid>-<n>``; commit writes the group attributes (the last
+piece the reader needs), fsyncs, and renames the directory into place. A writer killed at any point
+leaves at most a temporary directory that never opens as a store and that the next writer removes.
+An exclusive ``flock`` on ``<path>.lock`` refuses a second concurrent writer; the kernel drops the
+lock when the holder dies, so a killed build never blocks the next one.
+"""
+import fcntl
+import itertools
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import zarr
+
+from . import format as fmt
+from .checksum import crc32c
+from .errors import StoreError, StoreLockedError
+from .layout import Layout
+
+_counter = itertools.count()
+
+
+def is_store(path: Path) -> bool:
+    try:
+        return fmt.ATTRS_KEY in zarr.open_group(str(path), mode="r").attrs
+    except Exception:
+        return False
+
+
+class StoreLock:
+    """Exclusive, non-blocking writer lock on ``<path>.lock`` (released by the kernel if we die)."""
+
+    def __init__(self, path: Path):
+        self.lock_path = Path(str(path) + ".lock")
+        self.fd = None
+
+    def __enter__(self):
+        self.lock_path.parent.mkdir(parents=True, exist_ok=True)
+        self.fd = os.open(self.lock_path, os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self.fd)
+            raise StoreLockedError(f"{self.lock_path.with_suffix('')}: another writer is building this store") from None
+        return self
+
+    def __exit__(self, *exc):
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+
+
+def check_target(path: Path, force: bool) -> None:
+    """Refuse to overwrite what is not ours (any non-store), and a store unless forced."""
+    if not path.exists():
+        return
+    if path.is_dir() and not any(path.iterdir()):
+        return
+    if not is_store(path):
+        raise StoreError(f"{path} exists and is not a milo store; refusing to overwrite it")
+    if not force:
+        raise StoreError(f"{path} already holds a store; pass force=True (--force) to replace it")
+
+
+class StoreWriter:
+    """Write one store: blocks in order, then examples and anchor, then ``commit``.
+
+    ``ranks`` [N, L, 2, H] and ``block_tokens`` [N] fix the layout up front, so the factor array is
+    created at its exact size and filled chunk by chunk without padding between blocks.
+    """
+
+    def __init__(self, path, layout: Layout, ranks: np.ndarray, block_tokens: np.ndarray, *,
+                 dtype: str = "float16", attrs: dict | None = None, force: bool = False,
+                 max_chunk_bytes: int = fmt.MAX_CHUNK_BYTES):
+        self.path = Path(path)
+        self.layout, self.dtype = layout, dtype
+        self.ranks = np.asarray(ranks, dtype=np.int16)
+        self.block_tokens = np.asarray(block_tokens, dtype=np.int32)
+        if self.ranks.shape != (len(self.block_tokens), layout.num_layers, 2, layout.num_kv_heads):
+            raise ValueError(f"ranks shape {self.ranks.shape} does not match {len(self.block_tokens)} blocks of {layout}")
+        if dtype not in fmt.NUMPY_DTYPES:
+            raise ValueError(f"unknown factor dtype {dtype!r}; expected one of {tuple(fmt.NUMPY_DTYPES)}")
+        self.attrs = dict(attrs or {})
+        self.offsets = layout.block_offsets(self.ranks, self.block_tokens)
+        self.lock = StoreLock(self.path).__enter__()
+        try:
+            check_target(self.path, force)
+            self._remove_stale_temps()
+            self.tmp = Path(f"{self.path}.tmp-{os.getpid()}-{next(_counter)}")
+            self.group = zarr.open_group(str(self.tmp), mode="w")
+            total = int(self.offsets[-1])
+            self.chunk = fmt.chunk_values(total, np.dtype(fmt.NUMPY_DTYPES[dtype]).itemsize, max_chunk_bytes)
+            self.factors = self.group.create_array(
+                fmt.FACTORS, shape=(total,), dtype=fmt.NUMPY_DTYPES[dtype], chunks=(self.chunk,),
+                compressors=None, fill_value=0, config={"write_empty_chunks": True})
+        except BaseException:
+            self.lock.__exit__()
+            raise
+        self.buffer = np.zeros(self.chunk, dtype=fmt.NUMPY_DTYPES[dtype])
+        self.buffer_start = 0  # flat offset of buffer[0]
+        self.next_block = 0
+        self.checksums = np.zeros(len(self.block_tokens), dtype=np.uint32)
+        self.extra = {}
+
+    def _remove_stale_temps(self):
+        for stale in self.path.parent.glob(self.path.name + ".tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+
+    def write_block(self, packed: torch.Tensor) -> None:
+        """Append the next block's packed factors (flat, as codec.pack_block returns them)."""
+        i = self.next_block
+        if i >= len(self.block_tokens):
+            raise StoreError(f"all {len(self.block_tokens)} blocks are written already")
+        want = int(self.offsets[i + 1] - self.offsets[i])
+        if packed.dim() != 1 or packed.numel() != want or packed.dtype != fmt.TORCH_DTYPES[self.dtype]:
+            raise ValueError(f"block {i}: expected {want} values of {self.dtype}, got {tuple(packed.shape)} {packed.dtype}")
+        data = fmt.to_numpy(packed)
+        self.checksums[i] = crc32c(data)
+        pos = int(self.offsets[i])
+        while len(data):
+            at = pos - self.buffer_start
+            n = min(len(data), self.chunk - at)
+            self.buffer[at:at + n] = data[:n]
+            data, pos = data[n:], pos + n
+            if pos - self.buffer_start == self.chunk:
+                self._flush()
+        self.next_block += 1
+
+    def _flush(self):
+        end = min(self.buffer_start + self.chunk, self.factors.shape[0])
+        if end > self.buffer_start:
+            self.factors[self.buffer_start:end] = self.buffer[:end - self.buffer_start]
+        self.buffer_start += self.chunk
+
+    def write_anchor(self, anchor_kv: torch.Tensor) -> None:
+        """The anchor (instruction prefix) K/V, uncompressed: [L, 2, H, T_anchor, d], pre-RoPE keys."""
+        want = (self.layout.num_layers, 2, self.layout.num_kv_heads)
+        if tuple(anchor_kv.shape[:3]) != want or anchor_kv.shape[-1] != self.layout.head_dim:
+            raise ValueError(f"anchor K/V must be [L, 2, H, T, d] with L, H, d = {want[0]}, {want[2]}, "
+                             f"{self.layout.head_dim}; got {tuple(anchor_kv.shape)}")
+        data = fmt.to_numpy(anchor_kv.to(fmt.TORCH_DTYPES[self.dtype]))
+        self.group.create_array(fmt.ANCHOR, data=data, compressors=None)
+
+    def write_examples(self, inputs: list[str], outputs: list[str], ids: list[str], blocks: list[int]) -> None:
+        """The demonstrations' text and the block each belongs to (what retrieval indexes)."""
+        if not len(inputs) == len(outputs) == len(ids) == len(blocks):
+            raise ValueError("inputs, outputs, ids and blocks must have one entry per demonstration")
+        g = self.group.create_group(fmt.EXAMPLES)
+        for name, values in (("input", inputs), ("output", outputs), ("id", ids)):
+            g.create_array(name, shape=(len(values),), dtype=str)[:] = np.array(values, dtype=object)
+        g.create_array("block", data=np.asarray(blocks, dtype=np.int32))
+
+    def commit(self) -> Path:
+        """Finish the factor array, write index and attributes, fsync, and move the store into place."""
+        if self.next_block != len(self.block_tokens):
+            raise StoreError(f"commit after {self.next_block} of {len(self.block_tokens)} blocks")
+        try:
+            if self.buffer_start < self.factors.shape[0]:
+                self._flush()
+            self.group.create_array(fmt.RANKS, data=self.ranks)
+            self.group.create_array(fmt.TOKENS, data=self.block_tokens)
+            self.group.create_array(fmt.CHECKSUMS, data=self.checksums)
+            self.group.attrs[fmt.ATTRS_KEY] = {
+                **self.attrs, "format_version": fmt.FORMAT_VERSION, "factor_dtype": self.dtype,
+                "layout": {"num_layers": self.layout.num_layers, "num_kv_heads": self.layout.num_kv_heads,
+                           "head_dim": self.layout.head_dim}}
+            _fsync_tree(self.tmp)
+            old = None
+            if self.path.exists():
+                old = Path(f"{self.path}.old-{os.getpid()}")
+                os.rename(self.path, old)
+            os.rename(self.tmp, self.path)
+            _fsync_dir(self.path.parent)
+            if old is not None:
+                shutil.rmtree(old)
+            return self.path
+        finally:
+            self.close()
+
+    def abort(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        self.close()
+
+    def close(self):
+        if self.lock is not None:
+            self.lock.__exit__()
+            self.lock = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, *exc):
+        if exc_type is not None or self.lock is not None:
+            self.abort()
+
+
+def _fsync_dir(path: Path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path):
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
