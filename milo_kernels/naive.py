@@ -15,3 +15,24 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     """Rotate x [..., T, d] by full-width tables cos, sin [T, d] (computed in fp32, returned in x's dtype)."""
     xf = x.float()
     return (xf * cos + rotate(xf, interleaved) * sin).to(x.dtype)
+
+
+def reconstruct_layer_naive(factors, segments, out_k, out_v, cos, sin, *, interleaved=False) -> None:
+    """Rebuild each segment as X = A diag(Σ) Bᵀ in fp32, rotate keys at their output rows, write in place.
+
+    A segment row is (src_offset, rank, tokens, dst_row, head, kind); its factors are packed at
+    factors[src_offset:] as A [tokens, rank], Σ [rank], B [d, rank], all row-major. Inputs are not
+    validated here (milo_kernels.reconstruct_layer does that); this is the oracle, kept literal.
+    """
+    d = out_k.shape[-1]
+    for src, rank, tokens, row, head, kind in segments.tolist():
+        a_end, s_end = src + tokens * rank, src + tokens * rank + rank
+        a = factors[src:a_end].float().view(tokens, rank)
+        s = factors[a_end:s_end].float()
+        b = factors[s_end:s_end + d * rank].float().view(d, rank)
+        x = (a * s) @ b.T
+        rows = slice(row, row + tokens)
+        if kind == 0:
+            x = apply_rope(x, cos[rows], sin[rows], interleaved)
+        out = out_k if kind == 0 else out_v
+        out[head, rows] = x.to(out.dtype)

@@ -1,0 +1,273 @@
+"""Rebuild one layer's K and V from packed low-rank factors into an attention buffer, keys rotated by RoPE.
+
+`reconstruct_layer` validates its inputs, then dispatches: CUDA tensors go to one Triton launch for the
+whole layer, CPU tensors to the PyTorch reference (`naive.reconstruct_layer_naive`). The environment
+variable MILO_KERNEL=reference|triton forces a backend (Triton on CPU tensors needs TRITON_INTERPRET=1).
+
+Validation reads the segment table on the host, which synchronises with the device. Callers that replay
+launches (a CUDA graph, every layer of one retrieval) call `plan_layer` once per layer and `launch` after:
+`launch` only checks tensor metadata against the plan, so it never synchronises and can be captured.
+
+Why one tile per (segment, BLOCK_T tokens): every tile reads its rows of A, all of Σ and B (B stays in
+L2 across a segment's tiles), multiplies on tensor cores with fp32 accumulation, and writes finished,
+rotated rows. The two RoPE partners of each output channel are produced as two accumulators (the
+"first" and "second" channel of every pair), so the rotation happens in registers and K is written once.
+"""
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .naive import reconstruct_layer_naive
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the reference path needs neither
+    triton = tl = None
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+SEGMENT_COLUMNS = ("src_offset", "rank", "tokens", "dst_row", "head", "kind")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A validated segment table expanded into one row per Triton program, already on the device."""
+
+    tiles: torch.Tensor  # int64 [n_tiles, 7]: the segment's six columns, then the tile's first token
+    d: int
+    need_numel: int  # smallest factors.numel() the segments fit in
+    need_rows: int  # smallest N of out_k / out_v
+    need_heads: int
+    block_t: int
+    block_r: int
+    num_warps: int
+    num_stages: int
+
+
+def reconstruct_layer(factors, segments, out_k, out_v, cos, sin, *, interleaved=False) -> None:
+    """Write X = A diag(Σ) Bᵀ of every segment to out[head, dst_row:dst_row + tokens], keys rotated by RoPE.
+
+    factors: 1-D contiguous fp16/bf16/fp32; segments: int64 [S, 6] (see SEGMENT_COLUMNS); out_k, out_v:
+    [kv_heads, N, d]; cos, sin: fp32 [>= N, d]. Only the segments' rows are written.
+    """
+    if _backend(factors) == "reference":
+        segs = _check_all(factors, segments, out_k, out_v, cos, sin)
+        reconstruct_layer_naive(factors, segs, out_k, out_v, cos, sin, interleaved=interleaved)
+    else:
+        plan = plan_layer(factors, segments, out_k, out_v, cos, sin)
+        launch(plan, factors, out_k, out_v, cos, sin, interleaved=interleaved)
+
+
+def plan_layer(factors, segments, out_k, out_v, cos, sin, *, block_t=64, block_r=None, num_warps=4,
+               num_stages=2) -> Plan:
+    """Validate a layer's segments against its buffers and build the Triton tile table (synchronises).
+
+    block_r defaults to the next power of two of the largest rank, clamped to [16, 64]; tl.dot needs
+    every tile dimension to be at least 16, so smaller ranks are padded with masked lanes.
+    """
+    _require_triton(factors)
+    segs = _check_all(factors, segments, out_k, out_v, cos, sin)
+    if block_t < 16 or block_t & (block_t - 1):
+        raise ValueError(f"block_t must be a power of two >= 16, got {block_t}")
+    max_rank = int(segs[:, 1].max()) if len(segs) else 0
+    if block_r is None:
+        block_r = min(64, max(16, triton.next_power_of_2(max(max_rank, 1))))
+    if block_r < 16 or block_r & (block_r - 1):
+        raise ValueError(f"block_r must be a power of two >= 16, got {block_r}")
+    src, rank, tokens, dst, head = (segs[:, i] for i in range(5))
+    d = out_k.shape[-1]
+    n_tiles = (tokens + block_t - 1) // block_t
+    owner = torch.repeat_interleave(torch.arange(len(segs)), n_tiles)
+    first_tile = torch.cumsum(n_tiles, 0) - n_tiles
+    t0 = (torch.arange(len(owner)) - first_tile[owner]) * block_t
+    tiles = torch.cat([segs[owner], t0[:, None]], dim=1).to(factors.device)
+    return Plan(
+        tiles=tiles,
+        d=d,
+        need_numel=int((src + rank * (tokens + d + 1)).max()) if len(segs) else 0,
+        need_rows=int((dst + tokens).max()) if len(segs) else 0,
+        need_heads=int(head.max()) + 1 if len(segs) else 0,
+        block_t=block_t,
+        block_r=block_r,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+
+
+def launch(plan: Plan, factors, out_k, out_v, cos, sin, *, interleaved=False) -> None:
+    """One Triton launch for a planned layer. Checks metadata only: no host sync, safe to graph-capture."""
+    _require_triton(factors)
+    _check_tensors(factors, out_k, out_v, cos, sin)
+    n_heads, n_rows, d = out_k.shape
+    if (d != plan.d or factors.numel() < plan.need_numel or n_rows < plan.need_rows
+            or n_heads < plan.need_heads or plan.tiles.device != factors.device):
+        raise ValueError("buffers do not match the plan (d, factors length, rows, heads or device differ)")
+    if len(plan.tiles) == 0:
+        return
+    _kernel()[(len(plan.tiles),)](
+        factors, plan.tiles, out_k, out_v, cos, sin, d,
+        *out_k.stride(), *out_v.stride(), *cos.stride(), *sin.stride(),
+        INTERLEAVED=bool(interleaved),
+        IEEE_DOT=factors.dtype == torch.float32,
+        BLOCK_T=plan.block_t,
+        BLOCK_R=plan.block_r,
+        BLOCK_H=max(16, triton.next_power_of_2(d // 2)),
+        num_warps=plan.num_warps,
+        num_stages=plan.num_stages,
+    )
+
+
+def _backend(factors) -> str:
+    choice = os.environ.get("MILO_KERNEL", "").strip().lower() or "auto"
+    if choice == "auto":
+        return "triton" if factors.is_cuda else "reference"
+    if choice not in ("reference", "triton"):
+        raise ValueError(f"MILO_KERNEL must be 'reference' or 'triton', got {choice!r}")
+    return choice
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def _require_triton(factors) -> None:
+    if triton is None:
+        raise RuntimeError("the Triton kernel needs the triton package; set MILO_KERNEL=reference to use PyTorch")
+    if not factors.is_cuda:
+        if not _interpreting():
+            raise RuntimeError("the Triton kernel on CPU tensors needs TRITON_INTERPRET=1 in the environment "
+                               "(set before the kernel is first used); or set MILO_KERNEL=reference")
+        if factors.dtype == torch.bfloat16:
+            raise TypeError("the Triton interpreter has no bf16; use fp16/fp32 or MILO_KERNEL=reference")
+
+
+def _check_tensors(factors, out_k, out_v, cos, sin) -> None:
+    """Dtype, shape and device checks that need no segment values."""
+    if factors.dtype not in FLOAT_DTYPES or factors.dim() != 1 or not factors.is_contiguous():
+        raise TypeError(f"factors must be a 1-D contiguous fp16/bf16/fp32 tensor, got {factors.dtype} "
+                        f"with shape {tuple(factors.shape)}")
+    if out_k.dim() != 3 or out_k.shape != out_v.shape or out_k.dtype != out_v.dtype:
+        raise ValueError(f"out_k and out_v must be [kv_heads, N, d] of one shape and dtype, got "
+                         f"{tuple(out_k.shape)} {out_k.dtype} and {tuple(out_v.shape)} {out_v.dtype}")
+    if out_k.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"out_k/out_v must be fp16, bf16 or fp32, got {out_k.dtype}")
+    n_rows, d = out_k.shape[1:]
+    if d % 2:
+        raise ValueError(f"head dim d must be even for RoPE, got {d}")
+    for name, table in (("cos", cos), ("sin", sin)):
+        if table.dtype != torch.float32 or table.dim() != 2 or table.shape[1] != d or table.shape[0] < n_rows:
+            raise ValueError(f"{name} must be fp32 [>= {n_rows}, {d}], got {table.dtype} {tuple(table.shape)}")
+    devices = {t.device for t in (factors, out_k, out_v, cos, sin)}
+    if len(devices) != 1:
+        raise ValueError(f"factors, out_k, out_v, cos and sin must share a device, got {sorted(map(str, devices))}")
+
+
+def _check_all(factors, segments, out_k, out_v, cos, sin) -> torch.Tensor:
+    """Full validation; returns the segment table as a CPU int64 tensor."""
+    _check_tensors(factors, out_k, out_v, cos, sin)
+    if segments.dtype != torch.int64 or segments.dim() != 2 or segments.shape[1] != len(SEGMENT_COLUMNS):
+        raise ValueError(f"segments must be int64 [S, {len(SEGMENT_COLUMNS)}] with columns {SEGMENT_COLUMNS}, "
+                         f"got {segments.dtype} {tuple(segments.shape)}")
+    segs = segments.cpu()
+    n_heads, n_rows, d = out_k.shape
+    src, rank, tokens, dst, head, kind = segs.unbind(1)
+    rules = (
+        (src >= 0, "src_offset is negative"),
+        ((rank >= 0) & (rank <= d), f"rank must be in [0, d={d}]"),
+        (tokens > 0, "tokens must be positive"),
+        (src + rank * (tokens + d + 1) <= factors.numel(), f"reads past the end of factors ({factors.numel()})"),
+        ((dst >= 0) & (dst + tokens <= n_rows), f"rows fall outside the output's N={n_rows}"),
+        ((head >= 0) & (head < n_heads), f"head must be in [0, {n_heads})"),
+        ((kind == 0) | (kind == 1), "kind must be 0 (key) or 1 (value)"),
+    )
+    for ok, message in rules:
+        if not bool(ok.all()):
+            i = int((~ok).nonzero()[0])
+            raise ValueError(f"segment {i} {dict(zip(SEGMENT_COLUMNS, segs[i].tolist()))}: {message}")
+    _check_disjoint(segs, n_heads, n_rows)
+    return segs
+
+
+def _check_disjoint(segs, n_heads, n_rows) -> None:
+    """Two segments writing the same (kind, head, row) would race in the kernel; reject them."""
+    _, _, tokens, dst, head, kind = segs.unbind(1)
+    order = torch.argsort((kind * n_heads + head) * (n_rows + 1) + dst)
+    same_target = (kind[order][1:] == kind[order][:-1]) & (head[order][1:] == head[order][:-1])
+    overlaps = same_target & (dst[order][1:] < (dst + tokens)[order][:-1])
+    if bool(overlaps.any()):
+        j = int(overlaps.nonzero()[0])
+        raise ValueError(f"segments {int(order[j])} and {int(order[j + 1])} write overlapping rows")
+
+
+@functools.cache
+def _kernel_for(interpret: bool):
+    """Build the JIT kernel lazily: triton decides interpreter vs compiler when the decorator runs."""
+
+    @triton.jit
+    def reconstruct_kernel(F, TILES, K, V, COS, SIN, D,
+                           skh, skn, skd, svh, svn, svd, scn, scd, ssn, ssd,
+                           INTERLEAVED: tl.constexpr, IEEE_DOT: tl.constexpr, BLOCK_T: tl.constexpr,
+                           BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+        tile = TILES + tl.program_id(0) * 7
+        src = tl.load(tile)
+        rank = tl.load(tile + 1)
+        tokens = tl.load(tile + 2)
+        row0 = tl.load(tile + 3)
+        head = tl.load(tile + 4)
+        kind = tl.load(tile + 5)
+        t0 = tl.load(tile + 6)
+
+        t = t0 + tl.arange(0, BLOCK_T)  # token index inside the segment
+        h = tl.arange(0, BLOCK_H)  # index of a RoPE pair: channels c1[h] and c2[h]
+        t_ok = t < tokens
+        h_ok = h < D // 2
+        if INTERLEAVED:
+            c1 = 2 * h
+            c2 = 2 * h + 1
+        else:
+            c1 = h
+            c2 = h + D // 2
+
+        a_rows = F + src + t * rank  # A [tokens, rank]
+        s_ptr = F + src + tokens * rank  # Σ [rank]
+        b_ptr = s_ptr + rank  # B [d, rank]
+        acc1 = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
+        for r0 in range(0, rank, BLOCK_R):
+            r = r0 + tl.arange(0, BLOCK_R)
+            r_ok = r < rank
+            a = tl.load(a_rows[:, None] + r[None, :], mask=t_ok[:, None] & r_ok[None, :], other=0.0)
+            s = tl.load(s_ptr + r, mask=r_ok, other=0.0).to(tl.float32)
+            a = (a.to(tl.float32) * s[None, :]).to(F.dtype.element_ty)  # Σ fused into A's columns
+            b_mask = r_ok[:, None] & h_ok[None, :]
+            b1 = tl.load(b_ptr + c1[None, :] * rank + r[:, None], mask=b_mask, other=0.0)  # Bᵀ, first channels
+            b2 = tl.load(b_ptr + c2[None, :] * rank + r[:, None], mask=b_mask, other=0.0)  # Bᵀ, partners
+            if IEEE_DOT:
+                acc1 = tl.dot(a, b1, acc1, input_precision="ieee")
+                acc2 = tl.dot(a, b2, acc2, input_precision="ieee")
+            else:
+                acc1 = tl.dot(a, b1, acc1)
+                acc2 = tl.dot(a, b2, acc2)
+
+        rows = row0 + t
+        mask = t_ok[:, None] & h_ok[None, :]
+        if kind == 0:
+            cos1 = tl.load(COS + rows[:, None] * scn + c1[None, :] * scd, mask=mask, other=0.0)
+            cos2 = tl.load(COS + rows[:, None] * scn + c2[None, :] * scd, mask=mask, other=0.0)
+            sin1 = tl.load(SIN + rows[:, None] * ssn + c1[None, :] * ssd, mask=mask, other=0.0)
+            sin2 = tl.load(SIN + rows[:, None] * ssn + c2[None, :] * ssd, mask=mask, other=0.0)
+            out = K + head * skh + rows[:, None] * skn
+            tl.store(out + c1[None, :] * skd, (acc1 * cos1 - acc2 * sin1).to(K.dtype.element_ty), mask=mask)
+            tl.store(out + c2[None, :] * skd, (acc2 * cos2 + acc1 * sin2).to(K.dtype.element_ty), mask=mask)
+        else:
+            out = V + head * svh + rows[:, None] * svn
+            tl.store(out + c1[None, :] * svd, acc1.to(V.dtype.element_ty), mask=mask)
+            tl.store(out + c2[None, :] * svd, acc2.to(V.dtype.element_ty), mask=mask)
+
+    return reconstruct_kernel
+
+
+def _kernel():
+    return _kernel_for(_interpreting())

@@ -1,0 +1,77 @@
+"""Builders shared by the kernel tests: RoPE tables, an independent RoPE, and packed random layers."""
+import math
+
+import torch
+
+
+def rope_angles(n: int, d: int, interleaved: bool, base: float = 10000.0) -> torch.Tensor:
+    """Angle [n, d] of every (position, channel); both channels of a RoPE pair share one frequency."""
+    inv_freq = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    pair_angle = torch.arange(n, dtype=torch.float64)[:, None] * inv_freq  # [n, d/2]
+    if interleaved:
+        return pair_angle.repeat_interleave(2, dim=1)
+    return torch.cat([pair_angle, pair_angle], dim=1)
+
+
+def rope_tables(n: int, d: int, interleaved: bool):
+    angles = rope_angles(n, d, interleaved)
+    return angles.cos().float(), angles.sin().float()
+
+
+def rope_by_complex(x: torch.Tensor, first_position: int, interleaved: bool) -> torch.Tensor:
+    """RoPE written as complex multiplication, independent of naive.rotate; x is [T, d] float64."""
+    t, d = x.shape
+    angles = rope_angles(first_position + t, d, interleaved)[first_position:]
+    if interleaved:
+        re, im, theta = x[:, 0::2], x[:, 1::2], angles[:, 0::2]
+    else:
+        re, im, theta = x[:, : d // 2], x[:, d // 2:], angles[:, : d // 2]
+    z = torch.complex(re, im) * torch.polar(torch.ones_like(theta), theta)
+    out = torch.empty_like(x)
+    if interleaved:
+        out[:, 0::2], out[:, 1::2] = z.real, z.imag
+    else:
+        out[:, : d // 2], out[:, d // 2:] = z.real, z.imag
+    return out
+
+
+def random_layer(kv_heads, d, block_tokens, dtype, seed):
+    """A packed layer: every (block, kind, head) segment with ragged ranks, in shuffled storage order.
+
+    Output rows leave a 2-row gap before every block, and the factor buffer has NaN gaps between
+    segments and at its end, so a kernel that reads or writes outside its segments shows up as NaN.
+    Returns factors, segments [S, 6] and the number of output rows N.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    rank_pool = [d - 1, 0, d, 1] + torch.randint(0, d + 1, (16,), generator=gen).tolist()
+    rows, row = [], 2
+    for tokens in block_tokens:
+        rows.append(row)
+        row += tokens + 2
+    specs = []  # (rank, tokens, dst_row, head, kind)
+    for tokens, dst in zip(block_tokens, rows):
+        for kind in (0, 1):
+            for head in range(kv_heads):
+                specs.append((rank_pool[len(specs) % len(rank_pool)], tokens, dst, head, kind))
+    parts, segments, offset = [], [], 0
+    for i in torch.randperm(len(specs), generator=gen).tolist():
+        rank, tokens, dst, head, kind = specs[i]
+        gap = int(torch.randint(0, 5, (), generator=gen))
+        parts.append(torch.full((gap,), math.nan))
+        offset += gap
+        a = torch.randn(tokens, rank, generator=gen)
+        sigma = (torch.rand(rank, generator=gen) + 0.5) / math.sqrt(max(rank, 1))
+        b = torch.randn(d, rank, generator=gen)
+        parts += [a.flatten(), sigma, b.flatten()]
+        segments.append([offset, rank, tokens, dst, head, kind])
+        offset += rank * (tokens + d + 1)
+    parts.append(torch.full((3,), math.nan))
+    return torch.cat(parts).to(dtype), torch.tensor(segments, dtype=torch.int64), row
+
+
+def target_mask(segments, kv_heads, n_rows, d):
+    """Boolean [2, kv_heads, N, d]: which output elements the segments own (index 0 keys, 1 values)."""
+    mask = torch.zeros(2, kv_heads, n_rows, d, dtype=torch.bool)
+    for _, _, tokens, dst, head, kind in segments.tolist():
+        mask[kind, head, dst:dst + tokens] = True
+    return mask
