@@ -1,0 +1,57 @@
+"""Summarise a store: model, blocks, tokens, planned vs actual ratio, bytes, ranks per layer."""
+import numpy as np
+
+from ..store import MiloStore
+from .common import human_bytes, print_json
+
+
+def add_arguments(p):
+    p.add_argument("path", help="store directory")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def describe(store: MiloStore) -> dict:
+    acc = store.accounting()
+    ex = store.examples()
+    r = store.ranks.astype(np.int64)
+    hist = {kind: [np.bincount(r[:, l, k].ravel(), minlength=store.layout.head_dim + 1).tolist()
+                   for l in range(store.layout.num_layers)] for k, kind in enumerate(("key", "value"))}
+    return {
+        "path": str(store.path), "format_version": store.meta["format_version"],
+        "model": store.meta.get("model"), "codec": store.meta.get("codec"), "allocation": store.meta.get("allocation"),
+        "factor_dtype": store.dtype, "layout": store.meta["layout"],
+        "blocks": store.num_blocks, "demonstrations": len(ex["id"]), "tokens": int(store.block_tokens.sum()),
+        "planned_ratio": acc["planned_ratio"], "actual_ratio": acc["ratio"],
+        "bytes": {"full_fp16_kv": acc["full_fp16_bytes"], "factors": acc["factor_bytes"], "index": acc["index_bytes"],
+                  "accounted": acc["total_bytes"], "factor_files": acc["factor_file_bytes"], "on_disk": acc["disk_bytes"]},
+        "disk_ratio": acc["disk_bytes"] / acc["full_fp16_bytes"] if acc["full_fp16_bytes"] else None,
+        "mean_rank_per_layer": {kind: [round(float(x), 2) for x in r[:, :, k].mean(axis=(0, 2))]
+                                for k, kind in enumerate(("key", "value"))},
+        "rank_histogram_per_layer": hist,
+    }
+
+
+def run(args) -> int:
+    with MiloStore.open(args.path, tier="disk", verify=False) as store:
+        info = describe(store)
+    if args.json:
+        print_json(info)
+        return 0
+    b, model = info["bytes"], info["model"] or {}
+    lay = info["layout"]
+    print(f"store        {info['path']}  (format v{info['format_version']})")
+    print(f"model        {model.get('name', '?')}  layers={lay['num_layers']} kv_heads={lay['num_kv_heads']} "
+          f"head_dim={lay['head_dim']}")
+    alloc = info["allocation"] or {}
+    print(f"codec        {info['codec']}  {info['factor_dtype']}  policy={alloc.get('policy')} scope={alloc.get('scope')} "
+          f"kv_split={alloc.get('kv_split')}")
+    print(f"content      {info['blocks']} blocks, {info['demonstrations']} demonstrations, {info['tokens']} tokens")
+    planned = info["planned_ratio"]
+    print(f"ratio        planned {planned if planned is None else f'{planned:.4f}'}  actual {info['actual_ratio']:.4f} "
+          f"(factors + index over fp16 full KV)")
+    print(f"bytes        full KV {human_bytes(b['full_fp16_kv'])}  factors {human_bytes(b['factors'])}  "
+          f"index {human_bytes(b['index'])}  on disk {human_bytes(b['on_disk'])} (all files)")
+    print("mean rank per layer (K / V):")
+    for l, (k, v) in enumerate(zip(info["mean_rank_per_layer"]["key"], info["mean_rank_per_layer"]["value"])):
+        print(f"  layer {l:>3}  {k:7.2f} / {v:7.2f}")
+    return 0

@@ -1,0 +1,21 @@
+"""Check a store's structure and every block's checksum; exit non-zero naming each bad block."""
+from ..store import MiloStore
+from .common import print_json
+
+
+def add_arguments(p):
+    p.add_argument("path", help="store directory")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def run(args) -> int:
+    with MiloStore.open(args.path, tier="disk", verify=False) as store:
+        problems = store.verify_all()
+        blocks = store.num_blocks
+    if args.json:
+        print_json({"path": args.path, "blocks": blocks, "ok": not problems, "problems": problems})
+    else:
+        for p in problems:
+            print(p)
+        print(f"{args.path}: {blocks} blocks, " + ("OK" if not problems else f"{len(problems)} problem(s)"))
+    return 1 if problems else 0

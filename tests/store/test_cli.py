@@ -1,0 +1,38 @@
+import json
+
+from milo_store.cli.main import main
+
+
+def test_stat_json_reports_planned_and_actual_ratio(small_store, capsys):
+    assert main(["stat", str(small_store), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["planned_ratio"] == 0.5
+    assert abs(info["actual_ratio"] - 0.5) <= 0.01
+    assert info["blocks"] == 4 and info["tokens"] == 23 + 40 + 9 + 31
+    assert len(info["rank_histogram_per_layer"]["key"]) == 3
+
+
+def test_human_output_and_ls(small_store, capsys):
+    assert main(["stat", str(small_store)]) == 0
+    out = capsys.readouterr().out
+    assert "planned 0.5000" in out and "4 blocks" in out
+    assert main(["ls", str(small_store), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["tokens"] for r in rows] == [23, 40, 9, 31]
+
+
+def test_verify_exit_codes_name_the_block(small_store, capsys):
+    assert main(["verify", str(small_store)]) == 0
+    assert "OK" in capsys.readouterr().out
+    chunk = small_store / "factors" / "c" / "0"
+    raw = bytearray(chunk.read_bytes())
+    raw[-3] ^= 1
+    chunk.write_bytes(bytes(raw))
+    assert main(["verify", str(small_store), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert not report["ok"] and "block 3" in report["problems"][0]
+
+
+def test_not_a_store_is_a_clear_error(tmp_path, capsys):
+    assert main(["stat", str(tmp_path)]) == 2
+    assert "not a milo store" in capsys.readouterr().err

@@ -1,0 +1,138 @@
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from milo_store import (CompressionConfig, FormatVersionError, Layout, MiloStore, NotAStoreError, StoreCorruptedError,
+                        StoreError, StoreLockedError, StoreWriter)
+from milo_store.synthetic import build_synthetic_store
+
+from .conftest import LAYOUT, TOKENS
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.integers(1, 5), st.integers(1, 2), st.integers(1, 3), st.sampled_from([8, 16]),
+       st.sampled_from(["float16", "bfloat16", "float32"]), st.sampled_from([64, 256, 1 << 20]), st.integers(0, 999))
+def test_write_read_random_ragged_store_is_byte_exact(tmp_path_factory, N, L, H, d, dtype, chunk_bytes, seed):
+    rng = np.random.default_rng(seed)
+    layout = Layout(L, H, d)
+    tokens = rng.integers(1, 30, N)
+    ranks = rng.integers(0, d + 1, (N, L, 2, H))
+    ranks = np.minimum(ranks, tokens.reshape(-1, 1, 1, 1))
+    offsets = layout.block_offsets(ranks, tokens)
+    tdtype = getattr(torch, dtype)
+    blocks = [torch.randn(int(offsets[i + 1] - offsets[i])).to(tdtype) for i in range(N)]
+    path = tmp_path_factory.mktemp("rt") / "s"
+    with StoreWriter(path, layout, ranks, tokens, dtype=dtype, max_chunk_bytes=chunk_bytes) as w:
+        for b in blocks:
+            w.write_block(b)
+        w.commit()
+    for tier in ("host", "disk", "cached"):
+        with MiloStore.open(path, tier=tier) as store:
+            assert np.array_equal(store.ranks, ranks) and np.array_equal(store.block_tokens, tokens)
+            for i, b in enumerate(blocks):
+                got = store.block(i)
+                assert got.dtype == tdtype and torch.equal(got.view(torch.uint8), b.view(torch.uint8))
+                assert store.block_layer_bounds(i)[-1] == b.numel()
+
+
+def test_host_tier_block_is_a_zero_copy_view(small_store):
+    with MiloStore.open(small_store, tier="host") as store:
+        a, b = store.block(1), store.block(1)
+        assert a.data_ptr() == b.data_ptr() == store._host.data_ptr() + int(store.offsets[1]) * store.itemsize
+
+
+def test_accounting_matches_disk_within_two_percent(tmp_path):
+    layout = Layout(4, 2, 32)
+    path = build_synthetic_store(tmp_path / "s", layout, [120, 90, 150, 60, 170], CompressionConfig(ratio=0.5))
+    with MiloStore.open(path) as store:
+        acc = store.accounting()
+    assert abs(acc["ratio"] - 0.5) <= 0.02 * 0.5
+    # bytes the factor files take follow the allocated ranks: no padding between blocks
+    assert acc["factor_file_bytes"] <= acc["factor_bytes"] * 1.02 + 4096
+
+
+def test_anchor_and_examples_roundtrip(small_store):
+    with MiloStore.open(small_store) as store:
+        ex = store.examples()
+        assert ex["block"] == list(range(len(TOKENS))) and ex["input"][2] == "synthetic demonstration 2"
+        assert tuple(store.anchor_kv().shape) == (LAYOUT.num_layers, 2, LAYOUT.num_kv_heads, 4, LAYOUT.head_dim)
+
+
+def test_existing_store_needs_force_and_non_store_is_never_overwritten(tmp_path, small_store):
+    with pytest.raises(StoreError, match="force"):
+        build_synthetic_store(small_store, LAYOUT, TOKENS)
+    build_synthetic_store(small_store, LAYOUT, TOKENS[:2], force=True)
+    assert MiloStore.open(small_store).num_blocks == 2
+    other = tmp_path / "mine"
+    other.mkdir()
+    (other / "precious.txt").write_text("keep me")
+    with pytest.raises(StoreError, match="not a milo store"):
+        build_synthetic_store(other, LAYOUT, TOKENS, force=True)
+    assert (other / "precious.txt").read_text() == "keep me"
+
+
+def test_second_concurrent_writer_is_refused(tmp_path):
+    ranks = np.ones((1, LAYOUT.num_layers, 2, LAYOUT.num_kv_heads))
+    first = StoreWriter(tmp_path / "s", LAYOUT, ranks, [5])
+    try:
+        with pytest.raises(StoreLockedError, match="another writer"):
+            StoreWriter(tmp_path / "s", LAYOUT, ranks, [5])
+    finally:
+        first.abort()
+    StoreWriter(tmp_path / "s", LAYOUT, ranks, [5]).abort()  # free again once the first is gone
+
+
+# -- corruption: every case is a clear error, never wrong data ------------------------------------
+
+def chunk_file(store):
+    return store / "factors" / "c" / "0"
+
+
+def test_flipped_byte_is_detected_and_named(small_store):
+    with MiloStore.open(small_store) as store:
+        at = int(store.offsets[2]) * store.itemsize + 5
+    raw = bytearray(chunk_file(small_store).read_bytes())
+    raw[at] ^= 0x40
+    chunk_file(small_store).write_bytes(bytes(raw))
+    with pytest.raises(StoreCorruptedError, match="block 2 fails its checksum"):
+        MiloStore.open(small_store, tier="host")
+    with MiloStore.open(small_store, tier="disk") as store:
+        store.block(1)
+        with pytest.raises(StoreCorruptedError, match="block 2"):
+            store.block(2)
+        assert store.verify_all() == [f"{small_store}: block 2 fails its checksum (corrupted factor bytes)"]
+
+
+def test_truncated_chunk_is_detected(small_store):
+    raw = chunk_file(small_store).read_bytes()
+    chunk_file(small_store).write_bytes(raw[:-7])
+    with pytest.raises(StoreCorruptedError, match="truncated"):
+        MiloStore.open(small_store, tier="disk")
+
+
+def test_missing_metadata_wrong_version_and_non_store(tmp_path, small_store):
+    meta = small_store / "zarr.json"
+    doc = json.loads(meta.read_text())
+    doc["attributes"]["milo"]["format_version"] = 99
+    meta.write_text(json.dumps(doc))
+    with pytest.raises(FormatVersionError, match="version 99"):
+        MiloStore.open(small_store)
+    del doc["attributes"]["milo"]
+    meta.write_text(json.dumps(doc))
+    with pytest.raises(NotAStoreError, match="not a milo store"):
+        MiloStore.open(small_store)
+    meta.unlink()
+    with pytest.raises(NotAStoreError, match="no zarr.json"):
+        MiloStore.open(small_store)
+    with pytest.raises(NotAStoreError, match="no such store"):
+        MiloStore.open(tmp_path / "nowhere")
+
+
+def test_missing_index_array_is_corruption(small_store):
+    shutil.rmtree(small_store / "ranks")
+    with pytest.raises(StoreCorruptedError):
+        MiloStore.open(small_store)
