@@ -1,0 +1,194 @@
+"""Greedy decoding loops, free and label-constrained, independent of the model.
+
+Both loops talk to the model only through ``step_fn(token_id | None) -> logits``:
+``step_fn(None)`` returns the logits for the first new position (the prompt
+has already been run), and ``step_fn(t)`` appends token ``t`` and returns the
+logits for the position after it. That keeps KV-cache handling in the caller
+and lets tests drive the loops with a fake model.
+
+Classification tasks use :func:`constrained_greedy` with a :class:`LabelTrie`:
+the answer is forced to be one of the label strings, so accuracy measures the
+model's choice rather than its formatting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+StepFn = Callable[[int | None], object]
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """A decoding result.
+
+    ``token_ids`` are all tokens chosen, in order, including the one that
+    ended decoding (label terminator or eos); ``stop`` says why it ended:
+    ``"label"``, ``"stop_string"``, ``"eos"`` or ``"length"``.
+    """
+
+    text: str
+    token_ids: list[int]
+    stop: str
+
+
+def _as_logits(raw: object) -> np.ndarray:
+    """Accept numpy arrays, lists, or torch tensors (any device) as 1-D logits."""
+    if hasattr(raw, "detach"):  # torch.Tensor, without importing torch here
+        raw = raw.detach().float().cpu().numpy()
+    logits = np.asarray(raw, dtype=np.float64)
+    if logits.ndim != 1:
+        raise ValueError(
+            f"step_fn must return 1-D logits over the vocabulary, got shape {logits.shape}"
+        )
+    return logits
+
+
+def _argmax(logits: np.ndarray) -> int:
+    """Index of the largest logit, the first on ties; nan ranks lowest.
+
+    np.argmax would return the first nan, letting one corrupt logit decide.
+    """
+    return int(np.argmax(np.where(np.isnan(logits), -np.inf, logits)))
+
+
+def _single_token(tokenizer, text: str) -> int | None:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return ids[0] if len(ids) == 1 else None
+
+
+class LabelTrie:
+    """Prefix tree over the token sequences of the allowed labels.
+
+    Each label is tokenized as it appears after the prompt's cue (``prefix``
+    + label, e.g. ``"Intent:"`` then ``" card lost"``), because BPE tokenizes
+    a leading space differently from a bare word. A completed label is closed
+    by a terminator token: the newline token (demonstrations are one per
+    line) and, if the tokenizer has one, eos. The terminator is what lets a
+    label that is a token-prefix of another (``" card"`` / ``" card lost"``)
+    still be chosen: at that node both the terminator and the continuation
+    are allowed, and the model decides.
+    """
+
+    def __init__(self, tokenizer, labels: Sequence[str], prefix: str = " ") -> None:
+        if not labels:
+            raise ValueError("need at least one label")
+        terminators = {_single_token(tokenizer, "\n"), tokenizer.eos_token_id} - {None}
+        if not terminators:
+            raise ValueError("tokenizer has neither a single newline token nor an eos token")
+        self.terminators = frozenset(int(t) for t in terminators)
+
+        self._children: dict[tuple[int, ...], set[int]] = {(): set()}
+        self._label_at: dict[tuple[int, ...], str] = {}
+        for label in labels:
+            if not label.strip():
+                raise ValueError(f"labels must not be blank, got {label!r}")
+            if "\n" in label:
+                raise ValueError(
+                    f"labels must not contain a newline (it ends a label), got {label!r}"
+                )
+            ids = tuple(tokenizer.encode(prefix + label, add_special_tokens=False))
+            if self.terminators & set(ids):
+                raise ValueError(f"label {label!r} contains a terminator token")
+            if ids in self._label_at:
+                raise ValueError(
+                    f"labels {self._label_at[ids]!r} and {label!r} tokenize identically"
+                )
+            self._label_at[ids] = label
+            for depth in range(len(ids)):
+                self._children.setdefault(ids[:depth], set()).add(ids[depth])
+                self._children.setdefault(ids[: depth + 1], set())
+
+        self.labels = list(self._label_at.values())
+        # Longest label plus its terminator: enough new tokens to finish any path.
+        self.max_tokens = max(len(ids) for ids in self._label_at) + 1
+
+    def allowed(self, prefix_ids: Sequence[int]) -> list[int]:
+        """Token ids that may follow ``prefix_ids`` (sorted); ``[]`` once a label is closed."""
+        prefix = tuple(int(t) for t in prefix_ids)
+        if prefix and prefix[-1] in self.terminators and prefix[:-1] in self._label_at:
+            return []
+        if prefix not in self._children:
+            raise ValueError(f"{list(prefix)} is not a prefix of any label")
+        nxt = set(self._children[prefix])
+        if prefix in self._label_at:
+            nxt |= self.terminators
+        return sorted(nxt)
+
+    def label(self, prefix_ids: Sequence[int]) -> str | None:
+        """The label spelled by ``prefix_ids`` (terminator optional), or None."""
+        prefix = tuple(int(t) for t in prefix_ids)
+        if prefix and prefix[-1] in self.terminators:
+            prefix = prefix[:-1]
+        return self._label_at.get(prefix)
+
+
+def constrained_greedy(
+    step_fn: StepFn, trie: LabelTrie, max_new_tokens: int | None = None
+) -> Decoded:
+    """Greedy decoding restricted to the labels in ``trie``; always returns one of them.
+
+    At each step the logits are masked to the tokens the trie allows and the
+    best one is taken (the lowest id on exact ties). When only one token is
+    allowed the model is not consulted for the choice, and it is never run
+    past the terminator. ``max_new_tokens`` defaults to what the longest label
+    needs; a smaller value is refused rather than returning a cut-off label.
+    """
+    if max_new_tokens is None:
+        max_new_tokens = trie.max_tokens
+    if max_new_tokens < trie.max_tokens:
+        raise ValueError(
+            f"max_new_tokens={max_new_tokens} cannot finish the longest label "
+            f"({trie.max_tokens} tokens with its terminator)"
+        )
+
+    ids: list[int] = []
+    logits = _as_logits(step_fn(None))
+    while allowed := trie.allowed(ids):
+        if len(allowed) == 1:
+            choice = allowed[0]
+        else:
+            if allowed[-1] >= len(logits):
+                raise ValueError(
+                    f"logits cover {len(logits)} tokens, but label token {allowed[-1]} is allowed"
+                )
+            choice = allowed[_argmax(logits[allowed])]
+        ids.append(choice)
+        if choice in trie.terminators:
+            break
+        logits = _as_logits(step_fn(choice))
+    return Decoded(text=trie.label(ids), token_ids=ids, stop="label")
+
+
+def greedy_until(
+    step_fn: StepFn, tokenizer, stop_strings: Sequence[str], max_new_tokens: int
+) -> Decoded:
+    """Plain greedy decoding until eos, a stop string, or ``max_new_tokens``.
+
+    The returned text is cut just before the earliest stop string found, since
+    stop strings mark where the answer ends (e.g. the start of the next
+    demonstration), not part of it. eos is never part of the text.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    if any(s == "" for s in stop_strings):
+        raise ValueError("stop strings must not be empty")
+    eos = tokenizer.eos_token_id
+
+    ids: list[int] = []
+    logits = _as_logits(step_fn(None))
+    while True:
+        choice = _argmax(logits)
+        ids.append(choice)
+        if choice == eos:
+            return Decoded(tokenizer.decode(ids[:-1], skip_special_tokens=True), ids, "eos")
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        cuts = [i for i in (text.find(s) for s in stop_strings) if i >= 0]
+        if cuts:
+            return Decoded(text[: min(cuts)], ids, "stop_string")
+        if len(ids) == max_new_tokens:
+            return Decoded(text, ids, "length")
+        logits = _as_logits(step_fn(choice))

@@ -1,0 +1,200 @@
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from milo_infer.retrieval import (
+    BM25BlockRetriever,
+    Retriever,
+    order_blocks,
+    select_blocks,
+    tokenize,
+)
+
+# Four blocks of two demonstrations; only block 2 mentions a lost card.
+TEXTS = [
+    "how do I top up my account -> top_up",
+    "top up failed again -> top_up",
+    "my transfer is pending -> pending_transfer",
+    "why is the transfer still pending -> pending_transfer",
+    "I lost my card yesterday -> card_lost",
+    "where is my new card -> card_arrival",
+    "exchange rate for euros -> exchange_rate",
+    "what rate do you use for dollars -> exchange_rate",
+]
+BLOCK = [0, 0, 1, 1, 2, 2, 3, 3]
+TOKENS = [40, 60, 50, 30]
+
+
+def retriever(**kw) -> BM25BlockRetriever:
+    return BM25BlockRetriever(TEXTS, BLOCK, TOKENS, **kw)
+
+
+def test_tokenize_lowercases_and_splits_on_non_alphanumerics():
+    assert tokenize("Card_Lost, TOP-up 2x!") == ["card", "lost", "top", "up", "2x"]
+    assert tokenize("Überweisung fällig") == ["überweisung", "fällig"]
+    assert tokenize(" -> ") == []
+
+
+def test_bm25_retriever_satisfies_protocol():
+    assert isinstance(retriever(), Retriever)
+
+
+def test_top_k_finds_the_relevant_block_first():
+    r = retriever()
+    assert r.select("I lost my card", k=1) == [2]
+    assert r.select("pending transfer", k=2)[0] == 1
+
+
+def test_ties_are_broken_by_block_id():
+    # No query term occurs in the corpus: every block scores 0.
+    r = retriever()
+    assert r.select("zzz qqq", k=3) == [0, 1, 2]
+    assert r.select("", k=4) == [0, 1, 2, 3]
+
+
+def test_aggregate_max_versus_sum_top_n():
+    # Block 0 holds the single best match; block 1 holds three weaker ones.
+    texts = [
+        "refund refund refund please",
+        "hello there",
+        "hello again",
+        "refund for my order",
+        "refund status",
+        "is a refund possible",
+    ]
+    block, tokens = [0, 0, 0, 1, 1, 1], [10, 10]
+    by_max = BM25BlockRetriever(texts, block, tokens, aggregate="max")
+    by_sum = BM25BlockRetriever(texts, block, tokens, aggregate="sum-top-n", top_n=3)
+    assert by_max.select("refund", k=1) == [0]
+    assert by_sum.select("refund", k=1) == [1]
+
+
+def test_token_budget_skips_blocks_that_do_not_fit():
+    r = retriever()
+    query = "card top up transfer exchange"
+    assert r.select(query, k=4) == [0, 1, 3, 2]  # premise; TOKENS = 40, 60, 50, 30
+    # 70 tokens: block 0 (40) fits, block 1 (60) no longer does, block 3 (30) still does.
+    assert r.select(query, token_budget=70) == [0, 3]
+    assert r.select(query, token_budget=1000) == [0, 1, 3, 2]
+
+
+def test_k_and_budget_together_apply_both_limits():
+    r = retriever()
+    assert r.select("card", k=1, token_budget=1000) == [2]
+    assert len(r.select("card", k=3, token_budget=1000)) == 3
+    assert sum(TOKENS[b] for b in r.select("card", k=3, token_budget=90)) <= 90
+
+
+def test_budget_below_smallest_block_names_its_size():
+    with pytest.raises(ValueError, match="smallest block .30 tokens"):
+        retriever().select("card", token_budget=29)
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (([], [], [10]), "empty corpus"),
+        ((TEXTS, BLOCK[:-1], TOKENS), "8 texts but 7"),
+        ((TEXTS, BLOCK, TOKENS[:3]), r"\[0, 3\)"),
+        ((TEXTS, [0, 0, 1, 1, 3, 3, 3, 3], TOKENS), r"without any demonstration, e.g. \[2\]"),
+        ((TEXTS, BLOCK, [40, 0, 50, 30]), "at least one token"),
+        ((["!!", "->"], [0, 0], [5]), "letter or digit"),
+    ],
+)
+def test_construction_errors(args, match):
+    with pytest.raises(ValueError, match=match):
+        BM25BlockRetriever(*args)
+
+
+def test_option_errors():
+    with pytest.raises(ValueError, match="aggregate"):
+        retriever(aggregate="mean")
+    with pytest.raises(ValueError, match="top_n"):
+        retriever(aggregate="sum-top-n", top_n=0)
+    r = retriever()
+    with pytest.raises(ValueError, match="k must be at least 1"):
+        r.select("card", k=0)
+    with pytest.raises(ValueError, match="give k, token_budget"):
+        r.select("card")
+
+
+def test_scores_are_cached_read_only_and_deterministic():
+    r = retriever()
+    s = r.scores("lost card")
+    assert r.scores("lost card") is s
+    with pytest.raises(ValueError):
+        s[0] = 1.0
+    assert np.array_equal(retriever().scores("lost card"), s)
+    assert not np.array_equal(r.scores("exchange rate"), s)
+
+
+def test_order_blocks():
+    scores = np.array([0.5, 2.0, 1.0, 1.0])
+    assert order_blocks([1, 2, 3, 0], scores, "score") == [0, 3, 2, 1]
+    assert order_blocks([3, 1, 0], scores, "corpus") == [0, 1, 3]
+    with pytest.raises(ValueError, match="order"):
+        order_blocks([0], scores, "random")
+
+
+def test_score_order_is_the_reverse_of_the_ranking():
+    r = retriever()
+    ids = r.select("card transfer", k=4)
+    assert order_blocks(ids, r.scores("card transfer"), "score") == ids[::-1]
+
+
+# --- properties -----------------------------------------------------------
+
+WORDS = ["card", "lost", "top", "up", "rate", "fee", "pin", "atm"]
+
+
+@st.composite
+def corpora(draw):
+    n_blocks = draw(st.integers(1, 6))
+    sizes = draw(st.lists(st.integers(1, 5), min_size=n_blocks, max_size=n_blocks))
+    block = [b for b, size in enumerate(sizes) for _ in range(size)]
+    block = draw(st.permutations(block))  # demonstrations need not be grouped
+    texts = [" ".join(draw(st.lists(st.sampled_from(WORDS), min_size=1, max_size=6))) for _ in block]
+    tokens = draw(st.lists(st.integers(1, 100), min_size=n_blocks, max_size=n_blocks))
+    query = " ".join(draw(st.lists(st.sampled_from(WORDS + ["unseen"]), max_size=4)))
+    return texts, list(block), tokens, query
+
+
+@settings(max_examples=60, deadline=None)
+@given(corpora(), st.integers(1, 4))
+def test_vectorised_aggregation_matches_a_plain_loop(corpus, top_n):
+    texts, block, tokens, query = corpus
+    for aggregate in ("max", "sum-top-n"):
+        r = BM25BlockRetriever(texts, block, tokens, aggregate=aggregate, top_n=top_n)
+        per_example = r.example_scores(query)
+        expected = []
+        for b in range(len(tokens)):
+            mine = sorted((per_example[i] for i in range(len(texts)) if block[i] == b), reverse=True)
+            expected.append(mine[0] if aggregate == "max" else sum(mine[:top_n]))
+        np.testing.assert_allclose(r.scores(query), expected, rtol=1e-12, atol=1e-12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(-3, 3), min_size=1, max_size=8).flatmap(
+        lambda s: st.tuples(
+            st.just(s), st.lists(st.integers(1, 50), min_size=len(s), max_size=len(s))
+        )
+    ),
+    st.one_of(st.none(), st.integers(1, 8)),
+    st.one_of(st.none(), st.integers(50, 200)),
+)
+def test_select_blocks_matches_greedy_reference(scores_tokens, k, budget):
+    scores, tokens = scores_tokens
+    if k is None and budget is None:
+        k = 2
+    got = select_blocks(np.array(scores, float), np.array(tokens), k=k, token_budget=budget)
+    ranked = sorted(range(len(scores)), key=lambda b: (-scores[b], b))
+    expected, used = [], 0
+    for b in ranked:
+        if k is not None and len(expected) == k:
+            break
+        if budget is None or used + tokens[b] <= budget:
+            expected.append(b)
+            used += tokens[b]
+    assert got == expected
