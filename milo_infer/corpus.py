@@ -36,6 +36,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from milo_infer.scoring import extract_number
+
 log = logging.getLogger(__name__)
 
 DATASETS = ("banking77", "clinc150", "trec", "trec-fine", "svamp", "gsm8k")
@@ -69,8 +71,8 @@ GENERIC_TEMPLATE = "Input: {input}\nOutput: {output}\n\n"
 MAX_LABELS_IN_ANCHOR = 20
 
 _FIELD = re.compile(r"\{(input|output)\}")
-_NUMBER = r"-?\d[\d,]*(?:\.\d+)?"
-_ANSWER_IS = re.compile(r"answer is:?\s*\$?\s*(" + _NUMBER + ")", re.IGNORECASE)
+# What makes a user's output numeric: a bare number, or a stated "answer is N" / "#### N".
+_NUMERIC_OUTPUT = re.compile(r"\s*-?\$?[\d,]*\.?\d+\s*|.*(answer is|####).*", re.IGNORECASE | re.DOTALL)
 
 
 class CorpusError(ValueError):
@@ -133,14 +135,14 @@ class TaskSpec:
     def answer_of(self, text: str) -> str | None:
         """The answer a demonstration output or a generation states, in canonical form.
 
-        For labels: the first line, stripped. For numbers: N in the last "The answer is N", else the
-        last number in the text, without thousands separators and trailing ".0"; None if there is none.
+        For labels: the first line, stripped. For numbers: `milo_infer.scoring.extract_number`'s
+        reading (the number after the last "answer is", else the last number), written without
+        thousands separators or a trailing ".0"; None if there is none.
         """
         if self.answer_kind == "label":
             return text.strip().split("\n", 1)[0].strip()
-        stated = _ANSWER_IS.findall(text)
-        numbers = stated or re.findall(_NUMBER, text)
-        return _canonical_number(numbers[-1]) if numbers else None
+        value = extract_number(text)
+        return None if value is None else _canonical_number(value)
 
 
 def _fill(template: str, values: dict[str, str]) -> str:
@@ -148,9 +150,8 @@ def _fill(template: str, values: dict[str, str]) -> str:
     return _FIELD.sub(lambda m: values.get(m.group(1), m.group(0)), template)
 
 
-def _canonical_number(text: str) -> str:
-    value = float(text.replace(",", ""))
-    return str(int(value)) if value.is_integer() else repr(value)
+def _canonical_number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
 
 
 # --- user corpora --------------------------------------------------------------------------------
@@ -245,7 +246,7 @@ def task_from_corpus(demos: list[Demonstration], template: str | None = None, an
     """
     if not demos:
         raise ValueError("task_from_corpus needs at least one demonstration")
-    numeric = all(_ANSWER_IS.search(d.output) or re.fullmatch(r"\s*" + _NUMBER + r"\s*", d.output) for d in demos)
+    numeric = all(_NUMERIC_OUTPUT.fullmatch(d.output) and extract_number(d.output) is not None for d in demos)
     if numeric:
         return TaskSpec(name, template or GENERIC_TEMPLATE, anchor if anchor is not None else "", "number")
     labels = tuple(dict.fromkeys(d.output.strip() for d in demos))
@@ -363,7 +364,7 @@ def _svamp(root: Path):
     problems = json.loads(_need(root, "svamp/SVAMP.json").read_text(encoding="utf-8"))
     demos = []
     for problem in problems:
-        answer = _canonical_number(str(problem["Answer"]))
+        answer = _canonical_number(problem["Answer"])
         equation = _strip_outer_parens(re.sub(r"(\d)\.0\b", r"\1", problem["Equation"].strip()))
         demos.append(Demonstration(f"{problem['Body'].strip()} {problem['Question'].strip()}",
                                    f"{equation} = {answer}. The answer is {answer}.", problem["ID"]))
@@ -394,7 +395,7 @@ def _gsm8k(root: Path):
             row = json.loads(content)
             reasoning, _, answer = row["answer"].rpartition("####")
             reasoning = re.sub(r"<<[^>]*>>", "", reasoning).strip()
-            final = _canonical_number(answer.strip())
+            final = _canonical_number(float(answer.strip().replace(",", "")))
             demos.append(Demonstration(row["question"], f"{reasoning}\nThe answer is {final}.", f"{split}-{line}"))
         return demos
     return read("train"), read("test"), TaskSpec("gsm8k", MATH_TEMPLATE, MATH_ANCHOR, "number")

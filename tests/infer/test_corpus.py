@@ -219,3 +219,9 @@ def test_loaders_on_a_small_copy(tmp_path):
         write(gsm / f"{split}.jsonl", "\n".join(json.dumps(r) for r in rows) + "\n")
     train, _, task = load_dataset("gsm8k", data_dir=tmp_path)
     assert train[0].output == "2 + 1000 = 1002\nThe answer is 1002."
+
+
+def test_free_text_outputs_are_labels_not_numbers():
+    demos = [Demonstration("a", "room 12", "1"), Demonstration("b", "7", "2")]
+    assert task_from_corpus(demos).answer_kind == "label"
+    assert task_from_corpus([Demonstration("a", "#### 1,000", "1")]).answer_kind == "number"
