@@ -54,17 +54,20 @@ def plan_ranks(staging: Staging, num_blocks: int, layout: Layout, config: Compre
 
 def write_store(path, staging: Staging, num_blocks: int, layout: Layout, config: CompressionConfig, *,
                 attrs: dict | None = None, anchor_kv: torch.Tensor | None = None, examples: dict | None = None,
-                force: bool = False, progress: Callable[[int], None] | None = None) -> Path:
+                token_ids: np.ndarray | None = None, force: bool = False, lock=None, progress: Callable[[int], None] | None = None) -> Path:
     """Allocate and commit the store at ``path`` from ``num_blocks`` staged blocks."""
     ranks, tokens = plan_ranks(staging, num_blocks, layout, config)
     attrs = {**(attrs or {}), "codec": config.codec, "allocation": asdict(config)}
-    with StoreWriter(path, layout, ranks, tokens, dtype=config.dtype, attrs=attrs, force=force) as w:
+    with StoreWriter(path, layout, ranks, tokens, dtype=config.dtype, attrs=attrs, force=force,
+                     lock=lock) as w:
         for i in range(num_blocks):
             w.write_block(pack_block(staging.get(i), ranks[i], config.dtype))
             if progress:
                 progress(i)
         if anchor_kv is not None:
             w.write_anchor(anchor_kv)
+        if token_ids is not None:
+            w.write_token_ids(token_ids)
         if examples is not None:
             w.write_examples(examples["input"], examples["output"], examples["id"], examples["block"])
         return w.commit()

@@ -8,6 +8,7 @@ import torch
 FORMAT_VERSION = 1
 ATTRS_KEY = "milo"
 FACTORS, RANKS, TOKENS, CHECKSUMS, ANCHOR = "factors", "ranks", "block_tokens", "checksums", "anchor_kv"
+TOKEN_IDS = "token_ids"  # int32, every block's tokens concatenated (optional)
 EXAMPLES = "examples"  # group with arrays input, output, id (str) and block (int32)
 MAX_CHUNK_BYTES = 64 << 20
 # numpy cannot hold bfloat16: its bits go to disk as uint16 and are viewed back as torch.bfloat16.

@@ -178,6 +178,13 @@ class MiloStore:
             return None
         return fmt.from_numpy(np.asarray(self.group[fmt.ANCHOR][...]), self.dtype)
 
+    def token_ids(self, i: int) -> np.ndarray | None:
+        """The token ids block i was encoded from, or None when the store does not keep them."""
+        if fmt.TOKEN_IDS not in self.group:
+            return None
+        start = int(self.block_tokens[:i].sum())
+        return np.asarray(self.group[fmt.TOKEN_IDS][start:start + int(self.block_tokens[i])])
+
     def examples(self) -> dict:
         """Demonstrations: lists 'input', 'output', 'id' and 'block' (empty lists when none were stored)."""
         if fmt.EXAMPLES not in self.group:

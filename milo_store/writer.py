@@ -74,7 +74,7 @@ class StoreWriter:
 
     def __init__(self, path, layout: Layout, ranks: np.ndarray, block_tokens: np.ndarray, *,
                  dtype: str = "float16", attrs: dict | None = None, force: bool = False,
-                 max_chunk_bytes: int = fmt.MAX_CHUNK_BYTES):
+                 max_chunk_bytes: int = fmt.MAX_CHUNK_BYTES, lock: StoreLock | None = None):
         self.path = Path(path)
         self.layout, self.dtype = layout, dtype
         self.ranks = np.asarray(ranks, dtype=np.int16)
@@ -85,7 +85,9 @@ class StoreWriter:
             raise ValueError(f"unknown factor dtype {dtype!r}; expected one of {tuple(fmt.NUMPY_DTYPES)}")
         self.attrs = dict(attrs or {})
         self.offsets = layout.block_offsets(self.ranks, self.block_tokens)
-        self.lock = StoreLock(self.path).__enter__()
+        # A caller that holds the lock already (a build, across both passes) hands it in and keeps it.
+        self.owns_lock = lock is None
+        self.lock = StoreLock(self.path).__enter__() if lock is None else lock
         try:
             check_target(self.path, force)
             self._remove_stale_temps()
@@ -97,7 +99,7 @@ class StoreWriter:
                 fmt.FACTORS, shape=(total,), dtype=fmt.NUMPY_DTYPES[dtype], chunks=(self.chunk,),
                 compressors=None, fill_value=0, config={"write_empty_chunks": True})
         except BaseException:
-            self.lock.__exit__()
+            self.close()
             raise
         self.buffer = np.zeros(self.chunk, dtype=fmt.NUMPY_DTYPES[dtype])
         self.buffer_start = 0  # flat offset of buffer[0]
@@ -153,6 +155,13 @@ class StoreWriter:
             g.create_array(name, shape=(len(values),), dtype=str)[:] = np.array(values, dtype=object)
         g.create_array("block", data=np.asarray(blocks, dtype=np.int32))
 
+    def write_token_ids(self, token_ids: np.ndarray) -> None:
+        """Every block's token ids, concatenated in block order (int32, one per stored token)."""
+        token_ids = np.asarray(token_ids, dtype=np.int32)
+        if token_ids.shape != (int(self.block_tokens.sum()),):
+            raise ValueError(f"expected {int(self.block_tokens.sum())} token ids, got {token_ids.shape}")
+        self.group.create_array(fmt.TOKEN_IDS, data=token_ids)
+
     def commit(self) -> Path:
         """Finish the factor array, write index and attributes, fsync, and move the store into place."""
         if self.next_block != len(self.block_tokens):
@@ -185,9 +194,9 @@ class StoreWriter:
         self.close()
 
     def close(self):
-        if self.lock is not None:
+        if self.lock is not None and self.owns_lock:
             self.lock.__exit__()
-            self.lock = None
+        self.lock = None
 
     def __enter__(self):
         return self
