@@ -25,6 +25,7 @@ class CompressionConfig:
     eps: float = 1e-3
     seed: int = 0
     dtype: str = "float16"
+    full_rank: bool = False  # keep every singular direction (the exactness reference for the codec)
 
     def __post_init__(self):
         if self.codec not in CODECS:
@@ -45,6 +46,9 @@ def plan_ranks(staging: Staging, num_blocks: int, layout: Layout, config: Compre
         spectra[i, ..., :s.shape[-1]] = s
     if config.codec == "identity":
         return np.full(spectra.shape[:4], d, dtype=np.int16), tokens
+    if config.full_rank:
+        full = np.minimum(tokens, d).reshape(-1, 1, 1, 1)
+        return np.broadcast_to(full, spectra.shape[:4]).astype(np.int16), tokens
     itemsize = torch.empty(0, dtype=getattr(torch, config.dtype)).element_size()
     ranks = allocate_ranks(spectra, tokens, layout, config.ratio, policy=config.policy, scope=config.scope,
                            kv_split=config.kv_split, r_min=config.r_min, r_max=config.r_max, eps=config.eps,

@@ -1,0 +1,143 @@
+"""Answer queries from a mounted store: retrieve blocks, stream their factors, rebuild K/V, run the model.
+
+The context the model sees is [anchor][selected blocks][query]. Keys are stored before RoPE and
+rotated at the positions the blocks take in this assembled, contiguous context; values are used as
+stored. Everything the store holds for a query goes through ``milo_kernels.reconstruct_layer``.
+"""
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from milo_kernels import apply_rope, reconstruct_layer
+from milo_store import IncompatibleStoreError, MiloStore
+from milo_store.prefetch import LayerPrefetcher
+
+from .cache import MiloCache
+from .corpus import TaskSpec
+from .decoding import LabelTrie, constrained_greedy, greedy_until
+from .models import LoadedModel, rope_tables
+from .retrieval import BM25BlockRetriever, order_blocks
+
+IDENTITY_FIELDS = ("config_hash", "num_layers", "num_kv_heads", "head_dim", "rope")
+
+
+@dataclass
+class Answer:
+    text: str
+    blocks: list[int]
+    prefix_tokens: int
+    kv_bytes_full: int
+    kv_bytes_stored: int
+    seconds: dict = field(default_factory=dict)
+
+
+def check_compatible(store: MiloStore, identity: dict) -> None:
+    """Refuse a store whose K/V another model (shape, RoPE, config) produced."""
+    stored = store.meta.get("model") or {}
+    wrong = [f"{k}: store {stored.get(k)!r} vs model {identity.get(k)!r}" for k in IDENTITY_FIELDS
+             if stored.get(k) != identity.get(k)]
+    if wrong:
+        raise IncompatibleStoreError(f"{store.path} was built for another model ({stored.get('name')}): " + "; ".join(wrong))
+
+
+class MiloSession:
+    """``MiloSession(loaded_model, store, k=6).answer("text")``; also ``answer_batch``."""
+
+    def __init__(self, loaded: LoadedModel, store: MiloStore, *, k: int = 6, token_budget: int | None = None,
+                 order: str = "score", device=None, max_new_tokens: int = 64, prefetch_depth: int = 2,
+                 aggregate: str = "max"):
+        check_compatible(store, loaded.identity)
+        self.model, self.tokenizer, self.store = loaded.model, loaded.tokenizer, store
+        self.device = torch.device(device) if device is not None else next(self.model.parameters()).device
+        self.dtype = next(self.model.parameters()).dtype
+        self.k, self.token_budget, self.order = k, token_budget, order
+        self.max_new_tokens, self.prefetch_depth = max_new_tokens, prefetch_depth
+        self.task = TaskSpec(**{**store.meta["task"], "labels": tuple(store.meta["task"].get("labels", ()))})
+        ex = store.examples()
+        self.retriever = BM25BlockRetriever(ex["input"], ex["block"], store.block_tokens.tolist(), aggregate=aggregate)
+        self.trie = LabelTrie(self.tokenizer, list(self.task.labels)) if self.task.answer_kind == "label" else None
+        self.layout = store.layout
+        self.rope_interleaved = store.meta["model"]["rope"]["layout"] == "interleaved"
+        max_pos = store.meta["model"]["max_position_embeddings"]
+        self.cos, self.sin = rope_tables(self.model, max_pos, device=self.device)
+        anchor = store.anchor_kv()  # [L, 2, H, Ta, d], keys pre-RoPE
+        Ta = anchor.shape[3]
+        # the anchor always sits at positions 0..Ta-1: rotate it once, here
+        keys = apply_rope(anchor[:, 0].float(), self.cos[:Ta].cpu(), self.sin[:Ta].cpu(), self.rope_interleaved)
+        self.anchor_k = keys.to(self.device, self.dtype)
+        self.anchor_v = anchor[:, 1].to(self.device, self.dtype)
+        self.anchor_len = Ta
+
+    # -- retrieval and assembly -----------------------------------------------------------------
+    def select(self, text: str) -> list[int]:
+        ids = self.retriever.select(text, k=min(self.k, self.store.num_blocks), token_budget=self.token_budget)
+        return order_blocks(ids, self.retriever.scores(text), order=self.order)
+
+    def build_cache(self, block_ids: list[int], extra_tokens: int, timings: dict) -> MiloCache:
+        t = time.perf_counter()
+        prefetch = LayerPrefetcher(self.store, block_ids, self.device, depth=self.prefetch_depth)
+        timings["read"] = time.perf_counter() - t
+        tokens = self.store.block_tokens[block_ids]
+        dst = self.anchor_len + np.concatenate(([0], np.cumsum(tokens)[:-1])).astype(np.int64)
+        prefix = self.anchor_len + int(tokens.sum())
+        timings.setdefault("reconstruct", 0.0)
+
+        def fill(layer: int, out_k: torch.Tensor, out_v: torch.Tensor) -> None:
+            t0 = time.perf_counter()
+            factors, starts = prefetch.layer(layer)
+            segments = self.layout.layer_segments(self.store.ranks[block_ids, layer], tokens, dst, starts)
+            out_k[:, :self.anchor_len] = self.anchor_k[layer]
+            out_v[:, :self.anchor_len] = self.anchor_v[layer]
+            reconstruct_layer(factors, torch.from_numpy(segments).to(factors.device), out_k, out_v,
+                              self.cos, self.sin, interleaved=self.rope_interleaved)
+            timings["reconstruct"] += time.perf_counter() - t0
+
+        self.prefetch_bytes = int(prefetch.layer_values.sum()) * self.store.itemsize
+        return MiloCache(self.layout.num_layers, prefix, prefix + extra_tokens,
+                         (self.layout.num_kv_heads, self.layout.head_dim), self.dtype, self.device, fill)
+
+    # -- answering ------------------------------------------------------------------------------
+    def query_ids(self, text: str) -> list[int]:
+        return self.tokenizer(self.task.render_query(text), add_special_tokens=False).input_ids
+
+    @torch.inference_mode()
+    def logits(self, text: str, block_ids: list[int] | None = None) -> torch.Tensor:
+        """Logits [T_query, vocab] of the query in the assembled context (for exactness checks)."""
+        ids = self.query_ids(text)
+        block_ids = self.select(text) if block_ids is None else block_ids
+        cache = self.build_cache(block_ids, len(ids), {})
+        out = self.model(input_ids=torch.tensor([ids], device=self.device), cache=cache, use_cache=True)
+        return out.logits[0].float()
+
+    @torch.inference_mode()
+    def answer(self, text: str) -> Answer:
+        timings = {}
+        t = time.perf_counter()
+        block_ids = self.select(text)
+        timings["retrieve"] = time.perf_counter() - t
+        ids = self.query_ids(text)
+        budget = self.trie.max_tokens if self.trie is not None else self.max_new_tokens
+        cache = self.build_cache(block_ids, len(ids) + budget + 1, timings)
+        t = time.perf_counter()
+        state = {"next": ids}
+
+        def step(token):
+            feed = state["next"] if token is None else [token]
+            out = self.model(input_ids=torch.tensor([feed], device=self.device), cache=cache, use_cache=True)
+            return out.logits[0, -1].float()
+
+        if self.trie is not None:
+            decoded = constrained_greedy(step, self.trie)
+        else:
+            decoded = greedy_until(step, self.tokenizer, ["\n\n", "\nInput:", "\nQuery:"], self.max_new_tokens)
+        timings["model"] = time.perf_counter() - t - timings.get("reconstruct", 0.0)
+        tokens = self.store.block_tokens[block_ids]
+        per_token = self.layout.units_per_block * self.layout.head_dim * 2
+        return Answer(text=decoded.text.strip(), blocks=list(block_ids), prefix_tokens=cache.layers[0].prefix_len,
+                      kv_bytes_full=int(tokens.sum()) * per_token, kv_bytes_stored=self.prefetch_bytes, seconds=timings)
+
+    def answer_batch(self, texts: list[str]) -> list[Answer]:
+        """Each query retrieves its own blocks, so each gets its own assembled context."""
+        return [self.answer(t) for t in texts]
