@@ -1,0 +1,59 @@
+"""Answer a query from a store: retrieve blocks, rebuild their K/V, let the model answer.
+
+Prints the answer, and with --show-blocks the blocks used and their demonstrations; --json gives
+everything (answer, blocks, KV bytes full vs moved, seconds per stage) for programs.
+"""
+import json
+
+from milo_store import MiloStore
+
+from ..models import load_model
+from ..session import MiloSession
+from . import CommandError
+
+
+def add_arguments(p):
+    p.add_argument("store", help="store directory (from `milo build`)")
+    p.add_argument("text", nargs="+", help="the query text (one or more queries)")
+    p.add_argument("--model", default="default", help="model path or 'default' (must match the store)")
+    p.add_argument("--k", type=int, default=6, help="blocks to retrieve per query (default 6)")
+    p.add_argument("--token-budget", type=int, default=None, help="cap on retrieved tokens instead of / besides k")
+    p.add_argument("--tier", choices=("host", "disk", "cached"), default="host", help="where factors are read from")
+    p.add_argument("--order", choices=("score", "corpus"), default="score", help="block order in the context")
+    p.add_argument("--device", default=None, help="compute device (default: the model's)")
+    p.add_argument("--show-blocks", action="store_true", help="list the retrieved blocks' demonstrations")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def run(args) -> int:
+    if args.k < 1:
+        raise CommandError(f"--k must be at least 1; got {args.k}")
+    store = MiloStore.open(args.store, tier=args.tier)
+    loaded = load_model(args.model)
+    session = MiloSession(loaded, store, k=args.k, token_budget=args.token_budget, order=args.order, device=args.device)
+    examples = store.examples()
+    results = []
+    for text in args.text:
+        a = session.answer(text)
+        shown = [{"block": b, "demonstrations": [f"{i} => {o}" for i, o, blk in
+                                                 zip(examples["input"], examples["output"], examples["block"]) if blk == b]}
+                 for b in a.blocks]
+        results.append({"query": text, "answer": a.text, "blocks": a.blocks, "prefix_tokens": a.prefix_tokens,
+                        "kv_bytes_full": a.kv_bytes_full, "kv_bytes_stored": a.kv_bytes_stored,
+                        "seconds": {k: round(v, 4) for k, v in a.seconds.items()}, "block_demonstrations": shown})
+    if args.json:
+        print(json.dumps(results if len(results) > 1 else results[0], indent=2))
+        return 0
+    for r in results:
+        print(f"{r['query']}\n  -> {r['answer']}")
+        print(f"  blocks {r['blocks']}  context {r['prefix_tokens']} tokens  KV moved {r['kv_bytes_stored'] / 2**20:.2f} MiB "
+              f"of {r['kv_bytes_full'] / 2**20:.2f} MiB full  "
+              + "  ".join(f"{k} {v * 1e3:.0f} ms" for k, v in r["seconds"].items()))
+        if args.show_blocks:
+            for blk in r["block_demonstrations"]:
+                print(f"  block {blk['block']}:")
+                for line in blk["demonstrations"][:5]:
+                    print(f"    {line}")
+                if len(blk["demonstrations"]) > 5:
+                    print(f"    ... {len(blk['demonstrations']) - 5} more")
+    return 0
