@@ -103,9 +103,10 @@ def build_store(out, loaded: LoadedModel, demos: list[Demonstration], task: Task
         raise BuildError(f"an encoding context of {longest} tokens exceeds the model's {max_positions}; "
                          f"use a smaller --block-size or fewer --context-blocks")
     layout = Layout(identity["num_layers"], identity["num_kv_heads"], identity["head_dim"])
-    staging = Staging(Path(f"{out}.staging"), corpus_fingerprint(identity, task, demos, config))
     times = {"encode_s": 0.0, "factorize_s": 0.0, "write_s": 0.0}
     with StoreLock(out) as lock:  # one build per path, across both passes
+        # Under the lock: opening staging with another fingerprint wipes it, which must not hit a running build.
+        staging = Staging(Path(f"{out}.staging"), corpus_fingerprint(identity, task, demos, config))
         todo = [i for i in range(len(blocks)) if not staging.has(i)]
         tokens_todo = sum(len(block_ids[i]) for i in todo)
         bar = tqdm(total=tokens_todo, unit="tok", desc=f"encoding {len(todo)} blocks", disable=not progress)
@@ -119,7 +120,9 @@ def build_store(out, loaded: LoadedModel, demos: list[Demonstration], task: Task
             times["factorize_s"] += time.perf_counter() - t1
             bar.update(len(block_ids[i]))
         bar.close()
-        anchor_k, anchor_v = encode_block(model, len(anchor_ids), anchor_ids)
+        # An empty anchor (no instruction, no tokenizer prefix) has no K/V, and a model refuses zero tokens.
+        anchor_kv = (torch.stack(encode_block(model, len(anchor_ids), anchor_ids), dim=1) if anchor_ids else
+                     torch.zeros(layout.num_layers, 2, layout.num_kv_heads, 0, layout.head_dim))
         t0 = time.perf_counter()
         attrs = {"model": identity, "task": asdict(task),
                  "build": {"block_size": config.block_size, "context_blocks": w, "order": config.order,
@@ -132,7 +135,7 @@ def build_store(out, loaded: LoadedModel, demos: list[Demonstration], task: Task
                 examples["id"].append(demos[i].id)
                 examples["block"].append(b)
         path = write_store(out, staging, len(blocks), layout, config.compression, attrs=attrs,
-                           anchor_kv=torch.stack((anchor_k, anchor_v), dim=1), examples=examples,
+                           anchor_kv=anchor_kv, examples=examples,
                            token_ids=np.concatenate([np.asarray(b, dtype=np.int32) for b in block_ids]),
                            force=force, lock=lock)
     times["write_s"] = time.perf_counter() - t0
@@ -142,5 +145,6 @@ def build_store(out, loaded: LoadedModel, demos: list[Demonstration], task: Task
         acc = store.accounting()
     return {"store": str(path), "blocks": len(blocks), "demonstrations": len(demos),
             "tokens": int(sum(len(b) for b in block_ids)), "blocks_encoded_now": len(todo),
+            "tokens_encoded_now": tokens_todo,
             "full_fp16_bytes": acc["full_fp16_bytes"], "stored_bytes": acc["total_bytes"],
             "disk_bytes": acc["disk_bytes"], "ratio": acc["ratio"], **times}

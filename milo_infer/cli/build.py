@@ -1,0 +1,142 @@
+"""Build a store from a demonstration corpus or a benchmark data set with a real model.
+
+Every argument, the corpus and the output path are checked before the model is loaded, so a typo
+costs a second, not a model load. The build itself (tokenising, one forward pass per block with a
+progress bar, rank allocation, the atomic write) is `milo_infer.build.build_store`. A build that is
+killed or interrupted keeps its finished blocks in ``<out>.staging``: rerunning the same command
+resumes from them.
+"""
+import dataclasses
+import re
+import sys
+import time
+from pathlib import Path
+
+from milo_store import CompressionConfig
+from milo_store.allocation import KV_SPLITS, POLICIES, SCOPES
+from milo_store.cli.common import human_bytes, print_json
+from milo_store.codec import CODECS, FACTOR_DTYPES
+from milo_store.writer import check_target
+
+from ..build import BuildConfig, build_store
+from ..corpus import DATASETS, load_corpus, load_dataset, task_from_corpus
+from ..models import load_model
+from . import CommandError
+
+_ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
+
+
+def add_arguments(p):
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--corpus", metavar="FILE", help="your demonstrations: .jsonl or .csv with input and output fields")
+    src.add_argument("--dataset", choices=DATASETS, help="a benchmark data set's training split (from $MILO_DATA)")
+    p.add_argument("--model", default="default", metavar="PATH",
+                   help="'default' (SmolLM2-135M-Instruct), a Hugging Face model directory, or a .gguf file")
+    p.add_argument("--out", required=True, metavar="STORE", help="store directory to create")
+    p.add_argument("--ratio", type=float, default=0.5, help="stored bytes over full fp16 K/V bytes, in (0, 1] (default 0.5)")
+    p.add_argument("--block-size", type=int, default=32, help="demonstrations per block (default 32)")
+    p.add_argument("--context-blocks", type=int, default=2,
+                   help="previous blocks each block is encoded after, beside the anchor (default 2)")
+    p.add_argument("--shots", type=int, metavar="N",
+                   help="use the first N demonstrations (a data set's are seeded-shuffled; a corpus keeps file order)")
+    p.add_argument("--seed", type=int, default=0, help="shuffles the data set, the block order and random allocation")
+    p.add_argument("--order", choices=("random", "corpus"), default="random", help="how demonstrations fill blocks")
+    p.add_argument("--codec", choices=CODECS, default="svd")
+    p.add_argument("--dtype", choices=tuple(FACTOR_DTYPES), default="float16", help="stored factor dtype")
+    p.add_argument("--policy", choices=POLICIES, default="entropy", help="rank allocation policy")
+    p.add_argument("--scope", choices=SCOPES, default="head", help="what shares one rank budget")
+    p.add_argument("--kv-split", choices=KV_SPLITS, default="separate", help="budget keys and values apart or together")
+    p.add_argument("--template", metavar="T",
+                   help=r"how a demonstration is written, with {input} then {output}; \n and \t are read as escapes")
+    p.add_argument("--anchor", metavar="A", help=r"instruction text before all demonstrations; \n and \t are escapes")
+    p.add_argument("--force", action="store_true", help="replace an existing store at --out")
+    p.add_argument("--json", action="store_true", help="print the closing summary as JSON")
+
+
+def unescape(text: str | None) -> str | None:
+    r"""``\n``, ``\t`` and ``\\`` as typed in a shell become the characters they name."""
+    if text is None:
+        return None
+    return re.sub(r"\\([nt\\])", lambda m: _ESCAPES[m.group(1)], text)
+
+
+def check_numbers(args) -> None:
+    if not 0 < args.ratio <= 1:
+        raise CommandError(f"--ratio must be in (0, 1]; got {args.ratio}")
+    if args.block_size < 1:
+        raise CommandError(f"--block-size must be at least 1; got {args.block_size}")
+    if args.context_blocks < 0:
+        raise CommandError(f"--context-blocks must be at least 0; got {args.context_blocks}")
+    if args.shots is not None and args.shots < 1:
+        raise CommandError(f"--shots must be at least 1; got {args.shots}")
+
+
+def demonstrations(args):
+    """(demonstrations to build from, their task): the first --shots of the corpus or training split."""
+    template, anchor = unescape(args.template), unescape(args.anchor)
+    if args.corpus is not None:
+        demos, source = load_corpus(args.corpus), args.corpus
+    else:
+        demos, _, task = load_dataset(args.dataset, seed=args.seed)
+        source = f"the {args.dataset} training split"
+    try:  # TaskSpec refuses a template without {input} then {output}
+        if args.corpus is not None:
+            task = task_from_corpus(demos, template=template, anchor=anchor)  # labels from the whole corpus
+        else:
+            task = dataclasses.replace(task, template=template or task.template,
+                                       anchor=task.anchor if anchor is None else anchor)
+    except ValueError as e:
+        raise CommandError(f"--template: {e}") from None
+    if args.shots is not None:
+        if args.shots > len(demos):
+            raise CommandError(f"--shots {args.shots}: {source} has only {len(demos)} demonstrations")
+        demos = demos[:args.shots]
+    if args.block_size > len(demos):
+        raise CommandError(f"--block-size {args.block_size} is larger than the {len(demos)} demonstrations to build from")
+    return demos, task
+
+
+def run(args) -> int:
+    started = time.perf_counter()
+    check_numbers(args)
+    out = Path(args.out)
+    if out.parent.exists() and not out.parent.is_dir():
+        raise CommandError(f"--out {out}: {out.parent} is a file, not a directory")
+    check_target(out, args.force)
+    demos, task = demonstrations(args)
+    compression = CompressionConfig(ratio=args.ratio, codec=args.codec, policy=args.policy, scope=args.scope,
+                                    kv_split=args.kv_split, seed=args.seed, dtype=args.dtype)
+    config = BuildConfig(block_size=args.block_size, context_blocks=args.context_blocks, order=args.order,
+                         seed=args.seed, compression=compression)
+    t0 = time.perf_counter()
+    try:
+        loaded = load_model(args.model)
+    except (OSError, ValueError) as e:  # no such path, not a model folder, an unsupported model
+        raise CommandError(f"--model: {e}") from None
+    load_s = time.perf_counter() - t0
+    try:
+        summary = build_store(out, loaded, demos, task, config, force=args.force, progress=True)
+    except KeyboardInterrupt:  # not an input error: the shell's code for Ctrl-C, and how to continue
+        staged = len(list(Path(f"{out}.staging").glob("block_*.safetensors")))
+        print(f"milo build: interrupted with {staged} block(s) staged in {out}.staging; "
+              "rerun the same command to resume", file=sys.stderr)
+        return 130
+    summary.update(model=loaded.identity["name"], load_s=load_s, total_s=time.perf_counter() - started)
+    if args.json:
+        print_json(summary)
+    else:
+        print_summary(summary)
+    return 0
+
+
+def print_summary(s: dict) -> None:
+    """The closing summary for a person: what was built, how small it is, and where the time went."""
+    resumed = s["blocks"] - s["blocks_encoded_now"]
+    note = f", {resumed} resumed from staging" if resumed else ""
+    rate = s["tokens_encoded_now"] / s["encode_s"] if s["encode_s"] else 0.0
+    print(f"built    {s['store']}  ({s['model']})")
+    print(f"content  {s['blocks']} blocks, {s['demonstrations']} demonstrations, {s['tokens']} tokens{note}")
+    print(f"bytes    full fp16 K/V {human_bytes(s['full_fp16_bytes'])} -> stored {human_bytes(s['stored_bytes'])} "
+          f"(ratio {s['ratio']:.4f}); on disk {human_bytes(s['disk_bytes'])}")
+    print(f"time     encoding {s['encode_s']:.1f} s ({rate:.0f} tok/s), factorizing {s['factorize_s']:.1f} s, "
+          f"allocating + writing {s['write_s']:.1f} s, model load {s['load_s']:.1f} s, total {s['total_s']:.1f} s")
