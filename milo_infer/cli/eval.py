@@ -1,0 +1,138 @@
+"""Compare storage methods on held-out queries: accuracy and measured KV bytes, as a results table.
+
+For each data set and seed: the first --shots training demonstrations become one store per method
+(the model encodes them once per codec; see `milo_infer.evaluate.encode_once`), then the first
+--test test items are answered from each store. Everything lands under --out: the stores, one
+predictions JSONL per run (rerunning the same command resumes where it stopped) and results.md /
+results.json, rewritten after every finished method.
+"""
+import os
+import platform
+import shlex
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..build import BuildConfig
+from ..corpus import DATASETS, load_corpus, load_dataset, task_from_corpus
+from ..evaluate import METHODS, encode_once, evaluate, method_config, store_name, write_tables
+from ..models import load_model
+from . import CommandError
+
+
+def add_arguments(p):
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--dataset", metavar="NAMES", help=f"comma-separated benchmark sets: {', '.join(DATASETS)}")
+    src.add_argument("--corpus", metavar="FILE", help="your demonstrations (.jsonl/.csv); needs --queries")
+    p.add_argument("--queries", metavar="FILE", help="test items for --corpus, with input and output fields")
+    p.add_argument("--model", default="default", metavar="PATH", help="'default', a Hugging Face directory or a .gguf")
+    p.add_argument("--methods", default="full,milo,milo-fullrank", metavar="M",
+                   help=f"comma-separated, from: {', '.join(METHODS)} (default full,milo,milo-fullrank)")
+    p.add_argument("--shots", type=int, default=512, help="demonstrations stored per data set (default 512)")
+    p.add_argument("--ratio", type=float, default=0.5, help="ρ for the compressed methods, in (0, 1] (default 0.5)")
+    p.add_argument("--test", type=int, default=100, help="test items answered per data set and seed (default 100)")
+    p.add_argument("--seeds", type=int, default=1, help="number of seeds, 0..N-1: sample, block order (default 1)")
+    p.add_argument("--k", type=int, default=6, help="blocks retrieved per query (default 6)")
+    p.add_argument("--block-size", type=int, default=32, help="demonstrations per block (default 32)")
+    p.add_argument("--context-blocks", type=int, default=2, help="previous blocks each block is encoded after")
+    p.add_argument("--threads", type=int, metavar="N",
+                   help="torch CPU threads; 1 is many times faster on a CPU shared with other jobs (default: torch's)")
+    p.add_argument("--out", required=True, metavar="DIR", help="folder for stores, predictions and the tables")
+
+
+def check(args) -> tuple[list[str], list[str]]:
+    """(data set names, method names), after every check that needs no model."""
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not methods:
+        raise CommandError(f"--methods: unknown {', '.join(unknown) or '(none given)'}; known: {', '.join(METHODS)}")
+    if args.corpus is not None:
+        if args.queries is None:
+            raise CommandError("--corpus needs --queries (the test items)")
+        names = [Path(args.corpus).stem]
+    else:
+        names = [d.strip() for d in args.dataset.split(",") if d.strip()]
+        bad = [d for d in names if d not in DATASETS]
+        if bad or not names:
+            raise CommandError(f"--dataset: unknown {', '.join(bad) or '(none given)'}; known: {', '.join(DATASETS)}")
+    if not 0 < args.ratio <= 1:
+        raise CommandError(f"--ratio must be in (0, 1]; got {args.ratio}")
+    for flag in ("shots", "test", "seeds", "k", "block_size") + (("threads",) if args.threads is not None else ()):
+        if getattr(args, flag) < 1:
+            raise CommandError(f"--{flag.replace('_', '-')} must be at least 1; got {getattr(args, flag)}")
+    if args.context_blocks < 0:
+        raise CommandError(f"--context-blocks must be at least 0; got {args.context_blocks}")
+    return names, methods
+
+
+def data(args, name: str, seed: int):
+    """(demonstrations to store, test items, task) for one data set and seed."""
+    if args.corpus is not None:
+        train, test = load_corpus(args.corpus), load_corpus(args.queries)
+        task = task_from_corpus(train)
+    else:
+        train, test, task = load_dataset(name, seed=seed)
+    if args.shots > len(train):
+        raise CommandError(f"--shots {args.shots}: {name} has only {len(train)} training demonstrations")
+    if args.block_size > args.shots:
+        raise CommandError(f"--block-size {args.block_size} is larger than --shots {args.shots}")
+    return train[:args.shots], test[:args.test], task
+
+
+def run(args) -> int:
+    started = time.perf_counter()
+    names, methods = check(args)
+    out = Path(args.out)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    try:
+        loaded = load_model(args.model)
+    except (OSError, ValueError) as e:
+        raise CommandError(f"--model: {e}") from None
+    command = "milo eval " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if sys.argv[1:2] == ["eval"] else ""
+    rows = []
+    bar = tqdm(total=len(names) * args.seeds * len(methods) * args.test, unit="query", desc="eval")
+    for name in names:
+        for seed in range(args.seeds):
+            demos, test, task = data(args, name, seed)
+            run_dir = out / name / f"seed{seed}-shots{args.shots}-b{args.block_size}-w{args.context_blocks}"
+            stores = {store_name(m, args.ratio): method_config(m, args.ratio, seed) for m in methods}
+            bar.set_postfix_str(f"{name} seed {seed}: encoding")
+            base = BuildConfig(block_size=args.block_size, context_blocks=args.context_blocks, seed=seed)
+            built = encode_once(loaded, demos, task, base, stores, run_dir / "stores", progress=False)
+            for m in methods:
+                sname = store_name(m, args.ratio)
+                bar.set_postfix_str(f"{name} seed {seed}: {sname}")
+                t0, answered = time.perf_counter(), []
+                result = evaluate(loaded, run_dir / "stores" / sname, test, task, k=args.k,
+                                  predictions=run_dir / f"{sname}-k{args.k}.jsonl",
+                                  on_answer=lambda r: (answered.append(r), bar.update()))
+                bar.update(result["n"] - len(answered))  # items resumed from the predictions file
+                rows.append({"dataset": name, "seed": seed, "method": m, "store": sname, "k": args.k,
+                             "shots": args.shots, "ratio_setting": stores[sname].ratio,
+                             "eval_s": time.perf_counter() - t0, "build": built[sname], **result})
+                header = _header(args, command, started, loaded.identity["name"])
+                write_tables(rows, out, header=header)
+    bar.close()
+    md = (out / "results.md").read_text(encoding="utf-8")
+    print(md)
+    print(f"wrote {out / 'results.md'} and {out / 'results.json'} in {time.perf_counter() - started:.0f} s")
+    return 0
+
+
+def _header(args, command: str, started: float, model: str) -> str:
+    """What a reader of the table needs to reproduce it."""
+    return (f"Accuracy (%) on the first {args.test} test items; {args.shots} demonstrations, block size "
+            f"{args.block_size}, {args.context_blocks} context blocks, k={args.k}, ρ={args.ratio:g}, "
+            f"{args.seeds} seed(s); model {model}.\n\n"
+            f"{'Command: `' + command + '`. ' if command else ''}"
+            f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.machine()} with {_cpus()} CPU core(s), "
+            f"{torch.get_num_threads()} torch thread(s), {time.perf_counter() - started:.0f} s so far.\n")
+
+
+def _cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()

@@ -1,0 +1,122 @@
+"""The evaluation harness at CI size: shared encodings, measured bytes, resumable scoring, the tables.
+
+The model tests build three tiny stores (8 demonstrations of the demo corpus, blocks of 4) once per
+module and answer two demo queries from each.
+"""
+import json
+from argparse import Namespace
+
+import pytest
+import torch
+
+from milo_infer.build import BuildConfig
+from milo_infer.cli import CommandError
+from milo_infer.cli.eval import check
+from milo_infer.corpus import load_corpus, task_from_corpus
+from milo_infer.evaluate import encode_once, evaluate, method_config, store_name, write_tables
+
+DEMO = "milo_infer/data/demo_corpus.jsonl"
+QUERIES = "milo_infer/data/demo_queries.jsonl"
+METHODS = ("full", "milo-fullrank", "milo")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """On a shared CPU, torch's threads fight other jobs for cores: one thread is many times faster."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, default_model):
+    corpus = load_corpus(DEMO)
+    task = task_from_corpus(corpus)
+    base = BuildConfig(block_size=4, context_blocks=1, order="corpus")
+    stores = {store_name(m, 0.5): method_config(m, 0.5) for m in METHODS}
+    root = tmp_path_factory.mktemp("eval") / "stores"
+    summaries = encode_once(default_model, corpus[:8], task, base, stores, root, progress=False)
+    return root, summaries, task, load_corpus(QUERIES)[:2]
+
+
+@pytest.mark.slow
+def test_one_encoding_per_codec_and_stores_are_reused(built, default_model):
+    root, summaries, task, _ = built
+    encoded = {name: s["blocks_encoded_now"] for name, s in summaries.items()}
+    # only the identity store runs the model: the SVD staging is factored from its K/V, then shared
+    assert encoded == {"full": 2, "milo-fullrank": 0, "milo-r0.5": 0}
+    assert len([p for p in root.iterdir() if p.name.startswith("staging-") and p.is_dir()]) == 2
+    assert not list(root.glob("*.staging"))
+    again = encode_once(default_model, load_corpus(DEMO)[:8], task, BuildConfig(block_size=4, context_blocks=1,
+                        order="corpus"), {"milo-r0.5": method_config("milo", 0.5)}, root, progress=False)
+    assert again["milo-r0.5"]["reused"] is True
+
+
+@pytest.mark.slow
+def test_full_rank_matches_identity_and_bytes_are_measured(built, default_model, tmp_path):
+    root, _, task, queries = built
+    results = {name: evaluate(default_model, root / name, queries, task, k=2, predictions=tmp_path / f"{name}.jsonl")
+               for name in ("full", "milo-fullrank", "milo-r0.5")}
+    preds = {name: [json.loads(l)["prediction"] for l in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+             for name in results}
+    assert preds["milo-fullrank"] == preds["full"]  # fp16 factors at full rank: the codec loses nothing that matters
+    assert results["milo-fullrank"]["accuracy"] == results["full"]["accuracy"]
+    assert all(r["n"] == 2 for r in results.values())
+    milo, full = results["milo-r0.5"], results["full"]
+    assert milo["store_ratio"] <= 0.5 + 1e-3 < full["store_ratio"]
+    assert milo["query_kv_bytes_stored"] < milo["query_kv_bytes_full"] == full["query_kv_bytes_full"]
+    assert full["query_kv_bytes_stored"] > full["query_kv_bytes_full"]  # identity also stores Σ = 1 and B = I
+    assert {"retrieve", "reconstruct", "model"} <= set(full["seconds"])
+
+
+@pytest.mark.slow
+def test_an_interrupted_run_resumes_and_refuses_foreign_lines(built, default_model, tmp_path):
+    root, _, task, queries = built
+    log = tmp_path / "p.jsonl"
+    first = evaluate(default_model, root / "milo-r0.5", queries, task, k=2, n=1, predictions=log)
+    with log.open("a") as f:
+        f.write('{"key": "torn')  # a write cut short by a kill
+    asked = []
+    second = evaluate(default_model, root / "milo-r0.5", queries, task, k=2, predictions=log, on_answer=asked.append)
+    assert [r["id"] for r in asked] == [queries[1].id]
+    assert second["n"] == 2 and first["n"] == 1
+    assert len(log.read_text().splitlines()) == 2
+    with pytest.raises(ValueError, match="another store or k"):
+        evaluate(default_model, root / "milo-r0.5", queries, task, k=1, predictions=log)
+
+
+def _row(method, dataset, accuracy, store_bytes):
+    return {"method": method, "dataset": dataset, "seed": 0, "accuracy": accuracy, "n": 10,
+            "store_bytes": store_bytes, "store_full_fp16_bytes": 1000, "query_kv_bytes_stored": store_bytes * 4,
+            "query_kv_bytes_full": 4000, "seconds": {}}
+
+
+def test_table_is_methods_by_datasets_with_average_and_measured_ratio(tmp_path):
+    rows = [_row("full", "a", 0.8, 1000), _row("full", "b", 0.6, 1000), _row("milo", "a", 0.7, 250),
+            _row("milo", "b", 0.5, 250)]
+    md, js = write_tables(rows, tmp_path)
+    lines = md.read_text().splitlines()
+    assert lines[0].startswith("| Method | a | b | Avg. |")
+    assert lines[2].startswith("| full | 80.0 | 60.0 | 70.0 | 1.000 (1.00× smaller)")
+    assert lines[3].startswith("| milo | 70.0 | 50.0 | 60.0 | 0.250 (4.00× smaller)")
+    assert json.loads(js.read_text()) == rows
+
+
+def test_table_marks_a_missing_cell_and_gives_no_average(tmp_path):
+    md, _ = write_tables([_row("full", "a", 0.8, 1000), _row("milo", "b", 0.5, 250)], tmp_path)
+    assert "| full | 80.0 | – | – |" in md.read_text()
+
+
+def test_methods_and_arguments_are_checked_before_any_model_load():
+    with pytest.raises(ValueError, match="unknown method"):
+        method_config("milo-typo", 0.5)
+    assert method_config("milo-fullrank", 0.5).full_rank and method_config("full", 0.5).codec == "identity"
+    assert store_name("full", 0.5) == "full" and store_name("milo-energy", 0.25) == "milo-energy-r0.25"
+    args = Namespace(methods="full,milo", dataset="banking77", corpus=None, queries=None, ratio=0.5, shots=8,
+                     test=2, seeds=1, k=2, block_size=4, context_blocks=1, threads=None)
+    assert check(args) == (["banking77"], ["full", "milo"])
+    for change, message in [({"methods": "full,nope"}, "unknown nope"), ({"dataset": "imdb"}, "unknown imdb"),
+                            ({"ratio": 1.5}, "ratio"), ({"k": 0}, "--k"), ({"threads": 0}, "--threads"), ({"corpus": DEMO}, "--queries")]:
+        with pytest.raises(CommandError, match=message):
+            check(Namespace(**{**vars(args), **change}))
