@@ -31,13 +31,22 @@ class BudgetError(ValueError):
 def allocate_ranks(spectra: np.ndarray, tokens: np.ndarray, layout: Layout, ratio: float, *,
                    policy: str = "entropy", scope: str = "head", kv_split: str = "separate",
                    r_min: int = 1, r_max: int | None = None, eps: float = 1e-3, seed: int = 0,
-                   bytes_per_value: int = 2) -> np.ndarray:
-    """Ranks int16 [N, L, 2, H] from singular values ``spectra`` [N, L, 2, H, n] (descending, zero-padded)."""
+                   bytes_per_value: int = 2, key_share: float = 0.5) -> np.ndarray:
+    """Ranks int16 [N, L, 2, H] from singular values ``spectra`` [N, L, 2, H, n] (descending, zero-padded).
+
+    With ``kv_split="separate"``, keys get ``key_share`` of the budget and values the rest (0.5: each
+    its own fp16 share). Pre-RoPE keys are far more low-rank than values, so moving bytes to values
+    can buy accuracy at the same total.
+    """
     if not 0 < ratio <= 1:
         raise ValueError(f"ratio must be in (0, 1]; got {ratio}")
     for name, value, allowed in (("policy", policy, POLICIES), ("scope", scope, SCOPES), ("kv_split", kv_split, KV_SPLITS)):
         if value not in allowed:
             raise ValueError(f"unknown {name} {value!r}; expected one of {allowed}")
+    if not 0 < key_share < 1:
+        raise ValueError(f"key_share must be in (0, 1); got {key_share}")
+    if key_share != 0.5 and kv_split != "separate":
+        raise ValueError("key_share applies only with kv_split='separate'")
     spectra = np.asarray(spectra, dtype=np.float64)
     tokens = np.asarray(tokens, dtype=np.int64)
     N, L, K, H, n = spectra.shape
@@ -65,6 +74,9 @@ def allocate_ranks(spectra: np.ndarray, tokens: np.ndarray, layout: Layout, rati
         sub = spectra[sel]  # [N', L', K', H', n] with group axes of size 1
         group_tokens = int(np.broadcast_to(tokens.reshape(-1, 1, 1, 1), sub.shape[:4]).sum())
         budget_values = spendable * (group_tokens * d * 2) / full / bytes_per_value
+        if kv_split == "separate":
+            kind = g[keep.index(2)]
+            budget_values *= 2 * (key_share if kind == 0 else 1 - key_share)
         ranks[sel] = _allocate_group(sub, np.broadcast_to(cost.reshape(-1, 1, 1, 1), sub.shape[:4]),
                                      np.broadcast_to(cap.reshape(-1, 1, 1, 1), sub.shape[:4]),
                                      budget_values, policy, r_min, eps, rng)

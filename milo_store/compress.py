@@ -25,6 +25,7 @@ class CompressionConfig:
     eps: float = 1e-3
     seed: int = 0
     dtype: str = "float16"
+    key_share: float = 0.5  # share of the budget for keys when kv_split is "separate"
     full_rank: bool = False  # keep every singular direction (the exactness reference for the codec)
 
     def __post_init__(self):
@@ -32,6 +33,8 @@ class CompressionConfig:
             raise ValueError(f"unknown codec {self.codec!r}; expected one of {CODECS}")
         if not 0 < self.ratio <= 1:
             raise ValueError(f"ratio must be in (0, 1]; got {self.ratio}")
+        if not 0 < self.key_share < 1 or (self.key_share != 0.5 and self.kv_split != "separate"):
+            raise ValueError(f"key share {self.key_share} must be in (0, 1), and needs kv_split 'separate'")
 
 
 def plan_ranks(staging: Staging, num_blocks: int, layout: Layout, config: CompressionConfig) -> tuple[np.ndarray, np.ndarray]:
@@ -52,7 +55,7 @@ def plan_ranks(staging: Staging, num_blocks: int, layout: Layout, config: Compre
     itemsize = torch.empty(0, dtype=getattr(torch, config.dtype)).element_size()
     ranks = allocate_ranks(spectra, tokens, layout, config.ratio, policy=config.policy, scope=config.scope,
                            kv_split=config.kv_split, r_min=config.r_min, r_max=config.r_max, eps=config.eps,
-                           seed=config.seed, bytes_per_value=itemsize)
+                           seed=config.seed, bytes_per_value=itemsize, key_share=config.key_share)
     return ranks, tokens
 
 

@@ -46,6 +46,8 @@ def add_arguments(p):
     p.add_argument("--policy", choices=POLICIES, default="entropy", help="rank allocation policy")
     p.add_argument("--scope", choices=SCOPES, default="head", help="what shares one rank budget")
     p.add_argument("--kv-split", choices=KV_SPLITS, default="separate", help="budget keys and values apart or together")
+    p.add_argument("--key-share", type=float, default=0.5,
+                   help="with --kv-split separate: the share of the byte budget given to keys (default 0.5)")
     p.add_argument("--template", metavar="T",
                    help=r"how a demonstration is written, with {input} then {output}; \n and \t are read as escapes")
     p.add_argument("--anchor", metavar="A", help=r"instruction text before all demonstrations; \n and \t are escapes")
@@ -104,8 +106,12 @@ def run(args) -> int:
         raise CommandError(f"--out {out}: {out.parent} is a file, not a directory")
     check_target(out, args.force)
     demos, task = demonstrations(args)
-    compression = CompressionConfig(ratio=args.ratio, codec=args.codec, policy=args.policy, scope=args.scope,
-                                    kv_split=args.kv_split, seed=args.seed, dtype=args.dtype)
+    try:
+        compression = CompressionConfig(ratio=args.ratio, codec=args.codec, policy=args.policy, scope=args.scope,
+                                        kv_split=args.kv_split, key_share=args.key_share, seed=args.seed,
+                                        dtype=args.dtype)
+    except ValueError as e:
+        raise CommandError(str(e)) from None
     config = BuildConfig(block_size=args.block_size, context_blocks=args.context_blocks, order=args.order,
                          seed=args.seed, compression=compression)
     t0 = time.perf_counter()

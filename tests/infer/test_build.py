@@ -291,3 +291,12 @@ def test_real_model_build_from_the_demo_corpus(tmp_path, capsys):
     assert math.isclose(summary["ratio"], 0.5, abs_tol=0.01)
     with MiloStore.open(out) as store:
         assert store.meta["model"]["num_layers"] == 30 and store.verify_all() == []
+
+
+def test_key_share_out_of_range_is_a_clear_error(tmp_path, capsys):
+    from milo_infer.cli.main import main
+    code = main(["build", "--corpus", "milo_infer/data/demo_corpus.jsonl", "--out", str(tmp_path / "s"),
+                 "--key-share", "1.5"])
+    assert code == 2
+    assert "key share 1.5 must be in (0, 1)" in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()

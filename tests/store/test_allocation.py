@@ -93,3 +93,19 @@ def test_entropy_gives_more_rank_to_slowly_decaying_blocks():
     assert ranks[1, 0, 0, 0] > ranks[0, 0, 0, 0]
     uniform = allocate_ranks(spectra, np.array([64, 64]), layout, 0.4, policy="uniform")
     assert abs(int(uniform[1, 0, 0, 0]) - int(uniform[0, 0, 0, 0])) <= 1
+
+
+def test_key_share_moves_bytes_between_keys_and_values():
+    rng = np.random.default_rng(3)
+    layout = Layout(2, 2, 16)
+    tokens = np.array([40, 50, 30])
+    spectra = spectra_for(rng, 3, 2, 2, 16)
+    even = allocate_ranks(spectra, tokens, layout, 0.4)
+    values_heavy = allocate_ranks(spectra, tokens, layout, 0.4, key_share=0.25)
+    assert values_heavy[:, :, 0].sum() < even[:, :, 0].sum() and values_heavy[:, :, 1].sum() > even[:, :, 1].sum()
+    acc = compressed_bytes(layout, values_heavy, tokens)
+    assert acc["total_bytes"] <= 0.4 * acc["full_fp16_bytes"]
+    with pytest.raises(ValueError, match="key_share"):
+        allocate_ranks(spectra, tokens, layout, 0.4, key_share=1.0)
+    with pytest.raises(ValueError, match="separate"):
+        allocate_ranks(spectra, tokens, layout, 0.4, key_share=0.3, kv_split="shared")
