@@ -1,26 +1,15 @@
 """`milo-store`: inspect stores. One subcommand per module, each with add_arguments and run."""
-import argparse
 import sys
 
 from ..errors import StoreError
 from . import ls, stat, verify
+from .common import run_subcommands
 
 COMMANDS = {"ls": ls, "stat": stat, "verify": verify}
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="milo-store", description="Inspect milo KV stores.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name, module in COMMANDS.items():
-        p = sub.add_parser(name, help=module.__doc__.splitlines()[0])
-        module.add_arguments(p)
-        p.set_defaults(run=module.run)
-    args = parser.parse_args(argv)
-    try:
-        return args.run(args) or 0
-    except StoreError as e:
-        print(f"milo-store {args.command}: {e}", file=sys.stderr)
-        return 2
+    return run_subcommands("milo-store", "Inspect milo KV stores.", COMMANDS, (StoreError,), argv)
 
 
 if __name__ == "__main__":
