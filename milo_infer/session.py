@@ -13,6 +13,7 @@ import torch
 from milo_kernels import apply_rope, reconstruct_layer
 from milo_store import IncompatibleStoreError, MiloStore
 from milo_store.prefetch import LayerPrefetcher
+from milo_store.quant import dequantize_layer
 
 from .cache import MiloCache
 from .corpus import TaskSpec
@@ -87,11 +88,13 @@ class MiloSession:
         def fill(layer: int, out_k: torch.Tensor, out_v: torch.Tensor) -> None:
             t0 = time.perf_counter()
             factors, starts = prefetch.layer(layer)
-            segments = self.layout.layer_segments(self.store.ranks[block_ids, layer], tokens, dst, starts)
+            segments = torch.from_numpy(
+                self.layout.layer_segments(self.store.ranks[block_ids, layer], tokens, dst, starts)).to(factors.device)
+            if self.layout.quantized:  # not fused yet: INT8 codes become fp32 factors first
+                factors, segments = dequantize_layer(factors, segments, self.layout.head_dim)
             out_k[:, :self.anchor_len] = self.anchor_k[layer]
             out_v[:, :self.anchor_len] = self.anchor_v[layer]
-            reconstruct_layer(factors, torch.from_numpy(segments).to(factors.device), out_k, out_v,
-                              self.cos, self.sin, interleaved=self.rope_interleaved)
+            reconstruct_layer(factors, segments, out_k, out_v, self.cos, self.sin, interleaved=self.rope_interleaved)
             timings["reconstruct"] += time.perf_counter() - t0
 
         self.prefetch_bytes = int(prefetch.layer_values.sum()) * self.store.itemsize

@@ -1,6 +1,7 @@
 """Rank allocation under a byte budget (paper §4.3), with the scopes and policies the evaluation compares.
 
-Every (block, layer, kind, head) matrix is a *unit*; giving it one more rank costs T + d + 1 values.
+Every (block, layer, kind, head) matrix is a *unit*; giving it one more rank costs T + d + 1 values
+(T + d + 10 bytes with INT8 factors).
 Within an allocation *group* (chosen by ``scope`` and ``kv_split``) every unit starts at r_min, and
 further rank increments are taken in order of a key until the group's budget is spent:
 
@@ -56,7 +57,7 @@ def allocate_ranks(spectra: np.ndarray, tokens: np.ndarray, layout: Layout, rati
     cap = np.minimum(np.minimum(tokens, d), n if r_max is None else min(r_max, n))  # [N]
     if r_min > cap.min(initial=d):
         raise ValueError(f"r_min={r_min} exceeds the largest possible rank {int(cap.min())} of some block")
-    cost = (tokens + d + 1).astype(np.float64)  # values per rank unit, per block
+    cost = layout.unit_size(tokens).astype(np.float64)  # storage elements per rank unit, per block
 
     full = full_kv_bytes(layout, tokens, 2)
     spendable = ratio * full - index_bytes(layout, N)  # bytes the factors may take, store-wide

@@ -9,9 +9,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import quant
+from .format import TORCH_DTYPES
 from .layout import Layout
 
-FACTOR_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 CODECS = ("svd", "identity")
 
 
@@ -57,19 +58,25 @@ def factorize_block(keys: torch.Tensor, values: torch.Tensor, codec: str = "svd"
 
 
 def pack_block(f: BlockFactors, ranks: np.ndarray, dtype: str = "float16") -> torch.Tensor:
-    """Concatenate each segment's first r columns (ranks [L, 2, H]) into one flat tensor of ``dtype``."""
-    tdtype = FACTOR_DTYPES[dtype]
+    """Concatenate each segment's first r columns (ranks [L, 2, H]) into one flat tensor of ``dtype``.
+
+    ``int8`` packs each segment's bytes as quant.py lays them out (a uint8 tensor).
+    """
+    tdtype = TORCH_DTYPES[dtype]
     ranks = np.asarray(ranks)
     if ranks.shape != tuple(f.S.shape[:3]):
         raise ValueError(f"ranks shape {ranks.shape} does not match factors {tuple(f.S.shape[:3])}")
     if ranks.max(initial=0) > f.S.shape[-1]:
         raise ValueError(f"rank {ranks.max()} exceeds the {f.S.shape[-1]} factor columns available")
-    if tdtype == torch.float16 and f.S.numel() and float(f.S.max()) > torch.finfo(torch.float16).max:
+    if tdtype in (torch.float16, torch.uint8) and f.S.numel() and float(f.S.max()) > torch.finfo(torch.float16).max:
         raise ValueError(f"a singular value ({float(f.S.max()):.3g}) overflows float16; store bfloat16 or float32")
     parts = []
     for idx in np.ndindex(*ranks.shape):
         r = int(ranks[idx])
-        parts += [f.A[idx][:, :r].reshape(-1), f.S[idx][:r], f.B[idx][:, :r].reshape(-1)]
+        if dtype == "int8":
+            parts.append(quant.pack_segment(f.A[idx][:, :r], f.S[idx][:r], f.B[idx][:, :r]))
+        else:
+            parts += [f.A[idx][:, :r].reshape(-1), f.S[idx][:r], f.B[idx][:, :r].reshape(-1)]
     return torch.cat(parts).to(tdtype) if parts else torch.empty(0, dtype=tdtype)
 
 

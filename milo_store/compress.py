@@ -1,5 +1,5 @@
 """Pass two of a build: allocate ranks over every staged spectrum, then write the store."""
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -8,6 +8,7 @@ import torch
 
 from .allocation import allocate_ranks
 from .codec import CODECS, pack_block
+from .format import TORCH_DTYPES
 from .layout import Layout
 from .staging import Staging
 from .writer import StoreWriter
@@ -33,6 +34,8 @@ class CompressionConfig:
             raise ValueError(f"unknown codec {self.codec!r}; expected one of {CODECS}")
         if not 0 < self.ratio <= 1:
             raise ValueError(f"ratio must be in (0, 1]; got {self.ratio}")
+        if self.dtype not in TORCH_DTYPES:
+            raise ValueError(f"unknown factor dtype {self.dtype!r}; expected one of {tuple(TORCH_DTYPES)}")
         if not 0 < self.key_share < 1 or (self.key_share != 0.5 and self.kv_split != "separate"):
             raise ValueError(f"key share {self.key_share} must be in (0, 1), and needs kv_split 'separate'")
 
@@ -52,7 +55,7 @@ def plan_ranks(staging: Staging, num_blocks: int, layout: Layout, config: Compre
     if config.full_rank:
         full = np.minimum(tokens, d).reshape(-1, 1, 1, 1)
         return np.broadcast_to(full, spectra.shape[:4]).astype(np.int16), tokens
-    itemsize = torch.empty(0, dtype=getattr(torch, config.dtype)).element_size()
+    itemsize = torch.empty(0, dtype=TORCH_DTYPES[config.dtype]).element_size()
     ranks = allocate_ranks(spectra, tokens, layout, config.ratio, policy=config.policy, scope=config.scope,
                            kv_split=config.kv_split, r_min=config.r_min, r_max=config.r_max, eps=config.eps,
                            seed=config.seed, bytes_per_value=itemsize, key_share=config.key_share)
@@ -63,6 +66,7 @@ def write_store(path, staging: Staging, num_blocks: int, layout: Layout, config:
                 attrs: dict | None = None, anchor_kv: torch.Tensor | None = None, examples: dict | None = None,
                 token_ids: np.ndarray | None = None, force: bool = False, lock=None, progress: Callable[[int], None] | None = None) -> Path:
     """Allocate and commit the store at ``path`` from ``num_blocks`` staged blocks."""
+    layout = replace(layout, quantized=config.dtype == "int8")
     ranks, tokens = plan_ranks(staging, num_blocks, layout, config)
     attrs = {**(attrs or {}), "codec": config.codec, "allocation": asdict(config)}
     with StoreWriter(path, layout, ranks, tokens, dtype=config.dtype, attrs=attrs, force=force,

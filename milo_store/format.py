@@ -12,8 +12,14 @@ TOKEN_IDS = "token_ids"  # int32, every block's tokens concatenated (optional)
 EXAMPLES = "examples"  # group with arrays input, output, id (str) and block (int32)
 MAX_CHUNK_BYTES = 64 << 20
 # numpy cannot hold bfloat16: its bits go to disk as uint16 and are viewed back as torch.bfloat16.
-NUMPY_DTYPES = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32}
-TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+# INT8 stores keep raw segment bytes (codes and their fp16 scales, quant.py) in a uint8 array.
+NUMPY_DTYPES = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32, "int8": np.uint8}
+TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "int8": torch.uint8}
+
+
+def anchor_dtype(factor_dtype: str) -> str:
+    """The anchor is stored uncompressed: in the factor dtype, or fp16 for INT8 stores."""
+    return "float16" if factor_dtype == "int8" else factor_dtype
 
 
 def chunk_values(total_values: int, itemsize: int, max_chunk_bytes: int = MAX_CHUNK_BYTES) -> int:

@@ -4,6 +4,9 @@ A block is one contiguous run of the store's flat factor array. Inside it, layer
 inside a layer, segments are ordered (kind, head) with keys (kind 0) before values (kind 1). A
 segment of rank r over T tokens with head dim d is ``A [T, r]`` row-major, ``Σ [r]``, ``B [d, r]``
 row-major: r * (T + d + 1) values. Everything here derives from the ranks and token counts alone.
+
+A quantized layout (INT8 factors, ``quantized=True``) counts bytes instead: a segment is r * (T + d + 10)
+bytes, laid out by ``quant.py``.
 """
 from dataclasses import dataclass
 
@@ -12,6 +15,9 @@ import numpy as np
 KINDS = ("key", "value")
 # Bytes per value of the index arrays that the accounting counts beside the factors.
 RANK_BYTES, TOKENS_BYTES, CHECKSUM_BYTES = 2, 4, 4
+# Bytes per rank unit of an INT8 segment beyond its T + d codes: Σ, and scale and minimum of the
+# A column and of the B column, each fp16.
+QUANT_UNIT_OVERHEAD = 10
 
 
 @dataclass(frozen=True)
@@ -19,6 +25,11 @@ class Layout:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    quantized: bool = False  # INT8 factors: sizes and offsets are in bytes
+
+    def unit_size(self, tokens):
+        """Storage elements one rank unit costs over ``tokens`` tokens (values, or bytes when quantized)."""
+        return tokens + self.head_dim + (QUANT_UNIT_OVERHEAD if self.quantized else 1)
 
     @property
     def units_per_block(self) -> int:
@@ -27,7 +38,7 @@ class Layout:
     def segment_sizes(self, ranks: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         """Values per segment, shape like ranks [N, L, 2, H], given tokens [N]."""
         t = np.asarray(tokens, dtype=np.int64).reshape(-1, 1, 1, 1)
-        return np.asarray(ranks, dtype=np.int64) * (t + self.head_dim + 1)
+        return np.asarray(ranks, dtype=np.int64) * self.unit_size(t)
 
     def block_offsets(self, ranks: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         """Start of each block in the flat factor array, plus the end: int64 [N + 1]."""
@@ -36,7 +47,7 @@ class Layout:
 
     def layer_offsets(self, block_ranks: np.ndarray, tokens: int) -> np.ndarray:
         """Start of each layer inside one block (ranks [L, 2, H]), plus the end: int64 [L + 1]."""
-        sizes = (np.asarray(block_ranks, dtype=np.int64) * (tokens + self.head_dim + 1)).reshape(self.num_layers, -1)
+        sizes = (np.asarray(block_ranks, dtype=np.int64) * self.unit_size(tokens)).reshape(self.num_layers, -1)
         return np.concatenate(([0], np.cumsum(sizes.sum(axis=1)))).astype(np.int64)
 
     def layer_segments(self, layer_ranks: np.ndarray, tokens: np.ndarray, dst_rows: np.ndarray,
@@ -50,7 +61,7 @@ class Layout:
         r = np.asarray(layer_ranks, dtype=np.int64)
         n, H = r.shape[0], self.num_kv_heads
         t = np.asarray(tokens, dtype=np.int64)
-        sizes = (r * (t.reshape(-1, 1, 1) + self.head_dim + 1)).reshape(n, -1)
+        sizes = (r * self.unit_size(t.reshape(-1, 1, 1))).reshape(n, -1)
         within = np.cumsum(sizes, axis=1) - sizes
         src = np.asarray(src_starts, dtype=np.int64).reshape(-1, 1) + within
         kind, head = np.divmod(np.arange(2 * H), H)

@@ -34,7 +34,7 @@ class MiloStore:
     def __init__(self, path: Path, group, meta: dict, tier: str, verify: bool, cache_bytes: int, pin: bool | None):
         self.path, self.group, self.meta, self.tier, self.verify = path, group, meta, tier, verify
         lay = meta["layout"]
-        self.layout = Layout(lay["num_layers"], lay["num_kv_heads"], lay["head_dim"])
+        self.layout = Layout(lay["num_layers"], lay["num_kv_heads"], lay["head_dim"], lay.get("quantized", False))
         self.dtype = meta["factor_dtype"]
         self.torch_dtype = fmt.TORCH_DTYPES[self.dtype]
         self.itemsize = torch.empty(0, dtype=self.torch_dtype).element_size()
@@ -176,7 +176,7 @@ class MiloStore:
         """The uncompressed anchor K/V [L, 2, H, T_anchor, d] (pre-RoPE keys), or None."""
         if fmt.ANCHOR not in self.group:
             return None
-        return fmt.from_numpy(np.asarray(self.group[fmt.ANCHOR][...]), self.dtype)
+        return fmt.from_numpy(np.asarray(self.group[fmt.ANCHOR][...]), fmt.anchor_dtype(self.dtype))
 
     def token_ids(self, i: int) -> np.ndarray | None:
         """The token ids block i was encoded from, or None when the store does not keep them."""

@@ -83,6 +83,8 @@ class StoreWriter:
             raise ValueError(f"ranks shape {self.ranks.shape} does not match {len(self.block_tokens)} blocks of {layout}")
         if dtype not in fmt.NUMPY_DTYPES:
             raise ValueError(f"unknown factor dtype {dtype!r}; expected one of {tuple(fmt.NUMPY_DTYPES)}")
+        if layout.quantized != (dtype == "int8"):
+            raise ValueError(f"factor dtype {dtype} does not match a layout with quantized={layout.quantized}")
         self.attrs = dict(attrs or {})
         self.offsets = layout.block_offsets(self.ranks, self.block_tokens)
         # A caller that holds the lock already (a build, across both passes) hands it in and keeps it.
@@ -143,7 +145,7 @@ class StoreWriter:
         if tuple(anchor_kv.shape[:3]) != want or anchor_kv.shape[-1] != self.layout.head_dim:
             raise ValueError(f"anchor K/V must be [L, 2, H, T, d] with L, H, d = {want[0]}, {want[2]}, "
                              f"{self.layout.head_dim}; got {tuple(anchor_kv.shape)}")
-        data = fmt.to_numpy(anchor_kv.to(fmt.TORCH_DTYPES[self.dtype]))
+        data = fmt.to_numpy(anchor_kv.to(fmt.TORCH_DTYPES[fmt.anchor_dtype(self.dtype)]))
         self.group.create_array(fmt.ANCHOR, data=data, compressors=None)
 
     def write_examples(self, inputs: list[str], outputs: list[str], ids: list[str], blocks: list[int]) -> None:
@@ -175,7 +177,7 @@ class StoreWriter:
             self.group.attrs[fmt.ATTRS_KEY] = {
                 **self.attrs, "format_version": fmt.FORMAT_VERSION, "factor_dtype": self.dtype,
                 "layout": {"num_layers": self.layout.num_layers, "num_kv_heads": self.layout.num_kv_heads,
-                           "head_dim": self.layout.head_dim}}
+                           "head_dim": self.layout.head_dim, "quantized": self.layout.quantized}}
             _fsync_tree(self.tmp)
             old = None
             if self.path.exists():

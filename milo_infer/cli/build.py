@@ -15,7 +15,8 @@ from pathlib import Path
 from milo_store import CompressionConfig
 from milo_store.allocation import KV_SPLITS, POLICIES, SCOPES
 from milo_store.cli.common import human_bytes, print_json
-from milo_store.codec import CODECS, FACTOR_DTYPES
+from milo_store.codec import CODECS
+from milo_store.format import TORCH_DTYPES
 from milo_store.writer import check_target
 
 from ..build import BuildConfig, build_store
@@ -42,7 +43,8 @@ def add_arguments(p):
     p.add_argument("--seed", type=int, default=0, help="shuffles the data set, the block order and random allocation")
     p.add_argument("--order", choices=("random", "corpus"), default="random", help="how demonstrations fill blocks")
     p.add_argument("--codec", choices=CODECS, default="svd")
-    p.add_argument("--dtype", choices=tuple(FACTOR_DTYPES), default="float16", help="stored factor dtype")
+    p.add_argument("--dtype", choices=tuple(TORCH_DTYPES), default="float16",
+                   help="stored factor dtype (int8: quantized factors, about twice the rank at equal bytes)")
     p.add_argument("--policy", choices=POLICIES, default="entropy", help="rank allocation policy")
     p.add_argument("--scope", choices=SCOPES, default="head", help="what shares one rank budget")
     p.add_argument("--kv-split", choices=KV_SPLITS, default="separate", help="budget keys and values apart or together")

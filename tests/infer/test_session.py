@@ -126,3 +126,16 @@ def test_answer_reports_blocks_bytes_and_stage_times(tmp_path, default_model):
     assert len(answer.blocks) == 2 and 0 < answer.kv_bytes_stored < answer.kv_bytes_full
     assert {"retrieve", "read", "reconstruct", "model"} <= set(answer.seconds)
     assert np.isclose(answer.kv_bytes_stored / answer.kv_bytes_full, 0.5, atol=0.1)
+
+
+def test_int8_factors_track_identity_closer_than_fp16_at_equal_bytes(tmp_path, default_model):
+    ident = MiloSession(default_model, small_store(tmp_path, default_model, "i", n=8, block_size=4, w=1,
+                                                   codec="identity"))
+    int8 = MiloSession(default_model, small_store(tmp_path, default_model, "q", n=8, block_size=4, w=1, codec="svd",
+                                                  dtype="int8", ratio=0.5))
+    fp16 = MiloSession(default_model, small_store(tmp_path, default_model, "h", n=8, block_size=4, w=1, codec="svd",
+                                                  dtype="float16", ratio=0.5))
+    assert int8.store.accounting()["ratio"] <= 0.5
+    a = ident.logits(QUERY, block_ids=[1, 0])
+    q, h = int8.logits(QUERY, block_ids=[1, 0]), fp16.logits(QUERY, block_ids=[1, 0])
+    assert (a - q).abs().max() < (a - h).abs().max()

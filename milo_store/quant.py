@@ -1,0 +1,53 @@
+"""INT8 factors: asymmetric, one scale and minimum per factor column (FlexGen-style, group = column).
+
+A and B columns are unit vectors, so one group per column costs 8 bytes per rank unit and adds
+~0.1% error where truncation adds 10-35% (docs/results.md); at equal bytes INT8 nearly doubles the
+rank. Segment of rank r over T tokens, d head dim (r * (T + d + 10) bytes):
+``Σ, A scale, A min, B scale, B min`` (fp16 [r] each), then ``A`` codes [T, r], ``B`` codes [d, r] (uint8).
+"""
+import torch
+
+from .layout import QUANT_UNIT_OVERHEAD
+
+HEADER = QUANT_UNIT_OVERHEAD // 2  # fp16 vectors of length r before the codes
+
+
+def quantize_columns(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """uint8 codes, fp16 scale, fp16 minimum of each column of x [n, r]; x ≈ codes * scale + minimum."""
+    lo = x.min(dim=0).values.half()
+    scale = ((x.max(dim=0).values - lo.float()) / 255).clamp_min(torch.finfo(torch.float16).tiny).half()
+    codes = torch.round((x - lo.float()) / scale.float()).clamp(0, 255).to(torch.uint8)
+    return codes, scale, lo
+
+
+def pack_segment(A: torch.Tensor, S: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+    """The bytes of one INT8 segment (A [T, r], S [r], B [d, r], any float dtype)."""
+    if A.shape[1] == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    a, a_scale, a_min = quantize_columns(A.float())
+    b, b_scale, b_min = quantize_columns(B.float())
+    header = torch.stack((S.half(), a_scale, a_min, b_scale, b_min)).reshape(-1).view(torch.uint8)
+    return torch.cat((header, a.reshape(-1), b.reshape(-1)))
+
+
+def dequantize_segment(raw: torch.Tensor, rank: int, tokens: int, d: int) -> torch.Tensor:
+    """The fp32 segment (A, Σ, B, as the floating layout packs it) from its INT8 bytes."""
+    r = rank
+    header = raw[:HEADER * 2 * r].clone().view(torch.float16).float().view(HEADER, r)  # clone: fp16 alignment
+    S, a_scale, a_min, b_scale, b_min = header
+    codes = raw[HEADER * 2 * r:]
+    A = codes[:tokens * r].view(tokens, r).float() * a_scale + a_min
+    B = codes[tokens * r:tokens * r + d * r].view(d, r).float() * b_scale + b_min
+    return torch.cat((A.reshape(-1), S, B.reshape(-1)))
+
+
+def dequantize_layer(raw: torch.Tensor, segments, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's gathered INT8 bytes and segment table -> fp32 factors and the table re-pointed at them."""
+    out, table, pos = [], segments.clone(), 0
+    for i, (src, rank, tokens) in enumerate(segments[:, :3].tolist()):
+        n = rank * (tokens + d + QUANT_UNIT_OVERHEAD)
+        out.append(dequantize_segment(raw[src:src + n], rank, tokens, d) if rank else raw.new_empty(0, dtype=torch.float32))
+        table[i, 0] = pos
+        pos += rank * (tokens + d + 1)
+    flat = torch.cat(out) if out else torch.empty(0, device=raw.device)
+    return flat, table
