@@ -47,6 +47,9 @@ METHODS = {
     "milo-random": {"codec": "svd", "policy": "random"},
     "milo-layer": {"codec": "svd", "scope": "layer"},
     "milo-global": {"codec": "svd", "scope": "global"},
+    "milo-ks0.3": {"codec": "svd", "key_share": 0.3},
+    "milo+int8": {"codec": "svd", "dtype": "int8"},
+    "milo+int8-ks0.3": {"codec": "svd", "dtype": "int8", "key_share": 0.3},
 }
 
 
