@@ -1,8 +1,9 @@
 """Rebuild one layer's K and V from packed low-rank factors into an attention buffer, keys rotated by RoPE.
 
 `reconstruct_layer` validates its inputs, then dispatches: CUDA tensors go to one Triton launch for the
-whole layer, CPU tensors to the PyTorch reference (`naive.reconstruct_layer_naive`). The environment
-variable MILO_KERNEL=reference|triton forces a backend (Triton on CPU tensors needs TRITON_INTERPRET=1).
+whole layer, CPU tensors to the batched CPU path (`cpu.reconstruct_layer_cpu`). The environment variable
+MILO_KERNEL=reference|triton forces a backend: `reference` is the literal PyTorch oracle
+(`naive.reconstruct_layer_naive`) on any device; Triton on CPU tensors needs TRITON_INTERPRET=1.
 
 Validation reads the segment table on the host, which synchronises with the device. Callers that replay
 launches (a CUDA graph, every layer of one retrieval) call `plan_layer` once per layer and `launch` after:
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .cpu import reconstruct_layer_cpu
 from .naive import reconstruct_layer_naive
 
 try:
@@ -52,9 +54,11 @@ def reconstruct_layer(factors, segments, out_k, out_v, cos, sin, *, interleaved=
     factors: 1-D contiguous fp16/bf16/fp32; segments: int64 [S, 6] (see SEGMENT_COLUMNS); out_k, out_v:
     [kv_heads, N, d]; cos, sin: fp32 [>= N, d]. Only the segments' rows are written.
     """
-    if _backend(factors) == "reference":
+    backend = _backend(factors)
+    if backend in ("reference", "cpu"):
         segs = _check_all(factors, segments, out_k, out_v, cos, sin)
-        reconstruct_layer_naive(factors, segs, out_k, out_v, cos, sin, interleaved=interleaved)
+        rebuild = reconstruct_layer_naive if backend == "reference" else reconstruct_layer_cpu
+        rebuild(factors, segs, out_k, out_v, cos, sin, interleaved=interleaved)
     else:
         plan = plan_layer(factors, segments, out_k, out_v, cos, sin)
         launch(plan, factors, out_k, out_v, cos, sin, interleaved=interleaved)
@@ -122,7 +126,7 @@ def launch(plan: Plan, factors, out_k, out_v, cos, sin, *, interleaved=False) ->
 def _backend(factors) -> str:
     choice = os.environ.get("MILO_KERNEL", "").strip().lower() or "auto"
     if choice == "auto":
-        return "triton" if factors.is_cuda else "reference"
+        return "triton" if factors.is_cuda else "cpu"
     if choice not in ("reference", "triton"):
         raise ValueError(f"MILO_KERNEL must be 'reference' or 'triton', got {choice!r}")
     return choice

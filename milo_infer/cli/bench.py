@@ -1,0 +1,146 @@
+"""Throughput under KV offloading: full-KV offload vs MILO at ρ, with the transfer path's limits measured.
+
+Builds (or reuses, under --out) one store per method from one encoding, answers the same queries from
+each for every k and batch size, methods interleaved round by round, and prints a markdown table:
+queries/s, generated tokens/s, milliseconds per stage, bytes moved and GB/s, speedup vs full and the
+1/ρ bound, plus the raw bandwidth of the transfer path and the rebuild kernel's speedup over the
+reference, measured in the same run. Writes bench.md, bench.json and (with matplotlib) bench.png.
+
+Sources: the shipped demo corpus and queries (default), --dataset NAME --shots N (queries from its
+test split), or --synthetic SHAPE (random weights of that shape, synthetic K/V: no model files).
+`answer_batch` answers its queries one after another, so batch sizes differ only by grouping.
+"""
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .. import bench
+from ..corpus import load_corpus, load_dataset, task_from_corpus
+from ..models import load_model
+from . import CommandError
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+
+
+def add_arguments(p):
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--corpus", metavar="FILE", help="demonstrations .jsonl/.csv (default: the shipped demo corpus)")
+    src.add_argument("--dataset", metavar="NAME", help="a benchmark set (banking77, ...) from MILO_DATA")
+    src.add_argument("--synthetic", choices=sorted(bench.SHAPES), help="random model of this shape, synthetic store")
+    p.add_argument("--queries", metavar="FILE", help="query items (input field) for --corpus (default: the demo queries)")
+    p.add_argument("--shots", type=int, default=256, help="demonstrations stored for --dataset/--synthetic (default 256)")
+    p.add_argument("--model", default="default", metavar="PATH", help="'default', an HF directory or a .gguf")
+    p.add_argument("--ratios", default="0.5,0.25", metavar="R", help="ρ of the MILO stores (default 0.5,0.25)")
+    p.add_argument("--k", default="2,4,8", metavar="K", help="blocks retrieved per query, a sweep (default 2,4,8)")
+    p.add_argument("--batch", default="1,4", metavar="B", help="queries per answer_batch call, a sweep (default 1,4)")
+    p.add_argument("--n-queries", type=int, default=4, help="queries answered per method, k and batch (default 4)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved repetitions; figures are medians (default 3)")
+    p.add_argument("--block-size", type=int, default=32, help="demonstrations per block (default 32)")
+    p.add_argument("--demo-tokens", type=int, default=20, help="tokens per synthetic demonstration (default 20)")
+    p.add_argument("--tier", choices=("host", "disk", "cached"), default="host", help="where factors are read from")
+    p.add_argument("--device", default=None, help="compute device (default: cuda if available for --synthetic, "
+                                                  "else the model's)")
+    p.add_argument("--sync-stages", action="store_true", help="synchronise CUDA at stage boundaries (true stage "
+                                                              "times, no transfer/compute overlap)")
+    p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's)")
+    p.add_argument("--out", required=True, metavar="DIR", help="folder for the reports (and the stores)")
+    p.add_argument("--stores", metavar="DIR", help="folder for the stores, reused when built the same way "
+                                                   "(default: OUT/stores)")
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise CommandError(f"{flag}: expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise CommandError(f"{flag}: expected integers >= 1, got {text!r}")
+    return values
+
+
+def _ratios(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise CommandError(f"--ratios: expected comma-separated numbers, got {text!r}") from None
+    if not values or not all(0 < r < 1 for r in values):
+        raise CommandError(f"--ratios: each ρ must be in (0, 1), got {text!r}")
+    return values
+
+
+def setup(args, ratios):
+    """(loaded model, store paths, query texts) for the chosen source."""
+    out = Path(args.stores) if args.stores else Path(args.out) / "stores"
+    if args.synthetic:
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+        loaded = bench.random_model(args.synthetic, device, dtype)
+        paths = bench.synthetic_stores(out, loaded, demos=args.shots, block_size=args.block_size,
+                                       demo_tokens=args.demo_tokens, ratios=ratios)
+        n_blocks = -(-args.shots // args.block_size)
+        return loaded, paths, bench.synthetic_queries(args.n_queries, n_blocks, max(_ints(args.k, "--k")))
+    if args.dataset:
+        train, test, task = load_dataset(args.dataset)
+        if args.shots > len(train):
+            raise CommandError(f"--shots {args.shots}: {args.dataset} has only {len(train)} training demonstrations")
+        demos, queries = train[:args.shots], [t.input for t in test[:args.n_queries]]
+    else:
+        if args.corpus and not args.queries:
+            raise CommandError("--corpus needs --queries")
+        demos = load_corpus(args.corpus or DATA / "demo_corpus.jsonl")
+        queries = [q.input for q in load_corpus(args.queries or DATA / "demo_queries.jsonl")][:args.n_queries]
+        task = task_from_corpus(demos)
+    try:
+        loaded = load_model(args.model)
+    except (OSError, ValueError) as e:
+        raise CommandError(f"--model: {e}") from None
+    paths = bench.real_stores(out, loaded, demos, task, ratios, block_size=args.block_size)
+    return loaded, paths, queries
+
+
+def run(args) -> int:
+    started = time.perf_counter()
+    ratios, ks, batches = _ratios(args.ratios), _ints(args.k, "--k"), _ints(args.batch, "--batch")
+    for flag in ("n_queries", "rounds", "shots", "block_size", "demo_tokens"):
+        if getattr(args, flag) < 1:
+            raise CommandError(f"--{flag.replace('_', '-')} must be at least 1; got {getattr(args, flag)}")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    loaded, paths, queries = setup(args, ratios)
+    device = args.device or (("cuda" if torch.cuda.is_available() else "cpu") if args.synthetic else None)
+    report = bench.run_bench(loaded, paths, queries, ks=ks, batches=batches, rounds=args.rounds, ratios=ratios,
+                             tier=args.tier, device=device, sync_stages=args.sync_stages,
+                             progress=lambda line: print(line, file=sys.stderr))
+    out = Path(args.out)
+    report["command"] = "milo bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:])
+    report["seconds"] = time.perf_counter() - started
+    md = bench.render_markdown(report)
+    (out / "bench.md").write_text(md + "\n", encoding="utf-8")
+    (out / "bench.json").write_text(json.dumps(report, indent=2, default=float), encoding="utf-8")
+    png = bench.plot(report, out / "bench.png")
+    print(md)
+    print(f"wrote {out / 'bench.md'}, {out / 'bench.json'}" + (f", {png}" if png else "")
+          + f" in {report['seconds']:.0f} s")
+    return 0
+
+
+def main(argv=None) -> int:
+    """`python -m milo_infer.cli.bench`: the same command outside `milo` (tools/gpu_bench.sh uses it)."""
+    from .main import INPUT_ERRORS  # here: main imports this module
+
+    p = argparse.ArgumentParser(prog="milo bench", description=__doc__)
+    add_arguments(p)
+    args = p.parse_args(argv)
+    try:
+        return run(args)
+    except INPUT_ERRORS as e:
+        print(f"milo bench: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
