@@ -11,9 +11,9 @@ from milo_store.errors import StoreError
 from ..build import BuildError
 from ..corpus import CorpusError, DatasetUnavailable
 from ..models import ModelUnavailable, UnsupportedModelError
-from . import CommandError, build, eval, query
+from . import CommandError, bench, build, eval, query
 
-COMMANDS = {"build": build, "query": query, "eval": eval}
+COMMANDS = {"build": build, "query": query, "eval": eval, "bench": bench}
 
 # Errors that describe the user's input or environment, not a bug: no traceback for these.
 INPUT_ERRORS = (CommandError, BuildError, CorpusError, DatasetUnavailable, ModelUnavailable, UnsupportedModelError,
