@@ -17,6 +17,7 @@ import torch
 from tqdm import tqdm
 
 from milo_store import CompressionConfig, Layout, MiloStore, Staging, factorize_block, write_store
+from milo_store.compress import staging_codec
 from milo_store.writer import StoreLock, check_target
 
 from .corpus import Demonstration, TaskSpec
@@ -75,7 +76,7 @@ def corpus_fingerprint(identity: dict, task: TaskSpec, demos, config: BuildConfi
     text = hashlib.sha256(json.dumps([[d.id, d.input, d.output] for d in demos]).encode()).hexdigest()
     return {"model": identity["config_hash"], "model_name": identity["name"], "task": asdict(task), "corpus": text,
             "block_size": config.block_size, "context_blocks": config.context_blocks, "order": config.order,
-            "seed": config.seed, "codec": config.compression.codec}
+            "seed": config.seed, "codec": staging_codec(config.compression.codec)}
 
 
 def encode_block(model, captured_len: int, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,7 +116,7 @@ def build_store(out, loaded: LoadedModel, demos: list[Demonstration], task: Task
             context = anchor_ids + [t for b in block_ids[max(0, i - w):i] for t in b]
             keys, values = encode_block(model, len(block_ids[i]), context + block_ids[i])
             t1 = time.perf_counter()
-            staging.put(i, factorize_block(keys, values, codec=config.compression.codec))
+            staging.put(i, factorize_block(keys, values, codec=staging_codec(config.compression.codec)))
             times["encode_s"] += t1 - t0
             times["factorize_s"] += time.perf_counter() - t1
             bar.update(len(block_ids[i]))
@@ -127,13 +128,14 @@ def build_store(out, loaded: LoadedModel, demos: list[Demonstration], task: Task
         attrs = {"model": identity, "task": asdict(task),
                  "build": {"block_size": config.block_size, "context_blocks": w, "order": config.order,
                            "seed": config.seed, "anchor_token_ids": anchor_ids}}
-        examples = {"input": [], "output": [], "id": [], "block": []}
+        examples = {"input": [], "output": [], "id": [], "block": [], "tokens": []}
         for b, members in enumerate(blocks):
             for i in members:
                 examples["input"].append(demos[i].input)
                 examples["output"].append(demos[i].output)
                 examples["id"].append(demos[i].id)
                 examples["block"].append(b)
+                examples["tokens"].append(len(demo_ids[i]))
         path = write_store(out, staging, len(blocks), layout, config.compression, attrs=attrs,
                            anchor_kv=anchor_kv, examples=examples,
                            token_ids=np.concatenate([np.asarray(b, dtype=np.int32) for b in block_ids]),

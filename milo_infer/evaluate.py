@@ -4,12 +4,15 @@ Three pieces:
 
 * `method_config` names the compared stores: ``full`` (the uncompressed baseline: identity codec,
   fp16), ``milo`` (SVD at ratio ρ, entropy allocation per head), ``milo-fullrank`` (SVD keeping
-  every direction: isolates the codec's rounding from the truncation) and allocation variants.
+  every direction: isolates the codec's rounding from the truncation), allocation variants, and the
+  paper's two baselines at the same measured bytes: ``global-proj`` (one corpus-wide projection per
+  layer, K/V and head) and ``example-svd`` (every demonstration factored alone).
 * `encode_once` builds every method's store for one (corpus, block size, context blocks) while
   running the model over the demonstrations once. The expensive part of a build is the encoding;
   `build_store` stages full-rank factors under a fingerprint that leaves out the ratio, policy,
-  scope, dtype and full_rank flag, so stores that differ only in those share one staging. The codec
-  is in the fingerprint (identity factors are not SVD factors), but an identity staging holds the
+  scope, dtype and full_rank flag, so stores that differ only in those share one staging. The staged
+  codec is in the fingerprint (identity factors are not SVD factors; the baselines are computed from
+  the SVD staging, `staging_codec`), but an identity staging holds the
   block's exact fp32 K/V, so the SVD staging is factored from it instead of encoding again.
 * `evaluate` answers test queries from one store, scores them and measures the bytes each query
   streamed. Every finished prediction is appended to a JSONL file, so a killed run resumes.
@@ -30,6 +33,7 @@ from pathlib import Path
 from typing import Callable
 
 from milo_store import CompressionConfig, MiloStore, Staging, StoreError, factorize_block
+from milo_store.compress import staging_codec
 
 from .build import BuildConfig, build_store, corpus_fingerprint
 from .corpus import Demonstration, TaskSpec
@@ -50,6 +54,9 @@ METHODS = {
     "milo-ks0.3": {"codec": "svd", "key_share": 0.3},
     "milo+int8": {"codec": "svd", "dtype": "int8"},
     "milo+int8-ks0.3": {"codec": "svd", "dtype": "int8", "key_share": 0.3},
+    # the paper's baselines at equal measured bytes (milo_store/baselines.py)
+    "global-proj": {"codec": "global-proj"},
+    "example-svd": {"codec": "example-svd"},
 }
 
 
@@ -91,7 +98,7 @@ def encode_once(loaded: LoadedModel, demos: list[Demonstration], task: TaskSpec,
             continue
         fingerprint = corpus_fingerprint(loaded.identity, task, demos, config)
         shared = _staging_dir(root, fingerprint)
-        if compression.codec == "svd":
+        if staging_codec(compression.codec) == "svd":
             _factor_staged(root, fingerprint)
         own = Path(f"{out}.staging")
         if shared.is_dir():
@@ -183,7 +190,7 @@ def evaluate(loaded: LoadedModel, store_path, test: list[Demonstration], task: T
             reference = task.answer_of(item.output) or item.output
             record = {"key": key, "id": item.id, "input": item.input, "reference": reference,
                       "prediction": answer.text, "correct": is_correct(answer.text, reference, task.answer_kind),
-                      "blocks": answer.blocks, "kv_bytes_full": answer.kv_bytes_full,
+                      "blocks": answer.blocks, "groups": answer.groups, "kv_bytes_full": answer.kv_bytes_full,
                       "kv_bytes_stored": answer.kv_bytes_stored, "seconds": answer.seconds}
             done[item.id] = record
             if predictions is not None:

@@ -1,5 +1,10 @@
 """Answer queries from a mounted store: retrieve blocks, stream their factors, rebuild K/V, run the model.
 
+Retrieval ranks *groups*, the blocks of m demonstrations the build encoded together; a store whose
+blocks are finer (``block_group``: one store block per demonstration, the example-svd baseline)
+puts each selected group's store blocks in order, so every store of one build gives a query the
+same demonstrations in the same order. Without ``block_group`` a group is one block.
+
 The context the model sees is [anchor][selected blocks][query]. Keys are stored before RoPE and
 rotated at the positions the blocks take in this assembled, contiguous context; values are used as
 stored. Everything the store holds for a query goes through ``milo_kernels.reconstruct_layer``.
@@ -27,7 +32,8 @@ IDENTITY_FIELDS = ("config_hash", "num_layers", "num_kv_heads", "head_dim", "rop
 @dataclass
 class Answer:
     text: str
-    blocks: list[int]
+    blocks: list[int]  # store blocks, in context order
+    groups: list[int]  # the retrieved groups they come from
     prefix_tokens: int
     kv_bytes_full: int
     kv_bytes_stored: int
@@ -57,7 +63,8 @@ class MiloSession:
         self.max_new_tokens, self.prefetch_depth = max_new_tokens, prefetch_depth
         self.task = TaskSpec(**{**store.meta["task"], "labels": tuple(store.meta["task"].get("labels", ()))})
         ex = store.examples()
-        self.retriever = BM25BlockRetriever(ex["input"], ex["block"], store.block_tokens.tolist(), aggregate=aggregate)
+        example_group = store.block_group[np.asarray(ex["block"], dtype=np.int64)]
+        self.retriever = BM25BlockRetriever(ex["input"], example_group, store.group_tokens(), aggregate=aggregate)
         self.trie = LabelTrie(self.tokenizer, list(self.task.labels)) if self.task.answer_kind == "label" else None
         self.layout = store.layout
         self.rope_interleaved = store.meta["model"]["rope"]["layout"] == "interleaved"
@@ -73,7 +80,8 @@ class MiloSession:
 
     # -- retrieval and assembly -----------------------------------------------------------------
     def select(self, text: str) -> list[int]:
-        ids = self.retriever.select(text, k=min(self.k, self.store.num_blocks), token_budget=self.token_budget)
+        """The retrieved groups in context order (k and token_budget count groups and their tokens)."""
+        ids = self.retriever.select(text, k=min(self.k, self.store.num_groups), token_budget=self.token_budget)
         return order_blocks(ids, self.retriever.scores(text), order=self.order)
 
     def build_cache(self, block_ids: list[int], extra_tokens: int, timings: dict) -> MiloCache:
@@ -107,9 +115,10 @@ class MiloSession:
 
     @torch.inference_mode()
     def logits(self, text: str, block_ids: list[int] | None = None) -> torch.Tensor:
-        """Logits [T_query, vocab] of the query in the assembled context (for exactness checks)."""
+        """Logits [T_query, vocab] of the query in the assembled context of these store blocks (default:
+        the retrieved groups' blocks), for exactness checks."""
         ids = self.query_ids(text)
-        block_ids = self.select(text) if block_ids is None else block_ids
+        block_ids = self.store.blocks_of(self.select(text)) if block_ids is None else block_ids
         cache = self.build_cache(block_ids, len(ids), {})
         out = self.model(input_ids=torch.tensor([ids], device=self.device), cache=cache, use_cache=True)
         return out.logits[0].float()
@@ -118,7 +127,8 @@ class MiloSession:
     def answer(self, text: str) -> Answer:
         timings = {}
         t = time.perf_counter()
-        block_ids = self.select(text)
+        groups = self.select(text)
+        block_ids = self.store.blocks_of(groups)
         timings["retrieve"] = time.perf_counter() - t
         ids = self.query_ids(text)
         budget = self.trie.max_tokens if self.trie is not None else self.max_new_tokens
@@ -138,7 +148,7 @@ class MiloSession:
         timings["model"] = time.perf_counter() - t - timings.get("reconstruct", 0.0)
         tokens = self.store.block_tokens[block_ids]
         per_token = self.layout.units_per_block * self.layout.head_dim * 2
-        return Answer(text=decoded.text.strip(), blocks=list(block_ids), prefix_tokens=cache.layers[0].prefix_len,
+        return Answer(text=decoded.text.strip(), blocks=block_ids, groups=groups, prefix_tokens=cache.layers[0].prefix_len,
                       kv_bytes_full=int(tokens.sum()) * per_token, kv_bytes_stored=self.prefetch_bytes, seconds=timings)
 
     def answer_batch(self, texts: list[str]) -> list[Answer]:

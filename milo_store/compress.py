@@ -1,4 +1,9 @@
-"""Pass two of a build: allocate ranks over every staged spectrum, then write the store."""
+"""Pass two of a build: allocate ranks over every staged spectrum, then write the store.
+
+Pass two reads a *source* of store blocks (see baselines.py): the staged blocks themselves for
+``svd`` and ``identity``, or a baseline computed from the staged SVD factors (``global-proj``,
+``example-svd``). Allocation and writing are the same for all of them.
+"""
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
@@ -7,11 +12,50 @@ import numpy as np
 import torch
 
 from .allocation import allocate_ranks
-from .codec import CODECS, pack_block
-from .format import TORCH_DTYPES
-from .layout import Layout
+from .baselines import BASELINES, ExampleSplit, GlobalProjection
+from .codec import CODECS, BlockFactors, pack_block
+from .format import GROUP_BYTES, TORCH_DTYPES
+from .layout import Layout, full_kv_bytes
 from .staging import Staging
 from .writer import StoreWriter
+
+STORE_CODECS = CODECS + BASELINES
+
+
+def staging_codec(codec: str) -> str:
+    """What pass one stages for a store codec: the baselines derive from the same SVD factors as svd."""
+    return "identity" if codec == "identity" else "svd"
+
+
+class StagedBlocks:
+    """Pass-two source of ``svd`` and ``identity``: one store block per staged block, as staged."""
+
+    block_group = None
+
+    def __init__(self, staging: Staging, num_blocks: int):
+        self.staging, self.num_blocks = staging, num_blocks
+
+    def spectrum(self, i: int) -> tuple[int, torch.Tensor]:
+        f = self.staging.get(i)
+        return f.tokens, f.S
+
+    def factors(self, i: int) -> BlockFactors:
+        return self.staging.get(i)
+
+
+def pass_two_source(staging: Staging, num_blocks: int, config: "CompressionConfig", examples: dict | None = None):
+    """The store blocks ``config.codec`` writes from ``num_blocks`` staged blocks.
+
+    ``example-svd`` needs ``examples`` with each demonstration's ``block`` and ``tokens``; the other
+    codecs ignore them.
+    """
+    if config.codec == "global-proj":
+        return GlobalProjection(staging, num_blocks)
+    if config.codec == "example-svd":
+        if examples is None or "tokens" not in examples:
+            raise ValueError("example-svd needs the demonstrations' blocks and token counts (examples['tokens'])")
+        return ExampleSplit(staging, examples["block"], examples["tokens"], num_blocks)
+    return StagedBlocks(staging, num_blocks)
 
 
 @dataclass
@@ -30,8 +74,8 @@ class CompressionConfig:
     full_rank: bool = False  # keep every singular direction (the exactness reference for the codec)
 
     def __post_init__(self):
-        if self.codec not in CODECS:
-            raise ValueError(f"unknown codec {self.codec!r}; expected one of {CODECS}")
+        if self.codec not in STORE_CODECS:
+            raise ValueError(f"unknown codec {self.codec!r}; expected one of {STORE_CODECS}")
         if not 0 < self.ratio <= 1:
             raise ValueError(f"ratio must be in (0, 1]; got {self.ratio}")
         if self.dtype not in TORCH_DTYPES:
@@ -40,23 +84,28 @@ class CompressionConfig:
             raise ValueError(f"key share {self.key_share} must be in (0, 1), and needs kv_split 'separate'")
 
 
-def plan_ranks(staging: Staging, num_blocks: int, layout: Layout, config: CompressionConfig) -> tuple[np.ndarray, np.ndarray]:
-    """(ranks [N, L, 2, H], tokens [N]) for the staged blocks under ``config``."""
-    d = layout.head_dim
-    tokens = np.zeros(num_blocks, dtype=np.int64)
-    spectra = np.zeros((num_blocks, layout.num_layers, 2, layout.num_kv_heads, d))
-    for i in range(num_blocks):
-        f = staging.get(i)
-        tokens[i] = f.tokens
-        s = f.S.double().numpy()
-        spectra[i, ..., :s.shape[-1]] = s
-    if config.codec == "identity":
-        return np.full(spectra.shape[:4], d, dtype=np.int16), tokens
-    if config.full_rank:
-        full = np.minimum(tokens, d).reshape(-1, 1, 1, 1)
-        return np.broadcast_to(full, spectra.shape[:4]).astype(np.int16), tokens
+def plan_ranks(staging: Staging, num_blocks: int, layout: Layout, config: CompressionConfig,
+               examples: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(ranks [N, L, 2, H], tokens [N]) of the store blocks ``config`` writes from the staged blocks."""
+    return _plan(pass_two_source(staging, num_blocks, config, examples), layout, config)
+
+
+def _plan(source, layout: Layout, config: CompressionConfig) -> tuple[np.ndarray, np.ndarray]:
+    N, d = source.num_blocks, layout.head_dim
+    tokens = np.zeros(N, dtype=np.int64)
+    full = np.zeros(N, dtype=np.int64)  # columns each block's factors hold: its full rank
+    spectra = np.zeros((N, layout.num_layers, 2, layout.num_kv_heads, d))
+    for i in range(N):
+        tokens[i], s = source.spectrum(i)
+        full[i] = s.shape[-1]
+        spectra[i, ..., :full[i]] = s.double().numpy()
+    if config.codec == "identity" or config.full_rank:
+        return np.broadcast_to(full.reshape(-1, 1, 1, 1), spectra.shape[:4]).astype(np.int16), tokens
+    ratio = config.ratio
+    if source.block_group is not None:  # the group index is not in allocation's index: take it off the budget
+        ratio -= GROUP_BYTES * N / full_kv_bytes(layout, tokens)
     itemsize = torch.empty(0, dtype=TORCH_DTYPES[config.dtype]).element_size()
-    ranks = allocate_ranks(spectra, tokens, layout, config.ratio, policy=config.policy, scope=config.scope,
+    ranks = allocate_ranks(spectra, tokens, layout, ratio, policy=config.policy, scope=config.scope,
                            kv_split=config.kv_split, r_min=config.r_min, r_max=config.r_max, eps=config.eps,
                            seed=config.seed, bytes_per_value=itemsize, key_share=config.key_share)
     return ranks, tokens
@@ -65,14 +114,20 @@ def plan_ranks(staging: Staging, num_blocks: int, layout: Layout, config: Compre
 def write_store(path, staging: Staging, num_blocks: int, layout: Layout, config: CompressionConfig, *,
                 attrs: dict | None = None, anchor_kv: torch.Tensor | None = None, examples: dict | None = None,
                 token_ids: np.ndarray | None = None, force: bool = False, lock=None, progress: Callable[[int], None] | None = None) -> Path:
-    """Allocate and commit the store at ``path`` from ``num_blocks`` staged blocks."""
+    """Allocate and commit the store at ``path`` from ``num_blocks`` staged blocks.
+
+    ``examples`` holds lists ``input``, ``output``, ``id``, ``block`` (the staged block of each
+    demonstration) and, for ``example-svd``, ``tokens`` (each one's token count). In an example-svd
+    store a demonstration's ``block`` is its own store block and ``block_group`` names the staged one.
+    """
     layout = replace(layout, quantized=config.dtype == "int8")
-    ranks, tokens = plan_ranks(staging, num_blocks, layout, config)
+    source = pass_two_source(staging, num_blocks, config, examples)
+    ranks, tokens = _plan(source, layout, config)
     attrs = {**(attrs or {}), "codec": config.codec, "allocation": asdict(config)}
     with StoreWriter(path, layout, ranks, tokens, dtype=config.dtype, attrs=attrs, force=force,
-                     lock=lock) as w:
-        for i in range(num_blocks):
-            w.write_block(pack_block(staging.get(i), ranks[i], config.dtype))
+                     lock=lock, block_group=source.block_group) as w:
+        for i in range(source.num_blocks):
+            w.write_block(pack_block(source.factors(i), ranks[i], config.dtype))
             if progress:
                 progress(i)
         if anchor_kv is not None:
@@ -80,5 +135,6 @@ def write_store(path, staging: Staging, num_blocks: int, layout: Layout, config:
         if token_ids is not None:
             w.write_token_ids(token_ids)
         if examples is not None:
-            w.write_examples(examples["input"], examples["output"], examples["id"], examples["block"])
+            blocks = source.example_block if isinstance(source, ExampleSplit) else examples["block"]
+            w.write_examples(examples["input"], examples["output"], examples["id"], blocks)
         return w.commit()

@@ -10,6 +10,8 @@ ATTRS_KEY = "milo"
 FACTORS, RANKS, TOKENS, CHECKSUMS, ANCHOR = "factors", "ranks", "block_tokens", "checksums", "anchor_kv"
 TOKEN_IDS = "token_ids"  # int32, every block's tokens concatenated (optional)
 EXAMPLES = "examples"  # group with arrays input, output, id (str) and block (int32)
+BLOCK_GROUP = "block_group"  # int32 [N], optional: the retrieval group of each store block
+GROUP_BYTES = 4  # index bytes per block that a block_group array adds
 MAX_CHUNK_BYTES = 64 << 20
 # numpy cannot hold bfloat16: its bits go to disk as uint16 and are viewed back as torch.bfloat16.
 # INT8 stores keep raw segment bytes (codes and their fp16 scales, quant.py) in a uint8 array.
@@ -43,3 +45,13 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
 def from_numpy(a: np.ndarray, dtype: str) -> torch.Tensor:
     t = torch.from_numpy(a)
     return t.view(torch.bfloat16) if dtype == "bfloat16" else t
+
+
+def check_block_group(block_group: np.ndarray, num_blocks: int) -> str | None:
+    """What is wrong with a block_group array (None when sound): groups 0.. in order, each contiguous."""
+    g = np.asarray(block_group)
+    if g.shape != (num_blocks,):
+        return f"block_group has shape {g.shape}, expected ({num_blocks},)"
+    if num_blocks and (g[0] != 0 or not np.isin(np.diff(g), (0, 1)).all()):
+        return "block_group must start at 0 and never decrease or skip a group (each group's blocks are contiguous)"
+    return None

@@ -41,7 +41,10 @@ class MiloStore:
         self.ranks = np.asarray(group[fmt.RANKS][...], dtype=np.int16)
         self.block_tokens = np.asarray(group[fmt.TOKENS][...], dtype=np.int64)
         self.checksums = np.asarray(group[fmt.CHECKSUMS][...], dtype=np.uint32)
+        self.block_group = (np.asarray(group[fmt.BLOCK_GROUP][...], dtype=np.int64) if fmt.BLOCK_GROUP in group
+                            else np.arange(len(self.block_tokens), dtype=np.int64))
         self._check_index()
+        self._group_starts = np.searchsorted(self.block_group, np.arange(self.num_groups + 1))
         self.offsets = self.layout.block_offsets(self.ranks, self.block_tokens)
         factors = group[fmt.FACTORS]
         if factors.shape != (int(self.offsets[-1]),):
@@ -88,6 +91,8 @@ class MiloStore:
                                       f"checksums {self.checksums.shape}")
         if n and (self.block_tokens.min() < 1 or self.ranks.min() < 0 or self.ranks.max() > self.layout.head_dim):
             raise StoreCorruptedError(f"{self.path}: index holds impossible token counts or ranks")
+        if problem := fmt.check_block_group(self.block_group, n):
+            raise StoreCorruptedError(f"{self.path}: {problem}")
 
     def _open_chunks(self, total: int) -> list[int]:
         fds, nbytes = [], self.chunk * self.itemsize
@@ -172,6 +177,24 @@ class MiloStore:
     def num_blocks(self) -> int:
         return len(self.block_tokens)
 
+    @property
+    def grouped(self) -> bool:
+        """Whether the store keeps a block_group array (store blocks finer than retrieval groups)."""
+        return fmt.BLOCK_GROUP in self.group
+
+    @property
+    def num_groups(self) -> int:
+        """Retrieval groups; without a block_group array every block is its own group."""
+        return int(self.block_group[-1]) + 1 if self.num_blocks else 0
+
+    def blocks_of(self, groups: list[int]) -> list[int]:
+        """The store blocks of these groups, group after group, each group's blocks in order."""
+        return [b for g in groups for b in range(int(self._group_starts[g]), int(self._group_starts[g + 1]))]
+
+    def group_tokens(self) -> np.ndarray:
+        """Tokens per retrieval group, int64 [num_groups]."""
+        return np.bincount(self.block_group, weights=self.block_tokens, minlength=self.num_groups).astype(np.int64)
+
     def anchor_kv(self) -> torch.Tensor | None:
         """The uncompressed anchor K/V [L, 2, H, T_anchor, d] (pre-RoPE keys), or None."""
         if fmt.ANCHOR not in self.group:
@@ -195,6 +218,11 @@ class MiloStore:
     def accounting(self) -> dict:
         """Planned and actual bytes: the accounted compressed set, and what the store takes on disk."""
         acc = compressed_bytes(self.layout, self.ranks, self.block_tokens, self.itemsize)
+        if self.grouped:  # one more index entry per block, beyond what layout.index_bytes counts
+            extra = fmt.GROUP_BYTES * self.num_blocks
+            acc["index_bytes"] += extra
+            acc["total_bytes"] += extra
+            acc["ratio"] = acc["total_bytes"] / acc["full_fp16_bytes"] if acc["full_fp16_bytes"] else 0.0
         acc["disk_bytes"] = sum(f.stat().st_size for f in self.path.rglob("*") if f.is_file())
         acc["factor_file_bytes"] = sum(f.stat().st_size for f in (self.path / fmt.FACTORS).rglob("*") if f.is_file())
         acc["planned_ratio"] = self.meta.get("allocation", {}).get("ratio")

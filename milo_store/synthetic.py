@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from .codec import factorize_block
-from .compress import CompressionConfig, write_store
+from .compress import CompressionConfig, staging_codec, write_store
 from .layout import Layout
 from .staging import Staging
 
@@ -36,14 +36,14 @@ def build_synthetic_store(path, layout: Layout, block_tokens, config: Compressio
     config = config or CompressionConfig()
     g = torch.Generator().manual_seed(seed)
     staging = Staging(staging_dir or Path(str(path) + ".staging"), {"synthetic": seed, "tokens": list(map(int, block_tokens)),
-                                                                  "layout": str(layout), "codec": config.codec})
+                                                                  "layout": str(layout), "codec": staging_codec(config.codec)})
     for i, t in enumerate(block_tokens):
         if not staging.has(i):
-            staging.put(i, factorize_block(*synthetic_block_kv(layout, int(t), g), codec=config.codec))
+            staging.put(i, factorize_block(*synthetic_block_kv(layout, int(t), g), codec=staging_codec(config.codec)))
     anchor = torch.randn(layout.num_layers, 2, layout.num_kv_heads, anchor_tokens, layout.head_dim, generator=g)
     n = len(block_tokens)
     examples = {"input": [f"synthetic demonstration {i}" for i in range(n)], "output": ["x"] * n,
-                "id": [str(i) for i in range(n)], "block": list(range(n))}
+                "id": [str(i) for i in range(n)], "block": list(range(n)), "tokens": list(map(int, block_tokens))}
     out = write_store(path, staging, n, layout, config, attrs={"model": {"name": "synthetic"}},
                       anchor_kv=anchor, examples=examples, force=force)
     staging.remove()

@@ -70,11 +70,14 @@ class StoreWriter:
 
     ``ranks`` [N, L, 2, H] and ``block_tokens`` [N] fix the layout up front, so the factor array is
     created at its exact size and filled chunk by chunk without padding between blocks.
+    ``block_group`` [N] (optional) makes store blocks finer than retrieval groups: group g is the
+    contiguous run of blocks labelled g (docs/format.md).
     """
 
     def __init__(self, path, layout: Layout, ranks: np.ndarray, block_tokens: np.ndarray, *,
                  dtype: str = "float16", attrs: dict | None = None, force: bool = False,
-                 max_chunk_bytes: int = fmt.MAX_CHUNK_BYTES, lock: StoreLock | None = None):
+                 max_chunk_bytes: int = fmt.MAX_CHUNK_BYTES, lock: StoreLock | None = None,
+                 block_group: np.ndarray | None = None):
         self.path = Path(path)
         self.layout, self.dtype = layout, dtype
         self.ranks = np.asarray(ranks, dtype=np.int16)
@@ -85,6 +88,9 @@ class StoreWriter:
             raise ValueError(f"unknown factor dtype {dtype!r}; expected one of {tuple(fmt.NUMPY_DTYPES)}")
         if layout.quantized != (dtype == "int8"):
             raise ValueError(f"factor dtype {dtype} does not match a layout with quantized={layout.quantized}")
+        if block_group is not None and (problem := fmt.check_block_group(block_group, len(self.block_tokens))):
+            raise ValueError(problem)
+        self.block_group = None if block_group is None else np.asarray(block_group, dtype=np.int32)
         self.attrs = dict(attrs or {})
         self.offsets = layout.block_offsets(self.ranks, self.block_tokens)
         # A caller that holds the lock already (a build, across both passes) hands it in and keeps it.
@@ -174,6 +180,8 @@ class StoreWriter:
             self.group.create_array(fmt.RANKS, data=self.ranks)
             self.group.create_array(fmt.TOKENS, data=self.block_tokens)
             self.group.create_array(fmt.CHECKSUMS, data=self.checksums)
+            if self.block_group is not None:
+                self.group.create_array(fmt.BLOCK_GROUP, data=self.block_group)
             self.group.attrs[fmt.ATTRS_KEY] = {
                 **self.attrs, "format_version": fmt.FORMAT_VERSION, "factor_dtype": self.dtype,
                 "layout": {"num_layers": self.layout.num_layers, "num_kv_heads": self.layout.num_kv_heads,

@@ -1,0 +1,157 @@
+"""The paper's baselines in the store format: global-proj (one corpus projection per layer, K/V, head)
+and example-svd (one SVD per demonstration, store blocks finer than retrieval groups)."""
+import numpy as np
+import pytest
+import torch
+
+from milo_store import CompressionConfig, Layout, MiloStore, Staging, factorize_block, write_store
+from milo_store.baselines import ExampleSplit, GlobalProjection, dense
+from milo_store.codec import unpack_block, reconstruct
+from milo_store.synthetic import synthetic_block_kv
+from milo_store.writer import StoreWriter
+
+LAYOUT = Layout(2, 2, 16)
+# demonstrations' token counts per staged block (a retrieval group)
+GROUPS = [[7, 5, 9], [6, 8], [4, 7, 3, 5]]
+
+
+def stage(tmp_path, tokens, seed=0):
+    """SVD staging of synthetic blocks and their exact K/V [L, 2, H, T, d]."""
+    g = torch.Generator().manual_seed(seed)
+    staging = Staging(tmp_path / "staging", {"test": seed})
+    xs = []
+    for i, t in enumerate(tokens):
+        k, v = synthetic_block_kv(LAYOUT, t, g)
+        staging.put(i, factorize_block(k, v, codec="svd"))
+        xs.append(torch.stack((k, v), dim=1))
+    return staging, xs
+
+
+def examples_of(groups):
+    n = sum(map(len, groups))
+    return {"input": [f"demo {e}" for e in range(n)], "output": ["x"] * n, "id": [str(e) for e in range(n)],
+            "block": [g for g, members in enumerate(groups) for _ in members],
+            "tokens": [t for members in groups for t in members]}
+
+
+def stored_dense(store: MiloStore, i: int) -> torch.Tensor:
+    """Block i of a store rebuilt as X [L, 2, H, T, d]."""
+    T, L, H, d = int(store.block_tokens[i]), LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim
+    x = torch.zeros(L, 2, H, T, d)
+    for idx, A, S, B in unpack_block(store.block(i).float(), store.layout, store.ranks[i], T):
+        x[idx] = reconstruct(A, S, B)
+    return x
+
+
+def test_global_projection_is_exact_at_full_rank(tmp_path):
+    staging, xs = stage(tmp_path, [20, 9, 33])  # 9 < d: still exact, the rank is d
+    config = CompressionConfig(codec="global-proj", full_rank=True, ratio=1.0, dtype="float32")
+    path = write_store(tmp_path / "s", staging, 3, LAYOUT, config)
+    with MiloStore.open(path) as store:
+        assert (store.ranks == LAYOUT.head_dim).all() and not store.grouped
+        for i, x in enumerate(xs):
+            torch.testing.assert_close(stored_dense(store, i), x, atol=1e-4, rtol=1e-4)
+        P = GlobalProjection(staging, 3).P
+        torch.testing.assert_close(P.transpose(-1, -2) @ P, torch.eye(LAYOUT.head_dim).expand_as(P), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_global_projection_never_beats_per_block_svd(tmp_path, seed):
+    g = torch.Generator().manual_seed(seed)
+    staging = Staging(tmp_path / "staging", {"random": seed})
+    xs = [torch.randn(LAYOUT.num_layers, 2, LAYOUT.num_kv_heads, t, LAYOUT.head_dim, generator=g) for t in (30, 12, 25)]
+    for i, x in enumerate(xs):
+        staging.put(i, factorize_block(x[:, 0], x[:, 1]))
+    source = GlobalProjection(staging, len(xs))
+    for i, x in enumerate(xs):
+        f, svd = source.factors(i), staging.get(i)
+        for r in range(1, LAYOUT.head_dim):
+            projected = (f.A[..., :r] * f.S[..., None, :r]) @ f.B[..., :r].transpose(-1, -2)
+            kept = min(r, svd.S.shape[-1])
+            truncated = (svd.A[..., :kept] * svd.S[..., None, :kept]) @ svd.B[..., :kept].transpose(-1, -2)
+            err_global = (x - projected).flatten(-2).norm(dim=-1)
+            err_block = (x - truncated).flatten(-2).norm(dim=-1)
+            assert (err_global >= err_block - 1e-4 * x.flatten(-2).norm(dim=-1)).all()  # Eckart–Young
+
+
+def test_global_projection_ranks_are_uniform_per_head_and_bytes_meet_the_ratio(tmp_path):
+    staging, _ = stage(tmp_path, [40, 33, 48, 40])
+    path = write_store(tmp_path / "s", staging, 4, LAYOUT, CompressionConfig(codec="global-proj", ratio=0.5))
+    with MiloStore.open(path) as store:
+        spread = store.ranks.max(axis=0).astype(int) - store.ranks.min(axis=0)
+        assert (spread <= 1).all()  # one shared projection: blocks of a (layer, kind, head) rise together
+        acc = store.accounting()
+        assert 0.45 < acc["ratio"] <= 0.5 and store.meta["codec"] == "global-proj"
+
+
+def test_example_svd_store_maps_groups_back_to_their_demonstrations(tmp_path):
+    staging, xs = stage(tmp_path, [sum(m) for m in GROUPS])
+    examples = examples_of(GROUPS)
+    config = CompressionConfig(codec="example-svd", full_rank=True, ratio=1.0, dtype="float32")
+    path = write_store(tmp_path / "s", staging, len(GROUPS), LAYOUT, config, examples=examples)
+    with MiloStore.open(path, tier="disk") as store:
+        assert store.grouped and store.num_groups == len(GROUPS) and store.num_blocks == len(examples["id"])
+        stored = store.examples()
+        assert stored["id"] == examples["id"]
+        # each demonstration is its own store block, inside the group its block was
+        assert stored["block"] == list(range(len(examples["id"])))
+        assert store.block_group.tolist() == examples["block"]
+        assert store.block_tokens.tolist() == examples["tokens"]
+        assert store.group_tokens().tolist() == [sum(m) for m in GROUPS]
+        for g, x in enumerate(xs):
+            blocks = store.blocks_of([g])
+            assert [stored["id"][b] for b in blocks] == [i for i, grp in zip(examples["id"], examples["block"]) if grp == g]
+            rebuilt = torch.cat([stored_dense(store, b) for b in blocks], dim=-2)  # the group's context rows
+            torch.testing.assert_close(rebuilt, x, atol=1e-4, rtol=1e-4)
+        assert store.blocks_of([2, 0]) == [5, 6, 7, 8, 0, 1, 2]
+
+
+@pytest.mark.parametrize("ratio", [0.3, 0.5])
+def test_example_svd_bytes_include_the_finer_index_and_meet_the_ratio(tmp_path, ratio):
+    groups = [[25] * 6, [23, 27, 25, 26, 24, 25]]
+    staging, _ = stage(tmp_path, [sum(m) for m in groups])
+    path = write_store(tmp_path / "s", staging, 2, LAYOUT, CompressionConfig(codec="example-svd", ratio=ratio),
+                       examples=examples_of(groups))
+    with MiloStore.open(path) as store:
+        acc = store.accounting()
+        per_block = LAYOUT.units_per_block * 2 + 4 + 4 + 4  # ranks, tokens, checksum, group
+        assert acc["index_bytes"] == store.num_blocks * per_block
+        factors = int(LAYOUT.segment_sizes(store.ranks, store.block_tokens).sum()) * 2
+        assert acc["total_bytes"] == factors + acc["index_bytes"]
+        assert ratio - 0.05 < acc["ratio"] <= ratio
+
+
+def test_example_svd_needs_token_counts_that_match_the_staging(tmp_path):
+    staging, _ = stage(tmp_path, [sum(m) for m in GROUPS])
+    config = CompressionConfig(codec="example-svd", ratio=0.5)
+    examples = examples_of(GROUPS)
+    with pytest.raises(ValueError, match="token counts"):
+        write_store(tmp_path / "s", staging, 3, LAYOUT, config, examples={k: v for k, v in examples.items() if k != "tokens"})
+    examples["tokens"][0] += 1
+    with pytest.raises(ValueError, match="holds 21 tokens"):
+        write_store(tmp_path / "s", staging, 3, LAYOUT, config, examples=examples)
+
+
+def test_example_split_spectra_match_its_factors(tmp_path):
+    staging, _ = stage(tmp_path, [sum(m) for m in GROUPS])
+    ex = examples_of(GROUPS)
+    source = ExampleSplit(staging, ex["block"], ex["tokens"], len(GROUPS))
+    for j in range(source.num_blocks):
+        tokens, s = source.spectrum(j)
+        f = source.factors(j)
+        assert tokens == f.tokens == ex["tokens"][j]
+        torch.testing.assert_close(s, f.S, atol=1e-4, rtol=1e-4)
+
+
+def test_block_group_must_be_contiguous_groups_in_order(tmp_path):
+    ranks, tokens = np.ones((3, 2, 2, 2)), np.array([4, 4, 4])
+    for bad in ([0, 2, 2], [1, 1, 1], [0, 1, 0], [0, 1]):
+        with pytest.raises(ValueError, match="block_group"):
+            StoreWriter(tmp_path / "s", LAYOUT, ranks, tokens, block_group=np.array(bad))
+
+
+def test_stores_without_block_group_have_one_group_per_block(small_store):
+    with MiloStore.open(small_store) as store:
+        assert not store.grouped and store.num_groups == store.num_blocks
+        assert store.blocks_of([2, 0]) == [2, 0]
+        assert store.group_tokens().tolist() == store.block_tokens.tolist()
