@@ -84,26 +84,39 @@ class MiloSession:
         ids = self.retriever.select(text, k=min(self.k, self.store.num_groups), token_budget=self.token_budget)
         return order_blocks(ids, self.retriever.scores(text), order=self.order)
 
+    def _now(self) -> float:
+        """Stage clock (a subclass may synchronise the device first, to time CUDA stages exactly)."""
+        return time.perf_counter()
+
+    def rebuild(self, factors, segments, out_k, out_v) -> None:
+        """Write one layer's block rows of K (rotated) and V; the one call the query path makes."""
+        reconstruct_layer(factors, segments, out_k, out_v, self.cos, self.sin, interleaved=self.rope_interleaved)
+
     def build_cache(self, block_ids: list[int], extra_tokens: int, timings: dict) -> MiloCache:
-        t = time.perf_counter()
+        """A cache whose layers fill [anchor][blocks] on first use. ``timings`` gains read, transfer
+        (getting a layer's factors onto the device) and reconstruct (dequantise and rebuild)."""
+        t = self._now()
         prefetch = LayerPrefetcher(self.store, block_ids, self.device, depth=self.prefetch_depth)
-        timings["read"] = time.perf_counter() - t
+        timings["read"] = self._now() - t
         tokens = self.store.block_tokens[block_ids]
         dst = self.anchor_len + np.concatenate(([0], np.cumsum(tokens)[:-1])).astype(np.int64)
         prefix = self.anchor_len + int(tokens.sum())
+        timings.setdefault("transfer", 0.0)
         timings.setdefault("reconstruct", 0.0)
 
         def fill(layer: int, out_k: torch.Tensor, out_v: torch.Tensor) -> None:
-            t0 = time.perf_counter()
+            t0 = self._now()
             factors, starts = prefetch.layer(layer)
+            t1 = self._now()
             segments = torch.from_numpy(
                 self.layout.layer_segments(self.store.ranks[block_ids, layer], tokens, dst, starts)).to(factors.device)
             if self.layout.quantized:  # not fused yet: INT8 codes become fp32 factors first
                 factors, segments = dequantize_layer(factors, segments, self.layout.head_dim)
             out_k[:, :self.anchor_len] = self.anchor_k[layer]
             out_v[:, :self.anchor_len] = self.anchor_v[layer]
-            reconstruct_layer(factors, segments, out_k, out_v, self.cos, self.sin, interleaved=self.rope_interleaved)
-            timings["reconstruct"] += time.perf_counter() - t0
+            self.rebuild(factors, segments, out_k, out_v)
+            timings["transfer"] += t1 - t0
+            timings["reconstruct"] += self._now() - t1
 
         self.prefetch_bytes = int(prefetch.layer_values.sum()) * self.store.itemsize
         return MiloCache(self.layout.num_layers, prefix, prefix + extra_tokens,
@@ -145,7 +158,7 @@ class MiloSession:
             decoded = constrained_greedy(step, self.trie)
         else:
             decoded = greedy_until(step, self.tokenizer, ["\n\n", "\nInput:", "\nQuery:"], self.max_new_tokens)
-        timings["model"] = time.perf_counter() - t - timings.get("reconstruct", 0.0)
+        timings["model"] = time.perf_counter() - t - timings["reconstruct"] - timings["transfer"]
         tokens = self.store.block_tokens[block_ids]
         per_token = self.layout.units_per_block * self.layout.head_dim * 2
         return Answer(text=decoded.text.strip(), blocks=block_ids, groups=groups, prefix_tokens=cache.layers[0].prefix_len,
