@@ -5,8 +5,8 @@ inside a layer, segments are ordered (kind, head) with keys (kind 0) before valu
 segment of rank r over T tokens with head dim d is ``A [T, r]`` row-major, ``Σ [r]``, ``B [d, r]``
 row-major: r * (T + d + 1) values. Everything here derives from the ranks and token counts alone.
 
-A quantized layout (INT8 factors, ``quantized=True``) counts bytes instead: a segment is r * (T + d + 10)
-bytes, laid out by ``quant.py``.
+A quantized layout (INT8 factors, ``quantized=True``) counts bytes instead: a segment is
+r * (T' + d + 10) bytes with T' = T rounded up to even, laid out by ``quant.py``.
 """
 from dataclasses import dataclass
 
@@ -29,7 +29,9 @@ class Layout:
 
     def unit_size(self, tokens):
         """Storage elements one rank unit costs over ``tokens`` tokens (values, or bytes when quantized)."""
-        return tokens + self.head_dim + (QUANT_UNIT_OVERHEAD if self.quantized else 1)
+        if self.quantized:  # A codes padded to an even row count: every fp16 header stays 2-byte aligned
+            return tokens + tokens % 2 + self.head_dim + QUANT_UNIT_OVERHEAD
+        return tokens + self.head_dim + 1
 
     @property
     def units_per_block(self) -> int:
