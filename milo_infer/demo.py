@@ -43,7 +43,8 @@ def main(argv=None) -> int:
         print(f"store: reusing {store_path}")
     except NotAStoreError:
         demos = load_corpus(DATA / "demo_corpus.jsonl")
-        config = BuildConfig(block_size=32, context_blocks=2, compression=CompressionConfig(ratio=args.ratio))
+        compression = CompressionConfig(ratio=args.ratio, dtype="int8")  # the default of `milo build`
+        config = BuildConfig(block_size=32, context_blocks=2, compression=compression)
         print(f"store: building {store_path} from {len(demos)} demonstrations (ratio {args.ratio})")
         summary = build_store(store_path, loaded, demos, task_from_corpus(demos), config, force=True)
         print(f"  built in {summary['encode_s'] + summary['factorize_s'] + summary['write_s']:.0f} s: "
