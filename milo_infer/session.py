@@ -18,7 +18,6 @@ import torch
 from milo_kernels import apply_rope, reconstruct_layer
 from milo_store import IncompatibleStoreError, MiloStore
 from milo_store.prefetch import LayerPrefetcher
-from milo_store.quant import dequantize_layer
 
 from .cache import MiloCache
 from .corpus import TaskSpec
@@ -110,8 +109,6 @@ class MiloSession:
             t1 = self._now()
             segments = torch.from_numpy(
                 self.layout.layer_segments(self.store.ranks[block_ids, layer], tokens, dst, starts)).to(factors.device)
-            if self.layout.quantized:  # not fused yet: INT8 codes become fp32 factors first
-                factors, segments = dequantize_layer(factors, segments, self.layout.head_dim)
             out_k[:, :self.anchor_len] = self.anchor_k[layer]
             out_v[:, :self.anchor_len] = self.anchor_v[layer]
             self.rebuild(factors, segments, out_k, out_v)

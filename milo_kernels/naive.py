@@ -1,6 +1,8 @@
 """Plain-PyTorch references: short and obviously right. The oracle for tests and the CPU path."""
 import torch
 
+INT8_HEADER = 5  # fp16 vectors of length r before an INT8 segment's codes: Σ, A scale, A min, B scale, B min
+
 
 def rotate(x: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
     """The RoPE partner of each channel: rotate-half (HF Llama/Qwen) or interleaved pairs (GPT-J)."""
@@ -17,19 +19,44 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     return (xf * cos + rotate(xf, interleaved) * sin).to(x.dtype)
 
 
+def int8_segment_bytes(rank: int, tokens: int, d: int) -> int:
+    """Size of an INT8 segment (docs/format.md): r (T' + d + 10) bytes, T' = T rounded up to even."""
+    return rank * (tokens + tokens % 2 + d + 2 * INT8_HEADER)
+
+
+def dequantize_int8_segment(raw: torch.Tensor, rank: int, tokens: int, d: int):
+    """fp32 A [T, r], Σ [r], B [d, r] of one INT8 segment, from its bytes (uint8, starting at the header).
+
+    Layout: fp16 Σ, A scale, A min, B scale, B min (each [r]), A codes [T', r] (last row padding when
+    T is odd), B codes [d, r]; value = code * scale + min per column.
+    """
+    header = raw[:2 * INT8_HEADER * rank].view(torch.float16).float().view(INT8_HEADER, rank)
+    s, a_scale, a_min, b_scale, b_min = header
+    codes = raw[2 * INT8_HEADER * rank:]
+    b_at = (tokens + tokens % 2) * rank
+    a = codes[:tokens * rank].view(tokens, rank).float() * a_scale + a_min
+    b = codes[b_at:b_at + d * rank].view(d, rank).float() * b_scale + b_min
+    return a, s, b
+
+
 def reconstruct_layer_naive(factors, segments, out_k, out_v, cos, sin, *, interleaved=False) -> None:
     """Rebuild each segment as X = A diag(Σ) Bᵀ in fp32, rotate keys at their output rows, write in place.
 
     A segment row is (src_offset, rank, tokens, dst_row, head, kind); its factors are packed at
-    factors[src_offset:] as A [tokens, rank], Σ [rank], B [d, rank], all row-major. Inputs are not
+    factors[src_offset:] as A [tokens, rank], Σ [rank], B [d, rank], all row-major. uint8 factors hold
+    INT8 segments instead (`dequantize_int8_segment`; src_offset counts bytes). Inputs are not
     validated here (milo_kernels.reconstruct_layer does that); this is the oracle, kept literal.
     """
     d = out_k.shape[-1]
     for src, rank, tokens, row, head, kind in segments.tolist():
-        a_end, s_end = src + tokens * rank, src + tokens * rank + rank
-        a = factors[src:a_end].float().view(tokens, rank)
-        s = factors[a_end:s_end].float()
-        b = factors[s_end:s_end + d * rank].float().view(d, rank)
+        if factors.dtype == torch.uint8:
+            raw = factors[src:src + int8_segment_bytes(rank, tokens, d)]
+            a, s, b = dequantize_int8_segment(raw, rank, tokens, d)
+        else:
+            a_end, s_end = src + tokens * rank, src + tokens * rank + rank
+            a = factors[src:a_end].float().view(tokens, rank)
+            s = factors[a_end:s_end].float()
+            b = factors[s_end:s_end + d * rank].float().view(d, rank)
         x = (a * s) @ b.T
         rows = slice(row, row + tokens)
         if kind == 0:

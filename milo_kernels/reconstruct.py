@@ -13,6 +13,13 @@ Why one tile per (segment, BLOCK_T tokens): every tile reads its rows of A, all 
 L2 across a segment's tiles), multiplies on tensor cores with fp32 accumulation, and writes finished,
 rotated rows. The two RoPE partners of each output channel are produced as two accumulators (the
 "first" and "second" channel of every pair), so the rotation happens in registers and K is written once.
+
+INT8 stores (uint8 factors, docs/format.md): the same kernel, with QUANT set, reads each segment's fp16
+header (Σ and the per-column scale and minimum of A and B) and its uint8 codes in place, dequantizes a
+tile in registers (code * scale + min, Σ folded into A) and feeds fp16 tiles to the same fp32-accumulating
+dots, so no fp32 copy of the factors is ever written. src_offset then counts bytes, and since every INT8
+segment has an even size the headers are read through an fp16 view of the same buffer (offset src / 2).
+On CPU tensors uint8 factors take the reference path (`naive.reconstruct_layer_naive`).
 """
 import functools
 import os
@@ -21,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from .cpu import reconstruct_layer_cpu
-from .naive import reconstruct_layer_naive
+from .naive import int8_segment_bytes, reconstruct_layer_naive
 
 try:
     import triton
@@ -30,6 +37,7 @@ except ImportError:  # the reference path needs neither
     triton = tl = None
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FACTOR_DTYPES = FLOAT_DTYPES + (torch.uint8,)  # uint8: INT8 segments (quantized stores)
 SEGMENT_COLUMNS = ("src_offset", "rank", "tokens", "dst_row", "head", "kind")
 
 
@@ -46,18 +54,21 @@ class Plan:
     block_r: int
     num_warps: int
     num_stages: int
+    quantized: bool = False  # planned for uint8 factors (INT8 segments, byte offsets)
 
 
 def reconstruct_layer(factors, segments, out_k, out_v, cos, sin, *, interleaved=False) -> None:
     """Write X = A diag(Σ) Bᵀ of every segment to out[head, dst_row:dst_row + tokens], keys rotated by RoPE.
 
-    factors: 1-D contiguous fp16/bf16/fp32; segments: int64 [S, 6] (see SEGMENT_COLUMNS); out_k, out_v:
-    [kv_heads, N, d]; cos, sin: fp32 [>= N, d]. Only the segments' rows are written.
+    factors: 1-D contiguous fp16/bf16/fp32, or uint8 holding INT8 segments (src_offset in bytes, even);
+    segments: int64 [S, 6] (see SEGMENT_COLUMNS); out_k, out_v: [kv_heads, N, d]; cos, sin: fp32
+    [>= N, d]. Only the segments' rows are written.
     """
     backend = _backend(factors)
     if backend in ("reference", "cpu"):
         segs = _check_all(factors, segments, out_k, out_v, cos, sin)
-        rebuild = reconstruct_layer_naive if backend == "reference" else reconstruct_layer_cpu
+        quantized = factors.dtype == torch.uint8
+        rebuild = reconstruct_layer_naive if backend == "reference" or quantized else reconstruct_layer_cpu
         rebuild(factors, segs, out_k, out_v, cos, sin, interleaved=interleaved)
     else:
         plan = plan_layer(factors, segments, out_k, out_v, cos, sin)
@@ -90,13 +101,14 @@ def plan_layer(factors, segments, out_k, out_v, cos, sin, *, block_t=64, block_r
     return Plan(
         tiles=tiles,
         d=d,
-        need_numel=int((src + rank * (tokens + d + 1)).max()) if len(segs) else 0,
+        need_numel=int((src + _segment_numel(rank, tokens, d, factors.dtype)).max()) if len(segs) else 0,
         need_rows=int((dst + tokens).max()) if len(segs) else 0,
         need_heads=int(head.max()) + 1 if len(segs) else 0,
         block_t=block_t,
         block_r=block_r,
         num_warps=num_warps,
         num_stages=num_stages,
+        quantized=factors.dtype == torch.uint8,
     )
 
 
@@ -106,13 +118,17 @@ def launch(plan: Plan, factors, out_k, out_v, cos, sin, *, interleaved=False) ->
     _check_tensors(factors, out_k, out_v, cos, sin)
     n_heads, n_rows, d = out_k.shape
     if (d != plan.d or factors.numel() < plan.need_numel or n_rows < plan.need_rows
-            or n_heads < plan.need_heads or plan.tiles.device != factors.device):
-        raise ValueError("buffers do not match the plan (d, factors length, rows, heads or device differ)")
+            or n_heads < plan.need_heads or plan.tiles.device != factors.device
+            or plan.quantized != (factors.dtype == torch.uint8)):
+        raise ValueError("buffers do not match the plan (d, factors length or kind, rows, heads or device differ)")
     if len(plan.tiles) == 0:
         return
+    # INT8 headers are fp16: an fp16 alias of the same bytes (alignment checked by _check_tensors)
+    header = factors[:factors.numel() // 2 * 2].view(torch.float16) if plan.quantized else factors
     _kernel()[(len(plan.tiles),)](
-        factors, plan.tiles, out_k, out_v, cos, sin, d,
+        factors, header, plan.tiles, out_k, out_v, cos, sin, d,
         *out_k.stride(), *out_v.stride(), *cos.stride(), *sin.stride(),
+        QUANT=plan.quantized,
         INTERLEAVED=bool(interleaved),
         IEEE_DOT=factors.dtype == torch.float32,
         BLOCK_T=plan.block_t,
@@ -149,9 +165,11 @@ def _require_triton(factors) -> None:
 
 def _check_tensors(factors, out_k, out_v, cos, sin) -> None:
     """Dtype, shape and device checks that need no segment values."""
-    if factors.dtype not in FLOAT_DTYPES or factors.dim() != 1 or not factors.is_contiguous():
-        raise TypeError(f"factors must be a 1-D contiguous fp16/bf16/fp32 tensor, got {factors.dtype} "
-                        f"with shape {tuple(factors.shape)}")
+    if factors.dtype not in FACTOR_DTYPES or factors.dim() != 1 or not factors.is_contiguous():
+        raise TypeError(f"factors must be a 1-D contiguous fp16/bf16/fp32 (or uint8 INT8) tensor, got "
+                        f"{factors.dtype} with shape {tuple(factors.shape)}")
+    if factors.dtype == torch.uint8 and factors.data_ptr() % 2:
+        raise ValueError("uint8 (INT8) factors must start 2-byte aligned: segment headers are fp16")
     if out_k.dim() != 3 or out_k.shape != out_v.shape or out_k.dtype != out_v.dtype:
         raise ValueError(f"out_k and out_v must be [kv_heads, N, d] of one shape and dtype, got "
                          f"{tuple(out_k.shape)} {out_k.dtype} and {tuple(out_v.shape)} {out_v.dtype}")
@@ -177,11 +195,14 @@ def _check_all(factors, segments, out_k, out_v, cos, sin) -> torch.Tensor:
     segs = segments.cpu()
     n_heads, n_rows, d = out_k.shape
     src, rank, tokens, dst, head, kind = segs.unbind(1)
+    quantized = factors.dtype == torch.uint8
     rules = (
         (src >= 0, "src_offset is negative"),
+        ((src % 2 == 0) | (not quantized), "src_offset of an INT8 segment must be even (fp16 header)"),
         ((rank >= 0) & (rank <= d), f"rank must be in [0, d={d}]"),
         (tokens > 0, "tokens must be positive"),
-        (src + rank * (tokens + d + 1) <= factors.numel(), f"reads past the end of factors ({factors.numel()})"),
+        (src + _segment_numel(rank, tokens, d, factors.dtype) <= factors.numel(),
+         f"reads past the end of factors ({factors.numel()})"),
         ((dst >= 0) & (dst + tokens <= n_rows), f"rows fall outside the output's N={n_rows}"),
         ((head >= 0) & (head < n_heads), f"head must be in [0, {n_heads})"),
         ((kind == 0) | (kind == 1), "kind must be 0 (key) or 1 (value)"),
@@ -192,6 +213,13 @@ def _check_all(factors, segments, out_k, out_v, cos, sin) -> torch.Tensor:
             raise ValueError(f"segment {i} {dict(zip(SEGMENT_COLUMNS, segs[i].tolist()))}: {message}")
     _check_disjoint(segs, n_heads, n_rows)
     return segs
+
+
+def _segment_numel(rank, tokens, d, dtype):
+    """Elements a segment occupies: r (T + d + 1) values, or INT8 bytes r (T' + d + 10)."""
+    if dtype == torch.uint8:
+        return int8_segment_bytes(rank, tokens, d)
+    return rank * (tokens + d + 1)
 
 
 def _check_disjoint(segs, n_heads, n_rows) -> None:
@@ -210,10 +238,10 @@ def _kernel_for(interpret: bool):
     """Build the JIT kernel lazily: triton decides interpreter vs compiler when the decorator runs."""
 
     @triton.jit
-    def reconstruct_kernel(F, TILES, K, V, COS, SIN, D,
+    def reconstruct_kernel(F, F16, TILES, K, V, COS, SIN, D,
                            skh, skn, skd, svh, svn, svd, scn, scd, ssn, ssd,
-                           INTERLEAVED: tl.constexpr, IEEE_DOT: tl.constexpr, BLOCK_T: tl.constexpr,
-                           BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+                           QUANT: tl.constexpr, INTERLEAVED: tl.constexpr, IEEE_DOT: tl.constexpr,
+                           BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
         tile = TILES + tl.program_id(0) * 7
         src = tl.load(tile)
         rank = tl.load(tile + 1)
@@ -234,20 +262,38 @@ def _kernel_for(interpret: bool):
             c1 = h
             c2 = h + D // 2
 
-        a_rows = F + src + t * rank  # A [tokens, rank]
-        s_ptr = F + src + tokens * rank  # Σ [rank]
-        b_ptr = s_ptr + rank  # B [d, rank]
+        if QUANT:  # bytes: fp16 header [5, rank] (read via F16), A codes [T', rank], B codes [d, rank]
+            hdr = F16 + src // 2  # Σ, A scale, A min, B scale, B min
+            a_rows = F + src + 10 * rank + t * rank
+            s_ptr = hdr
+            b_ptr = F + src + 10 * rank + (tokens + tokens % 2) * rank
+        else:
+            hdr = F16
+            a_rows = F + src + t * rank  # A [tokens, rank]
+            s_ptr = F + src + tokens * rank  # Σ [rank]
+            b_ptr = s_ptr + rank  # B [d, rank]
         acc1 = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
         acc2 = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
         for r0 in range(0, rank, BLOCK_R):
             r = r0 + tl.arange(0, BLOCK_R)
             r_ok = r < rank
-            a = tl.load(a_rows[:, None] + r[None, :], mask=t_ok[:, None] & r_ok[None, :], other=0.0)
-            s = tl.load(s_ptr + r, mask=r_ok, other=0.0).to(tl.float32)
-            a = (a.to(tl.float32) * s[None, :]).to(F.dtype.element_ty)  # Σ fused into A's columns
+            a_mask = t_ok[:, None] & r_ok[None, :]
             b_mask = r_ok[:, None] & h_ok[None, :]
-            b1 = tl.load(b_ptr + c1[None, :] * rank + r[:, None], mask=b_mask, other=0.0)  # Bᵀ, first channels
-            b2 = tl.load(b_ptr + c2[None, :] * rank + r[:, None], mask=b_mask, other=0.0)  # Bᵀ, partners
+            a = tl.load(a_rows[:, None] + r[None, :], mask=a_mask, other=0)
+            s = tl.load(s_ptr + r, mask=r_ok, other=0.0).to(tl.float32)
+            b1 = tl.load(b_ptr + c1[None, :] * rank + r[:, None], mask=b_mask, other=0)  # Bᵀ, first channels
+            b2 = tl.load(b_ptr + c2[None, :] * rank + r[:, None], mask=b_mask, other=0)  # Bᵀ, partners
+            if QUANT:  # dequantize in registers; lanes past the rank have scale = min = 0, so stay 0
+                a_scale = tl.load(hdr + rank + r, mask=r_ok, other=0.0).to(tl.float32)
+                a_min = tl.load(hdr + 2 * rank + r, mask=r_ok, other=0.0).to(tl.float32)
+                b_scale = tl.load(hdr + 3 * rank + r, mask=r_ok, other=0.0).to(tl.float32)
+                b_min = tl.load(hdr + 4 * rank + r, mask=r_ok, other=0.0).to(tl.float32)
+                a = a.to(tl.float32) * a_scale[None, :] + a_min[None, :]
+                a = (a * s[None, :]).to(tl.float16)  # Σ fused into A's columns
+                b1 = (b1.to(tl.float32) * b_scale[:, None] + b_min[:, None]).to(tl.float16)
+                b2 = (b2.to(tl.float32) * b_scale[:, None] + b_min[:, None]).to(tl.float16)
+            else:
+                a = (a.to(tl.float32) * s[None, :]).to(F.dtype.element_ty)  # Σ fused into A's columns
             if IEEE_DOT:
                 acc1 = tl.dot(a, b1, acc1, input_precision="ieee")
                 acc2 = tl.dot(a, b2, acc2, input_precision="ieee")

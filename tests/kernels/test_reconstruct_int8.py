@@ -1,0 +1,178 @@
+"""INT8 factors (uint8 segment bytes, docs/format.md) through `milo_kernels.reconstruct_layer`.
+
+(a) the reference path on uint8 against `milo_store.quant.dequantize_layer` + the fp32 reference;
+(b) the fused Triton kernel against the uint8 reference on odd shapes. (b) needs CUDA or
+TRITON_INTERPRET=1 set before triton is first used; `test_triton_int8_under_the_interpreter` reruns
+this module in a subprocess with the interpreter on, so a plain `pytest tests` covers it on CPU.
+"""
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lowrank_cases import rope_tables, target_mask
+from milo_kernels import reconstruct_layer, reconstruct_layer_naive
+from milo_store.quant import dequantize_layer, pack_segment
+
+REPO = Path(__file__).resolve().parents[2]
+CUDA = torch.cuda.is_available()
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+needs_triton = pytest.mark.skipif(not (CUDA or INTERPRET), reason="needs CUDA or TRITON_INTERPRET=1")
+DEVICE = "cuda" if CUDA else "cpu"
+
+# (kv_heads, d, tokens of each block): odd and even token counts (odd ones have an A padding row),
+# a one-token block, blocks longer than a 16-row tile, GQA-style several kv heads
+SHAPES = {
+    "gqa3-odd-even": (3, 32, [1, 17, 30, 35]),
+    "d64": (2, 64, [21, 40]),
+}
+
+
+def int8_layer(kv_heads, d, block_tokens, seed):
+    """Packed INT8 segments of one layer, ragged ranks (0, 1, d-1, d, random), shuffled storage order.
+
+    Byte gaps of random garbage sit between segments and at the end (gaps are even: headers stay
+    2-byte aligned). Returns uint8 factors, segments [S, 6] with byte offsets, N output rows.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    rank_pool = [d, 0, d - 1, 1] + torch.randint(0, d + 1, (12,), generator=gen).tolist()
+    rows, row = [], 2
+    for tokens in block_tokens:
+        rows.append(row)
+        row += tokens + 2
+    specs = [(rank_pool[i % len(rank_pool)], tokens, dst, head, kind)
+             for i, (tokens, dst, head, kind) in enumerate(
+                 (t, r, h, k) for t, r in zip(block_tokens, rows) for k in (0, 1) for h in range(kv_heads))]
+    parts, segments, offset = [], [], 0
+    for i in torch.randperm(len(specs), generator=gen).tolist():
+        rank, tokens, dst, head, kind = specs[i]
+        gap = 2 * int(torch.randint(0, 3, (), generator=gen))
+        parts.append(torch.randint(0, 256, (gap,), generator=gen, dtype=torch.uint8))
+        offset += gap
+        a = torch.randn(tokens, rank, generator=gen)
+        sigma = (torch.rand(rank, generator=gen) + 0.5) / math.sqrt(max(rank, 1))
+        b = torch.randn(d, rank, generator=gen)
+        raw = pack_segment(a, sigma, b)
+        assert raw.numel() == rank * (tokens + tokens % 2 + d + 10)
+        parts.append(raw)
+        segments.append([offset, rank, tokens, dst, head, kind])
+        offset += raw.numel()
+    parts.append(torch.randint(0, 256, (4,), generator=gen, dtype=torch.uint8))
+    return torch.cat(parts), torch.tensor(segments, dtype=torch.int64), row
+
+
+def nan_buffers(kv_heads, n_rows, d, dtype, device="cpu"):
+    out_k = torch.full((kv_heads, n_rows, d), math.nan, dtype=dtype, device=device)
+    return out_k, out_k.clone()
+
+
+def check(got, want, mask, atol, rtol):
+    for kind in (0, 1):
+        g, w, m = got[kind].float().cpu(), want[kind].float(), mask[kind]
+        assert w[m].isfinite().all(), "the reference itself produced non-finite targets"
+        assert g[m].isfinite().all(), "a target element was not written (still NaN)"
+        assert g[~m].isnan().all(), "an element outside every segment was written"
+        torch.testing.assert_close(g[m], w[m], atol=atol, rtol=rtol)
+
+
+def reference(factors, segments, kv_heads, n_rows, d, interleaved, dtype=torch.float32):
+    cos, sin = rope_tables(n_rows, d, interleaved)
+    want = nan_buffers(kv_heads, n_rows, d, dtype)
+    reconstruct_layer_naive(factors, segments, *want, cos, sin, interleaved=interleaved)
+    return want
+
+
+# -- (a) the uint8 reference against dequantize_layer + the fp32 reference ------------------------
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_uint8_reference_matches_dequantize_layer(shape, interleaved):
+    kv_heads, d, block_tokens = SHAPES[shape]
+    raw, segments, n_rows = int8_layer(kv_heads, d, block_tokens, seed=1)
+    got = reference(raw, segments, kv_heads, n_rows, d, interleaved)
+    flat, table = dequantize_layer(raw, segments, d)
+    want = reference(flat, table, kv_heads, n_rows, d, interleaved)
+    check(got, want, target_mask(segments, kv_heads, n_rows, d), atol=1e-5, rtol=1e-5)
+
+
+def test_public_entry_takes_uint8_on_cpu(monkeypatch):
+    monkeypatch.setenv("MILO_KERNEL", "")
+    kv_heads, d, block_tokens = SHAPES["gqa3-odd-even"]
+    raw, segments, n_rows = int8_layer(kv_heads, d, block_tokens, seed=2)
+    cos, sin = rope_tables(n_rows, d, interleaved=False)
+    got = nan_buffers(kv_heads, n_rows, d, torch.float16)
+    reconstruct_layer(raw, segments, *got, cos, sin)
+    want = reference(raw, segments, kv_heads, n_rows, d, False, torch.float16)
+    check(got, want, target_mask(segments, kv_heads, n_rows, d), atol=0, rtol=0)
+
+
+def test_validation_uses_int8_segment_size(monkeypatch):
+    monkeypatch.setenv("MILO_KERNEL", "reference")
+    d, tokens, rank = 32, 5, 4
+    cos, sin = rope_tables(tokens, d, interleaved=False)
+    out = nan_buffers(1, tokens, d, torch.float32)
+    seg = torch.tensor([[0, rank, tokens, 0, 0, 0]])
+    raw = pack_segment(torch.randn(tokens, rank), torch.ones(rank), torch.randn(d, rank))
+    reconstruct_layer(raw, seg, *out, cos, sin)  # exactly r (T' + d + 10) bytes: fine
+    with pytest.raises(ValueError, match="past the end"):  # the fp layout's r (T + d + 1) would pass
+        reconstruct_layer(raw[:rank * (tokens + d + 1)].clone(), seg, *out, cos, sin)
+    with pytest.raises(ValueError, match="past the end"):
+        reconstruct_layer(raw[:-2].clone(), seg, *out, cos, sin)
+    with pytest.raises(ValueError, match="even"):
+        reconstruct_layer(torch.cat((raw.new_zeros(1), raw, raw.new_zeros(1))), seg + torch.tensor([1, 0, 0, 0, 0, 0]),
+                          *out, cos, sin)
+
+
+# -- (b) the fused Triton kernel against the uint8 reference -------------------------------------
+
+@needs_triton
+@pytest.mark.parametrize("tiles", [{"block_t": 16, "block_r": 16}, {}], ids=["small", "default"])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_triton_int8_matches_reference(shape, interleaved, tiles):
+    from milo_kernels.reconstruct import launch, plan_layer
+
+    kv_heads, d, block_tokens = SHAPES[shape]
+    raw, segments, n_rows = int8_layer(kv_heads, d, block_tokens, seed=3)
+    want = reference(raw, segments, kv_heads, n_rows, d, interleaved)
+    cos, sin = (t.to(DEVICE) for t in rope_tables(n_rows, d, interleaved))
+    got = nan_buffers(kv_heads, n_rows, d, torch.float16, DEVICE)
+    plan = plan_layer(raw.to(DEVICE), segments, *got, cos, sin, **tiles)
+    assert plan.quantized
+    launch(plan, raw.to(DEVICE), *got, cos, sin, interleaved=interleaved)
+    check(got, want, target_mask(segments, kv_heads, n_rows, d), atol=2e-2, rtol=1e-2)
+
+
+@needs_triton
+def test_triton_public_entry_and_plan_kind(monkeypatch):
+    from milo_kernels.reconstruct import launch, plan_layer
+
+    monkeypatch.setenv("MILO_KERNEL", "triton")
+    kv_heads, d, block_tokens = SHAPES["gqa3-odd-even"]
+    raw, segments, n_rows = int8_layer(kv_heads, d, block_tokens, seed=4)
+    want = reference(raw, segments, kv_heads, n_rows, d, False)
+    cos, sin = (t.to(DEVICE) for t in rope_tables(n_rows, d, False))
+    got = nan_buffers(kv_heads, n_rows, d, torch.float32, DEVICE)
+    reconstruct_layer(raw.to(DEVICE), segments, *got, cos, sin)
+    check(got, want, target_mask(segments, kv_heads, n_rows, d), atol=2e-2, rtol=1e-2)
+    plan = plan_layer(raw.to(DEVICE), segments, *got, cos, sin)
+    as_fp16 = torch.zeros(raw.numel(), dtype=torch.float16, device=DEVICE)  # long enough, wrong kind
+    with pytest.raises(ValueError, match="do not match the plan"):
+        launch(plan, as_fp16, *got, cos, sin)
+
+
+@pytest.mark.skipif(INTERPRET, reason="already interpreting in-process")
+def test_triton_int8_under_the_interpreter():
+    pytest.importorskip("triton")
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "triton_int8_matches or triton_public",
+         str(Path(__file__))],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "TRITON_INTERPRET": "1", "MILO_KERNEL": "", "PYTHONPATH": str(REPO)},
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert " passed" in result.stdout and " skipped" not in result.stdout, result.stdout[-2000:]
