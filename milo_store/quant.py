@@ -2,7 +2,8 @@
 
 A and B columns are unit vectors, so one group per column costs 8 bytes per rank unit and adds
 ~0.1% error where truncation adds 10-35% (docs/results.md); at equal bytes INT8 nearly doubles the
-rank. Segment of rank r over T tokens, d head dim (r * (T' + d + 10) bytes, T' = T rounded up to even):
+rank. Readers dequantize in place: ``milo_kernels`` (reference and the fused Triton kernel).
+Segment of rank r over T tokens, d head dim (r * (T' + d + 10) bytes, T' = T rounded up to even):
 ``Σ, A scale, A min, B scale, B min`` (fp16 [r] each), then ``A`` codes [T', r] (a last zero row when T
 is odd), ``B`` codes [d, r] (uint8). With d even every segment has an even size, so in a buffer that
 starts aligned every header is 2-byte aligned, as a GPU kernel reading it in place needs.
@@ -31,27 +32,3 @@ def pack_segment(A: torch.Tensor, S: torch.Tensor, B: torch.Tensor) -> torch.Ten
     header = torch.stack((S.half(), a_scale, a_min, b_scale, b_min)).reshape(-1).view(torch.uint8)
     pad = a.new_zeros((A.shape[0] % 2) * A.shape[1])
     return torch.cat((header, a.reshape(-1), pad, b.reshape(-1)))
-
-
-def dequantize_segment(raw: torch.Tensor, rank: int, tokens: int, d: int) -> torch.Tensor:
-    """The fp32 segment (A, Σ, B, as the floating layout packs it) from its INT8 bytes."""
-    r = rank
-    header = raw[:HEADER * 2 * r].view(torch.float16).float().view(HEADER, r)
-    S, a_scale, a_min, b_scale, b_min = header
-    codes = raw[HEADER * 2 * r:]
-    a_rows = tokens + tokens % 2
-    A = codes[:tokens * r].view(tokens, r).float() * a_scale + a_min
-    B = codes[a_rows * r:a_rows * r + d * r].view(d, r).float() * b_scale + b_min
-    return torch.cat((A.reshape(-1), S, B.reshape(-1)))
-
-
-def dequantize_layer(raw: torch.Tensor, segments, d: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A layer's gathered INT8 bytes and segment table -> fp32 factors and the table re-pointed at them."""
-    out, table, pos = [], segments.clone(), 0
-    for i, (src, rank, tokens) in enumerate(segments[:, :3].tolist()):
-        n = rank * (tokens + tokens % 2 + d + QUANT_UNIT_OVERHEAD)
-        out.append(dequantize_segment(raw[src:src + n], rank, tokens, d) if rank else raw.new_empty(0, dtype=torch.float32))
-        table[i, 0] = pos
-        pos += rank * (tokens + d + 1)
-    flat = torch.cat(out) if out else torch.empty(0, device=raw.device)
-    return flat, table

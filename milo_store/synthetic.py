@@ -5,7 +5,6 @@ synthetic store exercises the allocator and the byte layout the way a real one d
 """
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from .codec import factorize_block

@@ -12,7 +12,6 @@ Prints a short table last; writes every number to --out (default $OUT/gpu_check.
 """
 import argparse
 import json
-import math
 import os
 import platform
 import statistics

@@ -98,7 +98,7 @@ def main():
     print(f"build: SVD {svd_s:.2f} s, stage (SVD + staging writes) {stage_s:.2f} s, allocate + write {write_s:.2f} s")
     print(f"open: disk tier {open_s['disk'] * 1e3:.1f} ms, host tier {open_s['host'] * 1e3:.1f} ms (reads + verifies all)")
     print(f"\nper query: {args.k} random blocks, {mean_bytes / 2**20:.2f} MiB")
-    print(f"| read path | ms/query | GB/s | vs raw preadv |\n|---|---:|---:|---:|")
+    print("| read path | ms/query | GB/s | vs raw preadv |\n|---|---:|---:|---:|")
     for name, s in rows.items():
         print(f"| {name} | {s * 1e3:.2f} | {mean_bytes / s / 1e9:.2f} | {rows['raw preadv'] / s:.2f} |")
     copies = stores["host"].block(0).data_ptr() == stores["host"]._host.data_ptr()

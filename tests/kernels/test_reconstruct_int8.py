@@ -1,6 +1,6 @@
 """INT8 factors (uint8 segment bytes, docs/format.md) through `milo_kernels.reconstruct_layer`.
 
-(a) the reference path on uint8 against `milo_store.quant.dequantize_layer` + the fp32 reference;
+(a) the reference path on uint8 against an independent numpy dequantization + the fp32 reference;
 (b) the fused Triton kernel against the uint8 reference on odd shapes. (b) needs CUDA or
 TRITON_INTERPRET=1 set before triton is first used; `test_triton_int8_under_the_interpreter` reruns
 this module in a subprocess with the interpreter on, so a plain `pytest tests` covers it on CPU.
@@ -16,7 +16,9 @@ import torch
 
 from lowrank_cases import rope_tables, target_mask
 from milo_kernels import reconstruct_layer, reconstruct_layer_naive
-from milo_store.quant import dequantize_layer, pack_segment
+import numpy as np
+
+from milo_store.quant import pack_segment
 
 REPO = Path(__file__).resolve().parents[2]
 CUDA = torch.cuda.is_available()
@@ -86,7 +88,21 @@ def reference(factors, segments, kv_heads, n_rows, d, interleaved, dtype=torch.f
     return want
 
 
-# -- (a) the uint8 reference against dequantize_layer + the fp32 reference ------------------------
+# -- (a) the uint8 reference against an independent dequantization + the fp32 reference ---------
+
+def dequantize_layer(raw, segments, d):
+    """numpy, written from docs/format.md alone: fp32 segments (A, Σ, B) and the table re-pointed at them."""
+    data, out, table, pos = raw.numpy(), [], segments.clone(), 0
+    for i, (src, r, t) in enumerate(segments[:, :3].tolist()):
+        header = np.frombuffer(data[src:src + 10 * r].tobytes(), dtype=np.float16).astype(np.float32).reshape(5, r)
+        codes = data[src + 10 * r:src + r * (t + t % 2 + d + 10)].astype(np.float32)
+        a = codes[:t * r].reshape(t, r) * header[1] + header[2]
+        b = codes[(t + t % 2) * r:].reshape(d, r) * header[3] + header[4]
+        out += [a.ravel(), header[0], b.ravel()]
+        table[i, 0] = pos
+        pos += r * (t + d + 1)
+    return torch.from_numpy(np.concatenate(out) if out else np.zeros(0, np.float32)), table
+
 
 @pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
 @pytest.mark.parametrize("shape", SHAPES)

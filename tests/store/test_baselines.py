@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from milo_store import CompressionConfig, Layout, MiloStore, Staging, factorize_block, write_store
-from milo_store.baselines import ExampleSplit, GlobalProjection, dense
+from milo_store.baselines import ExampleSplit, GlobalProjection
 from milo_store.codec import unpack_block, reconstruct
 from milo_store.synthetic import synthetic_block_kv
 from milo_store.writer import StoreWriter
