@@ -17,7 +17,8 @@ import torch
 from tqdm import tqdm
 
 from milo_store import CompressionConfig, Layout, MiloStore, Staging, factorize_block, write_store
-from milo_store.compress import staging_codec
+from milo_store.allocation import BudgetError
+from milo_store.compress import check_budget, staging_codec
 from milo_store.writer import StoreLock, check_target
 
 from .corpus import Demonstration, TaskSpec
@@ -104,6 +105,10 @@ def build_store(out, loaded: LoadedModel, demos: list[Demonstration], task: Task
         raise BuildError(f"an encoding context of {longest} tokens exceeds the model's {max_positions}; "
                          f"use a smaller --block-size or fewer --context-blocks")
     layout = Layout(identity["num_layers"], identity["num_kv_heads"], identity["head_dim"])
+    try:
+        check_budget(layout, [len(b) for b in block_ids], config.compression)
+    except BudgetError as e:
+        raise BuildError(str(e)) from None
     times = {"encode_s": 0.0, "factorize_s": 0.0, "write_s": 0.0}
     with StoreLock(out) as lock:  # one build per path, across both passes
         # Under the lock: opening staging with another fingerprint wipes it, which must not hit a running build.
@@ -140,9 +145,9 @@ def build_store(out, loaded: LoadedModel, demos: list[Demonstration], task: Task
                            anchor_kv=anchor_kv, examples=examples,
                            token_ids=np.concatenate([np.asarray(b, dtype=np.int32) for b in block_ids]),
                            force=force, lock=lock)
+        if not keep_staging:  # under the lock: a build that starts now must not resume from it
+            staging.remove()
     times["write_s"] = time.perf_counter() - t0
-    if not keep_staging:
-        staging.remove()
     with MiloStore.open(path, tier="disk", verify=False) as store:
         acc = store.accounting()
     return {"store": str(path), "blocks": len(blocks), "demonstrations": len(demos),

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from milo_kernels import apply_rope, reconstruct_layer
-from milo_store import IncompatibleStoreError, MiloStore
+from milo_store import IncompatibleStoreError, MiloStore, full_kv_bytes
 from milo_store.prefetch import LayerPrefetcher
 
 from .cache import MiloCache
@@ -70,6 +70,8 @@ class MiloSession:
         max_pos = store.meta["model"]["max_position_embeddings"]
         self.cos, self.sin = rope_tables(self.model, max_pos, device=self.device)
         anchor = store.anchor_kv()  # [L, 2, H, Ta, d], keys pre-RoPE
+        if anchor is None:
+            raise IncompatibleStoreError(f"{store.path} has no anchor K/V: not a store `milo build` wrote")
         Ta = anchor.shape[3]
         # the anchor always sits at positions 0..Ta-1: rotate it once, here
         keys = apply_rope(anchor[:, 0].float(), self.cos[:Ta].cpu(), self.sin[:Ta].cpu(), self.rope_interleaved)
@@ -100,6 +102,10 @@ class MiloSession:
         tokens = self.store.block_tokens[block_ids]
         dst = self.anchor_len + np.concatenate(([0], np.cumsum(tokens)[:-1])).astype(np.int64)
         prefix = self.anchor_len + int(tokens.sum())
+        if prefix + extra_tokens > self.cos.shape[0]:
+            raise ValueError(f"the assembled context ({prefix} tokens of anchor and blocks + {extra_tokens} for the "
+                             f"query and answer) exceeds the model's {self.cos.shape[0]} positions; lower k or set a "
+                             f"token budget")
         timings.setdefault("transfer", 0.0)
         timings.setdefault("reconstruct", 0.0)
 
@@ -156,10 +162,9 @@ class MiloSession:
         else:
             decoded = greedy_until(step, self.tokenizer, ["\n\n", "\nInput:", "\nQuery:"], self.max_new_tokens)
         timings["model"] = time.perf_counter() - t - timings["reconstruct"] - timings["transfer"]
-        tokens = self.store.block_tokens[block_ids]
-        per_token = self.layout.units_per_block * self.layout.head_dim * 2
+        full = full_kv_bytes(self.layout, self.store.block_tokens[block_ids])
         return Answer(text=decoded.text.strip(), blocks=block_ids, groups=groups, prefix_tokens=cache.layers[0].prefix_len,
-                      kv_bytes_full=int(tokens.sum()) * per_token, kv_bytes_stored=self.prefetch_bytes, seconds=timings)
+                      kv_bytes_full=full, kv_bytes_stored=self.prefetch_bytes, seconds=timings)
 
     def answer_batch(self, texts: list[str]) -> list[Answer]:
         """Each query retrieves its own blocks, so each gets its own assembled context."""

@@ -1,7 +1,7 @@
 """Rank allocation under a byte budget (paper §4.3), with the scopes and policies the evaluation compares.
 
 Every (block, layer, kind, head) matrix is a *unit*; giving it one more rank costs T + d + 1 values
-(T + d + 10 bytes with INT8 factors).
+(T' + d + 10 bytes with INT8 factors, T' = T rounded up to even).
 Within an allocation *group* (chosen by ``scope`` and ``kv_split``) every unit starts at r_min, and
 further rank increments are taken in order of a key until the group's budget is spent:
 

@@ -81,7 +81,9 @@ def pack_block(f: BlockFactors, ranks: np.ndarray, dtype: str = "float16") -> to
 
 
 def unpack_block(flat: torch.Tensor, layout: Layout, ranks: np.ndarray, tokens: int):
-    """Inverse of pack_block: yields ((layer, kind, head), A, S, B) views into ``flat``."""
+    """Inverse of pack_block for floating factors: yields ((layer, kind, head), A, S, B) views into ``flat``."""
+    if layout.quantized:
+        raise ValueError("unpack_block reads floating factors; INT8 segments are read by milo_kernels")
     d, pos = layout.head_dim, 0
     for idx in np.ndindex(*np.asarray(ranks).shape):
         r = int(ranks[idx])

@@ -11,11 +11,11 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .allocation import allocate_ranks
+from .allocation import BudgetError, allocate_ranks
 from .baselines import BASELINES, ExampleSplit, GlobalProjection
 from .codec import CODECS, BlockFactors, pack_block
 from .format import GROUP_BYTES, TORCH_DTYPES
-from .layout import Layout, full_kv_bytes
+from .layout import Layout, full_kv_bytes, index_bytes
 from .staging import Staging
 from .writer import StoreWriter
 
@@ -84,6 +84,24 @@ class CompressionConfig:
             raise ValueError(f"key share {self.key_share} must be in (0, 1), and needs kv_split 'separate'")
 
 
+def check_budget(layout: Layout, tokens, config: CompressionConfig) -> None:
+    """Raise BudgetError now if ``config.ratio`` cannot hold r_min everywhere (before any encoding).
+
+    Exact for block-level codecs; example-svd's finer units are checked again when it allocates.
+    """
+    if config.codec == "identity" or config.full_rank:
+        return
+    layout = replace(layout, quantized=config.dtype == "int8")
+    tokens = np.asarray(tokens, dtype=np.int64)
+    itemsize = torch.empty(0, dtype=TORCH_DTYPES[config.dtype]).element_size()
+    need = (config.r_min * layout.units_per_block * layout.unit_size(tokens).sum() * itemsize
+            + index_bytes(layout, len(tokens)))
+    full = full_kv_bytes(layout, tokens)
+    if need > config.ratio * full:
+        raise BudgetError(f"ratio {config.ratio} cannot hold rank {config.r_min} everywhere: that alone takes "
+                          f"{need / full:.3f} of the full K/V; raise the ratio or lower r_min")
+
+
 def plan_ranks(staging: Staging, num_blocks: int, layout: Layout, config: CompressionConfig,
                examples: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(ranks [N, L, 2, H], tokens [N]) of the store blocks ``config`` writes from the staged blocks."""
@@ -113,7 +131,8 @@ def _plan(source, layout: Layout, config: CompressionConfig) -> tuple[np.ndarray
 
 def write_store(path, staging: Staging, num_blocks: int, layout: Layout, config: CompressionConfig, *,
                 attrs: dict | None = None, anchor_kv: torch.Tensor | None = None, examples: dict | None = None,
-                token_ids: np.ndarray | None = None, force: bool = False, lock=None, progress: Callable[[int], None] | None = None) -> Path:
+                token_ids: np.ndarray | None = None, force: bool = False, lock=None,
+                progress: Callable[[int], None] | None = None) -> Path:
     """Allocate and commit the store at ``path`` from ``num_blocks`` staged blocks.
 
     ``examples`` holds lists ``input``, ``output``, ``id``, ``block`` (the staged block of each

@@ -24,7 +24,6 @@ class LayerPrefetcher:
         self.layer_values = sizes.sum(axis=1)
         self.depth = max(1, depth)
         self.cuda = self.device.type == "cuda"
-        self.bytes_moved = 0
         if self.cuda:
             self.stream = torch.cuda.Stream(self.device)
             cap = int(self.layer_values.max(initial=0))
@@ -35,16 +34,16 @@ class LayerPrefetcher:
 
     def _issue(self, l: int) -> None:
         buf = self.buffers[l % len(self.buffers)]
+        compute = torch.cuda.current_stream(self.device)  # taken before the side stream becomes current
         with torch.cuda.stream(self.stream):
             # the buffer is reused: wait until compute has finished with the layer it last held
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            self.stream.wait_stream(compute)
             for block, b, start in zip(self.blocks, self.bounds, self.starts[l]):
                 n = int(b[l + 1] - b[l])
                 buf[start:start + n].copy_(block[b[l]:b[l + 1]], non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(self.stream)
         self.events[l] = ev
-        self.bytes_moved += int(self.layer_values[l]) * self.store.itemsize
 
     def layer(self, l: int) -> tuple[torch.Tensor, np.ndarray]:
         n = int(self.layer_values[l])

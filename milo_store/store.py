@@ -13,6 +13,7 @@ into place is several times faster than a zarr slice (docs/benchmarks.md). Integ
 per-block CRC32C, checked on every read unless ``verify=False``.
 """
 import os
+import warnings
 from collections import OrderedDict
 from pathlib import Path
 
@@ -50,11 +51,15 @@ class MiloStore:
         if factors.shape != (int(self.offsets[-1]),):
             raise StoreCorruptedError(f"{path}: factor array holds {factors.shape[0]} values, ranks describe {self.offsets[-1]}")
         self.chunk = factors.chunks[0]
-        self._fds = self._open_chunks(factors.shape[0])
-        self._host = None
+        self._fds, self._host = [], None
         self._cache, self._cache_bytes, self._cache_limit = OrderedDict(), 0, cache_bytes
-        if tier == "host":
-            self._load_host(pin)
+        try:  # a failed mount releases what it took (file descriptors, page-locked memory)
+            self._open_chunks(factors.shape[0])
+            if tier == "host":
+                self._load_host(pin)
+        except BaseException:
+            self.close()
+            raise
 
     @classmethod
     def open(cls, path, tier: str = "host", *, verify: bool = True, cache_bytes: int = 1 << 30,
@@ -94,8 +99,8 @@ class MiloStore:
         if problem := fmt.check_block_group(self.block_group, n):
             raise StoreCorruptedError(f"{self.path}: {problem}")
 
-    def _open_chunks(self, total: int) -> list[int]:
-        fds, nbytes = [], self.chunk * self.itemsize
+    def _open_chunks(self, total: int) -> None:
+        nbytes = self.chunk * self.itemsize
         for c in range(-(-total // self.chunk) if total else 0):
             p = fmt.factor_chunk_path(self.path, c)
             if not p.is_file():
@@ -103,8 +108,7 @@ class MiloStore:
             size = p.stat().st_size
             if size != nbytes:
                 raise StoreCorruptedError(f"{self.path}: factor chunk {p.name} is {size} bytes, expected {nbytes} (truncated?)")
-            fds.append(os.open(p, os.O_RDONLY))
-        return fds
+            self._fds.append(os.open(p, os.O_RDONLY))
 
     # -- reading ---------------------------------------------------------------------------------
     def _read_range(self, start: int, stop: int, out: torch.Tensor) -> None:
@@ -123,7 +127,10 @@ class MiloStore:
         total = int(self.offsets[-1])
         self._host = torch.empty(total, dtype=self.torch_dtype)
         if pin if pin is not None else torch.cuda.is_available():
-            _register_pinned(self._host)
+            try:
+                _register_pinned(self._host)
+            except RuntimeError as e:  # e.g. a low `ulimit -l`: still correct, only transfers are slower
+                warnings.warn(f"{self.path}: host tier left pageable, page-locking failed ({e})")
         self._read_range(0, total, self._host)
         if self.verify:
             for i in range(self.num_blocks):

@@ -97,8 +97,8 @@ class StoreWriter:
         self.owns_lock = lock is None
         self.lock = StoreLock(self.path).__enter__() if lock is None else lock
         try:
-            check_target(self.path, force)
             self._remove_stale_temps()
+            check_target(self.path, force)
             self.tmp = Path(f"{self.path}.tmp-{os.getpid()}-{next(_counter)}")
             self.group = zarr.open_group(str(self.tmp), mode="w")
             total = int(self.offsets[-1])
@@ -116,8 +116,15 @@ class StoreWriter:
         self.extra = {}
 
     def _remove_stale_temps(self):
+        """Clean what killed writers left: temporary stores, and the old store of a replace killed
+        between its two renames (put back if the path is empty, else removed)."""
         for stale in self.path.parent.glob(self.path.name + ".tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)
+        for old in sorted(self.path.parent.glob(self.path.name + ".old-*")):
+            if not self.path.exists() and is_store(old):
+                os.rename(old, self.path)
+            else:
+                shutil.rmtree(old, ignore_errors=True)
 
     def write_block(self, packed: torch.Tensor) -> None:
         """Append the next block's packed factors (flat, as codec.pack_block returns them)."""

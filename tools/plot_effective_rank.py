@@ -29,8 +29,8 @@ def block_kv(store: MiloStore, i: int) -> torch.Tensor:
 
 
 def effective_ranks(store: MiloStore, energy: float = 0.99) -> list[dict]:
-    if store.meta.get("codec") != "identity":
-        raise ValueError(f"{store.path}: needs an identity-codec store (the exact K/V)")
+    if store.meta.get("codec") != "identity" or store.layout.quantized:
+        raise ValueError(f"{store.path}: needs an identity-codec store with floating factors (the exact K/V)")
     demos = np.bincount(np.asarray(store.examples()["block"]), minlength=store.num_blocks)
     rows, kv = [], []
     for n in range(1, store.num_blocks + 1):

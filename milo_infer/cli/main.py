@@ -6,6 +6,7 @@ Every input error is reported as one line on stderr with exit code 2, whether ar
 import sys
 
 from milo_store.cli.common import run_subcommands
+from milo_store.allocation import BudgetError
 from milo_store.errors import StoreError
 
 from ..build import BuildError
@@ -16,8 +17,8 @@ from . import CommandError, bench, build, eval, query
 COMMANDS = {"build": build, "query": query, "eval": eval, "bench": bench}
 
 # Errors that describe the user's input or environment, not a bug: no traceback for these.
-INPUT_ERRORS = (CommandError, BuildError, CorpusError, DatasetUnavailable, ModelUnavailable, UnsupportedModelError,
-                StoreError)
+INPUT_ERRORS = (CommandError, BuildError, BudgetError, CorpusError, DatasetUnavailable, ModelUnavailable,
+                UnsupportedModelError, StoreError)
 
 
 def main(argv=None) -> int:

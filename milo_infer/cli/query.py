@@ -28,13 +28,21 @@ def add_arguments(p):
 def run(args) -> int:
     if args.k < 1:
         raise CommandError(f"--k must be at least 1; got {args.k}")
+    if args.token_budget is not None and args.token_budget < 1:
+        raise CommandError(f"--token-budget must be at least 1; got {args.token_budget}")
     store = MiloStore.open(args.store, tier=args.tier)
-    loaded = load_model(args.model)
+    try:
+        loaded = load_model(args.model)
+    except (OSError, ValueError) as e:  # no such path, not a model folder, an unsupported model
+        raise CommandError(f"--model: {e}") from None
     session = MiloSession(loaded, store, k=args.k, token_budget=args.token_budget, order=args.order, device=args.device)
     examples = store.examples()
     results = []
     for text in args.text:
-        a = session.answer(text)
+        try:
+            a = session.answer(text)
+        except ValueError as e:  # e.g. a token budget smaller than any block
+            raise CommandError(str(e)) from None
         shown = [{"block": b, "demonstrations": [f"{i} => {o}" for i, o, blk in
                                                  zip(examples["input"], examples["output"], examples["block"]) if blk == b]}
                  for b in a.blocks]

@@ -300,3 +300,17 @@ def test_key_share_out_of_range_is_a_clear_error(tmp_path, capsys):
     assert code == 2
     assert "key share 1.5 must be in (0, 1)" in capsys.readouterr().err
     assert not (tmp_path / "s").exists()
+
+
+def test_infeasible_ratio_is_refused_before_encoding(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    import milo_infer.build as build_module
+
+    def never(*args, **kwargs):
+        raise AssertionError("encoded a block before refusing the ratio")
+
+    monkeypatch.setattr(build_module, "encode_block", never)
+    code = main(["build", "--corpus", str(write_corpus(tmp_path / "c.jsonl", 8)), "--model", str(tiny_model_dir),
+                 "--out", str(tmp_path / "s"), "--block-size", "2", "--context-blocks", "0", "--ratio", "0.001"])
+    assert code == 2
+    assert "cannot hold rank 1 everywhere" in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()

@@ -136,3 +136,26 @@ def test_missing_index_array_is_corruption(small_store):
     shutil.rmtree(small_store / "ranks")
     with pytest.raises(StoreCorruptedError):
         MiloStore.open(small_store)
+
+
+def test_replace_killed_between_renames_is_recovered(tmp_path, small_store):
+    """A forced replace renames the old store aside, then the new one in: a kill in between leaves
+    only <path>.old-*, which the next writer puts back (the path is then a store again)."""
+    old = small_store.parent / (small_store.name + ".old-99999")
+    small_store.rename(old)
+    with pytest.raises(StoreError, match="force"):  # restored first, so it is not silently overwritten
+        build_synthetic_store(small_store, LAYOUT, TOKENS)
+    assert MiloStore.open(small_store).num_blocks == len(TOKENS) and not old.exists()
+
+
+def test_failed_mount_releases_its_file_descriptors(small_store):
+    import os
+    chunk = small_store / "factors" / "c" / "0"
+    raw = bytearray(chunk.read_bytes())
+    raw[3] ^= 1
+    chunk.write_bytes(bytes(raw))
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(5):
+        with pytest.raises(StoreCorruptedError):
+            MiloStore.open(small_store, tier="host")
+    assert len(os.listdir("/proc/self/fd")) == before
