@@ -27,10 +27,6 @@ class BlockFactors:
     def tokens(self) -> int:
         return self.A.shape[-2]
 
-    @property
-    def spectra(self) -> torch.Tensor:
-        return self.S
-
 
 def factorize_block(keys: torch.Tensor, values: torch.Tensor, codec: str = "svd",
                     max_rank: int | None = None) -> BlockFactors:

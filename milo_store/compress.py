@@ -36,8 +36,7 @@ class StagedBlocks:
         self.staging, self.num_blocks = staging, num_blocks
 
     def spectrum(self, i: int) -> tuple[int, torch.Tensor]:
-        f = self.staging.get(i)
-        return f.tokens, f.S
+        return self.staging.spectrum(i)
 
     def factors(self, i: int) -> BlockFactors:
         return self.staging.get(i)

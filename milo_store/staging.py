@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from .codec import BlockFactors
@@ -47,8 +48,10 @@ class Staging:
         t = load_file(str(self._file(i)))
         return BlockFactors(A=t["A"], S=t["S"], B=t["B"])
 
-    def spectra(self, i: int) -> torch.Tensor:
-        return self.get(i).S
+    def spectrum(self, i: int) -> tuple[int, torch.Tensor]:
+        """(tokens, singular values) of block i, without loading its A and B (allocation needs only these)."""
+        with safe_open(str(self._file(i)), framework="pt") as f:
+            return f.get_slice("A").get_shape()[-2], f.get_tensor("S")
 
     def remove(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)

@@ -140,6 +140,14 @@ class MiloStore:
         if crc32c(data) != int(self.checksums[i]):
             raise StoreCorruptedError(f"{self.path}: block {i} fails its checksum (corrupted factor bytes)")
 
+    def _read_block(self, i: int, check: bool) -> torch.Tensor:
+        """Block i's bytes read from its chunk files into a fresh tensor, checksum checked if asked."""
+        data = torch.empty(int(self.offsets[i + 1] - self.offsets[i]), dtype=self.torch_dtype)
+        self._read_range(int(self.offsets[i]), int(self.offsets[i + 1]), data)
+        if check:
+            self._check(i, data)
+        return data
+
     def block(self, i: int) -> torch.Tensor:
         """Block i's packed factors, flat. A view in the host tier; a fresh tensor from disk otherwise."""
         if not 0 <= i < self.num_blocks:
@@ -150,10 +158,7 @@ class MiloStore:
         if i in self._cache:
             self._cache.move_to_end(i)
             return self._cache[i]
-        data = torch.empty(stop - start, dtype=self.torch_dtype)
-        self._read_range(start, stop, data)
-        if self.verify:
-            self._check(i, data)
+        data = self._read_block(i, check=self.verify)
         if self.tier == "cached" and data.numel() * self.itemsize <= self._cache_limit:
             self._cache[i] = data
             self._cache_bytes += data.numel() * self.itemsize
@@ -170,11 +175,8 @@ class MiloStore:
         """Every problem found, one line each, naming the block (empty when the store is sound)."""
         problems = []
         for i in range(self.num_blocks):
-            start, stop = int(self.offsets[i]), int(self.offsets[i + 1])
-            data = torch.empty(stop - start, dtype=self.torch_dtype)
             try:
-                self._read_range(start, stop, data)
-                self._check(i, data)
+                self._read_block(i, check=True)
             except StoreError as e:
                 problems.append(str(e))
         return problems
