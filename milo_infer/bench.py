@@ -224,7 +224,8 @@ def kernel_speedup(session: TimedSession, block_ids: list[int], repeat: int = 3)
 
     def run(fn):
         for factors, segments in layers:
-            fn(factors, segments, out_k, out_v, session.cos, session.sin, interleaved=session.rope_interleaved)
+            fn(factors, segments, out_k, out_v, session.cos, session.sin, interleaved=session.rope_interleaved,
+               quant=layout.quant)
 
     times = {}
     for name, backend in (("reference", "reference"), ("kernel", "")):  # "" = the device's own kernel

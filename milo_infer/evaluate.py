@@ -54,6 +54,11 @@ METHODS = {
     "milo-ks0.3": {"codec": "svd", "key_share": 0.3},
     "milo+int8": {"codec": "svd", "dtype": "int8"},
     "milo+int8-ks0.3": {"codec": "svd", "dtype": "int8", "key_share": 0.3},
+    # KIVI-style groups (keys per channel in groups of 32 tokens, values per token), on the factors or,
+    # with the identity codec, on the raw K/V as KIVI does (its ratio is set by the format: ~0.16-0.2)
+    "milo+int4": {"codec": "svd", "dtype": "int4"},
+    "milo+kivi": {"codec": "svd", "dtype": "int2"},
+    "full+kivi": {"codec": "identity", "dtype": "int2", "ratio": 1.0},
     # the paper's baselines at equal measured bytes (milo_store/baselines.py)
     "global-proj": {"codec": "global-proj"},
     "example-svd": {"codec": "example-svd"},
@@ -61,7 +66,7 @@ METHODS = {
 
 
 def method_config(name: str, ratio: float, seed: int = 0) -> CompressionConfig:
-    """The store configuration a method name stands for (fp16 factors throughout)."""
+    """The store configuration a method name stands for (fp16 factors unless the method quantizes)."""
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}; known: {', '.join(METHODS)}")
     return CompressionConfig(**{"ratio": ratio, "seed": seed, "dtype": "float16", **METHODS[name]})

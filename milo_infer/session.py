@@ -91,7 +91,8 @@ class MiloSession:
 
     def rebuild(self, factors, segments, out_k, out_v) -> None:
         """Write one layer's block rows of K (rotated) and V; the one call the query path makes."""
-        reconstruct_layer(factors, segments, out_k, out_v, self.cos, self.sin, interleaved=self.rope_interleaved)
+        reconstruct_layer(factors, segments, out_k, out_v, self.cos, self.sin, interleaved=self.rope_interleaved,
+                          quant=self.layout.quant)
 
     def build_cache(self, block_ids: list[int], extra_tokens: int, timings: dict) -> MiloCache:
         """A cache whose layers fill [anchor][blocks] on first use. ``timings`` gains read, transfer

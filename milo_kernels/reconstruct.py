@@ -20,6 +20,9 @@ tile in registers (code * scale + min, Σ folded into A) and feeds fp16 tiles to
 dots, so no fp32 copy of the factors is ever written. src_offset then counts bytes, and since every INT8
 segment has an even size the headers are read through an fp16 view of the same buffer (offset src / 2).
 On CPU tensors uint8 factors take the reference path (`naive.reconstruct_layer_naive`).
+
+INT4/INT2 stores (``quant="int4"|"int2"``, KIVI-style groups) are expanded to fp16 factors first
+(`lowbit.dequantize_lowbit_layer`, plain PyTorch) and then take the floating path: not fused.
 """
 import functools
 import os
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from .cpu import reconstruct_layer_cpu
+from .lowbit import dequantize_lowbit_layer
 from .naive import int8_segment_bytes, reconstruct_layer_naive
 
 try:
@@ -57,13 +61,17 @@ class Plan:
     quantized: bool = False  # planned for uint8 factors (INT8 segments, byte offsets)
 
 
-def reconstruct_layer(factors, segments, out_k, out_v, cos, sin, *, interleaved=False) -> None:
+def reconstruct_layer(factors, segments, out_k, out_v, cos, sin, *, interleaved=False, quant=None) -> None:
     """Write X = A diag(Σ) Bᵀ of every segment to out[head, dst_row:dst_row + tokens], keys rotated by RoPE.
 
-    factors: 1-D contiguous fp16/bf16/fp32, or uint8 holding INT8 segments (src_offset in bytes, even);
-    segments: int64 [S, 6] (see SEGMENT_COLUMNS); out_k, out_v: [kv_heads, N, d]; cos, sin: fp32
-    [>= N, d]. Only the segments' rows are written.
+    factors: 1-D contiguous fp16/bf16/fp32, or uint8 holding ``quant`` segments (int8 when None, int4
+    or int2; src_offset in bytes, even); segments: int64 [S, 6] (see SEGMENT_COLUMNS); out_k, out_v:
+    [kv_heads, N, d]; cos, sin: fp32 [>= N, d]. Only the segments' rows are written.
     """
+    if factors.dtype == torch.uint8 and quant not in (None, "int8"):
+        _check_tensors(factors, out_k, out_v, cos, sin)
+        factors, segments = dequantize_lowbit_layer(factors, segments.cpu(), out_k.shape[-1], quant)
+        segments = segments.to(factors.device)
     backend = _backend(factors)
     if backend in ("reference", "cpu"):
         segs = _check_all(factors, segments, out_k, out_v, cos, sin)

@@ -1,7 +1,8 @@
 """Rank allocation under a byte budget (paper §4.3), with the scopes and policies the evaluation compares.
 
 Every (block, layer, kind, head) matrix is a *unit*; giving it one more rank costs T + d + 1 values
-(T' + d + 10 bytes with INT8 factors, T' = T rounded up to even).
+(with quantized factors, the bytes of ``Layout.unit_size``; INT4/INT2 values also pay their per-token
+scales once, ``Layout.fixed_size``, which is taken off the budget up front: exact when r_min ≥ 1).
 Within an allocation *group* (chosen by ``scope`` and ``kv_split``) every unit starts at r_min, and
 further rank increments are taken in order of a key until the group's budget is spent:
 
@@ -57,7 +58,9 @@ def allocate_ranks(spectra: np.ndarray, tokens: np.ndarray, layout: Layout, rati
     cap = np.minimum(np.minimum(tokens, d), n if r_max is None else min(r_max, n))  # [N]
     if r_min > cap.min(initial=d):
         raise ValueError(f"r_min={r_min} exceeds the largest possible rank {int(cap.min())} of some block")
-    cost = layout.unit_size(tokens).astype(np.float64)  # storage elements per rank unit, per block
+    t, kind = tokens.reshape(N, 1, 1, 1), np.arange(2).reshape(2, 1)  # per block and kind -> [N, L, 2, H]
+    cost = np.broadcast_to(layout.unit_size(t, kind), (N, L, K, H)).astype(np.float64)
+    fixed = np.broadcast_to(layout.fixed_size(t, kind), (N, L, K, H))
 
     full = full_kv_bytes(layout, tokens, 2)
     spendable = ratio * full - index_bytes(layout, N)  # bytes the factors may take, store-wide
@@ -78,8 +81,8 @@ def allocate_ranks(spectra: np.ndarray, tokens: np.ndarray, layout: Layout, rati
         if kv_split == "separate":
             kind = g[keep.index(2)]
             budget_values *= 2 * (key_share if kind == 0 else 1 - key_share)
-        ranks[sel] = _allocate_group(sub, np.broadcast_to(cost.reshape(-1, 1, 1, 1), sub.shape[:4]),
-                                     np.broadcast_to(cap.reshape(-1, 1, 1, 1), sub.shape[:4]),
+        budget_values -= fixed[sel].sum() / bytes_per_value
+        ranks[sel] = _allocate_group(sub, cost[sel], np.broadcast_to(cap.reshape(-1, 1, 1, 1), sub.shape[:4]),
                                      budget_values, policy, r_min, eps, rng)
     return ranks.astype(np.int16)
 

@@ -56,7 +56,7 @@ def factorize_block(keys: torch.Tensor, values: torch.Tensor, codec: str = "svd"
 def pack_block(f: BlockFactors, ranks: np.ndarray, dtype: str = "float16") -> torch.Tensor:
     """Concatenate each segment's first r columns (ranks [L, 2, H]) into one flat tensor of ``dtype``.
 
-    ``int8`` packs each segment's bytes as quant.py lays them out (a uint8 tensor).
+    ``int8``, ``int4`` and ``int2`` pack each segment's bytes as quant.py lays them out (a uint8 tensor).
     """
     tdtype = TORCH_DTYPES[dtype]
     ranks = np.asarray(ranks)
@@ -69,8 +69,8 @@ def pack_block(f: BlockFactors, ranks: np.ndarray, dtype: str = "float16") -> to
     parts = []
     for idx in np.ndindex(*ranks.shape):
         r = int(ranks[idx])
-        if dtype == "int8":
-            parts.append(quant.pack_segment(f.A[idx][:, :r], f.S[idx][:r], f.B[idx][:, :r]))
+        if tdtype == torch.uint8:
+            parts.append(quant.pack_segment(f.A[idx][:, :r], f.S[idx][:r], f.B[idx][:, :r], dtype, kind=idx[1]))
         else:
             parts += [f.A[idx][:, :r].reshape(-1), f.S[idx][:r], f.B[idx][:, :r].reshape(-1)]
     return torch.cat(parts).to(tdtype) if parts else torch.empty(0, dtype=tdtype)
@@ -79,7 +79,7 @@ def pack_block(f: BlockFactors, ranks: np.ndarray, dtype: str = "float16") -> to
 def unpack_block(flat: torch.Tensor, layout: Layout, ranks: np.ndarray, tokens: int):
     """Inverse of pack_block for floating factors: yields ((layer, kind, head), A, S, B) views into ``flat``."""
     if layout.quantized:
-        raise ValueError("unpack_block reads floating factors; INT8 segments are read by milo_kernels")
+        raise ValueError("unpack_block reads floating factors; quantized segments are read by milo_kernels")
     d, pos = layout.head_dim, 0
     for idx in np.ndindex(*np.asarray(ranks).shape):
         r = int(ranks[idx])

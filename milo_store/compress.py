@@ -14,7 +14,7 @@ import torch
 from .allocation import BudgetError, allocate_ranks
 from .baselines import BASELINES, ExampleSplit, GlobalProjection
 from .codec import CODECS, BlockFactors, pack_block
-from .format import GROUP_BYTES, TORCH_DTYPES
+from .format import GROUP_BYTES, QUANTIZED, TORCH_DTYPES
 from .layout import Layout, full_kv_bytes, index_bytes
 from .staging import Staging
 from .writer import StoreWriter
@@ -83,6 +83,11 @@ class CompressionConfig:
             raise ValueError(f"key share {self.key_share} must be in (0, 1), and needs kv_split 'separate'")
 
 
+def quant_layout(layout: Layout, dtype: str) -> Layout:
+    """The layout of a store whose factors are ``dtype`` (quantized ones count bytes)."""
+    return replace(layout, quant=dtype if dtype in QUANTIZED else None)
+
+
 def check_budget(layout: Layout, tokens, config: CompressionConfig) -> None:
     """Raise BudgetError now if ``config.ratio`` cannot hold r_min everywhere (before any encoding).
 
@@ -90,11 +95,11 @@ def check_budget(layout: Layout, tokens, config: CompressionConfig) -> None:
     """
     if config.codec == "identity" or config.full_rank:
         return
-    layout = replace(layout, quantized=config.dtype == "int8")
+    layout = quant_layout(layout, config.dtype)
     tokens = np.asarray(tokens, dtype=np.int64)
     itemsize = torch.empty(0, dtype=TORCH_DTYPES[config.dtype]).element_size()
-    need = (config.r_min * layout.units_per_block * layout.unit_size(tokens).sum() * itemsize
-            + index_bytes(layout, len(tokens)))
+    r_min = np.full((len(tokens), layout.num_layers, 2, layout.num_kv_heads), config.r_min)
+    need = layout.segment_sizes(r_min, tokens).sum() * itemsize + index_bytes(layout, len(tokens))
     full = full_kv_bytes(layout, tokens)
     if need > config.ratio * full:
         raise BudgetError(f"ratio {config.ratio} cannot hold rank {config.r_min} everywhere: that alone takes "
@@ -138,7 +143,7 @@ def write_store(path, staging: Staging, num_blocks: int, layout: Layout, config:
     demonstration) and, for ``example-svd``, ``tokens`` (each one's token count). In an example-svd
     store a demonstration's ``block`` is its own store block and ``block_group`` names the staged one.
     """
-    layout = replace(layout, quantized=config.dtype == "int8")
+    layout = quant_layout(layout, config.dtype)
     source = pass_two_source(staging, num_blocks, config, examples)
     ranks, tokens = _plan(source, layout, config)
     attrs = {**(attrs or {}), "codec": config.codec, "allocation": asdict(config)}

@@ -14,14 +14,17 @@ BLOCK_GROUP = "block_group"  # int32 [N], optional: the retrieval group of each 
 GROUP_BYTES = 4  # index bytes per block that a block_group array adds
 MAX_CHUNK_BYTES = 64 << 20
 # numpy cannot hold bfloat16: its bits go to disk as uint16 and are viewed back as torch.bfloat16.
-# INT8 stores keep raw segment bytes (codes and their fp16 scales, quant.py) in a uint8 array.
-NUMPY_DTYPES = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32, "int8": np.uint8}
-TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "int8": torch.uint8}
+# Quantized stores (int8, int4, int2) keep raw segment bytes (codes and their fp16 scales, quant.py)
+# in a uint8 array.
+QUANTIZED = ("int8", "int4", "int2")
+NUMPY_DTYPES = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32, **{q: np.uint8 for q in QUANTIZED}}
+TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+                **{q: torch.uint8 for q in QUANTIZED}}
 
 
 def anchor_dtype(factor_dtype: str) -> str:
-    """The anchor is stored uncompressed: in the factor dtype, or fp16 for INT8 stores."""
-    return "float16" if factor_dtype == "int8" else factor_dtype
+    """The anchor is stored uncompressed: in the factor dtype, or fp16 for quantized stores."""
+    return "float16" if factor_dtype in QUANTIZED else factor_dtype
 
 
 def chunk_values(total_values: int, itemsize: int, max_chunk_bytes: int = MAX_CHUNK_BYTES) -> int:

@@ -5,8 +5,11 @@ inside a layer, segments are ordered (kind, head) with keys (kind 0) before valu
 segment of rank r over T tokens with head dim d is ``A [T, r]`` row-major, ``Σ [r]``, ``B [d, r]``
 row-major: r * (T + d + 1) values. Everything here derives from the ranks and token counts alone.
 
-A quantized layout (INT8 factors, ``quantized=True``) counts bytes instead: a segment is
-r * (T' + d + 10) bytes with T' = T rounded up to even, laid out by ``quant.py``.
+A quantized layout (``quant`` set) counts bytes instead, laid out by ``quant.py``: an ``int8``
+segment is r * (T' + d + 10) bytes with T' = T rounded up to even. ``int4`` and ``int2`` segments
+(KIVI-style groups: key factors per channel in groups of GROUP_TOKENS tokens, value factors per
+token) cost ``unit_size`` bytes per rank unit plus, for values, a fixed ``fixed_size`` (each token's
+scale and minimum) whenever the rank is above zero.
 """
 from dataclasses import dataclass
 
@@ -18,6 +21,8 @@ RANK_BYTES, TOKENS_BYTES, CHECKSUM_BYTES = 2, 4, 4
 # Bytes per rank unit of an INT8 segment beyond its T + d codes: Σ, and scale and minimum of the
 # A column and of the B column, each fp16.
 QUANT_UNIT_OVERHEAD = 10
+QUANT_BITS = {"int8": 8, "int4": 4, "int2": 2}
+GROUP_TOKENS = 32  # tokens per scale of a low-bit key factor column (KIVI's group size)
 
 
 @dataclass(frozen=True)
@@ -25,13 +30,45 @@ class Layout:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    quantized: bool = False  # INT8 factors: sizes and offsets are in bytes
+    quant: str | None = None  # "int8", "int4", "int2": quantized factors, sizes and offsets in bytes
 
-    def unit_size(self, tokens):
-        """Storage elements one rank unit costs over ``tokens`` tokens (values, or bytes when quantized)."""
-        if self.quantized:  # A codes padded to an even row count: every fp16 header stays 2-byte aligned
+    def __post_init__(self):
+        if self.quant is not None and self.quant not in QUANT_BITS:
+            raise ValueError(f"unknown quantization {self.quant!r}; expected one of {tuple(QUANT_BITS)}")
+
+    @property
+    def quantized(self) -> bool:
+        return self.quant is not None
+
+    def unit_size(self, tokens, kind=0):
+        """Storage elements one rank unit of a ``kind`` segment costs over ``tokens`` tokens (bytes when quantized).
+
+        Every size is even when quantized, so each segment's fp16 header stays 2-byte aligned.
+        """
+        tokens = np.asarray(tokens, dtype=np.int64)
+        if self.quant is None:
+            return tokens + self.head_dim + 1
+        if self.quant == "int8":  # A codes padded to an even row count
             return tokens + tokens % 2 + self.head_dim + QUANT_UNIT_OVERHEAD
-        return tokens + self.head_dim + 1
+        # Σ, B scale and min (fp16), B codes (uint8), A codes packed, rows padded to whole even bytes
+        per_byte = 8 // QUANT_BITS[self.quant]
+        rows = -(-tokens // (2 * per_byte)) * 2 * per_byte
+        groups = -(-tokens // GROUP_TOKENS)
+        return 6 + self.head_dim + rows // per_byte + np.where(np.asarray(kind) == 0, 4 * groups, 0)
+
+    def fixed_size(self, tokens, kind=0):
+        """Bytes a segment of rank > 0 costs beyond its rank units: a low-bit value's per-token scale and min."""
+        tokens, kind = np.asarray(tokens, dtype=np.int64), np.asarray(kind)
+        if self.quant in ("int4", "int2"):
+            return np.where(kind == 1, 4 * tokens, 0)
+        return np.zeros(np.broadcast_shapes(tokens.shape, kind.shape), dtype=np.int64)
+
+    def _sizes(self, ranks: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """Elements of each segment: ranks [..., 2, H] against tokens broadcast to ranks[..., None, None]."""
+        r = np.asarray(ranks, dtype=np.int64)
+        t = np.asarray(tokens, dtype=np.int64)[..., None, None]
+        kind = np.arange(2).reshape(2, 1)
+        return r * self.unit_size(t, kind) + (r > 0) * self.fixed_size(t, kind)
 
     @property
     def units_per_block(self) -> int:
@@ -39,8 +76,7 @@ class Layout:
 
     def segment_sizes(self, ranks: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         """Values per segment, shape like ranks [N, L, 2, H], given tokens [N]."""
-        t = np.asarray(tokens, dtype=np.int64).reshape(-1, 1, 1, 1)
-        return np.asarray(ranks, dtype=np.int64) * self.unit_size(t)
+        return self._sizes(ranks, np.asarray(tokens, dtype=np.int64).reshape(-1, 1))
 
     def block_offsets(self, ranks: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         """Start of each block in the flat factor array, plus the end: int64 [N + 1]."""
@@ -49,7 +85,7 @@ class Layout:
 
     def layer_offsets(self, block_ranks: np.ndarray, tokens: int) -> np.ndarray:
         """Start of each layer inside one block (ranks [L, 2, H]), plus the end: int64 [L + 1]."""
-        sizes = (np.asarray(block_ranks, dtype=np.int64) * self.unit_size(tokens)).reshape(self.num_layers, -1)
+        sizes = self._sizes(block_ranks, np.int64(tokens)).reshape(self.num_layers, -1)
         return np.concatenate(([0], np.cumsum(sizes.sum(axis=1)))).astype(np.int64)
 
     def layer_segments(self, layer_ranks: np.ndarray, tokens: np.ndarray, dst_rows: np.ndarray,
@@ -63,7 +99,7 @@ class Layout:
         r = np.asarray(layer_ranks, dtype=np.int64)
         n, H = r.shape[0], self.num_kv_heads
         t = np.asarray(tokens, dtype=np.int64)
-        sizes = (r * self.unit_size(t.reshape(-1, 1, 1))).reshape(n, -1)
+        sizes = self._sizes(r, t).reshape(n, -1)
         within = np.cumsum(sizes, axis=1) - sizes
         src = np.asarray(src_starts, dtype=np.int64).reshape(-1, 1) + within
         kind, head = np.divmod(np.arange(2 * H), H)

@@ -1,4 +1,7 @@
-"""INT8 factors: asymmetric, one scale and minimum per factor column (FlexGen-style, group = column).
+"""Quantized factors: INT8 with one scale and minimum per factor column (FlexGen-style, group =
+column), and KIVI-style INT4/INT2 with finer groups. The formats are specified in docs/format.md.
+
+INT8:
 
 A and B columns are unit vectors, so one group per column costs 8 bytes per rank unit and adds
 ~0.1% error where truncation adds 10-35% (docs/results.md); at equal bytes INT8 nearly doubles the
@@ -10,21 +13,29 @@ starts aligned every header is 2-byte aligned, as a GPU kernel reading it in pla
 """
 import torch
 
-from .layout import QUANT_UNIT_OVERHEAD
+from .layout import GROUP_TOKENS, QUANT_BITS, QUANT_UNIT_OVERHEAD
 
 HEADER = QUANT_UNIT_OVERHEAD // 2  # fp16 vectors of length r before the codes
 
 
+def quantize(x: torch.Tensor, dim: int = 0, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """uint8 codes (< 2**bits), fp16 scale and fp16 minimum over ``dim`` of x; x ≈ codes * scale + minimum."""
+    top = 2 ** bits - 1
+    lo = x.amin(dim=dim, keepdim=True).half()
+    scale = ((x.amax(dim=dim, keepdim=True) - lo.float()) / top).clamp_min(torch.finfo(torch.float16).tiny).half()
+    codes = torch.round((x - lo.float()) / scale.float()).clamp(0, top).to(torch.uint8)
+    return codes, scale.squeeze(dim), lo.squeeze(dim)
+
+
 def quantize_columns(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """uint8 codes, fp16 scale, fp16 minimum of each column of x [n, r]; x ≈ codes * scale + minimum."""
-    lo = x.min(dim=0).values.half()
-    scale = ((x.max(dim=0).values - lo.float()) / 255).clamp_min(torch.finfo(torch.float16).tiny).half()
-    codes = torch.round((x - lo.float()) / scale.float()).clamp(0, 255).to(torch.uint8)
-    return codes, scale, lo
+    return quantize(x, 0, 8)
 
 
-def pack_segment(A: torch.Tensor, S: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
-    """The bytes of one INT8 segment (A [T, r], S [r], B [d, r], any float dtype)."""
+def pack_segment(A: torch.Tensor, S: torch.Tensor, B: torch.Tensor, quant: str = "int8", kind: int = 0) -> torch.Tensor:
+    """The bytes of one quantized segment (A [T, r], S [r], B [d, r], any float dtype) of a ``kind`` unit."""
+    if quant != "int8":
+        return pack_lowbit_segment(A, S, B, QUANT_BITS[quant], kind)
     if A.shape[1] == 0:
         return torch.empty(0, dtype=torch.uint8)
     a, a_scale, a_min = quantize_columns(A.float())
@@ -32,3 +43,36 @@ def pack_segment(A: torch.Tensor, S: torch.Tensor, B: torch.Tensor) -> torch.Ten
     header = torch.stack((S.half(), a_scale, a_min, b_scale, b_min)).reshape(-1).view(torch.uint8)
     pad = a.new_zeros((A.shape[0] % 2) * A.shape[1])
     return torch.cat((header, a.reshape(-1), pad, b.reshape(-1)))
+
+
+def pack_lowbit_segment(A: torch.Tensor, S: torch.Tensor, B: torch.Tensor, bits: int, kind: int) -> torch.Tensor:
+    """The bytes of one INT4/INT2 segment, KIVI-style: keys per channel, values per token.
+
+    Layout (all little-endian): fp16 Σ, B scale, B min [r]; then A's fp16 scales and minima: for a
+    key [2, G, r] (one per column and group of GROUP_TOKENS tokens, G = ceil(T / GROUP_TOKENS)), for a
+    value [2, T] (one per token, over its r columns); B codes uint8 [d, r]; A codes [r, T'] column by
+    column, ``8 // bits`` consecutive tokens per byte (first token in the lowest bits), T' = T padded
+    so each column fills an even number of bytes. Σ stays outside A, so A's columns are unit vectors
+    and share one range: the per-token groups of a value are not dominated by its largest direction.
+    """
+    T, r = A.shape
+    if r == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    A = A.float()
+    per_byte = 8 // bits
+    rows = -(-T // (2 * per_byte)) * 2 * per_byte
+    if kind == 0:
+        groups = -(-T // GROUP_TOKENS)
+        padded = torch.cat((A, A[-1:].expand(groups * GROUP_TOKENS - T, r)))  # repeat a row: ranges unchanged
+        codes, a_scale, a_min = quantize(padded.view(groups, GROUP_TOKENS, r), 1, bits)
+        codes = codes.reshape(-1, r)[:T]
+    else:
+        codes, a_scale, a_min = quantize(A, 1, bits)
+    b, b_scale, b_min = quantize(B.float(), 0, 8)
+    codes = torch.cat((codes, codes.new_zeros(rows - T, r))).T.reshape(r, rows // per_byte, per_byte)
+    shifts = torch.arange(per_byte, dtype=torch.uint8) * bits
+    packed = (codes << shifts).sum(dim=-1, dtype=torch.uint8)  # disjoint bit fields: the sum is an OR
+    header = torch.stack((S.half(), b_scale, b_min)).reshape(-1)
+    params = torch.stack((a_scale, a_min)).reshape(-1)
+    return torch.cat((header.view(torch.uint8), params.view(torch.uint8), b.reshape(-1), packed.reshape(-1)))
+

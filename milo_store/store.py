@@ -35,7 +35,8 @@ class MiloStore:
     def __init__(self, path: Path, group, meta: dict, tier: str, verify: bool, cache_bytes: int, pin: bool | None):
         self.path, self.group, self.meta, self.tier, self.verify = path, group, meta, tier, verify
         lay = meta["layout"]
-        self.layout = Layout(lay["num_layers"], lay["num_kv_heads"], lay["head_dim"], lay.get("quantized", False))
+        quant = lay.get("quant", "int8" if lay.get("quantized") else None)  # "quantized": stores before int4/int2
+        self.layout = Layout(lay["num_layers"], lay["num_kv_heads"], lay["head_dim"], quant)
         self.dtype = meta["factor_dtype"]
         self.torch_dtype = fmt.TORCH_DTYPES[self.dtype]
         self.itemsize = torch.empty(0, dtype=self.torch_dtype).element_size()

@@ -86,8 +86,8 @@ class StoreWriter:
             raise ValueError(f"ranks shape {self.ranks.shape} does not match {len(self.block_tokens)} blocks of {layout}")
         if dtype not in fmt.NUMPY_DTYPES:
             raise ValueError(f"unknown factor dtype {dtype!r}; expected one of {tuple(fmt.NUMPY_DTYPES)}")
-        if layout.quantized != (dtype == "int8"):
-            raise ValueError(f"factor dtype {dtype} does not match a layout with quantized={layout.quantized}")
+        if layout.quant != (dtype if dtype in fmt.QUANTIZED else None):
+            raise ValueError(f"factor dtype {dtype} does not match a layout with quant={layout.quant}")
         if block_group is not None and (problem := fmt.check_block_group(block_group, len(self.block_tokens))):
             raise ValueError(problem)
         self.block_group = None if block_group is None else np.asarray(block_group, dtype=np.int32)
@@ -192,7 +192,7 @@ class StoreWriter:
             self.group.attrs[fmt.ATTRS_KEY] = {
                 **self.attrs, "format_version": fmt.FORMAT_VERSION, "factor_dtype": self.dtype,
                 "layout": {"num_layers": self.layout.num_layers, "num_kv_heads": self.layout.num_kv_heads,
-                           "head_dim": self.layout.head_dim, "quantized": self.layout.quantized}}
+                           "head_dim": self.layout.head_dim, "quant": self.layout.quant}}
             _fsync_tree(self.tmp)
             old = None
             if self.path.exists():

@@ -1,0 +1,72 @@
+"""INT4/INT2 segments (KIVI-style groups, docs/format.md) back to floating factors, in plain PyTorch.
+
+Only INT8 is dequantized inside the reconstruction kernel. A low-bit store's layer is first expanded
+here into packed fp16 factors and a matching segment table, then rebuilt by the same entry point as
+any floating store; this costs one fp16 copy of the layer's factors (about 4× (int4) or 8× (int2)
+the streamed bytes) in device memory, and is correct on every backend.
+"""
+import torch
+
+BITS = {"int4": 4, "int2": 2}
+GROUP_TOKENS = 32  # must equal milo_store.layout.GROUP_TOKENS (checked by tests)
+
+
+def lowbit_segment_bytes(rank: int, tokens: int, d: int, bits: int, kind: int) -> int:
+    """Size of one segment (docs/format.md); zero at rank zero."""
+    if rank == 0:
+        return 0
+    per_byte = 8 // bits
+    rows = -(-tokens // (2 * per_byte)) * 2 * per_byte
+    params = 4 * rank * -(-tokens // GROUP_TOKENS) if kind == 0 else 4 * tokens
+    return rank * (6 + d + rows // per_byte) + params
+
+
+def dequantize_lowbit_segment(raw: torch.Tensor, rank: int, tokens: int, d: int, bits: int, kind: int):
+    """fp32 A [T, r], Σ [r], B [d, r] of one segment, from its bytes (uint8, starting at its header)."""
+    r, T, per_byte = rank, tokens, 8 // bits
+    rows = -(-T // (2 * per_byte)) * 2 * per_byte
+    header = raw[:6 * r].view(torch.float16).float().view(3, r)
+    s, b_scale, b_min = header
+    groups = -(-T // GROUP_TOKENS)
+    n_params = 4 * r * groups if kind == 0 else 4 * T
+    params = raw[6 * r:6 * r + n_params].view(torch.float16).float()
+    at = 6 * r + n_params
+    b = raw[at:at + d * r].view(d, r).float() * b_scale + b_min
+    packed = raw[at + d * r:at + d * r + r * rows // per_byte].view(r, rows // per_byte)
+    shifts = torch.arange(per_byte, dtype=torch.uint8, device=raw.device) * bits
+    codes = ((packed.unsqueeze(-1) >> shifts) & (2 ** bits - 1)).reshape(r, rows)[:, :T].T.float()
+    if kind == 0:  # one scale and minimum per column and group of GROUP_TOKENS tokens
+        a_scale, a_min = params.view(2, groups, r)[:, torch.arange(T, device=raw.device) // GROUP_TOKENS]
+    else:  # one per token
+        a_scale, a_min = params.view(2, T, 1)
+    a = codes * a_scale + a_min
+    return a, s, b
+
+
+def dequantize_lowbit_layer(factors: torch.Tensor, segments: torch.Tensor, d: int, quant: str,
+                            dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed floating factors, segment table) equal to a layer of low-bit segments, on factors' device.
+
+    The new table keeps every row's rank, tokens, destination, head and kind; only src_offset moves
+    to where the segment's A, Σ, B now start in the floating buffer (docs/format.md).
+    """
+    if quant not in BITS:
+        raise ValueError(f"unknown low-bit quantization {quant!r}; expected one of {tuple(BITS)}")
+    if segments.dtype != torch.int64 or segments.dim() != 2 or segments.shape[1] != 6:
+        raise ValueError(f"segments must be int64 [S, 6], got {segments.dtype} {tuple(segments.shape)}")
+    bits = BITS[quant]
+    parts, table, at = [], segments.clone(), 0
+    for i, (src, rank, tokens, _, _, kind) in enumerate(segments.tolist()):
+        table[i, 0] = at
+        if rank == 0:
+            continue
+        end = src + lowbit_segment_bytes(rank, tokens, d, bits, kind)
+        if src < 0 or src % 2 or end > factors.numel():
+            raise ValueError(f"segment {i} {segments[i].tolist()}: its {quant} bytes [{src}, {end}) are not an "
+                             f"even-aligned range of the {factors.numel()} factor bytes")
+        raw = factors[src:end]
+        a, s, b = dequantize_lowbit_segment(raw, rank, tokens, d, bits, kind)
+        parts += [a.reshape(-1), s, b.reshape(-1)]
+        at += rank * (tokens + d + 1)
+    flat = torch.cat(parts).to(dtype) if parts else torch.empty(0, dtype=dtype, device=factors.device)
+    return flat, table

@@ -1,0 +1,70 @@
+"""INT4/INT2 factors (KIVI-style groups): packing, sizes, error bounds, stores and reconstruction."""
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from milo_kernels import dequantize_lowbit_segment, lowbit_segment_bytes
+from milo_kernels.lowbit import GROUP_TOKENS as KERNEL_GROUP
+from milo_store import CompressionConfig, Layout, MiloStore
+from milo_store.layout import GROUP_TOKENS
+from milo_store.quant import pack_segment
+from milo_store.synthetic import build_synthetic_store
+
+BITS = {"int4": 4, "int2": 2}
+
+
+def test_group_size_agrees_between_writer_and_reader():
+    assert KERNEL_GROUP == GROUP_TOKENS
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 100), st.sampled_from([8, 16, 64]), st.integers(0, 64), st.sampled_from(["int4", "int2"]),
+       st.integers(0, 1), st.integers(0, 2**16))
+def test_lowbit_segment_size_and_error_bound(T, d, r, quant, kind, seed):
+    g = torch.Generator().manual_seed(seed)
+    A = torch.randn(T, max(r, 1), generator=g)[:, :min(r, T)]
+    r = A.shape[1]
+    S = torch.rand(r, generator=g) + 0.1
+    B = torch.randn(d, r, generator=g)
+    raw = pack_segment(A, S, B, quant, kind)
+    bits = BITS[quant]
+    layout = Layout(1, 1, d, quant)
+    size = int(r * layout.unit_size(T, kind) + (r > 0) * layout.fixed_size(T, kind))
+    assert raw.numel() == size == lowbit_segment_bytes(r, T, d, bits, kind)
+    assert raw.numel() % 2 == 0  # the next segment's fp16 header stays aligned
+    if r == 0:
+        return
+    a, s, b = dequantize_lowbit_segment(raw, r, T, d, bits, kind)
+    assert torch.equal(s, S.half().float())
+    # every element is within half a step of its group's grid, plus fp16 rounding of scale and minimum
+    if kind == 0:  # per column, groups of GROUP_TOKENS tokens
+        idx = torch.arange(T) // GROUP_TOKENS
+        lo = torch.stack([A[idx == i].min(0).values for i in range(int(idx.max()) + 1)])[idx]
+        hi = torch.stack([A[idx == i].max(0).values for i in range(int(idx.max()) + 1)])[idx]
+    else:  # per token
+        lo, hi = A.min(1, keepdim=True).values, A.max(1, keepdim=True).values
+    span = hi - lo
+    bound = span / (2 * (2 ** bits - 1)) + (span + lo.abs()) * 2 ** -10 + 1e-6
+    assert bool(((a - A).abs() <= bound).all())
+    b_span = (B.max(0).values - B.min(0).values)
+    assert bool(((b - B).abs() <= b_span / 510 + (b_span + B.abs().max(0).values) * 2 ** -10 + 1e-6).all())
+
+
+@pytest.mark.parametrize("quant", ["int4", "int2"])
+def test_lowbit_store_meets_ratio_and_verifies(tmp_path, quant):
+    layout = Layout(2, 2, 32)
+    tokens = [90, 121, 70]
+    int8 = MiloStore.open(build_synthetic_store(tmp_path / "q8", layout, tokens, CompressionConfig(ratio=0.25, dtype="int8")))
+    low = MiloStore.open(build_synthetic_store(tmp_path / quant, layout, tokens, CompressionConfig(ratio=0.25, dtype=quant)))
+    assert low.layout.quant == quant and low.dtype == quant and low.verify_all() == []
+    acc = low.accounting()
+    assert acc["ratio"] <= 0.25 and abs(acc["ratio"] - 0.25) < 0.03
+    assert low.ranks.mean() > 1.2 * int8.ranks.mean()  # fewer bits per code buy rank
+    assert low.anchor_kv().dtype == torch.float16
+
+
+def test_lowbit_r_min_that_does_not_fit_is_refused_before_writing(tmp_path):
+    from milo_store.allocation import BudgetError
+    with pytest.raises(BudgetError):  # per-token value scales alone exceed a tiny budget
+        build_synthetic_store(tmp_path / "s", Layout(1, 1, 32), [64, 64], CompressionConfig(ratio=0.02, dtype="int2"))
+    assert not (tmp_path / "s").exists()
