@@ -248,21 +248,22 @@ def _read_predictions(path, key: str) -> dict[str, dict]:
 def write_tables(rows: list[dict], out, *, header: str = "") -> tuple[Path, Path]:
     """``results.json`` (every row) and ``results.md`` (accuracy, methods × datasets) under ``out``.
 
-    A row is one (dataset, seed, method) with `evaluate`'s fields. A cell is the mean accuracy over
-    seeds (± the standard deviation when there are several). The bytes columns are the stores'
-    measured size over the fp16 K/V of the same tokens, and the mean bytes a query streamed.
+    A row is one (dataset, seed, block size, method, ratio) with `evaluate`'s fields. A table row is a
+    method, labelled with its ratio and block size where the rows hold several; a cell is the mean
+    accuracy over seeds (± the standard deviation when there are several). The bytes columns are the
+    stores' measured size over the fp16 K/V of the same tokens, and the mean bytes a query streamed.
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     json_path, md_path = out / "results.json", out / "results.md"
     json_path.write_text(json.dumps(rows, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     datasets = list(dict.fromkeys(r["dataset"] for r in rows))
-    methods = list(dict.fromkeys(r["method"] for r in rows))
+    methods = list(dict.fromkeys(_label(r, rows) for r in rows))
     lines = [header] if header else []
     lines += ["| Method | " + " | ".join(datasets) + " | Avg. | Store / full fp16 | Query KV read (mean) |",
               "|---" * (len(datasets) + 4) + "|"]
     for m in methods:
-        mine = [r for r in rows if r["method"] == m]
+        mine = [r for r in rows if _label(r, rows) == m]
         cells, means = [], []
         for d in datasets:
             accs = [100 * r["accuracy"] for r in mine if r["dataset"] == d]
@@ -280,6 +281,18 @@ def write_tables(rows: list[dict], out, *, header: str = "") -> tuple[Path, Path
                      f"{_mib(read)} of {_mib(full)} fp16 |")
     md_path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return md_path, json_path
+
+
+def _label(row: dict, rows: list[dict]) -> str:
+    """The method's name, plus its ratio and block size where the rows hold more than one of each."""
+    label = row["method"]
+    def scaled(r):  # a method whose store changes with the ratio
+        return "ratio" not in METHODS.get(r["method"], {})
+    if scaled(row) and len({r.get("ratio_setting") for r in rows if scaled(r)}) > 1:
+        label += f" ρ={row['ratio_setting']:g}"
+    if len({r.get("block_size") for r in rows}) > 1:
+        label += f" m={row.get('block_size')}"
+    return label
 
 
 def _mib(n: float) -> str:

@@ -1,11 +1,13 @@
 """Compare storage methods on held-out queries: accuracy and measured KV bytes, as a results table.
 
-For each data set and seed: the first --shots training demonstrations become one store per method
-(the model encodes them once per codec; see `milo_infer.evaluate.encode_once`), then the first
---test test items are answered from each store. Everything lands under --out: the stores, one
+For each data set, seed and block size: the first --shots training demonstrations become one store
+per method and ratio (the model encodes them once per codec; see `milo_infer.evaluate.encode_once`),
+then the first --test test items are answered from each store. --ratio and --block-size take
+comma-separated lists, for accuracy-against-ratio and -block-size curves (tools/plot_results.py). Everything lands under --out: the stores, one
 predictions JSONL per run (rerunning the same command resumes where it stopped) and results.md /
 results.json, rewritten after every finished method.
 """
+import itertools
 import os
 import platform
 import shlex
@@ -33,11 +35,13 @@ def add_arguments(p):
     p.add_argument("--methods", default="full,milo,milo-fullrank", metavar="M",
                    help=f"comma-separated, from: {', '.join(METHODS)} (default full,milo,milo-fullrank)")
     p.add_argument("--shots", type=int, default=512, help="demonstrations stored per data set (default 512)")
-    p.add_argument("--ratio", type=float, default=0.5, help="ρ for the compressed methods, in (0, 1] (default 0.5)")
+    p.add_argument("--ratio", default="0.5", metavar="R[,R]",
+                   help="ρ for the compressed methods, in (0, 1]; several give one store each (default 0.5)")
     p.add_argument("--test", type=int, default=100, help="test items answered per data set and seed (default 100)")
     p.add_argument("--seeds", type=int, default=1, help="number of seeds, 0..N-1: sample, block order (default 1)")
     p.add_argument("--k", type=int, default=6, help="blocks retrieved per query (default 6)")
-    p.add_argument("--block-size", type=int, default=32, help="demonstrations per block (default 32)")
+    p.add_argument("--block-size", default="32", metavar="M[,M]",
+                   help="demonstrations per block; several encode the corpus once each (default 32)")
     p.add_argument("--context-blocks", type=int, default=2, help="previous blocks each block is encoded after")
     p.add_argument("--threads", type=int, metavar="N",
                    help="torch CPU threads; 1 is many times faster on a CPU shared with other jobs (default: torch's)")
@@ -45,7 +49,8 @@ def add_arguments(p):
 
 
 def check(args) -> tuple[list[str], list[str]]:
-    """(data set names, method names), after every check that needs no model."""
+    """(data set names, method names), after every check that needs no model; parses --ratio and
+    --block-size into args.ratios and args.block_sizes."""
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]
     if unknown or not methods:
@@ -59,9 +64,13 @@ def check(args) -> tuple[list[str], list[str]]:
         bad = [d for d in names if d not in DATASETS]
         if bad or not names:
             raise CommandError(f"--dataset: unknown {', '.join(bad) or '(none given)'}; known: {', '.join(DATASETS)}")
-    if not 0 < args.ratio <= 1:
+    args.ratios = _numbers("--ratio", args.ratio, float)
+    args.block_sizes = _numbers("--block-size", args.block_size, int)
+    if not all(0 < r <= 1 for r in args.ratios):
         raise CommandError(f"--ratio must be in (0, 1]; got {args.ratio}")
-    for flag in ("shots", "test", "seeds", "k", "block_size") + (("threads",) if args.threads is not None else ()):
+    if min(args.block_sizes) < 1:
+        raise CommandError(f"--block-size must be at least 1; got {args.block_size}")
+    for flag in ("shots", "test", "seeds", "k") + (("threads",) if args.threads is not None else ()):
         if getattr(args, flag) < 1:
             raise CommandError(f"--{flag.replace('_', '-')} must be at least 1; got {getattr(args, flag)}")
     if args.context_blocks < 0:
@@ -78,8 +87,8 @@ def data(args, name: str, seed: int):
         train, test, task = load_dataset(name, seed=seed)
     if args.shots > len(train):
         raise CommandError(f"--shots {args.shots}: {name} has only {len(train)} training demonstrations")
-    if args.block_size > args.shots:
-        raise CommandError(f"--block-size {args.block_size} is larger than --shots {args.shots}")
+    if max(args.block_sizes) > args.shots:
+        raise CommandError(f"--block-size {max(args.block_sizes)} is larger than --shots {args.shots}")
     return train[:args.shots], test[:args.test], task
 
 
@@ -95,28 +104,29 @@ def run(args) -> int:
         raise CommandError(f"--model: {e}") from None
     command = "milo eval " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if sys.argv[1:2] == ["eval"] else ""
     rows = []
-    bar = tqdm(total=len(names) * args.seeds * len(methods) * args.test, unit="query", desc="eval")
-    for name in names:
-        for seed in range(args.seeds):
-            demos, test, task = data(args, name, seed)
-            run_dir = out / name / f"seed{seed}-shots{args.shots}-b{args.block_size}-w{args.context_blocks}"
-            stores = {store_name(m, args.ratio): method_config(m, args.ratio, seed) for m in methods}
-            bar.set_postfix_str(f"{name} seed {seed}: encoding")
-            base = BuildConfig(block_size=args.block_size, context_blocks=args.context_blocks, seed=seed)
-            built = encode_once(loaded, demos, task, base, stores, run_dir / "stores", progress=False)
-            for m in methods:
-                sname = store_name(m, args.ratio)
-                bar.set_postfix_str(f"{name} seed {seed}: {sname}")
-                t0, answered = time.perf_counter(), []
-                result = evaluate(loaded, run_dir / "stores" / sname, test, task, k=args.k,
-                                  predictions=run_dir / f"{sname}-k{args.k}.jsonl",
-                                  on_answer=lambda r: (answered.append(r), bar.update()))
-                bar.update(result["n"] - len(answered))  # items resumed from the predictions file
-                rows.append({"dataset": name, "seed": seed, "method": m, "store": sname, "k": args.k,
-                             "shots": args.shots, "ratio_setting": stores[sname].ratio,
-                             "eval_s": time.perf_counter() - t0, "build": built[sname], **result})
-                header = _header(args, command, started, loaded.identity["name"])
-                write_tables(rows, out, header=header)
+    # a method whose ratio is fixed (full, milo-fullrank) has one store whatever --ratio lists
+    runs = list(dict.fromkeys((m, store_name(m, r)) for m in methods for r in args.ratios))
+    bar = tqdm(total=len(names) * args.seeds * len(args.block_sizes) * len(runs) * args.test, unit="query",
+               desc="eval")
+    for name, seed, block_size in itertools.product(names, range(args.seeds), args.block_sizes):
+        demos, test, task = data(args, name, seed)
+        run_dir = out / name / f"seed{seed}-shots{args.shots}-b{block_size}-w{args.context_blocks}"
+        stores = {store_name(m, r): method_config(m, r, seed) for m in methods for r in args.ratios}
+        bar.set_postfix_str(f"{name} seed {seed} b{block_size}: encoding")
+        base = BuildConfig(block_size=block_size, context_blocks=args.context_blocks, seed=seed)
+        built = encode_once(loaded, demos, task, base, stores, run_dir / "stores", progress=False)
+        for m, sname in runs:
+            bar.set_postfix_str(f"{name} seed {seed} b{block_size}: {sname}")
+            t0, answered = time.perf_counter(), []
+            result = evaluate(loaded, run_dir / "stores" / sname, test, task, k=args.k,
+                              predictions=run_dir / f"{sname}-k{args.k}.jsonl",
+                              on_answer=lambda r: (answered.append(r), bar.update()))
+            bar.update(result["n"] - len(answered))  # items resumed from the predictions file
+            rows.append({"dataset": name, "seed": seed, "method": m, "store": sname, "k": args.k,
+                         "shots": args.shots, "block_size": block_size, "ratio_setting": stores[sname].ratio,
+                         "eval_s": time.perf_counter() - t0, "build": built[sname], **result})
+            header = _header(args, command, started, loaded.identity["name"])
+            write_tables(rows, out, header=header)
     bar.close()
     md = (out / "results.md").read_text(encoding="utf-8")
     print(md)
@@ -124,10 +134,21 @@ def run(args) -> int:
     return 0
 
 
+def _numbers(flag: str, text: str, kind) -> list:
+    """A comma-separated list of numbers, in order and without repeats."""
+    try:
+        values = list(dict.fromkeys(kind(x) for x in str(text).split(",") if x.strip()))
+    except ValueError:
+        raise CommandError(f"{flag} takes comma-separated numbers; got {text!r}") from None
+    if not values:
+        raise CommandError(f"{flag}: no value given")
+    return values
+
+
 def _header(args, command: str, started: float, model: str) -> str:
     """What a reader of the table needs to reproduce it."""
     return (f"Accuracy (%) on the first {args.test} test items; {args.shots} demonstrations, block size "
-            f"{args.block_size}, {args.context_blocks} context blocks, k={args.k}, ρ={args.ratio:g}, "
+            f"{args.block_size}, {args.context_blocks} context blocks, k={args.k}, ρ={args.ratio}, "
             f"{args.seeds} seed(s); model {model}.\n\n"
             f"{'Command: `' + command + '`. ' if command else ''}"
             f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.machine()} with {_cpus()} CPU core(s), "

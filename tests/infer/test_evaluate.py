@@ -103,6 +103,17 @@ def test_table_is_methods_by_datasets_with_average_and_measured_ratio(tmp_path):
     assert json.loads(js.read_text()) == rows
 
 
+def test_table_labels_rows_by_ratio_and_block_size_only_where_they_vary(tmp_path):
+    rows = [{**_row("full", "a", 0.8, 1000), "ratio_setting": 1.0, "block_size": 16},
+            {**_row("milo", "a", 0.6, 500), "ratio_setting": 0.5, "block_size": 16},
+            {**_row("milo", "a", 0.4, 250), "ratio_setting": 0.25, "block_size": 16}]
+    text = write_tables(rows, tmp_path)[0].read_text()
+    assert "| full | 80.0 |" in text and "| milo ρ=0.5 | 60.0 |" in text and "| milo ρ=0.25 | 40.0 |" in text
+    rows.append({**_row("milo", "a", 0.3, 250), "ratio_setting": 0.25, "block_size": 32})
+    text = write_tables(rows, tmp_path)[0].read_text()
+    assert "| full m=16 |" in text and "| milo ρ=0.25 m=32 | 30.0 |" in text
+
+
 def test_table_marks_a_missing_cell_and_gives_no_average(tmp_path):
     md, _ = write_tables([_row("full", "a", 0.8, 1000), _row("milo", "b", 0.5, 250)], tmp_path)
     assert "| full | 80.0 | – | – |" in md.read_text()
@@ -116,7 +127,11 @@ def test_methods_and_arguments_are_checked_before_any_model_load():
     args = Namespace(methods="full,milo", dataset="banking77", corpus=None, queries=None, ratio=0.5, shots=8,
                      test=2, seeds=1, k=2, block_size=4, context_blocks=1, threads=None)
     assert check(args) == (["banking77"], ["full", "milo"])
+    lists = Namespace(**{**vars(args), "ratio": "0.25,0.5,0.25", "block_size": "4,8"})
+    check(lists)
+    assert lists.ratios == [0.25, 0.5] and lists.block_sizes == [4, 8]
     for change, message in [({"methods": "full,nope"}, "unknown nope"), ({"dataset": "imdb"}, "unknown imdb"),
-                            ({"ratio": 1.5}, "ratio"), ({"k": 0}, "--k"), ({"threads": 0}, "--threads"), ({"corpus": DEMO}, "--queries")]:
+                            ({"ratio": 1.5}, "ratio"), ({"ratio": "0.5,x"}, "comma-separated numbers"),
+                            ({"block_size": "8,0"}, "--block-size must be at least 1"), ({"k": 0}, "--k"), ({"threads": 0}, "--threads"), ({"corpus": DEMO}, "--queries")]:
         with pytest.raises(CommandError, match=message):
             check(Namespace(**{**vars(args), **change}))
