@@ -1,0 +1,39 @@
+"""tools/plot_results.py: merging eval result files into per-method curves, and the figure."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+from plot_results import curves, load_rows, plot  # noqa: E402
+
+
+def _row(method, seed, ratio, acc, measured, block=32):
+    return {"dataset": "d", "seed": seed, "method": method, "ratio_setting": ratio, "block_size": block, "k": 6,
+            "accuracy": acc, "store_ratio": measured, "n": 10}
+
+
+def test_curves_average_seeds_and_merge_files_with_later_rows_winning(tmp_path):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps([_row("milo", 0, 0.5, 0.1, 0.49), _row("milo", 1, 0.5, 0.3, 0.51),
+                             _row("milo", 0, 0.25, 0.2, 0.24), _row("full", 0, 1.0, 0.9, 1.08)]))
+    b.write_text(json.dumps([_row("milo", 0, 0.25, 0.0, 0.25)]))  # replaces the first run's row
+    rows = load_rows([str(a), str(b)])
+    got = curves(rows, "ratio")
+    (x1, y1, e1), (x2, y2, e2) = got["milo"]
+    assert (x1, y1, e1) == (0.25, 0.0, 0.0)
+    assert x2 == pytest.approx(0.5) and y2 == pytest.approx(20.0) and e2 == pytest.approx(14.142, abs=1e-3)
+    assert got["full"] == [(1.08, 90.0, 0.0)]
+    assert load_rows([str(a)], methods=["full"]) == [_row("full", 0, 1.0, 0.9, 1.08)]
+    with pytest.raises(SystemExit, match="no rows"):
+        load_rows([str(a)], dataset="other")
+
+
+def test_block_size_curve_and_figure_is_written(tmp_path):
+    rows = [_row("milo", 0, 0.5, 0.2, 0.5, block=16), _row("milo", 0, 0.5, 0.4, 0.5, block=64)]
+    assert curves(rows, "block_size")["milo"] == [(16, 20.0, 0.0), (64, 40.0, 0.0)]
+    out = plot(rows, "block_size", str(tmp_path / "fig.png"))
+    assert Path(out).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(SystemExit, match="no block_size"):
+        curves([{**rows[0], "block_size": None}], "block_size")
