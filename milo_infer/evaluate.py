@@ -2,11 +2,13 @@
 
 Three pieces:
 
-* `method_config` names the compared stores: ``full`` (the uncompressed baseline: identity codec,
-  fp16), ``milo`` (SVD at ratio ρ, entropy allocation per head), ``milo-fullrank`` (SVD keeping
-  every direction: isolates the codec's rounding from the truncation), allocation variants, and the
-  paper's two baselines at the same measured bytes: ``global-proj`` (one corpus-wide projection per
-  layer, K/V and head) and ``example-svd`` (every demonstration factored alone).
+* `method_config` reads a method name into a store configuration: a base — ``full`` (the
+  uncompressed baseline: identity codec, fp16), ``milo`` (SVD at ratio ρ, entropy allocation per
+  head), the paper's two baselines at the same measured bytes, ``global-proj`` (one corpus-wide
+  projection per layer, K/V and head) and ``example-svd`` (every demonstration factored alone) — then
+  modifiers (``-fullrank`` keeps every direction, isolating the codec's rounding from the
+  truncation; allocation policy, scope, K/V split, ``-ks<share>``) and a quantization (``+int8``,
+  ``+int4``, ``+kivi``).
 * `encode_once` builds every method's store for one (corpus, block size, context blocks) while
   running the model over the demonstrations once. The expensive part of a build is the encoding;
   `build_store` stages full-rank factors under a fingerprint that leaves out the ratio, policy,
@@ -24,9 +26,11 @@ paper's Table 1) in markdown and JSON. Bytes are always measured from the stores
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
+import re
 import shutil
 import statistics
 from pathlib import Path
@@ -41,40 +45,66 @@ from .models import LoadedModel
 from .scoring import is_correct
 from .session import MiloSession
 
-# name -> the CompressionConfig fields that define it; the ratio comes from the run unless fixed here.
-METHODS = {
-    "full": {"codec": "identity", "ratio": 1.0},
+# A method name is a base, then modifiers: ``base(-mod)*(+quant)?(-mod)*``, e.g. ``milo``,
+# ``milo-energy``, ``milo+int8-ks0.3``, ``full+kivi``. Each part sets CompressionConfig fields; the
+# ratio comes from the run unless the method fixes it (``full``, ``-fullrank``).
+BASES = {
+    "full": {"codec": "identity", "ratio": 1.0},  # the uncompressed baseline (identity codec)
     "milo": {"codec": "svd"},
-    "milo-fullrank": {"codec": "svd", "full_rank": True, "ratio": 1.0},
-    "milo-energy": {"codec": "svd", "policy": "energy"},
-    "milo-uniform": {"codec": "svd", "policy": "uniform"},
-    "milo-random": {"codec": "svd", "policy": "random"},
-    "milo-layer": {"codec": "svd", "scope": "layer"},
-    "milo-global": {"codec": "svd", "scope": "global"},
-    "milo-ks0.3": {"codec": "svd", "key_share": 0.3},
-    "milo+int8": {"codec": "svd", "dtype": "int8"},
-    "milo+int8-ks0.3": {"codec": "svd", "dtype": "int8", "key_share": 0.3},
-    # KIVI-style groups (keys per channel in groups of 32 tokens, values per token), on the factors or,
-    # with the identity codec, on the raw K/V as KIVI does (its ratio is set by the format: ~0.16-0.2)
-    "milo+int4": {"codec": "svd", "dtype": "int4"},
-    "milo+kivi": {"codec": "svd", "dtype": "int2"},
-    "full+kivi": {"codec": "identity", "dtype": "int2", "ratio": 1.0},
     # the paper's baselines at equal measured bytes (milo_store/baselines.py)
     "global-proj": {"codec": "global-proj"},
     "example-svd": {"codec": "example-svd"},
 }
+MODIFIERS = {
+    "fullrank": {"full_rank": True, "ratio": 1.0},  # every direction kept: the codec's rounding alone
+    **{p: {"policy": p} for p in ("entropy", "energy", "uniform", "random")},
+    **{s: {"scope": s} for s in ("head", "layer", "global")},
+    "shared": {"kv_split": "shared"},  # one budget for K and V instead of half each
+}
+# KIVI-style groups (keys per channel in groups of 32 tokens, values per token) on the factors or,
+# on ``full``, on the raw K/V as KIVI does (its ratio is then set by the format: about 0.16-0.2)
+QUANTS = {"int8": "int8", "int4": "int4", "int2": "int2", "kivi": "int2"}
+EXAMPLES = ("full", "milo", "milo-fullrank", "milo-energy", "milo-layer", "milo-ks0.3", "milo+int8", "milo+int4",
+            "milo+kivi", "full+kivi", "global-proj", "example-svd")
+
+
+@functools.cache
+def method_fields(name: str) -> dict:
+    """The CompressionConfig fields a method name stands for (ValueError naming the bad part)."""
+    base = max((b for b in BASES if name == b or name.startswith((b + "-", b + "+"))), key=len, default=None)
+    if base is None:
+        raise ValueError(f"unknown method {name!r}: it must start with one of {', '.join(BASES)}")
+    fields, rest = dict(BASES[base]), name[len(base):]
+    parts = re.findall(r"([+-])([^+-]+)", rest)
+    if "".join(sign + word for sign, word in parts) != rest:
+        raise ValueError(f"unknown method {name!r}: cannot read {rest!r}")
+    for sign, word in parts:
+        if sign == "+" and word in QUANTS and "dtype" not in fields:
+            fields["dtype"] = QUANTS[word]
+        elif sign == "-" and base != "full" and word in MODIFIERS:
+            fields.update(MODIFIERS[word])
+        elif sign == "-" and base != "full" and re.fullmatch(r"ks0?\.\d+", word):
+            fields["key_share"] = float(word[2:])
+        else:
+            raise ValueError(f"unknown method {name!r}: {sign}{word} is not a known "
+                             f"{'quantization (' + ', '.join(QUANTS) + ')' if sign == '+' else 'modifier'}"
+                             f"{'' if sign == '+' else ': ' + ', '.join(MODIFIERS) + ', ks<share>'}")
+    return fields
 
 
 def method_config(name: str, ratio: float, seed: int = 0) -> CompressionConfig:
     """The store configuration a method name stands for (fp16 factors unless the method quantizes)."""
-    if name not in METHODS:
-        raise ValueError(f"unknown method {name!r}; known: {', '.join(METHODS)}")
-    return CompressionConfig(**{"ratio": ratio, "seed": seed, "dtype": "float16", **METHODS[name]})
+    return CompressionConfig(**{"ratio": ratio, "seed": seed, "dtype": "float16", **method_fields(name)})
+
+
+def fixed_ratio(method: str) -> bool:
+    """Whether the method's store is the same at every ratio (full, -fullrank)."""
+    return "ratio" in method_fields(method)
 
 
 def store_name(method: str, ratio: float) -> str:
     """Directory name of a method's store: the ratio is part of it only where it changes the store."""
-    return method if "ratio" in METHODS[method] else f"{method}-r{ratio:g}"
+    return method if fixed_ratio(method) else f"{method}-r{ratio:g}"
 
 
 # --- building ------------------------------------------------------------------------------------
@@ -287,7 +317,7 @@ def _label(row: dict, rows: list[dict]) -> str:
     """The method's name, plus its ratio and block size where the rows hold more than one of each."""
     label = row["method"]
     def scaled(r):  # a method whose store changes with the ratio
-        return "ratio" not in METHODS.get(r["method"], {})
+        return not fixed_ratio(r["method"])
     if scaled(row) and len({r.get("ratio_setting") for r in rows if scaled(r)}) > 1:
         label += f" ρ={row['ratio_setting']:g}"
     if len({r.get("block_size") for r in rows}) > 1:

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from ..build import BuildConfig
 from ..corpus import DATASETS, load_corpus, load_dataset, task_from_corpus
-from ..evaluate import METHODS, encode_once, evaluate, method_config, store_name, write_tables
+from ..evaluate import BASES, EXAMPLES, MODIFIERS, QUANTS, encode_once, evaluate, method_config, store_name, write_tables
 from ..models import load_model
 from . import CommandError
 
@@ -33,7 +33,9 @@ def add_arguments(p):
     p.add_argument("--queries", metavar="FILE", help="test items for --corpus, with input and output fields")
     p.add_argument("--model", default="default", metavar="PATH", help="'default', a Hugging Face directory or a .gguf")
     p.add_argument("--methods", default="full,milo,milo-fullrank", metavar="M",
-                   help=f"comma-separated, from: {', '.join(METHODS)} (default full,milo,milo-fullrank)")
+                   help=f"comma-separated method names, base(-modifier)*(+quantization)(-modifier)*: bases "
+                        f"{', '.join(BASES)}; modifiers {', '.join(MODIFIERS)}, ks<key share>; quantizations "
+                        f"{', '.join(QUANTS)}. E.g. {', '.join(EXAMPLES)} (default full,milo,milo-fullrank)")
     p.add_argument("--shots", type=int, default=512, help="demonstrations stored per data set (default 512)")
     p.add_argument("--ratio", default="0.5", metavar="R[,R]",
                    help="ρ for the compressed methods, in (0, 1]; several give one store each (default 0.5)")
@@ -52,9 +54,13 @@ def check(args) -> tuple[list[str], list[str]]:
     """(data set names, method names), after every check that needs no model; parses --ratio and
     --block-size into args.ratios and args.block_sizes."""
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown or not methods:
-        raise CommandError(f"--methods: unknown {', '.join(unknown) or '(none given)'}; known: {', '.join(METHODS)}")
+    if not methods:
+        raise CommandError("--methods: none given")
+    for m in methods:
+        try:
+            method_config(m, 0.5)
+        except ValueError as e:
+            raise CommandError(f"--methods: {e}") from None
     if args.corpus is not None:
         if args.queries is None:
             raise CommandError("--corpus needs --queries (the test items)")

@@ -119,6 +119,19 @@ def test_table_marks_a_missing_cell_and_gives_no_average(tmp_path):
     assert "| full | 80.0 | – | – |" in md.read_text()
 
 
+def test_method_names_compose_a_base_modifiers_and_a_quantization():
+    c = method_config("milo+int8-ks0.3-layer", 0.25, seed=2)
+    assert (c.codec, c.dtype, c.key_share, c.scope, c.ratio, c.seed) == ("svd", "int8", 0.3, "layer", 0.25, 2)
+    assert method_config("milo-energy", 0.5).policy == "energy" and method_config("full+kivi", 0.5).dtype == "int2"
+    assert method_config("global-proj+int4", 0.5).codec == "global-proj"
+    assert store_name("milo-fullrank+int8", 0.25) == "milo-fullrank+int8" and store_name("full+kivi", 0.3) == "full+kivi"
+    for bad, message in [("full-energy", "not a known modifier"), ("milo+int8+int4", r"\+int4 is not a known"),
+                         ("milo+fp8", "not a known quantization"), ("milo--energy", "cannot read"),
+                         ("svd", "must start with"), ("milo-ks1.5", "not a known modifier")]:
+        with pytest.raises(ValueError, match=message):
+            method_config(bad, 0.5)
+
+
 def test_methods_and_arguments_are_checked_before_any_model_load():
     with pytest.raises(ValueError, match="unknown method"):
         method_config("milo-typo", 0.5)
@@ -130,7 +143,7 @@ def test_methods_and_arguments_are_checked_before_any_model_load():
     lists = Namespace(**{**vars(args), "ratio": "0.25,0.5,0.25", "block_size": "4,8"})
     check(lists)
     assert lists.ratios == [0.25, 0.5] and lists.block_sizes == [4, 8]
-    for change, message in [({"methods": "full,nope"}, "unknown nope"), ({"dataset": "imdb"}, "unknown imdb"),
+    for change, message in [({"methods": "full,nope"}, "unknown method 'nope'"), ({"dataset": "imdb"}, "unknown imdb"),
                             ({"ratio": 1.5}, "ratio"), ({"ratio": "0.5,x"}, "comma-separated numbers"),
                             ({"block_size": "8,0"}, "--block-size must be at least 1"), ({"k": 0}, "--k"), ({"threads": 0}, "--threads"), ({"corpus": DEMO}, "--queries")]:
         with pytest.raises(CommandError, match=message):
