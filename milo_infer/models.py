@@ -12,6 +12,7 @@ Face model lays these out:
   sliding windows, position-dependent RoPE rescaling, ...).
 * `model_identity` is the JSON record a store keeps, to refuse a cache built by another model.
 * `capture_kv` hooks ``k_proj``/``v_proj`` to collect pre-RoPE keys and values.
+* `channel_scales` weighs each key and value channel by what its error costs (``example-asvd``).
 * `rope_tables` asks the model's own rotary module for cos/sin tables, so scaled RoPE variants match.
 """
 from __future__ import annotations
@@ -322,6 +323,65 @@ def capture_kv(model) -> Iterator[CapturedKV]:
     finally:
         for handle in handles:
             handle.remove()
+
+
+def query_channel_scales(model, input_ids) -> torch.Tensor:
+    """Key channel weights [L, H_kv, d]: the RMS of the pre-RoPE queries that read each key channel.
+
+    Query head g scores a key by (R_m q)·(R_n k) (RoPE R, the 1/√d all scores share left out), so a
+    key error δk moves it by (R_m q)·(R_n δk). Taking channels as uncorrelated, its mean square over
+    the calibration tokens and the query heads sharing this KV head (GQA) is Σ_j s_j² (R_n δk)_j² with
+    s_j² the mean of the rotated q_j²: a weighted error, which the SVD of K diag(s) minimises. RoPE
+    turns each pair (j, j + d/2) by one angle, so s is pooled over the pair, s_j² = s_{j+d/2}² =
+    mean(q_j² + q_{j+d/2}²) / 2. A pair's energy is the same rotated or not, so this s is the same
+    from pre- or post-RoPE queries, and diag(s) commutes with R: the weighted error of the stored
+    pre-RoPE keys is exactly that of the rotated keys the scores use. A per-channel s would be neither.
+    """
+    config = model.config
+    L, H, d = config.num_hidden_layers, config.num_key_value_heads, _head_dim(config)
+    n_rep = config.num_attention_heads // H
+    ids = torch.as_tensor(input_ids, device=model.device).reshape(1, -1)
+    if ids.numel() == 0:
+        raise ValueError("query channel scales need at least one calibration token")
+    energy = torch.zeros(L, H, d, dtype=torch.float64)
+
+    def hook(layer: int):
+        def store(module, inputs, output):
+            q = output.detach().double().reshape(-1, H, n_rep, d)  # query heads h*n_rep.. read KV head h
+            energy[layer] = q.square().mean(dim=(0, 2)).cpu()
+        return store
+
+    handles = []
+    try:
+        for index, layer in enumerate(decoder_layers(model)):
+            handles.append(layer.self_attn.q_proj.register_forward_hook(hook(index)))
+        with torch.inference_mode():
+            model(input_ids=ids, use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    pair = (energy[..., :d // 2] + energy[..., d // 2:]) / 2
+    return torch.cat((pair, pair), dim=-1).sqrt().float()
+
+
+def output_channel_scales(model) -> torch.Tensor:
+    """Value channel weights [L, H_kv, d]: the RMS over query heads of o_proj's column norms.
+
+    Attention mixes values row-wise, so an error in value channel j of a KV head reaches the layer's
+    output through o_proj's column for channel j of each query head sharing that KV head; its size
+    there is that column's norm, pooled as an RMS over those heads. No activations are needed.
+    """
+    config = model.config
+    H, d = config.num_key_value_heads, _head_dim(config)
+    norms = [layer.self_attn.o_proj.weight.detach().double().square().sum(dim=0)
+             .reshape(H, config.num_attention_heads // H, d).mean(dim=1).sqrt() for layer in decoder_layers(model)]
+    return torch.stack(norms).float().cpu()
+
+
+def channel_scales(model, input_ids) -> torch.Tensor:
+    """``example-asvd``'s channel weights [L, 2, H_kv, d]: keys from the queries over ``input_ids``
+    (a calibration sample), values from ``o_proj``."""
+    return torch.stack((query_channel_scales(model, input_ids), output_channel_scales(model)), dim=1)
 
 
 def rope_tables(model, n_rows: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:

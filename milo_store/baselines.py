@@ -12,6 +12,11 @@ granularity of the low-rank basis:
 - ``example-svd`` (ASVD's granularity): every demonstration is its own SVD unit. Its store blocks are
   the demonstrations, and ``block_group`` maps each to the retrieval group (the build's block of m
   demonstrations) it was encoded in, so retrieval and the assembled context match MILO's exactly.
+- ``example-asvd``: the same units, activation-aware as ASVD is. Each (layer, kind, head) has channel
+  weights s [d] > 0 (how much a channel's error costs the model: from the queries for keys, from
+  ``o_proj`` for values; `milo_infer.models.channel_scales`). X diag(s) is SVD'd and the allocator
+  sees its spectrum, so rank goes where the error costs most; B' = diag(1/s) B undoes the weighting,
+  and the segment A Σ B'ᵀ ≈ X is an ordinary one.
 
 A *pass-two source* is what compress.py allocates and writes from: ``num_blocks`` store blocks,
 ``block_group`` (or None), ``spectrum(i)`` -> (tokens, singular values [L, 2, H, n]) for allocation,
@@ -23,7 +28,8 @@ import torch
 from .codec import BlockFactors, factorize_block
 from .staging import Staging
 
-BASELINES = ("global-proj", "example-svd")
+BASELINES = ("global-proj", "example-svd", "example-asvd")
+SCALE_FLOOR = 1e-3  # smallest channel weight, relative to its kind's largest: bounds 1/s
 
 
 def dense(f: BlockFactors) -> torch.Tensor:
@@ -72,9 +78,13 @@ class ExampleSplit:
     store blocks follow group by group (``example_block`` afterwards maps each demonstration to its
     store block). The group's dense K/V is rebuilt once and kept while its demonstrations are asked
     for in order.
+
+    With ``channel_scale`` [L, 2, H, d] (``example-asvd``) the rows are weighted by it before the SVD
+    and B is divided by it after (see `weights`).
     """
 
-    def __init__(self, staging: Staging, example_block: list[int], example_tokens: list[int], num_groups: int):
+    def __init__(self, staging: Staging, example_block: list[int], example_tokens: list[int], num_groups: int,
+                 channel_scale: torch.Tensor | None = None):
         self.staging = staging
         per_group, self.example_block = split_examples(example_block, example_tokens, num_groups)
         if any(not t or min(t) < 1 for t in per_group):
@@ -84,15 +94,22 @@ class ExampleSplit:
         self.starts = [s for t in per_group for s in np.concatenate(([0], np.cumsum(t)[:-1])).tolist()]
         self.tokens = np.array([x for t in per_group for x in t], dtype=np.int64)
         self.num_blocks = len(self.tokens)
+        self.scale = None if channel_scale is None else weights(channel_scale)
         self._group, self._x = None, None
 
     def _rows(self, j: int) -> torch.Tensor:
+        """Demonstration j's rows [L, 2, H, T_j, d], weighted by the channel scale when there is one."""
         g = int(self.block_group[j])
         if self._group != g:
             x = dense(self.staging.get(g))
             if x.shape[-2] != sum(self.example_tokens[g]):
                 raise ValueError(f"example-svd: staged block {g} holds {x.shape[-2]} tokens but its demonstrations "
                                  f"{sum(self.example_tokens[g])}")
+            if self.scale is not None:
+                if self.scale.shape != x.shape[:3] + x.shape[-1:]:
+                    raise ValueError(f"example-asvd: channel scale {tuple(self.scale.shape)} does not match the "
+                                     f"staged [L, 2, H, d] = {tuple(x.shape[:3] + x.shape[-1:])}")
+                x = x * self.scale.unsqueeze(-2)
             self._group, self._x = g, x
         start = int(self.starts[j])
         return self._x[..., start:start + int(self.tokens[j]), :]
@@ -102,7 +119,28 @@ class ExampleSplit:
 
     def factors(self, j: int) -> BlockFactors:
         x = self._rows(j)
-        return factorize_block(x[:, 0], x[:, 1], codec="svd")
+        f = factorize_block(x[:, 0], x[:, 1], codec="svd")
+        if self.scale is not None:
+            f.B = f.B / self.scale.unsqueeze(-1)
+        return f
+
+
+def weights(channel_scale: torch.Tensor) -> torch.Tensor:
+    """``example-asvd``'s channel weights [L, 2, H, d] from raw per-channel statistics.
+
+    Each kind (K, V) is divided by its largest statistic and floored at SCALE_FLOOR. A common factor
+    does not change the weighted minimiser; weights in [SCALE_FLOOR, 1] keep the weighted Σ at or
+    under the unweighted one (no fp16 overflow example-svd would not have) and B' = diag(1/s) B within
+    1/SCALE_FLOOR of an orthonormal B, while heads and layers keep their relative weights (which the
+    layer and global allocation scopes compare).
+    """
+    s = torch.as_tensor(channel_scale, dtype=torch.float32)
+    if s.dim() != 4 or s.shape[1] != 2:
+        raise ValueError(f"example-asvd: channel scale must be [layers, 2, kv_heads, head_dim]; got {tuple(s.shape)}")
+    top = s.amax(dim=(0, 2, 3), keepdim=True)
+    if not torch.isfinite(s).all() or (s < 0).any() or not (top > 0).all():
+        raise ValueError("example-asvd: channel scales must be finite, non-negative, and not all zero for keys or values")
+    return (s / top).clamp_min(SCALE_FLOOR)
 
 
 def split_examples(example_block: list[int], example_tokens: list[int], num_groups: int) -> tuple[list[list[int]], list[int]]:

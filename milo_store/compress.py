@@ -2,7 +2,7 @@
 
 Pass two reads a *source* of store blocks (see baselines.py): the staged blocks themselves for
 ``svd`` and ``identity``, or a baseline computed from the staged SVD factors (``global-proj``,
-``example-svd``). Allocation and writing are the same for all of them.
+``example-svd``, ``example-asvd``). Allocation and writing are the same for all of them.
 """
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -42,18 +42,25 @@ class StagedBlocks:
         return self.staging.get(i)
 
 
-def pass_two_source(staging: Staging, num_blocks: int, config: "CompressionConfig", examples: dict | None = None):
+def pass_two_source(staging: Staging, num_blocks: int, config: "CompressionConfig", examples: dict | None = None,
+                    channel_scale: torch.Tensor | None = None):
     """The store blocks ``config.codec`` writes from ``num_blocks`` staged blocks.
 
-    ``example-svd`` needs ``examples`` with each demonstration's ``block`` and ``tokens``; the other
-    codecs ignore them.
+    ``example-svd`` and ``example-asvd`` need ``examples`` with each demonstration's ``block`` and
+    ``tokens``; the other codecs ignore them. ``example-asvd`` also needs ``channel_scale``
+    [L, 2, H, d] (`milo_infer.models.channel_scales`), and no other codec takes one.
     """
+    if config.codec == "example-asvd" and channel_scale is None:
+        raise ValueError("example-asvd needs a channel scale [layers, 2, kv_heads, head_dim] "
+                         "(milo_infer.models.channel_scales: from the model's queries and o_proj)")
+    if config.codec != "example-asvd" and channel_scale is not None:
+        raise ValueError(f"codec {config.codec!r} takes no channel scale; only example-asvd does")
     if config.codec == "global-proj":
         return GlobalProjection(staging, num_blocks)
-    if config.codec == "example-svd":
+    if config.codec in ("example-svd", "example-asvd"):
         if examples is None or "tokens" not in examples:
-            raise ValueError("example-svd needs the demonstrations' blocks and token counts (examples['tokens'])")
-        return ExampleSplit(staging, examples["block"], examples["tokens"], num_blocks)
+            raise ValueError(f"{config.codec} needs the demonstrations' blocks and token counts (examples['tokens'])")
+        return ExampleSplit(staging, examples["block"], examples["tokens"], num_blocks, channel_scale)
     return StagedBlocks(staging, num_blocks)
 
 
@@ -107,9 +114,9 @@ def check_budget(layout: Layout, tokens, config: CompressionConfig) -> None:
 
 
 def plan_ranks(staging: Staging, num_blocks: int, layout: Layout, config: CompressionConfig,
-               examples: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
+               examples: dict | None = None, channel_scale: torch.Tensor | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(ranks [N, L, 2, H], tokens [N]) of the store blocks ``config`` writes from the staged blocks."""
-    return _plan(pass_two_source(staging, num_blocks, config, examples), layout, config)
+    return _plan(pass_two_source(staging, num_blocks, config, examples, channel_scale), layout, config)
 
 
 def _plan(source, layout: Layout, config: CompressionConfig) -> tuple[np.ndarray, np.ndarray]:
@@ -135,16 +142,17 @@ def _plan(source, layout: Layout, config: CompressionConfig) -> tuple[np.ndarray
 
 def write_store(path, staging: Staging, num_blocks: int, layout: Layout, config: CompressionConfig, *,
                 attrs: dict | None = None, anchor_kv: torch.Tensor | None = None, examples: dict | None = None,
-                token_ids: np.ndarray | None = None, force: bool = False, lock=None,
-                progress: Callable[[int], None] | None = None) -> Path:
+                token_ids: np.ndarray | None = None, channel_scale: torch.Tensor | None = None, force: bool = False,
+                lock=None, progress: Callable[[int], None] | None = None) -> Path:
     """Allocate and commit the store at ``path`` from ``num_blocks`` staged blocks.
 
     ``examples`` holds lists ``input``, ``output``, ``id``, ``block`` (the staged block of each
-    demonstration) and, for ``example-svd``, ``tokens`` (each one's token count). In an example-svd
-    store a demonstration's ``block`` is its own store block and ``block_group`` names the staged one.
+    demonstration) and, for ``example-svd`` and ``example-asvd``, ``tokens`` (each one's token count).
+    In such a store a demonstration's ``block`` is its own store block and ``block_group`` names the
+    staged one. ``channel_scale`` is example-asvd's (see `pass_two_source`).
     """
     layout = quant_layout(layout, config.dtype)
-    source = pass_two_source(staging, num_blocks, config, examples)
+    source = pass_two_source(staging, num_blocks, config, examples, channel_scale)
     ranks, tokens = _plan(source, layout, config)
     attrs = {**(attrs or {}), "codec": config.codec, "allocation": asdict(config)}
     with StoreWriter(path, layout, ranks, tokens, dtype=config.dtype, attrs=attrs, force=force,

@@ -20,7 +20,7 @@ from milo_infer.build import BuildConfig, BuildError, build_store
 from milo_infer.cli.main import main
 from milo_infer.corpus import Demonstration, task_from_corpus
 from milo_infer.models import ModelUnavailable, default_gguf_path, load_model
-from milo_store import Layout, MiloStore, NotAStoreError
+from milo_store import CompressionConfig, Layout, MiloStore, NotAStoreError
 from milo_store import format as fmt
 from milo_store.cli.main import main as store_main
 from milo_store.synthetic import build_synthetic_store
@@ -273,6 +273,26 @@ def test_empty_anchor_builds(tiny, tmp_path):
     summary = build_store(tmp_path / "s", tiny, demos, task, BuildConfig(block_size=2), progress=False)
     with MiloStore.open(summary["store"]) as store:
         assert store.anchor_kv().shape == (2, 2, 2, 0, 16) and store.num_blocks == 2
+
+
+def test_example_asvd_builds_a_verified_store_within_the_ratio(tiny, tmp_path, monkeypatch):
+    """example-asvd runs the model once more, on a calibration sample no longer than its context."""
+    demos = [Demonstration(f"customer message number {i} about my account", ("refund", "card lost")[i % 2], str(i))
+             for i in range(12)]
+    task = task_from_corpus(demos)
+    samples, real = [], milo_infer.build.channel_scales
+    monkeypatch.setattr(milo_infer.build, "channel_scales", lambda model, ids: samples.append(ids) or real(model, ids))
+    stores = {}
+    for codec in ("example-svd", "example-asvd"):
+        config = BuildConfig(block_size=3, context_blocks=1, compression=CompressionConfig(codec=codec, ratio=0.5))
+        stores[codec] = build_store(tmp_path / codec, tiny, demos, task, config, progress=False)["store"]
+    assert len(samples) == 1 and 0 < len(samples[0]) <= TINY_CONTEXT  # example-svd needs no calibration
+    assert samples[0][:3] == tiny.tokenizer(task.anchor, add_special_tokens=True).input_ids[:3]
+    with MiloStore.open(stores["example-asvd"]) as asvd, MiloStore.open(stores["example-svd"]) as svd:
+        assert asvd.verify_all() == [] and asvd.meta["codec"] == "example-asvd"
+        assert asvd.num_blocks == len(demos) and asvd.num_groups == 4
+        assert 0.4 < asvd.accounting()["ratio"] <= 0.5
+        assert any(not torch.equal(asvd.block(i), svd.block(i)) for i in range(svd.num_blocks))
 
 
 # --- the real model ------------------------------------------------------------------------------

@@ -1,11 +1,12 @@
 """The paper's baselines in the store format: global-proj (one corpus projection per layer, K/V, head)
-and example-svd (one SVD per demonstration, store blocks finer than retrieval groups)."""
+and example-svd (one SVD per demonstration, store blocks finer than retrieval groups), with its
+activation-aware variant example-asvd (the SVD of X diag(s), B stored divided by s)."""
 import numpy as np
 import pytest
 import torch
 
 from milo_store import CompressionConfig, Layout, MiloStore, Staging, factorize_block, write_store
-from milo_store.baselines import ExampleSplit, GlobalProjection
+from milo_store.baselines import SCALE_FLOOR, ExampleSplit, GlobalProjection, weights
 from milo_store.codec import unpack_block, reconstruct
 from milo_store.synthetic import synthetic_block_kv
 from milo_store.writer import StoreWriter
@@ -155,3 +156,106 @@ def test_stores_without_block_group_have_one_group_per_block(small_store):
         assert not store.grouped and store.num_groups == store.num_blocks
         assert store.blocks_of([2, 0]) == [2, 0]
         assert store.group_tokens().tolist() == store.block_tokens.tolist()
+
+
+# --- example-asvd: example-svd on X diag(s), B divided by s after ----------------------------------
+
+def scale_of(seed: int, spread: float = 2.0) -> torch.Tensor:
+    """Positive channel scales [L, 2, H, d], log-normal: some channels far above others."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.exp(spread * torch.randn(LAYOUT.num_layers, 2, LAYOUT.num_kv_heads, LAYOUT.head_dim, generator=g))
+
+
+def test_example_asvd_undoes_its_weighting_at_full_rank(tmp_path):
+    staging, xs = stage(tmp_path, [sum(m) for m in GROUPS])
+    config = CompressionConfig(codec="example-asvd", full_rank=True, ratio=1.0, dtype="float32")
+    scale = scale_of(0, spread=3.0)  # wider than the floor: floored channels must be undone as well
+    path = write_store(tmp_path / "s", staging, len(GROUPS), LAYOUT, config, examples=examples_of(GROUPS),
+                       channel_scale=scale)
+    with MiloStore.open(path) as store:
+        assert store.meta["codec"] == "example-asvd" and store.grouped
+        for g, x in enumerate(xs):
+            rebuilt = torch.cat([stored_dense(store, b) for b in store.blocks_of([g])], dim=-2)
+            # fp32 rounding of the weighted SVD, magnified up to 1/SCALE_FLOOR in the least-weighted channels
+            assert (rebuilt - x).norm() <= 1e-4 * x.norm()
+            assert (rebuilt - x).abs().max() <= 1e-7 / SCALE_FLOOR * 10 * x.abs().max()
+
+
+def test_example_asvd_with_unit_scale_is_example_svd(tmp_path):
+    groups = [[25] * 6, [23, 27, 25, 26, 24, 25]]
+    staging, _ = stage(tmp_path, [sum(m) for m in groups])
+    ones = torch.ones(LAYOUT.num_layers, 2, LAYOUT.num_kv_heads, LAYOUT.head_dim)
+    paths = [write_store(tmp_path / codec, staging, 2, LAYOUT, CompressionConfig(codec=codec, ratio=0.4),
+                         examples=examples_of(groups), channel_scale=scale)
+             for codec, scale in (("example-svd", None), ("example-asvd", 3 * ones))]  # a common factor is no weighting
+    with MiloStore.open(paths[0]) as plain, MiloStore.open(paths[1]) as weighted:
+        assert (plain.ranks == weighted.ranks).all() and (plain.ranks < LAYOUT.head_dim).any()
+        for i in range(plain.num_blocks):
+            assert torch.equal(plain.block(i), weighted.block(i))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_example_asvd_minimises_the_weighted_error(tmp_path, seed):
+    """Eckart–Young for X diag(s): at every rank, example-asvd's s-weighted error is example-svd's or less."""
+    staging, _ = stage(tmp_path, [sum(m) for m in GROUPS], seed=seed)
+    ex = examples_of(GROUPS)
+    scale = torch.ones(LAYOUT.num_layers, 2, LAYOUT.num_kv_heads, LAYOUT.head_dim)
+    scale[..., torch.randperm(LAYOUT.head_dim, generator=torch.Generator().manual_seed(seed))[:4]] = 10.0
+    plain = ExampleSplit(staging, ex["block"], ex["tokens"], len(GROUPS))
+    weighted = ExampleSplit(staging, ex["block"], ex["tokens"], len(GROUPS), channel_scale=scale)
+    gain = 0.0
+    for j in range(plain.num_blocks):
+        x = plain._rows(j)
+        f, fw = plain.factors(j), weighted.factors(j)
+        for r in range(1, f.S.shape[-1]):
+            def weighted_error(f):
+                approx = (f.A[..., :r] * f.S[..., None, :r]) @ f.B[..., :r].transpose(-1, -2)
+                return ((x - approx) * scale.unsqueeze(-2)).flatten(-2).norm(dim=-1)
+            e_plain, e_weighted = weighted_error(f), weighted_error(fw)
+            assert (e_weighted <= e_plain + 1e-4 * (x * scale.unsqueeze(-2)).flatten(-2).norm(dim=-1)).all()
+            gain += float((e_plain - e_weighted).sum())
+    assert gain > 0  # and the weighting does change the factors
+
+
+def test_example_asvd_allocates_on_the_weighted_spectrum(tmp_path):
+    staging, _ = stage(tmp_path, [sum(m) for m in GROUPS])
+    ex = examples_of(GROUPS)
+    scale = scale_of(1)
+    source = ExampleSplit(staging, ex["block"], ex["tokens"], len(GROUPS), channel_scale=scale)
+    plain = ExampleSplit(staging, ex["block"], ex["tokens"], len(GROUPS))
+    for j in range(source.num_blocks):
+        tokens, s = source.spectrum(j)
+        f = source.factors(j)
+        assert tokens == f.tokens
+        torch.testing.assert_close(s, f.S, atol=1e-4, rtol=1e-4)
+        assert not torch.allclose(s, plain.spectrum(j)[1], rtol=1e-2)
+
+
+def test_example_asvd_needs_a_valid_channel_scale_and_other_codecs_take_none(tmp_path):
+    staging, _ = stage(tmp_path, [sum(m) for m in GROUPS])
+    examples = examples_of(GROUPS)
+    asvd = CompressionConfig(codec="example-asvd", ratio=0.5)
+    with pytest.raises(ValueError, match="example-asvd needs a channel scale"):
+        write_store(tmp_path / "s", staging, 3, LAYOUT, asvd, examples=examples)
+    with pytest.raises(ValueError, match="takes no channel scale"):
+        write_store(tmp_path / "s", staging, 3, LAYOUT, CompressionConfig(codec="example-svd", ratio=0.5),
+                    examples=examples, channel_scale=scale_of(0))
+    wrong_shape = torch.ones(LAYOUT.num_layers, 2, LAYOUT.num_kv_heads, LAYOUT.head_dim + 2)
+    with pytest.raises(ValueError, match="does not match"):
+        write_store(tmp_path / "s", staging, 3, LAYOUT, asvd, examples=examples, channel_scale=wrong_shape)
+    no_values = scale_of(0)
+    no_values[:, 1] = 0
+    with pytest.raises(ValueError, match="not all zero"):
+        write_store(tmp_path / "s", staging, 3, LAYOUT, asvd, examples=examples, channel_scale=no_values)
+    assert not (tmp_path / "s").exists()
+
+
+def test_example_asvd_weights_are_scaled_per_kind_and_floored():
+    raw = scale_of(2, spread=2.5)
+    raw[1, 0, 1, 3] = 0.0  # a dead channel is floored, not divided by
+    s = weights(raw)
+    assert torch.equal(s.amax(dim=(0, 2, 3)), torch.ones(2)) and float(s.min()) == pytest.approx(SCALE_FLOOR)
+    top = raw.amax(dim=(0, 2, 3), keepdim=True)
+    kept = raw >= SCALE_FLOOR * top
+    assert not kept.all()
+    torch.testing.assert_close(s[kept], (raw / top)[kept], rtol=0, atol=0)
