@@ -4,8 +4,8 @@ Pass one encodes each block of m demonstrations as [anchor][w previous blocks][b
 the block's own pre-RoPE keys and values, factors them at full rank and stages them on disk (so a
 killed build resumes and memory stays bounded by one block). Pass two allocates ranks over every
 staged spectrum and writes the store. The anchor's K/V is stored once, uncompressed.
-``example-asvd`` also runs the model once over a calibration sample of the corpus for its channel
-weights (`channel_scales`); they are recomputed on resume, not staged.
+A query-aware store (``compression.query_aware``) also runs the model once over a calibration sample
+of the corpus for its channel weights (`channel_scales`); they are recomputed on resume, not staged.
 """
 import hashlib
 import json
@@ -27,7 +27,7 @@ from .corpus import Demonstration, TaskSpec
 from .models import LoadedModel, capture_kv, channel_scales
 
 
-CALIBRATION_TOKENS = 2048  # example-asvd's query statistics: the anchor and the first demonstrations, in block order
+CALIBRATION_TOKENS = 2048  # query-aware stores' query statistics: the anchor and the first demonstrations, in block order
 
 
 class BuildError(ValueError):
@@ -147,7 +147,7 @@ def build_store(out, loaded: LoadedModel, demos: list[Demonstration], task: Task
                 examples["block"].append(b)
                 examples["tokens"].append(len(demo_ids[i]))
         channel_scale = None
-        if config.compression.codec == "example-asvd":
+        if config.compression.query_aware:
             sample = (anchor_ids + [t for b in block_ids for t in b])[:min(CALIBRATION_TOKENS, max_positions)]
             channel_scale = channel_scales(model, sample)
         path = write_store(out, staging, len(blocks), layout, config.compression, attrs=attrs,

@@ -54,18 +54,20 @@ BASES = {
     # the paper's baselines at equal measured bytes (milo_store/baselines.py)
     "global-proj": {"codec": "global-proj"},
     "example-svd": {"codec": "example-svd"},
+    "example-asvd": {"codec": "example-svd", "query_aware": True},  # activation-aware, as ASVD
 }
 MODIFIERS = {
     "fullrank": {"full_rank": True, "ratio": 1.0},  # every direction kept: the codec's rounding alone
     **{p: {"policy": p} for p in ("entropy", "energy", "uniform", "random")},
     **{s: {"scope": s} for s in ("head", "layer", "global")},
     "shared": {"kv_split": "shared"},  # one budget for K and V instead of half each
+    "qaw": {"query_aware": True},  # SVD of X diag(s): channels weighted by what their error costs
 }
 # KIVI-style groups (keys per channel in groups of 32 tokens, values per token) on the factors or,
 # on ``full``, on the raw K/V as KIVI does (its ratio is then set by the format: about 0.16-0.2)
 QUANTS = {"int8": "int8", "int4": "int4", "int2": "int2", "kivi": "int2"}
 EXAMPLES = ("full", "milo", "milo-fullrank", "milo-energy", "milo-layer", "milo-ks0.3", "milo+int8", "milo+int4",
-            "milo+kivi", "full+kivi", "global-proj", "example-svd")
+            "milo+kivi", "full+kivi", "milo+int8-qaw", "global-proj", "example-svd", "example-asvd")
 
 
 @functools.cache

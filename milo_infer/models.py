@@ -12,7 +12,7 @@ Face model lays these out:
   sliding windows, position-dependent RoPE rescaling, ...).
 * `model_identity` is the JSON record a store keeps, to refuse a cache built by another model.
 * `capture_kv` hooks ``k_proj``/``v_proj`` to collect pre-RoPE keys and values.
-* `channel_scales` weighs each key and value channel by what its error costs (``example-asvd``).
+* `channel_scales` weighs each key and value channel by what its error costs (query-aware stores).
 * `rope_tables` asks the model's own rotary module for cos/sin tables, so scaled RoPE variants match.
 """
 from __future__ import annotations
@@ -379,7 +379,7 @@ def output_channel_scales(model) -> torch.Tensor:
 
 
 def channel_scales(model, input_ids) -> torch.Tensor:
-    """``example-asvd``'s channel weights [L, 2, H_kv, d]: keys from the queries over ``input_ids``
+    """Query-aware channel weights [L, 2, H_kv, d]: keys from the queries over ``input_ids``
     (a calibration sample), values from ``o_proj``."""
     return torch.stack((query_channel_scales(model, input_ids), output_channel_scales(model)), dim=1)
 

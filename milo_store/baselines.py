@@ -12,11 +12,13 @@ granularity of the low-rank basis:
 - ``example-svd`` (ASVD's granularity): every demonstration is its own SVD unit. Its store blocks are
   the demonstrations, and ``block_group`` maps each to the retrieval group (the build's block of m
   demonstrations) it was encoded in, so retrieval and the assembled context match MILO's exactly.
-- ``example-asvd``: the same units, activation-aware as ASVD is. Each (layer, kind, head) has channel
-  weights s [d] > 0 (how much a channel's error costs the model: from the queries for keys, from
-  ``o_proj`` for values; `milo_infer.models.channel_scales`). X diag(s) is SVD'd and the allocator
-  sees its spectrum, so rank goes where the error costs most; B' = diag(1/s) B undoes the weighting,
-  and the segment A Σ B'ᵀ ≈ X is an ordinary one.
+
+Query-aware weighting (``CompressionConfig.query_aware``; ``example-asvd`` in `milo eval` is
+example-svd with it, as ASVD is activation-aware, and ``milo-qaw`` is MILO's blocks with it). Each
+(layer, kind, head) has channel weights s [d] > 0 (how much a channel's error costs the model: from
+the queries for keys, from ``o_proj`` for values; `milo_infer.models.channel_scales`). X diag(s) is
+SVD'd and the allocator sees its spectrum, so rank goes where the error costs most; B' = diag(1/s) B
+undoes the weighting, and the segment A Σ B'ᵀ ≈ X is an ordinary one.
 
 A *pass-two source* is what compress.py allocates and writes from: ``num_blocks`` store blocks,
 ``block_group`` (or None), ``spectrum(i)`` -> (tokens, singular values [L, 2, H, n]) for allocation,
@@ -28,7 +30,7 @@ import torch
 from .codec import BlockFactors, factorize_block
 from .staging import Staging
 
-BASELINES = ("global-proj", "example-svd", "example-asvd")
+BASELINES = ("global-proj", "example-svd")
 SCALE_FLOOR = 1e-3  # smallest channel weight, relative to its kind's largest: bounds 1/s
 
 
@@ -79,8 +81,8 @@ class ExampleSplit:
     store block). The group's dense K/V is rebuilt once and kept while its demonstrations are asked
     for in order.
 
-    With ``channel_scale`` [L, 2, H, d] (``example-asvd``) the rows are weighted by it before the SVD
-    and B is divided by it after (see `weights`).
+    With ``channel_scale`` [L, 2, H, d] (query-aware) the rows are weighted by it before the SVD and B
+    is divided by it after (see `weights`).
     """
 
     def __init__(self, staging: Staging, example_block: list[int], example_tokens: list[int], num_groups: int,
@@ -105,12 +107,7 @@ class ExampleSplit:
             if x.shape[-2] != sum(self.example_tokens[g]):
                 raise ValueError(f"example-svd: staged block {g} holds {x.shape[-2]} tokens but its demonstrations "
                                  f"{sum(self.example_tokens[g])}")
-            if self.scale is not None:
-                if self.scale.shape != x.shape[:3] + x.shape[-1:]:
-                    raise ValueError(f"example-asvd: channel scale {tuple(self.scale.shape)} does not match the "
-                                     f"staged [L, 2, H, d] = {tuple(x.shape[:3] + x.shape[-1:])}")
-                x = x * self.scale.unsqueeze(-2)
-            self._group, self._x = g, x
+            self._group, self._x = g, weigh(x, self.scale)
         start = int(self.starts[j])
         return self._x[..., start:start + int(self.tokens[j]), :]
 
@@ -119,14 +116,55 @@ class ExampleSplit:
 
     def factors(self, j: int) -> BlockFactors:
         x = self._rows(j)
-        f = factorize_block(x[:, 0], x[:, 1], codec="svd")
-        if self.scale is not None:
-            f.B = f.B / self.scale.unsqueeze(-1)
-        return f
+        return unweigh(factorize_block(x[:, 0], x[:, 1], codec="svd"), self.scale)
+
+
+class WeightedBlocks:
+    """Pass-two source of query-aware ``svd``: each staged block's X diag(s), SVD'd, B divided by s.
+
+    Pass two asks every block's spectrum, then every block's factors: the last block's weighted K/V
+    is kept between the two calls for it.
+    """
+
+    block_group = None
+
+    def __init__(self, staging: Staging, num_blocks: int, channel_scale: torch.Tensor):
+        self.staging, self.num_blocks, self.scale = staging, num_blocks, weights(channel_scale)
+        self._i, self._x = None, None
+
+    def _weighted(self, i: int) -> torch.Tensor:
+        if self._i != i:
+            self._i, self._x = i, weigh(dense(self.staging.get(i)), self.scale)
+        return self._x
+
+    def spectrum(self, i: int) -> tuple[int, torch.Tensor]:
+        x = self._weighted(i)
+        return x.shape[-2], torch.linalg.svdvals(x)
+
+    def factors(self, i: int) -> BlockFactors:
+        x = self._weighted(i)
+        return unweigh(factorize_block(x[:, 0], x[:, 1], codec="svd"), self.scale)
+
+
+def weigh(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """X diag(s) for every segment of x [L, 2, H, T, d] (x itself without a scale)."""
+    if scale is None:
+        return x
+    if scale.shape != x.shape[:3] + x.shape[-1:]:
+        raise ValueError(f"query-aware: channel scale {tuple(scale.shape)} does not match the staged "
+                         f"[L, 2, H, d] = {tuple(x.shape[:3] + x.shape[-1:])}")
+    return x * scale.unsqueeze(-2)
+
+
+def unweigh(f: BlockFactors, scale: torch.Tensor | None) -> BlockFactors:
+    """Factors of X from factors of X diag(s): B' = diag(1/s) B."""
+    if scale is not None:
+        f.B = f.B / scale.unsqueeze(-1)
+    return f
 
 
 def weights(channel_scale: torch.Tensor) -> torch.Tensor:
-    """``example-asvd``'s channel weights [L, 2, H, d] from raw per-channel statistics.
+    """Query-aware channel weights [L, 2, H, d] from raw per-channel statistics.
 
     Each kind (K, V) is divided by its largest statistic and floored at SCALE_FLOOR. A common factor
     does not change the weighted minimiser; weights in [SCALE_FLOOR, 1] keep the weighted Σ at or
@@ -136,10 +174,10 @@ def weights(channel_scale: torch.Tensor) -> torch.Tensor:
     """
     s = torch.as_tensor(channel_scale, dtype=torch.float32)
     if s.dim() != 4 or s.shape[1] != 2:
-        raise ValueError(f"example-asvd: channel scale must be [layers, 2, kv_heads, head_dim]; got {tuple(s.shape)}")
+        raise ValueError(f"query-aware: channel scale must be [layers, 2, kv_heads, head_dim]; got {tuple(s.shape)}")
     top = s.amax(dim=(0, 2, 3), keepdim=True)
     if not torch.isfinite(s).all() or (s < 0).any() or not (top > 0).all():
-        raise ValueError("example-asvd: channel scales must be finite, non-negative, and not all zero for keys or values")
+        raise ValueError("query-aware: channel scales must be finite, non-negative, and not all zero for keys or values")
     return (s / top).clamp_min(SCALE_FLOOR)
 
 

@@ -2,7 +2,8 @@
 
 Pass two reads a *source* of store blocks (see baselines.py): the staged blocks themselves for
 ``svd`` and ``identity``, or a baseline computed from the staged SVD factors (``global-proj``,
-``example-svd``, ``example-asvd``). Allocation and writing are the same for all of them.
+``example-svd``), optionally query-aware (baselines.py). Allocation and writing are the same for all
+of them.
 """
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -12,7 +13,7 @@ import numpy as np
 import torch
 
 from .allocation import BudgetError, allocate_ranks
-from .baselines import BASELINES, ExampleSplit, GlobalProjection
+from .baselines import BASELINES, ExampleSplit, GlobalProjection, WeightedBlocks
 from .codec import CODECS, BlockFactors, pack_block
 from .format import GROUP_BYTES, QUANTIZED, TORCH_DTYPES
 from .layout import Layout, full_kv_bytes, index_bytes
@@ -46,18 +47,20 @@ def pass_two_source(staging: Staging, num_blocks: int, config: "CompressionConfi
                     channel_scale: torch.Tensor | None = None):
     """The store blocks ``config.codec`` writes from ``num_blocks`` staged blocks.
 
-    ``example-svd`` and ``example-asvd`` need ``examples`` with each demonstration's ``block`` and
-    ``tokens``; the other codecs ignore them. ``example-asvd`` also needs ``channel_scale``
-    [L, 2, H, d] (`milo_infer.models.channel_scales`), and no other codec takes one.
+    ``example-svd`` needs ``examples`` with each demonstration's ``block`` and ``tokens``; the other
+    codecs ignore them. A query-aware config also needs ``channel_scale`` [L, 2, H, d]
+    (`milo_infer.models.channel_scales`), and no other config takes one.
     """
-    if config.codec == "example-asvd" and channel_scale is None:
-        raise ValueError("example-asvd needs a channel scale [layers, 2, kv_heads, head_dim] "
+    if config.query_aware and channel_scale is None:
+        raise ValueError("a query-aware store needs a channel scale [layers, 2, kv_heads, head_dim] "
                          "(milo_infer.models.channel_scales: from the model's queries and o_proj)")
-    if config.codec != "example-asvd" and channel_scale is not None:
-        raise ValueError(f"codec {config.codec!r} takes no channel scale; only example-asvd does")
+    if not config.query_aware and channel_scale is not None:
+        raise ValueError("a channel scale is only for query-aware stores (query_aware=True)")
     if config.codec == "global-proj":
         return GlobalProjection(staging, num_blocks)
-    if config.codec in ("example-svd", "example-asvd"):
+    if config.codec == "svd" and config.query_aware:
+        return WeightedBlocks(staging, num_blocks, channel_scale)
+    if config.codec == "example-svd":
         if examples is None or "tokens" not in examples:
             raise ValueError(f"{config.codec} needs the demonstrations' blocks and token counts (examples['tokens'])")
         return ExampleSplit(staging, examples["block"], examples["tokens"], num_blocks, channel_scale)
@@ -78,6 +81,7 @@ class CompressionConfig:
     dtype: str = "float16"
     key_share: float = 0.5  # share of the budget for keys when kv_split is "separate"
     full_rank: bool = False  # keep every singular direction (the exactness reference for the codec)
+    query_aware: bool = False  # SVD of X diag(s), s = what each channel's error costs (svd, example-svd)
 
     def __post_init__(self):
         if self.codec not in STORE_CODECS:
@@ -86,6 +90,8 @@ class CompressionConfig:
             raise ValueError(f"ratio must be in (0, 1]; got {self.ratio}")
         if self.dtype not in TORCH_DTYPES:
             raise ValueError(f"unknown factor dtype {self.dtype!r}; expected one of {tuple(TORCH_DTYPES)}")
+        if self.query_aware and self.codec not in ("svd", "example-svd"):
+            raise ValueError(f"query-aware weighting applies to the svd and example-svd codecs, not {self.codec!r}")
         if not 0 < self.key_share < 1 or (self.key_share != 0.5 and self.kv_split != "separate"):
             raise ValueError(f"key share {self.key_share} must be in (0, 1), and needs kv_split 'separate'")
 
@@ -147,9 +153,9 @@ def write_store(path, staging: Staging, num_blocks: int, layout: Layout, config:
     """Allocate and commit the store at ``path`` from ``num_blocks`` staged blocks.
 
     ``examples`` holds lists ``input``, ``output``, ``id``, ``block`` (the staged block of each
-    demonstration) and, for ``example-svd`` and ``example-asvd``, ``tokens`` (each one's token count).
+    demonstration) and, for ``example-svd``, ``tokens`` (each one's token count).
     In such a store a demonstration's ``block`` is its own store block and ``block_group`` names the
-    staged one. ``channel_scale`` is example-asvd's (see `pass_two_source`).
+    staged one. ``channel_scale`` is a query-aware store's (see `pass_two_source`).
     """
     layout = quant_layout(layout, config.dtype)
     source = pass_two_source(staging, num_blocks, config, examples, channel_scale)

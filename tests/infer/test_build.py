@@ -275,24 +275,27 @@ def test_empty_anchor_builds(tiny, tmp_path):
         assert store.anchor_kv().shape == (2, 2, 2, 0, 16) and store.num_blocks == 2
 
 
-def test_example_asvd_builds_a_verified_store_within_the_ratio(tiny, tmp_path, monkeypatch):
-    """example-asvd runs the model once more, on a calibration sample no longer than its context."""
+def test_query_aware_builds_verified_stores_within_the_ratio(tiny, tmp_path, monkeypatch):
+    """Query-aware stores run the model once more, on a calibration sample no longer than its context."""
     demos = [Demonstration(f"customer message number {i} about my account", ("refund", "card lost")[i % 2], str(i))
              for i in range(12)]
     task = task_from_corpus(demos)
     samples, real = [], milo_infer.build.channel_scales
     monkeypatch.setattr(milo_infer.build, "channel_scales", lambda model, ids: samples.append(ids) or real(model, ids))
     stores = {}
-    for codec in ("example-svd", "example-asvd"):
-        config = BuildConfig(block_size=3, context_blocks=1, compression=CompressionConfig(codec=codec, ratio=0.5))
-        stores[codec] = build_store(tmp_path / codec, tiny, demos, task, config, progress=False)["store"]
-    assert len(samples) == 1 and 0 < len(samples[0]) <= TINY_CONTEXT  # example-svd needs no calibration
+    for codec, aware in (("example-svd", False), ("example-svd", True), ("svd", False), ("svd", True)):
+        config = BuildConfig(block_size=3, context_blocks=1,
+                             compression=CompressionConfig(codec=codec, ratio=0.5, query_aware=aware))
+        stores[codec, aware] = build_store(tmp_path / f"{codec}-{aware}", tiny, demos, task, config,
+                                           progress=False)["store"]
+    assert len(samples) == 2 and 0 < len(samples[0]) <= TINY_CONTEXT  # only the query-aware ones calibrate
     assert samples[0][:3] == tiny.tokenizer(task.anchor, add_special_tokens=True).input_ids[:3]
-    with MiloStore.open(stores["example-asvd"]) as asvd, MiloStore.open(stores["example-svd"]) as svd:
-        assert asvd.verify_all() == [] and asvd.meta["codec"] == "example-asvd"
-        assert asvd.num_blocks == len(demos) and asvd.num_groups == 4
-        assert 0.4 < asvd.accounting()["ratio"] <= 0.5
-        assert any(not torch.equal(asvd.block(i), svd.block(i)) for i in range(svd.num_blocks))
+    for codec, groups in (("example-svd", 4), ("svd", 4)):
+        with MiloStore.open(stores[codec, True]) as aware, MiloStore.open(stores[codec, False]) as plain:
+            assert aware.verify_all() == [] and aware.meta["allocation"]["query_aware"]
+            assert aware.num_blocks == plain.num_blocks and aware.num_groups == groups
+            assert 0.4 < aware.accounting()["ratio"] <= 0.5
+            assert any(not torch.equal(aware.block(i), plain.block(i)) for i in range(plain.num_blocks))
 
 
 # --- the real model ------------------------------------------------------------------------------

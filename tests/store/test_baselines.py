@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from milo_store import CompressionConfig, Layout, MiloStore, Staging, factorize_block, write_store
-from milo_store.baselines import SCALE_FLOOR, ExampleSplit, GlobalProjection, weights
+from milo_store.baselines import SCALE_FLOOR, ExampleSplit, GlobalProjection, WeightedBlocks, weights
+from milo_store.compress import StagedBlocks
 from milo_store.codec import unpack_block, reconstruct
 from milo_store.synthetic import synthetic_block_kv
 from milo_store.writer import StoreWriter
@@ -168,12 +169,12 @@ def scale_of(seed: int, spread: float = 2.0) -> torch.Tensor:
 
 def test_example_asvd_undoes_its_weighting_at_full_rank(tmp_path):
     staging, xs = stage(tmp_path, [sum(m) for m in GROUPS])
-    config = CompressionConfig(codec="example-asvd", full_rank=True, ratio=1.0, dtype="float32")
+    config = CompressionConfig(codec="example-svd", query_aware=True, full_rank=True, ratio=1.0, dtype="float32")
     scale = scale_of(0, spread=3.0)  # wider than the floor: floored channels must be undone as well
     path = write_store(tmp_path / "s", staging, len(GROUPS), LAYOUT, config, examples=examples_of(GROUPS),
                        channel_scale=scale)
     with MiloStore.open(path) as store:
-        assert store.meta["codec"] == "example-asvd" and store.grouped
+        assert store.meta["codec"] == "example-svd" and store.meta["allocation"]["query_aware"] and store.grouped
         for g, x in enumerate(xs):
             rebuilt = torch.cat([stored_dense(store, b) for b in store.blocks_of([g])], dim=-2)
             # fp32 rounding of the weighted SVD, magnified up to 1/SCALE_FLOOR in the least-weighted channels
@@ -185,9 +186,10 @@ def test_example_asvd_with_unit_scale_is_example_svd(tmp_path):
     groups = [[25] * 6, [23, 27, 25, 26, 24, 25]]
     staging, _ = stage(tmp_path, [sum(m) for m in groups])
     ones = torch.ones(LAYOUT.num_layers, 2, LAYOUT.num_kv_heads, LAYOUT.head_dim)
-    paths = [write_store(tmp_path / codec, staging, 2, LAYOUT, CompressionConfig(codec=codec, ratio=0.4),
+    paths = [write_store(tmp_path / str(aware), staging, 2, LAYOUT,
+                         CompressionConfig(codec="example-svd", query_aware=aware, ratio=0.4),
                          examples=examples_of(groups), channel_scale=scale)
-             for codec, scale in (("example-svd", None), ("example-asvd", 3 * ones))]  # a common factor is no weighting
+             for aware, scale in ((False, None), (True, 3 * ones))]  # a common factor is no weighting
     with MiloStore.open(paths[0]) as plain, MiloStore.open(paths[1]) as weighted:
         assert (plain.ranks == weighted.ranks).all() and (plain.ranks < LAYOUT.head_dim).any()
         for i in range(plain.num_blocks):
@@ -234,10 +236,10 @@ def test_example_asvd_allocates_on_the_weighted_spectrum(tmp_path):
 def test_example_asvd_needs_a_valid_channel_scale_and_other_codecs_take_none(tmp_path):
     staging, _ = stage(tmp_path, [sum(m) for m in GROUPS])
     examples = examples_of(GROUPS)
-    asvd = CompressionConfig(codec="example-asvd", ratio=0.5)
-    with pytest.raises(ValueError, match="example-asvd needs a channel scale"):
+    asvd = CompressionConfig(codec="example-svd", query_aware=True, ratio=0.5)
+    with pytest.raises(ValueError, match="query-aware store needs a channel scale"):
         write_store(tmp_path / "s", staging, 3, LAYOUT, asvd, examples=examples)
-    with pytest.raises(ValueError, match="takes no channel scale"):
+    with pytest.raises(ValueError, match="only for query-aware stores"):
         write_store(tmp_path / "s", staging, 3, LAYOUT, CompressionConfig(codec="example-svd", ratio=0.5),
                     examples=examples, channel_scale=scale_of(0))
     wrong_shape = torch.ones(LAYOUT.num_layers, 2, LAYOUT.num_kv_heads, LAYOUT.head_dim + 2)
@@ -259,3 +261,36 @@ def test_example_asvd_weights_are_scaled_per_kind_and_floored():
     kept = raw >= SCALE_FLOOR * top
     assert not kept.all()
     torch.testing.assert_close(s[kept], (raw / top)[kept], rtol=0, atol=0)
+
+
+# --- query-aware MILO blocks (svd codec): the same weighting at block granularity -------------------
+
+def test_query_aware_svd_undoes_its_weighting_at_full_rank_and_minimises_the_weighted_error(tmp_path):
+    tokens = [sum(m) for m in GROUPS]
+    staging, xs = stage(tmp_path, tokens)
+    scale = scale_of(3)
+    path = write_store(tmp_path / "s", staging, len(tokens), LAYOUT,
+                       CompressionConfig(query_aware=True, full_rank=True, ratio=1.0, dtype="float32"),
+                       channel_scale=scale)
+    with MiloStore.open(path) as store:
+        for i, x in enumerate(xs):
+            assert (stored_dense(store, i) - x).norm() <= 1e-4 * x.norm()
+    s = weights(scale)
+    plain, weighted = StagedBlocks(staging, len(tokens)), WeightedBlocks(staging, len(tokens), scale)
+    for i, x in enumerate(xs):
+        n, spectrum = weighted.spectrum(i)
+        f, fw = plain.factors(i), weighted.factors(i)
+        assert n == tokens[i]
+        torch.testing.assert_close(spectrum, fw.S, atol=1e-4, rtol=1e-4)  # allocation sees the weighted spectrum
+        r = 3
+        def weighted_error(f):
+            approx = (f.A[..., :r] * f.S[..., None, :r]) @ f.B[..., :r].transpose(-1, -2)
+            return ((x - approx) * s.unsqueeze(-2)).flatten(-2).norm(dim=-1)
+        assert (weighted_error(fw) <= weighted_error(f) * (1 + 1e-4)).all()
+        assert (weighted_error(fw) < weighted_error(f) * 0.99).any()
+
+
+def test_query_aware_applies_only_to_svd_and_example_svd():
+    for codec in ("identity", "global-proj"):
+        with pytest.raises(ValueError, match="query-aware weighting applies"):
+            CompressionConfig(codec=codec, query_aware=True)
