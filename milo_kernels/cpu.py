@@ -18,6 +18,8 @@ results differ from it by fp32 rounding only. Inputs are not validated here:
 """
 import torch
 
+from .naive import dequantize_int8_segment, int8_segment_bytes
+
 
 def reconstruct_layer_cpu(factors, segments, out_k, out_v, cos, sin, *, interleaved=False) -> None:
     """Same contract as `naive.reconstruct_layer_naive`: write every segment's rows, touch no others."""
@@ -38,9 +40,13 @@ def reconstruct_layer_cpu(factors, segments, out_k, out_v, cos, sin, *, interlea
 
 
 def _product(factors, src: int, rank: int, tokens: int, d: int, out: torch.Tensor) -> None:
-    """out [tokens, d] = A diag(Σ) Bᵀ of the segment packed at factors[src:], in fp32."""
+    """out [tokens, d] = A diag(Σ) Bᵀ of the segment packed at factors[src:] (uint8: INT8), in fp32."""
     if rank == 0:
         out.zero_()
+        return
+    if factors.dtype == torch.uint8:
+        a, s, b = dequantize_int8_segment(factors[src:src + int8_segment_bytes(rank, tokens, d)], rank, tokens, d)
+        torch.mm(a, (b * s).t(), out=out)
         return
     s_at = src + tokens * rank
     a = factors[src:s_at].view(tokens, rank).float()

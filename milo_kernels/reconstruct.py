@@ -19,7 +19,7 @@ header (Σ and the per-column scale and minimum of A and B) and its uint8 codes 
 tile in registers (code * scale + min, Σ folded into A) and feeds fp16 tiles to the same fp32-accumulating
 dots, so no fp32 copy of the factors is ever written. src_offset then counts bytes, and since every INT8
 segment has an even size the headers are read through an fp16 view of the same buffer (offset src / 2).
-On CPU tensors uint8 factors take the reference path (`naive.reconstruct_layer_naive`).
+On CPU tensors the batched CPU path dequantizes each INT8 segment before its GEMM.
 
 INT4/INT2 stores (``quant="int4"|"int2"``, KIVI-style groups) are expanded to fp16 factors first
 (`lowbit.dequantize_lowbit_layer`, plain PyTorch) and then take the floating path: not fused.
@@ -75,8 +75,7 @@ def reconstruct_layer(factors, segments, out_k, out_v, cos, sin, *, interleaved=
     backend = _backend(factors)
     if backend in ("reference", "cpu"):
         segs = _check_all(factors, segments, out_k, out_v, cos, sin)
-        quantized = factors.dtype == torch.uint8
-        rebuild = reconstruct_layer_naive if backend == "reference" or quantized else reconstruct_layer_cpu
+        rebuild = reconstruct_layer_naive if backend == "reference" else reconstruct_layer_cpu
         rebuild(factors, segs, out_k, out_v, cos, sin, interleaved=interleaved)
     else:
         plan = plan_layer(factors, segments, out_k, out_v, cos, sin)

@@ -115,15 +115,18 @@ def test_uint8_reference_matches_dequantize_layer(shape, interleaved):
     check(got, want, target_mask(segments, kv_heads, n_rows, d), atol=1e-5, rtol=1e-5)
 
 
-def test_public_entry_takes_uint8_on_cpu(monkeypatch):
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_public_entry_takes_uint8_on_cpu(monkeypatch, shape, interleaved):
+    """The CPU path (Σ folded into B, RoPE per block) against the reference: fp32 rounding apart."""
     monkeypatch.setenv("MILO_KERNEL", "")
-    kv_heads, d, block_tokens = SHAPES["gqa3-odd-even"]
+    kv_heads, d, block_tokens = SHAPES[shape]
     raw, segments, n_rows = int8_layer(kv_heads, d, block_tokens, seed=2)
-    cos, sin = rope_tables(n_rows, d, interleaved=False)
-    got = nan_buffers(kv_heads, n_rows, d, torch.float16)
-    reconstruct_layer(raw, segments, *got, cos, sin)
-    want = reference(raw, segments, kv_heads, n_rows, d, False, torch.float16)
-    check(got, want, target_mask(segments, kv_heads, n_rows, d), atol=0, rtol=0)
+    cos, sin = rope_tables(n_rows, d, interleaved=interleaved)
+    got = nan_buffers(kv_heads, n_rows, d, torch.float32)
+    reconstruct_layer(raw, segments, *got, cos, sin, interleaved=interleaved)
+    want = reference(raw, segments, kv_heads, n_rows, d, interleaved, torch.float32)
+    check(got, want, target_mask(segments, kv_heads, n_rows, d), atol=1e-4, rtol=1e-4)
 
 
 def test_validation_uses_int8_segment_size(monkeypatch):
