@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Callable
 
 from milo_store import CompressionConfig, MiloStore, Staging, StoreError, factorize_block
-from milo_store.compress import staging_codec
+from milo_store.compress import allocation_record, staging_codec
 
 from .build import BuildConfig, build_store, corpus_fingerprint
 from .corpus import Demonstration, TaskSpec
@@ -186,7 +186,7 @@ def _existing_summary(out: Path, loaded: LoadedModel, demos: list[Demonstration]
     try:
         with MiloStore.open(out, tier="disk", verify=False) as store:
             build = store.meta.get("build", {})
-            same = (store.meta.get("allocation") == dataclasses.asdict(config.compression)
+            same = (store.meta.get("allocation") == allocation_record(config.compression)
                     and store.meta.get("model", {}).get("config_hash") == loaded.identity["config_hash"]
                     and [build.get(f) for f in ("block_size", "context_blocks", "order", "seed")]
                     == [config.block_size, config.context_blocks, config.order, config.seed]

@@ -101,6 +101,17 @@ def quant_layout(layout: Layout, dtype: str) -> Layout:
     return replace(layout, quant=dtype if dtype in QUANTIZED else None)
 
 
+# Fields added after stores were first written, with their defaults: a store's allocation record
+# holds them only when they differ, so the records of existing stores (and every key derived from
+# them: reuse checks, prediction logs) stay what they were.
+LATER_FIELDS = {"query_aware": False}
+
+
+def allocation_record(config: CompressionConfig) -> dict:
+    """The ``allocation`` attribute a store written with ``config`` carries."""
+    return {k: v for k, v in asdict(config).items() if not (k in LATER_FIELDS and v == LATER_FIELDS[k])}
+
+
 def check_budget(layout: Layout, tokens, config: CompressionConfig) -> None:
     """Raise BudgetError now if ``config.ratio`` cannot hold r_min everywhere (before any encoding).
 
@@ -160,7 +171,7 @@ def write_store(path, staging: Staging, num_blocks: int, layout: Layout, config:
     layout = quant_layout(layout, config.dtype)
     source = pass_two_source(staging, num_blocks, config, examples, channel_scale)
     ranks, tokens = _plan(source, layout, config)
-    attrs = {**(attrs or {}), "codec": config.codec, "allocation": asdict(config)}
+    attrs = {**(attrs or {}), "codec": config.codec, "allocation": allocation_record(config)}
     with StoreWriter(path, layout, ranks, tokens, dtype=config.dtype, attrs=attrs, force=force,
                      lock=lock, block_group=source.block_group) as w:
         for i in range(source.num_blocks):

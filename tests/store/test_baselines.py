@@ -294,3 +294,12 @@ def test_query_aware_applies_only_to_svd_and_example_svd():
     for codec in ("identity", "global-proj"):
         with pytest.raises(ValueError, match="query-aware weighting applies"):
             CompressionConfig(codec=codec, query_aware=True)
+
+
+def test_allocation_record_leaves_later_fields_out_at_their_defaults():
+    """Stores written before query_aware existed keep the record (and the keys derived from it)."""
+    from dataclasses import asdict
+    from milo_store.compress import allocation_record
+    plain = CompressionConfig(ratio=0.25, dtype="int8")
+    assert allocation_record(plain) == {k: v for k, v in asdict(plain).items() if k != "query_aware"}
+    assert allocation_record(CompressionConfig(query_aware=True))["query_aware"] is True
