@@ -204,7 +204,7 @@ def _existing_summary(out: Path, loaded: LoadedModel, demos: list[Demonstration]
 # --- answering -----------------------------------------------------------------------------------
 
 def evaluate(loaded: LoadedModel, store_path, test: list[Demonstration], task: TaskSpec, k: int = 6,
-             n: int | None = None, *, predictions=None,
+             n: int | None = None, *, predictions=None, max_new_tokens: int = 64,
              on_answer: Callable[[dict], None] | None = None) -> dict:
     """Answer the first ``n`` test items from the store; accuracy, bytes and time per stage.
 
@@ -216,13 +216,13 @@ def evaluate(loaded: LoadedModel, store_path, test: list[Demonstration], task: T
     if not items:
         raise ValueError("no test items to evaluate")
     with MiloStore.open(store_path, tier="host") as store:
-        key = _run_key(store, k)
+        key = _run_key(store, k, max_new_tokens)
         done = _read_predictions(predictions, key) if predictions is not None else {}
         session = None
         for item in items:
             if item.id in done:
                 continue
-            session = session or MiloSession(loaded, store, k=k)
+            session = session or MiloSession(loaded, store, k=k, max_new_tokens=max_new_tokens)
             answer = session.answer(item.input)
             reference = task.answer_of(item.output) or item.output
             record = {"key": key, "id": item.id, "input": item.input, "reference": reference,
@@ -248,9 +248,13 @@ def evaluate(loaded: LoadedModel, store_path, test: list[Demonstration], task: T
             "store_ratio": acc["ratio"], "seconds": stages}
 
 
-def _run_key(store: MiloStore, k: int) -> str:
+def _run_key(store: MiloStore, k: int, max_new_tokens: int = 64) -> str:
+    """What a logged answer depends on besides the question (a non-default answer length is added
+    only when set, so logs written before it existed keep their key)."""
     what = {"allocation": store.meta.get("allocation"), "build": store.meta.get("build"),
             "model": store.meta.get("model", {}).get("config_hash"), "k": k}
+    if max_new_tokens != 64:
+        what["max_new_tokens"] = max_new_tokens
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -45,6 +45,8 @@ def add_arguments(p):
     p.add_argument("--block-size", default="32", metavar="M[,M]",
                    help="demonstrations per block; several encode the corpus once each (default 32)")
     p.add_argument("--context-blocks", type=int, default=2, help="previous blocks each block is encoded after")
+    p.add_argument("--max-new-tokens", type=int, default=64,
+                   help="longest free-form answer (math); labels are bounded by their own length (default 64)")
     p.add_argument("--threads", type=int, metavar="N",
                    help="torch CPU threads; 1 is many times faster on a CPU shared with other jobs (default: torch's)")
     p.add_argument("--out", required=True, metavar="DIR", help="folder for stores, predictions and the tables")
@@ -76,7 +78,7 @@ def check(args) -> tuple[list[str], list[str]]:
         raise CommandError(f"--ratio must be in (0, 1]; got {args.ratio}")
     if min(args.block_sizes) < 1:
         raise CommandError(f"--block-size must be at least 1; got {args.block_size}")
-    for flag in ("shots", "test", "seeds", "k") + (("threads",) if args.threads is not None else ()):
+    for flag in ("shots", "test", "seeds", "k", "max_new_tokens") + (("threads",) if args.threads is not None else ()):
         if getattr(args, flag) < 1:
             raise CommandError(f"--{flag.replace('_', '-')} must be at least 1; got {getattr(args, flag)}")
     if args.context_blocks < 0:
@@ -125,7 +127,7 @@ def run(args) -> int:
             bar.set_postfix_str(f"{name} seed {seed} b{block_size}: {sname}")
             t0, answered = time.perf_counter(), []
             result = evaluate(loaded, run_dir / "stores" / sname, test, task, k=args.k,
-                              predictions=run_dir / f"{sname}-k{args.k}.jsonl",
+                              predictions=run_dir / f"{sname}-k{args.k}.jsonl", max_new_tokens=args.max_new_tokens,
                               on_answer=lambda r: (answered.append(r), bar.update()))
             bar.update(result["n"] - len(answered))  # items resumed from the predictions file
             rows.append({"dataset": name, "seed": seed, "method": m, "store": sname, "k": args.k,

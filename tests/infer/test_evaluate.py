@@ -84,6 +84,8 @@ def test_an_interrupted_run_resumes_and_refuses_foreign_lines(built, default_mod
     assert len(log.read_text().splitlines()) == 2
     with pytest.raises(ValueError, match="another store or k"):
         evaluate(default_model, root / "milo-r0.5", queries, task, k=1, predictions=log)
+    with pytest.raises(ValueError, match="another store or k"):  # answers of another length
+        evaluate(default_model, root / "milo-r0.5", queries, task, k=2, predictions=log, max_new_tokens=8)
 
 
 def _row(method, dataset, accuracy, store_bytes):
@@ -138,13 +140,14 @@ def test_methods_and_arguments_are_checked_before_any_model_load():
     assert method_config("milo-fullrank", 0.5).full_rank and method_config("full", 0.5).codec == "identity"
     assert store_name("full", 0.5) == "full" and store_name("milo-energy", 0.25) == "milo-energy-r0.25"
     args = Namespace(methods="full,milo", dataset="banking77", corpus=None, queries=None, ratio=0.5, shots=8,
-                     test=2, seeds=1, k=2, block_size=4, context_blocks=1, threads=None)
+                     test=2, seeds=1, k=2, block_size=4, context_blocks=1, threads=None, max_new_tokens=64)
     assert check(args) == (["banking77"], ["full", "milo"])
     lists = Namespace(**{**vars(args), "ratio": "0.25,0.5,0.25", "block_size": "4,8"})
     check(lists)
     assert lists.ratios == [0.25, 0.5] and lists.block_sizes == [4, 8]
     for change, message in [({"methods": "full,nope"}, "unknown method 'nope'"), ({"dataset": "imdb"}, "unknown imdb"),
                             ({"ratio": 1.5}, "ratio"), ({"ratio": "0.5,x"}, "comma-separated numbers"),
-                            ({"block_size": "8,0"}, "--block-size must be at least 1"), ({"k": 0}, "--k"), ({"threads": 0}, "--threads"), ({"corpus": DEMO}, "--queries")]:
+                            ({"block_size": "8,0"}, "--block-size must be at least 1"),
+                            ({"max_new_tokens": 0}, "--max-new-tokens"), ({"k": 0}, "--k"), ({"threads": 0}, "--threads"), ({"corpus": DEMO}, "--queries")]:
         with pytest.raises(CommandError, match=message):
             check(Namespace(**{**vars(args), **change}))
