@@ -43,7 +43,7 @@ def main(argv=None) -> int:
         print(f"store: reusing {store_path}")
     except NotAStoreError:
         demos = load_corpus(DATA / "demo_corpus.jsonl")
-        compression = CompressionConfig(ratio=args.ratio, dtype="int8")  # the default of `milo build`
+        compression = CompressionConfig(ratio=args.ratio, dtype="int8", query_aware=True)  # `milo build`'s defaults
         config = BuildConfig(block_size=32, context_blocks=2, compression=compression)
         print(f"store: building {store_path} from {len(demos)} demonstrations (ratio {args.ratio})")
         summary = build_store(store_path, loaded, demos, task_from_corpus(demos), config, force=True)

@@ -257,6 +257,11 @@ def test_ratio_summary_and_force(tiny_model_dir, tmp_path, capsys):
     info = json.loads(capsys.readouterr().out)
     assert info["planned_ratio"] == 0.5 and abs(info["actual_ratio"] - 0.5) <= 0.02 * 0.5
     assert info["blocks"] == 4 and info["demonstrations"] == 12
+    with MiloStore.open(out) as store:  # query-aware weighting is milo build's default for svd
+        assert store.meta["allocation"]["query_aware"] is True and store.meta["allocation"]["dtype"] == "int8"
+    build_json(capsys, *args, "--force", "--no-query-aware")
+    with MiloStore.open(out) as store:
+        assert "query_aware" not in store.meta["allocation"]  # False: left out of the record
     # One budget per (layer, kind, head) over 4 small blocks leaves up to one rank unit unspent per group;
     # a global scope spends the budget to within a unit of the whole store.
     summary = build_json(capsys, *args, "--force", "--ratio", "0.25", "--scope", "global")
