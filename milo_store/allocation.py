@@ -1,8 +1,8 @@
 """Rank allocation under a byte budget (paper §4.3), with the scopes and policies the evaluation compares.
 
 Every (block, layer, kind, head) matrix is a *unit*; giving it one more rank costs T + d + 1 values
-(with quantized factors, the bytes of ``Layout.unit_size``; INT4/INT2 values also pay their per-token
-scales once, ``Layout.fixed_size``, which is taken off the budget up front: exact when r_min ≥ 1).
+(with quantized factors, the bytes of ``Layout.unit_size``; an INT4/INT2 value unit also pays its
+per-token scales, ``Layout.fixed_size``, with its first rank step).
 Within an allocation *group* (chosen by ``scope`` and ``kv_split``) every unit starts at r_min, and
 further rank increments are taken in order of a key until the group's budget is spent:
 
@@ -81,28 +81,40 @@ def allocate_ranks(spectra: np.ndarray, tokens: np.ndarray, layout: Layout, rati
         if kv_split == "separate":
             kind = g[keep.index(2)]
             budget_values *= 2 * (key_share if kind == 0 else 1 - key_share)
-        budget_values -= fixed[sel].sum() / bytes_per_value
-        ranks[sel] = _allocate_group(sub, cost[sel], np.broadcast_to(cap.reshape(-1, 1, 1, 1), sub.shape[:4]),
-                                     budget_values, policy, r_min, eps, rng)
+        names = {1: "layer {}", 2: ("keys", "values"), 3: "head {}"}
+        where = ", ".join(names[a][i] if a == 2 else names[a].format(i) for a, i in zip(keep, g)) or "the store"
+        try:
+            ranks[sel] = _allocate_group(sub, cost[sel], fixed[sel] / bytes_per_value,
+                                         np.broadcast_to(cap.reshape(-1, 1, 1, 1), sub.shape[:4]),
+                                         budget_values, policy, r_min, eps, rng)
+        except BudgetError as e:
+            unit = "bytes" if layout.quantized else "values"
+            raise BudgetError(f"ratio {ratio}: the budget of {where} holds {e.args[0]:.0f} {unit} but rank {r_min} "
+                              f"everywhere needs {e.args[1]:.0f}{e.args[2]}; raise the ratio or lower r_min") from None
     return ranks.astype(np.int16)
 
 
-def _allocate_group(spectra, cost, cap, budget_values, policy, r_min, eps, rng) -> np.ndarray:
-    """Greedy fill of one group: ranks shaped like cost, spending at most ``budget_values``."""
+def _allocate_group(spectra, cost, first, cap, budget_values, policy, r_min, eps, rng) -> np.ndarray:
+    """Greedy fill of one group: ranks shaped like cost, spending at most ``budget_values``.
+
+    A unit's rank step costs ``cost``, and its first step ``first`` more (per-token scales). Raises
+    BudgetError(budget, need, note) when r_min everywhere does not fit.
+    """
     shape = cost.shape
-    s, cost, cap = spectra.reshape(-1, spectra.shape[-1]), cost.reshape(-1), cap.reshape(-1)
-    left = budget_values - r_min * cost.sum()
+    s, cost, first, cap = spectra.reshape(-1, spectra.shape[-1]), cost.reshape(-1), first.reshape(-1), cap.reshape(-1)
+    need = r_min * cost.sum() + (first.sum() if r_min > 0 else 0.0)
+    left = budget_values - need
     if left < 0:
-        need = r_min * cost.sum()
-        raise BudgetError(f"the budget holds {budget_values:.0f} values but r_min={r_min} everywhere needs {need:.0f}; "
-                          f"raise the ratio or lower r_min")
+        note = f", {first.sum():.0f} of them per-token value scales" if r_min > 0 and first.any() else ""
+        raise BudgetError(budget_values, need, note)
     units, steps = np.nonzero(np.arange(s.shape[1])[None, :] < cap[:, None])  # candidate increments
     mask = steps >= r_min
     units, steps = units[mask], steps[mask]
+    step_cost = cost[units] + first[units] * (steps == 0)
     sigma2 = s[units, steps] ** 2
     if policy == "entropy":
         key = np.log1p(sigma2 / eps ** 2)
-    elif policy == "energy":
+    elif policy == "energy":  # per step's own cost, less a first step's scales: keeps each unit's keys falling
         key = sigma2 / cost[units]
     elif policy == "uniform":
         key = -steps.astype(np.float64)
@@ -110,10 +122,10 @@ def _allocate_group(spectra, cost, cap, budget_values, policy, r_min, eps, rng) 
         key = rng.random(len(units))
     if policy in ("entropy", "energy"):  # spending bytes on an exactly-zero direction buys nothing
         live = sigma2 > 0
-        units, steps, key = units[live], steps[live], key[live]
+        units, steps, key, step_cost = units[live], steps[live], key[live], step_cost[live]
     order = np.lexsort((steps, units, -key))
-    units, steps = units[order], steps[order]
-    spent = np.cumsum(cost[units])
+    units, steps, step_cost = units[order], steps[order], step_cost[order]
+    spent = np.cumsum(step_cost)
     take = int(np.searchsorted(spent, left, side="right"))
     ranks = np.full(len(cost), r_min, dtype=np.int64)
     np.add.at(ranks, units[:take], 1)
@@ -122,7 +134,8 @@ def _allocate_group(spectra, cost, cap, budget_values, policy, r_min, eps, rng) 
     rest_u, rest_s = units[take:], steps[take:]
     frontier = rest_s == ranks[rest_u]
     for u in rest_u[frontier]:
-        if cost[u] <= left:
+        c = cost[u] + first[u] * (ranks[u] == 0)
+        if c <= left:
             ranks[u] += 1
-            left -= cost[u]
+            left -= c
     return ranks.reshape(shape)

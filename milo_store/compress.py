@@ -12,11 +12,11 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .allocation import BudgetError, allocate_ranks
+from .allocation import allocate_ranks
 from .baselines import BASELINES, ExampleSplit, GlobalProjection, WeightedBlocks
 from .codec import CODECS, BlockFactors, pack_block
 from .format import GROUP_BYTES, QUANTIZED, TORCH_DTYPES
-from .layout import Layout, full_kv_bytes, index_bytes
+from .layout import Layout, full_kv_bytes
 from .staging import Staging
 from .writer import StoreWriter
 
@@ -115,19 +115,19 @@ def allocation_record(config: CompressionConfig) -> dict:
 def check_budget(layout: Layout, tokens, config: CompressionConfig) -> None:
     """Raise BudgetError now if ``config.ratio`` cannot hold r_min everywhere (before any encoding).
 
-    Exact for block-level codecs; example-svd's finer units are checked again when it allocates.
+    It runs the allocator itself on empty spectra, so every group's budget (scope, K/V split, key
+    share, per-token scales) is checked as pass two will check it. Exact for block-level codecs;
+    example-svd's finer units are checked again when it allocates.
     """
     if config.codec == "identity" or config.full_rank:
         return
     layout = quant_layout(layout, config.dtype)
     tokens = np.asarray(tokens, dtype=np.int64)
     itemsize = torch.empty(0, dtype=TORCH_DTYPES[config.dtype]).element_size()
-    r_min = np.full((len(tokens), layout.num_layers, 2, layout.num_kv_heads), config.r_min)
-    need = layout.segment_sizes(r_min, tokens).sum() * itemsize + index_bytes(layout, len(tokens))
-    full = full_kv_bytes(layout, tokens)
-    if need > config.ratio * full:
-        raise BudgetError(f"ratio {config.ratio} cannot hold rank {config.r_min} everywhere: that alone takes "
-                          f"{need / full:.3f} of the full K/V; raise the ratio or lower r_min")
+    silent = np.zeros((len(tokens), layout.num_layers, 2, layout.num_kv_heads, layout.head_dim))
+    allocate_ranks(silent, tokens, layout, config.ratio, policy="entropy", scope=config.scope,
+                   kv_split=config.kv_split, r_min=config.r_min, r_max=config.r_max, bytes_per_value=itemsize,
+                   key_share=config.key_share)
 
 
 def plan_ranks(staging: Staging, num_blocks: int, layout: Layout, config: CompressionConfig,

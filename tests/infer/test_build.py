@@ -340,5 +340,5 @@ def test_infeasible_ratio_is_refused_before_encoding(tiny_model_dir, tmp_path, c
     code = main(["build", "--corpus", str(write_corpus(tmp_path / "c.jsonl", 8)), "--model", str(tiny_model_dir),
                  "--out", str(tmp_path / "s"), "--block-size", "2", "--context-blocks", "0", "--ratio", "0.001"])
     assert code == 2
-    assert "cannot hold rank 1 everywhere" in capsys.readouterr().err
+    assert "but rank 1 everywhere needs" in capsys.readouterr().err
     assert not (tmp_path / "s").exists()

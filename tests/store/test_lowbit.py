@@ -1,4 +1,5 @@
 """INT4/INT2 factors (KIVI-style groups): packing, sizes, error bounds, stores and reconstruction."""
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -6,6 +7,9 @@ from hypothesis import given, settings, strategies as st
 from milo_kernels import dequantize_lowbit_segment, lowbit_segment_bytes
 from milo_kernels.lowbit import GROUP_TOKENS as KERNEL_GROUP
 from milo_store import CompressionConfig, Layout, MiloStore
+from milo_store.allocation import BudgetError, allocate_ranks
+from milo_store.compress import check_budget, quant_layout
+from milo_store.layout import compressed_bytes
 from milo_store.layout import GROUP_TOKENS
 from milo_store.quant import pack_segment
 from milo_store.synthetic import build_synthetic_store
@@ -64,7 +68,30 @@ def test_lowbit_store_meets_ratio_and_verifies(tmp_path, quant):
 
 
 def test_lowbit_r_min_that_does_not_fit_is_refused_before_writing(tmp_path):
-    from milo_store.allocation import BudgetError
-    with pytest.raises(BudgetError):  # per-token value scales alone exceed a tiny budget
+    with pytest.raises(BudgetError, match="per-token value scales"):  # they alone exceed a tiny budget
         build_synthetic_store(tmp_path / "s", Layout(1, 1, 32), [64, 64], CompressionConfig(ratio=0.02, dtype="int2"))
     assert not (tmp_path / "s").exists()
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(["int8", "int4", "int2", "float16"]), st.sampled_from(["head", "layer", "global"]),
+       st.sampled_from([0.3, 0.5, 0.7]), st.floats(0.01, 0.5), st.integers(0, 2),
+       st.lists(st.integers(40, 900), min_size=1, max_size=4))
+def test_check_budget_agrees_with_the_allocation_of_every_group(dtype, scope, key_share, ratio, r_min, tokens):
+    """check_budget (before encoding) refuses exactly what pass two would refuse, and what both accept
+    never exceeds the ratio: per-group budgets, the K/V share and per-token scales included."""
+    layout = Layout(2, 2, 64)
+    config = CompressionConfig(ratio=ratio, dtype=dtype, scope=scope, key_share=key_share, r_min=r_min)
+    spectra = np.random.default_rng(len(tokens)).random((len(tokens), 2, 2, 2, 64))[..., ::-1].cumsum(-1)[..., ::-1]
+    qlayout = quant_layout(layout, dtype)
+    itemsize = 1 if qlayout.quantized else 2
+    try:
+        check_budget(layout, tokens, config)
+    except BudgetError:
+        with pytest.raises(BudgetError):
+            allocate_ranks(spectra, np.array(tokens), qlayout, ratio, scope=scope, key_share=key_share, r_min=r_min,
+                           bytes_per_value=itemsize)
+        return
+    ranks = allocate_ranks(spectra, np.array(tokens), qlayout, ratio, scope=scope, key_share=key_share,
+                           r_min=r_min, bytes_per_value=itemsize)
+    assert compressed_bytes(qlayout, ranks, np.array(tokens), itemsize)["ratio"] <= ratio + 1e-9
