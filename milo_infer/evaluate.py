@@ -43,11 +43,13 @@ from .build import BuildConfig, build_store, corpus_fingerprint
 from .corpus import Demonstration, TaskSpec
 from .models import LoadedModel
 from .scoring import is_correct
-from .session import MiloSession
+from .session import MAX_NEW_TOKENS, MiloSession
 
-# A method name is a base, then modifiers: ``base(-mod)*(+quant)?(-mod)*``, e.g. ``milo``,
-# ``milo-energy``, ``milo+int8-ks0.3``, ``full+kivi``. Each part sets CompressionConfig fields; the
-# ratio comes from the run unless the method fixes it (``full``, ``-fullrank``).
+# A method name is a base, a quantization, then modifiers: ``base(+quant)?(-modifier)*``, e.g.
+# ``milo``, ``milo-energy``, ``milo+int8-ks0.3``, ``full+kivi``. Each part sets CompressionConfig
+# fields; the ratio comes from the run unless the method fixes it (``full``, ``-fullrank``). One
+# store has one name: modifiers come in the order below, at most one of each kind, and none that
+# restates a default.
 BASES = {
     "full": {"codec": "identity", "ratio": 1.0},  # the uncompressed baseline (identity codec)
     "milo": {"codec": "svd"},
@@ -56,16 +58,19 @@ BASES = {
     "example-svd": {"codec": "example-svd"},
     "example-asvd": {"codec": "example-svd", "query_aware": True},  # activation-aware, as ASVD
 }
-MODIFIERS = {
-    "fullrank": {"full_rank": True, "ratio": 1.0},  # every direction kept: the codec's rounding alone
-    **{p: {"policy": p} for p in ("entropy", "energy", "uniform", "random")},
-    **{s: {"scope": s} for s in ("head", "layer", "global")},
-    "shared": {"kv_split": "shared"},  # one budget for K and V instead of half each
-    "qaw": {"query_aware": True},  # SVD of X diag(s): channels weighted by what their error costs
+# KIVI-style groups (keys per channel in groups of 32 tokens, values per token). On ``full`` this is
+# KIVI's grouping on the raw K/V, but pre-RoPE and with B = I stored per segment (d² bytes), so its
+# ratio is set by the format and the block length: 0.22 for ~800-token blocks, more for shorter ones.
+QUANTS = {"int8": "int8", "int4": "int4", "kivi": "int2"}
+MODIFIERS = {  # word -> (kind, fields); kinds in canonical order
+    "fullrank": ("fullrank", {"full_rank": True, "ratio": 1.0}),  # every direction: the codec's rounding alone
+    **{p: ("policy", {"policy": p}) for p in ("energy", "uniform", "random")},  # entropy is the default
+    **{s: ("scope", {"scope": s}) for s in ("layer", "global")},  # head is the default
+    "shared": ("split", {"kv_split": "shared"}),  # one budget for K and V instead of half each
+    "ks": ("split", None),  # ks<share>: the keys' share of a separate budget, e.g. ks0.3
+    "qaw": ("qaw", {"query_aware": True}),  # SVD of X diag(s): channels weighted by what their error costs
 }
-# KIVI-style groups (keys per channel in groups of 32 tokens, values per token) on the factors or,
-# on ``full``, on the raw K/V as KIVI does (its ratio is then set by the format: about 0.16-0.2)
-QUANTS = {"int8": "int8", "int4": "int4", "int2": "int2", "kivi": "int2"}
+KINDS = list(dict.fromkeys(kind for kind, _ in MODIFIERS.values()))
 EXAMPLES = ("full", "milo", "milo-fullrank", "milo-energy", "milo-layer", "milo-ks0.3", "milo+int8", "milo+int4",
             "milo+kivi", "full+kivi", "milo+int8-qaw", "global-proj", "example-svd", "example-asvd")
 
@@ -80,17 +85,27 @@ def method_fields(name: str) -> dict:
     parts = re.findall(r"([+-])([^+-]+)", rest)
     if "".join(sign + word for sign, word in parts) != rest:
         raise ValueError(f"unknown method {name!r}: cannot read {rest!r}")
-    for sign, word in parts:
-        if sign == "+" and word in QUANTS and "dtype" not in fields:
-            fields["dtype"] = QUANTS[word]
-        elif sign == "-" and base != "full" and word in MODIFIERS:
-            fields.update(MODIFIERS[word])
-        elif sign == "-" and base != "full" and re.fullmatch(r"ks0?\.\d+", word):
-            fields["key_share"] = float(word[2:])
-        else:
-            raise ValueError(f"unknown method {name!r}: {sign}{word} is not a known "
-                             f"{'quantization (' + ', '.join(QUANTS) + ')' if sign == '+' else 'modifier'}"
-                             f"{'' if sign == '+' else ': ' + ', '.join(MODIFIERS) + ', ks<share>'}")
+    quant, mods = [w for sign, w in parts if sign == "+"], [w for sign, w in parts if sign == "-"]
+    if len(quant) > 1:
+        raise ValueError(f"unknown method {name!r}: one quantization per method")
+    if quant and quant[0] not in QUANTS:
+        raise ValueError(f"unknown method {name!r}: +{quant[0]} is not a quantization ({', '.join(QUANTS)})")
+    if quant:
+        fields["dtype"] = QUANTS[quant[0]]
+    kinds = []
+    for word in mods:
+        share = re.fullmatch(r"ks(0\.\d*[1-9])", word)
+        if base == "full" or (word not in MODIFIERS and not share) or word == "ks":
+            raise ValueError(f"unknown method {name!r}: -{word} is not a modifier of {base}"
+                             + ("" if base == "full" else f" (known: {', '.join(w for w in MODIFIERS if w != 'ks')}, ks<share>)"))
+        kind, extra = MODIFIERS["ks" if share else word]
+        fields.update(extra or {"key_share": float(share.group(1))})
+        kinds.append(kind)
+    canonical = base + "".join("+" + q for q in quant) + "".join(
+        "-" + w for w in sorted(mods, key=lambda w: KINDS.index(MODIFIERS["ks" if w.startswith("ks") else w][0])))
+    if len(set(kinds)) < len(kinds) or canonical != name:
+        raise ValueError(f"method {name!r}: write it as {canonical!r} (one name per store)" if canonical != name else
+                         f"method {name!r}: at most one modifier of each kind ({', '.join(KINDS)})")
     return fields
 
 
@@ -186,7 +201,7 @@ def _existing_summary(out: Path, loaded: LoadedModel, demos: list[Demonstration]
     try:
         with MiloStore.open(out, tier="disk", verify=False) as store:
             build = store.meta.get("build", {})
-            same = (store.meta.get("allocation") == allocation_record(config.compression)
+            same = (allocation_record(store.meta.get("allocation")) == allocation_record(config.compression)
                     and store.meta.get("model", {}).get("config_hash") == loaded.identity["config_hash"]
                     and [build.get(f) for f in ("block_size", "context_blocks", "order", "seed")]
                     == [config.block_size, config.context_blocks, config.order, config.seed]
@@ -204,7 +219,7 @@ def _existing_summary(out: Path, loaded: LoadedModel, demos: list[Demonstration]
 # --- answering -----------------------------------------------------------------------------------
 
 def evaluate(loaded: LoadedModel, store_path, test: list[Demonstration], task: TaskSpec, k: int = 6,
-             n: int | None = None, *, predictions=None, max_new_tokens: int = 64,
+             n: int | None = None, *, predictions=None, max_new_tokens: int = MAX_NEW_TOKENS,
              on_answer: Callable[[dict], None] | None = None) -> dict:
     """Answer the first ``n`` test items from the store; accuracy, bytes and time per stage.
 
@@ -216,7 +231,7 @@ def evaluate(loaded: LoadedModel, store_path, test: list[Demonstration], task: T
     if not items:
         raise ValueError("no test items to evaluate")
     with MiloStore.open(store_path, tier="host") as store:
-        key = _run_key(store, k, max_new_tokens)
+        key = _run_key(store, k, max_new_tokens if task.answer_kind != "label" else MAX_NEW_TOKENS)
         done = _read_predictions(predictions, key) if predictions is not None else {}
         session = None
         for item in items:
@@ -248,12 +263,12 @@ def evaluate(loaded: LoadedModel, store_path, test: list[Demonstration], task: T
             "store_ratio": acc["ratio"], "seconds": stages}
 
 
-def _run_key(store: MiloStore, k: int, max_new_tokens: int = 64) -> str:
-    """What a logged answer depends on besides the question (a non-default answer length is added
-    only when set, so logs written before it existed keep their key)."""
-    what = {"allocation": store.meta.get("allocation"), "build": store.meta.get("build"),
+def _run_key(store: MiloStore, k: int, max_new_tokens: int = MAX_NEW_TOKENS) -> str:
+    """What a logged answer depends on besides the question (a non-default free-form answer length
+    is added only when set, so logs written before it existed keep their key)."""
+    what = {"allocation": allocation_record(store.meta.get("allocation")), "build": store.meta.get("build"),
             "model": store.meta.get("model", {}).get("config_hash"), "k": k}
-    if max_new_tokens != 64:
+    if max_new_tokens != MAX_NEW_TOKENS:
         what["max_new_tokens"] = max_new_tokens
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -274,7 +289,8 @@ def _read_predictions(path, key: str) -> dict[str, dict]:
                 break
             raise ValueError(f"{path}:{number}: not a JSON line; delete the file to start over") from None
         if record.get("key") != key:
-            raise ValueError(f"{path}:{number}: made from another store or k; delete the file to start over")
+            raise ValueError(f"{path}:{number}: made from another store, k or --max-new-tokens; "
+                             f"delete the file to start over")
         done[record["id"]] = record
     return done
 

@@ -26,6 +26,7 @@ from .models import LoadedModel, rope_tables
 from .retrieval import BM25BlockRetriever, order_blocks
 
 IDENTITY_FIELDS = ("config_hash", "num_layers", "num_kv_heads", "head_dim", "rope")
+MAX_NEW_TOKENS = 64  # longest free-form answer by default (labels are bounded by their own trie)
 
 
 @dataclass
@@ -52,7 +53,7 @@ class MiloSession:
     """``MiloSession(loaded_model, store, k=6).answer("text")``; also ``answer_batch``."""
 
     def __init__(self, loaded: LoadedModel, store: MiloStore, *, k: int = 6, token_budget: int | None = None,
-                 order: str = "score", device=None, max_new_tokens: int = 64, prefetch_depth: int = 2,
+                 order: str = "score", device=None, max_new_tokens: int = MAX_NEW_TOKENS, prefetch_depth: int = 2,
                  aggregate: str = "max"):
         check_compatible(store, loaded.identity)
         self.model, self.tokenizer, self.store = loaded.model, loaded.tokenizer, store

@@ -107,9 +107,11 @@ def quant_layout(layout: Layout, dtype: str) -> Layout:
 LATER_FIELDS = {"query_aware": False}
 
 
-def allocation_record(config: CompressionConfig) -> dict:
-    """The ``allocation`` attribute a store written with ``config`` carries."""
-    return {k: v for k, v in asdict(config).items() if not (k in LATER_FIELDS and v == LATER_FIELDS[k])}
+def allocation_record(config: CompressionConfig | dict) -> dict:
+    """The ``allocation`` attribute a store written with ``config`` carries; given a stored record,
+    the same record as a store written now would carry it (for comparisons and keys)."""
+    record = asdict(config) if isinstance(config, CompressionConfig) else dict(config or {})
+    return {k: v for k, v in record.items() if not (k in LATER_FIELDS and v == LATER_FIELDS[k])}
 
 
 def check_budget(layout: Layout, tokens, config: CompressionConfig) -> None:

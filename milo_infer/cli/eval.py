@@ -23,6 +23,7 @@ from ..build import BuildConfig
 from ..corpus import DATASETS, load_corpus, load_dataset, task_from_corpus
 from ..evaluate import BASES, EXAMPLES, MODIFIERS, QUANTS, encode_once, evaluate, method_config, store_name, write_tables
 from ..models import load_model
+from ..session import MAX_NEW_TOKENS
 from . import CommandError
 
 
@@ -45,7 +46,7 @@ def add_arguments(p):
     p.add_argument("--block-size", default="32", metavar="M[,M]",
                    help="demonstrations per block; several encode the corpus once each (default 32)")
     p.add_argument("--context-blocks", type=int, default=2, help="previous blocks each block is encoded after")
-    p.add_argument("--max-new-tokens", type=int, default=64,
+    p.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS,
                    help="longest free-form answer (math); labels are bounded by their own length (default 64)")
     p.add_argument("--threads", type=int, metavar="N",
                    help="torch CPU threads; 1 is many times faster on a CPU shared with other jobs (default: torch's)")
@@ -127,7 +128,8 @@ def run(args) -> int:
             bar.set_postfix_str(f"{name} seed {seed} b{block_size}: {sname}")
             t0, answered = time.perf_counter(), []
             result = evaluate(loaded, run_dir / "stores" / sname, test, task, k=args.k,
-                              predictions=run_dir / f"{sname}-k{args.k}.jsonl", max_new_tokens=args.max_new_tokens,
+                              predictions=run_dir / f"{sname}-k{args.k}{_length_tag(args, task)}.jsonl",
+                              max_new_tokens=args.max_new_tokens,
                               on_answer=lambda r: (answered.append(r), bar.update()))
             bar.update(result["n"] - len(answered))  # items resumed from the predictions file
             rows.append({"dataset": name, "seed": seed, "method": m, "store": sname, "k": args.k,
@@ -140,6 +142,11 @@ def run(args) -> int:
     print(md)
     print(f"wrote {out / 'results.md'} and {out / 'results.json'} in {time.perf_counter() - started:.0f} s")
     return 0
+
+
+def _length_tag(args, task) -> str:
+    """A free-form answer length other than the default is part of the predictions file's name."""
+    return f"-n{args.max_new_tokens}" if task.answer_kind != "label" and args.max_new_tokens != MAX_NEW_TOKENS else ""
 
 
 def _numbers(flag: str, text: str, kind) -> list:

@@ -3,6 +3,7 @@
 The model tests build three tiny stores (8 demonstrations of the demo corpus, blocks of 4) once per
 module and answer two demo queries from each.
 """
+import dataclasses
 import json
 from argparse import Namespace
 
@@ -82,10 +83,13 @@ def test_an_interrupted_run_resumes_and_refuses_foreign_lines(built, default_mod
     assert [r["id"] for r in asked] == [queries[1].id]
     assert second["n"] == 2 and first["n"] == 1
     assert len(log.read_text().splitlines()) == 2
-    with pytest.raises(ValueError, match="another store or k"):
+    with pytest.raises(ValueError, match="another store, k"):
         evaluate(default_model, root / "milo-r0.5", queries, task, k=1, predictions=log)
-    with pytest.raises(ValueError, match="another store or k"):  # answers of another length
-        evaluate(default_model, root / "milo-r0.5", queries, task, k=2, predictions=log, max_new_tokens=8)
+    # a label's length is its trie's: --max-new-tokens does not change label answers, nor their log
+    assert evaluate(default_model, root / "milo-r0.5", queries, task, k=2, predictions=log, max_new_tokens=8)["n"] == 2
+    free_form = dataclasses.replace(task, answer_kind="number")
+    with pytest.raises(ValueError, match="--max-new-tokens"):  # free-form answers of another length
+        evaluate(default_model, root / "milo-r0.5", queries, free_form, k=2, predictions=log, max_new_tokens=8)
 
 
 def _row(method, dataset, accuracy, store_bytes):
@@ -122,14 +126,17 @@ def test_table_marks_a_missing_cell_and_gives_no_average(tmp_path):
 
 
 def test_method_names_compose_a_base_modifiers_and_a_quantization():
-    c = method_config("milo+int8-ks0.3-layer", 0.25, seed=2)
+    c = method_config("milo+int8-layer-ks0.3", 0.25, seed=2)
     assert (c.codec, c.dtype, c.key_share, c.scope, c.ratio, c.seed) == ("svd", "int8", 0.3, "layer", 0.25, 2)
     assert method_config("milo-energy", 0.5).policy == "energy" and method_config("full+kivi", 0.5).dtype == "int2"
     assert method_config("global-proj+int4", 0.5).codec == "global-proj"
-    assert store_name("milo-fullrank+int8", 0.25) == "milo-fullrank+int8" and store_name("full+kivi", 0.3) == "full+kivi"
-    for bad, message in [("full-energy", "not a known modifier"), ("milo+int8+int4", r"\+int4 is not a known"),
-                         ("milo+fp8", "not a known quantization"), ("milo--energy", "cannot read"),
-                         ("svd", "must start with"), ("milo-ks1.5", "not a known modifier")]:
+    assert store_name("milo+int8-fullrank", 0.25) == "milo+int8-fullrank" and store_name("full+kivi", 0.3) == "full+kivi"
+    for bad, message in [("full-energy", "not a modifier of full"), ("milo+int8+int4", "one quantization per method"),
+                         ("milo+fp8", r"\+fp8 is not a quantization"), ("milo--energy", "cannot read"),
+                         ("svd", "must start with"), ("milo-ks1.5", "not a modifier"), ("milo-ks.3", "not a modifier"),
+                         ("milo-qaw+int8", "write it as 'milo\\+int8-qaw'"), ("milo-layer-energy", "milo-energy-layer"),
+                         ("milo-energy-uniform", "one modifier of each kind"), ("milo-entropy", "not a modifier"),
+                         ("milo+int2", "not a quantization")]:
         with pytest.raises(ValueError, match=message):
             method_config(bad, 0.5)
 

@@ -303,3 +303,4 @@ def test_allocation_record_leaves_later_fields_out_at_their_defaults():
     plain = CompressionConfig(ratio=0.25, dtype="int8")
     assert allocation_record(plain) == {k: v for k, v in asdict(plain).items() if k != "query_aware"}
     assert allocation_record(CompressionConfig(query_aware=True))["query_aware"] is True
+    assert allocation_record({**asdict(plain), "query_aware": False}) == allocation_record(plain)  # a stored record
