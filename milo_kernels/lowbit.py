@@ -43,8 +43,8 @@ def dequantize_lowbit_segment(raw: torch.Tensor, rank: int, tokens: int, d: int,
     return a, s, b
 
 
-def dequantize_lowbit_layer(factors: torch.Tensor, segments: torch.Tensor, d: int, quant: str,
-                            dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, torch.Tensor]:
+def dequantize_lowbit_layer(factors: torch.Tensor, segments: torch.Tensor, d: int,
+                            quant: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed floating factors, segment table) equal to a layer of low-bit segments, on factors' device.
 
     The new table keeps every row's rank, tokens, destination, head and kind; only src_offset moves
@@ -68,5 +68,5 @@ def dequantize_lowbit_layer(factors: torch.Tensor, segments: torch.Tensor, d: in
         a, s, b = dequantize_lowbit_segment(raw, rank, tokens, d, bits, kind)
         parts += [a.reshape(-1), s, b.reshape(-1)]
         at += rank * (tokens + d + 1)
-    flat = torch.cat(parts).to(dtype) if parts else torch.empty(0, dtype=dtype, device=factors.device)
+    flat = torch.cat(parts).half() if parts else torch.empty(0, dtype=torch.float16, device=factors.device)
     return flat, table

@@ -83,12 +83,17 @@ def reconstruct_layer(factors, segments, out_k, out_v, cos, sin, *, interleaved=
 
 
 def plan_layer(factors, segments, out_k, out_v, cos, sin, *, block_t=64, block_r=None, num_warps=4,
-               num_stages=2) -> Plan:
+               num_stages=2, quant=None) -> Plan:
     """Validate a layer's segments against its buffers and build the Triton tile table (synchronises).
 
     block_r defaults to the next power of two of the largest rank, clamped to [16, 64]; tl.dot needs
-    every tile dimension to be at least 16, so smaller ranks are padded with masked lanes.
+    every tile dimension to be at least 16, so smaller ranks are padded with masked lanes. uint8
+    factors must be INT8 (``quant`` None or "int8"): INT4/INT2 layers are expanded first, by
+    `reconstruct_layer`.
     """
+    if quant not in (None, "int8"):
+        raise ValueError(f"the kernel reads floating or INT8 factors, not {quant}; reconstruct_layer expands "
+                         f"{quant} layers to fp16 first")
     _require_triton(factors)
     segs = _check_all(factors, segments, out_k, out_v, cos, sin)
     if block_t < 16 or block_t & (block_t - 1):

@@ -13,9 +13,8 @@ starts aligned every header is 2-byte aligned, as a GPU kernel reading it in pla
 """
 import torch
 
-from .layout import GROUP_TOKENS, QUANT_BITS, QUANT_UNIT_OVERHEAD
+from .layout import GROUP_TOKENS, QUANT_BITS
 
-HEADER = QUANT_UNIT_OVERHEAD // 2  # fp16 vectors of length r before the codes
 
 
 def quantize(x: torch.Tensor, dim: int = 0, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

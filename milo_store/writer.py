@@ -192,7 +192,8 @@ class StoreWriter:
             self.group.attrs[fmt.ATTRS_KEY] = {
                 **self.attrs, "format_version": fmt.FORMAT_VERSION, "factor_dtype": self.dtype,
                 "layout": {"num_layers": self.layout.num_layers, "num_kv_heads": self.layout.num_kv_heads,
-                           "head_dim": self.layout.head_dim, "quant": self.layout.quant}}
+                           "head_dim": self.layout.head_dim, "quant": self.layout.quant,
+                           "quantized": self.layout.quant == "int8"}}  # what readers before INT4 look for
             _fsync_tree(self.tmp)
             old = None
             if self.path.exists():

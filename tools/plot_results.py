@@ -32,14 +32,18 @@ def load_rows(paths: list[str], dataset: str | None = None, methods: list[str] |
 
 
 def curves(rows: list[dict], x: str) -> dict[str, list[tuple[float, float, float]]]:
-    """Per method: (x, mean accuracy %, std over seeds) sorted by x. x is the measured store ratio
-    (averaged over seeds) or the block size."""
+    """Per curve: (x, mean accuracy %, std over seeds) sorted by x. x is the measured store ratio
+    (averaged over seeds) or the block size. A curve is a method, split by every other setting the
+    rows vary in (block size or ratio, k, data set), so only seeds are ever averaged."""
+    other = "ratio_setting" if x == "block_size" else "block_size"
+    varying = [f for f in (other, "k", "dataset") if len({r.get(f) for r in rows}) > 1]
     points = defaultdict(list)
     for r in rows:
         setting = r.get("block_size") if x == "block_size" else r.get("ratio_setting")
         if setting is None:
             raise SystemExit(f"a row of {r['method']} has no {x}: rerun it with the current milo eval")
-        points[(r["method"], setting)].append(r)
+        label = r["method"] + "".join(f" {SHORT[f]}={r.get(f)}" for f in varying)
+        points[(label, setting)].append(r)
     out = defaultdict(list)
     for (method, setting), rs in points.items():
         accs = [100 * r["accuracy"] for r in rs]
@@ -48,13 +52,14 @@ def curves(rows: list[dict], x: str) -> dict[str, list[tuple[float, float, float
     return {m: sorted(p) for m, p in out.items()}
 
 
+SHORT = {"ratio_setting": "ρ", "block_size": "m", "k": "k", "dataset": "data"}
+
+
 def plot(rows: list[dict], x: str, out: str, title: str = "") -> str:
     fig, ax = plt.subplots(figsize=(6.4, 4.2), constrained_layout=True)
     for method, pts in curves(rows, x).items():
         xs, ys, err = zip(*pts)
-        fixed = x == "ratio" and len({r.get("ratio_setting") for r in rows if r["method"] == method}) == 1 \
-            and all(r.get("ratio_setting") == 1.0 for r in rows if r["method"] == method)
-        if fixed:
+        if x == "ratio" and len(pts) == 1 and xs[0] > 1:  # a store the ratio does not change (full)
             ax.axhline(ys[0], linestyle="--", color="gray", label=f"{method} ({xs[0]:.2f}×)")
         else:
             ax.errorbar(xs, ys, yerr=err if any(err) else None, marker="o", capsize=3, label=method)

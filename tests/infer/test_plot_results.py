@@ -9,8 +9,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 from plot_results import curves, load_rows, plot  # noqa: E402
 
 
-def _row(method, seed, ratio, acc, measured, block=32):
-    return {"dataset": "d", "seed": seed, "method": method, "ratio_setting": ratio, "block_size": block, "k": 6,
+def _row(method, seed, ratio, acc, measured, block=32, k=6):
+    return {"dataset": "d", "seed": seed, "method": method, "ratio_setting": ratio, "block_size": block, "k": k,
             "accuracy": acc, "store_ratio": measured, "n": 10}
 
 
@@ -37,3 +37,9 @@ def test_block_size_curve_and_figure_is_written(tmp_path):
     assert Path(out).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(SystemExit, match="no block_size"):
         curves([{**rows[0], "block_size": None}], "block_size")
+
+
+def test_rows_that_differ_in_another_setting_make_separate_curves_not_an_average():
+    rows = [_row("milo", 0, 0.5, 0.2, 0.5, block=16), _row("milo", 0, 0.5, 0.4, 0.5, block=64, k=3)]
+    got = curves(rows, "ratio")
+    assert got == {"milo m=16 k=6": [(0.5, 20.0, 0.0)], "milo m=64 k=3": [(0.5, 40.0, 0.0)]}

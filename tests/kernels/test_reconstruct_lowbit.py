@@ -60,3 +60,12 @@ def test_reconstruct_lowbit_rejects_out_of_range_segments():
         reconstruct_layer(raw, segments, out, out.clone(), cos, sin, quant="int4")
     with pytest.raises(ValueError, match="unknown low-bit"):
         reconstruct_layer(raw, segments, out, out.clone(), cos, sin, quant="int3")
+
+
+def test_the_kernel_plan_refuses_low_bit_factors():
+    from milo_kernels.reconstruct import plan_layer
+    raw = pack_segment(torch.randn(10, 2), torch.ones(2), torch.randn(8, 2), "int4", 0)
+    cos, sin = rope_tables(10, 8, False)
+    out = torch.zeros(1, 10, 8)
+    with pytest.raises(ValueError, match="expands int4 layers"):
+        plan_layer(raw, torch.tensor([[0, 2, 10, 0, 0, 0]]), out, out.clone(), cos, sin, quant="int4")

@@ -37,3 +37,16 @@ def test_int8_store_meets_ratio_and_holds_more_rank(tmp_path):
     assert acc["ratio"] <= 0.5 and abs(acc["ratio"] - 0.5) < 0.02
     assert int8.ranks.mean() > 1.6 * fp16.ranks.mean()
     assert int8.anchor_kv().dtype == torch.float16
+
+
+def test_int8_store_from_before_int4_still_opens(tmp_path):
+    """Layouts written before INT4 say only ``quantized: true``; they read as INT8."""
+    import zarr
+    path = build_synthetic_store(tmp_path / "q", Layout(2, 2, 32), [40, 33], CompressionConfig(ratio=0.5, dtype="int8"))
+    group = zarr.open_group(str(path), mode="r+")
+    meta = dict(group.attrs["milo"])
+    assert meta["layout"]["quant"] == "int8" and meta["layout"]["quantized"] is True
+    meta["layout"] = {k: v for k, v in meta["layout"].items() if k != "quant"}
+    group.attrs["milo"] = meta
+    with MiloStore.open(path) as store:
+        assert store.layout.quant == "int8" and store.verify_all() == []
