@@ -34,9 +34,11 @@ def load_rows(paths: list[str], dataset: str | None = None, methods: list[str] |
 def curves(rows: list[dict], x: str) -> dict[str, list[tuple[float, float, float]]]:
     """Per curve: (x, mean accuracy %, std over seeds) sorted by x. x is the measured store ratio
     (averaged over seeds) or the block size. A curve is a method, split by every other setting the
-    rows vary in (block size or ratio, k, data set), so only seeds are ever averaged."""
-    other = "ratio_setting" if x == "block_size" else "block_size"
-    varying = [f for f in (other, "k", "dataset") if len({r.get(f) for r in rows}) > 1]
+    rows vary in (block size or ratio, k, data set), so only seeds are ever averaged. Against block
+    size, k goes with the x axis: a fair block-size sweep keeps k × m (the demonstrations in the
+    context) fixed, so k changes with m."""
+    other = ("ratio_setting", "dataset") if x == "block_size" else ("block_size", "k", "dataset")
+    varying = [f for f in other if len({r.get(f) for r in rows}) > 1]
     points = defaultdict(list)
     for r in rows:
         setting = r.get("block_size") if x == "block_size" else r.get("ratio_setting")

@@ -43,3 +43,8 @@ def test_rows_that_differ_in_another_setting_make_separate_curves_not_an_average
     rows = [_row("milo", 0, 0.5, 0.2, 0.5, block=16), _row("milo", 0, 0.5, 0.4, 0.5, block=64, k=3)]
     got = curves(rows, "ratio")
     assert got == {"milo m=16 k=6": [(0.5, 20.0, 0.0)], "milo m=64 k=3": [(0.5, 40.0, 0.0)]}
+
+
+def test_against_block_size_k_goes_with_the_block_size():
+    rows = [_row("milo", 0, 0.5, 0.2, 0.5, block=16, k=12), _row("milo", 0, 0.5, 0.4, 0.5, block=64, k=3)]
+    assert curves(rows, "block_size") == {"milo": [(16, 20.0, 0.0), (64, 40.0, 0.0)]}
