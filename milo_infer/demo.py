@@ -14,6 +14,7 @@ from milo_store import CompressionConfig, MiloStore, NotAStoreError
 from milo_store.cli.stat import describe
 
 from .build import BuildConfig, build_store
+from .cli.build import factor_dtype
 from .corpus import load_corpus, task_from_corpus
 from .models import load_model
 from .scoring import is_correct
@@ -43,7 +44,8 @@ def main(argv=None) -> int:
         print(f"store: reusing {store_path}")
     except NotAStoreError:
         demos = load_corpus(DATA / "demo_corpus.jsonl")
-        compression = CompressionConfig(ratio=args.ratio, dtype="int8", query_aware=True)  # `milo build`'s defaults
+        compression = CompressionConfig(ratio=args.ratio, dtype=factor_dtype("auto", args.ratio, "svd"),
+                                        query_aware=True)  # `milo build`'s defaults
         config = BuildConfig(block_size=32, context_blocks=2, compression=compression)
         print(f"store: building {store_path} from {len(demos)} demonstrations (ratio {args.ratio})")
         summary = build_store(store_path, loaded, demos, task_from_corpus(demos), config, force=True)

@@ -266,6 +266,8 @@ def test_ratio_summary_and_force(tiny_model_dir, tmp_path, capsys):
     # a global scope spends the budget to within a unit of the whole store.
     summary = build_json(capsys, *args, "--force", "--ratio", "0.25", "--scope", "global")
     assert abs(summary["ratio"] - 0.25) <= 0.02 * 0.25
+    with MiloStore.open(out) as store:  # --dtype auto: int4 below ratio 0.4
+        assert store.meta["allocation"]["dtype"] == "int4" and store.verify_all() == []
     assert set(summary) >= {"blocks", "demonstrations", "tokens", "full_fp16_bytes", "stored_bytes", "ratio",
                             "encode_s", "factorize_s", "write_s", "load_s", "total_s"}
 
