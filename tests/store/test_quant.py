@@ -50,3 +50,23 @@ def test_int8_store_from_before_int4_still_opens(tmp_path):
     group.attrs["milo"] = meta
     with MiloStore.open(path) as store:
         assert store.layout.quant == "int8" and store.verify_all() == []
+
+
+def test_quant_error_tool_orders_the_groupings_by_bits(tmp_path):
+    """tools/quant_error.py on a synthetic staged block: fewer bits, more error; finer groups, less."""
+    import sys
+    from pathlib import Path
+    from safetensors.torch import save_file
+    from milo_store import factorize_block
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    from quant_error import errors
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(2, 2, 300, 16, generator=g), torch.randn(2, 2, 300, 16, generator=g)
+    f = factorize_block(k, v, codec="svd")
+    save_file({"A": f.A.contiguous(), "S": f.S.contiguous(), "B": f.B.contiguous()}, tmp_path / "b.safetensors")
+    e = errors(str(tmp_path / "b.safetensors"), [0, 1])
+    int8, int4, int4_32, int2_32 = (e[n] for n in ("int8, one group per column", "int4, one group per column",
+                                                    "int4, per column, groups of 32 tokens (keys)",
+                                                    "int2, per column, groups of 32 tokens (keys)"))
+    for kind in (0, 1):
+        assert int8[kind] < int4_32[kind] < int4[kind] and int4_32[kind] < int2_32[kind]
