@@ -11,12 +11,17 @@ BITS = {"int4": 4, "int2": 2}
 GROUP_TOKENS = 32  # must equal milo_store.layout.GROUP_TOKENS (checked by tests)
 
 
+def _padded_rows(tokens: int, per_byte: int) -> int:
+    """A's rows once padded so that every column fills an even number of bytes."""
+    return -(-tokens // (2 * per_byte)) * 2 * per_byte
+
+
 def lowbit_segment_bytes(rank: int, tokens: int, d: int, bits: int, kind: int) -> int:
     """Size of one segment (docs/format.md); zero at rank zero."""
     if rank == 0:
         return 0
     per_byte = 8 // bits
-    rows = -(-tokens // (2 * per_byte)) * 2 * per_byte
+    rows = _padded_rows(tokens, per_byte)
     params = 4 * rank * -(-tokens // GROUP_TOKENS) if kind == 0 else 4 * tokens
     return rank * (6 + d + rows // per_byte) + params
 
@@ -24,7 +29,7 @@ def lowbit_segment_bytes(rank: int, tokens: int, d: int, bits: int, kind: int) -
 def dequantize_lowbit_segment(raw: torch.Tensor, rank: int, tokens: int, d: int, bits: int, kind: int):
     """fp32 A [T, r], Σ [r], B [d, r] of one segment, from its bytes (uint8, starting at its header)."""
     r, T, per_byte = rank, tokens, 8 // bits
-    rows = -(-T // (2 * per_byte)) * 2 * per_byte
+    rows = _padded_rows(T, per_byte)
     header = raw[:6 * r].view(torch.float16).float().view(3, r)
     s, b_scale, b_min = header
     groups = -(-T // GROUP_TOKENS)

@@ -16,7 +16,6 @@ import torch
 from .layout import GROUP_TOKENS, QUANT_BITS
 
 
-
 def quantize(x: torch.Tensor, dim: int = 0, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """uint8 codes (< 2**bits), fp16 scale and fp16 minimum over ``dim`` of x; x ≈ codes * scale + minimum."""
     top = 2 ** bits - 1
@@ -24,6 +23,16 @@ def quantize(x: torch.Tensor, dim: int = 0, bits: int = 8) -> tuple[torch.Tensor
     scale = ((x.amax(dim=dim, keepdim=True) - lo.float()) / top).clamp_min(torch.finfo(torch.float16).tiny).half()
     codes = torch.round((x - lo.float()) / scale.float()).clamp(0, top).to(torch.uint8)
     return codes, scale.squeeze(dim), lo.squeeze(dim)
+
+
+def quantize_token_groups(x: torch.Tensor, group: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes [T, r], scale and minimum [ceil(T / group), r] of each column of x [T, r] in groups of
+    ``group`` tokens (the last group padded by repeating the last row, which leaves its range alone)."""
+    T, r = x.shape
+    groups = -(-T // group)
+    padded = torch.cat((x, x[-1:].expand(groups * group - T, r)))
+    codes, scale, low = quantize(padded.view(groups, group, r), 1, bits)
+    return codes.reshape(-1, r)[:T], scale, low
 
 
 def quantize_columns(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -61,10 +70,7 @@ def pack_lowbit_segment(A: torch.Tensor, S: torch.Tensor, B: torch.Tensor, bits:
     per_byte = 8 // bits
     rows = -(-T // (2 * per_byte)) * 2 * per_byte
     if kind == 0:
-        groups = -(-T // GROUP_TOKENS)
-        padded = torch.cat((A, A[-1:].expand(groups * GROUP_TOKENS - T, r)))  # repeat a row: ranges unchanged
-        codes, a_scale, a_min = quantize(padded.view(groups, GROUP_TOKENS, r), 1, bits)
-        codes = codes.reshape(-1, r)[:T]
+        codes, a_scale, a_min = quantize_token_groups(A, GROUP_TOKENS, bits)
     else:
         codes, a_scale, a_min = quantize(A, 1, bits)
     b, b_scale, b_min = quantize(B.float(), 0, 8)

@@ -11,7 +11,7 @@ import argparse
 import torch
 from safetensors.torch import load_file
 
-from milo_store.quant import quantize
+from milo_store.quant import quantize, quantize_token_groups
 
 GROUPINGS = {  # name -> (bits, dim or None for per-column token groups, group tokens)
     "int8, one group per column": (8, 0, None),
@@ -28,11 +28,9 @@ def dequantized(a: torch.Tensor, bits: int, dim, group) -> torch.Tensor:
     if group is None:
         codes, scale, low = quantize(a, dim, bits)
         return codes.float() * scale.float().unsqueeze(dim) + low.float().unsqueeze(dim)
-    T, r = a.shape
-    n = -(-T // group)
-    padded = torch.cat((a, a[-1:].expand(n * group - T, r))).view(n, group, r)
-    codes, scale, low = quantize(padded, 1, bits)
-    return (codes.float() * scale.float().unsqueeze(1) + low.float().unsqueeze(1)).reshape(-1, r)[:T]
+    codes, scale, low = quantize_token_groups(a, group, bits)
+    of_row = torch.arange(a.shape[0]) // group
+    return codes.float() * scale.float()[of_row] + low.float()[of_row]
 
 
 def errors(path: str, layers: list[int]) -> dict[str, tuple[float, float]]:

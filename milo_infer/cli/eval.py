@@ -3,9 +3,9 @@
 For each data set, seed and block size: the first --shots training demonstrations become one store
 per method and ratio (the model encodes them once per codec; see `milo_infer.evaluate.encode_once`),
 then the first --test test items are answered from each store. --ratio and --block-size take
-comma-separated lists, for accuracy-against-ratio and -block-size curves (tools/plot_results.py). Everything lands under --out: the stores, one
-predictions JSONL per run (rerunning the same command resumes where it stopped) and results.md /
-results.json, rewritten after every finished method.
+comma-separated lists, for accuracy-against-ratio and -block-size curves (tools/plot_results.py).
+Everything lands under --out: the stores, one predictions JSONL per run (rerunning the same command
+resumes where it stopped) and results.md / results.json, rewritten after every finished method.
 """
 import itertools
 import os
@@ -34,7 +34,7 @@ def add_arguments(p):
     p.add_argument("--queries", metavar="FILE", help="test items for --corpus, with input and output fields")
     p.add_argument("--model", default="default", metavar="PATH", help="'default', a Hugging Face directory or a .gguf")
     p.add_argument("--methods", default="full,milo,milo-fullrank", metavar="M",
-                   help=f"comma-separated method names, base(-modifier)*(+quantization)(-modifier)*: bases "
+                   help=f"comma-separated method names, base(+quantization)(-modifier)*: bases "
                         f"{', '.join(BASES)}; modifiers {', '.join(MODIFIERS)}, ks<key share>; quantizations "
                         f"{', '.join(QUANTS)}. E.g. {', '.join(EXAMPLES)} (default full,milo,milo-fullrank)")
     p.add_argument("--shots", type=int, default=512, help="demonstrations stored per data set (default 512)")
