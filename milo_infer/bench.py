@@ -47,22 +47,14 @@ STAGES = ("retrieve", "read", "transfer", "rebuild", "model")
 # --- the timed pipeline --------------------------------------------------------------------------
 
 class TimedSession(MiloSession):
-    """`MiloSession` for the benchmark: a full-KV copy in place of the rebuild, and exact CUDA stage times.
+    """`MiloSession` for the benchmark: ``copy_identity`` replaces the rebuild of an identity store by a
+    copy (the full-KV baseline). Stage times come from `MiloSession.answer` (CUDA events on CUDA)."""
 
-    ``copy_identity`` replaces the rebuild of an identity store by a copy. With ``sync`` each timed
-    stage ends with a device synchronisation, so CUDA stage times are real but overlap is lost.
-    """
-
-    def __init__(self, *args, copy_identity: bool = False, sync: bool = False, **kwargs):
+    def __init__(self, *args, copy_identity: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         if copy_identity and self.store.meta.get("codec") != "identity":
             raise ValueError(f"{self.store.path}: copy_identity needs an identity-codec store")
-        self.copy_identity, self.sync = copy_identity, sync and self.device.type == "cuda"
-
-    def _now(self) -> float:
-        if self.sync:
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
+        self.copy_identity = copy_identity
 
     def rebuild(self, factors, segments, out_k, out_v):
         if self.copy_identity:
@@ -75,7 +67,7 @@ def copy_identity_layer(factors, segments, out_k, out_v, cos, sin, *, interleave
     """The full-KV baseline's fill: an identity segment's A is X itself, so copy it (keys rotated)."""
     d = out_k.shape[-1]
     groups = {}
-    for src, rank, tokens, dst, head, kind in segments.tolist():
+    for src, rank, tokens, dst, head, kind in segments.cpu().tolist():
         groups.setdefault((kind, dst, tokens), []).append((src, head))
     for (kind, dst, tokens), members in groups.items():
         x = torch.stack([factors[src:src + tokens * d].view(tokens, d) for src, _ in members])
@@ -217,7 +209,7 @@ def kernel_speedup(session: TimedSession, block_ids: list[int], repeat: int = 3)
     for l in range(layout.num_layers):
         factors, starts = prefetch.layer(l)
         layers.append((factors.clone(), torch.from_numpy(layout.layer_segments(store.ranks[block_ids, l], tokens,
-                                                                              dst, starts)).to(dev)))
+                                                                              dst, starts))))
     out_k = torch.empty(layout.num_kv_heads, int(tokens.sum()), layout.head_dim, dtype=session.dtype, device=dev)
     out_v = torch.empty_like(out_k)
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
@@ -249,13 +241,12 @@ def _env(name: str, value: str):
 
 
 def run_bench(loaded: LoadedModel, store_paths: dict[str, Path], queries: list[str], *, ks=(2, 4, 8), batches=(1, 4),
-              rounds: int = 3, ratios=(0.5, 0.25), tier: str = "host", device=None, sync_stages: bool = False,
-              progress=print) -> dict:
+              rounds: int = 3, ratios=(0.5, 0.25), tier: str = "host", device=None, progress=print) -> dict:
     """Every (k, batch) × method, the transfer path's raw bandwidth and the kernel's speedup; one report."""
     stores = {name: MiloStore.open(path, tier=tier) for name, path in store_paths.items()}
     try:
-        sessions = {m: TimedSession(loaded, stores[store_of(m)], device=device, copy_identity=m == "full",
-                                    sync=sync_stages) for m in method_names(ratios)}
+        sessions = {m: TimedSession(loaded, stores[store_of(m)], device=device, copy_identity=m == "full")
+                    for m in method_names(ratios)}
         first = next(iter(sessions.values()))
         dev = first.device
         ks = sorted({min(k, first.store.num_blocks) for k in ks})
@@ -278,7 +269,7 @@ def run_bench(loaded: LoadedModel, store_paths: dict[str, Path], queries: list[s
                 "model": loaded.identity["name"], "layout": dataclasses.asdict(shape),
                 "store_blocks": first.store.num_blocks, "block_tokens": first.store.block_tokens.tolist(),
                 "tier": tier, "rounds": rounds, "threads": torch.get_num_threads(), "ratios": list(ratios),
-                "crossover": crossover(top), "sync_stages": sync_stages}
+                "crossover": crossover(top)}
     finally:
         for s in stores.values():
             s.close()

@@ -9,11 +9,11 @@ The context the model sees is [anchor][selected blocks][query]. Keys are stored 
 rotated at the positions the blocks take in this assembled, contiguous context; values are used as
 stored. Everything the store holds for a query goes through ``milo_kernels.reconstruct_layer``.
 """
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import transformers
 
 from milo_kernels import apply_rope, reconstruct_layer
 from milo_store import IncompatibleStoreError, MiloStore, full_kv_bytes
@@ -24,6 +24,7 @@ from .corpus import TaskSpec
 from .decoding import LabelTrie, constrained_greedy, greedy_until
 from .models import LoadedModel, rope_tables
 from .retrieval import BM25BlockRetriever, order_blocks
+from .timing import StageClock
 
 IDENTITY_FIELDS = ("config_hash", "num_layers", "num_kv_heads", "head_dim", "rope")
 MAX_NEW_TOKENS = 64  # longest free-form answer by default (labels are bounded by their own trie)
@@ -38,6 +39,18 @@ class Answer:
     kv_bytes_full: int
     kv_bytes_stored: int
     seconds: dict = field(default_factory=dict)
+
+
+def default_device() -> torch.device:
+    """The GPU when there is one, else the CPU: where a query runs unless told otherwise."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def place_model(loaded: LoadedModel, device) -> torch.device:
+    """Move the model to ``device`` (default: `default_device`), in place; returns the device."""
+    device = torch.device(device) if device is not None else default_device()
+    loaded.model.to(device)
+    return next(loaded.model.parameters()).device
 
 
 def check_compatible(store: MiloStore, identity: dict) -> None:
@@ -57,7 +70,13 @@ class MiloSession:
                  aggregate: str = "max"):
         check_compatible(store, loaded.identity)
         self.model, self.tokenizer, self.store = loaded.model, loaded.tokenizer, store
-        self.device = torch.device(device) if device is not None else next(self.model.parameters()).device
+        model_device = next(self.model.parameters()).device
+        self.device = torch.device(device) if device is not None else model_device
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        if self.device != model_device:
+            raise ValueError(f"the model is on {model_device} but the session was asked to run on {self.device}: "
+                             f"move the model first (milo_infer.session.place_model)")
         self.dtype = next(self.model.parameters()).dtype
         self.k, self.token_budget, self.order = k, token_budget, order
         self.max_new_tokens, self.prefetch_depth = max_new_tokens, prefetch_depth
@@ -86,21 +105,22 @@ class MiloSession:
         ids = self.retriever.select(text, k=min(self.k, self.store.num_groups), token_budget=self.token_budget)
         return order_blocks(ids, self.retriever.scores(text), order=self.order)
 
-    def _now(self) -> float:
-        """Stage clock (a subclass may synchronise the device first, to time CUDA stages exactly)."""
-        return time.perf_counter()
-
     def rebuild(self, factors, segments, out_k, out_v) -> None:
         """Write one layer's block rows of K (rotated) and V; the one call the query path makes."""
         reconstruct_layer(factors, segments, out_k, out_v, self.cos, self.sin, interleaved=self.rope_interleaved,
                           quant=self.layout.quant)
 
-    def build_cache(self, block_ids: list[int], extra_tokens: int, timings: dict) -> MiloCache:
-        """A cache whose layers fill [anchor][blocks] on first use. ``timings`` gains read, transfer
-        (getting a layer's factors onto the device) and reconstruct (dequantise and rebuild)."""
-        t = self._now()
-        prefetch = LayerPrefetcher(self.store, block_ids, self.device, depth=self.prefetch_depth)
-        timings["read"] = self._now() - t
+    def build_cache(self, block_ids: list[int], extra_tokens: int, clock: StageClock) -> MiloCache:
+        """A cache whose layers fill [anchor][blocks] on first use. ``clock`` gains read (the store's
+        reads), transfer (getting factors onto the device), wait (the compute stream waiting for a
+        layer's factors) and reconstruct (dequantise and rebuild).
+
+        Every layer's segment table is made here, on the host, once per query: ``fill`` only waits for
+        its layer's factors and launches, so nothing in the forward waits for the host.
+        """
+        with clock.host("read"):
+            prefetch = LayerPrefetcher(self.store, block_ids, self.device, depth=self.prefetch_depth)
+        clock.defer("transfer", prefetch.transfer_seconds)
         tokens = self.store.block_tokens[block_ids]
         dst = self.anchor_len + np.concatenate(([0], np.cumsum(tokens)[:-1])).astype(np.int64)
         prefix = self.anchor_len + int(tokens.sum())
@@ -108,24 +128,30 @@ class MiloSession:
             raise ValueError(f"the assembled context ({prefix} tokens of anchor and blocks + {extra_tokens} for the "
                              f"query and answer) exceeds the model's {self.cos.shape[0]} positions; lower k or set a "
                              f"token budget")
-        timings.setdefault("transfer", 0.0)
-        timings.setdefault("reconstruct", 0.0)
+        segments = torch.from_numpy(np.stack([
+            self.layout.layer_segments(self.store.ranks[block_ids, l], tokens, dst, prefetch.starts[l])
+            for l in range(self.layout.num_layers)]))
 
         def fill(layer: int, out_k: torch.Tensor, out_v: torch.Tensor) -> None:
-            t0 = self._now()
-            factors, starts = prefetch.layer(layer)
-            t1 = self._now()
-            segments = torch.from_numpy(
-                self.layout.layer_segments(self.store.ranks[block_ids, layer], tokens, dst, starts)).to(factors.device)
-            out_k[:, :self.anchor_len] = self.anchor_k[layer]
-            out_v[:, :self.anchor_len] = self.anchor_v[layer]
-            self.rebuild(factors, segments, out_k, out_v)
-            timings["transfer"] += t1 - t0
-            timings["reconstruct"] += self._now() - t1
+            with clock.device_stage("wait"):
+                factors, _ = prefetch.layer(layer)
+            with clock.device_stage("reconstruct"):
+                out_k[:, :self.anchor_len] = self.anchor_k[layer]
+                out_v[:, :self.anchor_len] = self.anchor_v[layer]
+                self.rebuild(factors, segments[layer], out_k, out_v)
 
         self.prefetch_bytes = int(prefetch.layer_values.sum()) * self.store.itemsize
         return MiloCache(self.layout.num_layers, prefix, prefix + extra_tokens,
                          (self.layout.num_kv_heads, self.layout.head_dim), self.dtype, self.device, fill)
+
+    def model_step(self, ids: list[int], cache: MiloCache) -> torch.Tensor:
+        """One model call over ``ids`` with the cache; the first call must fill every layer's prefix."""
+        first = not cache.layers[0].is_initialized
+        out = self.model(input_ids=torch.tensor([ids], device=self.device), cache=cache, use_cache=True)
+        if first and not all(layer.is_initialized for layer in cache.layers):
+            raise RuntimeError(f"the model did not use the milo cache (transformers {transformers.__version__} "
+                               f"ignored cache=): the answer would have no retrieved context")
+        return out.logits[0]
 
     # -- answering ------------------------------------------------------------------------------
     def query_ids(self, text: str) -> list[int]:
@@ -137,36 +163,34 @@ class MiloSession:
         the retrieved groups' blocks), for exactness checks."""
         ids = self.query_ids(text)
         block_ids = self.store.blocks_of(self.select(text)) if block_ids is None else block_ids
-        cache = self.build_cache(block_ids, len(ids), {})
-        out = self.model(input_ids=torch.tensor([ids], device=self.device), cache=cache, use_cache=True)
-        return out.logits[0].float()
+        cache = self.build_cache(block_ids, len(ids), StageClock(self.device))
+        return self.model_step(ids, cache).float()
 
     @torch.inference_mode()
     def answer(self, text: str) -> Answer:
-        timings = {}
-        t = time.perf_counter()
-        groups = self.select(text)
-        block_ids = self.store.blocks_of(groups)
-        timings["retrieve"] = time.perf_counter() - t
+        """The answer and its stage seconds: retrieve, read, transfer, wait, reconstruct, model (the
+        forwards without wait and reconstruct). On CUDA, transfer runs on a side stream, overlapped."""
+        clock = StageClock(self.device)
+        with clock.host("retrieve"):
+            groups = self.select(text)
+            block_ids = self.store.blocks_of(groups)
         ids = self.query_ids(text)
         budget = self.trie.max_tokens if self.trie is not None else self.max_new_tokens
-        cache = self.build_cache(block_ids, len(ids) + budget + 1, timings)
-        t = time.perf_counter()
-        state = {"next": ids}
+        cache = self.build_cache(block_ids, len(ids) + budget + 1, clock)
 
         def step(token):
-            feed = state["next"] if token is None else [token]
-            out = self.model(input_ids=torch.tensor([feed], device=self.device), cache=cache, use_cache=True)
-            return out.logits[0, -1].float()
+            return self.model_step(ids if token is None else [token], cache)[-1].float()
 
-        if self.trie is not None:
-            decoded = constrained_greedy(step, self.trie)
-        else:
-            decoded = greedy_until(step, self.tokenizer, ["\n\n", "\nInput:", "\nQuery:"], self.max_new_tokens)
-        timings["model"] = time.perf_counter() - t - timings["reconstruct"] - timings["transfer"]
+        with clock.device_stage("forwards"):
+            if self.trie is not None:
+                decoded = constrained_greedy(step, self.trie)
+            else:
+                decoded = greedy_until(step, self.tokenizer, ["\n\n", "\nInput:", "\nQuery:"], self.max_new_tokens)
+        seconds = clock.read()
+        seconds["model"] = max(0.0, seconds.pop("forwards") - seconds.get("wait", 0.0) - seconds.get("reconstruct", 0.0))
         full = full_kv_bytes(self.layout, self.store.block_tokens[block_ids])
         return Answer(text=decoded.text.strip(), blocks=block_ids, groups=groups, prefix_tokens=cache.layers[0].prefix_len,
-                      kv_bytes_full=full, kv_bytes_stored=self.prefetch_bytes, seconds=timings)
+                      kv_bytes_full=full, kv_bytes_stored=self.prefetch_bytes, seconds=seconds)
 
     def answer_batch(self, texts: list[str]) -> list[Answer]:
         """Each query retrieves its own blocks, so each gets its own assembled context."""

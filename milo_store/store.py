@@ -4,7 +4,8 @@ Tiers:
 - ``host``: the whole factor array in one tensor (page-locked with cudaHostRegister when CUDA is
   there, so its size is exact rather than rounded up by the caching host allocator); a block is a
   zero-copy view.
-- ``disk``: every block read is a ``preadv`` of its byte range from the chunk files into a fresh tensor.
+- ``disk``: every block read is a ``preadv`` of its byte range from the chunk files into a fresh tensor
+  (page-locked when CUDA is there, so the prefetcher's copies to the device are truly asynchronous).
 - ``cached``: ``disk`` behind an LRU of whole blocks bounded in bytes.
 
 Reads bypass zarr's codec pipeline on purpose: the factor array is uncompressed with the default
@@ -14,6 +15,7 @@ per-block CRC32C, checked on every read unless ``verify=False``.
 """
 import os
 import warnings
+import weakref
 from collections import OrderedDict
 from pathlib import Path
 
@@ -52,12 +54,13 @@ class MiloStore:
         if factors.shape != (int(self.offsets[-1]),):
             raise StoreCorruptedError(f"{path}: factor array holds {factors.shape[0]} values, ranks describe {self.offsets[-1]}")
         self.chunk = factors.chunks[0]
-        self._fds, self._host = [], None
+        self._fds, self._host, self._unpin = [], None, None
+        self._pin = pin if pin is not None else torch.cuda.is_available()
         self._cache, self._cache_bytes, self._cache_limit = OrderedDict(), 0, cache_bytes
         try:  # a failed mount releases what it took (file descriptors, page-locked memory)
             self._open_chunks(factors.shape[0])
             if tier == "host":
-                self._load_host(pin)
+                self._load_host()
         except BaseException:
             self.close()
             raise
@@ -124,12 +127,13 @@ class MiloStore:
                 raise StoreCorruptedError(f"{self.path}: short read in factor chunk {c}")
             pos, done = pos + n, done + n * self.itemsize
 
-    def _load_host(self, pin: bool | None):
+    def _load_host(self):
         total = int(self.offsets[-1])
         self._host = torch.empty(total, dtype=self.torch_dtype)
-        if pin if pin is not None else torch.cuda.is_available():
+        if self._pin:
             try:
-                _register_pinned(self._host)
+                # unregistered when the store closes or is collected without close()
+                self._unpin = weakref.finalize(self, _unregister_pinned, _register_pinned(self._host))
             except RuntimeError as e:  # e.g. a low `ulimit -l`: still correct, only transfers are slower
                 warnings.warn(f"{self.path}: host tier left pageable, page-locking failed ({e})")
         self._read_range(0, total, self._host)
@@ -141,9 +145,9 @@ class MiloStore:
         if crc32c(data) != int(self.checksums[i]):
             raise StoreCorruptedError(f"{self.path}: block {i} fails its checksum (corrupted factor bytes)")
 
-    def _read_block(self, i: int, check: bool) -> torch.Tensor:
+    def _read_block(self, i: int, check: bool, pinned: bool = False) -> torch.Tensor:
         """Block i's bytes read from its chunk files into a fresh tensor, checksum checked if asked."""
-        data = torch.empty(int(self.offsets[i + 1] - self.offsets[i]), dtype=self.torch_dtype)
+        data = torch.empty(int(self.offsets[i + 1] - self.offsets[i]), dtype=self.torch_dtype, pin_memory=pinned)
         self._read_range(int(self.offsets[i]), int(self.offsets[i + 1]), data)
         if check:
             self._check(i, data)
@@ -159,7 +163,7 @@ class MiloStore:
         if i in self._cache:
             self._cache.move_to_end(i)
             return self._cache[i]
-        data = self._read_block(i, check=self.verify)
+        data = self._read_block(i, check=self.verify, pinned=self._pin and torch.cuda.is_available())
         if self.tier == "cached" and data.numel() * self.itemsize <= self._cache_limit:
             self._cache[i] = data
             self._cache_bytes += data.numel() * self.itemsize
@@ -242,8 +246,8 @@ class MiloStore:
         for fd in self._fds:
             os.close(fd)
         self._fds = []
-        if self._host is not None and getattr(self._host, "_milo_pinned", False):
-            torch.cuda.cudart().cudaHostUnregister(self._host.data_ptr())
+        if self._unpin is not None:
+            self._unpin()
         self._host = None
         self._cache.clear()
 
@@ -257,12 +261,20 @@ class MiloStore:
         return f"MiloStore({str(self.path)!r}, tier={self.tier!r}, blocks={self.num_blocks})"
 
 
-def _register_pinned(t: torch.Tensor) -> None:
+def _register_pinned(t: torch.Tensor) -> torch.Tensor:
     """Page-lock an existing CPU allocation in place (exact size, unlike the caching host allocator)."""
-    if t.numel() == 0:
-        return
-    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
-    if int(err) != 0:
-        raise RuntimeError(f"cudaHostRegister failed with error {int(err)}")
-    t._milo_pinned = True
+    if t.numel():
+        cudart = torch.cuda.cudart()
+        err = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+        if int(err) != 0:
+            cudart.cudaGetLastError()  # a failed call leaves a sticky error the next unrelated launch would report
+            raise RuntimeError(f"cudaHostRegister failed with error {int(err)}")
+    return t
 
+
+def _unregister_pinned(t: torch.Tensor) -> None:
+    """Undo `_register_pinned` once no copy from ``t`` can still be in flight. Holding ``t`` here keeps
+    the memory alive until it is unregistered, even when the store is collected without close()."""
+    if t.numel():
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaHostUnregister(t.data_ptr())

@@ -21,6 +21,7 @@ import torch
 from .. import bench
 from ..corpus import load_corpus, load_dataset, task_from_corpus
 from ..models import load_model
+from ..session import default_device, place_model
 from . import CommandError
 
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -42,10 +43,7 @@ def add_arguments(p):
     p.add_argument("--block-size", type=int, default=32, help="demonstrations per block (default 32)")
     p.add_argument("--demo-tokens", type=int, default=20, help="tokens per synthetic demonstration (default 20)")
     p.add_argument("--tier", choices=("host", "disk", "cached"), default="host", help="where factors are read from")
-    p.add_argument("--device", default=None, help="compute device (default: cuda if available for --synthetic, "
-                                                  "else the model's)")
-    p.add_argument("--sync-stages", action="store_true", help="synchronise CUDA at stage boundaries (true stage "
-                                                              "times, no transfer/compute overlap)")
+    p.add_argument("--device", default=None, help="compute device (default: cuda if available, else cpu)")
     p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's)")
     p.add_argument("--out", required=True, metavar="DIR", help="folder for the reports (and the stores)")
     p.add_argument("--stores", metavar="DIR", help="folder for the stores, reused when built the same way "
@@ -75,9 +73,9 @@ def _ratios(text: str) -> list[float]:
 def setup(args, ratios):
     """(loaded model, store paths, query texts) for the chosen source."""
     out = Path(args.stores) if args.stores else Path(args.out) / "stores"
+    device = torch.device(args.device) if args.device else default_device()
     if args.synthetic:
-        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         loaded = bench.random_model(args.synthetic, device, dtype)
         paths = bench.synthetic_stores(out, loaded, demos=args.shots, block_size=args.block_size,
                                        demo_tokens=args.demo_tokens, ratios=ratios)
@@ -98,6 +96,7 @@ def setup(args, ratios):
         loaded = load_model(args.model)
     except (OSError, ValueError) as e:
         raise CommandError(f"--model: {e}") from None
+    place_model(loaded, device)
     paths = bench.real_stores(out, loaded, demos, task, ratios, block_size=args.block_size)
     return loaded, paths, queries
 
@@ -110,12 +109,11 @@ def run(args) -> int:
             raise CommandError(f"--{flag.replace('_', '-')} must be at least 1; got {getattr(args, flag)}")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    loaded, paths, queries = setup(args, ratios)
-    device = args.device or (("cuda" if torch.cuda.is_available() else "cpu") if args.synthetic else None)
-    report = bench.run_bench(loaded, paths, queries, ks=ks, batches=batches, rounds=args.rounds, ratios=ratios,
-                             tier=args.tier, device=device, sync_stages=args.sync_stages,
-                             progress=lambda line: print(line, file=sys.stderr))
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)  # before the long work, so a bad --out fails at once
+    loaded, paths, queries = setup(args, ratios)
+    report = bench.run_bench(loaded, paths, queries, ks=ks, batches=batches, rounds=args.rounds, ratios=ratios,
+                             tier=args.tier, progress=lambda line: print(line, file=sys.stderr))
     report["command"] = "milo bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:])
     report["seconds"] = time.perf_counter() - started
     md = bench.render_markdown(report)

@@ -8,7 +8,7 @@ import json
 from milo_store import MiloStore
 
 from ..models import load_model
-from ..session import MiloSession
+from ..session import MiloSession, place_model
 from . import CommandError
 
 
@@ -20,7 +20,7 @@ def add_arguments(p):
     p.add_argument("--token-budget", type=int, default=None, help="cap on retrieved tokens instead of / besides k")
     p.add_argument("--tier", choices=("host", "disk", "cached"), default="host", help="where factors are read from")
     p.add_argument("--order", choices=("score", "corpus"), default="score", help="block order in the context")
-    p.add_argument("--device", default=None, help="compute device (default: the model's)")
+    p.add_argument("--device", default=None, help="compute device (default: cuda if available, else cpu)")
     p.add_argument("--show-blocks", action="store_true", help="list the retrieved blocks' demonstrations")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
@@ -35,7 +35,11 @@ def run(args) -> int:
         loaded = load_model(args.model)
     except (OSError, ValueError) as e:  # no such path, not a model folder, an unsupported model
         raise CommandError(f"--model: {e}") from None
-    session = MiloSession(loaded, store, k=args.k, token_budget=args.token_budget, order=args.order, device=args.device)
+    try:
+        device = place_model(loaded, args.device)
+    except RuntimeError as e:  # e.g. an unknown or absent device
+        raise CommandError(f"--device {args.device}: {e}") from None
+    session = MiloSession(loaded, store, k=args.k, token_budget=args.token_budget, order=args.order, device=device)
     examples = store.examples()
     results = []
     for text in args.text:
