@@ -3,9 +3,9 @@
 `triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))` runs the whole pipeline down to a
 cubin; `ptxas -v` (shipped in the triton wheel) on the PTX reports registers, spills and static shared
 memory, and the compiled metadata the dynamic shared memory. `variants` lists every kernel the query
-path can launch (what `reconstruct.tile_config` picks for each factor dtype, RoPE layout, head dim and
-largest rank); tools/compile_kernels.py prints the table, tests/kernels/test_compile.py checks a subset.
+path can launch (what `reconstruct.tile_config` picks for each factor dtype, RoPE layout and head dim); tools/compile_kernels.py prints the table, tests/kernels/test_compile.py checks a subset.
 """
+import os
 import re
 import subprocess
 import tempfile
@@ -17,7 +17,6 @@ FACTORS = {"fp16": "*fp16", "bf16": "*bf16", "fp32": "*fp32", "int8": "*u8", "in
 BITS = {"int8": 8, "int4": 4, "int2": 2}
 OUTPUT = {"bf16": "*bf16", "fp32": "*fp32"}  # outputs follow the factors' dtype; quantized ones write fp16
 HEAD_DIMS = (64, 128, 256)
-RANKS = (16, 32)  # one largest rank per BLOCK_R that tile_config can pick (16, 32)
 # per compute capability: registers and shared memory per SM, the most a block may take, warps per SM
 SM = {80: dict(regs=65536, smem=167936, smem_block=166912, warps=64),
       90: dict(regs=65536, smem=233472, smem_block=232448, warps=64)}
@@ -28,20 +27,19 @@ class Variant:
     dtype: str
     interleaved: bool
     d: int
-    max_rank: int
 
     @property
     def name(self) -> str:
-        return f"{self.dtype}-{'inter' if self.interleaved else 'half'}-d{self.d}-r{self.max_rank}"
+        return f"{self.dtype}-{'inter' if self.interleaved else 'half'}-d{self.d}"
 
 
-def variants(dtypes=tuple(FACTORS), head_dims=HEAD_DIMS, ranks=RANKS, layouts=(False, True)) -> list[Variant]:
-    return [Variant(t, i, d, r) for t in dtypes for d in head_dims for r in ranks for i in layouts]
+def variants(dtypes=tuple(FACTORS), head_dims=HEAD_DIMS, layouts=(False, True)) -> list[Variant]:
+    return [Variant(t, i, d) for t in dtypes for d in head_dims for i in layouts]
 
 
 def launch_config(v: Variant) -> dict:
     from .reconstruct import tile_config
-    return tile_config(v.d, v.max_rank)
+    return tile_config(v.d)
 
 
 def compile_variant(v: Variant, cc: int) -> dict:
@@ -53,6 +51,7 @@ def compile_variant(v: Variant, cc: int) -> dict:
     from .lowbit import GROUP_TOKENS
     from .reconstruct import _kernel_for
 
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # triton 3.9's default, stated (silences its warning)
     kernel = _kernel_for(False)
     config = launch_config(v)
     factor = FACTORS[v.dtype]

@@ -69,17 +69,17 @@ class Plan:
         return self.bits != 0
 
 
-def tile_config(d: int, max_rank: int) -> dict:
-    """The tiles `plan_layer` picks: 64 tokens x up to 32 RoPE pairs per program, 8 warps, BLOCK_R
-    covering the largest rank up to 32 (a power of two >= 16: tl.dot needs every dimension >= 16).
+def tile_config(d: int) -> dict:
+    """The tiles `plan_layer` picks: 64 tokens x up to 32 RoPE pairs per program, ranks in steps of
+    BLOCK_R = 16 (tl.dot's smallest dimension), 8 warps.
 
     Why: with BLOCK_R = 64 or all d / 2 pairs in one program, two fp32 accumulators plus the A and B
-    tiles take 255 registers and spill (ptxas, sm_80/sm_90); this tiling needs 100-130 registers in
-    every factor dtype and head dim (docs/benchmarks.md, tools/compile_kernels.py).
+    tiles take 255 registers and spill; BLOCK_R = 32 still spills a few bytes on sm_80 at 128
+    registers; this tiling needs 100-145 registers and spills nothing for every factor dtype and
+    head dim on sm_80 and sm_90 (tools/compile_kernels.py, docs/benchmarks.md).
     """
-    block_r = min(32, max(16, 1 << max(max_rank - 1, 0).bit_length()))
     block_h = min(32, max(16, 1 << max(d // 2 - 1, 0).bit_length()))
-    return dict(block_t=64, block_r=block_r, block_h=block_h, num_warps=8, num_stages=2)
+    return dict(block_t=64, block_r=16, block_h=block_h, num_warps=8, num_stages=2)
 
 
 def reconstruct_layer(factors, segments, out_k, out_v, cos, sin, *, interleaved=False, quant=None) -> None:
@@ -116,8 +116,7 @@ def plan_layer(factors, segments, out_k, out_v, cos, sin, *, block_t=None, block
     bits = _bits(factors, quant)
     segs = _check_all(factors, segments, out_k, out_v, cos, sin, bits)
     d = out_k.shape[-1]
-    max_rank = int(segs[:, 1].max()) if len(segs) else 0
-    chosen = tile_config(d, max_rank)
+    chosen = tile_config(d)
     given = dict(block_t=block_t, block_r=block_r, block_h=block_h, num_warps=num_warps, num_stages=num_stages)
     config = {k: chosen[k] if v is None else v for k, v in given.items()}
     for name in ("block_t", "block_r", "block_h"):
