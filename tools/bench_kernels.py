@@ -30,7 +30,9 @@ from milo_kernels import reconstruct as rk  # noqa: E402
 from milo_store.quant import pack_segment  # noqa: E402
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-SWEEP = [dict(block_t=bt, block_r=br, num_warps=w) for bt in (64, 128) for br in (32, 64, 128) for w in (4, 8)]
+# tiles around the default (64, 16, 32, 8 warps); docs/benchmarks.md lists which of them spill (compile_kernels.py)
+SWEEP = [dict(block_t=bt, block_r=br, block_h=bh, num_warps=w)
+         for bt in (64, 128) for br in (16, 32) for bh in (32, 64) for w in (4, 8)]
 
 
 def parse_args():
@@ -227,7 +229,7 @@ def main():
         ok = [r for r in report["sweep"] if "seconds" in r]
         if ok:
             best = min(ok, key=lambda r: r["seconds"])
-            config = {k: best[k] for k in ("block_t", "block_r", "num_warps")}
+            config = {k: best[k] for k in SWEEP[0]}
     report["triton_config"] = config or "default"
     if triton_ok:
         os.environ["MILO_KERNEL"] = "triton"

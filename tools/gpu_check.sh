@@ -11,6 +11,10 @@ if ! "$PY" -c 'import torch; assert torch.cuda.is_available()' >/dev/null 2>&1; 
   echo "gpu_check: skipped, no CUDA device visible to $PY"
   exit 0
 fi
+if ! "$PY" -c 'import zarr' >/dev/null 2>&1; then  # the INT8/INT4/INT2 tests and rows pack segments with milo_store
+  echo "gpu_check: $PY has no zarr (milo_store imports it): install zarr, numcodecs, donfig, google-crc32c first"
+  exit 1
+fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 unset TRITON_INTERPRET MILO_KERNEL
 status=0
