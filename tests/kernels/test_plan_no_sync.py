@@ -67,3 +67,16 @@ def test_a_device_segment_table_is_read_back(meta_triton):
     cos = sin = torch.empty(n, 64, device="meta")
     with pytest.raises((NotImplementedError, RuntimeError)):
         rk.reconstruct_layer(factors, segments.to("meta"), out_k, out_v, cos, sin, quant="int4")
+
+
+def test_tile_table_goes_to_cuda_pinned_and_non_blocking(monkeypatch):
+    """Checked without a GPU by recording the calls: pinned host memory, then one non-blocking copy."""
+    calls = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: calls.append("pin") or self)
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, device, **kw: calls.append((str(device), kw)) or self)
+    table = torch.zeros(3, 7, dtype=torch.int64)
+    rk._upload(table, torch.device("cuda", 0))
+    assert calls == ["pin", ("cuda:0", {"non_blocking": True})]
+    calls.clear()
+    rk._upload(table, torch.device("cpu"))  # CPU-only runs never pin (pinning needs CUDA)
+    assert calls == [("cpu", {})]
