@@ -1,9 +1,9 @@
 """INT4/INT2 segments (KIVI-style groups, docs/format.md) back to floating factors, in plain PyTorch.
 
-Only INT8 is dequantized inside the reconstruction kernel. A low-bit store's layer is first expanded
-here into packed fp16 factors and a matching segment table, then rebuilt by the same entry point as
-any floating store; this costs one fp16 copy of the layer's factors (about 4× (int4) or 8× (int2)
-the streamed bytes) in device memory, and is correct on every backend.
+The Triton kernel reads these segments in place (`reconstruct.py`); this expansion is the CPU and
+reference path: a low-bit layer becomes packed fp16 factors and a matching segment table, rebuilt by
+the floating CPU path or the reference (one fp16 copy of the layer's factors, 4× (int4) or 8× (int2)
+the streamed bytes).
 """
 import torch
 
@@ -16,14 +16,12 @@ def _padded_rows(tokens: int, per_byte: int) -> int:
     return -(-tokens // (2 * per_byte)) * 2 * per_byte
 
 
-def lowbit_segment_bytes(rank: int, tokens: int, d: int, bits: int, kind: int) -> int:
-    """Size of one segment (docs/format.md); zero at rank zero."""
-    if rank == 0:
-        return 0
+def lowbit_segment_bytes(rank, tokens, d: int, bits: int, kind):
+    """Size of one segment (docs/format.md); zero at rank zero. Takes ints or int64 tensors (elementwise)."""
     per_byte = 8 // bits
     rows = _padded_rows(tokens, per_byte)
-    params = 4 * rank * -(-tokens // GROUP_TOKENS) if kind == 0 else 4 * tokens
-    return rank * (6 + d + rows // per_byte) + params
+    params = 4 * rank * -(-tokens // GROUP_TOKENS) * (kind == 0) + 4 * tokens * (kind != 0)
+    return (rank * (6 + d + rows // per_byte) + params) * (rank > 0)
 
 
 def dequantize_lowbit_segment(raw: torch.Tensor, rank: int, tokens: int, d: int, bits: int, kind: int):

@@ -5,24 +5,26 @@ whole layer, CPU tensors to the batched CPU path (`cpu.reconstruct_layer_cpu`). 
 MILO_KERNEL=reference|triton forces a backend: `reference` is the literal PyTorch oracle
 (`naive.reconstruct_layer_naive`) on any device; Triton on CPU tensors needs TRITON_INTERPRET=1.
 
-Validation reads the segment table on the host, which synchronises with the device. Callers that replay
-launches (a CUDA graph, every layer of one retrieval) call `plan_layer` once per layer and `launch` after:
-`launch` only checks tensor metadata against the plan, so it never synchronises and can be captured.
+No host synchronisation when the segment table is a CPU tensor: validation and the tile table are
+built on the host and the table goes up with one non-blocking copy from pinned memory. A segment table
+on the device is accepted too, but reading it back synchronises. Callers that replay launches (a CUDA
+graph, every layer of one retrieval) call `plan_layer` once per layer and `launch` after: `launch` only
+checks tensor metadata against the plan, so it can be captured.
 
-Why one tile per (segment, BLOCK_T tokens): every tile reads its rows of A, all of Σ and B (B stays in
-L2 across a segment's tiles), multiplies on tensor cores with fp32 accumulation, and writes finished,
-rotated rows. The two RoPE partners of each output channel are produced as two accumulators (the
-"first" and "second" channel of every pair), so the rotation happens in registers and K is written once.
+Why one program per (segment, BLOCK_T tokens, BLOCK_H channel pairs): every program reads its rows of A,
+all of Σ and its columns of B (both stay in L2 across a segment's programs), multiplies on tensor cores
+with fp32 accumulation, and writes finished, rotated rows. The two RoPE partners of each output channel
+are produced as two accumulators (the "first" and "second" channel of every pair), so the rotation
+happens in registers and K is written once. `tile_config` picks the tiles per head dim so that no
+variant spills registers (tools/compile_kernels.py checks it for sm_80 and sm_90).
 
-INT8 stores (uint8 factors, docs/format.md): the same kernel, with QUANT set, reads each segment's fp16
-header (Σ and the per-column scale and minimum of A and B) and its uint8 codes in place, dequantizes a
-tile in registers (code * scale + min, Σ folded into A) and feeds fp16 tiles to the same fp32-accumulating
-dots, so no fp32 copy of the factors is ever written. src_offset then counts bytes, and since every INT8
-segment has an even size the headers are read through an fp16 view of the same buffer (offset src / 2).
-On CPU tensors the batched CPU path dequantizes each INT8 segment before its GEMM.
-
-INT4/INT2 stores (``quant="int4"|"int2"``, KIVI-style groups) are expanded to fp16 factors first
-(`lowbit.dequantize_lowbit_layer`, plain PyTorch) and then take the floating path: not fused.
+Quantized stores (uint8 factors, docs/format.md; src_offset counts bytes and is even, so the fp16
+parts are read through an fp16 view of the same buffer at src / 2): the kernel reads the codes and
+their scales in place and dequantizes a tile in registers (code * scale + min, Σ folded into A), then
+feeds fp16 tiles to the same fp32-accumulating dots; no floating copy of the factors is written.
+INT8 has one scale per factor column; INT4/INT2 unpack 2 or 4 tokens per byte of A, with a scale per
+(column, 32-token group) for keys and per token for values. On CPU tensors INT8 is dequantized per
+segment by the CPU path and INT4/INT2 layers are expanded first (`lowbit.dequantize_lowbit_layer`).
 """
 import functools
 import os
@@ -31,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from .cpu import reconstruct_layer_cpu
-from .lowbit import dequantize_lowbit_layer
+from .lowbit import BITS as LOWBIT_BITS, GROUP_TOKENS, dequantize_lowbit_layer, lowbit_segment_bytes
 from .naive import int8_segment_bytes, reconstruct_layer_naive
 
 try:
@@ -41,7 +43,8 @@ except ImportError:  # the reference path needs neither
     triton = tl = None
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-FACTOR_DTYPES = FLOAT_DTYPES + (torch.uint8,)  # uint8: INT8 segments (quantized stores)
+FACTOR_DTYPES = FLOAT_DTYPES + (torch.uint8,)  # uint8: quantized segments (INT8, INT4, INT2)
+QUANT_BITS = {None: 8, "int8": 8, **LOWBIT_BITS}  # for uint8 factors; None reads as INT8 (older stores)
 SEGMENT_COLUMNS = ("src_offset", "rank", "tokens", "dst_row", "head", "kind")
 
 
@@ -58,69 +61,82 @@ class Plan:
     block_r: int
     num_warps: int
     num_stages: int
-    quantized: bool = False  # planned for uint8 factors (INT8 segments, byte offsets)
+    block_h: int  # RoPE pairs per program: the grid's second axis covers d / 2 in chunks of block_h
+    bits: int = 0  # 0: floating factors; 8, 4, 2: uint8 factors of that quantization (byte offsets)
+
+    @property
+    def quantized(self) -> bool:
+        return self.bits != 0
+
+
+def tile_config(d: int) -> dict:
+    """The tiles `plan_layer` picks: 64 tokens x up to 32 RoPE pairs per program, ranks in steps of
+    BLOCK_R = 16 (tl.dot's smallest dimension), 8 warps.
+
+    Why: with BLOCK_R = 64 or all d / 2 pairs in one program, two fp32 accumulators plus the A and B
+    tiles take 255 registers and spill; BLOCK_R = 32 still spills a few bytes on sm_80 at 128
+    registers; this tiling needs 100-145 registers and spills nothing for every factor dtype and
+    head dim on sm_80 and sm_90 (tools/compile_kernels.py, docs/benchmarks.md).
+    """
+    block_h = min(32, max(16, 1 << max(d // 2 - 1, 0).bit_length()))
+    return dict(block_t=64, block_r=16, block_h=block_h, num_warps=8, num_stages=2)
 
 
 def reconstruct_layer(factors, segments, out_k, out_v, cos, sin, *, interleaved=False, quant=None) -> None:
     """Write X = A diag(Σ) Bᵀ of every segment to out[head, dst_row:dst_row + tokens], keys rotated by RoPE.
 
     factors: 1-D contiguous fp16/bf16/fp32, or uint8 holding ``quant`` segments (int8 when None, int4
-    or int2; src_offset in bytes, even); segments: int64 [S, 6] (see SEGMENT_COLUMNS); out_k, out_v:
-    [kv_heads, N, d]; cos, sin: fp32 [>= N, d]. Only the segments' rows are written.
+    or int2; src_offset in bytes, even); segments: int64 [S, 6] (see SEGMENT_COLUMNS), best on the CPU
+    (a device table is read back, a sync); out_k, out_v: [kv_heads, N, d]; cos, sin: fp32 [>= N, d].
+    Only the segments' rows are written.
     """
-    if factors.dtype == torch.uint8 and quant not in (None, "int8"):
-        _check_tensors(factors, out_k, out_v, cos, sin)
-        factors, segments = dequantize_lowbit_layer(factors, segments.cpu(), out_k.shape[-1], quant)
-        segments = segments.to(factors.device)
+    bits = _bits(factors, quant)
     backend = _backend(factors)
     if backend in ("reference", "cpu"):
+        if bits in (4, 2):  # the CPU and reference paths rebuild expanded fp16 factors
+            _check_tensors(factors, out_k, out_v, cos, sin)
+            factors, segments = dequantize_lowbit_layer(factors, segments.cpu(), out_k.shape[-1], quant)
         segs = _check_all(factors, segments, out_k, out_v, cos, sin)
         rebuild = reconstruct_layer_naive if backend == "reference" else reconstruct_layer_cpu
         rebuild(factors, segs, out_k, out_v, cos, sin, interleaved=interleaved)
     else:
-        plan = plan_layer(factors, segments, out_k, out_v, cos, sin)
+        plan = plan_layer(factors, segments, out_k, out_v, cos, sin, quant=quant)
         launch(plan, factors, out_k, out_v, cos, sin, interleaved=interleaved)
 
 
-def plan_layer(factors, segments, out_k, out_v, cos, sin, *, block_t=64, block_r=None, num_warps=4,
-               num_stages=2, quant=None) -> Plan:
-    """Validate a layer's segments against its buffers and build the Triton tile table (synchronises).
+def plan_layer(factors, segments, out_k, out_v, cos, sin, *, block_t=None, block_r=None, num_warps=None,
+               num_stages=None, quant=None, block_h=None) -> Plan:
+    """Validate a layer's segments against its buffers and build the Triton tile table.
 
-    block_r defaults to the next power of two of the largest rank, clamped to [16, 64]; tl.dot needs
-    every tile dimension to be at least 16, so smaller ranks are padded with masked lanes. uint8
-    factors must be INT8 (``quant`` None or "int8"): INT4/INT2 layers are expanded first, by
-    `reconstruct_layer`.
+    Works on the host: a CPU segment table costs no device synchronisation (a device one is read back,
+    which does); the tile table is uploaded with one non-blocking copy from pinned memory. Tile sizes
+    default to `tile_config`; any of them can be overridden (powers of two, BLOCK_T and BLOCK_R >= 16).
     """
-    if quant not in (None, "int8"):
-        raise ValueError(f"the kernel reads floating or INT8 factors, not {quant}; reconstruct_layer expands "
-                         f"{quant} layers to fp16 first")
     _require_triton(factors)
-    segs = _check_all(factors, segments, out_k, out_v, cos, sin)
-    if block_t < 16 or block_t & (block_t - 1):
-        raise ValueError(f"block_t must be a power of two >= 16, got {block_t}")
-    max_rank = int(segs[:, 1].max()) if len(segs) else 0
-    if block_r is None:
-        block_r = min(64, max(16, triton.next_power_of_2(max(max_rank, 1))))
-    if block_r < 16 or block_r & (block_r - 1):
-        raise ValueError(f"block_r must be a power of two >= 16, got {block_r}")
-    src, rank, tokens, dst, head = (segs[:, i] for i in range(5))
+    bits = _bits(factors, quant)
+    segs = _check_all(factors, segments, out_k, out_v, cos, sin, bits)
     d = out_k.shape[-1]
-    n_tiles = (tokens + block_t - 1) // block_t
+    chosen = tile_config(d)
+    given = dict(block_t=block_t, block_r=block_r, block_h=block_h, num_warps=num_warps, num_stages=num_stages)
+    config = {k: chosen[k] if v is None else v for k, v in given.items()}
+    for name in ("block_t", "block_r", "block_h"):
+        size = config[name]
+        if size < 16 or size & (size - 1):
+            raise ValueError(f"{name} must be a power of two >= 16, got {size}")
+    src, rank, tokens, dst, head = (segs[:, i] for i in range(5))
+    n_tiles = (tokens + config["block_t"] - 1) // config["block_t"]
     owner = torch.repeat_interleave(torch.arange(len(segs)), n_tiles)
     first_tile = torch.cumsum(n_tiles, 0) - n_tiles
-    t0 = (torch.arange(len(owner)) - first_tile[owner]) * block_t
-    tiles = torch.cat([segs[owner], t0[:, None]], dim=1).to(factors.device)
+    t0 = (torch.arange(len(owner)) - first_tile[owner]) * config["block_t"]
+    tiles = torch.cat([segs[owner], t0[:, None]], dim=1)
     return Plan(
-        tiles=tiles,
+        tiles=_upload(tiles, factors.device),
         d=d,
-        need_numel=int((src + _segment_numel(rank, tokens, d, factors.dtype)).max()) if len(segs) else 0,
+        need_numel=int((src + _segment_numel(segs, d, bits)).max()) if len(segs) else 0,
         need_rows=int((dst + tokens).max()) if len(segs) else 0,
         need_heads=int(head.max()) + 1 if len(segs) else 0,
-        block_t=block_t,
-        block_r=block_r,
-        num_warps=num_warps,
-        num_stages=num_stages,
-        quantized=factors.dtype == torch.uint8,
+        bits=bits,
+        **config,
     )
 
 
@@ -135,20 +151,36 @@ def launch(plan: Plan, factors, out_k, out_v, cos, sin, *, interleaved=False) ->
         raise ValueError("buffers do not match the plan (d, factors length or kind, rows, heads or device differ)")
     if len(plan.tiles) == 0:
         return
-    # INT8 headers are fp16: an fp16 alias of the same bytes (alignment checked by _check_tensors)
+    # quantized headers and scales are fp16: an fp16 alias of the same bytes (alignment checked above)
     header = factors[:factors.numel() // 2 * 2].view(torch.float16) if plan.quantized else factors
-    _kernel()[(len(plan.tiles),)](
+    grid = (len(plan.tiles), triton.cdiv(d // 2, plan.block_h))
+    _kernel()[grid](
         factors, header, plan.tiles, out_k, out_v, cos, sin, d,
         *out_k.stride(), *out_v.stride(), *cos.stride(), *sin.stride(),
-        QUANT=plan.quantized,
+        BITS=plan.bits,
+        GROUP=GROUP_TOKENS,
         INTERLEAVED=bool(interleaved),
         IEEE_DOT=factors.dtype == torch.float32,
         BLOCK_T=plan.block_t,
         BLOCK_R=plan.block_r,
-        BLOCK_H=max(16, triton.next_power_of_2(d // 2)),
+        BLOCK_H=plan.block_h,
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
     )
+
+
+def _bits(factors, quant) -> int:
+    """0 for floating factors, else the code width of the uint8 factors' quantization."""
+    if quant not in QUANT_BITS:
+        raise ValueError(f"unknown low-bit quantization {quant!r}; expected None, 'int8', 'int4' or 'int2'")
+    return QUANT_BITS[quant] if factors.dtype == torch.uint8 else 0
+
+
+def _upload(table, device):
+    """The host-built table on `device`: pinned and non-blocking to CUDA, so the host never waits."""
+    if device.type == "cuda":
+        return table.pin_memory().to(device, non_blocking=True)
+    return table.to(device)
 
 
 def _backend(factors) -> str:
@@ -178,10 +210,10 @@ def _require_triton(factors) -> None:
 def _check_tensors(factors, out_k, out_v, cos, sin) -> None:
     """Dtype, shape and device checks that need no segment values."""
     if factors.dtype not in FACTOR_DTYPES or factors.dim() != 1 or not factors.is_contiguous():
-        raise TypeError(f"factors must be a 1-D contiguous fp16/bf16/fp32 (or uint8 INT8) tensor, got "
+        raise TypeError(f"factors must be a 1-D contiguous fp16/bf16/fp32 (or uint8 quantized) tensor, got "
                         f"{factors.dtype} with shape {tuple(factors.shape)}")
     if factors.dtype == torch.uint8 and factors.data_ptr() % 2:
-        raise ValueError("uint8 (INT8) factors must start 2-byte aligned: segment headers are fp16")
+        raise ValueError("uint8 (quantized) factors must start 2-byte aligned: segment headers are fp16")
     if out_k.dim() != 3 or out_k.shape != out_v.shape or out_k.dtype != out_v.dtype:
         raise ValueError(f"out_k and out_v must be [kv_heads, N, d] of one shape and dtype, got "
                          f"{tuple(out_k.shape)} {out_k.dtype} and {tuple(out_v.shape)} {out_v.dtype}")
@@ -198,23 +230,24 @@ def _check_tensors(factors, out_k, out_v, cos, sin) -> None:
         raise ValueError(f"factors, out_k, out_v, cos and sin must share a device, got {sorted(map(str, devices))}")
 
 
-def _check_all(factors, segments, out_k, out_v, cos, sin) -> torch.Tensor:
-    """Full validation; returns the segment table as a CPU int64 tensor."""
+def _check_all(factors, segments, out_k, out_v, cos, sin, bits=None) -> torch.Tensor:
+    """Full validation; returns the segment table as a CPU int64 tensor (read back if it was on a device).
+
+    bits: the quantization of uint8 factors (8, 4 or 2; None reads them as INT8)."""
     _check_tensors(factors, out_k, out_v, cos, sin)
     if segments.dtype != torch.int64 or segments.dim() != 2 or segments.shape[1] != len(SEGMENT_COLUMNS):
         raise ValueError(f"segments must be int64 [S, {len(SEGMENT_COLUMNS)}] with columns {SEGMENT_COLUMNS}, "
                          f"got {segments.dtype} {tuple(segments.shape)}")
     segs = segments.cpu()
+    bits = (bits or 8) if factors.dtype == torch.uint8 else 0
     n_heads, n_rows, d = out_k.shape
     src, rank, tokens, dst, head, kind = segs.unbind(1)
-    quantized = factors.dtype == torch.uint8
     rules = (
         (src >= 0, "src_offset is negative"),
-        ((src % 2 == 0) | (not quantized), "src_offset of an INT8 segment must be even (fp16 header)"),
+        ((src % 2 == 0) | (bits == 0), "src_offset of a quantized segment must be even (fp16 header)"),
         ((rank >= 0) & (rank <= d), f"rank must be in [0, d={d}]"),
         (tokens > 0, "tokens must be positive"),
-        (src + _segment_numel(rank, tokens, d, factors.dtype) <= factors.numel(),
-         f"reads past the end of factors ({factors.numel()})"),
+        (src + _segment_numel(segs, d, bits) <= factors.numel(), f"reads past the end of factors ({factors.numel()})"),
         ((dst >= 0) & (dst + tokens <= n_rows), f"rows fall outside the output's N={n_rows}"),
         ((head >= 0) & (head < n_heads), f"head must be in [0, {n_heads})"),
         ((kind == 0) | (kind == 1), "kind must be 0 (key) or 1 (value)"),
@@ -227,10 +260,13 @@ def _check_all(factors, segments, out_k, out_v, cos, sin) -> torch.Tensor:
     return segs
 
 
-def _segment_numel(rank, tokens, d, dtype):
-    """Elements a segment occupies: r (T + d + 1) values, or INT8 bytes r (T' + d + 10)."""
-    if dtype == torch.uint8:
+def _segment_numel(segs, d, bits):
+    """Elements each segment occupies: r (T + d + 1) values, or its bytes when quantized (docs/format.md)."""
+    _, rank, tokens, _, _, kind = segs.unbind(1)
+    if bits == 8:
         return int8_segment_bytes(rank, tokens, d)
+    if bits:
+        return lowbit_segment_bytes(rank, tokens, d, bits, kind)
     return rank * (tokens + d + 1)
 
 
@@ -252,19 +288,19 @@ def _kernel_for(interpret: bool):
     @triton.jit
     def reconstruct_kernel(F, F16, TILES, K, V, COS, SIN, D,
                            skh, skn, skd, svh, svn, svd, scn, scd, ssn, ssd,
-                           QUANT: tl.constexpr, INTERLEAVED: tl.constexpr, IEEE_DOT: tl.constexpr,
+                           BITS: tl.constexpr, GROUP: tl.constexpr, INTERLEAVED: tl.constexpr, IEEE_DOT: tl.constexpr,
                            BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
         tile = TILES + tl.program_id(0) * 7
         src = tl.load(tile)
-        rank = tl.load(tile + 1)
-        tokens = tl.load(tile + 2)
+        rank = tl.load(tile + 1).to(tl.int32)
+        tokens = tl.load(tile + 2).to(tl.int32)
         row0 = tl.load(tile + 3)
         head = tl.load(tile + 4)
         kind = tl.load(tile + 5)
-        t0 = tl.load(tile + 6)
+        t0 = tl.load(tile + 6).to(tl.int32)
 
         t = t0 + tl.arange(0, BLOCK_T)  # token index inside the segment
-        h = tl.arange(0, BLOCK_H)  # index of a RoPE pair: channels c1[h] and c2[h]
+        h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # RoPE pairs: channels c1[h] and c2[h]
         t_ok = t < tokens
         h_ok = h < D // 2
         if INTERLEAVED:
@@ -274,16 +310,31 @@ def _kernel_for(interpret: bool):
             c1 = h
             c2 = h + D // 2
 
-        if QUANT:  # bytes: fp16 header [5, rank] (read via F16), A codes [T', rank], B codes [d, rank]
-            hdr = F16 + src // 2  # Σ, A scale, A min, B scale, B min
-            a_rows = F + src + 10 * rank + t * rank
+        # where each part of the segment starts (docs/format.md); fp16 parts are read through F16
+        hdr = F16 + src // 2
+        if BITS == 0:  # A [tokens, rank], Σ [rank], B [d, rank]
+            a_ptr = F + src
+            s_ptr = F + src + tokens * rank
+            b_ptr = s_ptr + rank
+        elif BITS == 8:  # fp16 Σ, A scale, A min, B scale, B min [rank]; codes A [T', rank], B [d, rank]
             s_ptr = hdr
-            b_ptr = F + src + 10 * rank + (tokens + tokens % 2) * rank
-        else:
-            hdr = F16
-            a_rows = F + src + t * rank  # A [tokens, rank]
-            s_ptr = F + src + tokens * rank  # Σ [rank]
-            b_ptr = s_ptr + rank  # B [d, rank]
+            b_scale_ptr = hdr + 3 * rank
+            a_ptr = F + src + 10 * rank
+            b_ptr = a_ptr + (tokens + tokens % 2) * rank
+        else:  # fp16 Σ, B scale, B min [rank], A scales, A minima; codes B [d, rank], A [rank, T' / PER_BYTE]
+            PER_BYTE = 8 // BITS
+            s_ptr = hdr
+            b_scale_ptr = hdr + rank
+            key = kind == 0  # keys: a scale per (column, GROUP tokens), [groups, rank]; values: per token, [tokens]
+            group = tl.where(key, t // GROUP, t)
+            group_stride = tl.where(key, rank, 1)
+            column_stride = tl.where(key, 1, 0)
+            n_scales = tl.where(key, (tokens + GROUP - 1) // GROUP * rank, tokens)
+            a_scale_ptr = hdr + 3 * rank
+            b_ptr = F + src + 6 * rank + 4 * n_scales
+            a_ptr = b_ptr + D * rank
+            column_bytes = (tokens + 2 * PER_BYTE - 1) // (2 * PER_BYTE) * 2
+            shift = (t % PER_BYTE) * BITS
         acc1 = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
         acc2 = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
         for r0 in range(0, rank, BLOCK_R):
@@ -291,21 +342,29 @@ def _kernel_for(interpret: bool):
             r_ok = r < rank
             a_mask = t_ok[:, None] & r_ok[None, :]
             b_mask = r_ok[:, None] & h_ok[None, :]
-            a = tl.load(a_rows[:, None] + r[None, :], mask=a_mask, other=0)
             s = tl.load(s_ptr + r, mask=r_ok, other=0.0).to(tl.float32)
             b1 = tl.load(b_ptr + c1[None, :] * rank + r[:, None], mask=b_mask, other=0)  # Bᵀ, first channels
             b2 = tl.load(b_ptr + c2[None, :] * rank + r[:, None], mask=b_mask, other=0)  # Bᵀ, partners
-            if QUANT:  # dequantize in registers; lanes past the rank have scale = min = 0, so stay 0
-                a_scale = tl.load(hdr + rank + r, mask=r_ok, other=0.0).to(tl.float32)
-                a_min = tl.load(hdr + 2 * rank + r, mask=r_ok, other=0.0).to(tl.float32)
-                b_scale = tl.load(hdr + 3 * rank + r, mask=r_ok, other=0.0).to(tl.float32)
-                b_min = tl.load(hdr + 4 * rank + r, mask=r_ok, other=0.0).to(tl.float32)
-                a = a.to(tl.float32) * a_scale[None, :] + a_min[None, :]
-                a = (a * s[None, :]).to(tl.float16)  # Σ fused into A's columns
+            if BITS == 0:
+                a = tl.load(a_ptr + t[:, None] * rank + r[None, :], mask=a_mask, other=0)
+                a = (a.to(tl.float32) * s[None, :]).to(F.dtype.element_ty)  # Σ fused into A's columns
+            else:  # dequantize in registers; lanes past the rank have scale = min = 0, so stay 0
+                b_scale = tl.load(b_scale_ptr + r, mask=r_ok, other=0.0).to(tl.float32)
+                b_min = tl.load(b_scale_ptr + rank + r, mask=r_ok, other=0.0).to(tl.float32)
                 b1 = (b1.to(tl.float32) * b_scale[:, None] + b_min[:, None]).to(tl.float16)
                 b2 = (b2.to(tl.float32) * b_scale[:, None] + b_min[:, None]).to(tl.float16)
-            else:
-                a = (a.to(tl.float32) * s[None, :]).to(F.dtype.element_ty)  # Σ fused into A's columns
+                if BITS == 8:
+                    a_scale = tl.load(hdr + rank + r, mask=r_ok, other=0.0).to(tl.float32)[None, :]
+                    a_min = tl.load(hdr + 2 * rank + r, mask=r_ok, other=0.0).to(tl.float32)[None, :]
+                    a = tl.load(a_ptr + t[:, None] * rank + r[None, :], mask=a_mask, other=0).to(tl.float32)
+                else:
+                    at = group[:, None] * group_stride + r[None, :] * column_stride
+                    a_scale = tl.load(a_scale_ptr + at, mask=a_mask, other=0.0).to(tl.float32)
+                    a_min = tl.load(a_scale_ptr + n_scales + at, mask=a_mask, other=0.0).to(tl.float32)
+                    packed = tl.load(a_ptr + r[None, :] * column_bytes + (t // PER_BYTE)[:, None], mask=a_mask,
+                                     other=0).to(tl.int32)
+                    a = ((packed >> shift[:, None]) & ((1 << BITS) - 1)).to(tl.float32)
+                a = ((a * a_scale + a_min) * s[None, :]).to(tl.float16)  # Σ fused into A's columns
             if IEEE_DOT:
                 acc1 = tl.dot(a, b1, acc1, input_precision="ieee")
                 acc2 = tl.dot(a, b2, acc2, input_precision="ieee")

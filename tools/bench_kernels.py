@@ -1,12 +1,15 @@
 """Time K/V reconstruction: PyTorch reference vs Triton vs Triton replayed from a CUDA graph.
 
 The workload is one model's retrieval (default Qwen2.5-7B-shaped: 28 layers, 4 KV heads, d=128, 6 blocks of
-about 1600 tokens, ρ=0.5, so rank ≈ ρ·2·T·d/(T+d+1) per segment, jittered ±25% and capped at d). Traffic is
+about 1600 tokens, ρ=0.5, so rank ≈ ρ·T·d/(T+d+1) per segment (ρ of the fp16 bytes), jittered ±25% and
+capped at d). The same factors packed as INT8/INT4/INT2 (--quant) are timed through the fused kernel too,
+each checked against the reference first. Traffic is
 counted as factor bytes read plus K/V bytes written; the roofline is a device-to-device copy moving the same
 traffic (it reads and writes half of it each), timed in the same run. Host-to-device copies of the factor
 bytes, pinned and pageable, show what the offloaded store pays before the kernel starts.
 
-GPU: CUDA events, warmup, medians. `--device cpu` runs a small workload with the reference (and the Triton
+Every checked launch writes into outputs poisoned with NaN, and the script fails unless they come back
+finite and equal to the reference (so a kernel that writes nothing fails). GPU: CUDA events, warmup, medians. `--device cpu` runs a small workload with the reference (and the Triton
 interpreter when TRITON_INTERPRET=1) so the script itself can be tested without a GPU.
 Prints a short table last; writes every number to --out (default $OUT/gpu_check.json, else gpu_check.json).
 """
@@ -24,9 +27,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from milo_kernels import reconstruct_layer, reconstruct_layer_naive  # noqa: E402
 from milo_kernels import reconstruct as rk  # noqa: E402
+from milo_store.quant import pack_segment  # noqa: E402
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-SWEEP = [dict(block_t=bt, block_r=br, num_warps=w) for bt in (64, 128) for br in (32, 64, 128) for w in (4, 8)]
+# tiles around the default (64, 16, 32, 8 warps); docs/benchmarks.md lists which of them spill (compile_kernels.py)
+SWEEP = [dict(block_t=bt, block_r=br, block_h=bh, num_warps=w)
+         for bt in (64, 128) for br in (16, 32) for bh in (32, 64) for w in (4, 8)]
 
 
 def parse_args():
@@ -39,6 +45,8 @@ def parse_args():
     p.add_argument("--block-tokens", type=int)
     p.add_argument("--rho", type=float, default=0.5)
     p.add_argument("--dtype", default="fp16", choices=list(DTYPES))
+    p.add_argument("--quant", nargs="*", choices=["int8", "int4", "int2"],
+                   help="also time the factors packed in these formats (default: all three on CUDA, none on CPU)")
     p.add_argument("--iters", type=int)
     p.add_argument("--no-sweep", action="store_true", help="skip the Triton tile-size sweep (CUDA only)")
     p.add_argument("--seed", type=int, default=0)
@@ -51,6 +59,8 @@ def parse_args():
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if args.quant is None:
+        args.quant = ["int8", "int4", "int2"] if gpu else []
     return args
 
 
@@ -59,7 +69,7 @@ def build_layer(args, gen):
     d, parts, segments, offset, row = args.head_dim, [], [], 0, 0
     for _ in range(args.blocks):
         tokens = int(args.block_tokens * (0.95 + 0.1 * torch.rand((), generator=gen)))
-        target = args.rho * 2 * tokens * d / (tokens + d + 1)
+        target = args.rho * tokens * d / (tokens + d + 1)  # r (T + d + 1) = ρ T d values
         for kind in (0, 1):
             for head in range(args.kv_heads):
                 rank = min(d, max(1, round(target * (0.75 + 0.5 * float(torch.rand((), generator=gen))))))
@@ -79,6 +89,44 @@ def rope_tables(n, d, device):
     angles = torch.arange(n, dtype=torch.float32)[:, None] * inv_freq
     angles = torch.cat([angles, angles], dim=1)
     return angles.cos().to(device), angles.sin().to(device)
+
+
+def quantized_layer(layer, quant):
+    """The same segments packed as `quant` (uint8 bytes, byte offsets), outputs shared with `layer`."""
+    d = layer["out_k"].shape[-1]
+    flat, parts, table, at = layer["factors"].float().cpu(), [], layer["segments"].clone(), 0
+    for i, (src, rank, tokens, _, _, kind) in enumerate(layer["segments"].tolist()):
+        a_end, s_end = src + tokens * rank, src + tokens * rank + rank
+        raw = pack_segment(flat[src:a_end].view(tokens, rank), flat[a_end:s_end],
+                           flat[s_end:s_end + d * rank].view(d, rank), quant, kind)
+        parts.append(raw)
+        table[i, 0] = at
+        at += raw.numel()
+    return dict(layer, factors=torch.cat(parts).to(layer["factors"].device), segments=table)
+
+
+def check_against_reference(layer, cos, sin, run, quant=None):
+    """Poison the outputs with NaN, run(layer), and return the largest error against the reference; raises
+    if an output stays non-finite or differs by more than fp16 staging allows."""
+    want = {k: torch.full_like(layer[k], float("nan")) for k in ("out_k", "out_v")}
+    previous = os.environ.get("MILO_KERNEL")
+    os.environ["MILO_KERNEL"] = "reference"
+    try:
+        reconstruct_layer(layer["factors"], layer["segments"], want["out_k"], want["out_v"], cos, sin, quant=quant)
+    finally:
+        os.environ.pop("MILO_KERNEL") if previous is None else os.environ.update(MILO_KERNEL=previous)
+    for k in want:
+        layer[k].fill_(float("nan"))
+    run(layer)
+    error = 0.0
+    for k in want:
+        got, ref = layer[k].float(), want[k].float()
+        if not bool(got.isfinite().all()):
+            raise AssertionError(f"{quant or 'floating'} {k}: {int((~got.isfinite()).sum())} elements not written")
+        scale = ref.abs().max().item()  # the workload's outputs are small: tolerances relative to them
+        torch.testing.assert_close(got, ref, atol=1e-2 * scale, rtol=1e-2, msg=lambda m: f"{quant or 'floating'} {k}: {m}")
+        error = max(error, (got - ref).abs().max().item())
+    return error
 
 
 def timer(device, warmup, iters):
@@ -162,6 +210,7 @@ def main():
         "seconds": {}, "notes": [],
     }
     secs = report["seconds"]
+    moved = {}  # bytes each timed row moves, when not its scope's fp traffic
 
     def each(ls, fn):
         return lambda: [fn(L) for L in ls]
@@ -180,26 +229,34 @@ def main():
         ok = [r for r in report["sweep"] if "seconds" in r]
         if ok:
             best = min(ok, key=lambda r: r["seconds"])
-            config = {k: best[k] for k in ("block_t", "block_r", "num_warps")}
+            config = {k: best[k] for k in SWEEP[0]}
     report["triton_config"] = config or "default"
     if triton_ok:
         os.environ["MILO_KERNEL"] = "triton"
         plans = {id(L): rk.plan_layer(**L, cos=cos, sin=sin, **config) for L in layers}
-        check = {k: torch.empty_like(v) for k, v in layers[0].items() if k.startswith("out")}
-        reconstruct_layer_naive(layers[0]["factors"], layers[0]["segments"], check["out_k"], check["out_v"], cos, sin)
-        rk.launch(plans[id(layers[0])], layers[0]["factors"], layers[0]["out_k"], layers[0]["out_v"], cos, sin)
-        report["max_abs_error_vs_reference"] = max(
-            (layers[0][k].float() - check[k].float()).abs().max().item() for k in check)
 
         def launch(L):
             rk.launch(plans[id(L)], L["factors"], L["out_k"], L["out_v"], cos, sin)
 
+        errors = report["max_abs_error_vs_reference"] = {args.dtype: check_against_reference(layers[0], cos, sin, launch)}
         for scope, ls in scopes.items():
             timing = time_it if gpu else time_slow
             secs[f"triton_e2e/{scope}"] = timing(each(ls, lambda L: reconstruct_layer(**L, cos=cos, sin=sin)))
             secs[f"triton/{scope}"] = timing(each(ls, launch))
             if gpu:
                 secs[f"triton_graph/{scope}"] = time_it(graphed(each(ls, launch)))
+        for quant in args.quant:  # the fused kernel on the same factors, packed: fewer bytes read
+            packed = [quantized_layer(L, quant) for L in layers]
+            qplans = {id(L): rk.plan_layer(**L, cos=cos, sin=sin, quant=quant) for L in packed}
+
+            def qlaunch(L):
+                rk.launch(qplans[id(L)], L["factors"], L["out_k"], L["out_v"], cos, sin)
+
+            errors[quant] = check_against_reference(packed[0], cos, sin, qlaunch, quant)
+            q_bytes = sum(L["factors"].numel() for L in packed)
+            moved[f"triton_{quant}/model"] = traffic["model"] - factor_bytes["model"] + q_bytes
+            secs[f"triton_{quant}/model"] = (time_it if gpu else time_slow)(each(packed, qlaunch))
+            del packed, qplans
     else:
         report["notes"].append("Triton not timed: needs CUDA, or TRITON_INTERPRET=1 with fp16/fp32 on the CPU")
 
@@ -212,8 +269,10 @@ def main():
                 secs[f"h2d_{kind}/{scope}"] = time_slow(lambda: dst.copy_(src, non_blocking=True))
             del host, dst
 
-    report["gbps"] = {key: (factor_bytes if key.startswith("h2d") else traffic)[key.split("/")[1]] / s / 1e9
-                      for key, s in secs.items()}
+    for key in secs:
+        scope = key.split("/")[1]
+        moved.setdefault(key, (factor_bytes if key.startswith("h2d") else traffic)[scope])
+    report["gbps"] = {key: moved[key] / s / 1e9 for key, s in secs.items()}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2, default=str))
     print_table(report)
@@ -226,15 +285,15 @@ def print_table(report):
     print(f"\n{report['device']}: {w['layers']} layers x {w['kv_heads']} kv heads x d={w['head_dim']}, "
           f"{w['blocks']} blocks x ~{w['block_tokens']} tokens, rho={w['rho']}, {w['dtype']}, "
           f"mean rank {w['rank_mean']:.1f}; triton config {report['triton_config']}")
-    if "max_abs_error_vs_reference" in report:
-        print(f"max |triton - reference| on layer 0: {report['max_abs_error_vs_reference']:.3g}")
+    for kind, error in report.get("max_abs_error_vs_reference", {}).items():
+        print(f"max |triton - reference| on layer 0, {kind} (outputs poisoned with NaN first): {error:.3g}")
     print(f"{'what':<14}{'scope':>7}{'time':>12}{'GB/s':>10}{'vs copy':>9}{'vs ref':>8}")
     for key, s in secs.items():
         what, scope = key.split("/")
         copy = gbps.get(f"copy/{scope}")
         ref = secs.get(f"reference/{scope}")
         vs_copy = f"{gbps[key] / copy:.0%}" if copy and not what.startswith("h2d") else ""
-        vs_ref = f"{ref / s:.1f}x" if ref and what.startswith("triton") else ""
+        vs_ref = f"{ref / s:.1f}x" if ref and what.startswith("triton") and "_int" not in what else ""
         print(f"{what:<14}{scope:>7}{fmt_time(s):>12}{gbps[key]:>10.1f}{vs_copy:>9}{vs_ref:>8}")
 
 

@@ -1,4 +1,6 @@
 """The GPU check tooling runs where there is no GPU: the benchmark at CPU size, gpu_check.sh as a skip."""
+import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -7,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from milo_kernels import reconstruct_layer
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -31,3 +35,47 @@ def test_gpu_check_skips_without_cuda():
                             env={**os.environ, "PYTHON": sys.executable})
     assert result.returncode == 0
     assert result.stdout.strip().splitlines() == [f"gpu_check: skipped, no CUDA device visible to {sys.executable}"]
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench_kernels", REPO / "tools" / "bench_kernels.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def small_workload(bench, rho=0.5):
+    args = argparse.Namespace(head_dim=64, blocks=6, block_tokens=100, kv_heads=2, rho=rho, dtype="fp32", device="cpu")
+    layer = bench.build_layer(args, torch.Generator().manual_seed(0))
+    cos, sin = bench.rope_tables(layer["out_k"].shape[1], 64, "cpu")
+    return args, layer, cos, sin
+
+
+def test_bench_workload_stores_rho_of_the_fp16_values():
+    bench = load_bench()
+    args, layer, _, _ = small_workload(bench)
+    kept = layer["factors"].numel()  # r (T + d + 1) per segment
+    full = sum(t * args.head_dim for t in layer["segments"][:, 2].tolist())
+    assert 0.4 < kept / full < 0.6  # ranks are jittered ±25% around ρ T d / (T + d + 1)
+
+
+@pytest.mark.parametrize("quant", [None, "int4"])
+def test_bench_check_fails_a_kernel_that_writes_nothing(quant):
+    bench = load_bench()
+    _, layer, cos, sin = small_workload(bench)
+    if quant:
+        layer = bench.quantized_layer(layer, quant)
+
+    def rebuild(L):  # the CPU path: a correct kernel
+        reconstruct_layer(L["factors"], L["segments"], L["out_k"], L["out_v"], cos, sin, quant=quant)
+
+    assert bench.check_against_reference(layer, cos, sin, rebuild, quant) < 1e-3
+    with pytest.raises(AssertionError, match="not written"):
+        bench.check_against_reference(layer, cos, sin, lambda L: None, quant)
+
+    def wrong(L):
+        rebuild(L)
+        L["out_v"][0, :3] *= 1.5
+
+    with pytest.raises(AssertionError, match="out_v"):
+        bench.check_against_reference(layer, cos, sin, wrong, quant)

@@ -184,7 +184,7 @@ def test_triton_public_entry_and_plan_kind(monkeypatch):
         launch(plan, as_fp16, *got, cos, sin)
 
 
-@pytest.mark.skipif(INTERPRET, reason="already interpreting in-process")
+@pytest.mark.skipif(INTERPRET or CUDA, reason="already interpreting in-process, or on a GPU")
 def test_triton_int8_under_the_interpreter():
     pytest.importorskip("triton")
     result = subprocess.run(

@@ -1,13 +1,30 @@
-"""INT4/INT2 layers (KIVI-style groups) through `milo_kernels.reconstruct_layer`: expanded to floating
-factors, then the same rebuild as any store; compared with the reference on the dequantized factors."""
+"""INT4/INT2 layers (KIVI-style groups) through `milo_kernels.reconstruct_layer`.
+
+(a) the CPU path (expanded to floating factors) against the reference on the dequantized factors;
+(b) the fused Triton kernel (codes read in place) against the reference on odd shapes. (b) needs CUDA
+or TRITON_INTERPRET=1 set before triton is first used; `test_triton_lowbit_under_the_interpreter`
+reruns this module in a subprocess with the interpreter on, so a plain `pytest tests` covers it on CPU.
+"""
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
-from lowrank_cases import rope_tables
+from lowrank_cases import rope_tables, target_mask
 from milo_kernels import dequantize_lowbit_segment, reconstruct_layer, reconstruct_layer_naive
 from milo_store import Layout
 from milo_store.quant import pack_segment
+
+REPO = Path(__file__).resolve().parents[2]
+CUDA = torch.cuda.is_available()
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+needs_triton = pytest.mark.skipif(not (CUDA or INTERPRET), reason="needs CUDA or TRITON_INTERPRET=1")
+DEVICE = "cuda" if CUDA else "cpu"
 
 BITS = {"int4": 4, "int2": 2}
 
@@ -62,10 +79,103 @@ def test_reconstruct_lowbit_rejects_out_of_range_segments():
         reconstruct_layer(raw, segments, out, out.clone(), cos, sin, quant="int3")
 
 
-def test_the_kernel_plan_refuses_low_bit_factors():
-    from milo_kernels.reconstruct import plan_layer
-    raw = pack_segment(torch.randn(10, 2), torch.ones(2), torch.randn(8, 2), "int4", 0)
-    cos, sin = rope_tables(10, 8, False)
-    out = torch.zeros(1, 10, 8)
-    with pytest.raises(ValueError, match="expands int4 layers"):
-        plan_layer(raw, torch.tensor([[0, 2, 10, 0, 0, 0]]), out, out.clone(), cos, sin, quant="int4")
+# -- (b) the fused Triton kernel against the reference ---------------------------------------------
+
+# (kv_heads, d, tokens of each block): token counts that are not multiples of 32 (a key group) nor of
+# BLOCK_T, one-token blocks, blocks spanning several tiles, several heads
+SHAPES = {
+    "d32-odd": (3, 32, [1, 31, 33, 70]),
+    "d64-long": (2, 64, [95, 130]),
+}
+
+
+def lowbit_layer(kv_heads, d, block_tokens, quant, seed):
+    """Packed INT4/INT2 segments of one layer: ranks 0, 1, 17, d and random, shuffled storage order,
+    even gaps of random bytes between segments. Returns uint8 factors, segments [S, 6], N rows."""
+    gen = torch.Generator().manual_seed(seed)
+    rank_pool = [0, 1, 17, d] + torch.randint(0, d + 1, (8,), generator=gen).tolist()
+    rows, row = [], 2
+    for tokens in block_tokens:
+        rows.append(row)
+        row += tokens + 2
+    specs = [(t, dst, h, k) for t, dst in zip(block_tokens, rows) for k in (0, 1) for h in range(kv_heads)]
+    parts, segments, offset = [], [], 0
+    for i in torch.randperm(len(specs), generator=gen).tolist():
+        tokens, dst, head, kind = specs[i]
+        rank = rank_pool[i % len(rank_pool)]
+        gap = 2 * int(torch.randint(0, 3, (), generator=gen))
+        parts.append(torch.randint(0, 256, (gap,), generator=gen, dtype=torch.uint8))
+        offset += gap
+        a, b = torch.randn(tokens, rank, generator=gen), torch.randn(d, rank, generator=gen)
+        sigma = (torch.rand(rank, generator=gen) + 0.5) / math.sqrt(max(rank, 1))
+        raw = pack_segment(a, sigma, b, quant, kind)
+        parts.append(raw)
+        segments.append([offset, rank, tokens, dst, head, kind])
+        offset += raw.numel()
+    parts.append(torch.randint(0, 256, (4,), generator=gen, dtype=torch.uint8))
+    return torch.cat(parts), torch.tensor(segments, dtype=torch.int64), row
+
+
+def nan_buffers(kv_heads, n_rows, d, dtype, device="cpu"):
+    out_k = torch.full((kv_heads, n_rows, d), math.nan, dtype=dtype, device=device)
+    return out_k, out_k.clone()
+
+
+@needs_triton
+@pytest.mark.parametrize("tiles", [{"block_t": 16, "block_r": 16, "block_h": 16}, {}], ids=["small", "default"])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+@pytest.mark.parametrize("quant", ["int4", "int2"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_triton_lowbit_matches_reference(monkeypatch, shape, quant, interleaved, tiles):
+    from milo_kernels.reconstruct import launch, plan_layer
+
+    kv_heads, d, block_tokens = SHAPES[shape]
+    raw, segments, n_rows = lowbit_layer(kv_heads, d, block_tokens, quant, seed=5)
+    cos, sin = rope_tables(n_rows, d, interleaved)
+    want = nan_buffers(kv_heads, n_rows, d, torch.float32)
+    monkeypatch.setenv("MILO_KERNEL", "reference")  # expansion to fp16 factors + the PyTorch oracle
+    reconstruct_layer(raw, segments, *want, cos, sin, interleaved=interleaved, quant=quant)
+    got = nan_buffers(kv_heads, n_rows, d, torch.float16, DEVICE)
+    cos, sin = cos.to(DEVICE), sin.to(DEVICE)
+    plan = plan_layer(raw.to(DEVICE), segments, *got, cos, sin, quant=quant, **tiles)
+    assert plan.bits == {"int4": 4, "int2": 2}[quant]
+    launch(plan, raw.to(DEVICE), *got, cos, sin, interleaved=interleaved)
+    mask = target_mask(segments, kv_heads, n_rows, d)
+    for kind in (0, 1):
+        g, w, m = got[kind].float().cpu(), want[kind], mask[kind]
+        assert w[m].isfinite().all(), "the reference itself produced non-finite targets"
+        assert g[m].isfinite().all(), "a target element was not written (still NaN)"
+        assert g[~m].isnan().all(), "an element outside every segment was written"
+        torch.testing.assert_close(g[m], w[m], atol=2e-2, rtol=1e-2)  # fp16 staging of the tiles
+
+
+@needs_triton
+def test_triton_public_entry_takes_lowbit(monkeypatch):
+    monkeypatch.setenv("MILO_KERNEL", "triton")
+    kv_heads, d, block_tokens = SHAPES["d32-odd"]
+    raw, segments, n_rows = lowbit_layer(kv_heads, d, block_tokens, "int4", seed=6)
+    cos, sin = rope_tables(n_rows, d, False)
+    got = nan_buffers(kv_heads, n_rows, d, torch.float32, DEVICE)
+    reconstruct_layer(raw.to(DEVICE), segments, *got, cos.to(DEVICE), sin.to(DEVICE), quant="int4")
+    monkeypatch.setenv("MILO_KERNEL", "reference")
+    want = nan_buffers(kv_heads, n_rows, d, torch.float32)
+    reconstruct_layer(raw, segments, *want, cos, sin, quant="int4")
+    mask = target_mask(segments, kv_heads, n_rows, d)
+    for kind in (0, 1):
+        torch.testing.assert_close(got[kind].cpu()[mask[kind]], want[kind][mask[kind]], atol=2e-2, rtol=1e-2)
+    monkeypatch.setenv("MILO_KERNEL", "triton")
+    with pytest.raises(ValueError, match="past the end"):  # validated against the INT4 sizes
+        reconstruct_layer(raw[:-6].to(DEVICE), segments, *got, cos.to(DEVICE), sin.to(DEVICE), quant="int4")
+
+
+@pytest.mark.skipif(INTERPRET or CUDA, reason="already interpreting in-process, or on a GPU")
+def test_triton_lowbit_under_the_interpreter():
+    pytest.importorskip("triton")
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "triton_lowbit_matches or triton_public",
+         str(Path(__file__))],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "TRITON_INTERPRET": "1", "MILO_KERNEL": "", "PYTHONPATH": str(REPO)},
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert " passed" in result.stdout and " skipped" not in result.stdout, result.stdout[-2000:]
