@@ -9,6 +9,7 @@ The context the model sees is [anchor][selected blocks][query]. Keys are stored 
 rotated at the positions the blocks take in this assembled, contiguous context; values are used as
 stored. Everything the store holds for a query goes through ``milo_kernels.reconstruct_layer``.
 """
+import inspect
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -53,6 +54,12 @@ def place_model(loaded: LoadedModel, device) -> torch.device:
     return next(loaded.model.parameters()).device
 
 
+def cache_keyword(model) -> str:
+    """The name under which this model's forward takes a cache: transformers 5 renamed
+    ``past_key_values`` to ``cache`` between 5.17 and 5.24, and passes an unknown name on silently."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def check_compatible(store: MiloStore, identity: dict) -> None:
     """Refuse a store whose K/V another model (shape, RoPE, config) produced."""
     stored = store.meta.get("model") or {}
@@ -70,6 +77,7 @@ class MiloSession:
                  aggregate: str = "max"):
         check_compatible(store, loaded.identity)
         self.model, self.tokenizer, self.store = loaded.model, loaded.tokenizer, store
+        self.cache_kwarg = cache_keyword(self.model)
         model_device = next(self.model.parameters()).device
         self.device = torch.device(device) if device is not None else model_device
         if self.device.type == "cuda" and self.device.index is None:
@@ -147,10 +155,10 @@ class MiloSession:
     def model_step(self, ids: list[int], cache: MiloCache) -> torch.Tensor:
         """One model call over ``ids`` with the cache; the first call must fill every layer's prefix."""
         first = not cache.layers[0].is_initialized
-        out = self.model(input_ids=torch.tensor([ids], device=self.device), cache=cache, use_cache=True)
+        out = self.model(input_ids=torch.tensor([ids], device=self.device), use_cache=True, **{self.cache_kwarg: cache})
         if first and not all(layer.is_initialized for layer in cache.layers):
             raise RuntimeError(f"the model did not use the milo cache (transformers {transformers.__version__} "
-                               f"ignored cache=): the answer would have no retrieved context")
+                               f"ignored {self.cache_kwarg}=): the answer would have no retrieved context")
         return out.logits[0]
 
     # -- answering ------------------------------------------------------------------------------

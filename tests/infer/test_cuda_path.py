@@ -8,7 +8,7 @@ import torch
 
 from milo_infer import bench
 from milo_infer.cli import bench as bench_cli
-from milo_infer.session import MiloSession, default_device
+from milo_infer.session import MiloSession, cache_keyword, default_device
 from milo_infer.timing import StageClock
 from milo_store import MiloStore
 
@@ -46,6 +46,29 @@ def test_a_model_that_ignores_the_cache_fails_loudly(tiny):
         session.model = lambda input_ids, cache, use_cache: model(input_ids=input_ids)  # drops the cache
         with pytest.raises(RuntimeError, match="did not use the milo cache"):
             session.answer(bench.synthetic_queries(1, 3, 2)[0])
+
+
+class PastKeyValuesModel(torch.nn.Module):
+    """The real model behind the keyword transformers 5.17 used for the cache."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.inner = model
+
+    def forward(self, input_ids, past_key_values=None, use_cache=True):
+        return self.inner(input_ids=input_ids, cache=past_key_values, use_cache=use_cache)
+
+
+def test_the_cache_goes_under_the_keyword_the_model_takes(tiny):
+    loaded, paths = tiny
+    query = bench.synthetic_queries(1, 3, 2)[0]
+    with MiloStore.open(paths["milo-r0.5"]) as store:
+        expected = MiloSession(loaded, store, k=2).logits(query)
+        session = MiloSession(loaded, store, k=2)
+        session.model = PastKeyValuesModel(loaded.model)
+        session.cache_kwarg = cache_keyword(session.model)
+        assert session.cache_kwarg == "past_key_values" and cache_keyword(loaded.model) == "cache"
+        torch.testing.assert_close(session.logits(query), expected, rtol=0, atol=0)
 
 
 def test_answer_reports_every_stage_and_the_model_excludes_rebuild(tiny, monkeypatch):
