@@ -56,11 +56,11 @@ class TimedSession(MiloSession):
             raise ValueError(f"{self.store.path}: copy_identity needs an identity-codec store")
         self.copy_identity = copy_identity
 
-    def rebuild(self, factors, segments, out_k, out_v):
+    def rebuild(self, factors, segments, out_k, out_v, plan=None):
         if self.copy_identity:
             copy_identity_layer(factors, segments, out_k, out_v, self.cos, self.sin, interleaved=self.rope_interleaved)
         else:
-            super().rebuild(factors, segments, out_k, out_v)
+            super().rebuild(factors, segments, out_k, out_v, plan)
 
 
 def copy_identity_layer(factors, segments, out_k, out_v, cos, sin, *, interleaved=False) -> None:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import transformers
 
-from milo_kernels import apply_rope, reconstruct_layer
+from milo_kernels import apply_rope, kernel_backend, plan_layers, reconstruct_layer
 from milo_store import IncompatibleStoreError, MiloStore, full_kv_bytes
 from milo_store.prefetch import LayerPrefetcher
 
@@ -113,18 +113,19 @@ class MiloSession:
         ids = self.retriever.select(text, k=min(self.k, self.store.num_groups), token_budget=self.token_budget)
         return order_blocks(ids, self.retriever.scores(text), order=self.order)
 
-    def rebuild(self, factors, segments, out_k, out_v) -> None:
+    def rebuild(self, factors, segments, out_k, out_v, plan=None) -> None:
         """Write one layer's block rows of K (rotated) and V; the one call the query path makes."""
         reconstruct_layer(factors, segments, out_k, out_v, self.cos, self.sin, interleaved=self.rope_interleaved,
-                          quant=self.layout.quant)
+                          quant=self.layout.quant, plan=plan)
 
     def build_cache(self, block_ids: list[int], extra_tokens: int, clock: StageClock) -> MiloCache:
         """A cache whose layers fill [anchor][blocks] on first use. ``clock`` gains read (the store's
         reads), transfer (getting factors onto the device), wait (the compute stream waiting for a
         layer's factors) and reconstruct (dequantise and rebuild).
 
-        Every layer's segment table is made here, on the host, once per query: ``fill`` only waits for
-        its layer's factors and launches, so nothing in the forward waits for the host.
+        Every layer's segment table (and, for the Triton kernel, its plan: validated, tiled, uploaded in
+        one copy) is made here, on the host, once per query: ``fill`` only waits for its layer's factors
+        and launches, so nothing in the forward waits for the host.
         """
         with clock.host("read"):
             prefetch = LayerPrefetcher(self.store, block_ids, self.device, depth=self.prefetch_depth)
@@ -139,6 +140,8 @@ class MiloSession:
         segments = torch.from_numpy(np.stack([
             self.layout.layer_segments(self.store.ranks[block_ids, l], tokens, dst, prefetch.starts[l])
             for l in range(self.layout.num_layers)]))
+        plans = (plan_layers(segments, self.layout.head_dim, factor_dtype=self.store.torch_dtype, device=self.device,
+                             quant=self.layout.quant) if kernel_backend(self.device) == "triton" else None)
 
         def fill(layer: int, out_k: torch.Tensor, out_v: torch.Tensor) -> None:
             with clock.device_stage("wait"):
@@ -146,7 +149,7 @@ class MiloSession:
             with clock.device_stage("reconstruct"):
                 out_k[:, :self.anchor_len] = self.anchor_k[layer]
                 out_v[:, :self.anchor_len] = self.anchor_v[layer]
-                self.rebuild(factors, segments[layer], out_k, out_v)
+                self.rebuild(factors, segments[layer], out_k, out_v, None if plans is None else plans[layer])
 
         self.prefetch_bytes = int(prefetch.layer_values.sum()) * self.store.itemsize
         return MiloCache(self.layout.num_layers, prefix, prefix + extra_tokens,

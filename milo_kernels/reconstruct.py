@@ -7,9 +7,10 @@ MILO_KERNEL=reference|triton forces a backend: `reference` is the literal PyTorc
 
 No host synchronisation when the segment table is a CPU tensor: validation and the tile table are
 built on the host and the table goes up with one non-blocking copy from pinned memory. A segment table
-on the device is accepted too, but reading it back synchronises. Callers that replay launches (a CUDA
-graph, every layer of one retrieval) call `plan_layer` once per layer and `launch` after: `launch` only
-checks tensor metadata against the plan, so it can be captured.
+on the device is accepted too, but reading it back synchronises. Planning is host work of about a
+millisecond per call (many small tensor ops), so a query plans every layer at once with `plan_layers`
+(one pass, one upload) and passes each layer's plan to `reconstruct_layer`, which then only launches;
+`launch` checks tensor metadata against the plan, so it can also be captured in a CUDA graph.
 
 Why one program per (segment, BLOCK_T tokens, BLOCK_H channel pairs): every program reads its rows of A,
 all of Σ and its columns of B (both stay in L2 across a segment's programs), multiplies on tensor cores
@@ -71,27 +72,30 @@ class Plan:
 
 def tile_config(d: int) -> dict:
     """The tiles `plan_layer` picks: 64 tokens x up to 32 RoPE pairs per program, ranks in steps of
-    BLOCK_R = 16 (tl.dot's smallest dimension), 8 warps.
+    BLOCK_R = 16 (tl.dot's smallest dimension), 4 warps.
 
     Why: with BLOCK_R = 64 or all d / 2 pairs in one program, two fp32 accumulators plus the A and B
-    tiles take 255 registers and spill; BLOCK_R = 32 still spills a few bytes on sm_80 at 128
-    registers; this tiling needs 100-145 registers and spills nothing for every factor dtype and
-    head dim on sm_80 and sm_90 (tools/compile_kernels.py, docs/benchmarks.md).
+    tiles take 255 registers and spill; BLOCK_R = 32 still spills a few bytes on sm_80; this tiling
+    spills nothing for any factor dtype and head dim on sm_80 and sm_90 (tools/compile_kernels.py).
+    Of the spill-free tilings, 4 warps rebuilt the H200 workload 1.7x faster than 8 (bench_kernels'
+    sweep, docs/benchmarks.md).
     """
     block_h = min(32, max(16, 1 << max(d // 2 - 1, 0).bit_length()))
-    return dict(block_t=64, block_r=16, block_h=block_h, num_warps=8, num_stages=2)
+    return dict(block_t=64, block_r=16, block_h=block_h, num_warps=4, num_stages=2)
 
 
-def reconstruct_layer(factors, segments, out_k, out_v, cos, sin, *, interleaved=False, quant=None) -> None:
+def reconstruct_layer(factors, segments, out_k, out_v, cos, sin, *, interleaved=False, quant=None,
+                      plan: "Plan | None" = None) -> None:
     """Write X = A diag(Σ) Bᵀ of every segment to out[head, dst_row:dst_row + tokens], keys rotated by RoPE.
 
     factors: 1-D contiguous fp16/bf16/fp32, or uint8 holding ``quant`` segments (int8 when None, int4
     or int2; src_offset in bytes, even); segments: int64 [S, 6] (see SEGMENT_COLUMNS), best on the CPU
     (a device table is read back, a sync); out_k, out_v: [kv_heads, N, d]; cos, sin: fp32 [>= N, d].
-    Only the segments' rows are written.
+    Only the segments' rows are written. ``plan``: these segments' plan from `plan_layers`, used by the
+    Triton backend instead of planning again (the other backends take the segments).
     """
-    bits = _bits(factors, quant)
-    backend = _backend(factors)
+    bits = _bits(factors.dtype, quant)
+    backend = kernel_backend(factors.device)
     if backend in ("reference", "cpu"):
         if bits in (4, 2):  # the CPU and reference paths rebuild expanded fp16 factors
             _check_tensors(factors, out_k, out_v, cos, sin)
@@ -100,44 +104,64 @@ def reconstruct_layer(factors, segments, out_k, out_v, cos, sin, *, interleaved=
         rebuild = reconstruct_layer_naive if backend == "reference" else reconstruct_layer_cpu
         rebuild(factors, segs, out_k, out_v, cos, sin, interleaved=interleaved)
     else:
-        plan = plan_layer(factors, segments, out_k, out_v, cos, sin, quant=quant)
+        if plan is None:
+            plan = plan_layer(factors, segments, out_k, out_v, cos, sin, quant=quant)
         launch(plan, factors, out_k, out_v, cos, sin, interleaved=interleaved)
 
 
-def plan_layer(factors, segments, out_k, out_v, cos, sin, *, block_t=None, block_r=None, num_warps=None,
-               num_stages=None, quant=None, block_h=None) -> Plan:
+def plan_layer(factors, segments, out_k, out_v, cos, sin, *, quant=None, **tiles) -> Plan:
     """Validate a layer's segments against its buffers and build the Triton tile table.
 
     Works on the host: a CPU segment table costs no device synchronisation (a device one is read back,
     which does); the tile table is uploaded with one non-blocking copy from pinned memory. Tile sizes
-    default to `tile_config`; any of them can be overridden (powers of two, BLOCK_T and BLOCK_R >= 16).
+    (block_t, block_r, block_h, num_warps, num_stages) default to `tile_config`; any can be overridden
+    (block_* powers of two >= 16).
     """
     _require_triton(factors)
-    bits = _bits(factors, quant)
+    bits = _bits(factors.dtype, quant)
     segs = _check_all(factors, segments, out_k, out_v, cos, sin, bits)
-    d = out_k.shape[-1]
-    chosen = tile_config(d)
-    given = dict(block_t=block_t, block_r=block_r, block_h=block_h, num_warps=num_warps, num_stages=num_stages)
-    config = {k: chosen[k] if v is None else v for k, v in given.items()}
+    return _plan(segs[None], out_k.shape[-1], bits, factors.device, tiles)[0]
+
+
+def plan_layers(segments, d: int, *, factor_dtype, device, quant=None, **tiles) -> list[Plan]:
+    """Plans for every layer of one retrieval: segments int64 [L, S, 6] on the CPU, validated and tiled
+    in one host pass and uploaded in one non-blocking copy. The bounds that need the buffers (factors
+    length, output rows and heads) are checked by `launch` against each plan.
+    """
+    if triton is None:
+        raise RuntimeError("triton is not installed; plan_layers is for the Triton backend")
+    if segments.dtype != torch.int64 or segments.dim() != 3 or segments.shape[2] != len(SEGMENT_COLUMNS):
+        raise ValueError(f"segments must be int64 [L, S, {len(SEGMENT_COLUMNS)}], got {segments.dtype} "
+                         f"{tuple(segments.shape)}")
+    segs = segments.cpu()
+    bits = _bits(factor_dtype, quant)
+    flat = segs.reshape(-1, len(SEGMENT_COLUMNS))
+    _check_rules(flat, _structure_rules(flat, d, bits))
+    _check_disjoint(flat, torch.arange(segs.shape[0]).repeat_interleave(segs.shape[1]))
+    return _plan(segs, d, bits, torch.device(device), tiles)
+
+
+def _plan(segs, d: int, bits: int, device, tiles: dict) -> list[Plan]:
+    """Tile validated segment tables [L, S, 6] and upload them at once; one Plan per layer."""
+    config = {**tile_config(d), **{k: v for k, v in tiles.items() if v is not None}}
     for name in ("block_t", "block_r", "block_h"):
         size = config[name]
         if size < 16 or size & (size - 1):
             raise ValueError(f"{name} must be a power of two >= 16, got {size}")
-    src, rank, tokens, dst, head = (segs[:, i] for i in range(5))
+    L, S = segs.shape[:2]
+    flat = segs.reshape(-1, len(SEGMENT_COLUMNS))
+    src, rank, tokens, dst, head = (flat[:, i] for i in range(5))
     n_tiles = (tokens + config["block_t"] - 1) // config["block_t"]
-    owner = torch.repeat_interleave(torch.arange(len(segs)), n_tiles)
+    owner = torch.repeat_interleave(torch.arange(len(flat)), n_tiles)
     first_tile = torch.cumsum(n_tiles, 0) - n_tiles
     t0 = (torch.arange(len(owner)) - first_tile[owner]) * config["block_t"]
-    tiles = torch.cat([segs[owner], t0[:, None]], dim=1)
-    return Plan(
-        tiles=_upload(tiles, factors.device),
-        d=d,
-        need_numel=int((src + _segment_numel(segs, d, bits)).max()) if len(segs) else 0,
-        need_rows=int((dst + tokens).max()) if len(segs) else 0,
-        need_heads=int(head.max()) + 1 if len(segs) else 0,
-        bits=bits,
-        **config,
-    )
+    table = _upload(torch.cat([flat[owner], t0[:, None]], dim=1), device)
+    per_layer = n_tiles.view(L, S).sum(1).tolist()
+    ends = (src + _segment_numel(flat, d, bits)).view(L, S)
+    rows, heads = (dst + tokens).view(L, S), head.view(L, S)
+    need = [(0, 0, 0)] * L if S == 0 else zip(ends.amax(1).tolist(), rows.amax(1).tolist(), (heads.amax(1) + 1).tolist())
+    return [Plan(tiles=t, d=d, need_numel=n, need_rows=r, need_heads=h, bits=bits, **config)
+            for t, (n, r, h) in zip(table.split(per_layer), need)]
 
 
 def launch(plan: Plan, factors, out_k, out_v, cos, sin, *, interleaved=False) -> None:
@@ -169,11 +193,11 @@ def launch(plan: Plan, factors, out_k, out_v, cos, sin, *, interleaved=False) ->
     )
 
 
-def _bits(factors, quant) -> int:
+def _bits(factor_dtype, quant) -> int:
     """0 for floating factors, else the code width of the uint8 factors' quantization."""
     if quant not in QUANT_BITS:
         raise ValueError(f"unknown low-bit quantization {quant!r}; expected None, 'int8', 'int4' or 'int2'")
-    return QUANT_BITS[quant] if factors.dtype == torch.uint8 else 0
+    return QUANT_BITS[quant] if factor_dtype == torch.uint8 else 0
 
 
 def _upload(table, device):
@@ -183,10 +207,11 @@ def _upload(table, device):
     return table.to(device)
 
 
-def _backend(factors) -> str:
+def kernel_backend(device) -> str:
+    """What rebuilds tensors on ``device``: "triton" (CUDA), "cpu", or what MILO_KERNEL forces."""
     choice = os.environ.get("MILO_KERNEL", "").strip().lower() or "auto"
     if choice == "auto":
-        return "triton" if factors.is_cuda else "cpu"
+        return "triton" if torch.device(device).type == "cuda" else "cpu"
     if choice not in ("reference", "triton"):
         raise ValueError(f"MILO_KERNEL must be 'reference' or 'triton', got {choice!r}")
     return choice
@@ -242,22 +267,34 @@ def _check_all(factors, segments, out_k, out_v, cos, sin, bits=None) -> torch.Te
     bits = (bits or 8) if factors.dtype == torch.uint8 else 0
     n_heads, n_rows, d = out_k.shape
     src, rank, tokens, dst, head, kind = segs.unbind(1)
-    rules = (
+    _check_rules(segs, _structure_rules(segs, d, bits) + (
+        (src + _segment_numel(segs, d, bits) <= factors.numel(), f"reads past the end of factors ({factors.numel()})"),
+        (dst + tokens <= n_rows, f"rows fall outside the output's N={n_rows}"),
+        (head < n_heads, f"head must be in [0, {n_heads})"),
+    ))
+    _check_disjoint(segs)
+    return segs
+
+
+def _structure_rules(segs, d, bits) -> tuple:
+    """(ok per segment, message) for what a segment must satisfy whatever the buffers."""
+    src, rank, tokens, dst, head, kind = segs.unbind(1)
+    return (
         (src >= 0, "src_offset is negative"),
         ((src % 2 == 0) | (bits == 0), "src_offset of a quantized segment must be even (fp16 header)"),
         ((rank >= 0) & (rank <= d), f"rank must be in [0, d={d}]"),
         (tokens > 0, "tokens must be positive"),
-        (src + _segment_numel(segs, d, bits) <= factors.numel(), f"reads past the end of factors ({factors.numel()})"),
-        ((dst >= 0) & (dst + tokens <= n_rows), f"rows fall outside the output's N={n_rows}"),
-        ((head >= 0) & (head < n_heads), f"head must be in [0, {n_heads})"),
+        (dst >= 0, "dst_row is negative"),
+        (head >= 0, "head is negative"),
         ((kind == 0) | (kind == 1), "kind must be 0 (key) or 1 (value)"),
     )
+
+
+def _check_rules(segs, rules) -> None:
     for ok, message in rules:
         if not bool(ok.all()):
             i = int((~ok).nonzero()[0])
             raise ValueError(f"segment {i} {dict(zip(SEGMENT_COLUMNS, segs[i].tolist()))}: {message}")
-    _check_disjoint(segs, n_heads, n_rows)
-    return segs
 
 
 def _segment_numel(segs, d, bits):
@@ -270,12 +307,16 @@ def _segment_numel(segs, d, bits):
     return rank * (tokens + d + 1)
 
 
-def _check_disjoint(segs, n_heads, n_rows) -> None:
-    """Two segments writing the same (kind, head, row) would race in the kernel; reject them."""
+def _check_disjoint(segs, layer=None) -> None:
+    """Two segments of one layer writing the same (kind, head, row) would race in the kernel; reject them."""
     _, _, tokens, dst, head, kind = segs.unbind(1)
-    order = torch.argsort((kind * n_heads + head) * (n_rows + 1) + dst)
-    same_target = (kind[order][1:] == kind[order][:-1]) & (head[order][1:] == head[order][:-1])
-    overlaps = same_target & (dst[order][1:] < (dst + tokens)[order][:-1])
+    if len(segs) < 2:
+        return
+    layer = torch.zeros_like(kind) if layer is None else layer
+    span = int((dst + tokens).max()) + 1
+    order = torch.argsort(((layer * 2 + kind) * (int(head.max()) + 1) + head) * span + dst)
+    target = (layer * 2 + kind) * (int(head.max()) + 1) + head
+    overlaps = (target[order][1:] == target[order][:-1]) & (dst[order][1:] < (dst + tokens)[order][:-1])
     if bool(overlaps.any()):
         j = int(overlaps.nonzero()[0])
         raise ValueError(f"segments {int(order[j])} and {int(order[j + 1])} write overlapping rows")

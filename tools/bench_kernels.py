@@ -169,6 +169,15 @@ def graphed(fn):
     return graph.replay
 
 
+def planned_launches(layers, cos, sin):
+    """The query path: every layer planned at once (`plan_layers`, default tiles), then one launch each."""
+    first = layers[0]
+    plans = rk.plan_layers(torch.stack([L["segments"] for L in layers]), first["out_k"].shape[-1],
+                           factor_dtype=first["factors"].dtype, device=first["factors"].device)
+    for plan, L in zip(plans, layers):
+        rk.launch(plan, L["factors"], L["out_k"], L["out_v"], cos, sin)
+
+
 def sweep_configs(layers, cos, sin, time_it):
     """Time every tile configuration on all layers; failures (e.g. out of shared memory) are recorded."""
     results = []
@@ -242,6 +251,7 @@ def main():
         for scope, ls in scopes.items():
             timing = time_it if gpu else time_slow
             secs[f"triton_e2e/{scope}"] = timing(each(ls, lambda L: reconstruct_layer(**L, cos=cos, sin=sin)))
+            secs[f"triton_planned/{scope}"] = timing(lambda ls=ls: planned_launches(ls, cos, sin))
             secs[f"triton/{scope}"] = timing(each(ls, launch))
             if gpu:
                 secs[f"triton_graph/{scope}"] = time_it(graphed(each(ls, launch)))

@@ -78,17 +78,17 @@ def test_answer_reports_every_stage_and_the_model_excludes_rebuild(tiny, monkeyp
         seen = []
         rebuild = session.rebuild
 
-        def slow_rebuild(factors, segments, out_k, out_v):
-            seen.append(segments.device)
+        def slow_rebuild(factors, segments, out_k, out_v, plan):
+            seen.append((segments.device, plan))
             torch.tensor(0.0).add_(1)  # stands for device work
-            rebuild(factors, segments, out_k, out_v)
+            rebuild(factors, segments, out_k, out_v, plan)
 
         monkeypatch.setattr(session, "rebuild", slow_rebuild)
         a = session.answer(bench.synthetic_queries(1, 3, 3)[0])
     assert set(a.seconds) == {"retrieve", "read", "transfer", "wait", "reconstruct", "model"}
     assert all(v >= 0 for v in a.seconds.values()) and a.seconds["reconstruct"] > 0 and a.seconds["model"] > 0
     # the segment tables are host tensors planned before the forward: one per layer, none moved per layer
-    assert seen == [torch.device("cpu")] * store.layout.num_layers
+    assert seen == [(torch.device("cpu"), None)] * store.layout.num_layers  # CPU: no Triton plan
 
 
 def test_stage_clock_sums_host_device_and_deferred_stages():

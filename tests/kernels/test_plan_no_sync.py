@@ -59,6 +59,34 @@ def test_reconstruct_layer_reads_nothing_back_from_the_device(meta_triton, quant
     assert kwargs["BITS"] == (4 if quant else 0)
 
 
+def test_planning_every_layer_at_once_reads_nothing_back(meta_triton):
+    """The query path's form: plan_layers on the host for all layers, then per-layer launches."""
+    d = 64
+    raw, segments, n = int4_layer(d)
+    plans = rk.plan_layers(torch.stack([segments, segments]), d, factor_dtype=torch.uint8, device="meta", quant="int4")
+    factors = torch.empty(raw.numel(), dtype=torch.uint8, device="meta")
+    out_k, out_v = torch.empty(2, 1, n, d, dtype=torch.float16, device="meta")
+    cos = sin = torch.empty(n, d, device="meta")
+    for plan in plans:
+        rk.reconstruct_layer(factors, segments, out_k, out_v, cos, sin, quant="int4", plan=plan)
+    assert len(meta_triton.calls) == 2 and all(call[1][2].device.type == "meta" for call in meta_triton.calls)
+    assert plans[0].need_rows == n and plans[0].need_numel == raw.numel() and plans[0].bits == 4
+
+
+def test_plan_layers_checks_each_layer():
+    """Overlapping rows are refused within a layer, allowed across layers; structure is checked too."""
+    one = torch.tensor([[0, 2, 4, 0, 0, 0], [40, 2, 4, 4, 0, 0]])
+    rk.plan_layers(torch.stack([one, one]), 16, factor_dtype=torch.float16, device="cpu")
+    overlapping = one.clone()
+    overlapping[1, 3] = 2
+    with pytest.raises(ValueError, match="overlapping rows"):
+        rk.plan_layers(torch.stack([one, overlapping]), 16, factor_dtype=torch.float16, device="cpu")
+    bad = one.clone()
+    bad[0, 1] = 17
+    with pytest.raises(ValueError, match=r"rank must be in \[0, d=16\]"):
+        rk.plan_layers(torch.stack([one, bad]), 16, factor_dtype=torch.float16, device="cpu")
+
+
 def test_a_device_segment_table_is_read_back(meta_triton):
     """The control: the same call with the table on the device does read it (here: raises)."""
     raw, segments, n = int4_layer()

@@ -116,7 +116,7 @@ def valid_call(**override):
     (dict(segments=torch.tensor([[0, 2, 0, 1, 0, 0]])), "tokens must be positive"),
     (dict(segments=torch.tensor([[1, 2, 4, 1, 0, 0]])), "reads past the end of factors"),
     (dict(segments=torch.tensor([[0, 2, 4, 7, 0, 0]])), "rows fall outside"),
-    (dict(segments=torch.tensor([[0, 2, 4, -1, 0, 0]])), "rows fall outside"),
+    (dict(segments=torch.tensor([[0, 2, 4, -1, 0, 0]])), "dst_row is negative"),
     (dict(segments=torch.tensor([[0, 2, 4, 1, 2, 0]])), r"head must be in \[0, 2\)"),
     (dict(segments=torch.tensor([[0, 2, 4, 1, 0, 2]])), "kind must be 0"),
     (dict(segments=torch.tensor([[0, 2, 4, 1, 0, 0], [0, 1, 2, 4, 0, 0]])), "overlapping rows"),

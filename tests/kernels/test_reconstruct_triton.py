@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(not (CUDA or INTERPRET), reason="needs CUDA or T
 DEVICE = "cuda" if CUDA else "cpu"
 
 from milo_kernels import reconstruct_layer, reconstruct_layer_naive  # noqa: E402
-from milo_kernels.reconstruct import launch, plan_layer  # noqa: E402
+from milo_kernels.reconstruct import launch, plan_layer, plan_layers  # noqa: E402
 
 # (kv_heads, d, tokens of each block): one block and many, GQA head counts, tokens that are not tile multiples
 SHAPES = {
@@ -117,3 +117,25 @@ def test_empty_segment_table_writes_nothing():
     plan = plan_layer(factors, torch.zeros(0, 6, dtype=torch.int64), out_k, out_v, cos, sin)
     launch(plan, factors, out_k, out_v, cos, sin)
     assert out_k.isnan().all() and out_v.isnan().all()
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+def test_layers_planned_at_once_match_the_reference(interleaved):
+    """One plan_layers call for a whole retrieval (what the query path does), each layer launched alone."""
+    kv_heads, d, block_tokens = SHAPES["gqa4-many-blocks"]
+    layers = [random_layer(kv_heads, d, block_tokens, torch.float16, seed) for seed in (5, 6, 7)]
+    n_rows = layers[0][2]
+    cos, sin = rope_tables(n_rows, d, interleaved)
+    plans = plan_layers(torch.stack([segments for _, segments, _ in layers]), d, factor_dtype=torch.float16,
+                        device=DEVICE, **TILES["small"])
+    assert len(plans) == 3
+    for (factors, segments, _), plan in zip(layers, plans):
+        want = [torch.full((kv_heads, n_rows, d), math.nan, dtype=torch.float16) for _ in range(2)]
+        reconstruct_layer_naive(factors, segments, *want, cos, sin, interleaved=interleaved)
+        got = [torch.full((kv_heads, n_rows, d), math.nan, dtype=torch.float16, device=DEVICE) for _ in range(2)]
+        reconstruct_layer(factors.to(DEVICE), segments, *got, cos.to(DEVICE), sin.to(DEVICE), interleaved=interleaved,
+                          plan=plan)
+        check([g.cpu() for g in got], want, target_mask(segments, kv_heads, n_rows, d), "fp16")
+    short = torch.empty(kv_heads, plans[0].need_rows - 1, d, dtype=torch.float16, device=DEVICE)
+    with pytest.raises(ValueError, match="do not match the plan"):
+        launch(plans[0], layers[0][0].to(DEVICE), short, short.clone(), cos.to(DEVICE), sin.to(DEVICE))
