@@ -64,19 +64,23 @@ class TimedSession(MiloSession):
 
 
 def copy_identity_layer(factors, segments, out_k, out_v, cos, sin, *, interleaved=False) -> None:
-    """The full-KV baseline's fill: an identity segment's A is X itself, so copy it (keys rotated)."""
+    """The full-KV baseline's fill: an identity segment's A is X itself, so per kind gather every segment's
+    rows in one cat, rotate the keys, and scatter all rows to their (head, row) in one indexed write: a
+    handful of launches a layer, as a real offload's copy would be."""
     d = out_k.shape[-1]
-    groups = {}
-    for src, rank, tokens, dst, head, kind in segments.cpu().tolist():
-        groups.setdefault((kind, dst, tokens), []).append((src, head))
-    for (kind, dst, tokens), members in groups.items():
-        x = torch.stack([factors[src:src + tokens * d].view(tokens, d) for src, _ in members])
-        rows = slice(dst, dst + tokens)
+    segs = segments.cpu()
+    for kind, out in ((0, out_k), (1, out_v)):
+        mine = segs[segs[:, 5] == kind]
+        if not len(mine):
+            continue
+        src, _, tokens, dst, head, _ = mine.unbind(1)
+        x = torch.cat([factors[s:s + t * d].view(t, d) for s, t in zip(src.tolist(), tokens.tolist())])
+        within = torch.arange(int(tokens.sum())) - torch.repeat_interleave(torch.cumsum(tokens, 0) - tokens, tokens)
+        rows = (torch.repeat_interleave(dst, tokens) + within).to(out.device)
+        heads = torch.repeat_interleave(head, tokens).to(out.device)
         if kind == 0:
             x = rope(x.float(), cos[rows], sin[rows], interleaved)
-        out = out_k if kind == 0 else out_v
-        for g, (_, head) in enumerate(members):
-            out[head, rows].copy_(x[g])
+        out[heads, rows] = x.to(out.dtype)
 
 
 @contextlib.contextmanager
