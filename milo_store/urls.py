@@ -16,6 +16,8 @@ from urllib.parse import urlsplit
 
 from obstore.store import MemoryStore, from_url
 
+from .errors import StoreError
+
 SCHEMES = ("s3", "gs", "az", "azure", "abfs", "file", "memory")
 _memory_stores: dict[str, MemoryStore] = {}
 
@@ -26,14 +28,14 @@ def is_url(location) -> bool:
 
 
 def check_url(url: str) -> str:
-    """The URL without a trailing slash; a one-line ValueError for one that names no store location."""
+    """The URL without a trailing slash; a one-line StoreError for one that names no store location."""
     parts = urlsplit(url)
     if parts.scheme not in SCHEMES:
-        raise ValueError(f"{url}: unsupported store URL scheme {parts.scheme!r}; expected one of {SCHEMES}")
+        raise StoreError(f"{url}: unsupported store URL scheme {parts.scheme!r}; expected one of {SCHEMES}")
     if parts.scheme not in ("file", "memory") and not parts.netloc:
-        raise ValueError(f"{url}: a store URL names a bucket or container, e.g. {parts.scheme}://bucket/prefix")
+        raise StoreError(f"{url}: a store URL names a bucket or container, e.g. {parts.scheme}://bucket/prefix")
     if parts.query or parts.fragment:
-        raise ValueError(f"{url}: store URLs take no query or fragment; configure the client through the environment")
+        raise StoreError(f"{url}: store URLs take no query or fragment; configure the client through the environment")
     return url.rstrip("/")
 
 
@@ -54,7 +56,7 @@ def _env_float(name: str, default: float) -> float:
     try:
         return float(os.environ.get(name, default))
     except ValueError:
-        raise ValueError(f"{name}={os.environ[name]!r} is not a number") from None
+        raise StoreError(f"{name}={os.environ[name]!r} is not a number") from None
 
 
 def open_object_store(url: str):
@@ -69,7 +71,8 @@ def open_object_store(url: str):
         return from_url(url)
     timeout = _env_float("MILO_REMOTE_TIMEOUT", 30.0)
     retries = int(_env_float("MILO_REMOTE_RETRIES", 4))
-    client = {"connect_timeout": timedelta(seconds=min(timeout, 5.0)), "timeout": timedelta(seconds=timeout)}
+    client = {"connect_timeout": timedelta(seconds=min(timeout, 5.0)), "timeout": timedelta(seconds=timeout),
+              "allow_http": os.environ.get("AWS_ALLOW_HTTP", "").lower() == "true"}
     retry = {"max_retries": retries, "retry_timeout": timedelta(seconds=4 * timeout),
              "backoff": {"init_backoff": timedelta(milliseconds=50), "max_backoff": timedelta(seconds=2), "base": 2}}
     return from_url(url, client_options=client, retry_config=retry)
