@@ -75,6 +75,28 @@ def read_manifest(url: str, store) -> Manifest | None:
         raise StoreCorruptedError(f"{url}: unreadable {MANIFEST} ({type(e).__name__}: {e})") from None
 
 
+class MetadataStore(zarr.storage.ObjectStore):
+    """zarr's ObjectStore, with object-store failures turned into one-line StoreErrors naming the URL
+    (zarr already maps a missing key to None). Metadata is read lazily (examples, anchor), so a link
+    failure can surface after the mount too."""
+
+    def __init__(self, store, url: str):
+        super().__init__(store, read_only=True)
+        self.url = url
+
+    async def get(self, key, prototype, byte_range=None):
+        try:
+            return await super().get(key, prototype, byte_range)
+        except Exception as e:
+            raise remote_error(self.url, e) from None
+
+    async def exists(self, key: str) -> bool:
+        try:
+            return await super().exists(key)
+        except Exception as e:
+            raise remote_error(self.url, e) from None
+
+
 def cache_key(url: str, version: str) -> str:
     """A directory name for one store version in the block cache (versions are immutable)."""
     return f"{hashlib.sha256(url.encode()).hexdigest()[:16]}-{version}"
@@ -92,8 +114,10 @@ def mount(url: str, block_cache: BlockCache | None):
                                  f"this milo reads version {fmt.FORMAT_VERSION}")
     root = f"{VERSIONS}/{manifest.version}"
     try:
-        group = zarr.open_group(store=zarr.storage.ObjectStore(store, read_only=True), path=root, mode="r")
+        group = zarr.open_group(store=MetadataStore(store, url), path=root, mode="r")
         meta = group.attrs.get(fmt.ATTRS_KEY)
+    except StoreError:
+        raise
     except Exception as e:
         raise StoreCorruptedError(f"{url}: unreadable metadata of version {manifest.version} ({_first_line(e)})") from None
 

@@ -18,7 +18,8 @@ from .blockcache import BlockCache
 from .checksum import crc32c
 from .errors import StoreCorruptedError, StoreError
 
-FETCH_ATTEMPTS = 3  # our retries of a range whose body came back short or broken (obstore retries requests)
+FETCH_ATTEMPTS = 3  # our fetches of a range whose body came back short, broken or failing its checksum
+# (obstore itself retries requests that fail with 5xx, timeouts and resets)
 
 
 def chunk_pieces(start: int, stop: int, chunk_bytes: int):
@@ -99,10 +100,13 @@ class ObjectChunks:
             return
         self._fetch(todo)
         for b, s, o in todo:
-            if crc32c(np.frombuffer(o, dtype=np.uint8)) != int(self.checksums[b]):
-                self._fetch([(b, s, o)])  # a body damaged in flight: once more, alone
-                if crc32c(np.frombuffer(o, dtype=np.uint8)) != int(self.checksums[b]):
-                    raise StoreCorruptedError(f"{self.url}: block {b} fails its checksum after refetching (corrupted object)")
+            for attempt in range(FETCH_ATTEMPTS):
+                if crc32c(np.frombuffer(o, dtype=np.uint8)) == int(self.checksums[b]):
+                    break
+                if attempt == FETCH_ATTEMPTS - 1:
+                    raise StoreCorruptedError(f"{self.url}: block {b} fails its checksum after {FETCH_ATTEMPTS} fetches "
+                                              "(a corrupted object, or a link that keeps damaging it)")
+                self._fetch([(b, s, o)])  # damaged in flight, maybe: again, alone
             if cache is not None:
                 cache.put(self.cache_key, b, int(self.checksums[b]), o)
         if cache is not None:
