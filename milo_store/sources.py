@@ -49,11 +49,15 @@ class ChunkFiles:
             self.close()
             raise
 
+    def read_range(self, start: int, out: memoryview) -> None:
+        """Bytes [start, start + len(out)) of the flat factor array, unchecked."""
+        for c, a, b, at in chunk_pieces(start, start + len(out), self.chunk_bytes):
+            if os.preadv(self.fds[c], [out[at:at + b - a]], a) != b - a:
+                raise StoreCorruptedError(f"{self.root}: short read in factor chunk {c}")
+
     def read_blocks(self, blocks: list[int], starts: list[int], outs: list[memoryview], use_cache: bool = True) -> None:
         for start, out in zip(starts, outs):
-            for c, a, b, at in chunk_pieces(start, start + len(out), self.chunk_bytes):
-                if os.preadv(self.fds[c], [out[at:at + b - a]], a) != b - a:
-                    raise StoreCorruptedError(f"{self.root}: short read in factor chunk {c}")
+            self.read_range(start, out)
 
     def disk_bytes(self) -> tuple[int, int]:
         """(bytes of every file of the store, bytes of the factor chunk files)."""
@@ -112,6 +116,10 @@ class ObjectChunks:
         if cache is not None:
             cache.evict()
 
+    def read_range(self, start: int, out: memoryview) -> None:
+        """Bytes [start, start + len(out)) of the flat factor array: range GETs only, no cache, unchecked."""
+        self._fetch([(None, start, out)])
+
     def _fetch(self, items) -> None:
         """Range GETs for these (block, start, out): per chunk object, adjacent ranges merged, objects in parallel."""
         per_chunk: dict[int, list] = {}
@@ -134,7 +142,7 @@ class ObjectChunks:
             else:
                 merged.append([p[0], p[1], [p]])
         starts, ends = [m[0] for m in merged], [m[1] for m in merged]
-        blocks = sorted({p[3] for p in pieces})
+        blocks = sorted({p[3] for p in pieces if p[3] is not None})
         for attempt in range(FETCH_ATTEMPTS):
             try:
                 bufs = obstore.get_ranges(self.store, self._key(c), starts=starts, ends=ends, coalesce=0)

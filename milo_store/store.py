@@ -126,6 +126,11 @@ class MiloStore:
         views = [memoryview(o.view(torch.uint8).numpy()) for o in outs]
         self.source.read_blocks(blocks, [int(self.offsets[i]) * self.itemsize for i in blocks], views, use_cache)
 
+    def _read_range(self, start: int, stop: int, out: torch.Tensor) -> None:
+        """Values [start, stop) of the flat factor array into ``out`` (CPU, contiguous), unchecked:
+        the raw read path, as benchmarks time it."""
+        self.source.read_range(start * self.itemsize, memoryview(out.view(torch.uint8).numpy())[:(stop - start) * self.itemsize])
+
     def _load_host(self, pin: bool | None):
         total = int(self.offsets[-1])
         self._host = torch.empty(total, dtype=self.torch_dtype)
