@@ -143,6 +143,18 @@ def test_cli_on_a_url(tmp_path, s3_url, capsys):
     assert store_cli(["gc", str(tmp_path)]) == 2
 
 
+def test_push_rechunks_and_keeps_every_byte(tmp_path, s3_url, capsys):
+    local = build_synthetic_store(tmp_path / "local", LAYOUT, TOKENS, CONFIG, seed=8)
+    assert store_cli(["push", str(local), s3_url, "--chunk-size", "2K"]) == 0
+    assert capsys.readouterr().out.strip() == s3_url
+    with MiloStore.open(local, tier="disk") as a, MiloStore.open(s3_url, tier="disk", block_cache=BlockCache(tmp_path / "c")) as b:
+        assert b.chunk * b.itemsize <= 2048 < a.chunk * a.itemsize  # several chunk objects: blocks span them
+        assert all(torch.equal(x, y) for x, y in zip(_blocks(a), _blocks(b)))
+        assert b.examples() == a.examples() and torch.equal(a.anchor_kv(), b.anchor_kv()) and b.meta == a.meta
+    assert store_cli(["push", str(local), s3_url]) == 2  # already there, no --force
+    assert "already holds a store" in capsys.readouterr().err
+
+
 def test_memory_and_file_urls(tmp_path):
     for url in ("memory://milo-test-urls", f"file://{tmp_path}/fs-store"):
         build_synthetic_store(url, LAYOUT, TOKENS, CONFIG, seed=5)
