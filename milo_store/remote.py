@@ -23,7 +23,7 @@ import zarr.storage
 from . import format as fmt
 from .blockcache import BlockCache
 from .errors import FormatVersionError, NotAStoreError, StoreCorruptedError, StoreError
-from .sources import ObjectChunks, _first_line
+from .sources import ObjectChunks, one_line
 from .urls import check_url, open_object_store
 
 MANIFEST, VERSIONS = "manifest.json", "v"
@@ -49,8 +49,8 @@ def remote_error(url: str, e: BaseException) -> StoreError:
             s in text for s in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403 Forbidden")):
         return StoreError(f"{url}: access denied (check the credentials in the environment)")
     if "error sending request" in text or "Connection refused" in text or "dns error" in text:
-        return StoreError(f"{url}: cannot reach the object store ({_first_line(e)})")
-    return StoreError(f"{url}: object store error ({_first_line(e)})")
+        return StoreError(f"{url}: cannot reach the object store ({one_line(e)})")
+    return StoreError(f"{url}: object store error ({one_line(e)})")
 
 
 def read_manifest(url: str, store) -> Manifest | None:
@@ -103,7 +103,7 @@ def cache_key(url: str, version: str) -> str:
 
 
 def mount(url: str, block_cache: BlockCache | None):
-    """(name, zarr group, milo attributes, source factory) of the version the manifest names now."""
+    """(URL, zarr group, milo attributes, source factory) of the version the manifest names now."""
     url = check_url(url)
     store = open_object_store(url)
     manifest = read_manifest(url, store)
@@ -119,7 +119,7 @@ def mount(url: str, block_cache: BlockCache | None):
     except StoreError:
         raise
     except Exception as e:
-        raise StoreCorruptedError(f"{url}: unreadable metadata of version {manifest.version} ({_first_line(e)})") from None
+        raise StoreCorruptedError(f"{url}: unreadable metadata of version {manifest.version} ({one_line(e)})") from None
 
     def make_source(chunk_bytes: int, num_chunks: int, checksums):
         try:
@@ -130,7 +130,7 @@ def mount(url: str, block_cache: BlockCache | None):
         except Exception as e:
             raise remote_error(url, e) from None
 
-    return url, group, meta, make_source, manifest
+    return url, group, meta, make_source
 
 
 def new_version_id() -> str:

@@ -150,9 +150,9 @@ class ObjectChunks:
                     break
                 problem = "a range came back short"
             except FileNotFoundError as e:
-                raise StoreError(f"{self.url}: factor chunk object {c} (blocks {blocks}) is gone: {_first_line(e)}") from None
+                raise StoreError(f"{self.url}: factor chunk object {c} (blocks {blocks}) is gone: {one_line(e)}") from None
             except Exception as e:  # network errors obstore already retried, or a body cut off
-                problem = _first_line(e)
+                problem = one_line(e)
             if attempt == FETCH_ATTEMPTS - 1:
                 raise StoreError(f"{self.url}: cannot read blocks {blocks} (factor chunk object {c}) after "
                                  f"{FETCH_ATTEMPTS} attempts: {problem}")
@@ -171,7 +171,7 @@ class ObjectChunks:
         self.pool.shutdown(wait=False)
 
 
-def _first_line(e: BaseException) -> str:
+def one_line(e: BaseException) -> str:
     """An obstore error's first line (its messages carry a multi-line debug dump after it)."""
     text = str(e).strip().splitlines()
     return text[0] if text else type(e).__name__

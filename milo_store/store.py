@@ -81,7 +81,7 @@ class MiloStore:
         if tier not in TIERS:
             raise ValueError(f"unknown tier {tier!r}; expected one of {TIERS}")
         if is_url(path):
-            path, group, meta, make_source, _ = remote.mount(path, block_cache if block_cache is not None else BlockCache())
+            path, group, meta, make_source = remote.mount(path, block_cache if block_cache is not None else BlockCache())
         else:
             path, group, meta = cls._open_local(Path(path))
             make_source = lambda chunk_bytes, num_chunks, _: ChunkFiles(path, chunk_bytes, num_chunks)  # noqa: E731

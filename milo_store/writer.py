@@ -199,8 +199,9 @@ class StoreWriter:
             raise ValueError(f"expected {int(self.block_tokens.sum())} token ids, got {token_ids.shape}")
         self.group.create_array(fmt.TOKEN_IDS, data=token_ids)
 
-    def commit(self) -> Path:
-        """Finish the factor array, write index and attributes, fsync, and move the store into place."""
+    def commit(self) -> Path | str:
+        """Finish the factor array, write index and attributes, fsync, and move the store into place
+        (for a URL: upload it as a new version and publish the manifest); returns the path or URL."""
         if self.next_block != len(self.block_tokens):
             raise StoreError(f"commit after {self.next_block} of {len(self.block_tokens)} blocks")
         try:

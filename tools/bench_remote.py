@@ -243,34 +243,48 @@ def render(report: dict) -> str:
 
 
 def crossover(rows: list[dict]) -> dict:
-    """Per MILO method, the link rates of the sweep between which its cold queries/s pass full's."""
+    """Per MILO method: where its cold queries/s pass full's in the sweep, and the link rate below which
+    its KV assembly beats full's, W* = (bytes saved) / (extra rebuild), from medians over the sweep
+    (the same model as `milo bench`'s crossover, with the fetch over the link as the transfer)."""
     out = {}
     rated = sorted((r for r in rows if r["rate_mbps"]), key=lambda r: r["rate_mbps"])
     for m in rows[0]["cold"]:
         if m == "full":
             continue
-        wins = [(r["rate_mbps"], r["cold"][m]["qps"] >= r["cold"]["full"]["qps"]) for r in rated]
-        faster = [w for w, ok in wins if ok]
-        slower = [w for w, ok in wins if not ok]
+        faster = [r["rate_mbps"] for r in rated if r["cold"][m]["qps"] >= r["cold"]["full"]["qps"]]
+        slower = [r["rate_mbps"] for r in rated if r["cold"][m]["qps"] < r["cold"]["full"]["qps"]]
         if not slower:
-            out[m] = f"ahead of full at every simulated rate up to {rated[-1]['rate_mbps']:g} MB/s"
+            sweep = f"queries/s ahead of full at every simulated rate up to {rated[-1]['rate_mbps']:g} MB/s"
         elif not faster:
-            out[m] = f"behind full at every simulated rate down to {rated[0]['rate_mbps']:g} MB/s"
+            sweep = f"queries/s behind full at every simulated rate down to {rated[0]['rate_mbps']:g} MB/s"
         else:
-            out[m] = f"ahead at <= {max(faster):g} MB/s, behind at >= {min(slower):g} MB/s"
+            sweep = f"queries/s ahead at <= {max(faster):g} MB/s, behind at >= {min(slower):g} MB/s"
+        saved = statistics.median(r["cold"]["full"]["bytes_per_query"] - r["cold"][m]["bytes_per_query"] for r in rows)
+        extra = statistics.median(r["cold"][m]["rebuild_ms"] - r["cold"]["full"]["rebuild_ms"] for r in rows) / 1e3
+        bound = f"{saved / extra / 1e6:.0f} MB/s" if extra > 0 else "any rate (its rebuild is no slower)"
+        out[m] = f"{sweep}; KV assembly beats full's below {bound} ({saved / 2**20:.1f} MiB saved per query for " \
+                 f"{extra * 1e3:.0f} ms more rebuild)"
     return out
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True, help="folder for the report and the local stores")
+    p.add_argument("--out", help="folder for the report and the local stores (required unless --render)")
     p.add_argument("--shots", type=int, default=256)
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--n-queries", type=int, default=4)
     p.add_argument("--ratios", default="0.5,0.25")
     p.add_argument("--rates", default="25M,50M,200M,1G,0", help="simulated link rates, bytes/s (0: no proxy)")
     p.add_argument("--chunk-sizes", default="1M,4M,8M,32M,64M")
+    p.add_argument("--render", metavar="JSON", help="only render the markdown of a saved bench_remote.json")
     args = p.parse_args(argv)
+    if args.render:
+        report = json.loads(Path(args.render).read_text())
+        report["crossover"] = crossover(report["e2e"]["rows"])
+        print(render(report))
+        return 0
+    if not args.out:
+        p.error("--out is required")
     torch.set_num_threads(1)
     args.rates = [parse_rate(r) for r in args.rates.split(",")]
     ratios = [float(r) for r in args.ratios.split(",")]
