@@ -10,6 +10,7 @@ versions no manifest names (docs/format.md, "Stores in object storage").
 """
 import hashlib
 import json
+import re
 import secrets
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from .urls import check_url, open_object_store
 
 MANIFEST, VERSIONS = "manifest.json", "v"
 MANIFEST_FORMAT = 1
+VERSION_ID = re.compile(r"[0-9A-Za-z][0-9A-Za-z._-]*")  # one path segment: never "..", never a "/"
 UPLOAD_CONCURRENCY = 8
 REMOTE_CHUNK_BYTES = 8 << 20  # factor chunk objects of remote stores (docs/format.md says why)
 
@@ -62,14 +64,14 @@ def read_manifest(url: str, store) -> Manifest | None:
         if "NoSuchBucket" in str(e):
             raise remote_error(url, e) from None
         return None
-    except StoreError:
-        raise
     except Exception as e:
         raise remote_error(url, e) from None
     try:
         m = json.loads(body)
         if m.get("milo_manifest") != MANIFEST_FORMAT:
             raise FormatVersionError(f"{url}: manifest format {m.get('milo_manifest')!r}; this milo reads {MANIFEST_FORMAT}")
+        if not VERSION_ID.fullmatch(str(m["version"])):
+            raise ValueError(f"version {m['version']!r} is not a version id")
         return Manifest(str(m["version"]), m.get("previous"), m["format_version"], e_tag)
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise StoreCorruptedError(f"{url}: unreadable {MANIFEST} ({type(e).__name__}: {e})") from None

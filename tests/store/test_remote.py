@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from milo_store import CompressionConfig, Layout, MiloStore, NotAStoreError, StoreError, StoreWriter
 from milo_store.blockcache import BlockCache
 from milo_store.cli.main import main as store_cli
-from milo_store.errors import FormatVersionError
+from milo_store.errors import FormatVersionError, StoreCorruptedError
 from milo_store.remote import MANIFEST, RemoteTarget, gc
 from milo_store.synthetic import build_synthetic_store
 from milo_store.urls import open_object_store
@@ -140,6 +140,9 @@ def test_clear_errors_naming_the_url(tmp_path, s3_url, monkeypatch, capsys):
         MiloStore.open(s3_url)
     obstore.put(open_object_store(s3_url), MANIFEST, json.dumps({**m, "milo_manifest": 7}).encode())
     with pytest.raises(FormatVersionError, match="manifest format 7"):
+        MiloStore.open(s3_url)
+    obstore.put(open_object_store(s3_url), MANIFEST, json.dumps({**m, "version": "../elsewhere"}).encode())
+    with pytest.raises(StoreCorruptedError, match="unreadable manifest.json"):
         MiloStore.open(s3_url)
     assert store_cli(["stat", s3_url]) == 2
     err = capsys.readouterr().err
