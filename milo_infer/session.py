@@ -97,10 +97,13 @@ class MiloSession:
 
     def build_cache(self, block_ids: list[int], extra_tokens: int, timings: dict) -> MiloCache:
         """A cache whose layers fill [anchor][blocks] on first use. ``timings`` gains read, transfer
-        (getting a layer's factors onto the device) and reconstruct (dequantise and rebuild)."""
-        t = self._now()
+        (getting a layer's factors onto the device) and reconstruct (dequantise and rebuild); for a
+        store URL also remote (range GETs; bytes and GETs: ``store.remote_stats()``)."""
+        t, fetched = self._now(), self.store.remote_stats()
         prefetch = LayerPrefetcher(self.store, block_ids, self.device, depth=self.prefetch_depth)
         timings["read"] = self._now() - t
+        if fetched is not None:  # a store URL: the part of read spent on range GETs (block cache misses)
+            timings["remote"] = self.store.remote_stats()["seconds"] - fetched["seconds"]
         tokens = self.store.block_tokens[block_ids]
         dst = self.anchor_len + np.concatenate(([0], np.cumsum(tokens)[:-1])).astype(np.int64)
         prefix = self.anchor_len + int(tokens.sum())

@@ -31,6 +31,7 @@ def test_build_query_verify_on_an_s3_url(tmp_path, s3_url, capsys):
         answers.append(json.loads(capsys.readouterr().out))
     assert answers[0]["answer"] == answers[1]["answer"] and answers[0]["blocks"] == answers[1]["blocks"]
     assert answers[0]["kv_bytes_stored"] == answers[1]["kv_bytes_stored"]
+    assert "remote" in answers[1]["seconds"] and "remote" not in answers[0]["seconds"]
     assert milo_store(["verify", s3_url]) == 0
     assert milo(build + ["--out", s3_url]) == 2  # a store is there: --force replaces it
     assert "already holds a store" in capsys.readouterr().err
