@@ -21,6 +21,7 @@ from tqdm import tqdm
 from milo_store import CompressionConfig, Layout, MiloStore, Staging, factorize_block, write_store
 from milo_store.allocation import BudgetError
 from milo_store.compress import check_budget, staging_codec
+from milo_store.urls import is_url, local_sidecar
 from milo_store.writer import StoreLock, check_target
 
 from .corpus import Demonstration, TaskSpec
@@ -97,7 +98,7 @@ def encode_block(model, captured_len: int, ids: list[int]) -> tuple[torch.Tensor
 def build_store(out, loaded: LoadedModel, demos: list[Demonstration], task: TaskSpec, config: BuildConfig, *,
                 force: bool = False, progress: bool = True, keep_staging: bool = False) -> dict:
     """Build (or resume building) the store at ``out``; returns the closing summary."""
-    out = Path(out)
+    out = out if is_url(out) else Path(out)
     model, tok, identity = loaded.model, loaded.tokenizer, loaded.identity
     anchor_ids, demo_ids = tokenize(tok, task, demos)
     max_positions = identity["max_position_embeddings"]
@@ -117,7 +118,7 @@ def build_store(out, loaded: LoadedModel, demos: list[Demonstration], task: Task
     times = {"encode_s": 0.0, "factorize_s": 0.0, "write_s": 0.0}
     with StoreLock(out) as lock:  # one build per path, across both passes
         # Under the lock: opening staging with another fingerprint wipes it, which must not hit a running build.
-        staging = Staging(Path(f"{out}.staging"), corpus_fingerprint(identity, task, demos, config))
+        staging = Staging(local_sidecar(out, "staging"), corpus_fingerprint(identity, task, demos, config))
         todo = [i for i in range(len(blocks)) if not staging.has(i)]
         tokens_todo = sum(len(block_ids[i]) for i in todo)
         bar = tqdm(total=tokens_todo, unit="tok", desc=f"encoding {len(todo)} blocks", disable=not progress)

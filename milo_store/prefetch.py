@@ -23,7 +23,7 @@ class LayerPrefetcher:
 
     def __init__(self, store: MiloStore, block_ids: list[int], device, depth: int = 2):
         self.store, self.block_ids, self.device = store, list(block_ids), torch.device(device)
-        self.blocks = [store.block(i) for i in self.block_ids]  # views (host tier) or reads (disk tiers)
+        self.blocks = store.blocks(self.block_ids)  # views (host tier) or reads (disk tiers; remote: one batch)
         self.bounds = [store.block_layer_bounds(i) for i in self.block_ids]
         L = store.layout.num_layers
         sizes = np.array([[b[l + 1] - b[l] for b in self.bounds] for l in range(L)], dtype=np.int64).reshape(L, -1)

@@ -5,15 +5,18 @@ Tiers:
   there, so its size is exact rather than rounded up by the caching host allocator); a block is a
   zero-copy view.
 - ``disk``: every block read is a ``preadv`` of its byte range from the chunk files into a fresh tensor
-  (page-locked when CUDA is there, so the prefetcher's copies to the device are truly asynchronous).
+  (page-locked when CUDA is there, so the prefetcher's copies to the device are truly asynchronous);
+  for a store URL, merged range GETs through the machine's block cache (``blockcache.py``).
 - ``cached``: ``disk`` behind an LRU of whole blocks bounded in bytes.
+
+The bytes come from a source (``sources.py``): local chunk files, or the chunk objects of the store
+version a URL's manifest names (``remote.py``), pinned for the life of the mount.
 
 Reads bypass zarr's codec pipeline on purpose: the factor array is uncompressed with the default
 chunk key encoding, so a block's bytes are plain byte ranges of at most a few files, and reading them
 into place is several times faster than a zarr slice (docs/benchmarks.md). Integrity comes from the
 per-block CRC32C, checked on every read unless ``verify=False``.
 """
-import os
 import warnings
 import weakref
 from collections import OrderedDict
@@ -24,9 +27,13 @@ import torch
 import zarr
 
 from . import format as fmt
+from . import remote
+from .blockcache import BlockCache
 from .checksum import crc32c
 from .errors import FormatVersionError, NotAStoreError, StoreCorruptedError, StoreError
 from .layout import Layout, compressed_bytes
+from .sources import ChunkFiles
+from .urls import is_url
 
 TIERS = ("host", "disk", "cached")
 
@@ -34,7 +41,7 @@ TIERS = ("host", "disk", "cached")
 class MiloStore:
     """A mounted store. Use ``MiloStore.open(path, tier=...)``."""
 
-    def __init__(self, path: Path, group, meta: dict, tier: str, verify: bool, cache_bytes: int, pin: bool | None):
+    def __init__(self, path, group, meta: dict, tier: str, verify: bool, cache_bytes: int, pin: bool | None, make_source):
         self.path, self.group, self.meta, self.tier, self.verify = path, group, meta, tier, verify
         lay = meta["layout"]
         quant = lay.get("quant", "int8" if lay.get("quantized") else None)  # "quantized": stores before int4/int2
@@ -54,11 +61,12 @@ class MiloStore:
         if factors.shape != (int(self.offsets[-1]),):
             raise StoreCorruptedError(f"{path}: factor array holds {factors.shape[0]} values, ranks describe {self.offsets[-1]}")
         self.chunk = factors.chunks[0]
-        self._fds, self._host, self._unpin = [], None, None
+        self.source, self._host, self._unpin = None, None, None
         self._pin = pin if pin is not None else torch.cuda.is_available()
         self._cache, self._cache_bytes, self._cache_limit = OrderedDict(), 0, cache_bytes
         try:  # a failed mount releases what it took (file descriptors, page-locked memory)
-            self._open_chunks(factors.shape[0])
+            total = factors.shape[0]
+            self.source = make_source(self.chunk * self.itemsize, -(-total // self.chunk) if total else 0, self.checksums)
             if tier == "host":
                 self._load_host()
         except BaseException:
@@ -67,11 +75,31 @@ class MiloStore:
 
     @classmethod
     def open(cls, path, tier: str = "host", *, verify: bool = True, cache_bytes: int = 1 << 30,
-             pin: bool | None = None) -> "MiloStore":
-        """Mount the store at ``path``. Raises a StoreError subclass naming what is wrong."""
+             pin: bool | None = None, block_cache: BlockCache | None = None) -> "MiloStore":
+        """Mount the store at ``path`` (a directory, or a store URL: ``urls.py``).
+
+        Raises a StoreError subclass naming what is wrong. ``block_cache`` is where a URL's blocks are
+        kept on this machine (default: ``BlockCache()``, under ~/.cache/milo/blocks).
+        """
         if tier not in TIERS:
             raise ValueError(f"unknown tier {tier!r}; expected one of {TIERS}")
-        path = Path(path)
+        if is_url(path):
+            path, group, meta, make_source = remote.mount(path, block_cache if block_cache is not None else BlockCache())
+        else:
+            path, group, meta = cls._open_local(Path(path))
+            make_source = lambda chunk_bytes, num_chunks, _: ChunkFiles(path, chunk_bytes, num_chunks)  # noqa: E731
+        if not isinstance(meta, dict):
+            raise NotAStoreError(f"{path}: a zarr group but not a milo store (no '{fmt.ATTRS_KEY}' attributes)")
+        version = meta.get("format_version")
+        if version != fmt.FORMAT_VERSION:
+            raise FormatVersionError(f"{path}: store format version {version!r}; this milo reads version {fmt.FORMAT_VERSION}")
+        try:
+            return cls(path, group, meta, tier, verify, cache_bytes, pin, make_source)
+        except (KeyError, ValueError, FileNotFoundError) as e:
+            raise StoreCorruptedError(f"{path}: broken store structure ({type(e).__name__}: {e})") from e
+
+    @staticmethod
+    def _open_local(path: Path):
         if not path.is_dir():
             raise NotAStoreError(f"{path}: no such store directory")
         if not (path / "zarr.json").is_file():
@@ -81,15 +109,7 @@ class MiloStore:
             meta = group.attrs.get(fmt.ATTRS_KEY)
         except Exception as e:
             raise StoreCorruptedError(f"{path}: unreadable store metadata ({e})") from e
-        if not isinstance(meta, dict):
-            raise NotAStoreError(f"{path}: a zarr group but not a milo store (no '{fmt.ATTRS_KEY}' attributes)")
-        version = meta.get("format_version")
-        if version != fmt.FORMAT_VERSION:
-            raise FormatVersionError(f"{path}: store format version {version!r}; this milo reads version {fmt.FORMAT_VERSION}")
-        try:
-            return cls(path, group, meta, tier, verify, cache_bytes, pin)
-        except (KeyError, ValueError, FileNotFoundError) as e:
-            raise StoreCorruptedError(f"{path}: broken store structure ({type(e).__name__}: {e})") from e
+        return path, group, meta
 
     # -- structure -------------------------------------------------------------------------------
     def _check_index(self):
@@ -103,29 +123,16 @@ class MiloStore:
         if problem := fmt.check_block_group(self.block_group, n):
             raise StoreCorruptedError(f"{self.path}: {problem}")
 
-    def _open_chunks(self, total: int) -> None:
-        nbytes = self.chunk * self.itemsize
-        for c in range(-(-total // self.chunk) if total else 0):
-            p = fmt.factor_chunk_path(self.path, c)
-            if not p.is_file():
-                raise StoreCorruptedError(f"{self.path}: factor chunk {p.name} is missing")
-            size = p.stat().st_size
-            if size != nbytes:
-                raise StoreCorruptedError(f"{self.path}: factor chunk {p.name} is {size} bytes, expected {nbytes} (truncated?)")
-            self._fds.append(os.open(p, os.O_RDONLY))
-
     # -- reading ---------------------------------------------------------------------------------
+    def _read_blocks(self, blocks: list[int], outs: list[torch.Tensor], use_cache: bool = True) -> None:
+        """Fill ``outs`` (CPU, contiguous, one per block) with these blocks' bytes from the source."""
+        views = [memoryview(o.view(torch.uint8).numpy()) for o in outs]
+        self.source.read_blocks(blocks, [int(self.offsets[i]) * self.itemsize for i in blocks], views, use_cache)
+
     def _read_range(self, start: int, stop: int, out: torch.Tensor) -> None:
-        """preadv values [start, stop) of the flat factor array into ``out`` (CPU, contiguous)."""
-        view = memoryview(out.view(torch.uint8).numpy())
-        pos, done = start, 0
-        while pos < stop:
-            c, within = divmod(pos, self.chunk)
-            n = min(stop - pos, self.chunk - within)
-            got = os.preadv(self._fds[c], [view[done:done + n * self.itemsize]], within * self.itemsize)
-            if got != n * self.itemsize:
-                raise StoreCorruptedError(f"{self.path}: short read in factor chunk {c}")
-            pos, done = pos + n, done + n * self.itemsize
+        """Values [start, stop) of the flat factor array into ``out`` (CPU, contiguous), unchecked:
+        the raw read path, as benchmarks time it."""
+        self.source.read_range(start * self.itemsize, memoryview(out.view(torch.uint8).numpy())[:(stop - start) * self.itemsize])
 
     def _load_host(self):
         total = int(self.offsets[-1])
@@ -136,7 +143,8 @@ class MiloStore:
                 self._unpin = weakref.finalize(self, _unregister_pinned, _register_pinned(self._host))
             except RuntimeError as e:  # e.g. a low `ulimit -l`: still correct, only transfers are slower
                 warnings.warn(f"{self.path}: host tier left pageable, page-locking failed ({e})")
-        self._read_range(0, total, self._host)
+        self._read_blocks(list(range(self.num_blocks)), [self._host[self.offsets[i]:self.offsets[i + 1]]
+                                                         for i in range(self.num_blocks)])
         if self.verify:
             for i in range(self.num_blocks):
                 self._check(i, self._host[self.offsets[i]:self.offsets[i + 1]])
@@ -145,32 +153,49 @@ class MiloStore:
         if crc32c(data) != int(self.checksums[i]):
             raise StoreCorruptedError(f"{self.path}: block {i} fails its checksum (corrupted factor bytes)")
 
-    def _read_block(self, i: int, check: bool, pinned: bool = False) -> torch.Tensor:
-        """Block i's bytes read from its chunk files into a fresh tensor, checksum checked if asked."""
-        data = torch.empty(int(self.offsets[i + 1] - self.offsets[i]), dtype=self.torch_dtype, pin_memory=pinned)
-        self._read_range(int(self.offsets[i]), int(self.offsets[i + 1]), data)
+    def _read_block(self, i: int, check: bool, use_cache: bool = True) -> torch.Tensor:
+        """Block i's bytes read from the source into a fresh tensor, checksum checked if asked."""
+        data = torch.empty(int(self.offsets[i + 1] - self.offsets[i]), dtype=self.torch_dtype)
+        self._read_blocks([i], [data], use_cache)
         if check:
             self._check(i, data)
         return data
 
     def block(self, i: int) -> torch.Tensor:
         """Block i's packed factors, flat. A view in the host tier; a fresh tensor from disk otherwise."""
-        if not 0 <= i < self.num_blocks:
-            raise IndexError(f"block {i} out of range: the store has {self.num_blocks} blocks")
-        start, stop = int(self.offsets[i]), int(self.offsets[i + 1])
+        return self.blocks([i])[0]
+
+    def blocks(self, ids: list[int]) -> list[torch.Tensor]:
+        """Several blocks at once (one batch of merged, concurrent reads from a remote source)."""
+        for i in ids:
+            if not 0 <= i < self.num_blocks:
+                raise IndexError(f"block {i} out of range: the store has {self.num_blocks} blocks")
         if self._host is not None:
-            return self._host[start:stop]
-        if i in self._cache:
+            return [self._host[self.offsets[i]:self.offsets[i + 1]] for i in ids]
+        out = {i: self._cache[i] for i in ids if i in self._cache}
+        for i in out:
             self._cache.move_to_end(i)
-            return self._cache[i]
-        data = self._read_block(i, check=self.verify, pinned=self._pin and torch.cuda.is_available())
-        if self.tier == "cached" and data.numel() * self.itemsize <= self._cache_limit:
-            self._cache[i] = data
-            self._cache_bytes += data.numel() * self.itemsize
-            while self._cache_bytes > self._cache_limit:
-                _, old = self._cache.popitem(last=False)
-                self._cache_bytes -= old.numel() * self.itemsize
-        return data
+        missing = list(dict.fromkeys(i for i in ids if i not in out))
+        pinned = self._pin and torch.cuda.is_available()  # so the prefetcher's copies to the GPU are asynchronous
+        fresh = [torch.empty(int(self.offsets[i + 1] - self.offsets[i]), dtype=self.torch_dtype, pin_memory=pinned)
+                 for i in missing]
+        if missing:
+            self._read_blocks(missing, fresh)
+        for i, data in zip(missing, fresh):
+            if self.verify:
+                self._check(i, data)
+            out[i] = data
+            if self.tier == "cached" and data.numel() * self.itemsize <= self._cache_limit:
+                self._cache[i] = data
+                self._cache_bytes += data.numel() * self.itemsize
+                while self._cache_bytes > self._cache_limit:
+                    _, old = self._cache.popitem(last=False)
+                    self._cache_bytes -= old.numel() * self.itemsize
+        return [out[i] for i in ids]
+
+    def remote_stats(self) -> dict | None:
+        """Bytes, GETs and seconds fetched from the object store so far (None for a local store)."""
+        return dict(self.source.stats) if hasattr(self.source, "stats") else None
 
     def block_layer_bounds(self, i: int) -> np.ndarray:
         """Offsets of each layer inside block i (int64 [L + 1]), relative to the block's start."""
@@ -181,7 +206,7 @@ class MiloStore:
         problems = []
         for i in range(self.num_blocks):
             try:
-                self._read_block(i, check=True)
+                self._read_block(i, check=True, use_cache=False)
             except StoreError as e:
                 problems.append(str(e))
         return problems
@@ -237,15 +262,13 @@ class MiloStore:
             acc["index_bytes"] += extra
             acc["total_bytes"] += extra
             acc["ratio"] = acc["total_bytes"] / acc["full_fp16_bytes"] if acc["full_fp16_bytes"] else 0.0
-        acc["disk_bytes"] = sum(f.stat().st_size for f in self.path.rglob("*") if f.is_file())
-        acc["factor_file_bytes"] = sum(f.stat().st_size for f in (self.path / fmt.FACTORS).rglob("*") if f.is_file())
+        acc["disk_bytes"], acc["factor_file_bytes"] = self.source.disk_bytes()
         acc["planned_ratio"] = self.meta.get("allocation", {}).get("ratio")
         return acc
 
     def close(self):
-        for fd in self._fds:
-            os.close(fd)
-        self._fds = []
+        if self.source is not None:
+            self.source.close()
         if self._unpin is not None:
             self._unpin()
         self._host = None

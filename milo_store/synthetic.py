@@ -3,14 +3,13 @@
 Real pre-RoPE keys are strongly low-rank and values less so; the decay rates mimic that, so a
 synthetic store exercises the allocator and the byte layout the way a real one does.
 """
-from pathlib import Path
-
 import torch
 
 from .codec import factorize_block
 from .compress import CompressionConfig, staging_codec, write_store
 from .layout import Layout
 from .staging import Staging
+from .urls import local_sidecar
 
 
 def synthetic_block_kv(layout: Layout, tokens: int, generator: torch.Generator,
@@ -30,11 +29,11 @@ def synthetic_block_kv(layout: Layout, tokens: int, generator: torch.Generator,
 
 
 def build_synthetic_store(path, layout: Layout, block_tokens, config: CompressionConfig | None = None, *,
-                          seed: int = 0, force: bool = False, staging_dir=None, anchor_tokens: int = 4) -> Path:
+                          seed: int = 0, force: bool = False, staging_dir=None, anchor_tokens: int = 4):
     """A complete store over synthetic blocks (with fake demonstration text), through the real build path."""
     config = config or CompressionConfig()
     g = torch.Generator().manual_seed(seed)
-    staging = Staging(staging_dir or Path(str(path) + ".staging"), {"synthetic": seed, "tokens": list(map(int, block_tokens)),
+    staging = Staging(staging_dir or local_sidecar(path, "staging"), {"synthetic": seed, "tokens": list(map(int, block_tokens)),
                                                                   "layout": str(layout), "codec": staging_codec(config.codec)})
     for i, t in enumerate(block_tokens):
         if not staging.has(i):

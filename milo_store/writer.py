@@ -5,11 +5,18 @@ piece the reader needs), fsyncs, and renames the directory into place. A writer 
 leaves at most a temporary directory that never opens as a store and that the next writer removes.
 An exclusive ``flock`` on ``<path>.lock`` refuses a second concurrent writer; the kernel drops the
 lock when the holder dies, so a killed build never blocks the next one.
+
+For a store URL (``urls.py``) there is no rename: the writer builds the same directory locally (in a
+temporary directory), and commit hands it to ``remote.RemoteTarget``, which uploads it as a new
+version and publishes the manifest with a conditional write. The lock is then a file under the
+local cache directory, keyed by the URL: it orders the writers of one machine; the conditional
+write orders writers across machines.
 """
 import fcntl
 import itertools
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +27,8 @@ from . import format as fmt
 from .checksum import crc32c
 from .errors import StoreError, StoreLockedError
 from .layout import Layout
+from .remote import REMOTE_CHUNK_BYTES, RemoteTarget, read_manifest
+from .urls import check_url, is_url, local_sidecar, open_object_store
 
 _counter = itertools.count()
 
@@ -34,8 +43,9 @@ def is_store(path: Path) -> bool:
 class StoreLock:
     """Exclusive, non-blocking writer lock on ``<path>.lock`` (released by the kernel if we die)."""
 
-    def __init__(self, path: Path):
-        self.lock_path = Path(str(path) + ".lock")
+    def __init__(self, path):
+        self.lock_path = local_sidecar(path, "lock")
+        self.name = str(path)
         self.fd = None
 
     def __enter__(self):
@@ -45,7 +55,7 @@ class StoreLock:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(self.fd)
-            raise StoreLockedError(f"{self.lock_path.with_suffix('')}: another writer is building this store") from None
+            raise StoreLockedError(f"{self.name}: another writer is building this store") from None
         return self
 
     def __exit__(self, *exc):
@@ -53,8 +63,13 @@ class StoreLock:
         os.close(self.fd)
 
 
-def check_target(path: Path, force: bool) -> None:
+def check_target(path, force: bool) -> None:
     """Refuse to overwrite what is not ours (any non-store), and a store unless forced."""
+    if is_url(path):
+        if not force and read_manifest(path, open_object_store(check_url(path))) is not None:
+            raise StoreError(f"{path} already holds a store; pass force=True (--force) to replace it")
+        return
+    path = Path(path)
     if not path.exists():
         return
     if path.is_dir() and not any(path.iterdir()):
@@ -76,9 +91,12 @@ class StoreWriter:
 
     def __init__(self, path, layout: Layout, ranks: np.ndarray, block_tokens: np.ndarray, *,
                  dtype: str = "float16", attrs: dict | None = None, force: bool = False,
-                 max_chunk_bytes: int = fmt.MAX_CHUNK_BYTES, lock: StoreLock | None = None,
+                 max_chunk_bytes: int | None = None, lock: StoreLock | None = None,
                  block_group: np.ndarray | None = None):
-        self.path = Path(path)
+        self.remote = None
+        self.path = check_url(path) if is_url(path) else Path(path)
+        if max_chunk_bytes is None:
+            max_chunk_bytes = REMOTE_CHUNK_BYTES if is_url(path) else fmt.MAX_CHUNK_BYTES
         self.layout, self.dtype = layout, dtype
         self.ranks = np.asarray(ranks, dtype=np.int16)
         self.block_tokens = np.asarray(block_tokens, dtype=np.int32)
@@ -97,9 +115,13 @@ class StoreWriter:
         self.owns_lock = lock is None
         self.lock = StoreLock(self.path).__enter__() if lock is None else lock
         try:
-            self._remove_stale_temps()
-            check_target(self.path, force)
-            self.tmp = Path(f"{self.path}.tmp-{os.getpid()}-{next(_counter)}")
+            if is_url(path):
+                self.remote = RemoteTarget(self.path, force)
+                self.tmp = Path(tempfile.mkdtemp(prefix="milo-upload-"))
+            else:
+                self._remove_stale_temps()
+                check_target(self.path, force)
+                self.tmp = Path(f"{self.path}.tmp-{os.getpid()}-{next(_counter)}")
             self.group = zarr.open_group(str(self.tmp), mode="w")
             total = int(self.offsets[-1])
             self.chunk = fmt.chunk_values(total, np.dtype(fmt.NUMPY_DTYPES[dtype]).itemsize, max_chunk_bytes)
@@ -177,8 +199,9 @@ class StoreWriter:
             raise ValueError(f"expected {int(self.block_tokens.sum())} token ids, got {token_ids.shape}")
         self.group.create_array(fmt.TOKEN_IDS, data=token_ids)
 
-    def commit(self) -> Path:
-        """Finish the factor array, write index and attributes, fsync, and move the store into place."""
+    def commit(self) -> Path | str:
+        """Finish the factor array, write index and attributes, fsync, and move the store into place
+        (for a URL: upload it as a new version and publish the manifest); returns the path or URL."""
         if self.next_block != len(self.block_tokens):
             raise StoreError(f"commit after {self.next_block} of {len(self.block_tokens)} blocks")
         try:
@@ -194,6 +217,10 @@ class StoreWriter:
                 "layout": {"num_layers": self.layout.num_layers, "num_kv_heads": self.layout.num_kv_heads,
                            "head_dim": self.layout.head_dim, "quant": self.layout.quant,
                            "quantized": self.layout.quant == "int8"}}  # what readers before INT4 look for
+            if self.remote is not None:
+                url = self.remote.publish(self.tmp)
+                shutil.rmtree(self.tmp, ignore_errors=True)
+                return url
             _fsync_tree(self.tmp)
             old = None
             if self.path.exists():

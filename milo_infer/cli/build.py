@@ -18,6 +18,7 @@ from milo_store.allocation import KV_SPLITS, POLICIES, SCOPES
 from milo_store.cli.common import human_bytes, print_json
 from milo_store.codec import CODECS
 from milo_store.format import TORCH_DTYPES
+from milo_store.urls import is_url, local_sidecar
 from milo_store.writer import check_target
 
 from ..build import BuildConfig, build_store
@@ -34,7 +35,7 @@ def add_arguments(p):
     src.add_argument("--dataset", choices=DATASETS, help="a benchmark data set's training split (from $MILO_DATA)")
     p.add_argument("--model", default="default", metavar="PATH",
                    help="'default' (SmolLM2-135M-Instruct), a Hugging Face model directory, or a .gguf file")
-    p.add_argument("--out", required=True, metavar="STORE", help="store directory to create")
+    p.add_argument("--out", required=True, metavar="STORE", help="store directory or URL (s3://bucket/prefix, ...) to create")
     p.add_argument("--ratio", type=float, default=0.5, help="stored bytes over full fp16 K/V bytes, in (0, 1] (default 0.5)")
     p.add_argument("--block-size", type=int, default=32, help="demonstrations per block (default 32)")
     p.add_argument("--context-blocks", type=int, default=2,
@@ -121,8 +122,8 @@ def demonstrations(args):
 def run(args) -> int:
     started = time.perf_counter()
     check_numbers(args)
-    out = Path(args.out)
-    if out.parent.exists() and not out.parent.is_dir():
+    out = args.out if is_url(args.out) else Path(args.out)
+    if not is_url(out) and out.parent.exists() and not out.parent.is_dir():
         raise CommandError(f"--out {out}: {out.parent} is a file, not a directory")
     check_target(out, args.force)
     demos, task = demonstrations(args)
@@ -144,8 +145,8 @@ def run(args) -> int:
     try:
         summary = build_store(out, loaded, demos, task, config, force=args.force, progress=True)
     except KeyboardInterrupt:  # not an input error: the shell's code for Ctrl-C, and how to continue
-        staged = len(list(Path(f"{out}.staging").glob("block_*.safetensors")))
-        print(f"milo build: interrupted with {staged} block(s) staged in {out}.staging; "
+        staged = len(list(local_sidecar(out, "staging").glob("block_*.safetensors")))
+        print(f"milo build: interrupted with {staged} block(s) staged in {local_sidecar(out, 'staging')}; "
               "rerun the same command to resume", file=sys.stderr)
         return 130
     summary.update(model=loaded.identity["name"], load_s=load_s, total_s=time.perf_counter() - started)

@@ -6,6 +6,7 @@ everything (answer, blocks, KV bytes full vs moved, seconds per stage) for progr
 import json
 
 from milo_store import MiloStore
+from milo_store.blockcache import BlockCache, parse_size
 
 from ..models import load_model
 from ..session import MiloSession, place_model
@@ -13,12 +14,14 @@ from . import CommandError
 
 
 def add_arguments(p):
-    p.add_argument("store", help="store directory (from `milo build`)")
+    p.add_argument("store", help="store directory or URL (from `milo build`)")
     p.add_argument("text", nargs="+", help="the query text (one or more queries)")
     p.add_argument("--model", default="default", help="model path or 'default' (must match the store)")
     p.add_argument("--k", type=int, default=6, help="blocks to retrieve per query (default 6)")
     p.add_argument("--token-budget", type=int, default=None, help="cap on retrieved tokens instead of / besides k")
     p.add_argument("--tier", choices=("host", "disk", "cached"), default="host", help="where factors are read from")
+    p.add_argument("--cache-dir", default=None, help="block cache of remote stores (default ~/.cache/milo/blocks)")
+    p.add_argument("--cache-size", type=parse_size, default=None, help="block cache limit, e.g. 10G (default 10G)")
     p.add_argument("--order", choices=("score", "corpus"), default="score", help="block order in the context")
     p.add_argument("--device", default=None, help="compute device (default: cuda if available, else cpu)")
     p.add_argument("--show-blocks", action="store_true", help="list the retrieved blocks' demonstrations")
@@ -30,7 +33,7 @@ def run(args) -> int:
         raise CommandError(f"--k must be at least 1; got {args.k}")
     if args.token_budget is not None and args.token_budget < 1:
         raise CommandError(f"--token-budget must be at least 1; got {args.token_budget}")
-    store = MiloStore.open(args.store, tier=args.tier)
+    store = MiloStore.open(args.store, tier=args.tier, block_cache=BlockCache(args.cache_dir, args.cache_size))
     try:
         loaded = load_model(args.model)
     except (OSError, ValueError) as e:  # no such path, not a model folder, an unsupported model

@@ -6,7 +6,7 @@ from .common import human_bytes, print_json
 
 
 def add_arguments(p):
-    p.add_argument("path", help="store directory")
+    p.add_argument("path", help="store directory or URL (s3://bucket/prefix, gs://, az://, file://)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
 

@@ -2,10 +2,10 @@
 import sys
 
 from ..errors import StoreError
-from . import ls, stat, verify
+from . import cache, gc, ls, push, stat, verify
 from .common import run_subcommands
 
-COMMANDS = {"ls": ls, "stat": stat, "verify": verify}
+COMMANDS = {"ls": ls, "stat": stat, "verify": verify, "push": push, "gc": gc, "cache": cache}
 
 
 def main(argv=None) -> int:

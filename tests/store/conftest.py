@@ -11,3 +11,4 @@ TOKENS = [23, 40, 9, 31]
 def small_store(tmp_path):
     """A small committed store over synthetic blocks (fresh per test: corruption tests damage it)."""
     return build_synthetic_store(tmp_path / "store", LAYOUT, TOKENS, CompressionConfig(ratio=0.5), seed=1)
+

@@ -1,0 +1,152 @@
+"""A per-machine directory of whole blocks fetched from object stores, shared by every process on it.
+
+Files are ``<dir>/<store key>/<block>.<crc32c hex>``: the store key names the store URL and its
+pinned version (versions are immutable, so an entry never goes stale), and the name carries the
+block's checksum, so every file can be checked on its own. Safety with several processes:
+
+- a fill writes a temporary file in the same directory and ``os.replace``s it into place, so a
+  reader sees no file or a whole one, never a torn one;
+- a read opens the file and reads all of it, then checks its length and CRC32C; a file that fails
+  (truncated, corrupted) is unlinked and reported as a miss, so the caller refetches it;
+- eviction unlinks the least recently used files (mtime, touched on every hit) until the directory
+  is within its byte limit. Unlinking a file another process has open is safe on POSIX: that
+  process keeps reading the same inode to the end; a process that opens after the unlink gets
+  ENOENT, which is a miss. Two evictors unlinking the same file is harmless (ENOENT ignored).
+"""
+import itertools
+import os
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .checksum import crc32c
+from .urls import cache_home
+
+DEFAULT_LIMIT = 10 << 30
+STALE_TEMP_SECONDS = 3600  # a temporary file this old belongs to a killed filler
+_counter = itertools.count()
+
+
+def default_cache_dir() -> Path:
+    """``$MILO_CACHE/blocks`` or ``~/.cache/milo/blocks`` (beside the converted models)."""
+    return cache_home() / "blocks"
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '123', '512M', '10G' (binary units)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    t = str(text).strip().upper().removesuffix("IB").removesuffix("B")
+    try:
+        n = int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
+    except ValueError:
+        raise ValueError(f"cache size {text!r}: expected bytes, or a number with K, M, G or T") from None
+    if n < 0:
+        raise ValueError(f"cache size {text!r} is negative")
+    return n
+
+
+class BlockCache:
+    def __init__(self, directory=None, limit_bytes: int | None = None):
+        self.dir = Path(directory) if directory is not None else default_cache_dir()
+        env = os.environ.get("MILO_CACHE_SIZE")
+        self.limit = limit_bytes if limit_bytes is not None else parse_size(env) if env else DEFAULT_LIMIT
+        self.hits = self.misses = self.dropped = 0
+
+    def _file(self, key: str, block: int, crc: int) -> Path:
+        return self.dir / key / f"{block}.{crc:08x}"
+
+    def read_into(self, key: str, block: int, crc: int, out: memoryview) -> bool:
+        """Fill ``out`` from the cache if a sound copy is there; a bad copy is dropped (False)."""
+        path = self._file(key, block, crc)
+        try:
+            with open(path, "rb", buffering=0) as f:
+                n = f.readinto(out)
+                extra = f.read(1)
+        except FileNotFoundError:
+            self.misses += 1
+            return False
+        if n != len(out) or extra or crc32c(np.frombuffer(out, dtype=np.uint8)) != crc:
+            self._unlink(path)
+            self.dropped += 1
+            self.misses += 1
+            return False
+        try:
+            os.utime(path)  # most recently used
+        except FileNotFoundError:
+            pass
+        self.hits += 1
+        return True
+
+    def put(self, key: str, block: int, crc: int, data: memoryview) -> None:
+        """Store a block already checked against ``crc``: temporary file, then an atomic rename."""
+        if len(data) > self.limit:
+            return
+        path = self._file(key, block, crc)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.parent / f".tmp-{os.getpid()}-{next(_counter)}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+
+    def _entries(self):
+        """(mtime, size, path) of every cache file, and stale temporary files removed on the way."""
+        out = []
+        if not self.dir.is_dir():
+            return out
+        now = time.time()
+        for sub in os.scandir(self.dir):
+            if not sub.is_dir():
+                continue
+            for e in os.scandir(sub.path):
+                try:
+                    st = e.stat()
+                except FileNotFoundError:
+                    continue
+                if e.name.startswith(".tmp-"):
+                    if now - st.st_mtime > STALE_TEMP_SECONDS:
+                        self._unlink(Path(e.path))
+                    continue
+                out.append((st.st_mtime, st.st_size, Path(e.path)))
+        return out
+
+    def evict(self) -> int:
+        """Unlink least recently used files until the directory holds at most ``limit`` bytes."""
+        entries = sorted(self._entries(), key=lambda x: x[0])
+        total = sum(size for _, size, _ in entries)
+        removed = 0
+        for _, size, path in entries:
+            if total <= self.limit:
+                break
+            self._unlink(path)
+            total -= size
+            removed += 1
+        return removed
+
+    def stat(self) -> dict:
+        entries = self._entries()
+        return {"dir": str(self.dir), "limit_bytes": self.limit, "files": len(entries),
+                "bytes": sum(size for _, size, _ in entries), "stores": len({p.parent.name for _, _, p in entries})}
+
+    def check(self) -> list[str]:
+        """Every cache file whose bytes do not match the checksum in its name."""
+        bad = []
+        for _, _, path in self._entries():
+            try:
+                data = path.read_bytes()
+            except FileNotFoundError:
+                continue
+            if crc32c(np.frombuffer(data, dtype=np.uint8)) != int(path.name.split(".")[-1], 16):
+                bad.append(str(path))
+        return bad
+
+    def clear(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    @staticmethod
+    def _unlink(path: Path) -> None:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass

@@ -1,0 +1,220 @@
+"""Stores in object storage: versions under fresh prefixes, one manifest published by conditional write.
+
+At a store URL, ``manifest.json`` names the current version; a version's objects (the same Zarr
+group a local store holds) live under ``v/<version>/`` and never change once written. A writer
+uploads a whole version first and publishes the manifest last, create-only when there was none and
+if-match on the manifest it saw otherwise (``--force``): of two racing writers exactly one wins, and a
+writer killed at any point leaves the previous manifest, hence the previous version, in place.
+Readers read the manifest once and pin its version for the life of the mount. ``gc`` removes the
+versions no manifest names (docs/format.md, "Stores in object storage").
+"""
+import hashlib
+import json
+import re
+import secrets
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import obstore
+import zarr
+import zarr.storage
+
+from . import format as fmt
+from .blockcache import BlockCache
+from .errors import FormatVersionError, NotAStoreError, StoreCorruptedError, StoreError
+from .sources import ObjectChunks, one_line
+from .urls import check_url, open_object_store
+
+MANIFEST, VERSIONS = "manifest.json", "v"
+MANIFEST_FORMAT = 1
+VERSION_ID = re.compile(r"[0-9A-Za-z][0-9A-Za-z._-]*")  # one path segment: never "..", never a "/"
+UPLOAD_CONCURRENCY = 8
+REMOTE_CHUNK_BYTES = 8 << 20  # factor chunk objects of remote stores (docs/format.md says why)
+
+
+@dataclass
+class Manifest:
+    version: str
+    previous: str | None
+    format_version: int
+    e_tag: str | None
+
+
+def remote_error(url: str, e: BaseException) -> StoreError:
+    """One line naming the URL and what the object store said (no request dump, no credentials)."""
+    text = str(e)
+    if "NoSuchBucket" in text:
+        return NotAStoreError(f"{url}: no such bucket")
+    if isinstance(e, (obstore.exceptions.PermissionDeniedError, obstore.exceptions.UnauthenticatedError)) or any(
+            s in text for s in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403 Forbidden")):
+        return StoreError(f"{url}: access denied (check the credentials in the environment)")
+    if "error sending request" in text or "Connection refused" in text or "dns error" in text:
+        return StoreError(f"{url}: cannot reach the object store ({one_line(e)})")
+    return StoreError(f"{url}: object store error ({one_line(e)})")
+
+
+def read_manifest(url: str, store) -> Manifest | None:
+    """The published manifest, or None when the URL holds none."""
+    try:
+        got = obstore.get(store, MANIFEST)
+        body, e_tag = bytes(got.bytes()), got.meta.get("e_tag")
+    except FileNotFoundError as e:
+        if "NoSuchBucket" in str(e):
+            raise remote_error(url, e) from None
+        return None
+    except Exception as e:
+        raise remote_error(url, e) from None
+    try:
+        m = json.loads(body)
+        if m.get("milo_manifest") != MANIFEST_FORMAT:
+            raise FormatVersionError(f"{url}: manifest format {m.get('milo_manifest')!r}; this milo reads {MANIFEST_FORMAT}")
+        if not VERSION_ID.fullmatch(str(m["version"])):
+            raise ValueError(f"version {m['version']!r} is not a version id")
+        return Manifest(str(m["version"]), m.get("previous"), m["format_version"], e_tag)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise StoreCorruptedError(f"{url}: unreadable {MANIFEST} ({type(e).__name__}: {e})") from None
+
+
+class MetadataStore(zarr.storage.ObjectStore):
+    """zarr's ObjectStore, with object-store failures turned into one-line StoreErrors naming the URL
+    (zarr already maps a missing key to None). Metadata is read lazily (examples, anchor), so a link
+    failure can surface after the mount too."""
+
+    def __init__(self, store, url: str):
+        super().__init__(store, read_only=True)
+        self.url = url
+
+    async def get(self, key, prototype, byte_range=None):
+        try:
+            return await super().get(key, prototype, byte_range)
+        except Exception as e:
+            raise remote_error(self.url, e) from None
+
+    async def exists(self, key: str) -> bool:
+        try:
+            return await super().exists(key)
+        except Exception as e:
+            raise remote_error(self.url, e) from None
+
+
+def cache_key(url: str, version: str) -> str:
+    """A directory name for one store version in the block cache (versions are immutable)."""
+    return f"{hashlib.sha256(url.encode()).hexdigest()[:16]}-{version}"
+
+
+def mount(url: str, block_cache: BlockCache | None):
+    """(URL, zarr group, milo attributes, source factory) of the version the manifest names now."""
+    url = check_url(url)
+    store = open_object_store(url)
+    manifest = read_manifest(url, store)
+    if manifest is None:
+        raise NotAStoreError(f"{url}: no milo store here (no {MANIFEST})")
+    if manifest.format_version != fmt.FORMAT_VERSION:
+        raise FormatVersionError(f"{url}: store format version {manifest.format_version!r}; "
+                                 f"this milo reads version {fmt.FORMAT_VERSION}")
+    root = f"{VERSIONS}/{manifest.version}"
+    try:
+        group = zarr.open_group(store=MetadataStore(store, url), path=root, mode="r")
+        meta = group.attrs.get(fmt.ATTRS_KEY)
+    except StoreError:
+        raise
+    except Exception as e:
+        raise StoreCorruptedError(f"{url}: unreadable metadata of version {manifest.version} ({one_line(e)})") from None
+
+    def make_source(chunk_bytes: int, num_chunks: int, checksums):
+        try:
+            return ObjectChunks(url, store, root, chunk_bytes, num_chunks, checksums, block_cache,
+                                cache_key(url, manifest.version))
+        except StoreError:
+            raise
+        except Exception as e:
+            raise remote_error(url, e) from None
+
+    return url, group, meta, make_source
+
+
+def new_version_id() -> str:
+    """Sortable by creation time, unique across writers."""
+    return f"{datetime.now(timezone.utc):%Y%m%dT%H%M%S}Z-{secrets.token_hex(6)}"
+
+
+class RemoteTarget:
+    """The object-store end of a ``StoreWriter``: checks the URL when the writer starts, publishes at commit."""
+
+    def __init__(self, url: str, force: bool):
+        self.url = check_url(url)
+        self.store = open_object_store(self.url)
+        self.previous = read_manifest(self.url, self.store)
+        if self.previous is not None and not force:
+            raise StoreError(f"{self.url} already holds a store; pass force=True (--force) to replace it")
+        if self.previous is None:  # fail now, not after the build, on a bucket we cannot write
+            try:
+                probe = f"{VERSIONS}/.probe-{secrets.token_hex(6)}"
+                obstore.put(self.store, probe, b"", mode="create")
+                obstore.delete(self.store, probe)
+            except Exception as e:
+                raise remote_error(self.url, e) from None
+
+    def publish(self, local_dir: Path) -> str:
+        """Upload the finished local store as a new version, then publish its manifest (conditional)."""
+        version = new_version_id()
+        files = [p for p in Path(local_dir).rglob("*") if p.is_file()]
+
+        def upload(p: Path):
+            obstore.put(self.store, f"{VERSIONS}/{version}/{p.relative_to(local_dir).as_posix()}", p)
+
+        try:
+            with ThreadPoolExecutor(UPLOAD_CONCURRENCY) as pool:
+                list(pool.map(upload, files))
+        except Exception as e:
+            raise remote_error(self.url, e) from None
+        body = json.dumps({"milo_manifest": MANIFEST_FORMAT, "format_version": fmt.FORMAT_VERSION, "version": version,
+                           "previous": self.previous.version if self.previous else None,
+                           "created": datetime.now(timezone.utc).isoformat()}, indent=1).encode()
+        if self.previous is None:
+            mode = "create"
+        elif isinstance(self.store, obstore.store.LocalStore):  # no if-match on a file system: the writer's flock orders
+            mode = "overwrite"
+        else:
+            mode = {"e_tag": self.previous.e_tag}
+        try:
+            obstore.put(self.store, MANIFEST, body, mode=mode)
+        except (obstore.exceptions.AlreadyExistsError, obstore.exceptions.PreconditionError):
+            raise StoreError(f"{self.url}: another writer published a store here first; this build lost the race "
+                             f"(its version {version} is left for `milo-store gc`)") from None
+        except Exception as e:
+            raise remote_error(self.url, e) from None
+        return self.url
+
+
+def gc(url: str, older_than: float = 3600.0, dry_run: bool = False) -> dict:
+    """Delete the objects of versions the manifest names neither as current nor previous.
+
+    A version with any object younger than ``older_than`` seconds is kept: it may be a writer's
+    upload in progress. Objects outside ``v/`` other than the manifest are not milo's and are left.
+    """
+    url = check_url(url)
+    store = open_object_store(url)
+    manifest = read_manifest(url, store)
+    keep = {manifest.version, manifest.previous} if manifest else set()
+    try:
+        objects = [o for batch in obstore.list(store, prefix=f"{VERSIONS}/") for o in batch]
+    except Exception as e:
+        raise remote_error(url, e) from None
+    by_version: dict[str, list] = {}
+    for o in objects:
+        by_version.setdefault(o["path"].split("/")[1], []).append(o)
+    cutoff = datetime.now(timezone.utc) - timedelta(seconds=older_than)
+    doomed = [v for v, objs in by_version.items()
+              if v not in keep and all(o["last_modified"] <= cutoff for o in objs)]
+    paths = [o["path"] for v in doomed for o in by_version[v]]
+    if not dry_run and paths:
+        try:
+            obstore.delete(store, paths)
+        except Exception as e:
+            raise remote_error(url, e) from None
+    return {"url": url, "current": manifest.version if manifest else None, "kept": sorted(set(by_version) - set(doomed)),
+            "removed_versions": sorted(doomed), "removed_objects": len(paths),
+            "removed_bytes": sum(o["size"] for v in doomed for o in by_version[v]), "dry_run": dry_run}
