@@ -219,7 +219,7 @@ def test_interrupted_build_resumes_to_the_same_store(tiny_model_dir, tmp_path, m
     whole = build_json(capsys, *args, "--out", tmp_path / "whole")
     assert whole["blocks"] == 6 and whole["blocks_encoded_now"] == 6
 
-    real, calls = milo_infer.build.encode_block, []
+    real, calls = milo_infer.build.encode_blocks, []
 
     def interrupt_third(*a, **k):
         calls.append(1)
@@ -227,14 +227,14 @@ def test_interrupted_build_resumes_to_the_same_store(tiny_model_dir, tmp_path, m
             raise KeyboardInterrupt
         return real(*a, **k)
 
-    monkeypatch.setattr(milo_infer.build, "encode_block", interrupt_third)
+    monkeypatch.setattr(milo_infer.build, "encode_blocks", interrupt_third)
     out = tmp_path / "resumed"
     assert main(["build", *map(str, args), "--out", str(out)]) == 130
     err = capsys.readouterr().err
     assert f"interrupted with 2 block(s) staged in {out}.staging; rerun the same command to resume" in err
     with pytest.raises(NotAStoreError):
         MiloStore.open(out)
-    monkeypatch.setattr(milo_infer.build, "encode_block", real)
+    monkeypatch.setattr(milo_infer.build, "encode_blocks", real)
 
     resumed = build_json(capsys, *args, "--out", out)
     assert resumed["blocks_encoded_now"] == 6 - 2
@@ -338,7 +338,7 @@ def test_infeasible_ratio_is_refused_before_encoding(tiny_model_dir, tmp_path, c
     def never(*args, **kwargs):
         raise AssertionError("encoded a block before refusing the ratio")
 
-    monkeypatch.setattr(build_module, "encode_block", never)
+    monkeypatch.setattr(build_module, "encode_blocks", never)
     code = main(["build", "--corpus", str(write_corpus(tmp_path / "c.jsonl", 8)), "--model", str(tiny_model_dir),
                  "--out", str(tmp_path / "s"), "--block-size", "2", "--context-blocks", "0", "--ratio", "0.001"])
     assert code == 2
