@@ -245,6 +245,22 @@ def test_interrupted_build_resumes_to_the_same_store(tiny_model_dir, tmp_path, m
         assert a[name].dtype == b[name].dtype and a[name].tobytes() == b[name].tobytes(), name
 
 
+def test_a_damaged_staged_block_is_encoded_again(tiny, tmp_path):
+    demos = [Demonstration(f"customer message number {i} about my account", ("refund", "card lost")[i % 2], str(i))
+             for i in range(8)]
+    task, config = task_from_corpus(demos), BuildConfig(block_size=2, context_blocks=1)
+    build_store(tmp_path / "whole", tiny, demos, task, config, progress=False, keep_staging=True)
+    staged = tmp_path / "whole.staging"
+    damaged = staged / "block_000001.safetensors"
+    data = bytearray(damaged.read_bytes())
+    data[-5] ^= 0x10
+    damaged.write_bytes(bytes(data))
+    (staged / ".block_000002.tmp").write_bytes(b"a write cut short")
+    resumed = build_store(tmp_path / "resumed", tiny, demos, task, config, progress=False, staging_dir=staged)
+    assert resumed["blocks_encoded_now"] == 1
+    assert snapshot(tmp_path / "resumed") == snapshot(tmp_path / "whole")
+
+
 def test_ratio_summary_and_force(tiny_model_dir, tmp_path, capsys):
     corpus = write_corpus(tmp_path / "c.jsonl", 12)
     out = tmp_path / "store"
