@@ -196,25 +196,29 @@ def build_store(out, loaded: LoadedModel, demos: list[Demonstration], task: Task
                              f"of --encode-batch {config.encode_batch}: use at most {len(units)} processes")
     fingerprint = corpus_fingerprint(identity, task, demos, config)
     world.agree({**fingerprint, **asdict(config.compression), "encode_batch": config.encode_batch})
-    times = {"encode_s": 0.0, "factorize_s": 0.0, "write_s": 0.0}
-    # One build per path, across both passes: rank 0 holds the writer lock until it has committed.
-    with StoreLock(out) if world.rank == 0 else contextlib.nullcontext() as lock:
-        with world.step():
-            if world.rank == 0:  # under the lock: another fingerprint wipes the staging, never a running build's
+    encode_s = factorize_s = 0.0
+    with contextlib.ExitStack() as held:
+        with world.step():  # a second build into this store fails on every rank here
+            if world.rank == 0:  # one build per path: rank 0 holds the writer lock until it has committed
+                lock = held.enter_context(StoreLock(out))
+                # under the lock: another fingerprint wipes the staging, never a running build's
                 staging = Staging(staging_dir, fingerprint)
         world.check_shared(staging_dir)
         with world.step():
             if world.rank != 0:
                 staging = Staging(staging_dir, fingerprint, join=True)
-            # Resume only from staged blocks that pass their checksums; each rank checks a share.
-            staged = world.gather(staging.staged() if world.rank == 0 else None)[0]
+        # Resume only from staged blocks that pass their checksums; each rank checks a share.
+        staged = world.gather(staging.staged() if world.rank == 0 else None)[0]
+        with world.step():
             bad = [i for i in staged[world.rank::world.size] if not staging.verify(i)]
+            for i in bad:
+                staging.discard(i)
         done = set(staged) - {i for part in world.gather(bad) for i in part}
         todo_units = [u for u in units if not done.issuperset(u)]
         todo = {i: len(block_ids[i]) for u in todo_units for i in u}
         mine = todo_units[world.rank::world.size]
         codec = staging_codec(config.compression.codec)
-        pass_one = time.perf_counter()
+        pass_one, cpu = time.perf_counter(), time.process_time()
         with StagedProgress(staging, todo, progress and world.rank == 0):
             for unit in mine:
                 t0 = time.perf_counter()
@@ -224,12 +228,13 @@ def build_store(out, loaded: LoadedModel, demos: list[Demonstration], task: Task
                 t1 = time.perf_counter()
                 for i, (keys, values) in zip(unit, encoded):
                     staging.put(i, factorize_block(keys, values, codec=codec))
-                times["encode_s"] += t1 - t0
-                times["factorize_s"] += time.perf_counter() - t1
+                encode_s += t1 - t0
+                factorize_s += time.perf_counter() - t1
             mine_blocks = [i for u in mine for i in u]
             ranks = world.gather({"rank": world.rank, "host": world.host, "device": str(world.device),
                                   "blocks": len(mine_blocks), "tokens": sum(todo[i] for i in mine_blocks),
-                                  "encode_s": times["encode_s"], "factorize_s": times["factorize_s"]})
+                                  "encode_s": encode_s, "factorize_s": factorize_s,
+                                  "cpu_s": time.process_time() - cpu})  # < the wall time: a CPU shared with others
         pass_one_s = time.perf_counter() - pass_one
         summary = None
         with world.step():
@@ -239,7 +244,7 @@ def build_store(out, loaded: LoadedModel, demos: list[Demonstration], task: Task
                               layout, force, lock)
                 if not keep_staging:  # under the lock: a build that starts now must not resume from it
                     staging.remove()
-                times["write_s"] = time.perf_counter() - t0
+                write_s = time.perf_counter() - t0
                 with MiloStore.open(path, tier="disk", verify=False) as store:
                     acc = store.accounting()
                 summary = {"store": str(path), "blocks": len(blocks), "demonstrations": len(demos),
@@ -250,7 +255,7 @@ def build_store(out, loaded: LoadedModel, demos: list[Demonstration], task: Task
                            # process-seconds over every rank; pass_one_s is the wall time of encoding + staging
                            "encode_s": sum(r["encode_s"] for r in ranks),
                            "factorize_s": sum(r["factorize_s"] for r in ranks),
-                           "write_s": times["write_s"], "pass_one_s": pass_one_s, "processes": world.size,
+                           "write_s": write_s, "pass_one_s": pass_one_s, "processes": world.size,
                            "ranks": ranks}
     return world.gather(summary)[0]
 

