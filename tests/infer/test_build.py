@@ -104,6 +104,8 @@ CORPORA = {
     (["--corpus", "{dir}/good.jsonl", "--ratio", "nan"], "--ratio must be in (0, 1]; got nan"),
     (["--corpus", "{dir}/good.jsonl", "--ratio", "half"], "argument --ratio: invalid float value: 'half'"),
     (["--corpus", "{dir}/good.jsonl", "--shots", "0"], "--shots must be at least 1; got 0"),
+    (["--corpus", "{dir}/good.jsonl", "--encode-batch", "0"], "--encode-batch must be at least 1; got 0"),
+    (["--corpus", "{dir}/good.jsonl", "--threads", "0"], "--threads must be at least 1; got 0"),
     (["--corpus", "{dir}/good.jsonl", "--shots", "13"], "--shots 13: {dir}/good.jsonl has only 12 demonstrations"),
     (["--corpus", "{dir}/good.jsonl", "--context-blocks", "-1"], "--context-blocks must be at least 0"),
     (["--corpus", "{dir}/good.jsonl", "--template", "Q: {input}"], "--template: task 'custom': template must contain"),
@@ -245,10 +247,13 @@ def test_interrupted_build_resumes_to_the_same_store(tiny_model_dir, tmp_path, m
         assert a[name].dtype == b[name].dtype and a[name].tobytes() == b[name].tobytes(), name
 
 
-def test_a_damaged_staged_block_is_encoded_again(tiny, tmp_path):
+@pytest.mark.parametrize("encode_batch", [1, 2])
+def test_a_damaged_staged_block_is_encoded_again(tiny, tmp_path, encode_batch):
+    """A staged block that fails its checksum is encoded again, with the blocks of its encoding batch,
+    so the batch it is computed in (and the store's bytes) are those of an uninterrupted build."""
     demos = [Demonstration(f"customer message number {i} about my account", ("refund", "card lost")[i % 2], str(i))
              for i in range(8)]
-    task, config = task_from_corpus(demos), BuildConfig(block_size=2, context_blocks=1)
+    task, config = task_from_corpus(demos), BuildConfig(block_size=2, context_blocks=1, encode_batch=encode_batch)
     build_store(tmp_path / "whole", tiny, demos, task, config, progress=False, keep_staging=True)
     staged = tmp_path / "whole.staging"
     damaged = staged / "block_000001.safetensors"
@@ -257,7 +262,7 @@ def test_a_damaged_staged_block_is_encoded_again(tiny, tmp_path):
     damaged.write_bytes(bytes(data))
     (staged / ".block_000002.tmp").write_bytes(b"a write cut short")
     resumed = build_store(tmp_path / "resumed", tiny, demos, task, config, progress=False, staging_dir=staged)
-    assert resumed["blocks_encoded_now"] == 1
+    assert resumed["blocks_encoded_now"] == encode_batch
     assert snapshot(tmp_path / "resumed") == snapshot(tmp_path / "whole")
 
 
