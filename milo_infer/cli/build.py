@@ -79,7 +79,7 @@ def add_arguments(p):
     p.add_argument("--json", action="store_true", help="print the closing summary as JSON")
 
 
-CUDA_ENCODE_BATCH = 8
+CUDA_ENCODE_BATCH = 8  # a guess, not measured yet: tools/gpu_bench.sh ends with batch 1 vs 8 (docs/benchmarks.md)
 AUTO_INT4_BELOW = 0.4  # Banking77, 3 seeds: int4 ahead at 0.25 and 0.35, int8 at 0.5 (int4 tops out at 0.34)
 
 
