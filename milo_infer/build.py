@@ -260,8 +260,8 @@ def build_store(out, loaded: LoadedModel, demos: list[Demonstration], task: Task
     return world.gather(summary)[0]
 
 
-def commit(out: Path, staging: Staging, loaded: LoadedModel, anchor_ids, demos, task, config: BuildConfig, blocks, demo_ids,
-           block_ids, layout: Layout, force: bool, lock) -> Path:
+def commit(out: Path, staging: Staging, loaded: LoadedModel, anchor_ids, demos, task, config: BuildConfig, blocks,
+           demo_ids, block_ids, layout: Layout, force: bool, lock) -> Path:
     """Pass two, on one process: the anchor's K/V, the channel scales of a query-aware store,
     allocation over every staged spectrum, and the atomic write."""
     model = loaded.model

@@ -64,7 +64,8 @@ def main():
                                       capture_output=True, text=True)
                 wall = time.perf_counter() - t0
                 if done.returncode != 0:
-                    sys.exit(f"bench_build_parallel: {processes} process(es), batch {batch} failed:\n{done.stderr[-3000:]}")
+                    sys.exit(f"bench_build_parallel: {processes} process(es), batch {batch} failed:\n"
+                             f"{done.stderr[-3000:]}")
                 s = json.loads(done.stdout)
                 results[processes, batch].append(s)
                 print(f"round {r}  processes {processes}  encode batch {batch}: pass one {s['pass_one_s']:.1f} s "

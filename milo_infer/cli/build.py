@@ -207,8 +207,9 @@ def print_summary(s: dict) -> None:
     print(f"time     encoding {s['encode_s']:.1f} s ({rate:.0f} tok/s), factorizing {s['factorize_s']:.1f} s, "
           f"allocating + writing {s['write_s']:.1f} s, model load {s['load_s']:.1f} s, total {s['total_s']:.1f} s")
     if s["processes"] > 1:
-        print(f"ranks    {s['processes']} processes encoded {s['tokens_encoded_now']} tokens in {s['pass_one_s']:.1f} s "
-              f"({s['tokens_encoded_now'] / s['pass_one_s']:.0f} tok/s together; times above summed over processes)")
+        print(f"ranks    {s['processes']} processes encoded {s['tokens_encoded_now']} tokens in "
+              f"{s['pass_one_s']:.1f} s ({s['tokens_encoded_now'] / s['pass_one_s']:.0f} tok/s together; "
+              "times above summed over processes)")
         for r in s["ranks"]:
             r_rate = r["tokens"] / r["encode_s"] if r["encode_s"] else 0.0
             print(f"  rank {r['rank']}  {r['host']} {r['device']}: {r['blocks']} blocks, {r['tokens']} tokens, "

@@ -62,7 +62,9 @@ def worker_pid(parent: int, rank: int) -> int | None:
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[1]) == parent and f"RANK={rank}".encode() in (stat.parent / "environ").read_bytes().split(b"\0"):
+            if int(fields[1]) != parent:
+                continue
+            if f"RANK={rank}".encode() in (stat.parent / "environ").read_bytes().split(b"\0"):
                 return int(stat.parent.name)
         except (OSError, IndexError, ValueError):
             continue
