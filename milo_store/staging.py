@@ -2,9 +2,12 @@
 
 Allocation must see every block's spectrum before any rank is fixed; holding all full-rank KV in
 memory would not scale. Pass one factors each block and stages it here (one safetensors file per
-block, written under a temporary name and renamed, so a killed build leaves only whole files); pass
-two reads them back, truncates to the allocated ranks and writes the store. A build restarted with
-the same fingerprint (its arguments) resumes from the staged blocks; another fingerprint starts over.
+block, written under a temporary name, fsynced and renamed, so a killed build leaves only whole
+files; each carries the CRC32C of its tensors, checked by `verify` before a resumed build reuses
+it); pass two reads them back, truncates to the allocated ranks and writes the store. A build
+restarted with the same fingerprint (its arguments) resumes from the staged blocks; another
+fingerprint starts over. Several processes may stage into one directory (a distributed build):
+one opens it (`Staging`, which may wipe it), the others `join` it once that is done.
 """
 import json
 import os
@@ -12,23 +15,39 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from .checksum import crc32c
 from .codec import BlockFactors
 
 FINGERPRINT = "fingerprint.json"
+TENSORS = ("A", "S", "B")
+
+
+class StagingError(ValueError):
+    """The staging directory cannot be used as asked (another build's, or not there)."""
 
 
 class Staging:
-    def __init__(self, directory, fingerprint: dict):
+    def __init__(self, directory, fingerprint: dict, *, join: bool = False):
+        """Open ``directory`` for ``fingerprint``: a different (or no) fingerprint wipes it, unless
+        ``join`` is set, which opens one another process created and refuses any mismatch."""
         self.dir = Path(directory)
         fp = json.dumps(fingerprint, sort_keys=True)
         fp_path = self.dir / FINGERPRINT
-        if self.dir.exists() and (not fp_path.is_file() or fp_path.read_text() != fp):
+        matches = fp_path.is_file() and fp_path.read_text() == fp
+        if join:
+            if not matches:
+                raise StagingError(f"staging directory {self.dir} does not hold this build's fingerprint "
+                                   f"({'another build' if fp_path.is_file() else 'no fingerprint'} there)")
+            return
+        if self.dir.exists() and not matches:
             shutil.rmtree(self.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        if not fp_path.is_file():
+        for stale in self.dir.glob(".*.tmp"):  # what writers killed mid-file left
+            stale.unlink(missing_ok=True)
+        if not matches:
             tmp = fp_path.with_suffix(".tmp")
             tmp.write_text(fp)
             os.replace(tmp, fp_path)
@@ -39,14 +58,38 @@ class Staging:
     def has(self, i: int) -> bool:
         return self._file(i).is_file()
 
+    def staged(self) -> list[int]:
+        """Indices of the blocks staged so far (whole files; not verified)."""
+        return sorted(int(f.stem.removeprefix("block_")) for f in self.dir.glob("block_*.safetensors"))
+
     def put(self, i: int, factors: BlockFactors) -> None:
+        tensors = {name: getattr(factors, name).detach().cpu().contiguous() for name in TENSORS}
         tmp = self.dir / f".block_{i:06d}.tmp"
-        save_file({"A": factors.A.contiguous(), "S": factors.S.contiguous(), "B": factors.B.contiguous()}, str(tmp))
+        save_file(tensors, str(tmp), metadata={f"crc32c_{k}": str(crc32c(t)) for k, t in tensors.items()})
+        fd = os.open(tmp, os.O_RDONLY)
+        try:  # on disk before the name says it is whole, also after a machine crash
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, self._file(i))
 
     def get(self, i: int) -> BlockFactors:
         t = load_file(str(self._file(i)))
         return BlockFactors(A=t["A"], S=t["S"], B=t["B"])
+
+    def verify(self, i: int) -> bool:
+        """Whether staged block i is there, readable, and matches its checksums (a file staged
+        before checksums existed counts when it loads whole: it was written atomically)."""
+        try:
+            with safe_open(str(self._file(i)), framework="pt") as f:
+                sums = f.metadata() or {}
+                tensors = {name: f.get_tensor(name) for name in TENSORS}
+        except (OSError, SafetensorError):
+            return False
+        return all(f"crc32c_{k}" not in sums or sums[f"crc32c_{k}"] == str(crc32c(t)) for k, t in tensors.items())
+
+    def discard(self, i: int) -> None:
+        self._file(i).unlink(missing_ok=True)
 
     def spectrum(self, i: int) -> tuple[int, torch.Tensor]:
         """(tokens, singular values) of block i, without loading its A and B (allocation needs only these)."""

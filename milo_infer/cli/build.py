@@ -5,6 +5,11 @@ costs a second, not a model load. The build itself (tokenising, one forward pass
 progress bar, rank allocation, the atomic write) is `milo_infer.build.build_store`. A build that is
 killed or interrupted keeps its finished blocks in ``<out>.staging``: rerunning the same command
 resumes from them.
+
+Under torchrun (``torchrun --nproc-per-node N -m milo_infer.cli.main build ...``) every process
+runs this command: each encodes a share of the blocks on its own device into one staging directory
+(``--staging``, on storage every rank shares), rank 0 allocates and commits, and every rank exits
+with the first failing rank's error (`milo_infer.distributed`).
 """
 import argparse
 import dataclasses
@@ -12,6 +17,8 @@ import re
 import sys
 import time
 from pathlib import Path
+
+import torch
 
 from milo_store import CompressionConfig
 from milo_store.allocation import KV_SPLITS, POLICIES, SCOPES
@@ -23,6 +30,7 @@ from milo_store.writer import check_target
 
 from ..build import BuildConfig, build_store
 from ..corpus import DATASETS, load_corpus, load_dataset, task_from_corpus
+from ..distributed import World
 from ..models import load_model
 from . import CommandError
 
@@ -60,10 +68,19 @@ def add_arguments(p):
     p.add_argument("--template", metavar="T",
                    help=r"how a demonstration is written, with {input} then {output}; \n and \t are read as escapes")
     p.add_argument("--anchor", metavar="A", help=r"instruction text before all demonstrations; \n and \t are escapes")
+    p.add_argument("--staging", metavar="DIR", help="where finished blocks wait for pass two, and a rerun resumes "
+                   "from (default <out>.staging); with several machines, a directory they all share")
+    p.add_argument("--encode-batch", type=int, metavar="N",
+                   help="blocks per forward pass, right-padded (default: 1 on a CPU, where batching did not "
+                        f"pay in docs/benchmarks.md; {CUDA_ENCODE_BATCH} on a GPU)")
+    p.add_argument("--threads", type=int, metavar="N",
+                   help="torch CPU threads per process; 1 is many times faster on a CPU shared with other jobs "
+                        "(default: torch's)")
     p.add_argument("--force", action="store_true", help="replace an existing store at --out")
     p.add_argument("--json", action="store_true", help="print the closing summary as JSON")
 
 
+CUDA_ENCODE_BATCH = 8  # a guess, not measured yet: tools/gpu_bench.sh ends with batch 1 vs 8 (docs/benchmarks.md)
 AUTO_INT4_BELOW = 0.4  # Banking77, 3 seeds: int4 ahead at 0.25 and 0.35, int8 at 0.5 (int4 tops out at 0.34)
 
 
@@ -92,6 +109,10 @@ def check_numbers(args) -> None:
         raise CommandError(f"--context-blocks must be at least 0; got {args.context_blocks}")
     if args.shots is not None and args.shots < 1:
         raise CommandError(f"--shots must be at least 1; got {args.shots}")
+    if args.encode_batch is not None and args.encode_batch < 1:
+        raise CommandError(f"--encode-batch must be at least 1; got {args.encode_batch}")
+    if args.threads is not None and args.threads < 1:
+        raise CommandError(f"--threads must be at least 1; got {args.threads}")
 
 
 def demonstrations(args):
@@ -121,34 +142,52 @@ def demonstrations(args):
 
 def run(args) -> int:
     started = time.perf_counter()
-    check_numbers(args)
+    world = World.from_env()
+    try:
+        return build(args, world, started)
+    finally:
+        world.close()
+
+
+def build(args, world: World, started: float) -> int:
     out = args.out if is_url(args.out) else Path(args.out)
-    if not is_url(out) and out.parent.exists() and not out.parent.is_dir():
-        raise CommandError(f"--out {out}: {out.parent} is a file, not a directory")
-    check_target(out, args.force)
-    demos, task = demonstrations(args)
+    with world.step():  # every rank checks its own input and loads the model; one failure stops all
+        check_numbers(args)
+        if args.threads is not None:
+            torch.set_num_threads(args.threads)
+        if not is_url(out) and out.parent.exists() and not out.parent.is_dir():
+            raise CommandError(f"--out {out}: {out.parent} is a file, not a directory")
+        if world.rank == 0:
+            check_target(out, args.force)
+        demos, task = demonstrations(args)
+        try:
+            compression = CompressionConfig(ratio=args.ratio, codec=args.codec, policy=args.policy, scope=args.scope,
+                                            kv_split=args.kv_split, key_share=args.key_share, seed=args.seed,
+                                            dtype=factor_dtype(args.dtype, args.ratio, args.codec),
+                                            query_aware=args.query_aware and args.codec == "svd")
+        except ValueError as e:
+            raise CommandError(str(e)) from None
+        encode_batch = args.encode_batch or (CUDA_ENCODE_BATCH if world.device.type == "cuda" else 1)
+        config = BuildConfig(block_size=args.block_size, context_blocks=args.context_blocks, order=args.order,
+                             seed=args.seed, encode_batch=encode_batch, compression=compression)
+        t0 = time.perf_counter()
+        try:
+            loaded = load_model(args.model)
+        except (OSError, ValueError) as e:  # no such path, not a model folder, an unsupported model
+            raise CommandError(f"--model: {e}") from None
+        loaded.model.to(world.device)
+        load_s = time.perf_counter() - t0
+    staging = Path(args.staging) if args.staging else local_sidecar(out, "staging")
     try:
-        compression = CompressionConfig(ratio=args.ratio, codec=args.codec, policy=args.policy, scope=args.scope,
-                                        kv_split=args.kv_split, key_share=args.key_share, seed=args.seed,
-                                        dtype=factor_dtype(args.dtype, args.ratio, args.codec),
-                                        query_aware=args.query_aware and args.codec == "svd")
-    except ValueError as e:
-        raise CommandError(str(e)) from None
-    config = BuildConfig(block_size=args.block_size, context_blocks=args.context_blocks, order=args.order,
-                         seed=args.seed, compression=compression)
-    t0 = time.perf_counter()
-    try:
-        loaded = load_model(args.model)
-    except (OSError, ValueError) as e:  # no such path, not a model folder, an unsupported model
-        raise CommandError(f"--model: {e}") from None
-    load_s = time.perf_counter() - t0
-    try:
-        summary = build_store(out, loaded, demos, task, config, force=args.force, progress=True)
+        summary = build_store(out, loaded, demos, task, config, force=args.force, progress=True,
+                              staging_dir=staging, world=world)
     except KeyboardInterrupt:  # not an input error: the shell's code for Ctrl-C, and how to continue
-        staged = len(list(local_sidecar(out, "staging").glob("block_*.safetensors")))
-        print(f"milo build: interrupted with {staged} block(s) staged in {local_sidecar(out, 'staging')}; "
+        staged = len(list(staging.glob("block_*.safetensors")))
+        print(f"milo build: interrupted with {staged} block(s) staged in {staging}; "
               "rerun the same command to resume", file=sys.stderr)
         return 130
+    if world.rank != 0:
+        return 0
     summary.update(model=loaded.identity["name"], load_s=load_s, total_s=time.perf_counter() - started)
     if args.json:
         print_json(summary)
@@ -168,3 +207,11 @@ def print_summary(s: dict) -> None:
           f"(ratio {s['ratio']:.4f}); on disk {human_bytes(s['disk_bytes'])}")
     print(f"time     encoding {s['encode_s']:.1f} s ({rate:.0f} tok/s), factorizing {s['factorize_s']:.1f} s, "
           f"allocating + writing {s['write_s']:.1f} s, model load {s['load_s']:.1f} s, total {s['total_s']:.1f} s")
+    if s["processes"] > 1:
+        print(f"ranks    {s['processes']} processes encoded {s['tokens_encoded_now']} tokens in "
+              f"{s['pass_one_s']:.1f} s ({s['tokens_encoded_now'] / s['pass_one_s']:.0f} tok/s together; "
+              "times above summed over processes)")
+        for r in s["ranks"]:
+            r_rate = r["tokens"] / r["encode_s"] if r["encode_s"] else 0.0
+            print(f"  rank {r['rank']}  {r['host']} {r['device']}: {r['blocks']} blocks, {r['tokens']} tokens, "
+                  f"{r_rate:.0f} tok/s encoding")

@@ -8,9 +8,11 @@ import sys
 from milo_store.cli.common import run_subcommands
 from milo_store.allocation import BudgetError
 from milo_store.errors import StoreError
+from milo_store.staging import StagingError
 
 from ..build import BuildError
 from ..corpus import CorpusError, DatasetUnavailable
+from ..distributed import RankError
 from ..models import ModelUnavailable, UnsupportedModelError
 from . import CommandError, bench, build, eval, query
 
@@ -18,7 +20,7 @@ COMMANDS = {"build": build, "query": query, "eval": eval, "bench": bench}
 
 # Errors that describe the user's input or environment, not a bug: no traceback for these.
 INPUT_ERRORS = (CommandError, BuildError, BudgetError, CorpusError, DatasetUnavailable, ModelUnavailable,
-                UnsupportedModelError, StoreError)
+                UnsupportedModelError, StoreError, StagingError, RankError)
 
 
 def main(argv=None) -> int:

@@ -104,6 +104,8 @@ CORPORA = {
     (["--corpus", "{dir}/good.jsonl", "--ratio", "nan"], "--ratio must be in (0, 1]; got nan"),
     (["--corpus", "{dir}/good.jsonl", "--ratio", "half"], "argument --ratio: invalid float value: 'half'"),
     (["--corpus", "{dir}/good.jsonl", "--shots", "0"], "--shots must be at least 1; got 0"),
+    (["--corpus", "{dir}/good.jsonl", "--encode-batch", "0"], "--encode-batch must be at least 1; got 0"),
+    (["--corpus", "{dir}/good.jsonl", "--threads", "0"], "--threads must be at least 1; got 0"),
     (["--corpus", "{dir}/good.jsonl", "--shots", "13"], "--shots 13: {dir}/good.jsonl has only 12 demonstrations"),
     (["--corpus", "{dir}/good.jsonl", "--context-blocks", "-1"], "--context-blocks must be at least 0"),
     (["--corpus", "{dir}/good.jsonl", "--template", "Q: {input}"], "--template: task 'custom': template must contain"),
@@ -219,7 +221,7 @@ def test_interrupted_build_resumes_to_the_same_store(tiny_model_dir, tmp_path, m
     whole = build_json(capsys, *args, "--out", tmp_path / "whole")
     assert whole["blocks"] == 6 and whole["blocks_encoded_now"] == 6
 
-    real, calls = milo_infer.build.encode_block, []
+    real, calls = milo_infer.build.encode_blocks, []
 
     def interrupt_third(*a, **k):
         calls.append(1)
@@ -227,14 +229,14 @@ def test_interrupted_build_resumes_to_the_same_store(tiny_model_dir, tmp_path, m
             raise KeyboardInterrupt
         return real(*a, **k)
 
-    monkeypatch.setattr(milo_infer.build, "encode_block", interrupt_third)
+    monkeypatch.setattr(milo_infer.build, "encode_blocks", interrupt_third)
     out = tmp_path / "resumed"
     assert main(["build", *map(str, args), "--out", str(out)]) == 130
     err = capsys.readouterr().err
     assert f"interrupted with 2 block(s) staged in {out}.staging; rerun the same command to resume" in err
     with pytest.raises(NotAStoreError):
         MiloStore.open(out)
-    monkeypatch.setattr(milo_infer.build, "encode_block", real)
+    monkeypatch.setattr(milo_infer.build, "encode_blocks", real)
 
     resumed = build_json(capsys, *args, "--out", out)
     assert resumed["blocks_encoded_now"] == 6 - 2
@@ -243,6 +245,25 @@ def test_interrupted_build_resumes_to_the_same_store(tiny_model_dir, tmp_path, m
     a, b = store_arrays(tmp_path / "whole"), store_arrays(out)
     for name in a:
         assert a[name].dtype == b[name].dtype and a[name].tobytes() == b[name].tobytes(), name
+
+
+@pytest.mark.parametrize("encode_batch", [1, 2])
+def test_a_damaged_staged_block_is_encoded_again(tiny, tmp_path, encode_batch):
+    """A staged block that fails its checksum is encoded again, with the blocks of its encoding batch,
+    so the batch it is computed in (and the store's bytes) are those of an uninterrupted build."""
+    demos = [Demonstration(f"customer message number {i} about my account", ("refund", "card lost")[i % 2], str(i))
+             for i in range(8)]
+    task, config = task_from_corpus(demos), BuildConfig(block_size=2, context_blocks=1, encode_batch=encode_batch)
+    build_store(tmp_path / "whole", tiny, demos, task, config, progress=False, keep_staging=True)
+    staged = tmp_path / "whole.staging"
+    damaged = staged / "block_000001.safetensors"
+    data = bytearray(damaged.read_bytes())
+    data[-5] ^= 0x10
+    damaged.write_bytes(bytes(data))
+    (staged / ".block_000002.tmp").write_bytes(b"a write cut short")
+    resumed = build_store(tmp_path / "resumed", tiny, demos, task, config, progress=False, staging_dir=staged)
+    assert resumed["blocks_encoded_now"] == encode_batch
+    assert snapshot(tmp_path / "resumed") == snapshot(tmp_path / "whole")
 
 
 def test_ratio_summary_and_force(tiny_model_dir, tmp_path, capsys):
@@ -338,7 +359,7 @@ def test_infeasible_ratio_is_refused_before_encoding(tiny_model_dir, tmp_path, c
     def never(*args, **kwargs):
         raise AssertionError("encoded a block before refusing the ratio")
 
-    monkeypatch.setattr(build_module, "encode_block", never)
+    monkeypatch.setattr(build_module, "encode_blocks", never)
     code = main(["build", "--corpus", str(write_corpus(tmp_path / "c.jsonl", 8)), "--model", str(tiny_model_dir),
                  "--out", str(tmp_path / "s"), "--block-size", "2", "--context-blocks", "0", "--ratio", "0.001"])
     assert code == 2
