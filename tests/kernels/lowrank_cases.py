@@ -1,5 +1,9 @@
 """Builders shared by the kernel tests: RoPE tables, an independent RoPE, and packed random layers."""
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
@@ -75,3 +79,19 @@ def target_mask(segments, kv_heads, n_rows, d):
     for _, _, tokens, dst, head, kind in segments.tolist():
         mask[kind, head, dst:dst + tokens] = True
     return mask
+
+
+def run_under_interpreter(test_file, keyword=None):
+    """Run a kernel test file's tests in a fresh process with TRITON_INTERPRET=1 (it must be set before
+    triton is first used), so a CPU machine runs the real kernel without switching the interpreter on
+    for every other test; fails unless they all pass and none is skipped."""
+    repo = Path(__file__).resolve().parents[2]
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *(["-k", keyword] if keyword else []),
+         str(test_file)],
+        cwd=repo, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "TRITON_INTERPRET": "1", "MILO_KERNEL": "", "PYTHONPATH": str(repo)},
+    )
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert " passed" in result.stdout and "failed" not in result.stdout, result.stdout[-2000:]
+    return result.stdout

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lowrank_cases import random_layer, rope_by_complex, rope_tables, target_mask
+from lowrank_cases import random_layer, rope_by_complex, rope_tables, run_under_interpreter, target_mask
 from milo_kernels import reconstruct_layer, reconstruct_layer_naive
 
 REPO = Path(__file__).resolve().parents[2]
@@ -173,10 +173,4 @@ def test_import_and_reference_work_without_triton():
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"), reason="already interpreting in-process")
 def test_triton_kernel_under_the_interpreter():
     pytest.importorskip("triton")
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).with_name("test_reconstruct_triton.py"))],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
-        env={**os.environ, "TRITON_INTERPRET": "1", "MILO_KERNEL": "", "PYTHONPATH": str(REPO)},
-    )
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert " passed" in result.stdout and "failed" not in result.stdout
+    run_under_interpreter(Path(__file__).with_name("test_reconstruct_triton.py"))

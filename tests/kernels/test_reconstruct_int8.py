@@ -7,14 +7,12 @@ this module in a subprocess with the interpreter on, so a plain `pytest tests` c
 """
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from lowrank_cases import rope_tables, target_mask
+from lowrank_cases import rope_tables, run_under_interpreter, target_mask
 from milo_kernels import reconstruct_layer, reconstruct_layer_naive
 import numpy as np
 
@@ -187,11 +185,4 @@ def test_triton_public_entry_and_plan_kind(monkeypatch):
 @pytest.mark.skipif(INTERPRET or CUDA, reason="already interpreting in-process, or on a GPU")
 def test_triton_int8_under_the_interpreter():
     pytest.importorskip("triton")
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "triton_int8_matches or triton_public",
-         str(Path(__file__))],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
-        env={**os.environ, "TRITON_INTERPRET": "1", "MILO_KERNEL": "", "PYTHONPATH": str(REPO)},
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    assert " passed" in result.stdout and " skipped" not in result.stdout, result.stdout[-2000:]
+    assert " skipped" not in run_under_interpreter(__file__, "triton_int8_matches or triton_public")
