@@ -221,7 +221,10 @@ def store_retriever(store: MiloStore, aggregate: Aggregate = "max", top_n: int =
     another version) is indexed now, with a warning, and answers the same."""
     found = store.index_arrays(text_index.NAME)
     if found is not None and {k: found[0].get(k) for k in text_index.index_attrs()} == text_index.index_attrs():
-        index = TextIndex(found[1])
+        try:
+            index = TextIndex(found[1])
+        except ValueError as e:
+            raise StoreCorruptedError(f"{store.path}: broken BM25 index ({e})") from e
         if index.num_docs != store.num_examples() or len(index.block_starts) != store.num_blocks + 1:
             raise StoreCorruptedError(f"{store.path}: its BM25 index covers {index.num_docs} demonstrations in "
                                       f"{len(index.block_starts) - 1} blocks, the store has {store.num_examples()} "

@@ -284,3 +284,19 @@ def test_a_corrupted_index_is_refused_at_mount(tmp_path):
     with MiloStore.open(path, tier="disk") as store:
         with pytest.raises(StoreCorruptedError, match="index bm25: posting_docs fails its checksum"):
             store_retriever(store)
+
+
+def test_an_index_that_disagrees_with_its_store_is_refused(tmp_path):
+    import shutil
+
+    from milo_store import CompressionConfig, Layout, MiloStore, StoreCorruptedError
+    from milo_store.synthetic import build_synthetic_store
+
+    path = synthetic_store(tmp_path / "s")
+    other = build_synthetic_store(tmp_path / "o", Layout(2, 1, 8), TOKENS, CompressionConfig(ratio=0.5),
+                                  texts=TEXTS[:6], example_block=BLOCK[:6])
+    shutil.rmtree(path / "indexes")
+    shutil.copytree(other / "indexes", path / "indexes")  # sound bytes, another store's demonstrations
+    with MiloStore.open(path, tier="disk") as store:
+        with pytest.raises(StoreCorruptedError, match="covers 6 demonstrations in 4 blocks, the store has 8"):
+            store_retriever(store)
