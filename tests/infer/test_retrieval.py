@@ -215,6 +215,7 @@ def banking77(n: int):
     return [d.input for d in train[:n]], [d.input for d in test[:200]]
 
 
+@pytest.mark.slow
 def test_top_k_blocks_equal_rank_bm25s_on_banking77():
     """200 real queries over 4,096 real demonstrations in 128 blocks of 32 (assigned out of order):
     per-demonstration scores are BM25Okapi's exactly, so are the top-6 blocks, ties included."""
