@@ -1,4 +1,4 @@
-"""tools/bench_scale.py at toy size: the varied corpus, and one mount probe over a small store."""
+"""tools/bench_scale.py at toy size (the varied corpus, one mount probe over a small store) and tools/agreement.py."""
 import sys
 from pathlib import Path
 
@@ -31,3 +31,19 @@ def test_probe_mount_measures_a_store(tmp_path):
     assert out["mount_s_verify_True"] > 0 and out["cli_ls_s"] > 0
     p50, p99 = out["retrieve_ms"]
     assert 0 < p50 <= p99
+
+
+def test_agreement_counts_only_items_both_answered(tmp_path):
+    import json
+
+    from agreement import compare, read
+
+    def write(name, rows):
+        path = tmp_path / name
+        path.write_text("".join(json.dumps(dict(zip(("id", "prediction", "correct"), r))) + "\n" for r in rows))
+        return str(path)
+
+    full = read(write("f.jsonl", [("a", "x", True), ("b", "y", False), ("c", "z", True), ("d", "x", False)]))
+    other = read(write("o.jsonl", [("b", "y", False), ("a", "w", False), ("c", "z", True)]))
+    assert compare(full, other) == {"n": 3, "reference_accuracy": 2 / 3, "other_accuracy": 1 / 3, "agree": 2}
+    assert compare(full, other, first=1) == {"n": 1, "reference_accuracy": 1.0, "other_accuracy": 0.0, "agree": 0}
