@@ -14,27 +14,19 @@ dense retriever can later replace BM25 without touching the inference loop.
 
 from __future__ import annotations
 
-import re
+import warnings
 from collections.abc import Sequence
 from typing import Literal, Protocol, runtime_checkable
 
 import numpy as np
-from rank_bm25 import BM25Okapi
+
+from milo_store import MiloStore, StoreCorruptedError, text_index
+from milo_store.text_index import TextIndex, build_text_index, tokenize
 
 Aggregate = Literal["max", "sum-top-n"]
 Order = Literal["score", "corpus"]
 
-# Runs of letters and digits (any script); everything else, "_" included, splits.
-_WORD = re.compile(r"[^\W_]+")
-
-
-def tokenize(text: str) -> list[str]:
-    """Lowercase ``text`` and split it on anything that is not a letter or digit.
-
-    Deliberately simple and deterministic: the same text always gives the same
-    terms, whatever the model or platform, so BM25 rankings are reproducible.
-    """
-    return _WORD.findall(text.lower())
+__all__ = ["BM25BlockRetriever", "Retriever", "order_blocks", "select_blocks", "store_retriever", "tokenize"]
 
 
 @runtime_checkable
@@ -131,8 +123,9 @@ class BM25BlockRetriever:
     unrelated; ``aggregate="max"`` keeps exactly that behaviour, while
     ``"sum-top-n"`` rewards blocks holding several good matches.
 
-    Build it once when the store is mounted: construction indexes the whole
-    corpus, while a query costs one BM25 pass plus a few numpy reductions.
+    Scores are rank_bm25's BM25Okapi's, from a :class:`~milo_store.text_index.TextIndex`:
+    built here from ``texts``, or the one a store keeps (:func:`store_retriever`). A query
+    costs its terms' postings plus one pass over the demonstrations' scores.
     """
 
     def __init__(
@@ -145,51 +138,40 @@ class BM25BlockRetriever:
     ) -> None:
         if len(texts) == 0:
             raise ValueError("cannot build a retriever over an empty corpus")
-        if len(texts) != len(example_block):
-            raise ValueError(
-                f"{len(texts)} texts but {len(example_block)} block assignments; "
-                "need one block id per demonstration"
-            )
+        index = TextIndex(build_text_index(texts, example_block, len(block_tokens)))
+        self._setup(index, index.block_starts, block_tokens, aggregate, top_n)
+
+    @classmethod
+    def from_index(cls, index: TextIndex, group_starts: np.ndarray, group_tokens: Sequence[int],
+                   aggregate: Aggregate = "max", top_n: int = 3) -> "BM25BlockRetriever":
+        """Over an index whose demonstrations of group g are ``[group_starts[g], group_starts[g + 1])``."""
+        self = cls.__new__(cls)
+        self._setup(index, group_starts, group_tokens, aggregate, top_n)
+        return self
+
+    def _setup(self, index: TextIndex, group_starts, block_tokens, aggregate: str, top_n: int) -> None:
         if aggregate not in ("max", "sum-top-n"):
             raise ValueError(f"aggregate must be 'max' or 'sum-top-n', got {aggregate!r}")
         if top_n < 1:
             raise ValueError(f"top_n must be at least 1, got {top_n}")
-
-        block_of = np.asarray(example_block, dtype=np.int64)
         tokens = np.asarray(block_tokens, dtype=np.int64)
-        n_blocks = len(tokens)
-        if n_blocks == 0 or block_of.min() < 0 or block_of.max() >= n_blocks:
-            raise ValueError(
-                f"block ids must lie in [0, {n_blocks}), the range block_tokens covers; "
-                f"got ids from {block_of.min()} to {block_of.max()}"
-            )
-        counts = np.bincount(block_of, minlength=n_blocks)
-        if (counts == 0).any():
-            empty = np.flatnonzero(counts == 0)[:5].tolist()
+        starts = np.asarray(group_starts, dtype=np.int64)
+        if len(tokens) == 0 or starts.shape != (len(tokens) + 1,) or starts[-1] != index.num_docs:
+            raise ValueError(f"need {len(tokens) + 1} group starts ending at {index.num_docs} demonstrations, "
+                             f"one group per entry of block_tokens")
+        counts = np.diff(starts)
+        if (counts <= 0).any():
+            empty = np.flatnonzero(counts <= 0)[:5].tolist()
             raise ValueError(f"blocks without any demonstration, e.g. {empty}")
         if (tokens < 1).any():
             raise ValueError("every block must occupy at least one token")
-
-        docs = [tokenize(t) for t in texts]
-        if not any(docs):
-            raise ValueError("no demonstration contains a single letter or digit to index")
-        self._bm25 = BM25Okapi(docs)
+        self.index = index
         self._block_tokens = tokens
         self._block_tokens.setflags(write=False)
+        self._starts = starts[:-1]
+        self._counts = counts
         self.aggregate = aggregate
         self.top_n = top_n
-
-        # Group demonstrations by block once, so per-query aggregation is a
-        # gather plus a segmented reduction instead of a loop over examples.
-        self._by_block = np.argsort(block_of, kind="stable")
-        sorted_blocks = block_of[self._by_block]
-        self._starts = np.flatnonzero(np.r_[True, sorted_blocks[1:] != sorted_blocks[:-1]])
-        self._sorted_blocks = sorted_blocks
-        # Position of each (block-sorted) demonstration inside its block, used
-        # to keep each block's n best once scores are sorted within blocks.
-        rank_in_block = np.arange(len(block_of)) - np.repeat(self._starts, counts)
-        self._in_top_n = rank_in_block < top_n
-
         self._last: tuple[str, np.ndarray] | None = None
 
     @property
@@ -201,11 +183,9 @@ class BM25BlockRetriever:
         return len(self._block_tokens)
 
     def example_scores(self, query: str) -> np.ndarray:
-        """BM25 score of every demonstration for ``query``."""
-        # Terms absent from the corpus score zero anyway; dropping them first
-        # skips rank_bm25's pass over every document for each such term.
-        terms = [t for t in tokenize(query) if t in self._bm25.idf]
-        return self._bm25.get_scores(terms)
+        """BM25 score of every demonstration for ``query``, demonstrations in block order
+        (stable: a block's demonstrations keep their corpus order)."""
+        return self.index.doc_scores(query)
 
     def scores(self, query: str) -> np.ndarray:
         """One score per block (read-only array indexed by block id).
@@ -215,17 +195,15 @@ class BM25BlockRetriever:
         """
         if self._last is not None and self._last[0] == query:
             return self._last[1]
-        grouped = self.example_scores(query)[self._by_block]
+        grouped = self.example_scores(query)  # already grouped: block b's demonstrations are contiguous
         if self.aggregate == "max":
             block_scores = np.maximum.reduceat(grouped, self._starts)
         else:
-            # Sort scores descending within each block (block stays the primary
-            # key, so the block-sorted layout and _in_top_n still line up).
-            within = np.lexsort((-grouped, self._sorted_blocks))
-            best = self._in_top_n
-            block_scores = np.bincount(
-                self._sorted_blocks[best], weights=grouped[within][best], minlength=self.n_blocks
-            )
+            # Sort scores descending within each block (block stays the primary key), keep each block's n best.
+            block_of = np.repeat(np.arange(self.n_blocks), self._counts)
+            within = np.lexsort((-grouped, block_of))
+            best = np.arange(len(grouped)) - np.repeat(self._starts, self._counts) < self.top_n
+            block_scores = np.bincount(block_of[best], weights=grouped[within][best], minlength=self.n_blocks)
         block_scores.setflags(write=False)
         self._last = (query, block_scores)
         return block_scores
@@ -235,3 +213,27 @@ class BM25BlockRetriever:
     ) -> list[int]:
         """Most relevant block ids first; see :func:`select_blocks` for the limits."""
         return select_blocks(self.scores(query), self._block_tokens, k, token_budget)
+
+
+def store_retriever(store: MiloStore, aggregate: Aggregate = "max", top_n: int = 3) -> BM25BlockRetriever:
+    """The retriever over a mounted store's groups, from the BM25 index the store keeps (memory-mapped,
+    its checksums checked when the store verifies); a store written before it (or with an index of
+    another version) is indexed now, with a warning, and answers the same."""
+    found = store.index_arrays(text_index.NAME)
+    if found is not None and {k: found[0].get(k) for k in text_index.index_attrs()} == text_index.index_attrs():
+        try:
+            index = TextIndex(found[1])
+        except ValueError as e:
+            raise StoreCorruptedError(f"{store.path}: broken BM25 index ({e})") from e
+        if index.num_docs != store.num_examples() or len(index.block_starts) != store.num_blocks + 1:
+            raise StoreCorruptedError(f"{store.path}: its BM25 index covers {index.num_docs} demonstrations in "
+                                      f"{len(index.block_starts) - 1} blocks, the store has {store.num_examples()} "
+                                      f"in {store.num_blocks}")
+    else:
+        why = "no BM25 index" if found is None else f"a BM25 index of another version ({found[0].get('version')})"
+        warnings.warn(f"{store.path} has {why}: indexing its {store.num_examples()} demonstrations at mount "
+                      f"(rebuild the store to skip this)", stacklevel=2)
+        ex = store.examples()
+        index = TextIndex(build_text_index(ex["input"], ex["block"], store.num_blocks))
+    group_starts = index.block_starts[np.searchsorted(store.block_group, np.arange(store.num_groups + 1))]
+    return BM25BlockRetriever.from_index(index, group_starts, store.group_tokens(), aggregate, top_n)

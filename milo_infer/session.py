@@ -24,7 +24,7 @@ from .cache import MiloCache
 from .corpus import TaskSpec
 from .decoding import LabelTrie, constrained_greedy, greedy_until
 from .models import LoadedModel, rope_tables
-from .retrieval import BM25BlockRetriever, order_blocks
+from .retrieval import order_blocks, store_retriever
 from .timing import StageClock
 
 IDENTITY_FIELDS = ("config_hash", "num_layers", "num_kv_heads", "head_dim", "rope")
@@ -89,9 +89,7 @@ class MiloSession:
         self.k, self.token_budget, self.order = k, token_budget, order
         self.max_new_tokens, self.prefetch_depth = max_new_tokens, prefetch_depth
         self.task = TaskSpec(**{**store.meta["task"], "labels": tuple(store.meta["task"].get("labels", ()))})
-        ex = store.examples()
-        example_group = store.block_group[np.asarray(ex["block"], dtype=np.int64)]
-        self.retriever = BM25BlockRetriever(ex["input"], example_group, store.group_tokens(), aggregate=aggregate)
+        self.retriever = store_retriever(store, aggregate=aggregate)
         self.trie = LabelTrie(self.tokenizer, list(self.task.labels)) if self.task.answer_kind == "label" else None
         self.layout = store.layout
         self.rope_interleaved = store.meta["model"]["rope"]["layout"] == "interleaved"

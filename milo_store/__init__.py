@@ -1,4 +1,5 @@
 """milo_store: block-wise low-rank KV factors, their allocation, and the Zarr v3 store that keeps them."""
+from . import text_index
 from .allocation import allocate_ranks
 from .codec import BlockFactors, factorize_block, pack_block, reconstruct, unpack_block
 from .compress import CompressionConfig, plan_ranks, write_store

@@ -17,7 +17,9 @@ from .baselines import BASELINES, ExampleSplit, GlobalProjection, WeightedBlocks
 from .codec import CODECS, BlockFactors, pack_block
 from .format import GROUP_BYTES, QUANTIZED, TORCH_DTYPES
 from .layout import Layout, full_kv_bytes
+from . import text_index
 from .staging import Staging
+from .text_index import build_text_index
 from .writer import StoreWriter
 
 STORE_CODECS = CODECS + BASELINES
@@ -187,4 +189,7 @@ def write_store(path, staging: Staging, num_blocks: int, layout: Layout, config:
         if examples is not None:
             blocks = source.example_block if isinstance(source, ExampleSplit) else examples["block"]
             w.write_examples(examples["input"], examples["output"], examples["id"], blocks)
+            if examples["input"]:  # the retrieval index, built once here rather than at every mount
+                w.write_index(text_index.NAME, build_text_index(examples["input"], blocks, source.num_blocks),
+                              text_index.index_attrs())
         return w.commit()

@@ -11,6 +11,7 @@ FACTORS, RANKS, TOKENS, CHECKSUMS, ANCHOR = "factors", "ranks", "block_tokens", 
 TOKEN_IDS = "token_ids"  # int32, every block's tokens concatenated (optional)
 EXAMPLES = "examples"  # group with arrays input, output, id (str) and block (int32)
 BLOCK_GROUP = "block_group"  # int32 [N], optional: the retrieval group of each store block
+INDEXES = "indexes"  # group of named indexes (e.g. indexes/bm25), each of 1-D single-chunk arrays (optional)
 GROUP_BYTES = 4  # index bytes per block that a block_group array adds
 MAX_CHUNK_BYTES = 64 << 20
 # numpy cannot hold bfloat16: its bits go to disk as uint16 and are viewed back as torch.bfloat16.
@@ -37,6 +38,11 @@ def chunk_values(total_values: int, itemsize: int, max_chunk_bytes: int = MAX_CH
 def factor_chunk_path(store_path: Path, index: int) -> Path:
     """File of chunk ``index`` of the 1-D factor array (zarr v3 default chunk key encoding, '/' separator)."""
     return Path(store_path) / FACTORS / "c" / str(index)
+
+
+def array_chunk_path(store_path: Path, array: str) -> Path:
+    """File of the only chunk of a 1-D single-chunk array (an index array) at ``array`` ('a/b/c') in the store."""
+    return Path(store_path) / array / "c" / "0"
 
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:

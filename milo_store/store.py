@@ -201,12 +201,20 @@ class MiloStore:
         """Offsets of each layer inside block i (int64 [L + 1]), relative to the block's start."""
         return self.layout.layer_offsets(self.ranks[i], int(self.block_tokens[i]))
 
-    def verify_all(self) -> list[str]:
-        """Every problem found, one line each, naming the block (empty when the store is sound)."""
+    def verify_all(self, progress=None) -> list[str]:
+        """Every problem found, one line each, naming the block or index (empty when the store is sound).
+        ``progress(i)`` is called after each block."""
         problems = []
         for i in range(self.num_blocks):
             try:
                 self._read_block(i, check=True, use_cache=False)
+            except StoreError as e:
+                problems.append(str(e))
+            if progress:
+                progress(i)
+        for name in self.index_names():
+            try:
+                self.index_arrays(name, check=True)
             except StoreError as e:
                 problems.append(str(e))
         return problems
@@ -253,6 +261,50 @@ class MiloStore:
             return {"input": [], "output": [], "id": [], "block": []}
         g = self.group[fmt.EXAMPLES]
         return {k: g[k][...].tolist() for k in ("input", "output", "id", "block")}
+
+    def num_examples(self) -> int:
+        """How many demonstrations the store keeps (from array metadata: no demonstration is read)."""
+        return self.group[f"{fmt.EXAMPLES}/id"].shape[0] if fmt.EXAMPLES in self.group else 0
+
+    def index_names(self) -> list[str]:
+        """The named indexes the store keeps (``indexes/<name>``, e.g. ``bm25``)."""
+        return sorted(k for k, _ in self.group[fmt.INDEXES].groups()) if fmt.INDEXES in self.group else []
+
+    def index_arrays(self, name: str, check: bool | None = None) -> tuple[dict, dict[str, np.ndarray]] | None:
+        """A named index's attributes and arrays, memory-mapped read-only (None when the store has none).
+
+        Each array is one uncompressed chunk, mapped straight from its chunk file; a store URL's arrays
+        are read whole into memory instead (each mount; not kept in the block cache). With ``check`` (default: the store's
+        ``verify``) every array's CRC32C is checked, which reads it whole once.
+        """
+        key = f"{fmt.INDEXES}/{name}"
+        if fmt.INDEXES not in self.group or name not in self.group[fmt.INDEXES]:
+            return None
+        g = self.group[key]
+        attrs = dict(g.attrs)
+        checksums = attrs.get("checksums")
+        if not isinstance(checksums, dict):
+            raise StoreCorruptedError(f"{self.path}: index {name} has no checksums")
+        arrays = {}
+        for array, crc in checksums.items():
+            if array not in g:
+                raise StoreCorruptedError(f"{self.path}: index {name} lacks its array {array}")
+            a = g[array]
+            dtype = np.dtype(a.dtype).newbyteorder("<")  # zarr v3's default bytes codec: little-endian
+            if a.ndim != 1 or a.compressors or a.chunks[0] < a.shape[0]:
+                raise StoreCorruptedError(f"{self.path}: index {name}: {array} is not one uncompressed chunk")
+            p = fmt.array_chunk_path(self.path, f"{key}/{array}") if not is_url(self.path) else None
+            if p is None or a.shape[0] == 0:  # nothing to map (a URL's one chunk comes through zarr, into memory)
+                data = np.asarray(a[...], dtype=dtype) if a.shape[0] else np.empty(0, dtype=dtype)
+                data.setflags(write=False)
+            elif not p.is_file() or p.stat().st_size != a.chunks[0] * dtype.itemsize:
+                raise StoreCorruptedError(f"{self.path}: index {name}: {array}'s chunk file is missing or truncated")
+            else:
+                data = np.memmap(p, dtype=dtype, mode="r", shape=a.shape)
+            if (self.verify if check is None else check) and crc32c(data) != crc:
+                raise StoreCorruptedError(f"{self.path}: index {name}: {array} fails its checksum (corrupted index bytes)")
+            arrays[array] = data
+        return attrs, arrays
 
     def accounting(self) -> dict:
         """Planned and actual bytes: the accounted compressed set, and what the store takes on disk."""

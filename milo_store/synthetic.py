@@ -29,8 +29,12 @@ def synthetic_block_kv(layout: Layout, tokens: int, generator: torch.Generator,
 
 
 def build_synthetic_store(path, layout: Layout, block_tokens, config: CompressionConfig | None = None, *,
-                          seed: int = 0, force: bool = False, staging_dir=None, anchor_tokens: int = 4):
-    """A complete store over synthetic blocks (with fake demonstration text), through the real build path."""
+                          seed: int = 0, force: bool = False, staging_dir=None, anchor_tokens: int = 4,
+                          texts=None, example_block=None):
+    """A complete store over synthetic blocks, through the real build path.
+
+    Demonstrations: ``texts`` with ``example_block`` (the block of each), or one fake text per block.
+    """
     config = config or CompressionConfig()
     g = torch.Generator().manual_seed(seed)
     staging = Staging(staging_dir or local_sidecar(path, "staging"), {"synthetic": seed, "tokens": list(map(int, block_tokens)),
@@ -40,8 +44,12 @@ def build_synthetic_store(path, layout: Layout, block_tokens, config: Compressio
             staging.put(i, factorize_block(*synthetic_block_kv(layout, int(t), g), codec=staging_codec(config.codec)))
     anchor = torch.randn(layout.num_layers, 2, layout.num_kv_heads, anchor_tokens, layout.head_dim, generator=g)
     n = len(block_tokens)
-    examples = {"input": [f"synthetic demonstration {i}" for i in range(n)], "output": ["x"] * n,
-                "id": [str(i) for i in range(n)], "block": list(range(n)), "tokens": list(map(int, block_tokens))}
+    examples = {"input": [f"synthetic demonstration {i}" for i in range(n)], "block": list(range(n)),
+                "tokens": list(map(int, block_tokens))}  # one demonstration per block (what example-svd needs)
+    if texts is not None:
+        examples = {"input": list(texts), "block": list(example_block)}
+    m = len(examples["input"])
+    examples.update(output=["x"] * m, id=[str(i) for i in range(m)])
     out = write_store(path, staging, n, layout, config, attrs={"model": {"name": "synthetic"}},
                       anchor_kv=anchor, examples=examples, force=force)
     staging.remove()

@@ -192,6 +192,22 @@ class StoreWriter:
             g.create_array(name, shape=(len(values),), dtype=str)[:] = np.array(values, dtype=object)
         g.create_array("block", data=np.asarray(blocks, dtype=np.int32))
 
+    def write_index(self, name: str, arrays: dict, attrs: dict) -> None:
+        """A named index under ``indexes/<name>``: 1-D arrays, each one uncompressed chunk so a reader can
+        map it in place, their CRC32C recorded in the index's attributes beside ``attrs``."""
+        g = self.group.require_group(fmt.INDEXES).create_group(name)
+        checksums = {}
+        for key, data in arrays.items():
+            data = np.ascontiguousarray(data)
+            if data.ndim != 1:
+                raise ValueError(f"index {name}: array {key} must be 1-D, got shape {data.shape}")
+            a = g.create_array(key, shape=data.shape, dtype=data.dtype, chunks=(max(1, len(data)),),
+                               compressors=None, fill_value=0, config={"write_empty_chunks": True})
+            if len(data):
+                a[:] = data
+            checksums[key] = crc32c(data)
+        g.attrs.update({**attrs, "checksums": checksums})
+
     def write_token_ids(self, token_ids: np.ndarray) -> None:
         """Every block's token ids, concatenated in block order (int32, one per stored token)."""
         token_ids = np.asarray(token_ids, dtype=np.int32)

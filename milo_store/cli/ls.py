@@ -1,21 +1,43 @@
-"""List a store's blocks: tokens, demonstrations, K and V ranks, bytes."""
+"""List a store's blocks: tokens, demonstrations, K and V ranks, bytes (a page at a time: --offset, --limit)."""
+import argparse
+
 import numpy as np
 
+from .. import text_index
 from ..store import MiloStore
 from .common import human_bytes, print_json
 
 
+def non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {value}")
+    return value
+
+
 def add_arguments(p):
     p.add_argument("path", help="store directory or URL (s3://bucket/prefix, gs://, az://, file://)")
+    p.add_argument("--offset", type=non_negative, default=0, help="first block listed (default 0)")
+    p.add_argument("--limit", type=non_negative, default=100, help="most blocks listed (default 100; 0: all)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
 
-def block_rows(store: MiloStore) -> list[dict]:
-    per_block = np.bincount(np.asarray(store.examples()["block"], dtype=np.int64), minlength=store.num_blocks)
+def demonstrations_per_block(store: MiloStore, start: int, stop: int) -> np.ndarray:
+    """From the BM25 index's block starts (a few entries); stores without it count every demonstration's block."""
+    found = store.index_arrays(text_index.NAME, check=False)
+    if found is not None:
+        return np.diff(np.asarray(found[1]["block_starts"][start:stop + 1], dtype=np.int64))
+    return np.bincount(np.asarray(store.examples()["block"], dtype=np.int64), minlength=store.num_blocks)[start:stop]
+
+
+def block_rows(store: MiloStore, offset: int = 0, limit: int = 0) -> list[dict]:
+    start = min(offset, store.num_blocks)
+    stop = store.num_blocks if limit == 0 else min(start + limit, store.num_blocks)
+    per_block = demonstrations_per_block(store, start, stop)
     rows = []
-    for i in range(store.num_blocks):
+    for i in range(start, stop):
         k, v = store.ranks[i, :, 0].astype(int), store.ranks[i, :, 1].astype(int)
-        rows.append({"block": i, "tokens": int(store.block_tokens[i]), "demonstrations": int(per_block[i]),
+        rows.append({"block": i, "tokens": int(store.block_tokens[i]), "demonstrations": int(per_block[i - start]),
                      "key_rank": {"min": int(k.min()), "mean": round(float(k.mean()), 2), "max": int(k.max())},
                      "value_rank": {"min": int(v.min()), "mean": round(float(v.mean()), 2), "max": int(v.max())},
                      "bytes": int(store.offsets[i + 1] - store.offsets[i]) * store.itemsize})
@@ -24,7 +46,8 @@ def block_rows(store: MiloStore) -> list[dict]:
 
 def run(args) -> int:
     with MiloStore.open(args.path, tier="disk", verify=False) as store:
-        rows = block_rows(store)
+        rows = block_rows(store, args.offset, args.limit)
+        total = store.num_blocks
     if args.json:
         print_json(rows)
         return 0
@@ -33,4 +56,7 @@ def run(args) -> int:
         k, v = r["key_rank"], r["value_rank"]
         print(f"{r['block']:>6} {r['tokens']:>7} {r['demonstrations']:>6} {k['min']:>6}/{k['mean']:>6.1f}/{k['max']:<6} "
               f"{v['min']:>6}/{v['mean']:>6.1f}/{v['max']:<6} {human_bytes(r['bytes']):>11}")
+    if len(rows) < total:
+        first = rows[0]["block"] if rows else args.offset
+        print(f"blocks {first}..{first + len(rows) - 1} of {total} listed (--offset, --limit; --limit 0 lists all)")
     return 0

@@ -12,7 +12,6 @@ def add_arguments(p):
 
 def describe(store: MiloStore) -> dict:
     acc = store.accounting()
-    ex = store.examples()
     r = store.ranks.astype(np.int64)
     hist = {kind: [np.bincount(r[:, l, k].ravel(), minlength=store.layout.head_dim + 1).tolist()
                    for l in range(store.layout.num_layers)] for k, kind in enumerate(("key", "value"))}
@@ -20,7 +19,7 @@ def describe(store: MiloStore) -> dict:
         "path": str(store.path), "format_version": store.meta["format_version"],
         "model": store.meta.get("model"), "codec": store.meta.get("codec"), "allocation": store.meta.get("allocation"),
         "factor_dtype": store.dtype, "layout": store.meta["layout"],
-        "blocks": store.num_blocks, "demonstrations": len(ex["id"]), "tokens": int(store.block_tokens.sum()),
+        "blocks": store.num_blocks, "demonstrations": store.num_examples(), "tokens": int(store.block_tokens.sum()),
         "planned_ratio": acc["planned_ratio"], "actual_ratio": acc["ratio"],
         "bytes": {"full_fp16_kv": acc["full_fp16_bytes"], "factors": acc["factor_bytes"], "index": acc["index_bytes"],
                   "accounted": acc["total_bytes"], "factor_files": acc["factor_file_bytes"], "on_disk": acc["disk_bytes"]},

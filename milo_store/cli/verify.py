@@ -1,4 +1,6 @@
-"""Check a store's structure and every block's checksum; exit non-zero naming each bad block."""
+"""Check a store's structure, every block's checksum and its indexes'; exit non-zero naming each bad one."""
+from tqdm import tqdm
+
 from ..store import MiloStore
 from .common import print_json
 
@@ -10,7 +12,8 @@ def add_arguments(p):
 
 def run(args) -> int:
     with MiloStore.open(args.path, tier="disk", verify=False) as store:
-        problems = store.verify_all()
+        with tqdm(total=store.num_blocks, unit="block", desc="verify", disable=None) as bar:
+            problems = store.verify_all(progress=lambda i: bar.update())
         blocks = store.num_blocks
     if args.json:
         print_json({"path": args.path, "blocks": blocks, "ok": not problems, "problems": problems})

@@ -2,12 +2,14 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from rank_bm25 import BM25Okapi
 
 from milo_infer.retrieval import (
     BM25BlockRetriever,
     Retriever,
     order_blocks,
     select_blocks,
+    store_retriever,
     tokenize,
 )
 
@@ -166,7 +168,8 @@ def test_vectorised_aggregation_matches_a_plain_loop(corpus, top_n):
     texts, block, tokens, query = corpus
     for aggregate in ("max", "sum-top-n"):
         r = BM25BlockRetriever(texts, block, tokens, aggregate=aggregate, top_n=top_n)
-        per_example = r.example_scores(query)
+        per_example = np.empty(len(texts))  # example_scores lists demonstrations in block order
+        per_example[np.argsort(block, kind="stable")] = r.example_scores(query)
         expected = []
         for b in range(len(tokens)):
             mine = sorted((per_example[i] for i in range(len(texts)) if block[i] == b), reverse=True)
@@ -198,3 +201,103 @@ def test_select_blocks_matches_greedy_reference(scores_tokens, k, budget):
             expected.append(b)
             used += tokens[b]
     assert got == expected
+
+
+# --- against rank_bm25 on real data, and the index a store keeps ---------------------------
+
+def banking77(n: int):
+    from milo_infer.corpus import DatasetUnavailable, load_dataset
+
+    try:
+        train, test, _ = load_dataset("banking77")
+    except DatasetUnavailable as exc:
+        pytest.skip(f"shared data unavailable (ranking equality needs real text): {exc}")
+    return [d.input for d in train[:n]], [d.input for d in test[:200]]
+
+
+@pytest.mark.slow
+def test_top_k_blocks_equal_rank_bm25s_on_banking77():
+    """200 real queries over 4,096 real demonstrations in 128 blocks of 32 (assigned out of order):
+    per-demonstration scores are BM25Okapi's exactly, so are the top-6 blocks, ties included."""
+    texts, queries = banking77(4096)
+    block = np.random.default_rng(0).permutation(np.arange(len(texts)) // 32)
+    tokens = np.full(128, 800)
+    oracle = BM25Okapi([tokenize(t) for t in texts])
+    for aggregate in ("max", "sum-top-n"):
+        r = BM25BlockRetriever(texts, block, tokens, aggregate=aggregate, top_n=3)
+        for q in queries:
+            per_example = oracle.get_scores(tokenize(q))
+            by_block = [np.sort(per_example[block == b])[::-1] for b in range(128)]
+            expected = [s[0] if aggregate == "max" else s[:3].sum() for s in by_block]
+            assert r.select(q, k=6) == select_blocks(np.array(expected), tokens, k=6), q
+            if aggregate == "max":
+                np.testing.assert_array_equal(r.scores(q), expected)
+
+
+def synthetic_store(path):
+    from milo_store import CompressionConfig, Layout
+    from milo_store.synthetic import build_synthetic_store
+
+    return build_synthetic_store(path, Layout(2, 1, 8), TOKENS, CompressionConfig(ratio=0.5), texts=TEXTS,
+                                 example_block=BLOCK)
+
+
+QUERIES = ["I lost my card", "pending transfer", "card top up transfer exchange", "zzz", "rate rate"]
+
+
+def test_stored_index_answers_as_an_index_built_from_the_text(tmp_path):
+    from milo_store import MiloStore
+
+    path = synthetic_store(tmp_path / "s")
+    fresh = retriever()
+    with MiloStore.open(path, tier="disk") as store:
+        stored = store_retriever(store)
+        assert isinstance(stored.index.docs, np.memmap)  # mapped, not read
+        for q in QUERIES:
+            np.testing.assert_array_equal(stored.scores(q), fresh.scores(q))
+            assert stored.select(q, k=3) == fresh.select(q, k=3)
+
+
+def test_a_store_without_an_index_is_indexed_at_mount_and_answers_the_same(tmp_path):
+    import shutil
+
+    from milo_store import MiloStore
+
+    path = synthetic_store(tmp_path / "s")
+    with MiloStore.open(path, tier="disk") as store:
+        before = [store_retriever(store, aggregate="sum-top-n").scores(q) for q in QUERIES]
+    shutil.rmtree(path / "indexes")  # what a store written before the index looks like
+    with MiloStore.open(path, tier="disk") as store:
+        with pytest.warns(UserWarning, match="no BM25 index: indexing its 8 demonstrations at mount"):
+            r = store_retriever(store, aggregate="sum-top-n")
+        for q, s in zip(QUERIES, before):
+            np.testing.assert_array_equal(r.scores(q), s)
+
+
+def test_a_corrupted_index_is_refused_at_mount(tmp_path):
+    from milo_store import MiloStore, StoreCorruptedError
+
+    path = synthetic_store(tmp_path / "s")
+    f = path / "indexes" / "bm25" / "posting_docs" / "c" / "0"
+    raw = bytearray(f.read_bytes())
+    raw[0] ^= 1
+    f.write_bytes(bytes(raw))
+    with MiloStore.open(path, tier="disk") as store:
+        with pytest.raises(StoreCorruptedError, match="index bm25: posting_docs fails its checksum"):
+            store_retriever(store)
+
+
+def test_an_index_that_disagrees_with_its_store_is_refused(tmp_path):
+    import shutil
+
+    from milo_store import CompressionConfig, Layout, MiloStore, StoreCorruptedError
+    from milo_store.synthetic import build_synthetic_store
+
+    path = synthetic_store(tmp_path / "s")
+    other = build_synthetic_store(tmp_path / "o", Layout(2, 1, 8), TOKENS, CompressionConfig(ratio=0.5),
+                                  texts=TEXTS[:6], example_block=BLOCK[:6])
+    shutil.rmtree(path / "indexes")
+    shutil.copytree(other / "indexes", path / "indexes")  # sound bytes, another store's demonstrations
+    with MiloStore.open(path, tier="disk") as store:
+        with pytest.raises(StoreCorruptedError, match="covers 6 demonstrations in 4 blocks, the store has 8"):
+            store_retriever(store)

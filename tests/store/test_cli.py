@@ -36,3 +36,18 @@ def test_verify_exit_codes_name_the_block(small_store, capsys):
 def test_not_a_store_is_a_clear_error(tmp_path, capsys):
     assert main(["stat", str(tmp_path)]) == 2
     assert "not a milo store" in capsys.readouterr().err
+
+
+def test_ls_pages_and_counts_demonstrations_with_or_without_the_index(small_store, capsys):
+    import shutil
+
+    assert main(["ls", str(small_store), "--offset", "1", "--limit", "2", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["block"], r["tokens"], r["demonstrations"]) for r in rows] == [(1, 40, 1), (2, 9, 1)]
+    assert main(["ls", str(small_store), "--limit", "3"]) == 0
+    assert "blocks 0..2 of 4 listed" in capsys.readouterr().out
+    shutil.rmtree(small_store / "indexes")  # a store written before the index: counted from the demonstrations
+    assert main(["ls", str(small_store), "--offset", "1", "--limit", "2", "--json"]) == 0
+    assert [r["demonstrations"] for r in json.loads(capsys.readouterr().out)] == [1, 1]
+    assert main(["ls", str(small_store), "--limit", "-1"]) == 2
+    assert "must not be negative" in capsys.readouterr().err

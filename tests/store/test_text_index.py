@@ -1,0 +1,101 @@
+"""The BM25 index a store keeps: its scores against rank_bm25, named index arrays round trip, corruption."""
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from rank_bm25 import BM25Okapi
+
+from milo_store import CompressionConfig, MiloStore, StoreCorruptedError, StoreWriter, text_index
+from milo_store.synthetic import build_synthetic_store
+from milo_store.text_index import TextIndex, build_text_index, tokenize
+
+from .conftest import LAYOUT, TOKENS
+
+WORDS = ["card", "lost", "top", "up", "rate", "fee", "pin", "atm", "über"]
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.lists(st.sampled_from(WORDS), max_size=7), min_size=1, max_size=25),
+       st.lists(st.sampled_from(WORDS + ["unseen"]), max_size=5), st.randoms(use_true_random=False))
+def test_scores_are_bm25okapis_bit_for_bit(docs, query, rnd):
+    """Every demonstration's score equals rank_bm25's exactly (same float64 sums), in block order."""
+    blocks = [rnd.randrange(4) for _ in docs]
+    texts = [" ".join(d) for d in docs]
+    if not any(docs):
+        with pytest.raises(ValueError, match="letter or digit"):
+            build_text_index(texts, blocks, 4)
+        return
+    index = TextIndex(build_text_index(texts, blocks, 4))
+    expected = BM25Okapi([tokenize(t) for t in texts]).get_scores(query)
+    order = np.argsort(blocks, kind="stable")
+    np.testing.assert_array_equal(index.doc_scores(" ".join(query)), expected[order])
+    assert index.block_starts.tolist() == np.searchsorted(np.sort(blocks), np.arange(5)).tolist()
+
+
+def test_vocabulary_lookup_finds_every_term_and_nothing_else():
+    index = TextIndex(build_text_index(["b a c", "ä zz a"], [0, 0], 1))
+    found = {t: index.term_id(t) for t in ("a", "b", "c", "zz", "ä")}
+    assert sorted(found.values()) == list(range(5))
+    assert [index.term_id(t) for t in ("", "aa", "0", "zzz", "ö")] == [None] * 5
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.dictionaries(st.sampled_from(["a", "b", "c"]),
+                       st.sampled_from(["int32", "int64", "float64", "uint8"]).flatmap(
+                           lambda dt: st.lists(st.integers(0, 200), max_size=50).map(lambda v: np.array(v, dtype=dt))),
+                       max_size=3))
+def test_named_index_arrays_round_trip(tmp_path_factory, arrays):
+    path = tmp_path_factory.mktemp("s") / "store"
+    with StoreWriter(path, LAYOUT, np.zeros((1, 3, 2, 2), dtype=np.int16), [4]) as w:
+        w.write_block(torch.zeros(0, dtype=torch.float16))
+        w.write_index("things", arrays, {"version": 7})
+        w.commit()
+    with MiloStore.open(path, tier="disk") as store:
+        assert store.index_names() == ["things"]
+        attrs, got = store.index_arrays("things")
+        assert attrs["version"] == 7 and set(got) == set(arrays)
+        for k, a in arrays.items():
+            assert got[k].dtype == a.dtype and np.array_equal(got[k], a)
+            assert not got[k].flags.writeable
+        assert store.index_arrays("other") is None
+
+
+@pytest.fixture
+def indexed_store(tmp_path):
+    texts = ["lost my card", "card lost again", "top up failed", "exchange rate", "rate for dollars", "pin blocked"]
+    return build_synthetic_store(tmp_path / "store", LAYOUT, TOKENS, CompressionConfig(ratio=0.5), seed=1,
+                                 texts=texts, example_block=[0, 0, 1, 2, 2, 3])
+
+
+def test_a_built_store_keeps_the_index_of_its_demonstrations(indexed_store):
+    with MiloStore.open(indexed_store, tier="disk") as store:
+        attrs, arrays = store.index_arrays(text_index.NAME)
+        assert {k: attrs[k] for k in text_index.index_attrs()} == text_index.index_attrs()
+        ex = store.examples()
+        fresh = build_text_index(ex["input"], ex["block"], store.num_blocks)
+        assert set(arrays) == set(text_index.ARRAYS)
+        for k in text_index.ARRAYS:
+            assert np.array_equal(arrays[k], fresh[k]), k
+        assert store.num_examples() == 6
+
+
+def test_corrupted_index_bytes_are_named_at_map_and_by_verify(indexed_store):
+    weights = indexed_store / "indexes" / "bm25" / "posting_weights" / "c" / "0"
+    raw = bytearray(weights.read_bytes())
+    raw[3] ^= 0x10
+    weights.write_bytes(bytes(raw))
+    with MiloStore.open(indexed_store, tier="disk") as store:
+        with pytest.raises(StoreCorruptedError, match="posting_weights fails its checksum"):
+            store.index_arrays(text_index.NAME)
+        assert store.index_arrays(text_index.NAME, check=False) is not None  # what `ls` maps without checking
+        problems = store.verify_all()
+        assert len(problems) == 1 and "posting_weights" in problems[0]
+
+
+def test_truncated_index_file_is_refused_even_unchecked(indexed_store):
+    docs = indexed_store / "indexes" / "bm25" / "posting_docs" / "c" / "0"
+    docs.write_bytes(docs.read_bytes()[:-4])
+    with MiloStore.open(indexed_store, tier="disk", verify=False) as store:
+        with pytest.raises(StoreCorruptedError, match="posting_docs's chunk file is missing or truncated"):
+            store.index_arrays(text_index.NAME)
