@@ -76,8 +76,10 @@ def copy_identity_layer(factors, segments, out_k, out_v, cos, sin, *, interleave
         src, _, tokens, dst, head, _ = mine.unbind(1)
         x = torch.cat([factors[s:s + t * d].view(t, d) for s, t in zip(src.tolist(), tokens.tolist())])
         within = torch.arange(int(tokens.sum())) - torch.repeat_interleave(torch.cumsum(tokens, 0) - tokens, tokens)
-        rows = (torch.repeat_interleave(dst, tokens) + within).to(out.device)
-        heads = torch.repeat_interleave(head, tokens).to(out.device)
+        where = torch.stack([torch.repeat_interleave(dst, tokens) + within, torch.repeat_interleave(head, tokens)])
+        if out.is_cuda:  # a pageable upload would wait for the compute stream, every layer
+            where = where.pin_memory().to(out.device, non_blocking=True)
+        rows, heads = where
         if kind == 0:
             x = rope(x.float(), cos[rows], sin[rows], interleaved)
         out[heads, rows] = x.to(out.dtype)
