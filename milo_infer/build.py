@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from milo_store import CompressionConfig, Layout, MiloStore, Staging, factorize_block, write_store
+from milo_store import CompressionConfig, Layout, MiloStore, Staging, factorize_block, text_index, write_store
 from milo_store.allocation import BudgetError
 from milo_store.compress import check_budget, staging_codec
 from milo_store.urls import is_url, local_sidecar
@@ -85,6 +85,8 @@ def validate(demos, task: TaskSpec, config: BuildConfig, out: Path, force: bool,
         raise BuildError(f"encode batch must be at least 1; got {config.encode_batch}")
     if check_out:  # only the process that writes the store looks at its path
         check_target(out, force)
+    if not any(text_index.tokenize(d.input) for d in demos):  # the store's BM25 index needs one word
+        raise BuildError("no demonstration's input contains a letter or digit: retrieval would have nothing to match")
     for d, ids in zip(demos, demo_ids):
         if len(anchor_ids) + len(ids) > max_positions:
             raise BuildError(f"demonstration {d.id!r} is {len(ids)} tokens: with the anchor it exceeds the model's "

@@ -39,6 +39,10 @@ class World:
         rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
         device = torch.device("cpu")
         if torch.cuda.is_available():
+            if local_rank >= torch.cuda.device_count():
+                raise RankError(f"process {local_rank} on this machine but only {torch.cuda.device_count()} GPU(s): "
+                                f"start at most that many (--nproc-per-node), or build on the CPU with "
+                                f"CUDA_VISIBLE_DEVICES= set")
             device = torch.device("cuda", local_rank)
             torch.cuda.set_device(device)
         if size > 1 and not dist.is_initialized():

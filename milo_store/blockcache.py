@@ -12,11 +12,16 @@ block's checksum, so every file can be checked on its own. Safety with several p
   is within its byte limit. Unlinking a file another process has open is safe on POSIX: that
   process keeps reading the same inode to the end; a process that opens after the unlink gets
   ENOENT, which is a miss. Two evictors unlinking the same file is harmless (ENOENT ignored).
+
+The cache is best effort: any other I/O error (a full or read-only disk, a directory cleared under
+a running query) is a miss or a skipped fill, with one warning, never a failed query: the blocks
+themselves come from the store and are checked there.
 """
 import itertools
 import os
 import shutil
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +58,14 @@ class BlockCache:
         env = os.environ.get("MILO_CACHE_SIZE")
         self.limit = limit_bytes if limit_bytes is not None else parse_size(env) if env else DEFAULT_LIMIT
         self.hits = self.misses = self.dropped = 0
+        self._warned = False
+        self._added = 0  # bytes this process filled since it last evicted
+
+    def _skip(self, error: OSError) -> None:
+        """Carry on without the cache after an I/O error; say so once per cache object."""
+        if not self._warned:
+            warnings.warn(f"block cache {self.dir}: {error}; continuing without it where it fails")
+            self._warned = True
 
     def _file(self, key: str, block: int, crc: int) -> Path:
         return self.dir / key / f"{block}.{crc:08x}"
@@ -64,7 +77,9 @@ class BlockCache:
             with open(path, "rb", buffering=0) as f:
                 n = f.readinto(out)
                 extra = f.read(1)
-        except FileNotFoundError:
+        except OSError as e:
+            if not isinstance(e, FileNotFoundError):
+                self._skip(e)
             self.misses += 1
             return False
         if n != len(out) or extra or crc32c(np.frombuffer(out, dtype=np.uint8)) != crc:
@@ -84,11 +99,16 @@ class BlockCache:
         if len(data) > self.limit:
             return
         path = self._file(key, block, crc)
-        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.parent / f".tmp-{os.getpid()}-{next(_counter)}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+            self._added += len(data)
+        except OSError as e:
+            self._skip(e)
+            self._unlink(tmp)
 
     def _entries(self):
         """(mtime, size, path) of every cache file, and stale temporary files removed on the way."""
@@ -96,13 +116,13 @@ class BlockCache:
         if not self.dir.is_dir():
             return out
         now = time.time()
-        for sub in os.scandir(self.dir):
+        for sub in self._scan(self.dir):
             if not sub.is_dir():
                 continue
-            for e in os.scandir(sub.path):
+            for e in self._scan(sub.path):
                 try:
                     st = e.stat()
-                except FileNotFoundError:
+                except OSError:
                     continue
                 if e.name.startswith(".tmp-"):
                     if now - st.st_mtime > STALE_TEMP_SECONDS:
@@ -111,8 +131,22 @@ class BlockCache:
                 out.append((st.st_mtime, st.st_size, Path(e.path)))
         return out
 
+    def _scan(self, directory) -> list:
+        try:
+            with os.scandir(directory) as it:
+                return list(it)
+        except FileNotFoundError:  # cleared by another process meanwhile
+            return []
+        except OSError as e:
+            self._skip(e)
+            return []
+
     def evict(self) -> int:
-        """Unlink least recently used files until the directory holds at most ``limit`` bytes."""
+        """Unlink least recently used files until the directory holds at most ``limit`` bytes. Scans the
+        directory only after this process added bytes (a query that hit the cache costs no scan)."""
+        if not self._added:
+            return 0
+        self._added = 0
         entries = sorted(self._entries(), key=lambda x: x[0])
         total = sum(size for _, size, _ in entries)
         removed = 0
@@ -148,5 +182,5 @@ class BlockCache:
     def _unlink(path: Path) -> None:
         try:
             path.unlink()
-        except FileNotFoundError:
+        except OSError:  # already gone (another evictor), or not ours to remove: a miss either way
             pass

@@ -5,8 +5,8 @@ array is rewritten with chunks of at most ``max_chunk_bytes`` (docs/format.md, "
 block offsets, bytes and checksums are unchanged. The upload commits like a build to the URL: a new
 version, then the manifest by conditional write.
 """
+import contextlib
 import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +18,7 @@ from .errors import StoreCorruptedError, StoreError
 from .remote import REMOTE_CHUNK_BYTES, RemoteTarget
 from .store import MiloStore
 from .urls import is_url
-from .writer import StoreLock
+from .writer import StoreLock, fresh_upload_dir
 
 
 def push(local, url: str, *, force: bool = False, max_chunk_bytes: int = REMOTE_CHUNK_BYTES) -> str:
@@ -30,8 +30,7 @@ def push(local, url: str, *, force: bool = False, max_chunk_bytes: int = REMOTE_
         if problems := store.verify_all():
             raise StoreCorruptedError(f"{local}: refusing to upload a damaged store ({problems[0]})")
         target = RemoteTarget(url, force)
-        with tempfile.TemporaryDirectory(prefix="milo-push-") as tmp:
-            copy = Path(tmp) / "store"
+        with assembled(url) as copy:
             shutil.copytree(local, copy, ignore=lambda d, names: [fmt.FACTORS] if Path(d) == local else [])
             total = int(store.offsets[-1])
             np_dtype = fmt.NUMPY_DTYPES[store.dtype]
@@ -45,3 +44,13 @@ def push(local, url: str, *, force: bool = False, max_chunk_bytes: int = REMOTE_
                 store._read_range(start, stop, buf)
                 factors[start:stop] = fmt.to_numpy(buf[:stop - start])
             return target.publish(copy)
+
+
+@contextlib.contextmanager
+def assembled(url: str):
+    """A fresh local folder for the copy to upload (see `fresh_upload_dir`), removed afterwards."""
+    copy = fresh_upload_dir(url)
+    try:
+        yield copy
+    finally:
+        shutil.rmtree(copy.parent, ignore_errors=True)

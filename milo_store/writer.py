@@ -16,7 +16,6 @@ import fcntl
 import itertools
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -117,7 +116,7 @@ class StoreWriter:
         try:
             if is_url(path):
                 self.remote = RemoteTarget(self.path, force)
-                self.tmp = Path(tempfile.mkdtemp(prefix="milo-upload-"))
+                self.tmp = fresh_upload_dir(self.path)
             else:
                 self._remove_stale_temps()
                 check_target(self.path, force)
@@ -284,3 +283,13 @@ def _fsync_tree(root: Path):
             finally:
                 os.close(fd)
         _fsync_dir(Path(dirpath))
+
+
+def fresh_upload_dir(url: str) -> Path:
+    """Where a store for ``url`` is assembled before it is uploaded: beside the machine's other milo files
+    (a store can be many GB; /tmp is often small), emptied first. Call it holding the URL's StoreLock:
+    whatever is there then was left by a killed writer."""
+    uploads = local_sidecar(url, "upload")
+    shutil.rmtree(uploads, ignore_errors=True)
+    uploads.mkdir(parents=True)
+    return uploads / "store"

@@ -193,6 +193,7 @@ def test_encoding_context_longer_than_the_model(tiny_model_dir, tmp_path, capsys
     ([], 1, "the corpus is empty"),
     ([Demonstration("a", "x", "1")], 2, "block size 2 is larger than the corpus (1 demonstrations)"),
     ([Demonstration("a", "x", "1")], 0, "block size must be at least 1"),
+    ([Demonstration("?!", "x", "1"), Demonstration("--", "y", "2")], 1, "no demonstration's input contains a letter"),
 ])
 def test_build_store_checks_its_own_input(tiny, tmp_path, demos, block_size, message):
     task = task_from_corpus([Demonstration("a", "x", "1")])

@@ -175,3 +175,16 @@ def test_batched_encoding_equals_one_block_at_a_time(default_model):
         assert keys.shape == k1.shape == (30, 3, row[1], 64)
         torch.testing.assert_close(keys, k1, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(values, v1, atol=1e-5, rtol=1e-5)
+
+
+def test_more_processes_than_gpus_is_a_clear_error(monkeypatch):
+    """torchrun --nproc-per-node 2 on a one-GPU machine: rank 1 says what to do, not 'invalid device ordinal'."""
+    from milo_infer.distributed import RankError, World
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RankError, match=r"only 1 GPU\(s\).*--nproc-per-node"):
+        World.from_env()

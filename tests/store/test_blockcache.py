@@ -5,11 +5,13 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
 from milo_store import CompressionConfig, MiloStore
 from milo_store.blockcache import BlockCache, parse_size
+from milo_store.checksum import crc32c
 from milo_store.synthetic import build_synthetic_store
 
 from .conftest import LAYOUT
@@ -100,3 +102,24 @@ def test_four_readers_share_one_cache_past_its_limit(tmp_path, s3_url):
     print(f"\n4 readers sharing a cache of 1/3 of the store fetched {shared_bytes} bytes; one cold reader "
           f"with room for all {cold_bytes} ({shared_bytes / cold_bytes:.2f}x); store factors {total} bytes")
     assert cold_bytes <= total
+
+
+def test_cache_io_errors_are_misses_not_failures(tmp_path, monkeypatch):
+    """A cache on a path that cannot hold it, or cleared while in use, never fails the read it serves."""
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_bytes(b"x")
+    cache = BlockCache(blocker / "cache", 1 << 20)
+    data = np.arange(64, dtype=np.uint8)
+    crc = crc32c(data)
+    with pytest.warns(UserWarning, match="continuing without it"):
+        cache.put("s", 0, crc, memoryview(data))  # mkdir fails: NotADirectoryError
+    assert not cache.read_into("s", 0, crc, memoryview(np.zeros(64, dtype=np.uint8)))
+    assert cache.evict() == 0
+
+    cache = BlockCache(tmp_path / "cache", 1)
+    cache.put("s", 0, crc, memoryview(data[:1]))
+    real = os.scandir
+    monkeypatch.setattr(os, "scandir", lambda p: (_ for _ in ()).throw(FileNotFoundError(p))
+                        if str(p).endswith("/s") else real(p))  # `milo-store cache clear` between the two levels
+    cache.put("s", 1, crc32c(data[:1]), memoryview(data[:1]))
+    assert cache.evict() == 0

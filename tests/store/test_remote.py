@@ -191,3 +191,19 @@ def test_memory_and_file_urls(tmp_path):
         build_synthetic_store(url, LAYOUT, TOKENS, CONFIG, seed=6, force=True)
         with MiloStore.open(url, tier="disk", block_cache=BlockCache(tmp_path / "c")) as s:
             assert s.verify_all() == [] and s.num_blocks == len(TOKENS)
+
+
+def test_a_killed_writers_upload_folder_is_cleared_by_the_next(s3_url, tmp_path, monkeypatch):
+    """The local copy of a store being uploaded lives beside milo's other files, not in /tmp, and a
+    writer holding the URL's lock clears what a killed one left there."""
+    from milo_store.urls import local_sidecar
+
+    monkeypatch.setenv("MILO_CACHE", str(tmp_path / "cache"))
+    leftover = local_sidecar(s3_url, "upload") / "store" / "factors"
+    leftover.mkdir(parents=True)
+    (leftover / "junk").write_bytes(b"x" * 100)
+    url = build_synthetic_store(s3_url, LAYOUT, TOKENS, CONFIG, seed=7)
+    assert str(local_sidecar(s3_url, "upload")).startswith(str(tmp_path / "cache"))
+    assert not (leftover / "junk").exists()
+    with MiloStore.open(url, block_cache=BlockCache(tmp_path / "blocks")) as store:
+        assert store.verify_all() == []
