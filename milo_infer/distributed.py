@@ -107,8 +107,14 @@ class World:
             if self.rank == 0:
                 mark.unlink()
 
-    def close(self) -> None:
+    def close(self, finished: bool = False) -> None:
+        """Leave the group. After a build that finished on every rank, first wait for all of them, so no
+        rank tears its connections down while another still talks to it (a gloo process that exits
+        under a peer's pending collective can abort at interpreter exit). After a failure, never wait:
+        the other ranks may be gone."""
         if self.size > 1 and dist.is_initialized():
+            if finished:
+                dist.barrier()
             dist.destroy_process_group()
 
 

@@ -143,10 +143,13 @@ def demonstrations(args):
 def run(args) -> int:
     started = time.perf_counter()
     world = World.from_env()
+    finished = False
     try:
-        return build(args, world, started)
+        code = build(args, world, started)
+        finished = True
+        return code
     finally:
-        world.close()
+        world.close(finished)
 
 
 def build(args, world: World, started: float) -> int:
