@@ -95,3 +95,39 @@ def run_under_interpreter(test_file, keyword=None):
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     assert " passed" in result.stdout and "failed" not in result.stdout, result.stdout[-2000:]
     return result.stdout
+
+
+def quantized_layer(kv_heads, d, block_tokens, quant, seed, rank_pool):
+    """One layer packed as ``quant`` segments (milo_store.quant.pack_segment): ranks taken in turn from
+    ``rank_pool`` (ragged), shuffled storage order, even gaps of random bytes between segments and at the
+    end (headers stay 2-byte aligned). Output rows leave a 2-row gap before every block.
+    Returns uint8 factors, segments [S, 6] with byte offsets, and the number of output rows N."""
+    from milo_store.quant import pack_segment
+
+    gen = torch.Generator().manual_seed(seed)
+    rows, row = [], 2
+    for tokens in block_tokens:
+        rows.append(row)
+        row += tokens + 2
+    specs = [(t, dst, h, k) for t, dst in zip(block_tokens, rows) for k in (0, 1) for h in range(kv_heads)]
+    parts, segments, offset = [], [], 0
+    for i in torch.randperm(len(specs), generator=gen).tolist():
+        tokens, dst, head, kind = specs[i]
+        rank = rank_pool[i % len(rank_pool)]
+        gap = 2 * int(torch.randint(0, 3, (), generator=gen))
+        parts.append(torch.randint(0, 256, (gap,), generator=gen, dtype=torch.uint8))
+        offset += gap
+        a, b = torch.randn(tokens, rank, generator=gen), torch.randn(d, rank, generator=gen)
+        sigma = (torch.rand(rank, generator=gen) + 0.5) / math.sqrt(max(rank, 1))
+        raw = pack_segment(a, sigma, b, quant, kind)
+        parts.append(raw)
+        segments.append([offset, rank, tokens, dst, head, kind])
+        offset += raw.numel()
+    parts.append(torch.randint(0, 256, (4,), generator=gen, dtype=torch.uint8))
+    return torch.cat(parts), torch.tensor(segments, dtype=torch.int64), row
+
+
+def nan_buffers(kv_heads, n_rows, d, dtype, device="cpu"):
+    """out_k, out_v filled with NaN: an element a kernel should write and did not stays NaN."""
+    out_k = torch.full((kv_heads, n_rows, d), math.nan, dtype=dtype, device=device)
+    return out_k, out_k.clone()

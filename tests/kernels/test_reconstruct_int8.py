@@ -5,14 +5,13 @@
 TRITON_INTERPRET=1 set before triton is first used; `test_triton_int8_under_the_interpreter` reruns
 this module in a subprocess with the interpreter on, so a plain `pytest tests` covers it on CPU.
 """
-import math
 import os
 from pathlib import Path
 
 import pytest
 import torch
 
-from lowrank_cases import rope_tables, run_under_interpreter, target_mask
+from lowrank_cases import nan_buffers, quantized_layer, rope_tables, run_under_interpreter, target_mask
 from milo_kernels import reconstruct_layer, reconstruct_layer_naive
 import numpy as np
 
@@ -33,41 +32,16 @@ SHAPES = {
 
 
 def int8_layer(kv_heads, d, block_tokens, seed):
-    """Packed INT8 segments of one layer, ragged ranks (0, 1, d-1, d, random), shuffled storage order.
-
-    Byte gaps of random garbage sit between segments and at the end (gaps are even: headers stay
-    2-byte aligned). Returns uint8 factors, segments [S, 6] with byte offsets, N output rows.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    rank_pool = [d, 0, d - 1, 1] + torch.randint(0, d + 1, (12,), generator=gen).tolist()
-    rows, row = [], 2
-    for tokens in block_tokens:
-        rows.append(row)
-        row += tokens + 2
-    specs = [(rank_pool[i % len(rank_pool)], tokens, dst, head, kind)
-             for i, (tokens, dst, head, kind) in enumerate(
-                 (t, r, h, k) for t, r in zip(block_tokens, rows) for k in (0, 1) for h in range(kv_heads))]
-    parts, segments, offset = [], [], 0
-    for i in torch.randperm(len(specs), generator=gen).tolist():
-        rank, tokens, dst, head, kind = specs[i]
-        gap = 2 * int(torch.randint(0, 3, (), generator=gen))
-        parts.append(torch.randint(0, 256, (gap,), generator=gen, dtype=torch.uint8))
-        offset += gap
-        a = torch.randn(tokens, rank, generator=gen)
-        sigma = (torch.rand(rank, generator=gen) + 0.5) / math.sqrt(max(rank, 1))
-        b = torch.randn(d, rank, generator=gen)
-        raw = pack_segment(a, sigma, b)
-        assert raw.numel() == rank * (tokens + tokens % 2 + d + 10)
-        parts.append(raw)
-        segments.append([offset, rank, tokens, dst, head, kind])
-        offset += raw.numel()
-    parts.append(torch.randint(0, 256, (4,), generator=gen, dtype=torch.uint8))
-    return torch.cat(parts), torch.tensor(segments, dtype=torch.int64), row
+    """Packed INT8 segments of one layer, ranks d, 0, d-1, 1 and random (`quantized_layer`)."""
+    extra = torch.randint(0, d + 1, (12,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return quantized_layer(kv_heads, d, block_tokens, "int8", seed, [d, 0, d - 1, 1] + extra)
 
 
-def nan_buffers(kv_heads, n_rows, d, dtype, device="cpu"):
-    out_k = torch.full((kv_heads, n_rows, d), math.nan, dtype=dtype, device=device)
-    return out_k, out_k.clone()
+@pytest.mark.parametrize("rank, tokens, d", [(0, 5, 16), (1, 1, 16), (7, 30, 32), (32, 33, 32)])
+def test_int8_segment_takes_its_documented_bytes(rank, tokens, d):
+    """r (T' + d + 10) bytes: fp16 Σ and four per-column scale rows, codes of A padded to even T, codes of B."""
+    raw = pack_segment(torch.randn(tokens, rank), torch.rand(rank), torch.randn(d, rank))
+    assert raw.numel() == rank * (tokens + tokens % 2 + d + 10)
 
 
 def check(got, want, mask, atol, rtol):

@@ -5,7 +5,6 @@
 or TRITON_INTERPRET=1 set before triton is first used; `test_triton_lowbit_under_the_interpreter`
 reruns this module in a subprocess with the interpreter on, so a plain `pytest tests` covers it on CPU.
 """
-import math
 import os
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from lowrank_cases import rope_tables, run_under_interpreter, target_mask
+from lowrank_cases import nan_buffers, quantized_layer, rope_tables, run_under_interpreter, target_mask
 from milo_kernels import dequantize_lowbit_segment, reconstruct_layer, reconstruct_layer_naive
 from milo_store import Layout
 from milo_store.quant import pack_segment
@@ -88,35 +87,9 @@ SHAPES = {
 
 
 def lowbit_layer(kv_heads, d, block_tokens, quant, seed):
-    """Packed INT4/INT2 segments of one layer: ranks 0, 1, 17, d and random, shuffled storage order,
-    even gaps of random bytes between segments. Returns uint8 factors, segments [S, 6], N rows."""
-    gen = torch.Generator().manual_seed(seed)
-    rank_pool = [0, 1, 17, d] + torch.randint(0, d + 1, (8,), generator=gen).tolist()
-    rows, row = [], 2
-    for tokens in block_tokens:
-        rows.append(row)
-        row += tokens + 2
-    specs = [(t, dst, h, k) for t, dst in zip(block_tokens, rows) for k in (0, 1) for h in range(kv_heads)]
-    parts, segments, offset = [], [], 0
-    for i in torch.randperm(len(specs), generator=gen).tolist():
-        tokens, dst, head, kind = specs[i]
-        rank = rank_pool[i % len(rank_pool)]
-        gap = 2 * int(torch.randint(0, 3, (), generator=gen))
-        parts.append(torch.randint(0, 256, (gap,), generator=gen, dtype=torch.uint8))
-        offset += gap
-        a, b = torch.randn(tokens, rank, generator=gen), torch.randn(d, rank, generator=gen)
-        sigma = (torch.rand(rank, generator=gen) + 0.5) / math.sqrt(max(rank, 1))
-        raw = pack_segment(a, sigma, b, quant, kind)
-        parts.append(raw)
-        segments.append([offset, rank, tokens, dst, head, kind])
-        offset += raw.numel()
-    parts.append(torch.randint(0, 256, (4,), generator=gen, dtype=torch.uint8))
-    return torch.cat(parts), torch.tensor(segments, dtype=torch.int64), row
-
-
-def nan_buffers(kv_heads, n_rows, d, dtype, device="cpu"):
-    out_k = torch.full((kv_heads, n_rows, d), math.nan, dtype=dtype, device=device)
-    return out_k, out_k.clone()
+    """Packed INT4/INT2 segments of one layer, ranks 0, 1, 17, d and random (`quantized_layer`)."""
+    extra = torch.randint(0, d + 1, (8,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return quantized_layer(kv_heads, d, block_tokens, quant, seed, [0, 1, 17, d] + extra)
 
 
 @needs_triton
