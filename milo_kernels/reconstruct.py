@@ -313,9 +313,8 @@ def _check_disjoint(segs, layer=None) -> None:
     if len(segs) < 2:
         return
     layer = torch.zeros_like(kind) if layer is None else layer
-    span = int((dst + tokens).max()) + 1
-    order = torch.argsort(((layer * 2 + kind) * (int(head.max()) + 1) + head) * span + dst)
-    target = (layer * 2 + kind) * (int(head.max()) + 1) + head
+    target = (layer * 2 + kind) * (int(head.max()) + 1) + head  # one id per (layer, kind, head)
+    order = torch.argsort(target * (int((dst + tokens).max()) + 1) + dst)
     overlaps = (target[order][1:] == target[order][:-1]) & (dst[order][1:] < (dst + tokens)[order][:-1])
     if bool(overlaps.any()):
         j = int(overlaps.nonzero()[0])
