@@ -10,6 +10,9 @@ segment is r * (T' + d + 10) bytes with T' = T rounded up to even. ``int4`` and 
 (KIVI-style groups: key factors per channel in groups of GROUP_TOKENS tokens, value factors per
 token) cost ``unit_size`` bytes per rank unit plus, for values, a fixed ``fixed_size`` (each token's
 scale and minimum) whenever the rank is above zero.
+
+A unit may instead be *raw* (rank ``RAW_RANK``): its K or V [T, d] itself in the factor dtype, or
+quantized as the A part of a rank-d segment whose Σ = 1 and B = I go unstored (``raw_size``).
 """
 from dataclasses import dataclass
 
@@ -23,6 +26,7 @@ RANK_BYTES, TOKENS_BYTES, CHECKSUM_BYTES = 2, 4, 4
 QUANT_UNIT_OVERHEAD = 10
 QUANT_BITS = {"int8": 8, "int4": 4, "int2": 2}
 GROUP_TOKENS = 32  # tokens per scale of a low-bit key factor column (KIVI's group size)
+RAW_RANK = -1  # the rank recorded for a raw unit (must equal milo_kernels.RAW_RANK; checked by tests)
 
 
 @dataclass(frozen=True)
@@ -63,12 +67,29 @@ class Layout:
             return np.where(kind == 1, 4 * tokens, 0)
         return np.zeros(np.broadcast_shapes(tokens.shape, kind.shape), dtype=np.int64)
 
+    def raw_size(self, tokens, kind=0):
+        """Elements (bytes when quantized) of a raw ``kind`` segment over ``tokens`` tokens (docs/format.md).
+
+        Floating: T·d values. INT8: a scale and minimum per channel, 4d, plus T'·d codes (T' even).
+        INT4/INT2: a low-bit A of rank d without Σ and B: key scales per channel and group, 4d·G, or
+        value scales per token, 4T, plus d columns of codes.
+        """
+        tokens, d = np.asarray(tokens, dtype=np.int64), self.head_dim
+        if self.quant is None:
+            return tokens * d
+        if self.quant == "int8":
+            return 4 * d + (tokens + tokens % 2) * d
+        per_byte = 8 // QUANT_BITS[self.quant]
+        rows = -(-tokens // (2 * per_byte)) * 2 * per_byte
+        return d * rows // per_byte + np.where(np.asarray(kind) == 0, 4 * d * -(-tokens // GROUP_TOKENS), 4 * tokens)
+
     def _sizes(self, ranks: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         """Elements of each segment: ranks [..., 2, H] against tokens broadcast to ranks[..., None, None]."""
         r = np.asarray(ranks, dtype=np.int64)
         t = np.asarray(tokens, dtype=np.int64)[..., None, None]
         kind = np.arange(2).reshape(2, 1)
-        return r * self.unit_size(t, kind) + (r > 0) * self.fixed_size(t, kind)
+        low_rank = np.maximum(r, 0) * self.unit_size(t, kind) + (r > 0) * self.fixed_size(t, kind)
+        return np.where(r == RAW_RANK, self.raw_size(t, kind), low_rank)
 
     @property
     def units_per_block(self) -> int:

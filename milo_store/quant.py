@@ -63,21 +63,42 @@ def pack_lowbit_segment(A: torch.Tensor, S: torch.Tensor, B: torch.Tensor, bits:
     so each column fills an even number of bytes. Σ stays outside A, so A's columns are unit vectors
     and share one range: the per-token groups of a value are not dominated by its largest direction.
     """
-    T, r = A.shape
-    if r == 0:
+    if A.shape[1] == 0:
         return torch.empty(0, dtype=torch.uint8)
-    A = A.float()
+    params, packed = _lowbit_columns(A.float(), bits, kind)
+    b, b_scale, b_min = quantize(B.float(), 0, 8)
+    header = torch.stack((S.half(), b_scale, b_min)).reshape(-1)
+    return torch.cat((header.view(torch.uint8), params, b.reshape(-1), packed))
+
+
+def _lowbit_columns(x: torch.Tensor, bits: int, kind: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp16 scales and minima, packed codes) of x [T, c] as bytes: a key per channel in groups of
+    GROUP_TOKENS tokens ([2, G, c]), a value per token ([2, T]); codes column by column, ``8 // bits``
+    tokens per byte, each column padded to an even number of bytes."""
+    T, c = x.shape
     per_byte = 8 // bits
     rows = -(-T // (2 * per_byte)) * 2 * per_byte
     if kind == 0:
-        codes, a_scale, a_min = quantize_token_groups(A, GROUP_TOKENS, bits)
+        codes, scale, low = quantize_token_groups(x, GROUP_TOKENS, bits)
     else:
-        codes, a_scale, a_min = quantize(A, 1, bits)
-    b, b_scale, b_min = quantize(B.float(), 0, 8)
-    codes = torch.cat((codes, codes.new_zeros(rows - T, r))).T.reshape(r, rows // per_byte, per_byte)
+        codes, scale, low = quantize(x, 1, bits)
+    codes = torch.cat((codes, codes.new_zeros(rows - T, c))).T.reshape(c, rows // per_byte, per_byte)
     shifts = torch.arange(per_byte, dtype=torch.uint8) * bits
     packed = (codes << shifts).sum(dim=-1, dtype=torch.uint8)  # disjoint bit fields: the sum is an OR
-    header = torch.stack((S.half(), b_scale, b_min)).reshape(-1)
-    params = torch.stack((a_scale, a_min)).reshape(-1)
-    return torch.cat((header.view(torch.uint8), params.view(torch.uint8), b.reshape(-1), packed.reshape(-1)))
+    return torch.stack((scale, low)).reshape(-1).view(torch.uint8), packed.reshape(-1)
 
+
+def pack_raw_segment(x: torch.Tensor, quant: str, kind: int) -> torch.Tensor:
+    """The bytes of a raw ``quant`` segment: a unit's K or V x [T, d] itself, no factors (docs/format.md).
+
+    It is the A part of a rank-d segment whose Σ = 1 and B = I go unstored: INT8 keeps one scale and
+    minimum per channel (fp16 [2, d]) then codes [T', d] (a zero last row when T is odd); INT4/INT2 keep
+    KIVI's groups (keys per channel in groups of GROUP_TOKENS tokens, values per token) as a low-bit A.
+    """
+    x = x.float()
+    if quant == "int8":
+        codes, scale, low = quantize_columns(x)
+        pad = codes.new_zeros((x.shape[0] % 2) * x.shape[1])
+        return torch.cat((torch.stack((scale, low)).reshape(-1).view(torch.uint8), codes.reshape(-1), pad))
+    params, packed = _lowbit_columns(x, QUANT_BITS[quant], kind)
+    return torch.cat((params, packed))
