@@ -11,7 +11,14 @@ further rank increments are taken in order of a key until the group's budget is 
 - ``energy``: σ² per value of cost, which minimises the summed squared (Eckart–Young) error per byte
   when blocks differ in length;
 - ``uniform``: lowest rank first, so all units of a group rise together;
-- ``random``: a seeded random order (ablation).
+- ``random``: a seeded random order (ablation);
+- ``frontier``: per unit, its low-rank ladder *or its raw form* (the K or V itself, quantized like
+  the factors: ``Layout.raw_size``), by measured squared error removed per byte. A rank step removes
+  σ² less what quantizing its direction loses (``loss``, measured per direction); the raw form has
+  its own measured error (``raw_error``). Each unit's options form a (bytes, error) chain whose lower
+  convex hull is its ladder up to the tangent rank j*, then one step from rank j* to raw (taken
+  only if it removes error); rungs costing as much as the raw form are dropped. So a unit with a
+  flat spectrum goes raw, a low-rank one stays factored, and the greedy below is unchanged.
 
 Gains never increase along a unit's spectrum, so a sort by key takes each unit's increments in order.
 A group's budget is ratio × its fp16 full-KV bytes, less its share of the index bytes, so that the
@@ -19,9 +26,9 @@ whole compressed set, index included, lands at the target ratio.
 """
 import numpy as np
 
-from .layout import Layout, full_kv_bytes, index_bytes
+from .layout import RAW_RANK, Layout, full_kv_bytes, index_bytes
 
-POLICIES = ("entropy", "energy", "uniform", "random")
+POLICIES = ("entropy", "energy", "uniform", "random", "frontier")
 SCOPES = ("head", "layer", "global")  # per (layer, head[, kind]); per layer[, kind]; whole store[, per kind]
 KV_SPLITS = ("separate", "shared")
 
@@ -33,12 +40,17 @@ class BudgetError(ValueError):
 def allocate_ranks(spectra: np.ndarray, tokens: np.ndarray, layout: Layout, ratio: float, *,
                    policy: str = "entropy", scope: str = "head", kv_split: str = "separate",
                    r_min: int = 1, r_max: int | None = None, eps: float = 1e-3, seed: int = 0,
-                   bytes_per_value: int = 2, key_share: float = 0.5) -> np.ndarray:
+                   bytes_per_value: int = 2, key_share: float = 0.5, loss: np.ndarray | None = None,
+                   raw_error: np.ndarray | None = None) -> np.ndarray:
     """Ranks int16 [N, L, 2, H] from singular values ``spectra`` [N, L, 2, H, n] (descending, zero-padded).
 
     With ``kv_split="separate"``, keys get ``key_share`` of the budget and values the rest (0.5: each
     its own fp16 share). Pre-RoPE keys are far more low-rank than values, so moving bytes to values
     can buy accuracy at the same total.
+
+    Policy ``frontier`` also takes ``loss`` [N, L, 2, H, n] (the share of each direction's σ² that
+    quantizing its factors loses) and ``raw_error`` [N, L, 2, H] (the squared error of each unit's
+    raw form, on σ²'s scale); its units may come back as ``RAW_RANK``.
     """
     if not 0 < ratio <= 1:
         raise ValueError(f"ratio must be in (0, 1]; got {ratio}")
@@ -49,9 +61,15 @@ def allocate_ranks(spectra: np.ndarray, tokens: np.ndarray, layout: Layout, rati
         raise ValueError(f"key_share must be in (0, 1); got {key_share}")
     if key_share != 0.5 and kv_split != "separate":
         raise ValueError("key_share applies only with kv_split='separate'")
+    if (policy == "frontier") != (loss is not None and raw_error is not None):
+        raise ValueError("the frontier policy, and only it, takes the measured loss and raw_error")
     spectra = np.asarray(spectra, dtype=np.float64)
     tokens = np.asarray(tokens, dtype=np.int64)
     N, L, K, H, n = spectra.shape
+    if policy == "frontier":
+        loss, raw_error = np.asarray(loss, dtype=np.float64), np.asarray(raw_error, dtype=np.float64)
+        if loss.shape != spectra.shape or raw_error.shape != spectra.shape[:4]:
+            raise ValueError(f"loss {loss.shape} and raw_error {raw_error.shape} must match spectra {spectra.shape}")
     if (L, K, H) != (layout.num_layers, 2, layout.num_kv_heads) or len(tokens) != N:
         raise ValueError(f"spectra shape {spectra.shape} does not match layout {layout} and {len(tokens)} blocks")
     d = layout.head_dim
@@ -61,6 +79,7 @@ def allocate_ranks(spectra: np.ndarray, tokens: np.ndarray, layout: Layout, rati
     t, kind = tokens.reshape(N, 1, 1, 1), np.arange(2).reshape(2, 1)  # per block and kind -> [N, L, 2, H]
     cost = np.broadcast_to(layout.unit_size(t, kind), (N, L, K, H)).astype(np.float64)
     fixed = np.broadcast_to(layout.fixed_size(t, kind), (N, L, K, H))
+    raw_cost = np.broadcast_to(layout.raw_size(t, kind), (N, L, K, H)).astype(np.float64)
 
     full = full_kv_bytes(layout, tokens, 2)
     spendable = ratio * full - index_bytes(layout, N)  # bytes the factors may take, store-wide
@@ -84,9 +103,10 @@ def allocate_ranks(spectra: np.ndarray, tokens: np.ndarray, layout: Layout, rati
         names = {1: "layer {}", 2: ("keys", "values"), 3: "head {}"}
         where = ", ".join(names[a][i] if a == 2 else names[a].format(i) for a, i in zip(keep, g)) or "the store"
         try:
+            raw = None if policy != "frontier" else (loss[sel], raw_cost[sel], raw_error[sel])
             ranks[sel] = _allocate_group(sub, cost[sel], fixed[sel] / bytes_per_value,
                                          np.broadcast_to(cap.reshape(-1, 1, 1, 1), sub.shape[:4]),
-                                         budget_values, policy, r_min, eps, rng)
+                                         budget_values, policy, r_min, eps, rng, raw)
         except BudgetError as e:
             unit = "bytes" if layout.quantized else "values"
             raise BudgetError(f"ratio {ratio}: the budget of {where} holds {e.args[0]:.0f} {unit} but rank {r_min} "
@@ -94,11 +114,12 @@ def allocate_ranks(spectra: np.ndarray, tokens: np.ndarray, layout: Layout, rati
     return ranks.astype(np.int16)
 
 
-def _allocate_group(spectra, cost, first, cap, budget_values, policy, r_min, eps, rng) -> np.ndarray:
+def _allocate_group(spectra, cost, first, cap, budget_values, policy, r_min, eps, rng, raw=None) -> np.ndarray:
     """Greedy fill of one group: ranks shaped like cost, spending at most ``budget_values``.
 
-    A unit's rank step costs ``cost``, and its first step ``first`` more (per-token scales). Raises
-    BudgetError(budget, need, note) when r_min everywhere does not fit.
+    A unit's rank step costs ``cost``, and its first step ``first`` more (per-token scales). ``raw``
+    (frontier only): (loss, raw cost, raw error) of each unit. Raises BudgetError(budget, need, note)
+    when r_min everywhere does not fit.
     """
     shape = cost.shape
     s, cost, first, cap = spectra.reshape(-1, spectra.shape[-1]), cost.reshape(-1), first.reshape(-1), cap.reshape(-1)
@@ -114,28 +135,64 @@ def _allocate_group(spectra, cost, first, cap, budget_values, policy, r_min, eps
     sigma2 = s[units, steps] ** 2
     if policy == "entropy":
         key = np.log1p(sigma2 / eps ** 2)
-    elif policy == "energy":  # per step's own cost, less a first step's scales: keeps each unit's keys falling
+    elif policy in ("energy", "frontier"):  # per step's own cost, less a first step's scales: keeps each unit's keys falling
+        if policy == "frontier":
+            sigma2 = sigma2 * (1 - raw[0].reshape(len(cost), -1)[units, steps])
         key = sigma2 / cost[units]
     elif policy == "uniform":
         key = -steps.astype(np.float64)
     else:
         key = rng.random(len(units))
-    if policy in ("entropy", "energy"):  # spending bytes on an exactly-zero direction buys nothing
+    if policy in ("entropy", "energy", "frontier"):  # spending bytes on an exactly-zero direction buys nothing
         live = sigma2 > 0
         units, steps, key, step_cost = units[live], steps[live], key[live], step_cost[live]
-    order = np.lexsort((steps, units, -key))
-    units, steps, step_cost = units[order], steps[order], step_cost[order]
+    to_raw = np.zeros(len(units), dtype=bool)
+    if policy == "frontier":
+        units, steps, key, step_cost, to_raw = _with_raw_steps(s, cost, first, cap, r_min, raw, units, steps, key,
+                                                               step_cost)
+    order = np.lexsort((to_raw, steps, units, -key))
+    units, steps, step_cost, to_raw = units[order], steps[order], step_cost[order], to_raw[order]
     spent = np.cumsum(step_cost)
     take = int(np.searchsorted(spent, left, side="right"))
     ranks = np.full(len(cost), r_min, dtype=np.int64)
-    np.add.at(ranks, units[:take], 1)
+    np.add.at(ranks, units[:take][~to_raw[:take]], 1)
+    raw_units = units[:take][to_raw[:take]]
     # The prefix stops at the first increment that does not fit; cheaper units' next steps may still fit.
     left -= spent[take - 1] if take else 0.0
-    rest_u, rest_s = units[take:], steps[take:]
-    frontier = rest_s == ranks[rest_u]
-    for u in rest_u[frontier]:
-        c = cost[u] + first[u] * (ranks[u] == 0)
-        if c <= left:
-            ranks[u] += 1
-            left -= c
+    rest = np.arange(take, len(units))
+    for i in rest[steps[take:] == ranks[units[take:]]]:  # at most one next step per unit
+        if step_cost[i] <= left:
+            if to_raw[i]:
+                raw_units = np.append(raw_units, units[i])
+            else:
+                ranks[units[i]] += 1
+            left -= step_cost[i]
+    ranks[raw_units] = RAW_RANK
     return ranks.reshape(shape)
+
+
+def _with_raw_steps(s, cost, first, cap, r_min, raw, units, steps, key, step_cost):
+    """The frontier's candidate steps: each unit's ladder up to its tangent rank j*, then one step to raw.
+
+    E_r (squared error at rank r) = Σ σ² minus what the first r steps remove; C_r its cost. The raw
+    form (C, E) joins the hull from the rung j* that minimises (E_j - E) / (C - C_j) over rungs cheaper
+    than it: every rung lies above the line from raw through rung j*. Units whose raw form removes
+    nothing beyond some cheaper rung keep their whole ladder.
+    """
+    loss, raw_cost, raw_error = raw[0].reshape(len(cost), -1), raw[1].reshape(-1), raw[2].reshape(-1)
+    n = s.shape[1]
+    removed = s ** 2 * (1 - loss)
+    rank = np.arange(n + 1)
+    error = (s ** 2).sum(1, keepdims=True) - np.concatenate((np.zeros((len(s), 1)), np.cumsum(removed, 1)), 1)
+    spent = rank * cost[:, None] + (rank > 0) * first[:, None]
+    rung = (rank >= r_min) & (rank <= cap[:, None]) & (spent < raw_cost[:, None])
+    rate = np.where(rung, (error - raw_error[:, None]) / np.maximum(raw_cost[:, None] - spent, 1e-300), np.inf)
+    j = rate.argmin(1)
+    best = rate[np.arange(len(s)), j]
+    goes_raw = np.isfinite(best) & (best > 0)
+    keep = ~goes_raw[units] | (steps < j[units])
+    raw_u = np.nonzero(goes_raw)[0]
+    return (np.concatenate((units[keep], raw_u)), np.concatenate((steps[keep], j[raw_u])),
+            np.concatenate((key[keep], best[raw_u])),
+            np.concatenate((step_cost[keep], raw_cost[raw_u] - spent[raw_u, j[raw_u]])),
+            np.concatenate((np.zeros(keep.sum(), dtype=bool), np.ones(len(raw_u), dtype=bool))))

@@ -11,7 +11,7 @@ import torch
 
 from . import quant
 from .format import TORCH_DTYPES
-from .layout import Layout
+from .layout import RAW_RANK, Layout
 
 CODECS = ("svd", "identity")
 
@@ -57,6 +57,7 @@ def pack_block(f: BlockFactors, ranks: np.ndarray, dtype: str = "float16") -> to
     """Concatenate each segment's first r columns (ranks [L, 2, H]) into one flat tensor of ``dtype``.
 
     ``int8``, ``int4`` and ``int2`` pack each segment's bytes as quant.py lays them out (a uint8 tensor).
+    A unit at ``RAW_RANK`` is packed raw: X = A diag(Σ) Bᵀ itself (exact given full-rank factors).
     """
     tdtype = TORCH_DTYPES[dtype]
     ranks = np.asarray(ranks)
@@ -64,12 +65,19 @@ def pack_block(f: BlockFactors, ranks: np.ndarray, dtype: str = "float16") -> to
         raise ValueError(f"ranks shape {ranks.shape} does not match factors {tuple(f.S.shape[:3])}")
     if ranks.max(initial=0) > f.S.shape[-1]:
         raise ValueError(f"rank {ranks.max()} exceeds the {f.S.shape[-1]} factor columns available")
+    if ranks.min(initial=0) < RAW_RANK:
+        raise ValueError(f"rank {ranks.min()} is neither a rank nor RAW_RANK ({RAW_RANK})")
+    if (ranks == RAW_RANK).any() and f.S.shape[-1] < min(f.tokens, f.B.shape[-2]):
+        raise ValueError("a raw unit needs the block's full-rank factors")
     if tdtype in (torch.float16, torch.uint8) and f.S.numel() and float(f.S.max()) > torch.finfo(torch.float16).max:
         raise ValueError(f"a singular value ({float(f.S.max()):.3g}) overflows float16; store bfloat16 or float32")
     parts = []
     for idx in np.ndindex(*ranks.shape):
         r = int(ranks[idx])
-        if tdtype == torch.uint8:
+        if r == RAW_RANK:  # the unit's K or V itself (docs/format.md, raw segments)
+            x = reconstruct(f.A[idx], f.S[idx], f.B[idx])
+            parts.append(quant.pack_raw_segment(x, dtype, idx[1]) if tdtype == torch.uint8 else x.reshape(-1))
+        elif tdtype == torch.uint8:
             parts.append(quant.pack_segment(f.A[idx][:, :r], f.S[idx][:r], f.B[idx][:, :r], dtype, kind=idx[1]))
         else:
             parts += [f.A[idx][:, :r].reshape(-1), f.S[idx][:r], f.B[idx][:, :r].reshape(-1)]
@@ -83,6 +91,8 @@ def unpack_block(flat: torch.Tensor, layout: Layout, ranks: np.ndarray, tokens: 
     d, pos = layout.head_dim, 0
     for idx in np.ndindex(*np.asarray(ranks).shape):
         r = int(ranks[idx])
+        if r == RAW_RANK:
+            raise ValueError("unpack_block reads factored segments; this block has a raw unit")
         A = flat[pos:pos + tokens * r].view(tokens, r)
         S = flat[pos + tokens * r:pos + tokens * r + r]
         B = flat[pos + tokens * r + r:pos + r * (tokens + d + 1)].view(d, r)

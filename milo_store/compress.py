@@ -17,7 +17,7 @@ from .baselines import BASELINES, ExampleSplit, GlobalProjection, WeightedBlocks
 from .codec import CODECS, BlockFactors, pack_block
 from .format import GROUP_BYTES, QUANTIZED, TORCH_DTYPES
 from .layout import Layout, full_kv_bytes
-from . import text_index
+from . import quant, text_index
 from .staging import Staging
 from .text_index import build_text_index
 from .writer import StoreWriter
@@ -37,6 +37,8 @@ class StagedBlocks:
 
     def __init__(self, staging: Staging, num_blocks: int):
         self.staging, self.num_blocks = staging, num_blocks
+
+    scale = None  # no query-aware weights
 
     def spectrum(self, i: int) -> tuple[int, torch.Tensor]:
         return self.staging.spectrum(i)
@@ -94,6 +96,8 @@ class CompressionConfig:
             raise ValueError(f"unknown factor dtype {self.dtype!r}; expected one of {tuple(TORCH_DTYPES)}")
         if self.query_aware and self.codec not in ("svd", "example-svd"):
             raise ValueError(f"query-aware weighting applies to the svd and example-svd codecs, not {self.codec!r}")
+        if self.policy == "frontier" and (self.codec != "svd" or self.full_rank):
+            raise ValueError("the frontier policy (low-rank or raw per unit) applies to the svd codec below full rank")
         if not 0 < self.key_share < 1 or (self.key_share != 0.5 and self.kv_split != "separate"):
             raise ValueError(f"key share {self.key_share} must be in (0, 1), and needs kv_split 'separate'")
 
@@ -145,8 +149,17 @@ def _plan(source, layout: Layout, config: CompressionConfig) -> tuple[np.ndarray
     tokens = np.zeros(N, dtype=np.int64)
     full = np.zeros(N, dtype=np.int64)  # columns each block's factors hold: its full rank
     spectra = np.zeros((N, layout.num_layers, 2, layout.num_kv_heads, d))
+    measured = {}  # frontier: what quantizing each direction and each raw form loses, measured per block
+    if config.policy == "frontier":
+        measured = {"loss": np.zeros_like(spectra), "raw_error": np.zeros(spectra.shape[:4])}
     for i in range(N):
-        tokens[i], s = source.spectrum(i)
+        if measured:
+            f = source.factors(i)
+            tokens[i], s = f.tokens, f.S
+            loss, raw_error = quant.measured_losses(f.A, f.S, f.B, config.dtype, source.scale)
+            measured["loss"][i, ..., :s.shape[-1]], measured["raw_error"][i] = loss.numpy(), raw_error.numpy()
+        else:
+            tokens[i], s = source.spectrum(i)
         full[i] = s.shape[-1]
         spectra[i, ..., :full[i]] = s.double().numpy()
     if config.codec == "identity" or config.full_rank:
@@ -157,7 +170,7 @@ def _plan(source, layout: Layout, config: CompressionConfig) -> tuple[np.ndarray
     itemsize = torch.empty(0, dtype=TORCH_DTYPES[config.dtype]).element_size()
     ranks = allocate_ranks(spectra, tokens, layout, ratio, policy=config.policy, scope=config.scope,
                            kv_split=config.kv_split, r_min=config.r_min, r_max=config.r_max, eps=config.eps,
-                           seed=config.seed, bytes_per_value=itemsize, key_share=config.key_share)
+                           seed=config.seed, bytes_per_value=itemsize, key_share=config.key_share, **measured)
     return ranks, tokens
 
 

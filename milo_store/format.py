@@ -5,7 +5,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # a store whose units are all factored
+RAW_FORMAT_VERSION = 2  # a store holding raw units (rank RAW_RANK), which a version-1 reader would misread
+READABLE_VERSIONS = (FORMAT_VERSION, RAW_FORMAT_VERSION)
 ATTRS_KEY = "milo"
 FACTORS, RANKS, TOKENS, CHECKSUMS, ANCHOR = "factors", "ranks", "block_tokens", "checksums", "anchor_kv"
 TOKEN_IDS = "token_ids"  # int32, every block's tokens concatenated (optional)
@@ -21,6 +23,18 @@ QUANTIZED = ("int8", "int4", "int2")
 NUMPY_DTYPES = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32, **{q: np.uint8 for q in QUANTIZED}}
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
                 **{q: torch.uint8 for q in QUANTIZED}}
+
+
+def store_version(ranks: np.ndarray) -> int:
+    """The format version a store with these ranks is written as: 1 unless a unit is raw (rank < 0)."""
+    return RAW_FORMAT_VERSION if np.asarray(ranks).min(initial=0) < 0 else FORMAT_VERSION
+
+
+def version_problem(version) -> str | None:
+    """Why a store of this format version cannot be read (None when it can)."""
+    if version in READABLE_VERSIONS:
+        return None
+    return f"store format version {version!r}; this milo reads versions {', '.join(map(str, READABLE_VERSIONS))}"
 
 
 def anchor_dtype(factor_dtype: str) -> str:

@@ -43,7 +43,7 @@ def push(local, url: str, *, force: bool = False, max_chunk_bytes: int = REMOTE_
                 stop = min(start + chunk, total)
                 store._read_range(start, stop, buf)
                 factors[start:stop] = fmt.to_numpy(buf[:stop - start])
-            return target.publish(copy)
+            return target.publish(copy, store.meta["format_version"])
 
 
 @contextlib.contextmanager

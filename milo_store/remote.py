@@ -111,9 +111,8 @@ def mount(url: str, block_cache: BlockCache | None):
     manifest = read_manifest(url, store)
     if manifest is None:
         raise NotAStoreError(f"{url}: no milo store here (no {MANIFEST})")
-    if manifest.format_version != fmt.FORMAT_VERSION:
-        raise FormatVersionError(f"{url}: store format version {manifest.format_version!r}; "
-                                 f"this milo reads version {fmt.FORMAT_VERSION}")
+    if problem := fmt.version_problem(manifest.format_version):
+        raise FormatVersionError(f"{url}: {problem}")
     root = f"{VERSIONS}/{manifest.version}"
     try:
         group = zarr.open_group(store=MetadataStore(store, url), path=root, mode="r")
@@ -157,7 +156,7 @@ class RemoteTarget:
             except Exception as e:
                 raise remote_error(self.url, e) from None
 
-    def publish(self, local_dir: Path) -> str:
+    def publish(self, local_dir: Path, format_version: int) -> str:
         """Upload the finished local store as a new version, then publish its manifest (conditional)."""
         version = new_version_id()
         files = [p for p in Path(local_dir).rglob("*") if p.is_file()]
@@ -170,7 +169,7 @@ class RemoteTarget:
                 list(pool.map(upload, files))
         except Exception as e:
             raise remote_error(self.url, e) from None
-        body = json.dumps({"milo_manifest": MANIFEST_FORMAT, "format_version": fmt.FORMAT_VERSION, "version": version,
+        body = json.dumps({"milo_manifest": MANIFEST_FORMAT, "format_version": format_version, "version": version,
                            "previous": self.previous.version if self.previous else None,
                            "created": datetime.now(timezone.utc).isoformat()}, indent=1).encode()
         if self.previous is None:

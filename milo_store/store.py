@@ -31,7 +31,7 @@ from . import remote
 from .blockcache import BlockCache
 from .checksum import crc32c
 from .errors import FormatVersionError, NotAStoreError, StoreCorruptedError, StoreError
-from .layout import Layout, compressed_bytes
+from .layout import RAW_RANK, Layout, compressed_bytes
 from .sources import ChunkFiles
 from .urls import is_url
 
@@ -90,9 +90,8 @@ class MiloStore:
             make_source = lambda chunk_bytes, num_chunks, _: ChunkFiles(path, chunk_bytes, num_chunks)  # noqa: E731
         if not isinstance(meta, dict):
             raise NotAStoreError(f"{path}: a zarr group but not a milo store (no '{fmt.ATTRS_KEY}' attributes)")
-        version = meta.get("format_version")
-        if version != fmt.FORMAT_VERSION:
-            raise FormatVersionError(f"{path}: store format version {version!r}; this milo reads version {fmt.FORMAT_VERSION}")
+        if problem := fmt.version_problem(meta.get("format_version")):
+            raise FormatVersionError(f"{path}: {problem}")
         try:
             return cls(path, group, meta, tier, verify, cache_bytes, pin, make_source)
         except (KeyError, ValueError, FileNotFoundError) as e:
@@ -118,8 +117,10 @@ class MiloStore:
         if self.ranks.shape != want or self.checksums.shape != (n,):
             raise StoreCorruptedError(f"{self.path}: index shapes disagree: ranks {self.ranks.shape}, expected {want}; "
                                       f"checksums {self.checksums.shape}")
-        if n and (self.block_tokens.min() < 1 or self.ranks.min() < 0 or self.ranks.max() > self.layout.head_dim):
+        if n and (self.block_tokens.min() < 1 or self.ranks.min() < RAW_RANK or self.ranks.max() > self.layout.head_dim):
             raise StoreCorruptedError(f"{self.path}: index holds impossible token counts or ranks")
+        if fmt.store_version(self.ranks) > self.meta["format_version"]:
+            raise StoreCorruptedError(f"{self.path}: a version-{self.meta['format_version']} store cannot hold raw units")
         if problem := fmt.check_block_group(self.block_group, n):
             raise StoreCorruptedError(f"{self.path}: {problem}")
 

@@ -228,12 +228,12 @@ class StoreWriter:
             if self.block_group is not None:
                 self.group.create_array(fmt.BLOCK_GROUP, data=self.block_group)
             self.group.attrs[fmt.ATTRS_KEY] = {
-                **self.attrs, "format_version": fmt.FORMAT_VERSION, "factor_dtype": self.dtype,
+                **self.attrs, "format_version": fmt.store_version(self.ranks), "factor_dtype": self.dtype,
                 "layout": {"num_layers": self.layout.num_layers, "num_kv_heads": self.layout.num_kv_heads,
                            "head_dim": self.layout.head_dim, "quant": self.layout.quant,
                            "quantized": self.layout.quant == "int8"}}  # what readers before INT4 look for
             if self.remote is not None:
-                url = self.remote.publish(self.tmp)
+                url = self.remote.publish(self.tmp, fmt.store_version(self.ranks))
                 shutil.rmtree(self.tmp, ignore_errors=True)
                 return url
             _fsync_tree(self.tmp)

@@ -112,7 +112,7 @@ def test_two_racing_writers_exactly_one_wins(tmp_path, s3_url):
         def publish(k):
             barrier.wait()
             try:
-                results[k] = targets[k].publish(store)
+                results[k] = targets[k].publish(store, 1)
             except StoreError as e:
                 results[k] = e
 

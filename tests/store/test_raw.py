@@ -1,0 +1,145 @@
+"""Raw units (docs/format.md, "Raw segments") and the frontier policy that chooses them per unit."""
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from milo_store import MiloStore
+from milo_store.allocation import allocate_ranks
+from milo_store.codec import factorize_block, pack_block
+from milo_store.compress import CompressionConfig
+from milo_store.layout import RAW_RANK, Layout, compressed_bytes
+from milo_store.quant import measured_losses, pack_raw_segment, roundtrip
+from milo_store.synthetic import build_synthetic_store
+
+DTYPES = ["float16", "int8", "int4", "int2"]
+
+
+def layout_for(dtype, L=1, H=1, d=16):
+    return Layout(L, H, d, quant=None if dtype.startswith("float") else dtype)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 70), st.sampled_from([8, 16, 64]), st.sampled_from(DTYPES[1:]), st.integers(0, 1),
+       st.integers(0, 2**16))
+def test_raw_segment_size_matches_layout(T, d, dtype, kind, seed):
+    x = torch.randn(T, d, generator=torch.Generator().manual_seed(seed))
+    assert pack_raw_segment(x, dtype, kind).numel() == layout_for(dtype, d=d).raw_size(T, kind)
+
+
+def test_fp16_raw_block_round_trips_exactly(tmp_path):
+    """A block whose units are all raw holds each unit's K or V itself: fp16 bytes equal X.half()."""
+    layout = Layout(2, 2, 16)
+    g = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(2, 2, 37, 16, generator=g), torch.randn(2, 2, 37, 16, generator=g)
+    f = factorize_block(keys, values)
+    ranks = np.full((2, 2, 2), RAW_RANK)
+    ranks[1, 0, 1] = 5  # one factored unit among raw ones
+    flat = pack_block(f, ranks, "float16")
+    sizes = layout.segment_sizes(ranks[None], np.array([37]))[0]
+    assert flat.numel() == sizes.sum()
+    x = torch.stack((keys, values), dim=1)
+    at = 0
+    for idx in np.ndindex(2, 2, 2):
+        size = int(sizes[idx])
+        if ranks[idx] == RAW_RANK:
+            expect = (f.A[idx] * f.S[idx]) @ f.B[idx].T  # what the writer stores: X from its full-rank factors
+            assert torch.equal(flat[at:at + size], expect.half().reshape(-1))
+            assert torch.allclose(flat[at:at + size].float().view(37, 16), x[idx], atol=2e-3)
+        at += size
+
+
+@pytest.mark.parametrize("dtype", DTYPES[1:])
+def test_raw_error_is_measured_on_what_is_written(dtype):
+    """measured_losses' raw error is the error of the quantizer pack_raw_segment uses (roundtrip)."""
+    g = torch.Generator().manual_seed(1)
+    keys, values = torch.randn(1, 1, 45, 16, generator=g), torch.randn(1, 1, 45, 16, generator=g)
+    f = factorize_block(keys, values)
+    loss, raw_error = measured_losses(f.A, f.S, f.B, dtype)
+    for kind, x in enumerate((keys[0, 0], values[0, 0])):
+        direct = (roundtrip(x, dtype, kind) - x).pow(2).sum()
+        assert raw_error[0, kind, 0] == pytest.approx(float(direct), rel=1e-3)
+    assert (loss > 0).all() and (loss < 1).all()
+    assert raw_error[0, 0, 0] > 0
+
+
+def frontier(spectra, loss, raw_error, tokens, layout, ratio, **kw):
+    return allocate_ranks(spectra, tokens, layout, ratio, policy="frontier", loss=loss, raw_error=raw_error,
+                          bytes_per_value=1 if layout.quantized else 2, **kw)
+
+
+def test_flat_spectrum_goes_raw_and_low_rank_stays_factored():
+    """One group (one layer, kind, head) of two blocks: a flat spectrum (noise) and a rank-2 one."""
+    layout = Layout(1, 1, 16, quant="int8")
+    g = torch.Generator().manual_seed(2)
+    flat = torch.randn(1, 1, 256, 16, generator=g)
+    low = torch.randn(1, 1, 256, 2, generator=g) @ torch.randn(1, 1, 2, 16, generator=g)
+    spectra, loss, raw_error = [], [], []
+    for x in (flat, low):
+        f = factorize_block(x, x)
+        l, e = measured_losses(f.A, f.S, f.B, "int8")
+        spectra.append(f.S.numpy()), loss.append(l.numpy()), raw_error.append(e.numpy())
+    ranks = frontier(np.stack(spectra), np.stack(loss), np.stack(raw_error), np.array([256, 256]), layout, 0.5)
+    assert ranks[0, 0, 0, 0] == RAW_RANK and ranks[0, 0, 1, 0] == RAW_RANK
+    assert ranks[1, 0, 0, 0] >= 2 and ranks[1, 0, 1, 0] >= 2
+    acc = compressed_bytes(layout, ranks, np.array([256, 256]), 1)
+    assert acc["total_bytes"] <= 0.5 * acc["full_fp16_bytes"]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 5), st.integers(1, 2), st.sampled_from(DTYPES), st.floats(0.1, 0.9),
+       st.sampled_from(["head", "layer", "global"]), st.integers(0, 2**16))
+def test_frontier_budget_and_bounds_hold(N, H, dtype, ratio, scope, seed):
+    rng = np.random.default_rng(seed)
+    d = 16
+    layout = layout_for(dtype, L=2, H=H, d=d)
+    tokens = rng.integers(20, 300, N)
+    spectra = np.sort(rng.random((N, 2, 2, H, d)) ** rng.integers(1, 8), axis=-1)[..., ::-1] * 10
+    loss = rng.random(spectra.shape) * 0.2
+    raw_error = (spectra ** 2).sum(-1) * rng.random(spectra.shape[:4]) * 0.1
+    try:
+        ranks = frontier(spectra, loss, raw_error, tokens, layout, ratio, scope=scope, r_min=1)
+    except ValueError:  # BudgetError: rank 1 everywhere does not fit this ratio
+        return
+    factored = ranks != RAW_RANK
+    assert (ranks[factored] >= 1).all()
+    assert (ranks <= np.minimum(tokens, d).reshape(-1, 1, 1, 1)).all()
+    acc = compressed_bytes(layout, ranks, tokens, 1 if layout.quantized else 2)
+    assert acc["total_bytes"] <= ratio * acc["full_fp16_bytes"] + 1e-6
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 5), st.floats(0.1, 0.9), st.integers(0, 2**16))
+def test_frontier_without_a_useful_raw_form_is_the_energy_policy(N, ratio, seed):
+    """Raw forms that remove no more error than rank 1 and lossless factors: frontier = energy."""
+    rng = np.random.default_rng(seed)
+    layout = Layout(2, 2, 16)
+    tokens = rng.integers(20, 300, N)
+    spectra = np.sort(rng.random((N, 2, 2, 2, 16)), axis=-1)[..., ::-1] * 10
+    raw_error = (spectra ** 2).sum(-1)  # the raw form is as bad as storing nothing
+    ranks = frontier(spectra, np.zeros_like(spectra), raw_error, tokens, layout, ratio, r_min=0)
+    assert np.array_equal(ranks, allocate_ranks(spectra, tokens, layout, ratio, policy="energy", r_min=0))
+
+
+def test_frontier_store_mounts_as_version_2_and_reads_back(tmp_path):
+    """A synthetic store whose values are near full rank at INT8: some units go raw, the store says so."""
+    layout = Layout(2, 2, 16)
+    config = CompressionConfig(ratio=0.5, dtype="int8", policy="frontier")
+    path = build_synthetic_store(tmp_path / "s", layout, [300, 200, 257], config, seed=3)
+    with MiloStore.open(path, tier="disk") as store:
+        assert store.meta["format_version"] == 2
+        raw = store.ranks == RAW_RANK
+        assert raw.any() and not raw.all()
+        acc = store.accounting()
+        assert acc["ratio"] <= 0.5 and acc["disk_bytes"] >= acc["factor_bytes"]
+        assert not store.verify_all()
+    plain = build_synthetic_store(tmp_path / "p", layout, [300, 200, 257], CompressionConfig(ratio=0.5, dtype="int8"))
+    with MiloStore.open(plain, tier="disk") as store:
+        assert store.meta["format_version"] == 1 and (store.ranks >= 0).all()
+
+
+def test_frontier_applies_to_block_svd_only():
+    with pytest.raises(ValueError, match="frontier"):
+        CompressionConfig(codec="global-proj", policy="frontier")
+    with pytest.raises(ValueError, match="frontier"):
+        allocate_ranks(np.ones((1, 1, 2, 1, 4)), np.array([8]), Layout(1, 1, 4), 0.5, policy="frontier")
