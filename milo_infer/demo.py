@@ -10,11 +10,10 @@ import time
 from importlib import resources
 from pathlib import Path
 
-from milo_store import CompressionConfig, MiloStore, NotAStoreError
+from milo_store import MiloStore, NotAStoreError
 from milo_store.cli.stat import describe
 
-from .build import BuildConfig, build_store
-from .cli.build import factor_dtype
+from .build import BuildConfig, build_store, default_compression
 from .corpus import load_corpus, task_from_corpus
 from .models import load_model
 from .scoring import is_correct
@@ -44,9 +43,7 @@ def main(argv=None) -> int:
         print(f"store: reusing {store_path}")
     except NotAStoreError:
         demos = load_corpus(DATA / "demo_corpus.jsonl")
-        compression = CompressionConfig(ratio=args.ratio, dtype=factor_dtype("auto", args.ratio, "svd"),
-                                        query_aware=True)  # `milo build`'s defaults
-        config = BuildConfig(block_size=32, context_blocks=2, compression=compression)
+        config = BuildConfig(block_size=32, context_blocks=2, compression=default_compression(args.ratio))
         print(f"store: building {store_path} from {len(demos)} demonstrations (ratio {args.ratio})")
         summary = build_store(store_path, loaded, demos, task_from_corpus(demos), config, force=True)
         print(f"  built in {summary['encode_s'] + summary['factorize_s'] + summary['write_s']:.0f} s: "

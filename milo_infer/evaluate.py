@@ -39,7 +39,7 @@ from typing import Callable
 from milo_store import CompressionConfig, MiloStore, Staging, StoreError, factorize_block
 from milo_store.compress import allocation_record, staging_codec
 
-from .build import BuildConfig, build_store, corpus_fingerprint
+from .build import DEFAULT_POLICY, BuildConfig, build_store, corpus_fingerprint, default_compression
 from .corpus import Demonstration, TaskSpec
 from .models import LoadedModel
 from .scoring import is_correct
@@ -52,27 +52,33 @@ from .session import MAX_NEW_TOKENS, MiloSession
 # restates a default.
 BASES = {
     "full": {"codec": "identity", "ratio": 1.0},  # the uncompressed baseline (identity codec)
+    # plain KV quantization: every unit's K/V itself in the quantization's format (docs/format.md, raw
+    # segments), no factors; its ratio is the format's (raw+int8 ~0.5, raw+int4 ~0.3, raw+kivi ~0.19)
+    "raw": {"codec": "raw", "ratio": 1.0},
     "milo": {"codec": "svd"},
     # the paper's baselines at equal measured bytes (milo_store/baselines.py)
     "global-proj": {"codec": "global-proj"},
     "example-svd": {"codec": "example-svd"},
     "example-asvd": {"codec": "example-svd", "query_aware": True},  # activation-aware, as ASVD
 }
-# KIVI-style groups (keys per channel in groups of 32 tokens, values per token). On ``full`` this is
-# KIVI's grouping on the raw K/V, but pre-RoPE and with B = I stored per segment (d² bytes), so its
-# ratio is set by the format and the block length: 0.22 for ~800-token blocks, more for shorter ones.
+# KIVI-style groups (keys per channel in groups of 32 tokens, values per token). ``raw+kivi`` is KIVI's
+# 2-bit quantization of the K/V (pre-RoPE); ``full+kivi`` the same grouping on an identity store's A = X,
+# which also stores B = I per segment (d² bytes).
 QUANTS = {"int8": "int8", "int4": "int4", "kivi": "int2"}
 MODIFIERS = {  # word -> (kind, fields); kinds in canonical order
     "fullrank": ("fullrank", {"full_rank": True, "ratio": 1.0}),  # every direction: the codec's rounding alone
-    **{p: ("policy", {"policy": p}) for p in ("energy", "uniform", "random")},  # entropy is the default
+    # entropy is the default; frontier chooses low rank or raw per unit (milo_store/allocation.py)
+    **{p: ("policy", {"policy": p}) for p in ("energy", "uniform", "random", "frontier")},
     **{s: ("scope", {"scope": s}) for s in ("layer", "global")},  # head is the default
     "shared": ("split", {"kv_split": "shared"}),  # one budget for K and V instead of half each
     "ks": ("split", None),  # ks<share>: the keys' share of a separate budget, e.g. ks0.3
     "qaw": ("qaw", {"query_aware": True}),  # SVD of X diag(s): channels weighted by what their error costs
 }
 KINDS = list(dict.fromkeys(kind for kind, _ in MODIFIERS.values()))
-EXAMPLES = ("full", "milo", "milo-fullrank", "milo-energy", "milo-layer", "milo-ks0.3", "milo+int8", "milo+int4",
-            "milo+kivi", "full+kivi", "milo+int8-qaw", "global-proj", "example-svd", "example-asvd")
+EXAMPLES = ("full", "default", "raw+int8", "raw+kivi", "milo", "milo-fullrank", "milo-energy", "milo-layer",
+            "milo-ks0.3", "milo+int8", "milo+int4", "milo+kivi", "milo+int8-qaw", "milo+int8-frontier-qaw",
+            "global-proj", "example-svd", "example-asvd")
+DEFAULT = "default"  # whatever `milo build` writes at the run's ratio (`default_method`)
 
 
 @functools.cache
@@ -95,9 +101,9 @@ def method_fields(name: str) -> dict:
     kinds = []
     for word in mods:
         share = re.fullmatch(r"ks(0\.\d*[1-9])", word)
-        if base == "full" or (word not in MODIFIERS and not share) or word == "ks":
+        if base in ("full", "raw") or (word not in MODIFIERS and not share) or word == "ks":
             raise ValueError(f"unknown method {name!r}: -{word} is not a modifier of {base}"
-                             + ("" if base == "full" else f" (known: {', '.join(w for w in MODIFIERS if w != 'ks')}, ks<share>)"))
+                             + ("" if base in ("full", "raw") else f" (known: {', '.join(w for w in MODIFIERS if w != 'ks')}, ks<share>)"))
         kind, extra = MODIFIERS["ks" if share else word]
         fields.update(extra or {"key_share": float(share.group(1))})
         kinds.append(kind)
@@ -109,18 +115,33 @@ def method_fields(name: str) -> dict:
     return fields
 
 
+def default_method(ratio: float) -> str:
+    """The method name of what `milo build` writes by default at ``ratio`` (its dtype, policy, weighting)."""
+    quant = {v: k for k, v in QUANTS.items()}[default_compression(ratio).dtype]
+    policy = "" if DEFAULT_POLICY == "entropy" else f"-{DEFAULT_POLICY}"
+    return f"milo+{quant}{policy}-qaw"
+
+
+def resolve(method: str, ratio: float) -> str:
+    """The concrete method a name stands for at ``ratio``: ``default`` becomes `default_method`."""
+    return default_method(ratio) if method == DEFAULT else method
+
+
 def method_config(name: str, ratio: float, seed: int = 0) -> CompressionConfig:
     """The store configuration a method name stands for (fp16 factors unless the method quantizes)."""
-    return CompressionConfig(**{"ratio": ratio, "seed": seed, "dtype": "float16", **method_fields(name)})
+    return CompressionConfig(**{"ratio": ratio, "seed": seed, "dtype": "float16",
+                                **method_fields(resolve(name, ratio))})
 
 
 def fixed_ratio(method: str) -> bool:
-    """Whether the method's store is the same at every ratio (full, -fullrank)."""
-    return "ratio" in method_fields(method)
+    """Whether the method's store is the same at every ratio (full, raw, -fullrank)."""
+    return method != DEFAULT and "ratio" in method_fields(method)
 
 
 def store_name(method: str, ratio: float) -> str:
-    """Directory name of a method's store: the ratio is part of it only where it changes the store."""
+    """Directory name of a method's store: the ratio is part of it only where it changes the store.
+    ``default`` shares the store of the method it stands for."""
+    method = resolve(method, ratio)
     return method if fixed_ratio(method) else f"{method}-r{ratio:g}"
 
 
@@ -260,7 +281,13 @@ def evaluate(loaded: LoadedModel, store_path, test: list[Demonstration], task: T
             "query_kv_bytes_stored": statistics.fmean(r["kv_bytes_stored"] for r in records),
             "query_kv_bytes_full": statistics.fmean(r["kv_bytes_full"] for r in records),
             "store_bytes": acc["total_bytes"], "store_full_fp16_bytes": acc["full_fp16_bytes"],
-            "store_ratio": acc["ratio"], "seconds": stages}
+            "store_ratio": acc["ratio"], "seconds": stages, "answers": {r["id"]: r["prediction"] for r in records}}
+
+
+def agreement(answers: dict, reference: dict) -> float | None:
+    """Share of the items both answered on which ``answers`` equal ``reference``'s (None if none shared)."""
+    shared = answers.keys() & reference.keys()
+    return sum(answers[i] == reference[i] for i in shared) / len(shared) if shared else None
 
 
 def _run_key(store: MiloStore, k: int, max_new_tokens: int = MAX_NEW_TOKENS) -> str:
@@ -300,9 +327,11 @@ def _read_predictions(path, key: str) -> dict[str, dict]:
 def write_tables(rows: list[dict], out, *, header: str = "") -> tuple[Path, Path]:
     """``results.json`` (every row) and ``results.md`` (accuracy, methods × datasets) under ``out``.
 
-    A row is one (dataset, seed, block size, method, ratio) with `evaluate`'s fields. A table row is a
-    method, labelled with its ratio and block size where the rows hold several; a cell is the mean
-    accuracy over seeds (± the standard deviation when there are several). The bytes columns are the
+    A row is one (dataset, seed, block size, method, ratio) with `evaluate`'s fields (its answers
+    summarised as ``agreement``). A table row is a method, labelled with its ratio and block size where
+    the rows hold several; a cell is the mean accuracy over seeds (± the standard deviation when there
+    are several), then in brackets the mean share of answers equal to ``full``'s on the same items
+    where a row has one. The bytes columns are the
     stores' measured size over the fp16 K/V of the same tokens, and the mean bytes a query streamed.
     """
     out = Path(out)
@@ -319,10 +348,12 @@ def write_tables(rows: list[dict], out, *, header: str = "") -> tuple[Path, Path
         cells, means = [], []
         for d in datasets:
             accs = [100 * r["accuracy"] for r in mine if r["dataset"] == d]
+            agree = [100 * r["agreement"] for r in mine if r["dataset"] == d and r.get("agreement") is not None]
             if accs:
                 means.append(statistics.fmean(accs))
                 spread = f" ± {statistics.stdev(accs):.1f}" if len(accs) > 1 else ""
-                cells.append(f"{means[-1]:.1f}{spread}")
+                agreed = f" [{statistics.fmean(agree):.0f}%]" if agree else ""
+                cells.append(f"{means[-1]:.1f}{spread}{agreed}")
             else:
                 cells.append("–")
         avg = f"{statistics.fmean(means):.1f}" if len(means) == len(datasets) else "–"
@@ -337,9 +368,9 @@ def write_tables(rows: list[dict], out, *, header: str = "") -> tuple[Path, Path
 
 def _label(row: dict, rows: list[dict]) -> str:
     """The method's name, plus its ratio and block size where the rows hold more than one of each."""
-    label = row["method"]
+    label = row["method"] if row["method"] != DEFAULT else f"default = {row['resolved']}"
     def scaled(r):  # a method whose store changes with the ratio
-        return not fixed_ratio(r["method"])
+        return not fixed_ratio(r.get("resolved", r["method"]))
     if scaled(row) and len({r.get("ratio_setting") for r in rows if scaled(r)}) > 1:
         label += f" ρ={row['ratio_setting']:g}"
     if len({r.get("block_size") for r in rows}) > 1:

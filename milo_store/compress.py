@@ -1,7 +1,7 @@
 """Pass two of a build: allocate ranks over every staged spectrum, then write the store.
 
 Pass two reads a *source* of store blocks (see baselines.py): the staged blocks themselves for
-``svd`` and ``identity``, or a baseline computed from the staged SVD factors (``global-proj``,
+``svd``, ``identity`` and ``raw`` (every unit raw, docs/format.md), or a baseline computed from the staged SVD factors (``global-proj``,
 ``example-svd``), optionally query-aware (baselines.py). Allocation and writing are the same for all
 of them.
 """
@@ -16,18 +16,19 @@ from .allocation import allocate_ranks
 from .baselines import BASELINES, ExampleSplit, GlobalProjection, WeightedBlocks
 from .codec import CODECS, BlockFactors, pack_block
 from .format import GROUP_BYTES, QUANTIZED, TORCH_DTYPES
-from .layout import Layout, full_kv_bytes
+from .layout import RAW_RANK, Layout, full_kv_bytes
 from . import quant, text_index
 from .staging import Staging
 from .text_index import build_text_index
 from .writer import StoreWriter
 
-STORE_CODECS = CODECS + BASELINES
+STORE_CODECS = CODECS + ("raw",) + BASELINES  # raw: every unit raw (its K/V quantized like factors)
 
 
 def staging_codec(codec: str) -> str:
-    """What pass one stages for a store codec: the baselines derive from the same SVD factors as svd."""
-    return "identity" if codec == "identity" else "svd"
+    """What pass one stages for a store codec: the baselines derive from the same SVD factors as svd;
+    raw stores read the exact K/V an identity staging holds."""
+    return "identity" if codec in ("identity", "raw") else "svd"
 
 
 class StagedBlocks:
@@ -127,7 +128,7 @@ def check_budget(layout: Layout, tokens, config: CompressionConfig) -> None:
     share, per-token scales) is checked as pass two will check it. Exact for block-level codecs;
     example-svd's finer units are checked again when it allocates.
     """
-    if config.codec == "identity" or config.full_rank:
+    if config.codec in ("identity", "raw") or config.full_rank:
         return
     layout = quant_layout(layout, config.dtype)
     tokens = np.asarray(tokens, dtype=np.int64)
@@ -162,6 +163,8 @@ def _plan(source, layout: Layout, config: CompressionConfig) -> tuple[np.ndarray
             tokens[i], s = source.spectrum(i)
         full[i] = s.shape[-1]
         spectra[i, ..., :full[i]] = s.double().numpy()
+    if config.codec == "raw":
+        return np.full(spectra.shape[:4], RAW_RANK, dtype=np.int16), tokens
     if config.codec == "identity" or config.full_rank:
         return np.broadcast_to(full.reshape(-1, 1, 1, 1), spectra.shape[:4]).astype(np.int16), tokens
     ratio = config.ratio

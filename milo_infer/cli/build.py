@@ -28,7 +28,7 @@ from milo_store.format import TORCH_DTYPES
 from milo_store.urls import is_url, local_sidecar
 from milo_store.writer import check_target
 
-from ..build import BuildConfig, build_store
+from ..build import DEFAULT_POLICY, BuildConfig, auto_dtype, build_store
 from ..corpus import DATASETS, load_corpus, load_dataset, task_from_corpus
 from ..distributed import World
 from ..models import load_model
@@ -52,7 +52,8 @@ def add_arguments(p):
                    help="use the first N demonstrations (a data set's are seeded-shuffled; a corpus keeps file order)")
     p.add_argument("--seed", type=int, default=0, help="shuffles the data set, the block order and random allocation")
     p.add_argument("--order", choices=("random", "corpus"), default="random", help="how demonstrations fill blocks")
-    p.add_argument("--codec", choices=CODECS, default="svd")
+    p.add_argument("--codec", choices=CODECS + ("raw",), default="svd",
+                   help="svd (default), identity (exact, B = I), raw (every unit's K/V itself, in --dtype)")
     p.add_argument("--dtype", choices=("auto",) + tuple(TORCH_DTYPES), default="auto",
                    help="stored factor dtype (default auto: int8 from ratio 0.4 up, where it keeps the full "
                         "cache's accuracy; int4 below, where rank matters more than precision; docs/results.md)")
@@ -60,7 +61,8 @@ def add_arguments(p):
                    help="svd codec: factor X diag(s), s = what each channel's error costs the model (queries for "
                         "keys, o_proj for values), so rank goes where attention looks; one extra forward pass over "
                         "<= 2048 corpus tokens (default on; docs/results.md)")
-    p.add_argument("--policy", choices=POLICIES, default="entropy", help="rank allocation policy")
+    p.add_argument("--policy", choices=POLICIES, default=DEFAULT_POLICY,
+                   help=f"rank allocation policy; frontier chooses low rank or raw per unit (default {DEFAULT_POLICY})")
     p.add_argument("--scope", choices=SCOPES, default="head", help="what shares one rank budget")
     p.add_argument("--kv-split", choices=KV_SPLITS, default="separate", help="budget keys and values apart or together")
     p.add_argument("--key-share", type=float, default=0.5,
@@ -81,16 +83,20 @@ def add_arguments(p):
 
 
 CUDA_ENCODE_BATCH = 8  # a guess, not measured yet: tools/gpu_bench.sh ends with batch 1 vs 8 (docs/benchmarks.md)
-AUTO_INT4_BELOW = 0.4  # Banking77, 3 seeds: int4 ahead at 0.25 and 0.35, int8 at 0.5 (int4 tops out at 0.34)
-
-
 def factor_dtype(choice: str, ratio: float, codec: str) -> str:
-    """``--dtype auto``: int8 factors from ratio 0.4 up, int4 below; identity stores keep fp16."""
-    if choice != "auto":
-        return choice
-    if codec == "identity":
-        return "float16"
-    return "int4" if ratio < AUTO_INT4_BELOW else "int8"
+    """The factor dtype ``--dtype`` names; ``auto`` is `milo_infer.build.auto_dtype`."""
+    return auto_dtype(ratio, codec) if choice == "auto" else choice
+
+
+def compression_config(args) -> CompressionConfig:
+    """The store configuration the arguments ask for (with none given: `milo_infer.build.default_compression`)."""
+    try:
+        return CompressionConfig(ratio=args.ratio, codec=args.codec, policy=args.policy, scope=args.scope,
+                                 kv_split=args.kv_split, key_share=args.key_share, seed=args.seed,
+                                 dtype=factor_dtype(args.dtype, args.ratio, args.codec),
+                                 query_aware=args.query_aware and args.codec == "svd")
+    except ValueError as e:
+        raise CommandError(str(e)) from None
 
 
 def unescape(text: str | None) -> str | None:
@@ -163,13 +169,7 @@ def build(args, world: World, started: float) -> int:
         if world.rank == 0:
             check_target(out, args.force)
         demos, task = demonstrations(args)
-        try:
-            compression = CompressionConfig(ratio=args.ratio, codec=args.codec, policy=args.policy, scope=args.scope,
-                                            kv_split=args.kv_split, key_share=args.key_share, seed=args.seed,
-                                            dtype=factor_dtype(args.dtype, args.ratio, args.codec),
-                                            query_aware=args.query_aware and args.codec == "svd")
-        except ValueError as e:
-            raise CommandError(str(e)) from None
+        compression = compression_config(args)
         encode_batch = args.encode_batch or (CUDA_ENCODE_BATCH if world.device.type == "cuda" else 1)
         config = BuildConfig(block_size=args.block_size, context_blocks=args.context_blocks, order=args.order,
                              seed=args.seed, encode_batch=encode_batch, compression=compression)

@@ -21,7 +21,8 @@ from tqdm import tqdm
 
 from ..build import BuildConfig
 from ..corpus import DATASETS, load_corpus, load_dataset, task_from_corpus
-from ..evaluate import BASES, EXAMPLES, MODIFIERS, QUANTS, encode_once, evaluate, method_config, store_name, write_tables
+from ..evaluate import (BASES, DEFAULT, EXAMPLES, MODIFIERS, QUANTS, agreement, encode_once, evaluate, method_config,
+                        resolve, store_name, write_tables)
 from ..models import load_model
 from ..session import MAX_NEW_TOKENS
 from . import CommandError
@@ -33,10 +34,11 @@ def add_arguments(p):
     src.add_argument("--corpus", metavar="FILE", help="your demonstrations (.jsonl/.csv); needs --queries")
     p.add_argument("--queries", metavar="FILE", help="test items for --corpus, with input and output fields")
     p.add_argument("--model", default="default", metavar="PATH", help="'default', a Hugging Face directory or a .gguf")
-    p.add_argument("--methods", default="full,milo,milo-fullrank", metavar="M",
+    p.add_argument("--methods", default="full,default,raw+int8", metavar="M",
                    help=f"comma-separated method names, base(+quantization)(-modifier)*: bases "
                         f"{', '.join(BASES)}; modifiers {', '.join(MODIFIERS)}, ks<key share>; quantizations "
-                        f"{', '.join(QUANTS)}. E.g. {', '.join(EXAMPLES)} (default full,milo,milo-fullrank)")
+                        f"{', '.join(QUANTS)}; or '{DEFAULT}' (what milo build writes at each ratio). "
+                        f"E.g. {', '.join(EXAMPLES)} (default full,default,raw+int8)")
     p.add_argument("--shots", type=int, default=512, help="demonstrations stored per data set (default 512)")
     p.add_argument("--ratio", default="0.5", metavar="R[,R]",
                    help="ρ for the compressed methods, in (0, 1]; several give one store each (default 0.5)")
@@ -113,8 +115,12 @@ def run(args) -> int:
         raise CommandError(f"--model: {e}") from None
     command = "milo eval " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if sys.argv[1:2] == ["eval"] else ""
     rows = []
-    # a method whose ratio is fixed (full, milo-fullrank) has one store whatever --ratio lists
-    runs = list(dict.fromkeys((m, store_name(m, r)) for m in methods for r in args.ratios))
+    # a method whose ratio is fixed (full, raw, milo-fullrank) has one store whatever --ratio lists; full
+    # answers first, so that every other method's agreement with it is known when its row is written
+    runs = {}  # (method, store name) -> the first ratio naming that store
+    for m, r in itertools.product(methods, args.ratios):
+        runs.setdefault((m, store_name(m, r)), r)
+    runs = sorted(runs.items(), key=lambda run: run[0][0] != "full")
     bar = tqdm(total=len(names) * args.seeds * len(args.block_sizes) * len(runs) * args.test, unit="query",
                desc="eval")
     for name, seed, block_size in itertools.product(names, range(args.seeds), args.block_sizes):
@@ -124,7 +130,8 @@ def run(args) -> int:
         bar.set_postfix_str(f"{name} seed {seed} b{block_size}: encoding")
         base = BuildConfig(block_size=block_size, context_blocks=args.context_blocks, seed=seed)
         built = encode_once(loaded, demos, task, base, stores, run_dir / "stores", progress=False)
-        for m, sname in runs:
+        reference = {}
+        for (m, sname), ratio in runs:
             bar.set_postfix_str(f"{name} seed {seed} b{block_size}: {sname}")
             t0, answered = time.perf_counter(), []
             result = evaluate(loaded, run_dir / "stores" / sname, test, task, k=args.k,
@@ -132,9 +139,13 @@ def run(args) -> int:
                               max_new_tokens=args.max_new_tokens,
                               on_answer=lambda r: (answered.append(r), bar.update()))
             bar.update(result["n"] - len(answered))  # items resumed from the predictions file
-            rows.append({"dataset": name, "seed": seed, "method": m, "store": sname, "k": args.k,
-                         "shots": args.shots, "block_size": block_size, "ratio_setting": stores[sname].ratio,
-                         "eval_s": time.perf_counter() - t0, "build": built[sname], **result})
+            answers = result.pop("answers")
+            reference = answers if m == "full" else reference
+            rows.append({"dataset": name, "seed": seed, "method": m, "resolved": resolve(m, ratio), "store": sname,
+                         "k": args.k, "shots": args.shots, "block_size": block_size,
+                         "ratio_setting": stores[sname].ratio, "eval_s": time.perf_counter() - t0,
+                         "build": built[sname], "agreement": None if m == "full" else agreement(answers, reference),
+                         **result})
             header = _header(args, command, started, loaded.identity["name"])
             write_tables(rows, out, header=header)
     bar.close()
@@ -164,7 +175,7 @@ def _header(args, command: str, started: float, model: str) -> str:
     """What a reader of the table needs to reproduce it."""
     return (f"Accuracy (%) on the first {args.test} test items; {args.shots} demonstrations, block size "
             f"{args.block_size}, {args.context_blocks} context blocks, k={args.k}, ρ={args.ratio}, "
-            f"{args.seeds} seed(s); model {model}.\n\n"
+            f"{args.seeds} seed(s); model {model}. In brackets: the share of answers equal to full's.\n\n"
             f"{'Command: `' + command + '`. ' if command else ''}"
             f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.machine()} with {_cpus()} CPU core(s), "
             f"{torch.get_num_threads()} torch thread(s), {time.perf_counter() - started:.0f} s so far.\n")

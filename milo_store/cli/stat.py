@@ -1,6 +1,7 @@
-"""Summarise a store: model, blocks, tokens, planned vs actual ratio, bytes, ranks per layer."""
+"""Summarise a store: model, blocks, tokens, planned vs actual ratio, bytes, ranks and raw units per layer."""
 import numpy as np
 
+from ..layout import RAW_RANK
 from ..store import MiloStore
 from .common import human_bytes, print_json
 
@@ -13,8 +14,11 @@ def add_arguments(p):
 def describe(store: MiloStore) -> dict:
     acc = store.accounting()
     r = store.ranks.astype(np.int64)
-    hist = {kind: [np.bincount(r[:, l, k].ravel(), minlength=store.layout.head_dim + 1).tolist()
-                   for l in range(store.layout.num_layers)] for k, kind in enumerate(("key", "value"))}
+    raw = r == RAW_RANK
+    kinds = tuple(enumerate(("key", "value")))
+    hist = {kind: [np.bincount(r[:, l, k][~raw[:, l, k]], minlength=store.layout.head_dim + 1).tolist()
+                   for l in range(store.layout.num_layers)] for k, kind in kinds}
+    factored = np.ma.masked_array(r, raw)  # mean ranks are over factored units; raw ones are counted apart
     return {
         "path": str(store.path), "format_version": store.meta["format_version"],
         "model": store.meta.get("model"), "codec": store.meta.get("codec"), "allocation": store.meta.get("allocation"),
@@ -24,9 +28,10 @@ def describe(store: MiloStore) -> dict:
         "bytes": {"full_fp16_kv": acc["full_fp16_bytes"], "factors": acc["factor_bytes"], "index": acc["index_bytes"],
                   "accounted": acc["total_bytes"], "factor_files": acc["factor_file_bytes"], "on_disk": acc["disk_bytes"]},
         "disk_ratio": acc["disk_bytes"] / acc["full_fp16_bytes"] if acc["full_fp16_bytes"] else None,
-        "mean_rank_per_layer": {kind: [round(float(x), 2) for x in r[:, :, k].mean(axis=(0, 2))]
-                                for k, kind in enumerate(("key", "value"))},
+        "mean_rank_per_layer": {kind: [None if x is np.ma.masked else round(float(x), 2)
+                                       for x in factored[:, :, k].mean(axis=(0, 2))] for k, kind in kinds},
         "rank_histogram_per_layer": hist,
+        "raw_share_per_layer": {kind: [round(float(x), 4) for x in raw[:, :, k].mean(axis=(0, 2))] for k, kind in kinds},
     }
 
 
@@ -50,7 +55,10 @@ def run(args) -> int:
           f"(factors + index over fp16 full KV)")
     print(f"bytes        full KV {human_bytes(b['full_fp16_kv'])}  factors {human_bytes(b['factors'])}  "
           f"index {human_bytes(b['index'])}  on disk {human_bytes(b['on_disk'])} (all files)")
-    print("mean rank per layer (K / V):")
-    for l, (k, v) in enumerate(zip(info["mean_rank_per_layer"]["key"], info["mean_rank_per_layer"]["value"])):
-        print(f"  layer {l:>3}  {k:7.2f} / {v:7.2f}")
+    ranks, raw = info["mean_rank_per_layer"], info["raw_share_per_layer"]
+    any_raw = any(x for kind in raw.values() for x in kind)
+    print("mean rank per layer (K / V)" + (", of factored units; share of raw units (K / V):" if any_raw else ":"))
+    for l in range(lay["num_layers"]):
+        k, v = (f"{'all raw':>7}" if x is None else f"{x:7.2f}" for x in (ranks["key"][l], ranks["value"][l]))
+        print(f"  layer {l:>3}  {k} / {v}" + (f"   raw {raw['key'][l]:6.1%} / {raw['value'][l]:6.1%}" if any_raw else ""))
     return 0

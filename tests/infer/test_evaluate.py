@@ -14,7 +14,9 @@ from milo_infer.build import BuildConfig
 from milo_infer.cli import CommandError
 from milo_infer.cli.eval import check
 from milo_infer.corpus import load_corpus, task_from_corpus
-from milo_infer.evaluate import encode_once, evaluate, method_config, store_name, write_tables
+from milo_infer.cli.build import add_arguments as build_arguments, compression_config
+from milo_infer.evaluate import (agreement, default_method, encode_once, evaluate, method_config, store_name,
+                                 write_tables)
 
 DEMO = "milo_infer/data/demo_corpus.jsonl"
 QUERIES = "milo_infer/data/demo_queries.jsonl"
@@ -139,6 +141,40 @@ def test_method_names_compose_a_base_modifiers_and_a_quantization():
                          ("milo+int2", "not a quantization")]:
         with pytest.raises(ValueError, match=message):
             method_config(bad, 0.5)
+
+
+def test_raw_methods_are_plain_kv_quantization_at_the_formats_ratio():
+    c = method_config("raw+kivi", 0.25)
+    assert (c.codec, c.dtype, c.query_aware) == ("raw", "int2", False)
+    assert store_name("raw+int8", 0.25) == store_name("raw+int8", 0.5) == "raw+int8"
+    assert method_config("milo+int8-frontier-qaw", 0.5).policy == "frontier"
+    for bad in ("raw-energy", "raw+int8-qaw"):
+        with pytest.raises(ValueError, match="not a modifier of raw"):
+            method_config(bad, 0.5)
+
+
+@pytest.mark.parametrize("ratio", [0.5, 0.25, 0.125])
+def test_default_method_is_what_milo_build_writes(ratio):
+    """`--methods default` follows milo build's defaults: its config equals the CLI's with only the ratio given."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    build_arguments(parser)
+    args = parser.parse_args(["--dataset", "banking77", "--ratio", str(ratio), "--out", "x"])
+    assert method_config("default", ratio) == compression_config(args)
+    assert method_config(default_method(ratio), ratio) == compression_config(args)
+    assert store_name("default", ratio) == store_name(default_method(ratio), ratio)
+
+
+def test_agreement_counts_equal_answers_on_shared_items(tmp_path):
+    assert agreement({"a": "x", "b": "y", "c": "z"}, {"a": "x", "b": "q", "d": "z"}) == 0.5
+    assert agreement({"a": "x"}, {}) is None
+    rows = [{**_row("full", "a", 0.8, 1000), "agreement": None},
+            {**_row("raw+int8", "a", 0.7, 520), "agreement": 0.9},
+            {**_row("default", "a", 0.75, 500), "resolved": "milo+int8-qaw", "agreement": 0.96}]
+    text = write_tables(rows, tmp_path)[0].read_text()
+    assert "| full | 80.0 | 80.0 |" in text and "| raw+int8 | 70.0 [90%] |" in text
+    assert "| default = milo+int8-qaw | 75.0 [96%] |" in text
 
 
 def test_methods_and_arguments_are_checked_before_any_model_load():

@@ -5,6 +5,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from milo_store import MiloStore
+from milo_store.cli.ls import block_rows
+from milo_store.cli.stat import describe
 from milo_store.allocation import allocate_ranks
 from milo_store.codec import factorize_block, pack_block
 from milo_store.compress import CompressionConfig
@@ -133,6 +135,12 @@ def test_frontier_store_mounts_as_version_2_and_reads_back(tmp_path):
         acc = store.accounting()
         assert acc["ratio"] <= 0.5 and acc["disk_bytes"] >= acc["factor_bytes"]
         assert not store.verify_all()
+        info, rows = describe(store), block_rows(store)
+    share = np.array([info["raw_share_per_layer"][kind] for kind in ("key", "value")]).T  # [L, 2]
+    assert np.allclose(share, raw.mean(axis=(0, 3)), atol=1e-4)  # rounded to 4 places
+    assert sum(r["key_rank"]["raw"] + r["value_rank"]["raw"] for r in rows) == raw.sum()
+    assert all(sum(h) == 3 * 2 - raw[:, l, k].sum()  # histograms count the factored units only
+               for k, kind in enumerate(("key", "value")) for l, h in enumerate(info["rank_histogram_per_layer"][kind]))
     plain = build_synthetic_store(tmp_path / "p", layout, [300, 200, 257], CompressionConfig(ratio=0.5, dtype="int8"))
     with MiloStore.open(plain, tier="disk") as store:
         assert store.meta["format_version"] == 1 and (store.ranks >= 0).all()
