@@ -3,8 +3,8 @@
 `naive.reconstruct_layer_naive` spends about a dozen tensor ops per segment (casts, Σ scaling, the
 GEMM, a rotate-half built by ``cat``, three RoPE passes, a cast, the write), and a query touches
 blocks × layers × 2 × kv_heads segments (8 blocks of a 30-layer, 3-head model: 1,440). Here each
-segment costs one GEMM (Σ folded into B, the smaller factor), written straight into a per-(block,
-kind) fp32 buffer, and the rest is done once per (block, kind) over all its heads: RoPE as one
+segment costs one GEMM (Σ folded into B, the smaller factor; a raw segment one copy), written
+straight into a per-(block, kind) fp32 buffer, and the rest is done once per (block, kind) over all its heads: RoPE as one
 multiply and two in-place ``addcmul`` over the buffer (no rotated copy), then one casting copy per
 head into its rows.
 
@@ -18,7 +18,7 @@ results differ from it by fp32 rounding only. Inputs are not validated here:
 """
 import torch
 
-from .naive import dequantize_int8_segment, int8_segment_bytes
+from .naive import RAW_RANK, dequantize_int8_segment, int8_segment_bytes, raw_segment
 
 
 def reconstruct_layer_cpu(factors, segments, out_k, out_v, cos, sin, *, interleaved=False) -> None:
@@ -40,9 +40,13 @@ def reconstruct_layer_cpu(factors, segments, out_k, out_v, cos, sin, *, interlea
 
 
 def _product(factors, src: int, rank: int, tokens: int, d: int, out: torch.Tensor) -> None:
-    """out [tokens, d] = A diag(Σ) Bᵀ of the segment packed at factors[src:] (uint8: INT8), in fp32."""
+    """out [tokens, d] = A diag(Σ) Bᵀ of the segment packed at factors[src:] (uint8: INT8), in fp32; X
+    itself for a raw segment."""
     if rank == 0:
         out.zero_()
+        return
+    if rank == RAW_RANK:
+        out.copy_(raw_segment(factors, src, tokens, d))
         return
     if factors.dtype == torch.uint8:
         a, s, b = dequantize_int8_segment(factors[src:src + int8_segment_bytes(rank, tokens, d)], rank, tokens, d)

@@ -3,9 +3,12 @@
 The Triton kernel reads these segments in place (`reconstruct.py`); this expansion is the CPU and
 reference path: a low-bit layer becomes packed fp16 factors and a matching segment table, rebuilt by
 the floating CPU path or the reference (one fp16 copy of the layer's factors, 4× (int4) or 8× (int2)
-the streamed bytes).
+the streamed bytes). A raw segment (rank RAW_RANK) is a low-bit A of d columns without Σ and B; it
+becomes a floating raw segment, X [T, d], so those paths need nothing else.
 """
 import torch
+
+from .naive import RAW_RANK, float_segment_numel
 
 BITS = {"int4": 4, "int2": 2}
 GROUP_TOKENS = 32  # must equal milo_store.layout.GROUP_TOKENS (checked by tests)
@@ -17,33 +20,55 @@ def _padded_rows(tokens: int, per_byte: int) -> int:
 
 
 def lowbit_segment_bytes(rank, tokens, d: int, bits: int, kind):
-    """Size of one segment (docs/format.md); zero at rank zero. Takes ints or int64 tensors (elementwise)."""
+    """Size of one segment (docs/format.md); zero at rank zero. Takes ints or int64 tensors (elementwise).
+
+    Rank r > 0: Σ, B's scale and minimum and B's codes, r (6 + d) bytes, and A's r columns. Raw: A's d
+    columns alone."""
+    columns = rank + (rank == RAW_RANK) * (d - RAW_RANK)  # A's columns: d for a raw segment
+    a = _scale_bytes(columns, tokens, kind) + _code_bytes(columns, tokens, bits)
+    return a * (columns > 0) + rank * (6 + d) * (rank > 0)
+
+
+def _scale_bytes(columns, tokens, kind):
+    """fp16 scales and minima of a low-bit A: a key's per column and group of GROUP_TOKENS tokens, a value's per token."""
+    return 4 * columns * -(-tokens // GROUP_TOKENS) * (kind == 0) + 4 * tokens * (kind != 0)
+
+
+def _code_bytes(columns, tokens, bits: int):
     per_byte = 8 // bits
-    rows = _padded_rows(tokens, per_byte)
-    params = 4 * rank * -(-tokens // GROUP_TOKENS) * (kind == 0) + 4 * tokens * (kind != 0)
-    return (rank * (6 + d + rows // per_byte) + params) * (rank > 0)
+    return columns * _padded_rows(tokens, per_byte) // per_byte
+
+
+def _dequantize_a(scales: torch.Tensor, packed: torch.Tensor, columns: int, tokens: int, bits: int, kind: int):
+    """fp32 A [T, columns] from the bytes of its scales and minima and of its codes (column by column)."""
+    T, per_byte = tokens, 8 // bits
+    rows = _padded_rows(T, per_byte)
+    params = scales.view(torch.float16).float()
+    shifts = torch.arange(per_byte, dtype=torch.uint8, device=packed.device) * bits
+    packed = packed.view(columns, rows // per_byte)
+    codes = ((packed.unsqueeze(-1) >> shifts) & (2 ** bits - 1)).reshape(columns, rows)[:, :T].T.float()
+    if kind == 0:  # one scale and minimum per column and group of GROUP_TOKENS tokens
+        groups = -(-T // GROUP_TOKENS)
+        a_scale, a_min = params.view(2, groups, columns)[:, torch.arange(T, device=packed.device) // GROUP_TOKENS]
+    else:  # one per token
+        a_scale, a_min = params.view(2, T, 1)
+    return codes * a_scale + a_min
 
 
 def dequantize_lowbit_segment(raw: torch.Tensor, rank: int, tokens: int, d: int, bits: int, kind: int):
     """fp32 A [T, r], Σ [r], B [d, r] of one segment, from its bytes (uint8, starting at its header)."""
-    r, T, per_byte = rank, tokens, 8 // bits
-    rows = _padded_rows(T, per_byte)
-    header = raw[:6 * r].view(torch.float16).float().view(3, r)
-    s, b_scale, b_min = header
-    groups = -(-T // GROUP_TOKENS)
-    n_params = 4 * r * groups if kind == 0 else 4 * T
-    params = raw[6 * r:6 * r + n_params].view(torch.float16).float()
-    at = 6 * r + n_params
+    r = rank
+    s, b_scale, b_min = raw[:6 * r].view(torch.float16).float().view(3, r)
+    at = 6 * r + _scale_bytes(r, tokens, kind)
     b = raw[at:at + d * r].view(d, r).float() * b_scale + b_min
-    packed = raw[at + d * r:at + d * r + r * rows // per_byte].view(r, rows // per_byte)
-    shifts = torch.arange(per_byte, dtype=torch.uint8, device=raw.device) * bits
-    codes = ((packed.unsqueeze(-1) >> shifts) & (2 ** bits - 1)).reshape(r, rows)[:, :T].T.float()
-    if kind == 0:  # one scale and minimum per column and group of GROUP_TOKENS tokens
-        a_scale, a_min = params.view(2, groups, r)[:, torch.arange(T, device=raw.device) // GROUP_TOKENS]
-    else:  # one per token
-        a_scale, a_min = params.view(2, T, 1)
-    a = codes * a_scale + a_min
+    a = _dequantize_a(raw[6 * r:at], raw[at + d * r:at + d * r + _code_bytes(r, tokens, bits)], r, tokens, bits, kind)
     return a, s, b
+
+
+def dequantize_lowbit_raw(raw: torch.Tensor, tokens: int, d: int, bits: int, kind: int) -> torch.Tensor:
+    """fp32 X [T, d] of one raw segment, from its bytes (uint8, starting at its scales)."""
+    at = _scale_bytes(d, tokens, kind)
+    return _dequantize_a(raw[:at], raw[at:at + _code_bytes(d, tokens, bits)], d, tokens, bits, kind)
 
 
 def dequantize_lowbit_layer(factors: torch.Tensor, segments: torch.Tensor, d: int,
@@ -51,7 +76,7 @@ def dequantize_lowbit_layer(factors: torch.Tensor, segments: torch.Tensor, d: in
     """(packed floating factors, segment table) equal to a layer of low-bit segments, on factors' device.
 
     The new table keeps every row's rank, tokens, destination, head and kind; only src_offset moves
-    to where the segment's A, Σ, B now start in the floating buffer (docs/format.md).
+    to where the segment's A, Σ, B (a raw segment's X) now start in the floating buffer (docs/format.md).
     """
     if quant not in BITS:
         raise ValueError(f"unknown low-bit quantization {quant!r}; expected one of {tuple(BITS)}")
@@ -68,8 +93,11 @@ def dequantize_lowbit_layer(factors: torch.Tensor, segments: torch.Tensor, d: in
             raise ValueError(f"segment {i} {segments[i].tolist()}: its {quant} bytes [{src}, {end}) are not an "
                              f"even-aligned range of the {factors.numel()} factor bytes")
         raw = factors[src:end]
-        a, s, b = dequantize_lowbit_segment(raw, rank, tokens, d, bits, kind)
-        parts += [a.reshape(-1), s, b.reshape(-1)]
-        at += rank * (tokens + d + 1)
+        if rank == RAW_RANK:
+            parts.append(dequantize_lowbit_raw(raw, tokens, d, bits, kind).reshape(-1))
+        else:
+            a, s, b = dequantize_lowbit_segment(raw, rank, tokens, d, bits, kind)
+            parts += [a.reshape(-1), s, b.reshape(-1)]
+        at += float_segment_numel(rank, tokens, d)
     flat = torch.cat(parts).half() if parts else torch.empty(0, dtype=torch.float16, device=factors.device)
     return flat, table

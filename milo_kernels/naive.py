@@ -2,6 +2,7 @@
 import torch
 
 INT8_HEADER = 5  # fp16 vectors of length r before an INT8 segment's codes: Σ, A scale, A min, B scale, B min
+RAW_RANK = -1  # the rank of a raw segment, X itself (must equal milo_store.layout.RAW_RANK; checked by tests)
 
 
 def rotate(x: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
@@ -19,9 +20,25 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     return (xf * cos + rotate(xf, interleaved) * sin).to(x.dtype)
 
 
-def int8_segment_bytes(rank: int, tokens: int, d: int) -> int:
-    """Size of an INT8 segment (docs/format.md): r (T' + d + 10) bytes, T' = T rounded up to even."""
-    return rank * (tokens + tokens % 2 + d + 2 * INT8_HEADER)
+def float_segment_numel(rank, tokens, d: int):
+    """Values of a floating segment: r (T + d + 1), or T d for a raw one. Ints or int64 tensors (elementwise)."""
+    return (rank == RAW_RANK) * tokens * d + (rank != RAW_RANK) * rank * (tokens + d + 1)
+
+
+def int8_segment_bytes(rank, tokens, d: int):
+    """Size of an INT8 segment (docs/format.md): r (T' + d + 10) bytes, T' = T rounded up to even; a raw
+    one is (T' + 4) d bytes (a scale and minimum per channel, then the codes). Ints or int64 tensors."""
+    padded = tokens + tokens % 2
+    return (rank == RAW_RANK) * (padded + 4) * d + (rank != RAW_RANK) * rank * (padded + d + 2 * INT8_HEADER)
+
+
+def raw_segment(factors: torch.Tensor, src: int, tokens: int, d: int) -> torch.Tensor:
+    """fp32 X [T, d] of the raw segment at factors[src:]: its values, or (uint8) INT8 codes [T', d] after
+    an fp16 scale [d] and minimum [d] per channel, value = code * scale + min (docs/format.md)."""
+    if factors.dtype != torch.uint8:
+        return factors[src:src + tokens * d].float().view(tokens, d)
+    scale, low = factors[src:src + 4 * d].view(torch.float16).float().view(2, d)
+    return factors[src + 4 * d:src + (4 + tokens) * d].view(tokens, d).float() * scale + low
 
 
 def dequantize_int8_segment(raw: torch.Tensor, rank: int, tokens: int, d: int):
@@ -44,20 +61,24 @@ def reconstruct_layer_naive(factors, segments, out_k, out_v, cos, sin, *, interl
 
     A segment row is (src_offset, rank, tokens, dst_row, head, kind); its factors are packed at
     factors[src_offset:] as A [tokens, rank], Σ [rank], B [d, rank], all row-major. uint8 factors hold
-    INT8 segments instead (`dequantize_int8_segment`; src_offset counts bytes). Inputs are not
-    validated here (milo_kernels.reconstruct_layer does that); this is the oracle, kept literal.
+    INT8 segments instead (`dequantize_int8_segment`; src_offset counts bytes). A raw segment (rank
+    RAW_RANK) holds X itself (`raw_segment`). Inputs are not validated here
+    (milo_kernels.reconstruct_layer does that); this is the oracle, kept literal.
     """
     d = out_k.shape[-1]
     for src, rank, tokens, row, head, kind in segments.tolist():
-        if factors.dtype == torch.uint8:
-            raw = factors[src:src + int8_segment_bytes(rank, tokens, d)]
-            a, s, b = dequantize_int8_segment(raw, rank, tokens, d)
+        if rank == RAW_RANK:
+            x = raw_segment(factors, src, tokens, d)
         else:
-            a_end, s_end = src + tokens * rank, src + tokens * rank + rank
-            a = factors[src:a_end].float().view(tokens, rank)
-            s = factors[a_end:s_end].float()
-            b = factors[s_end:s_end + d * rank].float().view(d, rank)
-        x = (a * s) @ b.T
+            if factors.dtype == torch.uint8:
+                raw = factors[src:src + int8_segment_bytes(rank, tokens, d)]
+                a, s, b = dequantize_int8_segment(raw, rank, tokens, d)
+            else:
+                a_end, s_end = src + tokens * rank, src + tokens * rank + rank
+                a = factors[src:a_end].float().view(tokens, rank)
+                s = factors[a_end:s_end].float()
+                b = factors[s_end:s_end + d * rank].float().view(d, rank)
+            x = (a * s) @ b.T
         rows = slice(row, row + tokens)
         if kind == 0:
             x = apply_rope(x, cos[rows], sin[rows], interleaved)

@@ -35,7 +35,7 @@ import torch
 
 from .cpu import reconstruct_layer_cpu
 from .lowbit import BITS as LOWBIT_BITS, GROUP_TOKENS, dequantize_lowbit_layer, lowbit_segment_bytes
-from .naive import int8_segment_bytes, reconstruct_layer_naive
+from .naive import RAW_RANK, float_segment_numel, int8_segment_bytes, reconstruct_layer_naive
 
 try:
     import triton
@@ -86,7 +86,8 @@ def tile_config(d: int) -> dict:
 
 def reconstruct_layer(factors, segments, out_k, out_v, cos, sin, *, interleaved=False, quant=None,
                       plan: "Plan | None" = None) -> None:
-    """Write X = A diag(Σ) Bᵀ of every segment to out[head, dst_row:dst_row + tokens], keys rotated by RoPE.
+    """Write X = A diag(Σ) Bᵀ of every segment (X itself when raw, rank RAW_RANK) to out[head, dst_row:
+    dst_row + tokens], keys rotated by RoPE.
 
     factors: 1-D contiguous fp16/bf16/fp32, or uint8 holding ``quant`` segments (int8 when None, int4
     or int2; src_offset in bytes, even); segments: int64 [S, 6] (see SEGMENT_COLUMNS), best on the CPU
@@ -97,10 +98,9 @@ def reconstruct_layer(factors, segments, out_k, out_v, cos, sin, *, interleaved=
     bits = _bits(factors.dtype, quant)
     backend = kernel_backend(factors.device)
     if backend in ("reference", "cpu"):
+        segs = _check_all(factors, segments, out_k, out_v, cos, sin, bits)
         if bits in (4, 2):  # the CPU and reference paths rebuild expanded fp16 factors
-            _check_tensors(factors, out_k, out_v, cos, sin)
-            factors, segments = dequantize_lowbit_layer(factors, segments.cpu(), out_k.shape[-1], quant)
-        segs = _check_all(factors, segments, out_k, out_v, cos, sin)
+            factors, segs = dequantize_lowbit_layer(factors, segs, out_k.shape[-1], quant)
         rebuild = reconstruct_layer_naive if backend == "reference" else reconstruct_layer_cpu
         rebuild(factors, segs, out_k, out_v, cos, sin, interleaved=interleaved)
     else:
@@ -255,16 +255,15 @@ def _check_tensors(factors, out_k, out_v, cos, sin) -> None:
         raise ValueError(f"factors, out_k, out_v, cos and sin must share a device, got {sorted(map(str, devices))}")
 
 
-def _check_all(factors, segments, out_k, out_v, cos, sin, bits=None) -> torch.Tensor:
+def _check_all(factors, segments, out_k, out_v, cos, sin, bits: int) -> torch.Tensor:
     """Full validation; returns the segment table as a CPU int64 tensor (read back if it was on a device).
 
-    bits: the quantization of uint8 factors (8, 4 or 2; None reads them as INT8)."""
+    bits: `_bits` of the factors (0 floating; 8, 4 or 2 the quantization of uint8 factors)."""
     _check_tensors(factors, out_k, out_v, cos, sin)
     if segments.dtype != torch.int64 or segments.dim() != 2 or segments.shape[1] != len(SEGMENT_COLUMNS):
         raise ValueError(f"segments must be int64 [S, {len(SEGMENT_COLUMNS)}] with columns {SEGMENT_COLUMNS}, "
                          f"got {segments.dtype} {tuple(segments.shape)}")
     segs = segments.cpu()
-    bits = (bits or 8) if factors.dtype == torch.uint8 else 0
     n_heads, n_rows, d = out_k.shape
     src, rank, tokens, dst, head, kind = segs.unbind(1)
     _check_rules(segs, _structure_rules(segs, d, bits) + (
@@ -282,7 +281,7 @@ def _structure_rules(segs, d, bits) -> tuple:
     return (
         (src >= 0, "src_offset is negative"),
         ((src % 2 == 0) | (bits == 0), "src_offset of a quantized segment must be even (fp16 header)"),
-        ((rank >= 0) & (rank <= d), f"rank must be in [0, d={d}]"),
+        ((rank == RAW_RANK) | ((rank >= 0) & (rank <= d)), f"rank must be in [0, d={d}] or {RAW_RANK} (raw)"),
         (tokens > 0, "tokens must be positive"),
         (dst >= 0, "dst_row is negative"),
         (head >= 0, "head is negative"),
@@ -298,13 +297,13 @@ def _check_rules(segs, rules) -> None:
 
 
 def _segment_numel(segs, d, bits):
-    """Elements each segment occupies: r (T + d + 1) values, or its bytes when quantized (docs/format.md)."""
+    """Elements each segment occupies: r (T + d + 1) values (T d raw), or its bytes when quantized (docs/format.md)."""
     _, rank, tokens, _, _, kind = segs.unbind(1)
     if bits == 8:
         return int8_segment_bytes(rank, tokens, d)
     if bits:
         return lowbit_segment_bytes(rank, tokens, d, bits, kind)
-    return rank * (tokens + d + 1)
+    return float_segment_numel(rank, tokens, d)
 
 
 def _check_disjoint(segs, layer=None) -> None:

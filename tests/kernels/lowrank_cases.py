@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from milo_kernels import RAW_RANK
+
 
 def rope_angles(n: int, d: int, interleaved: bool, base: float = 10000.0) -> torch.Tensor:
     """Angle [n, d] of every (position, channel); both channels of a RoPE pair share one frequency."""
@@ -39,15 +41,18 @@ def rope_by_complex(x: torch.Tensor, first_position: int, interleaved: bool) -> 
     return out
 
 
-def random_layer(kv_heads, d, block_tokens, dtype, seed):
+def random_layer(kv_heads, d, block_tokens, dtype, seed, raw=False):
     """A packed layer: every (block, kind, head) segment with ragged ranks, in shuffled storage order.
 
     Output rows leave a 2-row gap before every block, and the factor buffer has NaN gaps between
     segments and at its end, so a kernel that reads or writes outside its segments shows up as NaN.
+    ``raw``: every third segment is raw instead (rank RAW_RANK, X [T, d] itself).
     Returns factors, segments [S, 6] and the number of output rows N.
     """
     gen = torch.Generator().manual_seed(seed)
     rank_pool = [d - 1, 0, d, 1] + torch.randint(0, d + 1, (16,), generator=gen).tolist()
+    if raw:
+        rank_pool = [rank for pair in zip([RAW_RANK] * 10, rank_pool[0::2], rank_pool[1::2]) for rank in pair]  # raw, then two ranks
     rows, row = [], 2
     for tokens in block_tokens:
         rows.append(row)
@@ -63,11 +68,15 @@ def random_layer(kv_heads, d, block_tokens, dtype, seed):
         gap = int(torch.randint(0, 5, (), generator=gen))
         parts.append(torch.full((gap,), math.nan))
         offset += gap
+        segments.append([offset, rank, tokens, dst, head, kind])
+        if rank == RAW_RANK:
+            parts.append(torch.randn(tokens * d, generator=gen))
+            offset += tokens * d
+            continue
         a = torch.randn(tokens, rank, generator=gen)
         sigma = (torch.rand(rank, generator=gen) + 0.5) / math.sqrt(max(rank, 1))
         b = torch.randn(d, rank, generator=gen)
         parts += [a.flatten(), sigma, b.flatten()]
-        segments.append([offset, rank, tokens, dst, head, kind])
         offset += rank * (tokens + d + 1)
     parts.append(torch.full((3,), math.nan))
     return torch.cat(parts).to(dtype), torch.tensor(segments, dtype=torch.int64), row
@@ -99,10 +108,11 @@ def run_under_interpreter(test_file, keyword=None):
 
 def quantized_layer(kv_heads, d, block_tokens, quant, seed, rank_pool):
     """One layer packed as ``quant`` segments (milo_store.quant.pack_segment): ranks taken in turn from
-    ``rank_pool`` (ragged), shuffled storage order, even gaps of random bytes between segments and at the
-    end (headers stay 2-byte aligned). Output rows leave a 2-row gap before every block.
+    ``rank_pool`` (ragged; RAW_RANK packs a raw segment, pack_raw_segment), shuffled storage order, even
+    gaps of random bytes between segments and at the end (headers stay 2-byte aligned). Output rows
+    leave a 2-row gap before every block.
     Returns uint8 factors, segments [S, 6] with byte offsets, and the number of output rows N."""
-    from milo_store.quant import pack_segment
+    from milo_store.quant import pack_raw_segment, pack_segment
 
     gen = torch.Generator().manual_seed(seed)
     rows, row = [], 2
@@ -117,9 +127,12 @@ def quantized_layer(kv_heads, d, block_tokens, quant, seed, rank_pool):
         gap = 2 * int(torch.randint(0, 3, (), generator=gen))
         parts.append(torch.randint(0, 256, (gap,), generator=gen, dtype=torch.uint8))
         offset += gap
-        a, b = torch.randn(tokens, rank, generator=gen), torch.randn(d, rank, generator=gen)
-        sigma = (torch.rand(rank, generator=gen) + 0.5) / math.sqrt(max(rank, 1))
-        raw = pack_segment(a, sigma, b, quant, kind)
+        if rank == RAW_RANK:
+            raw = pack_raw_segment(torch.randn(tokens, d, generator=gen), quant, kind)
+        else:
+            a, b = torch.randn(tokens, rank, generator=gen), torch.randn(d, rank, generator=gen)
+            sigma = (torch.rand(rank, generator=gen) + 0.5) / math.sqrt(max(rank, 1))
+            raw = pack_segment(a, sigma, b, quant, kind)
         parts.append(raw)
         segments.append([offset, rank, tokens, dst, head, kind])
         offset += raw.numel()
