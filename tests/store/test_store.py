@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from milo_store import (CompressionConfig, FormatVersionError, Layout, MiloStore, NotAStoreError, StoreCorruptedError,
                         StoreError, StoreLockedError, StoreWriter)
+from milo_store.layout import RAW_RANK
 from milo_store.synthetic import build_synthetic_store
 
 from .conftest import LAYOUT, TOKENS
@@ -20,7 +21,7 @@ def test_write_read_random_ragged_store_is_byte_exact(tmp_path_factory, N, L, H,
     rng = np.random.default_rng(seed)
     layout = Layout(L, H, d)
     tokens = rng.integers(1, 30, N)
-    ranks = rng.integers(0, d + 1, (N, L, 2, H))
+    ranks = rng.integers(RAW_RANK, d + 1, (N, L, 2, H))  # raw units among factored ones
     ranks = np.minimum(ranks, tokens.reshape(-1, 1, 1, 1))
     offsets = layout.block_offsets(ranks, tokens)
     tdtype = getattr(torch, dtype)
@@ -33,6 +34,7 @@ def test_write_read_random_ragged_store_is_byte_exact(tmp_path_factory, N, L, H,
     for tier in ("host", "disk", "cached"):
         with MiloStore.open(path, tier=tier) as store:
             assert np.array_equal(store.ranks, ranks) and np.array_equal(store.block_tokens, tokens)
+            assert store.meta["format_version"] == (2 if (ranks == RAW_RANK).any() else 1)
             for i, b in enumerate(blocks):
                 got = store.block(i)
                 assert got.dtype == tdtype and torch.equal(got.view(torch.uint8), b.view(torch.uint8))
@@ -130,6 +132,21 @@ def test_missing_metadata_wrong_version_and_non_store(tmp_path, small_store):
         MiloStore.open(small_store)
     with pytest.raises(NotAStoreError, match="no such store"):
         MiloStore.open(tmp_path / "nowhere")
+
+
+def test_raw_units_in_a_version_1_store_are_corruption(tmp_path):
+    """A reader must never take the raw sentinel from a store that claims the format before it."""
+    ranks = np.full((1, LAYOUT.num_layers, 2, LAYOUT.num_kv_heads), RAW_RANK)
+    with StoreWriter(tmp_path / "s", LAYOUT, ranks, [5]) as w:
+        w.write_block(torch.zeros(int(LAYOUT.block_offsets(ranks, np.array([5]))[-1]), dtype=torch.float16))
+        w.commit()
+    meta = tmp_path / "s" / "zarr.json"
+    doc = json.loads(meta.read_text())
+    assert doc["attributes"]["milo"]["format_version"] == 2
+    doc["attributes"]["milo"]["format_version"] = 1
+    meta.write_text(json.dumps(doc))
+    with pytest.raises(StoreCorruptedError, match="cannot hold raw units"):
+        MiloStore.open(tmp_path / "s")
 
 
 def test_missing_index_array_is_corruption(small_store):
