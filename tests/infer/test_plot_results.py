@@ -30,6 +30,17 @@ def test_curves_average_seeds_and_merge_files_with_later_rows_winning(tmp_path):
         load_rows([str(a)], dataset="other")
 
 
+def test_agreement_curves_leave_out_rows_without_one(tmp_path):
+    rows = [{**_row("full", 0, 1.0, 0.9, 1.08), "agreement": None},
+            {**_row("raw+int8", 0, 1.0, 0.8, 0.50), "agreement": 0.9},
+            {**_row("milo", 0, 0.5, 0.7, 0.5), "agreement": 0.95}, {**_row("milo", 1, 0.5, 0.7, 0.5), "agreement": 0.85}]
+    got = curves(rows, "ratio", "agreement")
+    assert "full" not in got and got["raw+int8"] == [(0.50, 90.0, 0.0)]
+    (x, y, e), = got["milo"]
+    assert y == pytest.approx(90.0) and e == pytest.approx(7.071, abs=1e-3)
+    assert Path(plot(rows, "ratio", str(tmp_path / "a.png"), y="agreement")).read_bytes()[:4] == b"\x89PNG"
+
+
 def test_block_size_curve_and_figure_is_written(tmp_path):
     rows = [_row("milo", 0, 0.5, 0.2, 0.5, block=16), _row("milo", 0, 0.5, 0.4, 0.5, block=64)]
     assert curves(rows, "block_size")["milo"] == [(16, 20.0, 0.0), (64, 40.0, 0.0)]
