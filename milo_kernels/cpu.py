@@ -4,9 +4,9 @@
 GEMM, a rotate-half built by ``cat``, three RoPE passes, a cast, the write), and a query touches
 blocks × layers × 2 × kv_heads segments (8 blocks of a 30-layer, 3-head model: 1,440). Here each
 segment costs one GEMM (Σ folded into B, the smaller factor; a raw segment one copy), written
-straight into a per-(block, kind) fp32 buffer, and the rest is done once per (block, kind) over all its heads: RoPE as one
-multiply and two in-place ``addcmul`` over the buffer (no rotated copy), then one casting copy per
-head into its rows.
+straight into a per-(block, kind) fp32 buffer, and the rest is done once per (block, kind) over all
+its heads: RoPE as one multiply and two in-place ``addcmul`` over the buffer (no rotated copy), then
+one casting copy per head into its rows.
 
 Why not one padded ``bmm`` per (block, kind): ranks differ per head (entropy allocation), so padding
 to the block's largest rank multiplies zeros, and packing the ragged factors into padded tensors

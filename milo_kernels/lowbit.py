@@ -30,7 +30,8 @@ def lowbit_segment_bytes(rank, tokens, d: int, bits: int, kind):
 
 
 def _scale_bytes(columns, tokens, kind):
-    """fp16 scales and minima of a low-bit A: a key's per column and group of GROUP_TOKENS tokens, a value's per token."""
+    """Bytes of a low-bit A's fp16 scales and minima: a key's per column and group of GROUP_TOKENS
+    tokens, a value's per token."""
     return 4 * columns * -(-tokens // GROUP_TOKENS) * (kind == 0) + 4 * tokens * (kind != 0)
 
 

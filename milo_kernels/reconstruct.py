@@ -26,9 +26,17 @@ feeds fp16 tiles to the same fp32-accumulating dots; no floating copy of the fac
 INT8 has one scale per factor column; INT4/INT2 unpack 2 or 4 tokens per byte of A, with a scale per
 (column, 32-token group) for keys and per token for values. On CPU tensors INT8 is dequantized per
 segment by the CPU path and INT4/INT2 layers are expanded first (`lowbit.dequantize_lowbit_layer`).
+
+Raw segments (rank RAW_RANK = -1: a unit's K or V itself, stored as the A of a rank-d segment whose
+Σ = 1 and B = I are not stored) go through the same launch: a tile whose rank is -1 loads X at the
+channels of its RoPE pairs straight into the two accumulators, dequantized as A is (`_load_a`, shared
+with the rank loop), and skips the dots, which against B = I would only spend d / BLOCK_R tensor-core
+steps to copy X (and round a dequantized X to fp16 tiles). A floating raw value is written as it was
+stored, bit for bit; a raw key is rotated in fp32 like every key.
 """
 import functools
 import os
+import types
 from dataclasses import dataclass
 
 import torch
@@ -320,11 +328,56 @@ def _check_disjoint(segs, layer=None) -> None:
         raise ValueError(f"segments {int(order[j])} and {int(order[j + 1])} write overlapping rows")
 
 
+# Device helpers of the kernel, jitted with it by `_kernel_for` (plain functions until then); BITS and
+# GROUP are the kernel's constexprs (a device function takes its caller's constexprs as constants).
+
+
+def _scale_count(columns, tokens, key, BITS, GROUP):
+    """fp16 scales of an A with ``columns`` columns (as many minima follow them): none when floating,
+    one per column for INT8; INT4/INT2 one per (column, GROUP tokens) for keys, one per token for values."""
+    if BITS == 0:
+        n = 0
+    elif BITS == 8:
+        n = columns
+    else:
+        n = tl.where(key, (tokens + GROUP - 1) // GROUP * columns, tokens)
+    return n
+
+
+def _load_a(CODES, SCALES, n_scales, t, c, t_ok, c_ok, columns, tokens, key, BITS, GROUP):
+    """fp32 A[t, c], zero outside t_ok x c_ok, of an A [tokens, columns] (docs/format.md): floating
+    values row-major at CODES; or codes dequantized in registers, code * scale + min, with the fp16
+    scales at SCALES and the minima n_scales after them: INT8 codes row-major, INT4/INT2 codes column
+    by column, 8 / BITS tokens per byte (first token in the lowest bits), columns of even bytes."""
+    mask = t_ok[:, None] & c_ok[None, :]
+    if BITS == 0:
+        a = tl.load(CODES + t[:, None] * columns + c[None, :], mask=mask, other=0).to(tl.float32)
+    else:
+        if BITS == 8:
+            scale = tl.load(SCALES + c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+            low = tl.load(SCALES + n_scales + c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+            code = tl.load(CODES + t[:, None] * columns + c[None, :], mask=mask, other=0).to(tl.float32)
+        else:
+            PER_BYTE = 8 // BITS
+            at = tl.where(key, t // GROUP * columns, t)[:, None] + tl.where(key, c, 0)[None, :]
+            scale = tl.load(SCALES + at, mask=mask, other=0.0).to(tl.float32)
+            low = tl.load(SCALES + n_scales + at, mask=mask, other=0.0).to(tl.float32)
+            column_bytes = (tokens + 2 * PER_BYTE - 1) // (2 * PER_BYTE) * 2
+            packed = tl.load(CODES + c[None, :] * column_bytes + (t // PER_BYTE)[:, None], mask=mask,
+                             other=0).to(tl.int32)
+            code = ((packed >> ((t % PER_BYTE) * BITS)[:, None]) & ((1 << BITS) - 1)).to(tl.float32)
+        a = code * scale + low
+    return a
+
+
 @functools.cache
 def _kernel_for(interpret: bool):
-    """Build the JIT kernel lazily: triton decides interpreter vs compiler when the decorator runs."""
+    """Build the JIT kernel lazily: triton decides interpreter vs compiler when the decorator runs.
 
-    @triton.jit
+    The device helpers are jitted at the same time and bound in the kernel's own copy of this module's
+    globals, where both the compiler and the interpreter look callees up (the interpreter ignores closures).
+    """
+
     def reconstruct_kernel(F, F16, TILES, K, V, COS, SIN, D,
                            skh, skn, skd, svh, svn, svd, scn, scd, ssn, ssd,
                            BITS: tl.constexpr, GROUP: tl.constexpr, INTERLEAVED: tl.constexpr, IEEE_DOT: tl.constexpr,
@@ -351,65 +404,56 @@ def _kernel_for(interpret: bool):
 
         # where each part of the segment starts (docs/format.md); fp16 parts are read through F16
         hdr = F16 + src // 2
-        if BITS == 0:  # A [tokens, rank], Σ [rank], B [d, rank]
-            a_ptr = F + src
-            s_ptr = F + src + tokens * rank
-            b_ptr = s_ptr + rank
-        elif BITS == 8:  # fp16 Σ, A scale, A min, B scale, B min [rank]; codes A [T', rank], B [d, rank]
-            s_ptr = hdr
-            b_scale_ptr = hdr + 3 * rank
-            a_ptr = F + src + 10 * rank
-            b_ptr = a_ptr + (tokens + tokens % 2) * rank
-        else:  # fp16 Σ, B scale, B min [rank], A scales, A minima; codes B [d, rank], A [rank, T' / PER_BYTE]
-            PER_BYTE = 8 // BITS
-            s_ptr = hdr
-            b_scale_ptr = hdr + rank
-            key = kind == 0  # keys: a scale per (column, GROUP tokens), [groups, rank]; values: per token, [tokens]
-            group = tl.where(key, t // GROUP, t)
-            group_stride = tl.where(key, rank, 1)
-            column_stride = tl.where(key, 1, 0)
-            n_scales = tl.where(key, (tokens + GROUP - 1) // GROUP * rank, tokens)
-            a_scale_ptr = hdr + 3 * rank
-            b_ptr = F + src + 6 * rank + 4 * n_scales
-            a_ptr = b_ptr + D * rank
-            column_bytes = (tokens + 2 * PER_BYTE - 1) // (2 * PER_BYTE) * 2
-            shift = (t % PER_BYTE) * BITS
-        acc1 = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
-        acc2 = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
-        for r0 in range(0, rank, BLOCK_R):
-            r = r0 + tl.arange(0, BLOCK_R)
-            r_ok = r < rank
-            a_mask = t_ok[:, None] & r_ok[None, :]
-            b_mask = r_ok[:, None] & h_ok[None, :]
-            s = tl.load(s_ptr + r, mask=r_ok, other=0.0).to(tl.float32)
-            b1 = tl.load(b_ptr + c1[None, :] * rank + r[:, None], mask=b_mask, other=0)  # Bᵀ, first channels
-            b2 = tl.load(b_ptr + c2[None, :] * rank + r[:, None], mask=b_mask, other=0)  # Bᵀ, partners
-            if BITS == 0:
-                a = tl.load(a_ptr + t[:, None] * rank + r[None, :], mask=a_mask, other=0)
-                a = (a.to(tl.float32) * s[None, :]).to(F.dtype.element_ty)  # Σ fused into A's columns
-            else:  # dequantize in registers; lanes past the rank have scale = min = 0, so stay 0
-                b_scale = tl.load(b_scale_ptr + r, mask=r_ok, other=0.0).to(tl.float32)
-                b_min = tl.load(b_scale_ptr + rank + r, mask=r_ok, other=0.0).to(tl.float32)
-                b1 = (b1.to(tl.float32) * b_scale[:, None] + b_min[:, None]).to(tl.float16)
-                b2 = (b2.to(tl.float32) * b_scale[:, None] + b_min[:, None]).to(tl.float16)
-                if BITS == 8:
-                    a_scale = tl.load(hdr + rank + r, mask=r_ok, other=0.0).to(tl.float32)[None, :]
-                    a_min = tl.load(hdr + 2 * rank + r, mask=r_ok, other=0.0).to(tl.float32)[None, :]
-                    a = tl.load(a_ptr + t[:, None] * rank + r[None, :], mask=a_mask, other=0).to(tl.float32)
+        key = kind == 0
+        if rank < 0:  # raw (RAW_RANK): X itself, the A [tokens, d] of a rank-d segment without Σ and B = I
+            raw_scales = _scale_count(D, tokens, key, BITS, GROUP)
+            raw_codes = F + src + 4 * raw_scales
+            acc1 = _load_a(raw_codes, hdr, raw_scales, t, c1, t_ok, h_ok, D, tokens, key, BITS, GROUP)
+            acc2 = _load_a(raw_codes, hdr, raw_scales, t, c2, t_ok, h_ok, D, tokens, key, BITS, GROUP)
+        else:
+            n_scales = _scale_count(rank, tokens, key, BITS, GROUP)
+            if BITS == 0:  # A [tokens, rank], Σ [rank], B [d, rank]
+                a_ptr = F + src
+                a_scale_ptr = hdr  # no scales: load_a reads the values as they are
+                s_ptr = F + src + tokens * rank
+                b_ptr = s_ptr + rank
+            elif BITS == 8:  # fp16 Σ, A scale, A min, B scale, B min [rank]; codes A [T', rank], B [d, rank]
+                s_ptr = hdr
+                a_scale_ptr = hdr + rank
+                b_scale_ptr = hdr + 3 * rank
+                a_ptr = F + src + 10 * rank
+                b_ptr = a_ptr + (tokens + tokens % 2) * rank
+            else:  # fp16 Σ, B scale, B min [rank], A scales, A minima; codes B [d, rank], A [rank, T' / PER_BYTE]
+                s_ptr = hdr
+                b_scale_ptr = hdr + rank
+                a_scale_ptr = hdr + 3 * rank
+                b_ptr = F + src + 6 * rank + 4 * n_scales
+                a_ptr = b_ptr + D * rank
+            acc1 = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
+            acc2 = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
+            for r0 in range(0, rank, BLOCK_R):
+                r = r0 + tl.arange(0, BLOCK_R)
+                r_ok = r < rank
+                b_mask = r_ok[:, None] & h_ok[None, :]
+                s = tl.load(s_ptr + r, mask=r_ok, other=0.0).to(tl.float32)
+                b1 = tl.load(b_ptr + c1[None, :] * rank + r[:, None], mask=b_mask, other=0)  # Bᵀ, first channels
+                b2 = tl.load(b_ptr + c2[None, :] * rank + r[:, None], mask=b_mask, other=0)  # Bᵀ, partners
+                # Σ fused into A's columns; quantized lanes past the rank have scale = min = 0, so stay 0
+                a = _load_a(a_ptr, a_scale_ptr, n_scales, t, r, t_ok, r_ok, rank, tokens, key, BITS, GROUP) * s[None, :]
+                if BITS == 0:
+                    a = a.to(F.dtype.element_ty)
+                else:  # dequantize B in registers too, then fp16 tiles for the dots
+                    b_scale = tl.load(b_scale_ptr + r, mask=r_ok, other=0.0).to(tl.float32)
+                    b_min = tl.load(b_scale_ptr + rank + r, mask=r_ok, other=0.0).to(tl.float32)
+                    b1 = (b1.to(tl.float32) * b_scale[:, None] + b_min[:, None]).to(tl.float16)
+                    b2 = (b2.to(tl.float32) * b_scale[:, None] + b_min[:, None]).to(tl.float16)
+                    a = a.to(tl.float16)
+                if IEEE_DOT:
+                    acc1 = tl.dot(a, b1, acc1, input_precision="ieee")
+                    acc2 = tl.dot(a, b2, acc2, input_precision="ieee")
                 else:
-                    at = group[:, None] * group_stride + r[None, :] * column_stride
-                    a_scale = tl.load(a_scale_ptr + at, mask=a_mask, other=0.0).to(tl.float32)
-                    a_min = tl.load(a_scale_ptr + n_scales + at, mask=a_mask, other=0.0).to(tl.float32)
-                    packed = tl.load(a_ptr + r[None, :] * column_bytes + (t // PER_BYTE)[:, None], mask=a_mask,
-                                     other=0).to(tl.int32)
-                    a = ((packed >> shift[:, None]) & ((1 << BITS) - 1)).to(tl.float32)
-                a = ((a * a_scale + a_min) * s[None, :]).to(tl.float16)  # Σ fused into A's columns
-            if IEEE_DOT:
-                acc1 = tl.dot(a, b1, acc1, input_precision="ieee")
-                acc2 = tl.dot(a, b2, acc2, input_precision="ieee")
-            else:
-                acc1 = tl.dot(a, b1, acc1)
-                acc2 = tl.dot(a, b2, acc2)
+                    acc1 = tl.dot(a, b1, acc1)
+                    acc2 = tl.dot(a, b2, acc2)
 
         rows = row0 + t
         mask = t_ok[:, None] & h_ok[None, :]
@@ -426,7 +470,8 @@ def _kernel_for(interpret: bool):
             tl.store(out + c1[None, :] * svd, acc1.to(V.dtype.element_ty), mask=mask)
             tl.store(out + c2[None, :] * svd, acc2.to(V.dtype.element_ty), mask=mask)
 
-    return reconstruct_kernel
+    scope = {**globals(), "_scale_count": triton.jit(_scale_count), "_load_a": triton.jit(_load_a)}
+    return triton.jit(types.FunctionType(reconstruct_kernel.__code__, scope))
 
 
 def _kernel():

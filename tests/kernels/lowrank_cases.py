@@ -52,7 +52,8 @@ def random_layer(kv_heads, d, block_tokens, dtype, seed, raw=False):
     gen = torch.Generator().manual_seed(seed)
     rank_pool = [d - 1, 0, d, 1] + torch.randint(0, d + 1, (16,), generator=gen).tolist()
     if raw:
-        rank_pool = [rank for pair in zip([RAW_RANK] * 10, rank_pool[0::2], rank_pool[1::2]) for rank in pair]  # raw, then two ranks
+        pairs = zip(rank_pool[0::2], rank_pool[1::2])
+        rank_pool = [rank for pair in pairs for rank in (RAW_RANK, *pair)]  # raw, then two of the ranks
     rows, row = [], 2
     for tokens in block_tokens:
         rows.append(row)

@@ -1,22 +1,29 @@
 """Raw segments (rank RAW_RANK: a unit's K or V itself, docs/format.md "Raw segments") in every backend.
 
-Sizes against the store's, the CPU path and the reference: floating X comes back exactly (keys
+(a) sizes against the store's, the CPU path and the reference: floating X comes back exactly (keys
 rotated), INT8/INT4/INT2 within their quantization error, layers mixing raw and low-rank segments
-agree between the two paths, bad rows are refused.
+agree between the two paths, bad rows are refused; (b) the fused Triton kernel against the reference
+on mixed layers. (b) needs CUDA or TRITON_INTERPRET=1 set before triton is first used;
+`test_triton_raw_under_the_interpreter` reruns this module in a subprocess with the interpreter on.
 """
 import math
+import os
 
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
 from lowrank_cases import (nan_buffers, quantized_layer, random_layer, rope_by_complex, rope_tables,
-                           target_mask)
+                           run_under_interpreter, target_mask)
 from milo_kernels import RAW_RANK, int8_segment_bytes, lowbit_segment_bytes, reconstruct_layer, reconstruct_layer_naive
 from milo_store import Layout
 from milo_store.layout import RAW_RANK as STORE_RAW_RANK
 from milo_store.quant import pack_raw_segment
 
+CUDA = torch.cuda.is_available()
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+needs_triton = pytest.mark.skipif(not (CUDA or INTERPRET), reason="needs CUDA or TRITON_INTERPRET=1")
+DEVICE = "cuda" if CUDA else "cpu"
 TOP = {"int8": 255, "int4": 15, "int2": 3}
 FLOATING = {"fp16": torch.float16, "fp32": torch.float32}
 
@@ -96,7 +103,8 @@ def raw_round_trip(interleaved, device, tokens=33, d=32, first=3):
         out = nan_buffers(1, n, d, dtype, device)
         reconstruct_layer(factors, torch.tensor([[5, RAW_RANK, tokens, first, 0, kind]]), *out, cos, sin,
                           interleaved=interleaved)
-        assert out[1 - kind].isnan().all() and out[kind][0, :first].isnan().all() and out[kind][0, rows.stop:].isnan().all()
+        outside = torch.cat((out[kind][0, :first], out[kind][0, rows.stop:], out[1 - kind].flatten(0, 1)))
+        assert outside.isnan().all()
         got[kind] = out[kind][0, rows].cpu()
     return got[1], got[0], x, rope_by_complex(x.double(), first, interleaved)
 
@@ -113,7 +121,7 @@ def mixed_layer(factor, kv_heads, d, block_tokens, seed):
         factors, segments, n = quantized_layer(kv_heads, d, block_tokens, factor, seed, pool)
         quant = factor
     kinds = {(kind, rank == RAW_RANK) for kind, rank in zip(segments[:, 5].tolist(), segments[:, 1].tolist())}
-    assert kinds == {(0, False), (0, True), (1, False), (1, True)}, "the layer must mix raw and low-rank keys and values"
+    assert kinds == {(0, False), (0, True), (1, False), (1, True)}, "raw and low-rank keys and values expected"
     return factors, segments, n, quant
 
 
@@ -186,3 +194,44 @@ def test_plans_count_raw_sizes():
     assert int4[1].need_numel == 40 + lowbit_segment_bytes(RAW_RANK, 7, d, 4, 0)
     with pytest.raises(ValueError, match="or -1"):
         plan_layers(segments - torch.tensor([0, 1, 0, 0, 0, 0]), d, factor_dtype=torch.float16, device="cpu")
+
+
+# -- (b) the fused Triton kernel against the reference ---------------------------------------------
+
+# 2 kv heads, d 64, token counts 1, 31, 33 and 65 (not multiples of a 32-token group nor of BLOCK_T);
+# rotate-half runs 16-token, 16-pair tiles (two programs across the channels), interleaved the defaults
+MIXED = (2, 64, [1, 31, 33, 65])
+TILES = {False: {"block_t": 16, "block_r": 16, "block_h": 16}, True: {}}
+
+
+@needs_triton
+@pytest.mark.parametrize("factor", ["fp32", "fp16", "int8", "int4", "int2"])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half-small", "interleaved-default"])
+def test_triton_raw_mixed_layer_matches_reference(monkeypatch, factor, interleaved):
+    from milo_kernels.reconstruct import launch, plan_layer
+
+    kv_heads, d, block_tokens = MIXED
+    factors, segments, n, quant = mixed_layer(factor, kv_heads, d, block_tokens, seed=12)
+    want = reference(factors, segments, kv_heads, n, d, interleaved, quant, monkeypatch)
+    out_dtype = torch.float32 if factor == "fp32" else torch.float16
+    got = nan_buffers(kv_heads, n, d, out_dtype, DEVICE)
+    cos, sin = (t.to(DEVICE) for t in rope_tables(n, d, interleaved))
+    plan = plan_layer(factors.to(DEVICE), segments, *got, cos, sin, quant=quant, **TILES[interleaved])
+    launch(plan, factors.to(DEVICE), *got, cos, sin, interleaved=interleaved)
+    atol, rtol = (1e-4, 1e-4) if factor == "fp32" else (2e-2, 1e-2)  # fp16 tiles and outputs
+    check(got, want, target_mask(segments, kv_heads, n, d), atol, rtol)
+
+
+@needs_triton
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+def test_triton_raw_fp16_comes_back_exactly(monkeypatch, interleaved):
+    monkeypatch.setenv("MILO_KERNEL", "triton")
+    got_v, got_k, x, want_k = raw_round_trip(interleaved, DEVICE)
+    assert torch.equal(got_v.view(torch.int16), x.view(torch.int16))
+    torch.testing.assert_close(got_k.double(), want_k, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(INTERPRET or CUDA, reason="already interpreting in-process, or on a GPU")
+def test_triton_raw_under_the_interpreter():
+    pytest.importorskip("triton")
+    assert " skipped" not in run_under_interpreter(__file__, "triton_raw_mixed or triton_raw_fp16")
