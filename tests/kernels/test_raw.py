@@ -18,7 +18,7 @@ from lowrank_cases import (nan_buffers, quantized_layer, random_layer, rope_by_c
 from milo_kernels import RAW_RANK, int8_segment_bytes, lowbit_segment_bytes, reconstruct_layer, reconstruct_layer_naive
 from milo_store import Layout
 from milo_store.layout import RAW_RANK as STORE_RAW_RANK
-from milo_store.quant import pack_raw_segment
+from milo_store.quant import pack_raw_segment, roundtrip
 
 CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
@@ -78,6 +78,8 @@ def test_raw_quantized_size_and_error(tokens, d, quant, kind, seed):
     lo, span = group_bounds(x, quant, kind)
     bound = span / (2 * TOP[quant]) + (span + lo.abs()) * 2 ** -10 + 1e-6
     assert bool(((out[kind][0] - x).abs() <= bound).all())
+    # what the frontier allocator measures as this raw form's error is what a reader gets back
+    assert torch.allclose(out[kind][0], roundtrip(x, quant, kind), rtol=2 ** -10, atol=1e-6)
 
 
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
