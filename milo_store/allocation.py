@@ -192,6 +192,9 @@ def _with_raw_steps(s, cost, first, cap, r_min, raw, units, steps, key, step_cos
     goes_raw = np.isfinite(best) & (best > 0)
     keep = ~goes_raw[units] | (steps < j[units])
     raw_u = np.nonzero(goes_raw)[0]
+    # The sort must take a unit's rungs before its raw step (the raw step's cost assumes rank j*): where
+    # measured losses bend the ladder, a rung may be worth less than the hull's raw rate; cap it there.
+    np.minimum.at(best, units[keep], key[keep])
     return (np.concatenate((units[keep], raw_u)), np.concatenate((steps[keep], j[raw_u])),
             np.concatenate((key[keep], best[raw_u])),
             np.concatenate((step_cost[keep], raw_cost[raw_u] - spent[raw_u, j[raw_u]])),
