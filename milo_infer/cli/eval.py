@@ -43,7 +43,9 @@ def add_arguments(p):
     p.add_argument("--ratio", default="0.5", metavar="R[,R]",
                    help="ρ for the compressed methods, in (0, 1]; several give one store each (default 0.5)")
     p.add_argument("--test", type=int, default=100, help="test items answered per data set and seed (default 100)")
-    p.add_argument("--seeds", type=int, default=1, help="number of seeds, 0..N-1: sample, block order (default 1)")
+    p.add_argument("--seeds", type=int, default=1, help="number of seeds, S..S+N-1: sample, block order (default 1)")
+    p.add_argument("--first-seed", type=int, default=0, metavar="S",
+                   help="the first seed (default 0): adds seeds to a run, e.g. from another process")
     p.add_argument("--k", type=int, default=6, help="blocks retrieved per query (default 6)")
     p.add_argument("--block-size", default="32", metavar="M[,M]",
                    help="demonstrations per block; several encode the corpus once each (default 32)")
@@ -84,6 +86,8 @@ def check(args) -> tuple[list[str], list[str]]:
     for flag in ("shots", "test", "seeds", "k", "max_new_tokens") + (("threads",) if args.threads is not None else ()):
         if getattr(args, flag) < 1:
             raise CommandError(f"--{flag.replace('_', '-')} must be at least 1; got {getattr(args, flag)}")
+    if args.first_seed < 0:
+        raise CommandError(f"--first-seed must be at least 0; got {args.first_seed}")
     if args.context_blocks < 0:
         raise CommandError(f"--context-blocks must be at least 0; got {args.context_blocks}")
     return names, methods
@@ -123,7 +127,8 @@ def run(args) -> int:
     runs = sorted(runs.items(), key=lambda run: run[0][0] != "full")
     bar = tqdm(total=len(names) * args.seeds * len(args.block_sizes) * len(runs) * args.test, unit="query",
                desc="eval")
-    for name, seed, block_size in itertools.product(names, range(args.seeds), args.block_sizes):
+    seeds = range(args.first_seed, args.first_seed + args.seeds)
+    for name, seed, block_size in itertools.product(names, seeds, args.block_sizes):
         demos, test, task = data(args, name, seed)
         run_dir = out / name / f"seed{seed}-shots{args.shots}-b{block_size}-w{args.context_blocks}"
         stores = {store_name(m, r): method_config(m, r, seed) for m in methods for r in args.ratios}
@@ -175,7 +180,7 @@ def _header(args, command: str, started: float, model: str) -> str:
     """What a reader of the table needs to reproduce it."""
     return (f"Accuracy (%) on the first {args.test} test items; {args.shots} demonstrations, block size "
             f"{args.block_size}, {args.context_blocks} context blocks, k={args.k}, ρ={args.ratio}, "
-            f"{args.seeds} seed(s); model {model}. In brackets: the share of answers equal to full's.\n\n"
+            f"seed(s) {args.first_seed}..{args.first_seed + args.seeds - 1}; model {model}. In brackets: the share of answers equal to full's.\n\n"
             f"{'Command: `' + command + '`. ' if command else ''}"
             f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.machine()} with {_cpus()} CPU core(s), "
             f"{torch.get_num_threads()} torch thread(s), {time.perf_counter() - started:.0f} s so far.\n")
