@@ -59,3 +59,19 @@ def test_rows_that_differ_in_another_setting_make_separate_curves_not_an_average
 def test_against_block_size_k_goes_with_the_block_size():
     rows = [_row("milo", 0, 0.5, 0.2, 0.5, block=16, k=12), _row("milo", 0, 0.5, 0.4, 0.5, block=64, k=3)]
     assert curves(rows, "block_size") == {"milo": [(16, 20.0, 0.0), (64, 40.0, 0.0)]}
+
+
+def test_results_table_merges_runs_into_one_table(tmp_path):
+    import subprocess
+
+    full = {**_row("full", 0, 1.0, 0.9, 1.08), "store_bytes": 108, "store_full_fp16_bytes": 100,
+            "query_kv_bytes_stored": 1, "query_kv_bytes_full": 1, "agreement": None}
+    other = {**full, "method": "raw+int8", "accuracy": 0.8, "store_bytes": 50, "agreement": 0.9}
+    (tmp_path / "a.json").write_text(json.dumps([full]))
+    (tmp_path / "b.json").write_text(json.dumps([other]))
+    tool = Path(__file__).resolve().parents[2] / "tools" / "results_table.py"
+    subprocess.run([sys.executable, str(tool), str(tmp_path / "a.json"), str(tmp_path / "b.json"),
+                    "--out", str(tmp_path / "t")], check=True, capture_output=True, timeout=120)
+    text = (tmp_path / "t" / "results.md").read_text()
+    assert "| full | 90.0 |" in text and "| raw+int8 | 80.0 [90%] |" in text
+    assert json.loads((tmp_path / "t" / "results.json").read_text()) == [full, other]
