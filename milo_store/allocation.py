@@ -15,12 +15,15 @@ further rank increments are taken in order of a key until the group's budget is 
 - ``frontier``: per unit, its low-rank ladder *or its raw form* (the K or V itself, quantized like
   the factors: ``Layout.raw_size``), by measured squared error removed per byte. A rank step removes
   σ² less what quantizing its direction loses (``loss``, measured per direction); the raw form has
-  its own measured error (``raw_error``). Each unit's options form a (bytes, error) chain whose lower
-  convex hull is its ladder up to the tangent rank j*, then one step from rank j* to raw (taken
-  only if it removes error); rungs costing as much as the raw form are dropped. So a unit with a
-  flat spectrum goes raw, a low-rank one stays factored, and the greedy below is unchanged.
+  its own measured error (``raw_error``). A ladder ends before its first step that removes nothing,
+  and its keys are made non-increasing (each capped by the ones before). The raw form joins as one
+  step from the rung j* where it meets the lower convex hull of the unit's (bytes, error) points,
+  taken only if it removes error; rungs from j* up are dropped, so a raw unit never takes more
+  bytes. So a unit with a flat spectrum goes raw, a low-rank one stays factored, and the greedy
+  below is unchanged.
 
-Gains never increase along a unit's spectrum, so a sort by key takes each unit's increments in order.
+Every policy's keys never increase along a unit's ladder, so a sort by key takes each unit's
+increments in order (and its first step, with its scales, first).
 A group's budget is ratio × its fp16 full-KV bytes, less its share of the index bytes, so that the
 whole compressed set, index included, lands at the target ratio.
 """
@@ -128,6 +131,10 @@ def _allocate_group(spectra, cost, first, cap, budget_values, policy, r_min, eps
     if left < 0:
         note = f", {first.sum():.0f} of them per-token value scales" if r_min > 0 and first.any() else ""
         raise BudgetError(budget_values, need, note)
+    if policy == "frontier":  # the error each step removes; a ladder ends before a step that removes nothing
+        gain = s ** 2 * (1 - raw[0].reshape(len(cost), -1))
+        ends = (gain <= 0) | (np.arange(s.shape[1])[None, :] >= cap[:, None])
+        cap = np.where(ends.any(1), ends.argmax(1), s.shape[1])
     units, steps = np.nonzero(np.arange(s.shape[1])[None, :] < cap[:, None])  # candidate increments
     mask = steps >= r_min
     units, steps = units[mask], steps[mask]
@@ -135,21 +142,21 @@ def _allocate_group(spectra, cost, first, cap, budget_values, policy, r_min, eps
     sigma2 = s[units, steps] ** 2
     if policy == "entropy":
         key = np.log1p(sigma2 / eps ** 2)
-    elif policy in ("energy", "frontier"):  # per step's own cost, less a first step's scales: keeps each unit's keys falling
-        if policy == "frontier":
-            sigma2 = sigma2 * (1 - raw[0].reshape(len(cost), -1)[units, steps])
+    elif policy == "energy":  # per step's own cost, less a first step's scales: keeps each unit's keys falling
         key = sigma2 / cost[units]
+    elif policy == "frontier":  # as energy, less quantization; capped by the unit's earlier keys
+        key = np.minimum.accumulate(gain / cost[:, None], axis=1)[units, steps]
     elif policy == "uniform":
         key = -steps.astype(np.float64)
     else:
         key = rng.random(len(units))
-    if policy in ("entropy", "energy", "frontier"):  # spending bytes on an exactly-zero direction buys nothing
+    if policy in ("entropy", "energy"):  # spending bytes on an exactly-zero direction buys nothing
         live = sigma2 > 0
         units, steps, key, step_cost = units[live], steps[live], key[live], step_cost[live]
     to_raw = np.zeros(len(units), dtype=bool)
     if policy == "frontier":
-        units, steps, key, step_cost, to_raw = _with_raw_steps(s, cost, first, cap, r_min, raw, units, steps, key,
-                                                               step_cost)
+        units, steps, key, step_cost, to_raw = _with_raw_steps(gain, (s ** 2).sum(1), cost, first, cap, r_min, raw,
+                                                               units, steps, key, step_cost)
     order = np.lexsort((to_raw, steps, units, -key))
     units, steps, step_cost, to_raw = units[order], steps[order], step_cost[order], to_raw[order]
     spent = np.cumsum(step_cost)
@@ -171,24 +178,24 @@ def _allocate_group(spectra, cost, first, cap, budget_values, policy, r_min, eps
     return ranks.reshape(shape)
 
 
-def _with_raw_steps(s, cost, first, cap, r_min, raw, units, steps, key, step_cost):
+def _with_raw_steps(gain, energy, cost, first, cap, r_min, raw, units, steps, key, step_cost):
     """The frontier's candidate steps: each unit's ladder up to its tangent rank j*, then one step to raw.
 
-    E_r (squared error at rank r) = Σ σ² minus what the first r steps remove; C_r its cost. The raw
-    form (C, E) joins the hull from the rung j* that minimises (E_j - E) / (C - C_j) over rungs cheaper
-    than it: every rung lies above the line from raw through rung j*. Units whose raw form removes
-    nothing beyond some cheaper rung keep their whole ladder.
+    E_r (squared error at rank r) = ``energy`` (Σ σ², the raw error's scale) minus what the first r
+    steps remove (``gain``); C_r its cost.
+    The raw form (C, E) joins the hull from the rung j* (reachable: r_min <= j* <= cap, C_j* < C) that
+    minimises (E_j - E) / (C - C_j): every rung lies above the line from raw through rung j*. Units
+    whose raw form removes nothing beyond some cheaper rung keep their whole ladder.
     """
-    loss, raw_cost, raw_error = raw[0].reshape(len(cost), -1), raw[1].reshape(-1), raw[2].reshape(-1)
-    n = s.shape[1]
-    removed = s ** 2 * (1 - loss)
+    raw_cost, raw_error = raw[1].reshape(-1), raw[2].reshape(-1)
+    n = gain.shape[1]
     rank = np.arange(n + 1)
-    error = (s ** 2).sum(1, keepdims=True) - np.concatenate((np.zeros((len(s), 1)), np.cumsum(removed, 1)), 1)
+    error = energy[:, None] - np.concatenate((np.zeros((len(gain), 1)), np.cumsum(gain, 1)), 1)
     spent = rank * cost[:, None] + (rank > 0) * first[:, None]
     rung = (rank >= r_min) & (rank <= cap[:, None]) & (spent < raw_cost[:, None])
     rate = np.where(rung, (error - raw_error[:, None]) / np.maximum(raw_cost[:, None] - spent, 1e-300), np.inf)
     j = rate.argmin(1)
-    best = rate[np.arange(len(s)), j]
+    best = rate[np.arange(len(gain)), j]
     goes_raw = np.isfinite(best) & (best > 0)
     keep = ~goes_raw[units] | (steps < j[units])
     raw_u = np.nonzero(goes_raw)[0]
