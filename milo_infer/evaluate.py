@@ -331,8 +331,8 @@ def write_tables(rows: list[dict], out, *, header: str = "") -> tuple[Path, Path
     summarised as ``agreement``). A table row is a method, labelled with its ratio and block size where
     the rows hold several; a cell is the mean accuracy over seeds (± the standard deviation when there
     are several), then in brackets the mean share of answers equal to ``full``'s on the same items
-    where a row has one. The bytes columns are the
-    stores' measured size over the fp16 K/V of the same tokens, and the mean bytes a query streamed.
+    where a row has one. The bytes columns are the stores' measured size over the fp16 K/V of the
+    same tokens, and the mean bytes a query streamed.
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

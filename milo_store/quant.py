@@ -134,7 +134,8 @@ def measured_losses(A: torch.Tensor, S: torch.Tensor, B: torch.Tensor, dtype: st
     columns orthonormal (``scale`` s [L, 2, H, d]: the query-aware weights, or None). Returns the share
     of each direction's σ² its quantized A and B columns lose, [L, 2, H, n] (first order: ||ΔA||² +
     ||diag(s) ΔB||²; B is INT8 per column in quantized stores), and the squared error of each unit's raw
-    form ||(X̂ - X) diag(s)||², [L, 2, H], both measured by quantizing as the writer does.
+    form ||(X̂ - X) diag(s)||², [L, 2, H], both measured by quantizing as the writer does (exactly,
+    except that a value's INT4/INT2 per-token groups are taken over all n columns, not the r kept).
     """
     b_dtype = "int8" if dtype in QUANT_BITS else dtype
     loss, raw_error = torch.zeros(S.shape), torch.zeros(S.shape[:3])

@@ -25,7 +25,7 @@ import zarr
 from . import format as fmt
 from .checksum import crc32c
 from .errors import StoreError, StoreLockedError
-from .layout import Layout
+from .layout import RAW_RANK, Layout
 from .remote import REMOTE_CHUNK_BYTES, RemoteTarget, read_manifest
 from .urls import check_url, is_url, local_sidecar, open_object_store
 
@@ -101,6 +101,10 @@ class StoreWriter:
         self.block_tokens = np.asarray(block_tokens, dtype=np.int32)
         if self.ranks.shape != (len(self.block_tokens), layout.num_layers, 2, layout.num_kv_heads):
             raise ValueError(f"ranks shape {self.ranks.shape} does not match {len(self.block_tokens)} blocks of {layout}")
+        top = np.minimum(self.block_tokens, layout.head_dim).reshape(-1, 1, 1, 1)
+        if ((self.ranks < RAW_RANK) | (self.ranks > top)).any():
+            raise ValueError(f"ranks must be {RAW_RANK} (raw) or in [0, min(tokens, head_dim)]; got "
+                             f"{int(self.ranks.min())}..{int(self.ranks.max())}")
         if dtype not in fmt.NUMPY_DTYPES:
             raise ValueError(f"unknown factor dtype {dtype!r}; expected one of {tuple(fmt.NUMPY_DTYPES)}")
         if layout.quant != (dtype if dtype in fmt.QUANTIZED else None):
@@ -227,13 +231,14 @@ class StoreWriter:
             self.group.create_array(fmt.CHECKSUMS, data=self.checksums)
             if self.block_group is not None:
                 self.group.create_array(fmt.BLOCK_GROUP, data=self.block_group)
+            version = fmt.store_version(self.ranks)
             self.group.attrs[fmt.ATTRS_KEY] = {
-                **self.attrs, "format_version": fmt.store_version(self.ranks), "factor_dtype": self.dtype,
+                **self.attrs, "format_version": version, "factor_dtype": self.dtype,
                 "layout": {"num_layers": self.layout.num_layers, "num_kv_heads": self.layout.num_kv_heads,
                            "head_dim": self.layout.head_dim, "quant": self.layout.quant,
                            "quantized": self.layout.quant == "int8"}}  # what readers before INT4 look for
             if self.remote is not None:
-                url = self.remote.publish(self.tmp, fmt.store_version(self.ranks))
+                url = self.remote.publish(self.tmp, version)
                 shutil.rmtree(self.tmp, ignore_errors=True)
                 return url
             _fsync_tree(self.tmp)

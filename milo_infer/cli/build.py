@@ -53,7 +53,8 @@ def add_arguments(p):
     p.add_argument("--seed", type=int, default=0, help="shuffles the data set, the block order and random allocation")
     p.add_argument("--order", choices=("random", "corpus"), default="random", help="how demonstrations fill blocks")
     p.add_argument("--codec", choices=CODECS + ("raw",), default="svd",
-                   help="svd (default), identity (exact, B = I), raw (every unit's K/V itself, in --dtype)")
+                   help="svd (default), identity (exact, B = I), raw (every unit's K/V itself in --dtype: "
+                        "plain KV quantization, whose ratio is the format's; --ratio does not apply)")
     p.add_argument("--dtype", choices=("auto",) + tuple(TORCH_DTYPES), default="auto",
                    help="stored factor dtype (default auto: int8 from ratio 0.4 up, where it keeps the full "
                         "cache's accuracy; int4 below, where rank matters more than precision; docs/results.md)")
@@ -83,15 +84,18 @@ def add_arguments(p):
 
 
 CUDA_ENCODE_BATCH = 8  # a guess, not measured yet: tools/gpu_bench.sh ends with batch 1 vs 8 (docs/benchmarks.md)
+
+
 def factor_dtype(choice: str, ratio: float, codec: str) -> str:
     """The factor dtype ``--dtype`` names; ``auto`` is `milo_infer.build.auto_dtype`."""
     return auto_dtype(ratio, codec) if choice == "auto" else choice
 
 
 def compression_config(args) -> CompressionConfig:
-    """The store configuration the arguments ask for (with none given: `milo_infer.build.default_compression`)."""
+    """The store configuration the arguments ask for (with none given: `milo_infer.build.default_compression`).
+    A raw store's ratio is its format's, so it records 1.0 (as `milo eval`'s raw methods do)."""
     try:
-        return CompressionConfig(ratio=args.ratio, codec=args.codec, policy=args.policy, scope=args.scope,
+        return CompressionConfig(ratio=1.0 if args.codec == "raw" else args.ratio, codec=args.codec, policy=args.policy, scope=args.scope,
                                  kv_split=args.kv_split, key_share=args.key_share, seed=args.seed,
                                  dtype=factor_dtype(args.dtype, args.ratio, args.codec),
                                  query_aware=args.query_aware and args.codec == "svd")

@@ -45,7 +45,8 @@ def add_arguments(p):
     p.add_argument("--test", type=int, default=100, help="test items answered per data set and seed (default 100)")
     p.add_argument("--seeds", type=int, default=1, help="number of seeds, S..S+N-1: sample, block order (default 1)")
     p.add_argument("--first-seed", type=int, default=0, metavar="S",
-                   help="the first seed (default 0): adds seeds to a run, e.g. from another process")
+                   help="the first seed (default 0): adds seeds from another process; each process writes "
+                        "only its own rows to --out's tables (merge them with tools/results_table.py)")
     p.add_argument("--k", type=int, default=6, help="blocks retrieved per query (default 6)")
     p.add_argument("--block-size", default="32", metavar="M[,M]",
                    help="demonstrations per block; several encode the corpus once each (default 32)")
@@ -180,7 +181,8 @@ def _header(args, command: str, started: float, model: str) -> str:
     """What a reader of the table needs to reproduce it."""
     return (f"Accuracy (%) on the first {args.test} test items; {args.shots} demonstrations, block size "
             f"{args.block_size}, {args.context_blocks} context blocks, k={args.k}, ρ={args.ratio}, "
-            f"seed(s) {args.first_seed}..{args.first_seed + args.seeds - 1}; model {model}. In brackets: the share of answers equal to full's.\n\n"
+            f"seed(s) {args.first_seed}..{args.first_seed + args.seeds - 1}; model {model}. "
+            f"In brackets: the share of answers equal to full's.\n\n"
             f"{'Command: `' + command + '`. ' if command else ''}"
             f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.machine()} with {_cpus()} CPU core(s), "
             f"{torch.get_num_threads()} torch thread(s), {time.perf_counter() - started:.0f} s so far.\n")

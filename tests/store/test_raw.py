@@ -183,3 +183,32 @@ def test_frontier_applies_to_block_svd_only():
         CompressionConfig(codec="global-proj", policy="frontier")
     with pytest.raises(ValueError, match="frontier"):
         allocate_ranks(np.ones((1, 1, 2, 1, 4)), np.array([8]), Layout(1, 1, 4), 0.5, policy="frontier")
+
+
+@pytest.mark.parametrize("dtype, kind, tolerance", [("int8", 0, 0.05), ("int8", 1, 0.05), ("int4", 0, 0.05),
+                                                     ("int4", 1, 0.15)])
+def test_measured_losses_predict_the_written_weighted_error(dtype, kind, tolerance):
+    """Query-aware (B stored as diag(1/s) B): at rank r the allocator's prediction, the tail energy plus
+    each kept direction's σ² times its measured loss, matches the weighted error of what the writer
+    packs and a reader rebuilds. INT4 values are looser: their per-token groups are measured at full
+    rank, where a token's range spans all d columns."""
+    from milo_kernels.lowbit import dequantize_lowbit_segment
+    from milo_kernels.naive import dequantize_int8_segment
+    from milo_store.baselines import unweigh, weigh
+    from milo_store.quant import pack_segment
+
+    g = torch.Generator().manual_seed(4)
+    T, d = 200, 32
+    x = (torch.randn(1, 1, T, d, generator=g) * torch.exp(-0.1 * torch.arange(d))) @ torch.linalg.qr(
+        torch.randn(d, d, generator=g))[0]
+    scale = torch.rand(1, 2, 1, d, generator=g) * 0.95 + 0.05
+    f = unweigh(factorize_block(*weigh(torch.stack((x, x), 1), scale).unbind(1)), scale)
+    loss, _ = measured_losses(f.A, f.S, f.B, dtype, scale)
+    s2, w = f.S[0, kind, 0].double() ** 2, scale[0, kind, 0]
+    for r in (d // 2, d):
+        predicted = float(s2[r:].sum() + (s2[:r] * loss[0, kind, 0, :r]).sum())
+        packed = pack_segment(f.A[0, kind, 0][:, :r], f.S[0, kind, 0][:r], f.B[0, kind, 0][:, :r], dtype, kind)
+        a, s, b = (dequantize_int8_segment(packed, r, T, d) if dtype == "int8"
+                   else dequantize_lowbit_segment(packed, r, T, d, 4, kind))
+        written = float((((a * s) @ b.T - x[0, 0]) * w).double().pow(2).sum())
+        assert written == pytest.approx(predicted, rel=tolerance)

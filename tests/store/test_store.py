@@ -134,6 +134,14 @@ def test_missing_metadata_wrong_version_and_non_store(tmp_path, small_store):
         MiloStore.open(tmp_path / "nowhere")
 
 
+def test_writer_refuses_impossible_ranks(tmp_path):
+    ranks = np.ones((1, LAYOUT.num_layers, 2, LAYOUT.num_kv_heads))
+    for bad in (-2, 6):  # below RAW_RANK; above the block's 5 tokens
+        ranks[0, 0, 0, 0] = bad
+        with pytest.raises(ValueError, match=r"ranks must be -1 \(raw\) or in \[0, min\(tokens, head_dim\)\]"):
+            StoreWriter(tmp_path / "s", LAYOUT, ranks, [5])
+
+
 def test_raw_units_in_a_version_1_store_are_corruption(tmp_path):
     """A reader must never take the raw sentinel from a store that claims the format before it."""
     ranks = np.full((1, LAYOUT.num_layers, 2, LAYOUT.num_kv_heads), RAW_RANK)
