@@ -142,7 +142,8 @@ def check_budget(layout: Layout, tokens, config: CompressionConfig) -> None:
 def plan_ranks(staging: Staging, num_blocks: int, layout: Layout, config: CompressionConfig,
                examples: dict | None = None, channel_scale: torch.Tensor | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(ranks [N, L, 2, H], tokens [N]) of the store blocks ``config`` writes from the staged blocks."""
-    return _plan(pass_two_source(staging, num_blocks, config, examples, channel_scale), layout, config)
+    return _plan(pass_two_source(staging, num_blocks, config, examples, channel_scale),
+                 quant_layout(layout, config.dtype), config)
 
 
 def _plan(source, layout: Layout, config: CompressionConfig) -> tuple[np.ndarray, np.ndarray]:
