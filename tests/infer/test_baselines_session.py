@@ -5,14 +5,12 @@ One encoding (8 demonstrations of the demo corpus, blocks of 4) serves every sto
 """
 import pytest
 import torch
+from demo_stores import encoded_demo_stores
 
-from milo_infer.build import BuildConfig
-from milo_infer.corpus import load_corpus, task_from_corpus
-from milo_infer.evaluate import encode_once, method_config
+from milo_infer.evaluate import method_config
 from milo_infer.session import MiloSession
-from milo_store import CompressionConfig, MiloStore
+from milo_store import CompressionConfig
 
-DEMO = "milo_infer/data/demo_corpus.jsonl"
 QUERY = "I lost my card yesterday, what should I do?"
 
 pytestmark = pytest.mark.slow
@@ -20,21 +18,11 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory, default_model):
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    corpus = load_corpus(DEMO)[:8]
-    configs = {"full": method_config("full", 1.0),
-               "example-fullrank": CompressionConfig(codec="example-svd", full_rank=True, ratio=1.0),
-               "example-svd": method_config("example-svd", 0.5),
-               "global-proj": method_config("global-proj", 0.5)}
-    root = tmp_path_factory.mktemp("baselines")
-    summaries = encode_once(default_model, corpus, task_from_corpus(corpus), BuildConfig(block_size=4, context_blocks=1,
-                            order="corpus"), configs, root, progress=False)
-    opened = {name: MiloStore.open(root / name) for name in configs}
-    yield opened, summaries
-    for s in opened.values():
-        s.close()
-    torch.set_num_threads(before)
+    yield from encoded_demo_stores(tmp_path_factory, default_model, {
+        "full": method_config("full", 1.0),
+        "example-fullrank": CompressionConfig(codec="example-svd", full_rank=True, ratio=1.0),
+        "example-svd": method_config("example-svd", 0.5),
+        "global-proj": method_config("global-proj", 0.5)})
 
 
 def test_one_encoding_serves_every_baseline(stores):

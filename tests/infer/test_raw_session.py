@@ -4,16 +4,13 @@ INT8 and frontier stores (raw and factored units mixed) answer within their meas
 One encoding (8 demonstrations of the demo corpus, blocks of 4) serves every store of the module.
 """
 import pytest
-import torch
 
-from milo_infer.build import BuildConfig
-from milo_infer.corpus import load_corpus, task_from_corpus
-from milo_infer.evaluate import encode_once, method_config
+from milo_infer.evaluate import method_config
 from milo_infer.session import MiloSession
-from milo_store import MiloStore
 from milo_store.layout import RAW_RANK
 
-DEMO = "milo_infer/data/demo_corpus.jsonl"
+from demo_stores import encoded_demo_stores
+
 QUERY = "I lost my card yesterday, what should I do?"
 METHODS = ("full", "raw", "raw+int8", "milo+int8-frontier-qaw")
 
@@ -22,18 +19,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory, default_model):
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    corpus = load_corpus(DEMO)[:8]
-    root = tmp_path_factory.mktemp("raw")
-    summaries = encode_once(default_model, corpus, task_from_corpus(corpus),
-                            BuildConfig(block_size=4, context_blocks=1, order="corpus"),
-                            {m: method_config(m, 0.5) for m in METHODS}, root, progress=False)
-    opened = {m: MiloStore.open(root / m) for m in METHODS}
-    yield opened, summaries
-    for s in opened.values():
-        s.close()
-    torch.set_num_threads(before)
+    yield from encoded_demo_stores(tmp_path_factory, default_model, {m: method_config(m, 0.5) for m in METHODS})
 
 
 def test_raw_stores_share_the_full_stores_encoding(stores):

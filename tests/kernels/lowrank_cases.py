@@ -141,6 +141,17 @@ def quantized_layer(kv_heads, d, block_tokens, quant, seed, rank_pool):
     return torch.cat(parts), torch.tensor(segments, dtype=torch.int64), row
 
 
+def check_outputs(got, want, mask, atol, rtol):
+    """got and want (out_k, out_v) agree on the elements ``mask`` (`target_mask`) names, got was written
+    there (no NaN left) and nowhere else (still NaN)."""
+    for kind in (0, 1):
+        g, w, m = got[kind].float().cpu(), want[kind].float(), mask[kind]
+        assert w[m].isfinite().all(), "the reference itself produced non-finite targets"
+        assert g[m].isfinite().all(), "a target element was not written (still NaN)"
+        assert g[~m].isnan().all(), "an element outside every segment was written"
+        torch.testing.assert_close(g[m], w[m], atol=atol, rtol=rtol)
+
+
 def nan_buffers(kv_heads, n_rows, d, dtype, device="cpu"):
     """out_k, out_v filled with NaN: an element a kernel should write and did not stays NaN."""
     out_k = torch.full((kv_heads, n_rows, d), math.nan, dtype=dtype, device=device)

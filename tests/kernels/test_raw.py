@@ -13,8 +13,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from lowrank_cases import (nan_buffers, quantized_layer, random_layer, rope_by_complex, rope_tables,
-                           run_under_interpreter, target_mask)
+from lowrank_cases import (check_outputs, nan_buffers, quantized_layer, random_layer, rope_by_complex,
+                           rope_tables, run_under_interpreter, target_mask)
 from milo_kernels import RAW_RANK, int8_segment_bytes, lowbit_segment_bytes, reconstruct_layer, reconstruct_layer_naive
 from milo_store import Layout
 from milo_store.layout import RAW_RANK as STORE_RAW_RANK
@@ -127,15 +127,6 @@ def mixed_layer(factor, kv_heads, d, block_tokens, seed):
     return factors, segments, n, quant
 
 
-def check(got, want, mask, atol, rtol):
-    for kind in (0, 1):
-        g, w, m = got[kind].float().cpu(), want[kind].float(), mask[kind]
-        assert w[m].isfinite().all(), "the reference itself produced non-finite targets"
-        assert g[m].isfinite().all(), "a target element was not written (still NaN)"
-        assert g[~m].isnan().all(), "an element outside every segment was written"
-        torch.testing.assert_close(g[m], w[m], atol=atol, rtol=rtol)
-
-
 def reference(factors, segments, kv_heads, n, d, interleaved, quant, monkeypatch):
     """The PyTorch oracle's output (INT4/INT2 expanded to fp16 factors first), fp32."""
     monkeypatch.setenv("MILO_KERNEL", "reference")
@@ -153,7 +144,7 @@ def test_cpu_path_matches_reference_on_mixed_layers(monkeypatch, factor, interle
     monkeypatch.setenv("MILO_KERNEL", "")
     got = nan_buffers(kv_heads, n, d, torch.float32)
     reconstruct_layer(factors, segments, *got, *rope_tables(n, d, interleaved), interleaved=interleaved, quant=quant)
-    check(got, want, target_mask(segments, kv_heads, n, d), atol=1e-5, rtol=1e-5)
+    check_outputs(got, want, target_mask(segments, kv_heads, n, d), atol=1e-5, rtol=1e-5)
 
 
 def test_bf16_raw_segment_on_cpu():
@@ -221,7 +212,7 @@ def test_triton_raw_mixed_layer_matches_reference(monkeypatch, factor, interleav
     plan = plan_layer(factors.to(DEVICE), segments, *got, cos, sin, quant=quant, **TILES[interleaved])
     launch(plan, factors.to(DEVICE), *got, cos, sin, interleaved=interleaved)
     atol, rtol = (1e-4, 1e-4) if factor == "fp32" else (2e-2, 1e-2)  # fp16 tiles and outputs
-    check(got, want, target_mask(segments, kv_heads, n, d), atol, rtol)
+    check_outputs(got, want, target_mask(segments, kv_heads, n, d), atol, rtol)
 
 
 @needs_triton

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lowrank_cases import nan_buffers, quantized_layer, rope_tables, run_under_interpreter, target_mask
+from lowrank_cases import (check_outputs, nan_buffers, quantized_layer, rope_tables, run_under_interpreter,
+                           target_mask)
 from milo_kernels import reconstruct_layer, reconstruct_layer_naive
 import numpy as np
 
@@ -42,15 +43,6 @@ def test_int8_segment_takes_its_documented_bytes(rank, tokens, d):
     """r (T' + d + 10) bytes: fp16 Σ and four per-column scale rows, codes of A padded to even T, codes of B."""
     raw = pack_segment(torch.randn(tokens, rank), torch.rand(rank), torch.randn(d, rank))
     assert raw.numel() == rank * (tokens + tokens % 2 + d + 10)
-
-
-def check(got, want, mask, atol, rtol):
-    for kind in (0, 1):
-        g, w, m = got[kind].float().cpu(), want[kind].float(), mask[kind]
-        assert w[m].isfinite().all(), "the reference itself produced non-finite targets"
-        assert g[m].isfinite().all(), "a target element was not written (still NaN)"
-        assert g[~m].isnan().all(), "an element outside every segment was written"
-        torch.testing.assert_close(g[m], w[m], atol=atol, rtol=rtol)
 
 
 def reference(factors, segments, kv_heads, n_rows, d, interleaved, dtype=torch.float32):
@@ -84,7 +76,7 @@ def test_uint8_reference_matches_dequantize_layer(shape, interleaved):
     got = reference(raw, segments, kv_heads, n_rows, d, interleaved)
     flat, table = dequantize_layer(raw, segments, d)
     want = reference(flat, table, kv_heads, n_rows, d, interleaved)
-    check(got, want, target_mask(segments, kv_heads, n_rows, d), atol=1e-5, rtol=1e-5)
+    check_outputs(got, want, target_mask(segments, kv_heads, n_rows, d), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
@@ -98,7 +90,7 @@ def test_public_entry_takes_uint8_on_cpu(monkeypatch, shape, interleaved):
     got = nan_buffers(kv_heads, n_rows, d, torch.float32)
     reconstruct_layer(raw, segments, *got, cos, sin, interleaved=interleaved)
     want = reference(raw, segments, kv_heads, n_rows, d, interleaved, torch.float32)
-    check(got, want, target_mask(segments, kv_heads, n_rows, d), atol=1e-4, rtol=1e-4)
+    check_outputs(got, want, target_mask(segments, kv_heads, n_rows, d), atol=1e-4, rtol=1e-4)
 
 
 def test_validation_uses_int8_segment_size(monkeypatch):
@@ -135,7 +127,7 @@ def test_triton_int8_matches_reference(shape, interleaved, tiles):
     plan = plan_layer(raw.to(DEVICE), segments, *got, cos, sin, **tiles)
     assert plan.quantized
     launch(plan, raw.to(DEVICE), *got, cos, sin, interleaved=interleaved)
-    check(got, want, target_mask(segments, kv_heads, n_rows, d), atol=2e-2, rtol=1e-2)
+    check_outputs(got, want, target_mask(segments, kv_heads, n_rows, d), atol=2e-2, rtol=1e-2)
 
 
 @needs_triton
@@ -149,7 +141,7 @@ def test_triton_public_entry_and_plan_kind(monkeypatch):
     cos, sin = (t.to(DEVICE) for t in rope_tables(n_rows, d, False))
     got = nan_buffers(kv_heads, n_rows, d, torch.float32, DEVICE)
     reconstruct_layer(raw.to(DEVICE), segments, *got, cos, sin)
-    check(got, want, target_mask(segments, kv_heads, n_rows, d), atol=2e-2, rtol=1e-2)
+    check_outputs(got, want, target_mask(segments, kv_heads, n_rows, d), atol=2e-2, rtol=1e-2)
     plan = plan_layer(raw.to(DEVICE), segments, *got, cos, sin)
     as_fp16 = torch.zeros(raw.numel(), dtype=torch.float16, device=DEVICE)  # long enough, wrong kind
     with pytest.raises(ValueError, match="do not match the plan"):

@@ -1,0 +1,26 @@
+"""Stores of the shipped demo corpus built from one encoding, for tests that run them through the model."""
+import torch
+
+from milo_infer.build import BuildConfig
+from milo_infer.corpus import load_corpus, task_from_corpus
+from milo_infer.evaluate import encode_once
+from milo_store import MiloStore
+
+DEMO = "milo_infer/data/demo_corpus.jsonl"
+
+
+def encoded_demo_stores(tmp_path_factory, loaded, configs: dict):
+    """Stores of the first 8 demonstrations of the shipped corpus in blocks of 4, one per ``configs``
+    entry (name: CompressionConfig), all from one encoding on one torch thread. A generator for module
+    fixtures: yields ({name: mounted store}, {name: build summary}), then closes the stores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    corpus = load_corpus(DEMO)[:8]
+    root = tmp_path_factory.mktemp("stores")
+    summaries = encode_once(loaded, corpus, task_from_corpus(corpus), BuildConfig(block_size=4, context_blocks=1,
+                            order="corpus"), configs, root, progress=False)
+    opened = {name: MiloStore.open(root / name) for name in configs}
+    yield opened, summaries
+    for store in opened.values():
+        store.close()
+    torch.set_num_threads(before)
