@@ -45,7 +45,11 @@ class BuildError(ValueError):
 
 
 AUTO_INT4_BELOW = 0.4  # Banking77, 3 seeds: int4 ahead at 0.25 and 0.35, int8 at 0.5 (int4 tops out at 0.34)
-DEFAULT_POLICY = "entropy"  # `milo build`'s allocation policy (docs/results.md)
+# `milo build`'s allocation for each factor dtype (docs/results.md, "Plain KV quantization"): with INT8
+# factors each unit is raw INT8 or factored, whichever removes more error per byte, over one store-wide
+# budget for keys and values together; otherwise the paper's entropy allocation per (layer, head).
+DEFAULT_ALLOCATION = {"int8": {"policy": "frontier", "scope": "global", "kv_split": "shared"}}
+PAPER_ALLOCATION = {"policy": "entropy", "scope": "head", "kv_split": "separate"}
 
 
 def auto_dtype(ratio: float, codec: str = "svd") -> str:
@@ -57,9 +61,15 @@ def auto_dtype(ratio: float, codec: str = "svd") -> str:
     return "int4" if ratio < AUTO_INT4_BELOW else "int8"
 
 
+def default_allocation(dtype: str) -> dict:
+    """The policy, scope and K/V split `milo build` uses with factors of ``dtype`` (a fresh dict)."""
+    return dict(DEFAULT_ALLOCATION.get(dtype, PAPER_ALLOCATION))
+
+
 def default_compression(ratio: float, seed: int = 0) -> CompressionConfig:
     """What `milo build` writes when only the ratio is given (`milo eval --methods default` measures it)."""
-    return CompressionConfig(ratio=ratio, seed=seed, dtype=auto_dtype(ratio), policy=DEFAULT_POLICY, query_aware=True)
+    dtype = auto_dtype(ratio)
+    return CompressionConfig(ratio=ratio, seed=seed, dtype=dtype, query_aware=True, **default_allocation(dtype))
 
 
 @dataclass

@@ -39,7 +39,7 @@ from typing import Callable
 from milo_store import CompressionConfig, MiloStore, Staging, StoreError, factorize_block
 from milo_store.compress import allocation_record, staging_codec
 
-from .build import DEFAULT_POLICY, BuildConfig, build_store, corpus_fingerprint, default_compression
+from .build import BuildConfig, build_store, corpus_fingerprint, default_compression
 from .corpus import Demonstration, TaskSpec
 from .models import LoadedModel
 from .scoring import is_correct
@@ -116,10 +116,13 @@ def method_fields(name: str) -> dict:
 
 
 def default_method(ratio: float) -> str:
-    """The method name of what `milo build` writes by default at ``ratio`` (its dtype, policy, weighting)."""
-    quant = {v: k for k, v in QUANTS.items()}[default_compression(ratio).dtype]
-    policy = "" if DEFAULT_POLICY == "entropy" else f"-{DEFAULT_POLICY}"
-    return f"milo+{quant}{policy}-qaw"
+    """The method name of what `milo build` writes by default at ``ratio`` (dtype, allocation, weighting)."""
+    c = default_compression(ratio)
+    quant = {dtype: word for word, dtype in QUANTS.items()}[c.dtype]
+    # policy, scope and split away from their defaults, in the canonical order; their values are the words
+    modifiers = [value for value, default in ((c.policy, "entropy"), (c.scope, "head"), (c.kv_split, "separate"))
+                 if value != default]
+    return f"milo+{quant}" + "".join(f"-{m}" for m in modifiers) + "-qaw"
 
 
 def resolve(method: str, ratio: float) -> str:

@@ -28,7 +28,7 @@ from milo_store.format import TORCH_DTYPES
 from milo_store.urls import is_url, local_sidecar
 from milo_store.writer import check_target
 
-from ..build import DEFAULT_POLICY, BuildConfig, auto_dtype, build_store
+from ..build import BuildConfig, auto_dtype, build_store, default_allocation
 from ..corpus import DATASETS, load_corpus, load_dataset, task_from_corpus
 from ..distributed import World
 from ..models import load_model
@@ -62,10 +62,14 @@ def add_arguments(p):
                    help="svd codec: factor X diag(s), s = what each channel's error costs the model (queries for "
                         "keys, o_proj for values), so rank goes where attention looks; one extra forward pass over "
                         "<= 2048 corpus tokens (default on; docs/results.md)")
-    p.add_argument("--policy", choices=POLICIES, default=DEFAULT_POLICY,
-                   help=f"rank allocation policy; frontier chooses low rank or raw per unit (default {DEFAULT_POLICY})")
-    p.add_argument("--scope", choices=SCOPES, default="head", help="what shares one rank budget")
-    p.add_argument("--kv-split", choices=KV_SPLITS, default="separate", help="budget keys and values apart or together")
+    p.add_argument("--policy", choices=POLICIES,
+                   help="rank allocation policy; frontier chooses low rank or raw per unit (default: frontier with "
+                        "INT8 factors, entropy otherwise)")
+    p.add_argument("--scope", choices=SCOPES,
+                   help="what shares one rank budget (default: global with INT8 factors, head otherwise)")
+    p.add_argument("--kv-split", choices=KV_SPLITS,
+                   help="budget keys and values apart or together (default: shared with INT8 factors, separate "
+                        "otherwise or with --key-share)")
     p.add_argument("--key-share", type=float, default=0.5,
                    help="with --kv-split separate: the share of the byte budget given to keys (default 0.5)")
     p.add_argument("--template", metavar="T",
@@ -92,13 +96,18 @@ def factor_dtype(choice: str, ratio: float, codec: str) -> str:
 
 
 def compression_config(args) -> CompressionConfig:
-    """The store configuration the arguments ask for (with none given: `milo_infer.build.default_compression`).
-    A raw store's ratio is its format's, so it records 1.0 (as `milo eval`'s raw methods do)."""
+    """The store configuration the arguments ask for (with none given: `milo_infer.build.default_compression`):
+    policy, scope and K/V split default by factor dtype (`default_allocation`). A raw store's ratio is its
+    format's, so it records 1.0 (as `milo eval`'s raw methods do)."""
+    dtype = factor_dtype(args.dtype, args.ratio, args.codec)
+    allocation = default_allocation(dtype) if args.codec == "svd" else {}
+    if args.key_share != 0.5:  # a key share needs separate budgets
+        allocation = {**allocation, "kv_split": "separate"}
+    allocation.update({k: getattr(args, k) for k in ("policy", "scope", "kv_split") if getattr(args, k) is not None})
     try:
-        return CompressionConfig(ratio=1.0 if args.codec == "raw" else args.ratio, codec=args.codec, policy=args.policy, scope=args.scope,
-                                 kv_split=args.kv_split, key_share=args.key_share, seed=args.seed,
-                                 dtype=factor_dtype(args.dtype, args.ratio, args.codec),
-                                 query_aware=args.query_aware and args.codec == "svd")
+        return CompressionConfig(ratio=1.0 if args.codec == "raw" else args.ratio, codec=args.codec, dtype=dtype,
+                                 key_share=args.key_share, seed=args.seed,
+                                 query_aware=args.query_aware and args.codec == "svd", **allocation)
     except ValueError as e:
         raise CommandError(str(e)) from None
 

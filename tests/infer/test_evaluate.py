@@ -153,17 +153,35 @@ def test_raw_methods_are_plain_kv_quantization_at_the_formats_ratio():
             method_config(bad, 0.5)
 
 
-@pytest.mark.parametrize("ratio", [0.5, 0.25, 0.125])
-def test_default_method_is_what_milo_build_writes(ratio):
-    """`--methods default` follows milo build's defaults: its config equals the CLI's with only the ratio given."""
+def build_config(*flags):
     import argparse
 
     parser = argparse.ArgumentParser()
     build_arguments(parser)
-    args = parser.parse_args(["--dataset", "banking77", "--ratio", str(ratio), "--out", "x"])
-    assert method_config("default", ratio) == compression_config(args)
-    assert method_config(default_method(ratio), ratio) == compression_config(args)
+    return compression_config(parser.parse_args(["--dataset", "banking77", "--out", "x", *flags]))
+
+
+@pytest.mark.parametrize("ratio", [0.5, 0.25, 0.125])
+def test_default_method_is_what_milo_build_writes(ratio):
+    """`--methods default` follows milo build's defaults: its config equals the CLI's with only the ratio given."""
+    args = build_config("--ratio", str(ratio))
+    assert method_config("default", ratio) == args
+    assert method_config(default_method(ratio), ratio) == args
     assert store_name("default", ratio) == store_name(default_method(ratio), ratio)
+
+
+def test_build_allocation_defaults_follow_the_dtype_and_yield_to_flags():
+    def allocation(*flags):
+        c = build_config(*flags)
+        return c.dtype, c.policy, c.scope, c.kv_split
+
+    assert allocation("--ratio", "0.5") == ("int8", "frontier", "global", "shared")
+    assert allocation("--ratio", "0.25") == ("int4", "entropy", "head", "separate")
+    assert allocation("--ratio", "0.5", "--dtype", "int4") == ("int4", "entropy", "head", "separate")
+    assert allocation("--ratio", "0.5", "--policy", "energy") == ("int8", "energy", "global", "shared")
+    assert allocation("--ratio", "0.5", "--key-share", "0.3") == ("int8", "frontier", "global", "separate")
+    raw = build_config("--codec", "raw", "--ratio", "0.25")
+    assert (raw.codec, raw.ratio, raw.dtype, raw.policy) == ("raw", 1.0, "int8", "entropy")
 
 
 def test_agreement_counts_equal_answers_on_shared_items(tmp_path):
