@@ -45,10 +45,13 @@ class BuildError(ValueError):
 
 
 AUTO_INT4_BELOW = 0.4  # Banking77, 3 seeds: int4 ahead at 0.25 and 0.35, int8 at 0.5 (int4 tops out at 0.34)
-# `milo build`'s allocation for each factor dtype (docs/results.md, "Plain KV quantization"): with INT8
-# factors each unit is raw INT8 or factored, whichever removes more error per byte, over one store-wide
-# budget for keys and values together; otherwise the paper's entropy allocation per (layer, head).
-DEFAULT_ALLOCATION = {"int8": {"policy": "frontier", "scope": "global", "kv_split": "shared"}}
+# `milo build`'s allocation (docs/results.md, "Plain KV quantization"): from ratio 0.2 up, with INT8 or
+# INT4 factors, each unit is raw (in that quantization) or factored, whichever removes more error per
+# byte, over one store-wide budget for keys and values together (measured ahead at 0.5 and 0.25 on three
+# data sets); below, and for other dtypes, the paper's entropy allocation per (layer, head) (ahead at
+# 0.125 on Banking77).
+FRONTIER = {"policy": "frontier", "scope": "global", "kv_split": "shared"}
+FRONTIER_FROM = 0.2
 PAPER_ALLOCATION = {"policy": "entropy", "scope": "head", "kv_split": "separate"}
 
 
@@ -61,15 +64,15 @@ def auto_dtype(ratio: float, codec: str = "svd") -> str:
     return "int4" if ratio < AUTO_INT4_BELOW else "int8"
 
 
-def default_allocation(dtype: str) -> dict:
-    """The policy, scope and K/V split `milo build` uses with factors of ``dtype`` (a fresh dict)."""
-    return dict(DEFAULT_ALLOCATION.get(dtype, PAPER_ALLOCATION))
+def default_allocation(dtype: str, ratio: float) -> dict:
+    """The policy, scope and K/V split `milo build` uses with factors of ``dtype`` at ``ratio`` (a fresh dict)."""
+    return dict(FRONTIER if dtype in ("int8", "int4") and ratio >= FRONTIER_FROM else PAPER_ALLOCATION)
 
 
 def default_compression(ratio: float, seed: int = 0) -> CompressionConfig:
     """What `milo build` writes when only the ratio is given (`milo eval --methods default` measures it)."""
     dtype = auto_dtype(ratio)
-    return CompressionConfig(ratio=ratio, seed=seed, dtype=dtype, query_aware=True, **default_allocation(dtype))
+    return CompressionConfig(ratio=ratio, seed=seed, dtype=dtype, query_aware=True, **default_allocation(dtype, ratio))
 
 
 @dataclass

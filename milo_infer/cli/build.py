@@ -64,12 +64,13 @@ def add_arguments(p):
                         "<= 2048 corpus tokens (default on; docs/results.md)")
     p.add_argument("--policy", choices=POLICIES,
                    help="rank allocation policy; frontier chooses low rank or raw per unit (default: frontier with "
-                        "INT8 factors, entropy otherwise)")
+                        "INT8/INT4 factors from ratio 0.2 up, entropy otherwise)")
     p.add_argument("--scope", choices=SCOPES,
-                   help="what shares one rank budget (default: global with INT8 factors, head otherwise)")
+                   help="what shares one rank budget (default: global where the policy "
+                        "defaults to frontier, head otherwise)")
     p.add_argument("--kv-split", choices=KV_SPLITS,
-                   help="budget keys and values apart or together (default: shared with INT8 factors, separate "
-                        "otherwise or with --key-share)")
+                   help="budget keys and values apart or together (default: shared where the "
+                        "policy defaults to frontier, separate otherwise or with --key-share)")
     p.add_argument("--key-share", type=float, default=0.5,
                    help="with --kv-split separate: the share of the byte budget given to keys (default 0.5)")
     p.add_argument("--template", metavar="T",
@@ -100,7 +101,7 @@ def compression_config(args) -> CompressionConfig:
     policy, scope and K/V split default by factor dtype (`default_allocation`). A raw store's ratio is its
     format's, so it records 1.0 (as `milo eval`'s raw methods do)."""
     dtype = factor_dtype(args.dtype, args.ratio, args.codec)
-    allocation = default_allocation(dtype) if args.codec == "svd" else {}
+    allocation = default_allocation(dtype, args.ratio) if args.codec == "svd" else {}
     if args.key_share != 0.5:  # a key share needs separate budgets
         allocation = {**allocation, "kv_split": "separate"}
     allocation.update({k: getattr(args, k) for k in ("policy", "scope", "kv_split") if getattr(args, k) is not None})

@@ -176,8 +176,9 @@ def test_build_allocation_defaults_follow_the_dtype_and_yield_to_flags():
         return c.dtype, c.policy, c.scope, c.kv_split
 
     assert allocation("--ratio", "0.5") == ("int8", "frontier", "global", "shared")
-    assert allocation("--ratio", "0.25") == ("int4", "entropy", "head", "separate")
-    assert allocation("--ratio", "0.5", "--dtype", "int4") == ("int4", "entropy", "head", "separate")
+    assert allocation("--ratio", "0.25") == ("int4", "frontier", "global", "shared")
+    assert allocation("--ratio", "0.125") == ("int4", "entropy", "head", "separate")
+    assert allocation("--ratio", "0.5", "--dtype", "float16") == ("float16", "entropy", "head", "separate")
     assert allocation("--ratio", "0.5", "--policy", "energy") == ("int8", "energy", "global", "shared")
     assert allocation("--ratio", "0.5", "--key-share", "0.3") == ("int8", "frontier", "global", "separate")
     raw = build_config("--codec", "raw", "--ratio", "0.25")
