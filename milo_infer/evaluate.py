@@ -39,7 +39,7 @@ from typing import Callable
 from milo_store import CompressionConfig, MiloStore, Staging, StoreError, factorize_block
 from milo_store.compress import allocation_record, staging_codec
 
-from .build import BuildConfig, build_store, corpus_fingerprint, default_compression
+from .build import PAPER_ALLOCATION, BuildConfig, build_store, corpus_fingerprint, default_compression
 from .corpus import Demonstration, TaskSpec
 from .models import LoadedModel
 from .scoring import is_correct
@@ -65,6 +65,7 @@ BASES = {
 # 2-bit quantization of the K/V (pre-RoPE); ``full+kivi`` the same grouping on an identity store's A = X,
 # which also stores B = I per segment (d² bytes).
 QUANTS = {"int8": "int8", "int4": "int4", "kivi": "int2"}
+PLAIN_BASES = ("full", "raw")  # no allocation to modify: every unit is stored whole
 MODIFIERS = {  # word -> (kind, fields); kinds in canonical order
     "fullrank": ("fullrank", {"full_rank": True, "ratio": 1.0}),  # every direction: the codec's rounding alone
     # entropy is the default; frontier chooses low rank or raw per unit (milo_store/allocation.py)
@@ -101,9 +102,9 @@ def method_fields(name: str) -> dict:
     kinds = []
     for word in mods:
         share = re.fullmatch(r"ks(0\.\d*[1-9])", word)
-        if base in ("full", "raw") or (word not in MODIFIERS and not share) or word == "ks":
+        if base in PLAIN_BASES or (word not in MODIFIERS and not share) or word == "ks":
             raise ValueError(f"unknown method {name!r}: -{word} is not a modifier of {base}"
-                             + ("" if base in ("full", "raw") else f" (known: {', '.join(w for w in MODIFIERS if w != 'ks')}, ks<share>)"))
+                             + ("" if base in PLAIN_BASES else f" (known: {', '.join(w for w in MODIFIERS if w != 'ks')}, ks<share>)"))
         kind, extra = MODIFIERS["ks" if share else word]
         fields.update(extra or {"key_share": float(share.group(1))})
         kinds.append(kind)
@@ -119,9 +120,9 @@ def default_method(ratio: float) -> str:
     """The method name of what `milo build` writes by default at ``ratio`` (dtype, allocation, weighting)."""
     c = default_compression(ratio)
     quant = {dtype: word for word, dtype in QUANTS.items()}[c.dtype]
-    # policy, scope and split away from their defaults, in the canonical order; their values are the words
-    modifiers = [value for value, default in ((c.policy, "entropy"), (c.scope, "head"), (c.kv_split, "separate"))
-                 if value != default]
+    # policy, scope and split away from the paper's (the names' defaults), in the canonical order; their
+    # values are the modifier words
+    modifiers = [getattr(c, field) for field, paper in PAPER_ALLOCATION.items() if getattr(c, field) != paper]
     return f"milo+{quant}" + "".join(f"-{m}" for m in modifiers) + "-qaw"
 
 

@@ -132,7 +132,8 @@ def _allocate_group(spectra, cost, first, cap, budget_values, policy, r_min, eps
         note = f", {first.sum():.0f} of them per-token value scales" if r_min > 0 and first.any() else ""
         raise BudgetError(budget_values, need, note)
     if policy == "frontier":  # the error each step removes; a ladder ends before a step that removes nothing
-        gain = s ** 2 * (1 - raw[0].reshape(len(cost), -1))
+        loss, raw_cost, raw_error = raw
+        gain = s ** 2 * (1 - loss.reshape(len(cost), -1))
         ends = (gain <= 0) | (np.arange(s.shape[1])[None, :] >= cap[:, None])
         cap = np.where(ends.any(1), ends.argmax(1), s.shape[1])
     units, steps = np.nonzero(np.arange(s.shape[1])[None, :] < cap[:, None])  # candidate increments
@@ -155,8 +156,9 @@ def _allocate_group(spectra, cost, first, cap, budget_values, policy, r_min, eps
         units, steps, key, step_cost = units[live], steps[live], key[live], step_cost[live]
     to_raw = np.zeros(len(units), dtype=bool)
     if policy == "frontier":
-        units, steps, key, step_cost, to_raw = _with_raw_steps(gain, (s ** 2).sum(1), cost, first, cap, r_min, raw,
-                                                               units, steps, key, step_cost)
+        units, steps, key, step_cost, to_raw = _with_raw_steps(gain, (s ** 2).sum(1), cost, first, cap, r_min,
+                                                               raw_cost.reshape(-1), raw_error.reshape(-1), units,
+                                                               steps, key, step_cost)
     order = np.lexsort((to_raw, steps, units, -key))
     units, steps, step_cost, to_raw = units[order], steps[order], step_cost[order], to_raw[order]
     spent = np.cumsum(step_cost)
@@ -178,7 +180,7 @@ def _allocate_group(spectra, cost, first, cap, budget_values, policy, r_min, eps
     return ranks.reshape(shape)
 
 
-def _with_raw_steps(gain, energy, cost, first, cap, r_min, raw, units, steps, key, step_cost):
+def _with_raw_steps(gain, energy, cost, first, cap, r_min, raw_cost, raw_error, units, steps, key, step_cost):
     """The frontier's candidate steps: each unit's ladder up to its tangent rank j*, then one step to raw.
 
     E_r (squared error at rank r) = ``energy`` (Σ σ², the raw error's scale) minus what the first r
@@ -187,7 +189,6 @@ def _with_raw_steps(gain, energy, cost, first, cap, r_min, raw, units, steps, ke
     minimises (E_j - E) / (C - C_j): every rung lies above the line from raw through rung j*. Units
     whose raw form removes nothing beyond some cheaper rung keep their whole ladder.
     """
-    raw_cost, raw_error = raw[1].reshape(-1), raw[2].reshape(-1)
     n = gain.shape[1]
     rank = np.arange(n + 1)
     error = energy[:, None] - np.concatenate((np.zeros((len(gain), 1)), np.cumsum(gain, 1)), 1)

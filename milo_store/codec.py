@@ -4,6 +4,7 @@ A block's keys and values [L, H, T, d] are stacked to [L, 2, H, T, d] and factor
 fp32 SVD: X = A diag(Σ) Bᵀ with A [T, n], Σ [n], B [d, n], n = min(T, d). Packing keeps the first
 r columns of each segment in the order of ``layout.py``.
 """
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -105,3 +106,27 @@ def unpack_block(flat: torch.Tensor, layout: Layout, ranks: np.ndarray, tokens: 
 def reconstruct(A: torch.Tensor, S: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     """A diag(Σ) Bᵀ in fp32: the one-segment definition the kernels must agree with."""
     return (A.float() * S.float()) @ B.float().transpose(-1, -2)
+
+
+def measured_losses(f: BlockFactors, dtype: str,
+                    scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """What storing a block in ``dtype`` loses, for the allocator's frontier policy (allocation.py).
+
+    ``f``: the block's full-rank factors, A's and (diag(s) B)'s columns orthonormal (``scale`` s
+    [L, 2, H, d]: the query-aware weights, or None). Returns the share of each direction's σ² its
+    quantized A and B columns lose, [L, 2, H, n] (first order: ||ΔA||² + ||diag(s) ΔB||²; B is INT8 per
+    column in quantized stores), and the squared error of each unit's raw form ||(X̂ - X) diag(s)||²,
+    [L, 2, H], both measured by quantizing as the writer does (exactly, except that a value's INT4/INT2
+    per-token groups are taken over all n columns, not the r kept).
+    """
+    b_dtype = "int8" if dtype in quant.QUANT_BITS else dtype
+    loss, raw_error = torch.zeros(f.S.shape), torch.zeros(f.S.shape[:3])
+    for l, k, h in itertools.product(*map(range, f.S.shape[:3])):
+        a, b = f.A[l, k, h].float(), f.B[l, k, h].float()
+        w = torch.ones(b.shape[0]) if scale is None else scale[l, k, h].float()
+        da = quant.roundtrip(a, dtype, k) - a
+        db = (quant.roundtrip(b, b_dtype, 0) - b) * w[:, None]
+        loss[l, k, h] = da.pow(2).sum(0) + db.pow(2).sum(0)
+        x = reconstruct(a, f.S[l, k, h], b)
+        raw_error[l, k, h] = ((quant.roundtrip(x, dtype, k) - x) * w).pow(2).sum()
+    return loss, raw_error

@@ -1,9 +1,9 @@
 """Pass two of a build: allocate ranks over every staged spectrum, then write the store.
 
 Pass two reads a *source* of store blocks (see baselines.py): the staged blocks themselves for
-``svd``, ``identity`` and ``raw`` (every unit raw, docs/format.md), or a baseline computed from the staged SVD factors (``global-proj``,
-``example-svd``), optionally query-aware (baselines.py). Allocation and writing are the same for all
-of them.
+``svd``, ``identity`` and ``raw`` (every unit raw, docs/format.md), or a baseline computed from the
+staged SVD factors (``global-proj``, ``example-svd``), optionally query-aware (baselines.py).
+Allocation and writing are the same for all of them.
 """
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -14,10 +14,10 @@ import torch
 
 from .allocation import allocate_ranks
 from .baselines import BASELINES, ExampleSplit, GlobalProjection, WeightedBlocks
-from .codec import CODECS, BlockFactors, pack_block
+from .codec import CODECS, BlockFactors, measured_losses, pack_block
 from .format import GROUP_BYTES, QUANTIZED, TORCH_DTYPES
 from .layout import RAW_RANK, Layout, full_kv_bytes
-from . import quant, text_index
+from . import text_index
 from .staging import Staging
 from .text_index import build_text_index
 from .writer import StoreWriter
@@ -158,7 +158,7 @@ def _plan(source, layout: Layout, config: CompressionConfig) -> tuple[np.ndarray
         if measured:
             f = source.factors(i)
             tokens[i], s = f.tokens, f.S
-            loss, raw_error = quant.measured_losses(f.A, f.S, f.B, config.dtype, source.scale)
+            loss, raw_error = measured_losses(f, config.dtype, source.scale)
             measured["loss"][i, ..., :s.shape[-1]], measured["raw_error"][i] = loss.numpy(), raw_error.numpy()
         else:
             tokens[i], s = source.spectrum(i)

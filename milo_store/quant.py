@@ -11,8 +11,6 @@ Segment of rank r over T tokens, d head dim (r * (T' + d + 10) bytes, T' = T rou
 is odd), ``B`` codes [d, r] (uint8). With d even every segment has an even size, so in a buffer that
 starts aligned every header is 2-byte aligned, as a GPU kernel reading it in place needs.
 """
-import itertools
-
 import torch
 
 from .format import TORCH_DTYPES
@@ -125,26 +123,3 @@ def roundtrip(x: torch.Tensor, dtype: str, kind: int) -> torch.Tensor:
 def _dequantize(codes, scale, low, dim):
     return codes.float() * scale.unsqueeze(dim).float() + low.unsqueeze(dim).float()
 
-
-def measured_losses(A: torch.Tensor, S: torch.Tensor, B: torch.Tensor, dtype: str,
-                    scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """What storing a block in ``dtype`` loses, for the allocator's frontier policy (allocation.py).
-
-    A [L, 2, H, T, n], S [L, 2, H, n], B [L, 2, H, d, n]: full-rank factors with A's and (diag(s) B)'s
-    columns orthonormal (``scale`` s [L, 2, H, d]: the query-aware weights, or None). Returns the share
-    of each direction's σ² its quantized A and B columns lose, [L, 2, H, n] (first order: ||ΔA||² +
-    ||diag(s) ΔB||²; B is INT8 per column in quantized stores), and the squared error of each unit's raw
-    form ||(X̂ - X) diag(s)||², [L, 2, H], both measured by quantizing as the writer does (exactly,
-    except that a value's INT4/INT2 per-token groups are taken over all n columns, not the r kept).
-    """
-    b_dtype = "int8" if dtype in QUANT_BITS else dtype
-    loss, raw_error = torch.zeros(S.shape), torch.zeros(S.shape[:3])
-    for l, k, h in itertools.product(*map(range, S.shape[:3])):
-        a, b = A[l, k, h].float(), B[l, k, h].float()
-        w = torch.ones(b.shape[0]) if scale is None else scale[l, k, h].float()
-        da = roundtrip(a, dtype, k) - a
-        db = (roundtrip(b, b_dtype, 0) - b) * w[:, None]
-        loss[l, k, h] = da.pow(2).sum(0) + db.pow(2).sum(0)
-        x = (a * S[l, k, h].float()) @ b.T
-        raw_error[l, k, h] = ((roundtrip(x, dtype, k) - x) * w).pow(2).sum()
-    return loss, raw_error

@@ -8,10 +8,10 @@ from milo_store import MiloStore
 from milo_store.cli.ls import block_rows
 from milo_store.cli.stat import describe
 from milo_store.allocation import allocate_ranks
-from milo_store.codec import factorize_block, pack_block
+from milo_store.codec import factorize_block, measured_losses, pack_block
 from milo_store.compress import CompressionConfig
 from milo_store.layout import RAW_RANK, Layout, compressed_bytes
-from milo_store.quant import measured_losses, pack_raw_segment, roundtrip
+from milo_store.quant import pack_raw_segment, roundtrip
 from milo_store.synthetic import build_synthetic_store
 
 DTYPES = ["float16", "int8", "int4", "int2"]
@@ -57,7 +57,7 @@ def test_raw_error_is_measured_on_what_is_written(dtype):
     g = torch.Generator().manual_seed(1)
     keys, values = torch.randn(1, 1, 45, 16, generator=g), torch.randn(1, 1, 45, 16, generator=g)
     f = factorize_block(keys, values)
-    loss, raw_error = measured_losses(f.A, f.S, f.B, dtype)
+    loss, raw_error = measured_losses(f, dtype)
     for kind, x in enumerate((keys[0, 0], values[0, 0])):
         direct = (roundtrip(x, dtype, kind) - x).pow(2).sum()
         assert raw_error[0, kind, 0] == pytest.approx(float(direct), rel=1e-3)
@@ -79,7 +79,7 @@ def test_flat_spectrum_goes_raw_and_low_rank_stays_factored():
     spectra, loss, raw_error = [], [], []
     for x in (flat, low):
         f = factorize_block(x, x)
-        l, e = measured_losses(f.A, f.S, f.B, "int8")
+        l, e = measured_losses(f, "int8")
         spectra.append(f.S.numpy()), loss.append(l.numpy()), raw_error.append(e.numpy())
     ranks = frontier(np.stack(spectra), np.stack(loss), np.stack(raw_error), np.array([256, 256]), layout, 0.5)
     assert ranks[0, 0, 0, 0] == RAW_RANK and ranks[0, 0, 1, 0] == RAW_RANK
@@ -203,7 +203,7 @@ def test_measured_losses_predict_the_written_weighted_error(dtype, kind, toleran
         torch.randn(d, d, generator=g))[0]
     scale = torch.rand(1, 2, 1, d, generator=g) * 0.95 + 0.05
     f = unweigh(factorize_block(*weigh(torch.stack((x, x), 1), scale).unbind(1)), scale)
-    loss, _ = measured_losses(f.A, f.S, f.B, dtype, scale)
+    loss, _ = measured_losses(f, dtype, scale)
     s2, w = f.S[0, kind, 0].double() ** 2, scale[0, kind, 0]
     for r in (d // 2, d):
         predicted = float(s2[r:].sum() + (s2[:r] * loss[0, kind, 0, :r]).sum())
