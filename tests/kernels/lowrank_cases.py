@@ -130,7 +130,8 @@ def quantized_layer(kv_heads, d, block_tokens, quant, seed, rank_pool):
         parts.append(torch.randint(0, 256, (gap,), generator=gen, dtype=torch.uint8))
         offset += gap
         if rank in (RAW_RANK, RAW_INT8_RANK):
-            raw = pack_raw_segment(torch.randn(tokens, d, generator=gen), "int8" if rank == RAW_INT8_RANK else quant, kind)
+            form = "int8" if rank == RAW_INT8_RANK else quant
+            raw = pack_raw_segment(torch.randn(tokens, d, generator=gen), form, kind)
         else:
             a, b = torch.randn(tokens, rank, generator=gen), torch.randn(d, rank, generator=gen)
             sigma = (torch.rand(rank, generator=gen) + 0.5) / math.sqrt(max(rank, 1))

@@ -30,7 +30,8 @@ def test_raw_int8_size_is_an_int8_raw_segment(tokens, bits):
     d = 16
     for kind in (0, 1):
         packed = pack_raw_segment(torch.randn(tokens, d), "int8", kind)
-        assert lowbit_segment_bytes(RAW_INT8_RANK, tokens, d, bits, kind) == packed.numel() == (4 + tokens + tokens % 2) * d
+        size = lowbit_segment_bytes(RAW_INT8_RANK, tokens, d, bits, kind)
+        assert size == packed.numel() == (4 + tokens + tokens % 2) * d
     ranks, kinds = torch.tensor([RAW_INT8_RANK, RAW_RANK, 0, 3]), torch.tensor([0, 1, 0, 1])
     sizes = lowbit_segment_bytes(ranks, torch.full((4,), tokens), d, bits, kinds).tolist()
     assert sizes == [lowbit_segment_bytes(r, tokens, d, bits, k) for r, k in zip(ranks.tolist(), kinds.tolist())]
@@ -60,7 +61,8 @@ def test_raw_int8_reads_as_plain_dequantization(monkeypatch, backend, quant, int
     for kind in (0, 1):
         lowbit, int8 = pack_raw_segment(x, quant, kind), pack_raw_segment(x, "int8", kind)
         factors = torch.cat((lowbit, int8))
-        segments = torch.tensor([[0, RAW_RANK, tokens, first, 0, kind], [lowbit.numel(), RAW_INT8_RANK, tokens, first, 1, kind]])
+        segments = torch.tensor([[0, RAW_RANK, tokens, first, 0, kind],
+                                 [lowbit.numel(), RAW_INT8_RANK, tokens, first, 1, kind]])
         out = nan_buffers(2, n, d, torch.float32)
         reconstruct_layer(factors, segments, *out, cos, sin, interleaved=interleaved, quant=quant)
         plain = plain_int8(int8, tokens, d)
