@@ -157,7 +157,7 @@ def test_bf16_raw_segment_on_cpu():
 @pytest.mark.parametrize("quant", [None, "int8", "int4"])
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
 def test_raw_rows_are_validated(monkeypatch, backend, quant):
-    """Rank -2 is neither raw nor a rank; a raw segment's bytes must fit in the factors."""
+    """Rank -3 is neither raw nor a rank; a raw segment's bytes must fit in the factors."""
     monkeypatch.setenv("MILO_KERNEL", "" if backend == "cpu" else "reference")
     tokens, d = 5, 8
     x = torch.randn(tokens, d)
@@ -166,14 +166,14 @@ def test_raw_rows_are_validated(monkeypatch, backend, quant):
     cos, sin = rope_tables(tokens, d, False)
     reconstruct_layer(factors, torch.tensor([[0, RAW_RANK, tokens, 0, 0, 0]]), *out, cos, sin, quant=quant)
     with pytest.raises(ValueError, match=r"rank must be in \[0, d=8\] or -1 \(raw\)"):
-        reconstruct_layer(factors, torch.tensor([[0, -2, tokens, 0, 0, 0]]), *out, cos, sin, quant=quant)
+        reconstruct_layer(factors, torch.tensor([[0, -3, tokens, 0, 0, 0]]), *out, cos, sin, quant=quant)
     with pytest.raises(ValueError, match="reads past the end of factors"):
         reconstruct_layer(factors[:-2].clone(), torch.tensor([[0, RAW_RANK, tokens, 0, 0, 0]]), *out, cos, sin,
                           quant=quant)
 
 
 def test_plans_count_raw_sizes():
-    """plan_layers (no buffers yet) bounds factors by the raw sizes and refuses rank -2 too."""
+    """plan_layers (no buffers yet) bounds factors by the raw sizes and refuses rank -3 too."""
     pytest.importorskip("triton")
     from milo_kernels.reconstruct import plan_layers
 
@@ -186,7 +186,7 @@ def test_plans_count_raw_sizes():
                        quant="int4")
     assert int4[1].need_numel == 40 + lowbit_segment_bytes(RAW_RANK, 7, d, 4, 0)
     with pytest.raises(ValueError, match="or -1"):
-        plan_layers(segments - torch.tensor([0, 1, 0, 0, 0, 0]), d, factor_dtype=torch.float16, device="cpu")
+        plan_layers(segments - torch.tensor([0, 2, 0, 0, 0, 0]), d, factor_dtype=torch.float16, device="cpu")
 
 
 # -- (b) the fused Triton kernel against the reference ---------------------------------------------
