@@ -15,9 +15,10 @@ from hypothesis import given, settings, strategies as st
 
 from lowrank_cases import (check_outputs, nan_buffers, quantized_layer, random_layer, rope_by_complex,
                            rope_tables, run_under_interpreter, target_mask)
-from milo_kernels import RAW_RANK, int8_segment_bytes, lowbit_segment_bytes, reconstruct_layer, reconstruct_layer_naive
+from milo_kernels import (RAW_INT8_RANK, RAW_RANK, int8_segment_bytes, lowbit_segment_bytes, reconstruct_layer,
+                          reconstruct_layer_naive)
 from milo_store import Layout
-from milo_store.layout import RAW_RANK as STORE_RAW_RANK
+from milo_store.layout import RAW_INT8_RANK as STORE_RAW_INT8_RANK, RAW_RANK as STORE_RAW_RANK
 from milo_store.quant import pack_raw_segment, roundtrip
 
 CUDA = torch.cuda.is_available()
@@ -28,8 +29,8 @@ TOP = {"int8": 255, "int4": 15, "int2": 3}
 FLOATING = {"fp16": torch.float16, "fp32": torch.float32}
 
 
-def test_raw_rank_agrees_between_writer_and_reader():
-    assert RAW_RANK == STORE_RAW_RANK
+def test_raw_ranks_agree_between_writer_and_reader():
+    assert (RAW_RANK, RAW_INT8_RANK) == (STORE_RAW_RANK, STORE_RAW_INT8_RANK)
 
 
 def raw_bytes(quant, rank, tokens, d, kind):
