@@ -73,7 +73,6 @@ MODIFIERS = {  # word -> (kind, fields); kinds in canonical order
     **{s: ("scope", {"scope": s}) for s in ("layer", "global")},  # head is the default
     "shared": ("split", {"kv_split": "shared"}),  # one budget for K and V instead of half each
     "ks": ("split", None),  # ks<share>: the keys' share of a separate budget, e.g. ks0.3
-    "raw8": ("raw8", {"raw_int8": True}),  # frontier in INT4/INT2 stores: raw INT8 units too
     "qaw": ("qaw", {"query_aware": True}),  # SVD of X diag(s): channels weighted by what their error costs
 }
 KINDS = list(dict.fromkeys(kind for kind, _ in MODIFIERS.values()))
@@ -124,7 +123,7 @@ def default_method(ratio: float) -> str:
     # policy, scope and split away from the paper's (the names' defaults), in the canonical order; their
     # values are the modifier words
     modifiers = [getattr(c, field) for field, paper in PAPER_ALLOCATION.items() if getattr(c, field) != paper]
-    return f"milo+{quant}" + "".join(f"-{m}" for m in modifiers + ["raw8"] * c.raw_int8) + "-qaw"
+    return f"milo+{quant}" + "".join(f"-{m}" for m in modifiers) + "-qaw"
 
 
 def resolve(method: str, ratio: float) -> str:

@@ -3,13 +3,12 @@
 The Triton kernel reads these segments in place (`reconstruct.py`); this expansion is the CPU and
 reference path: a low-bit layer becomes packed fp16 factors and a matching segment table, rebuilt by
 the floating CPU path or the reference (one fp16 copy of the layer's factors, 4× (int4) or 8× (int2)
-the streamed bytes). A raw segment (rank RAW_RANK) is a low-bit A of d columns without Σ and B, and
-one of rank RAW_INT8_RANK is an INT8 store's raw segment (per-channel scales); both become a floating
-raw segment, X [T, d] at rank RAW_RANK, so those paths need nothing else.
+the streamed bytes). A raw segment (rank RAW_RANK) is a low-bit A of d columns without Σ and B; it
+becomes a floating raw segment, X [T, d], so those paths need nothing else.
 """
 import torch
 
-from .naive import RAW_INT8_RANK, RAW_RANK, float_segment_numel, int8_segment_bytes, raw_segment
+from .naive import RAW_RANK, float_segment_numel
 
 BITS = {"int4": 4, "int2": 2}
 GROUP_TOKENS = 32  # must equal milo_store.layout.GROUP_TOKENS (checked by tests)
@@ -24,11 +23,10 @@ def lowbit_segment_bytes(rank, tokens, d: int, bits: int, kind):
     """Size of one segment (docs/format.md); zero at rank zero. Takes ints or int64 tensors (elementwise).
 
     Rank r > 0: Σ, B's scale and minimum and B's codes, r (6 + d) bytes, and A's r columns. Raw: A's d
-    columns alone. Raw INT8 (RAW_INT8_RANK): an INT8 raw segment, (T' + 4) d bytes."""
+    columns alone."""
     columns = rank + (rank == RAW_RANK) * (d - RAW_RANK)  # A's columns: d for a raw segment
     a = _scale_bytes(columns, tokens, kind) + _code_bytes(columns, tokens, bits)
-    raw8 = (rank == RAW_INT8_RANK) * int8_segment_bytes(RAW_RANK, tokens, d)
-    return a * (columns > 0) + rank * (6 + d) * (rank > 0) + raw8
+    return a * (columns > 0) + rank * (6 + d) * (rank > 0)
 
 
 def _scale_bytes(columns, tokens, kind):
@@ -78,9 +76,8 @@ def dequantize_lowbit_layer(factors: torch.Tensor, segments: torch.Tensor, d: in
                             quant: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed floating factors, segment table) equal to a layer of low-bit segments, on factors' device.
 
-    The new table keeps every row's rank, tokens, destination, head and kind (a RAW_INT8_RANK row
-    becomes RAW_RANK, a floating raw segment); src_offset moves to where the segment's A, Σ, B (a raw
-    segment's X) now start in the floating buffer (docs/format.md).
+    The new table keeps every row's rank, tokens, destination, head and kind; only src_offset moves
+    to where the segment's A, Σ, B (a raw segment's X) now start in the floating buffer (docs/format.md).
     """
     if quant not in BITS:
         raise ValueError(f"unknown low-bit quantization {quant!r}; expected one of {tuple(BITS)}")
@@ -97,10 +94,7 @@ def dequantize_lowbit_layer(factors: torch.Tensor, segments: torch.Tensor, d: in
             raise ValueError(f"segment {i} {segments[i].tolist()}: its {quant} bytes [{src}, {end}) are not an "
                              f"even-aligned range of the {factors.numel()} factor bytes")
         raw = factors[src:end]
-        if rank == RAW_INT8_RANK:
-            parts.append(raw_segment(raw, 0, tokens, d).reshape(-1))
-            table[i, 1] = rank = RAW_RANK
-        elif rank == RAW_RANK:
+        if rank == RAW_RANK:
             parts.append(dequantize_lowbit_raw(raw, tokens, d, bits, kind).reshape(-1))
         else:
             a, s, b = dequantize_lowbit_segment(raw, rank, tokens, d, bits, kind)

@@ -3,7 +3,6 @@ import torch
 
 INT8_HEADER = 5  # fp16 vectors of length r before an INT8 segment's codes: Σ, A scale, A min, B scale, B min
 RAW_RANK = -1  # the rank of a raw segment, X itself (must equal milo_store.layout.RAW_RANK; checked by tests)
-RAW_INT8_RANK = -2  # a raw segment at INT8 inside an INT4/INT2 store (bytes of an INT8 store's raw segment)
 
 
 def rotate(x: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
@@ -35,8 +34,7 @@ def int8_segment_bytes(rank, tokens, d: int):
 
 def raw_segment(factors: torch.Tensor, src: int, tokens: int, d: int) -> torch.Tensor:
     """fp32 X [T, d] of the raw segment at factors[src:]: its values, or (uint8) INT8 codes [T', d] after
-    an fp16 scale [d] and minimum [d] per channel, value = code * scale + min (docs/format.md). The
-    uint8 form is also a RAW_INT8_RANK segment of an INT4/INT2 store."""
+    an fp16 scale [d] and minimum [d] per channel, value = code * scale + min (docs/format.md)."""
     if factors.dtype != torch.uint8:
         return factors[src:src + tokens * d].float().view(tokens, d)
     scale, low = factors[src:src + 4 * d].view(torch.float16).float().view(2, d)

@@ -32,10 +32,7 @@ Raw segments (rank RAW_RANK = -1: a unit's K or V itself, stored as the A of a r
 channels of its RoPE pairs straight into the two accumulators, dequantized as A is (`_load_a`, shared
 with the rank loop), and skips the dots, which against B = I would only spend d / BLOCK_R tensor-core
 steps to copy X (and round a dequantized X to fp16 tiles). A floating raw value is written as it was
-stored, bit for bit; a raw key is rotated in fp32 like every key. An INT4/INT2 store may also hold raw
-units at INT8 (rank RAW_INT8_RANK = -2, an INT8 store's raw segment): the same tile branches on the
-rank at run time and loads them with 8 bits and INT8's per-channel scales (`_load_raw`), so a layer
-mixing both raw forms is still one launch.
+stored, bit for bit; a raw key is rotated in fp32 like every key.
 """
 import functools
 import os
@@ -46,7 +43,7 @@ import torch
 
 from .cpu import reconstruct_layer_cpu
 from .lowbit import BITS as LOWBIT_BITS, GROUP_TOKENS, dequantize_lowbit_layer, lowbit_segment_bytes
-from .naive import RAW_INT8_RANK, RAW_RANK, float_segment_numel, int8_segment_bytes, reconstruct_layer_naive
+from .naive import RAW_RANK, float_segment_numel, int8_segment_bytes, reconstruct_layer_naive
 
 try:
     import triton
@@ -97,8 +94,8 @@ def tile_config(d: int) -> dict:
 
 def reconstruct_layer(factors, segments, out_k, out_v, cos, sin, *, interleaved=False, quant=None,
                       plan: "Plan | None" = None) -> None:
-    """Write X = A diag(Σ) Bᵀ of every segment (X itself when raw: rank RAW_RANK, or RAW_INT8_RANK in an
-    INT4/INT2 store) to out[head, dst_row: dst_row + tokens], keys rotated by RoPE.
+    """Write X = A diag(Σ) Bᵀ of every segment (X itself when raw, rank RAW_RANK) to out[head, dst_row:
+    dst_row + tokens], keys rotated by RoPE.
 
     factors: 1-D contiguous fp16/bf16/fp32, or uint8 holding ``quant`` segments (int8 when None, int4
     or int2; src_offset in bytes, even); segments: int64 [S, 6] (see SEGMENT_COLUMNS), best on the CPU
@@ -289,16 +286,10 @@ def _check_all(factors, segments, out_k, out_v, cos, sin, bits: int) -> torch.Te
 def _structure_rules(segs, d, bits) -> tuple:
     """(ok per segment, message) for what a segment must satisfy whatever the buffers."""
     src, rank, tokens, dst, head, kind = segs.unbind(1)
-    lowbit = bits in (4, 2)
-    factors = {0: "floating", 8: "int8"}.get(bits, f"int{bits}")
-    raws = f"{RAW_RANK} (raw)" + f" or {RAW_INT8_RANK} (raw INT8)" * lowbit
     return (
         (src >= 0, "src_offset is negative"),
         ((src % 2 == 0) | (bits == 0), "src_offset of a quantized segment must be even (fp16 header)"),
-        ((rank != RAW_INT8_RANK) | lowbit, f"rank {RAW_INT8_RANK} (a raw INT8 unit) exists only in int4/int2 "
-                                           f"stores; in {factors} factors a raw unit is rank {RAW_RANK}"),
-        ((rank == RAW_RANK) | ((rank == RAW_INT8_RANK) & lowbit) | ((rank >= 0) & (rank <= d)),
-         f"rank must be in [0, d={d}] or {raws}"),
+        ((rank == RAW_RANK) | ((rank >= 0) & (rank <= d)), f"rank must be in [0, d={d}] or {RAW_RANK} (raw)"),
         (tokens > 0, "tokens must be positive"),
         (dst >= 0, "dst_row is negative"),
         (head >= 0, "head is negative"),
@@ -379,16 +370,6 @@ def _load_a(CODES, SCALES, n_scales, t, c, t_ok, c_ok, columns, tokens, key, BIT
     return a
 
 
-def _load_raw(F, HDR, t, c1, c2, t_ok, h_ok, D, tokens, key, BITS, GROUP):
-    """fp32 X at channels c1 and c2 of a raw segment whose bytes start at F (fp16 view HDR): the A
-    [tokens, D] of a rank-D segment, its scales and minima first (none when floating), then its codes."""
-    n_scales = _scale_count(D, tokens, key, BITS, GROUP)
-    codes = F + 4 * n_scales
-    x1 = _load_a(codes, HDR, n_scales, t, c1, t_ok, h_ok, D, tokens, key, BITS, GROUP)
-    x2 = _load_a(codes, HDR, n_scales, t, c2, t_ok, h_ok, D, tokens, key, BITS, GROUP)
-    return x1, x2
-
-
 @functools.cache
 def _kernel_for(interpret: bool):
     """Build the JIT kernel lazily: triton decides interpreter vs compiler when the decorator runs.
@@ -424,11 +405,11 @@ def _kernel_for(interpret: bool):
         # where each part of the segment starts (docs/format.md); fp16 parts are read through F16
         hdr = F16 + src // 2
         key = kind == 0
-        if rank < 0:  # raw: X itself, the A [tokens, d] of a rank-d segment without Σ and B = I
-            if (BITS == 4 or BITS == 2) and rank == -2:  # RAW_INT8_RANK: an INT8 raw segment in a low-bit store
-                acc1, acc2 = _load_raw(F + src, hdr, t, c1, c2, t_ok, h_ok, D, tokens, key, 8, GROUP)
-            else:  # RAW_RANK, in the store's own format
-                acc1, acc2 = _load_raw(F + src, hdr, t, c1, c2, t_ok, h_ok, D, tokens, key, BITS, GROUP)
+        if rank < 0:  # raw (RAW_RANK): X itself, the A [tokens, d] of a rank-d segment without Σ and B = I
+            raw_scales = _scale_count(D, tokens, key, BITS, GROUP)
+            raw_codes = F + src + 4 * raw_scales
+            acc1 = _load_a(raw_codes, hdr, raw_scales, t, c1, t_ok, h_ok, D, tokens, key, BITS, GROUP)
+            acc2 = _load_a(raw_codes, hdr, raw_scales, t, c2, t_ok, h_ok, D, tokens, key, BITS, GROUP)
         else:
             n_scales = _scale_count(rank, tokens, key, BITS, GROUP)
             if BITS == 0:  # A [tokens, rank], Σ [rank], B [d, rank]
@@ -489,9 +470,7 @@ def _kernel_for(interpret: bool):
             tl.store(out + c1[None, :] * svd, acc1.to(V.dtype.element_ty), mask=mask)
             tl.store(out + c2[None, :] * svd, acc2.to(V.dtype.element_ty), mask=mask)
 
-    scope = dict(globals())
-    for helper in (_scale_count, _load_a, _load_raw):  # each bound in scope, so helpers call jitted helpers
-        scope[helper.__name__] = triton.jit(types.FunctionType(helper.__code__, scope, helper.__name__))
+    scope = {**globals(), "_scale_count": triton.jit(_scale_count), "_load_a": triton.jit(_load_a)}
     return triton.jit(types.FunctionType(reconstruct_kernel.__code__, scope))
 
 

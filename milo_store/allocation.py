@@ -12,16 +12,15 @@ further rank increments are taken in order of a key until the group's budget is 
   when blocks differ in length;
 - ``uniform``: lowest rank first, so all units of a group rise together;
 - ``random``: a seeded random order (ablation);
-- ``frontier``: per unit, its low-rank ladder *or a raw form* (the K or V itself, quantized like
-  the factors: ``Layout.raw_size``; in INT4/INT2 stores also at INT8, ``RAW_INT8_RANK``), by measured
-  squared error removed per byte. A rank step removes σ² less what quantizing its direction loses
-  (``loss``, measured per direction); each raw form has its own measured error (``raw_error``). A
-  ladder ends before its first step that removes nothing, and its keys are made non-increasing
-  (each capped by the ones before). The first raw form joins as one step from the rung j* where it
-  meets the lower convex hull of the unit's (bytes, error) points, taken only if it removes error;
-  rungs from j* up are dropped. A costlier raw form that removes more follows as one more step
-  (INT4 raw, then INT8 raw). So a unit with a flat spectrum goes raw, a low-rank one stays factored,
-  and the greedy below is unchanged: it takes steps, each unit's in its chain's order.
+- ``frontier``: per unit, its low-rank ladder *or its raw form* (the K or V itself, quantized like
+  the factors: ``Layout.raw_size``), by measured squared error removed per byte. A rank step removes
+  σ² less what quantizing its direction loses (``loss``, measured per direction); the raw form has
+  its own measured error (``raw_error``). A ladder ends before its first step that removes nothing,
+  and its keys are made non-increasing (each capped by the ones before). The raw form joins as one
+  step from the rung j* where it meets the lower convex hull of the unit's (bytes, error) points,
+  taken only if it removes error; rungs from j* up are dropped, so a raw unit never takes more
+  bytes. So a unit with a flat spectrum goes raw, a low-rank one stays factored, and the greedy
+  below is unchanged.
 
 Every policy's keys never increase along a unit's ladder, so a sort by key takes each unit's
 increments in order (and its first step, with its scales, first).
@@ -45,7 +44,7 @@ def allocate_ranks(spectra: np.ndarray, tokens: np.ndarray, layout: Layout, rati
                    policy: str = "entropy", scope: str = "head", kv_split: str = "separate",
                    r_min: int = 1, r_max: int | None = None, eps: float = 1e-3, seed: int = 0,
                    bytes_per_value: int = 2, key_share: float = 0.5, loss: np.ndarray | None = None,
-                   raw_error: np.ndarray | None = None, raw_ranks: tuple[int, ...] = (RAW_RANK,)) -> np.ndarray:
+                   raw_error: np.ndarray | None = None) -> np.ndarray:
     """Ranks int16 [N, L, 2, H] from singular values ``spectra`` [N, L, 2, H, n] (descending, zero-padded).
 
     With ``kv_split="separate"``, keys get ``key_share`` of the budget and values the rest (0.5: each
@@ -53,8 +52,8 @@ def allocate_ranks(spectra: np.ndarray, tokens: np.ndarray, layout: Layout, rati
     can buy accuracy at the same total.
 
     Policy ``frontier`` also takes ``loss`` [N, L, 2, H, n] (the share of each direction's σ² that
-    quantizing its factors loses) and ``raw_error`` [N, L, 2, H, F] (the squared error of each unit in
-    each raw form of ``raw_ranks``, on σ²'s scale); its units may come back as one of those ranks.
+    quantizing its factors loses) and ``raw_error`` [N, L, 2, H] (the squared error of each unit's
+    raw form, on σ²'s scale); its units may come back as ``RAW_RANK``.
     """
     if not 0 < ratio <= 1:
         raise ValueError(f"ratio must be in (0, 1]; got {ratio}")
@@ -72,11 +71,8 @@ def allocate_ranks(spectra: np.ndarray, tokens: np.ndarray, layout: Layout, rati
     N, L, K, H, n = spectra.shape
     if policy == "frontier":
         loss, raw_error = np.asarray(loss, dtype=np.float64), np.asarray(raw_error, dtype=np.float64)
-        if loss.shape != spectra.shape or raw_error.shape != spectra.shape[:4] + (len(raw_ranks),):
-            raise ValueError(f"loss {loss.shape} and raw_error {raw_error.shape} must match spectra {spectra.shape} "
-                             f"and the {len(raw_ranks)} raw forms {raw_ranks}")
-        if problem := layout.rank_problem(np.asarray(raw_ranks)):
-            raise ValueError(f"raw_ranks: {problem}")
+        if loss.shape != spectra.shape or raw_error.shape != spectra.shape[:4]:
+            raise ValueError(f"loss {loss.shape} and raw_error {raw_error.shape} must match spectra {spectra.shape}")
     if (L, K, H) != (layout.num_layers, 2, layout.num_kv_heads) or len(tokens) != N:
         raise ValueError(f"spectra shape {spectra.shape} does not match layout {layout} and {len(tokens)} blocks")
     d = layout.head_dim
@@ -86,8 +82,7 @@ def allocate_ranks(spectra: np.ndarray, tokens: np.ndarray, layout: Layout, rati
     t, kind = tokens.reshape(N, 1, 1, 1), np.arange(2).reshape(2, 1)  # per block and kind -> [N, L, 2, H]
     cost = np.broadcast_to(layout.unit_size(t, kind), (N, L, K, H)).astype(np.float64)
     fixed = np.broadcast_to(layout.fixed_size(t, kind), (N, L, K, H))
-    raw_cost = np.stack([layout.segment_sizes(np.full((N, L, K, H), r), tokens) for r in raw_ranks], -1)
-    raw_cost = raw_cost.astype(np.float64)
+    raw_cost = np.broadcast_to(layout.raw_size(t, kind), (N, L, K, H)).astype(np.float64)
 
     full = full_kv_bytes(layout, tokens, 2)
     spendable = ratio * full - index_bytes(layout, N)  # bytes the factors may take, store-wide
@@ -111,7 +106,7 @@ def allocate_ranks(spectra: np.ndarray, tokens: np.ndarray, layout: Layout, rati
         names = {1: "layer {}", 2: ("keys", "values"), 3: "head {}"}
         where = ", ".join(names[a][i] if a == 2 else names[a].format(i) for a, i in zip(keep, g)) or "the store"
         try:
-            raw = None if policy != "frontier" else (loss[sel], raw_cost[sel], raw_error[sel], raw_ranks)
+            raw = None if policy != "frontier" else (loss[sel], raw_cost[sel], raw_error[sel])
             ranks[sel] = _allocate_group(sub, cost[sel], fixed[sel] / bytes_per_value,
                                          np.broadcast_to(cap.reshape(-1, 1, 1, 1), sub.shape[:4]),
                                          budget_values, policy, r_min, eps, rng, raw)
@@ -126,8 +121,8 @@ def _allocate_group(spectra, cost, first, cap, budget_values, policy, r_min, eps
     """Greedy fill of one group: ranks shaped like cost, spending at most ``budget_values``.
 
     A unit's rank step costs ``cost``, and its first step ``first`` more (per-token scales). ``raw``
-    (frontier only): (loss, raw cost and raw error per raw form, the forms' ranks) of each unit. Raises
-    BudgetError(budget, need, note) when r_min everywhere does not fit.
+    (frontier only): (loss, raw cost, raw error) of each unit. Raises BudgetError(budget, need, note)
+    when r_min everywhere does not fit.
     """
     shape = cost.shape
     s, cost, first, cap = spectra.reshape(-1, spectra.shape[-1]), cost.reshape(-1), first.reshape(-1), cap.reshape(-1)
@@ -137,7 +132,7 @@ def _allocate_group(spectra, cost, first, cap, budget_values, policy, r_min, eps
         note = f", {first.sum():.0f} of them per-token value scales" if r_min > 0 and first.any() else ""
         raise BudgetError(budget_values, need, note)
     if policy == "frontier":  # the error each step removes; a ladder ends before a step that removes nothing
-        loss, raw_cost, raw_error, raw_ranks = raw
+        loss, raw_cost, raw_error = raw
         gain = s ** 2 * (1 - loss.reshape(len(cost), -1))
         ends = (gain <= 0) | (np.arange(s.shape[1])[None, :] >= cap[:, None])
         cap = np.where(ends.any(1), ends.argmax(1), s.shape[1])
@@ -159,78 +154,56 @@ def _allocate_group(spectra, cost, first, cap, budget_values, policy, r_min, eps
     if policy in ("entropy", "energy"):  # spending bytes on an exactly-zero direction buys nothing
         live = sigma2 > 0
         units, steps, key, step_cost = units[live], steps[live], key[live], step_cost[live]
-    pos, form = steps - r_min, np.zeros(len(units), dtype=np.int64)  # place in the unit's chain; 0: a rank step
+    to_raw = np.zeros(len(units), dtype=bool)
     if policy == "frontier":
-        units, pos, key, step_cost, form = _with_raw_steps(gain, (s ** 2).sum(1), cost, first, cap, r_min,
-                                                           raw_cost.reshape(len(cost), -1),
-                                                           raw_error.reshape(len(cost), -1), raw_ranks,
-                                                           units, steps, key, step_cost)
-    order = np.lexsort((pos, units, -key))
-    units, pos, step_cost, form = units[order], pos[order], step_cost[order], form[order]
+        units, steps, key, step_cost, to_raw = _with_raw_steps(gain, (s ** 2).sum(1), cost, first, cap, r_min,
+                                                               raw_cost.reshape(-1), raw_error.reshape(-1), units,
+                                                               steps, key, step_cost)
+    order = np.lexsort((to_raw, steps, units, -key))
+    units, steps, step_cost, to_raw = units[order], steps[order], step_cost[order], to_raw[order]
     spent = np.cumsum(step_cost)
     take = int(np.searchsorted(spent, left, side="right"))
-    chosen = np.arange(len(units)) < take
+    ranks = np.full(len(cost), r_min, dtype=np.int64)
+    np.add.at(ranks, units[:take][~to_raw[:take]], 1)
+    raw_units = units[:take][to_raw[:take]]
     # The prefix stops at the first increment that does not fit; cheaper units' next steps may still fit.
     left -= spent[take - 1] if take else 0.0
-    taken = np.bincount(units[:take], minlength=len(cost))
     rest = np.arange(take, len(units))
-    for i in rest[pos[take:] == taken[units[take:]]]:  # at most one next step per unit
+    for i in rest[steps[take:] == ranks[units[take:]]]:  # at most one next step per unit
         if step_cost[i] <= left:
-            chosen[i] = True
+            if to_raw[i]:
+                raw_units = np.append(raw_units, units[i])
+            else:
+                ranks[units[i]] += 1
             left -= step_cost[i]
-    ranks = r_min + np.bincount(units[chosen & (form == 0)], minlength=len(cost))
-    raw = np.nonzero(chosen & (form != 0))[0]
-    raw = raw[np.lexsort((-pos[raw], units[raw]))]  # per unit, its furthest raw step first
-    last = raw[np.unique(units[raw], return_index=True)[1]]
-    ranks[units[last]] = form[last]
+    ranks[raw_units] = RAW_RANK
     return ranks.reshape(shape)
 
 
-def _with_raw_steps(gain, energy, cost, first, cap, r_min, raw_cost, raw_error, raw_ranks, units, steps, key,
-                    step_cost):
-    """The frontier's chain of steps per unit: its ladder up to the rung j* where it leaves for a raw
-    form, then that form, then any costlier raw form that removes more (``raw_cost``, ``raw_error``
-    [units, F] of the forms ``raw_ranks``). Returns (units, place in chain, key, cost, form: 0 for a
-    rank step, else the raw rank the step goes to).
+def _with_raw_steps(gain, energy, cost, first, cap, r_min, raw_cost, raw_error, units, steps, key, step_cost):
+    """The frontier's candidate steps: each unit's ladder up to its tangent rank j*, then one step to raw.
 
     E_r (squared error at rank r) = ``energy`` (Σ σ², the raw error's scale) minus what the first r
-    steps remove (``gain``); C_r its cost. A raw form (C, E) joins the hull from the rung j (reachable:
-    r_min <= j <= cap, C_j < C) that minimises (E_j - E) / (C - C_j): every rung lies above the line
-    from raw through it. The first form on the chain is the one the ladder leaves for earliest (the
-    one removing most per byte on a tie); each next one is the costlier form removing most per byte
-    beyond the last. Units whose raw forms remove nothing beyond some cheaper rung keep their ladder.
+    steps remove (``gain``); C_r its cost.
+    The raw form (C, E) joins the hull from the rung j* (reachable: r_min <= j* <= cap, C_j* < C) that
+    minimises (E_j - E) / (C - C_j): every rung lies above the line from raw through rung j*. Units
+    whose raw form removes nothing beyond some cheaper rung keep their whole ladder.
     """
-    U, n, F = len(gain), gain.shape[1], len(raw_ranks)
+    n = gain.shape[1]
     rank = np.arange(n + 1)
-    error = energy[:, None] - np.concatenate((np.zeros((U, 1)), np.cumsum(gain, 1)), 1)
+    error = energy[:, None] - np.concatenate((np.zeros((len(gain), 1)), np.cumsum(gain, 1)), 1)
     spent = rank * cost[:, None] + (rank > 0) * first[:, None]
-    depart, rate = np.zeros((U, F), dtype=np.int64), np.full((U, F), np.inf)
-    for f in range(F):
-        rung = (rank >= r_min) & (rank <= cap[:, None]) & (spent < raw_cost[:, f, None])
-        r = np.where(rung, (error - raw_error[:, f, None]) / np.maximum(raw_cost[:, f, None] - spent, 1e-300), np.inf)
-        depart[:, f] = r.argmin(1)
-        rate[:, f] = r[np.arange(U), depart[:, f]]
-    useful = np.isfinite(rate) & (rate > 0)
-    earliest = np.where(useful, depart, n + 1).min(1, keepdims=True)
-    head = np.where(useful & (depart == earliest), rate, -np.inf).argmax(1)  # [U]: the chain's first form
-    goes_raw = useful.any(1)
-    j = depart[np.arange(U), head]
+    rung = (rank >= r_min) & (rank <= cap[:, None]) & (spent < raw_cost[:, None])
+    rate = np.where(rung, (error - raw_error[:, None]) / np.maximum(raw_cost[:, None] - spent, 1e-300), np.inf)
+    j = rate.argmin(1)
+    best = rate[np.arange(len(gain)), j]
+    goes_raw = np.isfinite(best) & (best > 0)
     keep = ~goes_raw[units] | (steps < j[units])
+    raw_u = np.nonzero(goes_raw)[0]
     # The sort must take a unit's rungs before its raw step (the raw step's cost assumes rank j*): where
     # measured losses bend the ladder, a rung may be worth less than the hull's raw rate; cap it there.
-    best = rate[np.arange(U), head].copy()
     np.minimum.at(best, units[keep], key[keep])
-    chain = [(units[keep], steps[keep] - r_min, key[keep], step_cost[keep], np.zeros(keep.sum(), dtype=np.int64))]
-    at = np.nonzero(goes_raw)[0]
-    place, cur, prev_key = j[at] - r_min, head[at], best[at]
-    chain.append((at, place, prev_key, raw_cost[at, cur] - spent[at, j[at]], np.asarray(raw_ranks)[cur]))
-    for _ in range(F - 1):  # on to a costlier raw form, while one removes more
-        c0, e0 = raw_cost[at, cur], raw_error[at, cur]
-        onward = (raw_cost[at] > c0[:, None]) & (raw_error[at] < e0[:, None])
-        r = np.where(onward, (e0[:, None] - raw_error[at]) / np.maximum(raw_cost[at] - c0[:, None], 1e-300), -np.inf)
-        nxt = r.argmax(1)
-        go = onward.any(1)
-        at, place, cur = at[go], place[go] + 1, nxt[go]
-        prev_key = np.minimum(prev_key[go], r[go][np.arange(len(cur)), cur])
-        chain.append((at, place, prev_key, raw_cost[at, cur] - c0[go], np.asarray(raw_ranks)[cur]))
-    return tuple(np.concatenate(parts) for parts in zip(*chain))
+    return (np.concatenate((units[keep], raw_u)), np.concatenate((steps[keep], j[raw_u])),
+            np.concatenate((key[keep], best[raw_u])),
+            np.concatenate((step_cost[keep], raw_cost[raw_u] - spent[raw_u, j[raw_u]])),
+            np.concatenate((np.zeros(keep.sum(), dtype=bool), np.ones(len(raw_u), dtype=bool))))

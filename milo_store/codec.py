@@ -12,7 +12,7 @@ import torch
 
 from . import quant
 from .format import TORCH_DTYPES
-from .layout import LOW_BIT, RAW_INT8_RANK, RAW_RANK, Layout
+from .layout import RAW_RANK, Layout
 
 CODECS = ("svd", "identity")
 
@@ -58,8 +58,7 @@ def pack_block(f: BlockFactors, ranks: np.ndarray, dtype: str = "float16") -> to
     """Concatenate each segment's first r columns (ranks [L, 2, H]) into one flat tensor of ``dtype``.
 
     ``int8``, ``int4`` and ``int2`` pack each segment's bytes as quant.py lays them out (a uint8 tensor).
-    A unit at ``RAW_RANK`` is packed raw: X = A diag(Σ) Bᵀ itself (exact given full-rank factors); in
-    INT4/INT2 stores one at ``RAW_INT8_RANK`` is packed raw at INT8.
+    A unit at ``RAW_RANK`` is packed raw: X = A diag(Σ) Bᵀ itself (exact given full-rank factors).
     """
     tdtype = TORCH_DTYPES[dtype]
     ranks = np.asarray(ranks)
@@ -67,20 +66,18 @@ def pack_block(f: BlockFactors, ranks: np.ndarray, dtype: str = "float16") -> to
         raise ValueError(f"ranks shape {ranks.shape} does not match factors {tuple(f.S.shape[:3])}")
     if ranks.max(initial=0) > f.S.shape[-1]:
         raise ValueError(f"rank {ranks.max()} exceeds the {f.S.shape[-1]} factor columns available")
-    raw_forms = (RAW_RANK, RAW_INT8_RANK) if dtype in LOW_BIT else (RAW_RANK,)
-    if ((ranks < 0) & ~np.isin(ranks, raw_forms)).any():
-        raise ValueError(f"rank {ranks.min()} is neither a rank nor a raw form of a {dtype} store {raw_forms}")
-    if (ranks < 0).any() and f.S.shape[-1] < min(f.tokens, f.B.shape[-2]):
+    if ranks.min(initial=0) < RAW_RANK:
+        raise ValueError(f"rank {ranks.min()} is neither a rank nor RAW_RANK ({RAW_RANK})")
+    if (ranks == RAW_RANK).any() and f.S.shape[-1] < min(f.tokens, f.B.shape[-2]):
         raise ValueError("a raw unit needs the block's full-rank factors")
     if tdtype in (torch.float16, torch.uint8) and f.S.numel() and float(f.S.max()) > torch.finfo(torch.float16).max:
         raise ValueError(f"a singular value ({float(f.S.max()):.3g}) overflows float16; store bfloat16 or float32")
     parts = []
     for idx in np.ndindex(*ranks.shape):
         r = int(ranks[idx])
-        if r < 0:  # the unit's K or V itself (docs/format.md, raw segments)
+        if r == RAW_RANK:  # the unit's K or V itself (docs/format.md, raw segments)
             x = reconstruct(f.A[idx], f.S[idx], f.B[idx])
-            raw = raw_dtype(r, dtype)
-            parts.append(quant.pack_raw_segment(x, raw, idx[1]) if tdtype == torch.uint8 else x.reshape(-1))
+            parts.append(quant.pack_raw_segment(x, dtype, idx[1]) if tdtype == torch.uint8 else x.reshape(-1))
         elif tdtype == torch.uint8:
             parts.append(quant.pack_segment(f.A[idx][:, :r], f.S[idx][:r], f.B[idx][:, :r], dtype, kind=idx[1]))
         else:
@@ -111,24 +108,19 @@ def reconstruct(A: torch.Tensor, S: torch.Tensor, B: torch.Tensor) -> torch.Tens
     return (A.float() * S.float()) @ B.float().transpose(-1, -2)
 
 
-def raw_dtype(rank: int, dtype: str) -> str:
-    """The dtype a raw unit at ``rank`` (RAW_RANK or RAW_INT8_RANK) is stored in, in a ``dtype`` store."""
-    return "int8" if rank == RAW_INT8_RANK else dtype
-
-
-def measured_losses(f: BlockFactors, dtype: str, scale: torch.Tensor | None = None,
-                    raw_ranks: tuple[int, ...] = (RAW_RANK,)) -> tuple[torch.Tensor, torch.Tensor]:
+def measured_losses(f: BlockFactors, dtype: str,
+                    scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """What storing a block in ``dtype`` loses, for the allocator's frontier policy (allocation.py).
 
     ``f``: the block's full-rank factors, A's and (diag(s) B)'s columns orthonormal (``scale`` s
     [L, 2, H, d]: the query-aware weights, or None). Returns the share of each direction's σ² its
     quantized A and B columns lose, [L, 2, H, n] (first order: ||ΔA||² + ||diag(s) ΔB||²; B is INT8 per
-    column in quantized stores), and the squared error ||(X̂ - X) diag(s)||² of each unit in each raw
-    form of ``raw_ranks``, [L, 2, H, len(raw_ranks)], both measured by quantizing as the writer does
-    (exactly, except that a value's INT4/INT2 per-token groups are taken over all n columns, not the r kept).
+    column in quantized stores), and the squared error of each unit's raw form ||(X̂ - X) diag(s)||²,
+    [L, 2, H], both measured by quantizing as the writer does (exactly, except that a value's INT4/INT2
+    per-token groups are taken over all n columns, not the r kept).
     """
     b_dtype = "int8" if dtype in quant.QUANT_BITS else dtype
-    loss, raw_error = torch.zeros(f.S.shape), torch.zeros(f.S.shape[:3] + (len(raw_ranks),))
+    loss, raw_error = torch.zeros(f.S.shape), torch.zeros(f.S.shape[:3])
     for l, k, h in itertools.product(*map(range, f.S.shape[:3])):
         a, b = f.A[l, k, h].float(), f.B[l, k, h].float()
         w = torch.ones(b.shape[0]) if scale is None else scale[l, k, h].float()
@@ -136,6 +128,5 @@ def measured_losses(f: BlockFactors, dtype: str, scale: torch.Tensor | None = No
         db = (quant.roundtrip(b, b_dtype, 0) - b) * w[:, None]
         loss[l, k, h] = da.pow(2).sum(0) + db.pow(2).sum(0)
         x = reconstruct(a, f.S[l, k, h], b)
-        for i, rank in enumerate(raw_ranks):
-            raw_error[l, k, h, i] = ((quant.roundtrip(x, raw_dtype(rank, dtype), k) - x) * w).pow(2).sum()
+        raw_error[l, k, h] = ((quant.roundtrip(x, dtype, k) - x) * w).pow(2).sum()
     return loss, raw_error

@@ -16,7 +16,7 @@ from .allocation import allocate_ranks
 from .baselines import BASELINES, ExampleSplit, GlobalProjection, WeightedBlocks
 from .codec import CODECS, BlockFactors, measured_losses, pack_block
 from .format import GROUP_BYTES, QUANTIZED, TORCH_DTYPES
-from .layout import LOW_BIT, RAW_RANK, Layout, full_kv_bytes
+from .layout import RAW_RANK, Layout, full_kv_bytes
 from . import text_index
 from .staging import Staging
 from .text_index import build_text_index
@@ -87,7 +87,6 @@ class CompressionConfig:
     key_share: float = 0.5  # share of the budget for keys when kv_split is "separate"
     full_rank: bool = False  # keep every singular direction (the exactness reference for the codec)
     query_aware: bool = False  # SVD of X diag(s), s = what each channel's error costs (svd, example-svd)
-    raw_int8: bool = False  # frontier in an INT4/INT2 store: a unit may also go raw at INT8 (RAW_INT8_RANK)
 
     def __post_init__(self):
         if self.codec not in STORE_CODECS:
@@ -100,9 +99,6 @@ class CompressionConfig:
             raise ValueError(f"query-aware weighting applies to the svd and example-svd codecs, not {self.codec!r}")
         if self.policy == "frontier" and (self.codec != "svd" or self.full_rank):
             raise ValueError("the frontier policy (low-rank or raw per unit) applies to the svd codec below full rank")
-        if self.raw_int8 and (self.policy != "frontier" or self.dtype not in LOW_BIT):
-            raise ValueError(f"raw INT8 units are a frontier choice in INT4/INT2 stores, not with policy "
-                             f"{self.policy!r} and {self.dtype} factors")
         if not 0 < self.key_share < 1 or (self.key_share != 0.5 and self.kv_split != "separate"):
             raise ValueError(f"key share {self.key_share} must be in (0, 1), and needs kv_split 'separate'")
 
@@ -115,7 +111,7 @@ def quant_layout(layout: Layout, dtype: str) -> Layout:
 # Fields added after stores were first written, with their defaults: a store's allocation record
 # holds them only when they differ, so the records of existing stores (and every key derived from
 # them: reuse checks, prediction logs) stay what they were.
-LATER_FIELDS = {"query_aware": False, "raw_int8": False}
+LATER_FIELDS = {"query_aware": False}
 
 
 def allocation_record(config: CompressionConfig | dict) -> dict:
@@ -157,14 +153,12 @@ def _plan(source, layout: Layout, config: CompressionConfig) -> tuple[np.ndarray
     spectra = np.zeros((N, layout.num_layers, 2, layout.num_kv_heads, d))
     measured = {}  # frontier: what quantizing each direction and each raw form loses, measured per block
     if config.policy == "frontier":
-        raw_ranks = layout.raw_ranks() if config.raw_int8 else (RAW_RANK,)
-        measured = {"loss": np.zeros_like(spectra), "raw_error": np.zeros(spectra.shape[:4] + (len(raw_ranks),)),
-                    "raw_ranks": raw_ranks}
+        measured = {"loss": np.zeros_like(spectra), "raw_error": np.zeros(spectra.shape[:4])}
     for i in range(N):
         if measured:
             f = source.factors(i)
             tokens[i], s = f.tokens, f.S
-            loss, raw_error = measured_losses(f, config.dtype, source.scale, measured["raw_ranks"])
+            loss, raw_error = measured_losses(f, config.dtype, source.scale)
             measured["loss"][i, ..., :s.shape[-1]], measured["raw_error"][i] = loss.numpy(), raw_error.numpy()
         else:
             tokens[i], s = source.spectrum(i)

@@ -7,8 +7,7 @@ import torch
 
 FORMAT_VERSION = 1  # a store whose units are all factored
 RAW_FORMAT_VERSION = 2  # a store holding raw units (rank RAW_RANK), which a version-1 reader would misread
-RAW_INT8_FORMAT_VERSION = 3  # an INT4/INT2 store holding raw INT8 units (rank RAW_INT8_RANK), unknown to version 2
-READABLE_VERSIONS = (FORMAT_VERSION, RAW_FORMAT_VERSION, RAW_INT8_FORMAT_VERSION)
+READABLE_VERSIONS = (FORMAT_VERSION, RAW_FORMAT_VERSION)
 ATTRS_KEY = "milo"
 FACTORS, RANKS, TOKENS, CHECKSUMS, ANCHOR = "factors", "ranks", "block_tokens", "checksums", "anchor_kv"
 TOKEN_IDS = "token_ids"  # int32, every block's tokens concatenated (optional)
@@ -27,10 +26,8 @@ TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32":
 
 
 def store_version(ranks: np.ndarray) -> int:
-    """The format version a store with these ranks is written as: the oldest whose readers know every
-    rank in it (1 for factors only, 2 with raw units at -1, 3 with raw INT8 units at -2)."""
-    lowest = int(np.asarray(ranks).min(initial=0))
-    return {-1: RAW_FORMAT_VERSION, -2: RAW_INT8_FORMAT_VERSION}.get(lowest, FORMAT_VERSION)
+    """The format version a store with these ranks is written as: 1 unless a unit is raw (rank < 0)."""
+    return RAW_FORMAT_VERSION if np.asarray(ranks).min(initial=0) < 0 else FORMAT_VERSION
 
 
 def version_problem(version) -> str | None:

@@ -12,11 +12,9 @@ token) cost ``unit_size`` bytes per rank unit plus, for values, a fixed ``fixed_
 scale and minimum) whenever the rank is above zero.
 
 A unit may instead be *raw* (rank ``RAW_RANK``): its K or V [T, d] itself in the factor dtype, or
-quantized as the A part of a rank-d segment whose Σ = 1 and B = I go unstored (``raw_size``). In an
-INT4/INT2 store a unit may also be raw at INT8 (rank ``RAW_INT8_RANK``): the bytes of an INT8 store's raw
-segment, for units whose low-bit forms all lose too much.
+quantized as the A part of a rank-d segment whose Σ = 1 and B = I go unstored (``raw_size``).
 """
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -29,8 +27,6 @@ QUANT_UNIT_OVERHEAD = 10
 QUANT_BITS = {"int8": 8, "int4": 4, "int2": 2}
 GROUP_TOKENS = 32  # tokens per scale of a low-bit key factor column (KIVI's group size)
 RAW_RANK = -1  # the rank recorded for a raw unit (must equal milo_kernels.RAW_RANK; checked by tests)
-RAW_INT8_RANK = -2  # a raw unit at INT8 in an INT4/INT2 store (must equal milo_kernels.RAW_INT8_RANK)
-LOW_BIT = ("int4", "int2")  # the quantizations whose stores may hold RAW_INT8_RANK units
 
 
 @dataclass(frozen=True)
@@ -93,21 +89,7 @@ class Layout:
         t = np.asarray(tokens, dtype=np.int64)[..., None, None]
         kind = np.arange(2).reshape(2, 1)
         low_rank = np.maximum(r, 0) * self.unit_size(t, kind) + (r > 0) * self.fixed_size(t, kind)
-        raw_int8 = replace(self, quant="int8").raw_size(t, kind)
-        return np.select([r == RAW_RANK, r == RAW_INT8_RANK], [self.raw_size(t, kind), raw_int8], low_rank)
-
-    def raw_ranks(self) -> tuple[int, ...]:
-        """The raw forms a unit of this layout may take: its own dtype, and INT8 in INT4/INT2 stores."""
-        return (RAW_RANK, RAW_INT8_RANK) if self.quant in LOW_BIT else (RAW_RANK,)
-
-    def rank_problem(self, ranks) -> str | None:
-        """What is wrong with these ranks for this layout (None when each is in [0, d] or a raw form's)."""
-        r = np.asarray(ranks)
-        bad = ((r < 0) | (r > self.head_dim)) & ~np.isin(r, self.raw_ranks())
-        if not bad.any():
-            return None
-        return (f"rank {int(r[bad].flat[0])} is neither in [0, head_dim={self.head_dim}] nor a raw form of "
-                f"{self.quant or 'floating'} stores ({', '.join(map(str, self.raw_ranks()))})")
+        return np.where(r == RAW_RANK, self.raw_size(t, kind), low_rank)
 
     @property
     def units_per_block(self) -> int:

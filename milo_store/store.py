@@ -31,7 +31,7 @@ from . import remote
 from .blockcache import BlockCache
 from .checksum import crc32c
 from .errors import FormatVersionError, NotAStoreError, StoreCorruptedError, StoreError
-from .layout import Layout, compressed_bytes
+from .layout import RAW_RANK, Layout, compressed_bytes
 from .sources import ChunkFiles
 from .urls import is_url
 
@@ -117,12 +117,10 @@ class MiloStore:
         if self.ranks.shape != want or self.checksums.shape != (n,):
             raise StoreCorruptedError(f"{self.path}: index shapes disagree: ranks {self.ranks.shape}, expected {want}; "
                                       f"checksums {self.checksums.shape}")
-        if n and (self.block_tokens.min() < 1 or self.layout.rank_problem(self.ranks)):
-            raise StoreCorruptedError(f"{self.path}: index holds impossible token counts or ranks "
-                                      f"({self.layout.rank_problem(self.ranks) or 'a block of no tokens'})")
+        if n and (self.block_tokens.min() < 1 or self.ranks.min() < RAW_RANK or self.ranks.max() > self.layout.head_dim):
+            raise StoreCorruptedError(f"{self.path}: index holds impossible token counts or ranks")
         if fmt.store_version(self.ranks) > self.meta["format_version"]:
-            raise StoreCorruptedError(f"{self.path}: a version-{self.meta['format_version']} store cannot hold "
-                                      f"the raw units its ranks name (version {fmt.store_version(self.ranks)})")
+            raise StoreCorruptedError(f"{self.path}: a version-{self.meta['format_version']} store cannot hold raw units")
         if problem := fmt.check_block_group(self.block_group, n):
             raise StoreCorruptedError(f"{self.path}: {problem}")
 

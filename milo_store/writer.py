@@ -25,7 +25,7 @@ import zarr
 from . import format as fmt
 from .checksum import crc32c
 from .errors import StoreError, StoreLockedError
-from .layout import Layout
+from .layout import RAW_RANK, Layout
 from .remote import REMOTE_CHUNK_BYTES, RemoteTarget, read_manifest
 from .urls import check_url, is_url, local_sidecar, open_object_store
 
@@ -101,8 +101,9 @@ class StoreWriter:
         self.block_tokens = np.asarray(block_tokens, dtype=np.int32)
         if self.ranks.shape != (len(self.block_tokens), layout.num_layers, 2, layout.num_kv_heads):
             raise ValueError(f"ranks shape {self.ranks.shape} does not match {len(self.block_tokens)} blocks of {layout}")
-        if problem := layout.rank_problem(self.ranks):  # a projection's rank may exceed T, never d
-            raise ValueError(problem)
+        if ((self.ranks < RAW_RANK) | (self.ranks > layout.head_dim)).any():  # a projection may exceed T
+            raise ValueError(f"ranks must be {RAW_RANK} (raw) or in [0, head_dim={layout.head_dim}]; got "
+                             f"{int(self.ranks.min())}..{int(self.ranks.max())}")
         if dtype not in fmt.NUMPY_DTYPES:
             raise ValueError(f"unknown factor dtype {dtype!r}; expected one of {tuple(fmt.NUMPY_DTYPES)}")
         if layout.quant != (dtype if dtype in fmt.QUANTIZED else None):

@@ -13,11 +13,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from milo_store import MiloStore  # noqa: E402
+from milo_store.layout import RAW_RANK  # noqa: E402
 
 
 def plot_ranks(store: MiloStore, out: str) -> str:
     d = store.layout.head_dim
-    raw = store.ranks < 0  # any raw form
+    raw = store.ranks == RAW_RANK
     ranks = np.where(raw, d, store.ranks).astype(float).mean(axis=3)  # [N, L, 2]; raw keeps all d directions
     panels = [(ranks, "rank (mean over KV heads; raw = d)", d, "viridis")]
     if raw.any():

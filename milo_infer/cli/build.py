@@ -71,9 +71,6 @@ def add_arguments(p):
     p.add_argument("--kv-split", choices=KV_SPLITS,
                    help="budget keys and values apart or together (default: shared where the "
                         "policy defaults to frontier, separate otherwise or with --key-share)")
-    p.add_argument("--raw-int8", action=argparse.BooleanOptionalAction,
-                   help="frontier policy with INT4/INT2 factors: a unit may also be kept raw at INT8, where its "
-                        "low-bit forms lose too much (default: as --policy, on where the frontier is the default)")
     p.add_argument("--key-share", type=float, default=0.5,
                    help="with --kv-split separate: the share of the byte budget given to keys (default 0.5)")
     p.add_argument("--template", metavar="T",
@@ -107,10 +104,7 @@ def compression_config(args) -> CompressionConfig:
     allocation = default_allocation(dtype, args.ratio) if args.codec == "svd" else {}
     if args.key_share != 0.5:  # a key share needs separate budgets
         allocation = {**allocation, "kv_split": "separate"}
-    chosen = {k: getattr(args, k) for k in ("policy", "scope", "kv_split", "raw_int8") if getattr(args, k) is not None}
-    allocation.update(chosen)
-    if args.raw_int8 is None and allocation.get("policy") != "frontier":  # a default that came with the frontier
-        allocation.pop("raw_int8", None)
+    allocation.update({k: getattr(args, k) for k in ("policy", "scope", "kv_split") if getattr(args, k) is not None})
     try:
         return CompressionConfig(ratio=1.0 if args.codec == "raw" else args.ratio, codec=args.codec, dtype=dtype,
                                  key_share=args.key_share, seed=args.seed,

@@ -4,6 +4,7 @@ import argparse
 import numpy as np
 
 from .. import text_index
+from ..layout import RAW_RANK
 from ..store import MiloStore
 from .common import human_bytes, print_json
 
@@ -31,9 +32,9 @@ def demonstrations_per_block(store: MiloStore, start: int, stop: int) -> np.ndar
 
 
 def rank_summary(ranks: np.ndarray) -> dict:
-    """min/mean/max rank of a block's factored units of one kind, and how many are raw (any raw form)."""
+    """min/mean/max rank of a block's factored units of one kind, and how many are raw (RAW_RANK)."""
     r = ranks.astype(int).ravel()
-    factored = r[r >= 0]
+    factored = r[r != RAW_RANK]
     if not len(factored):
         return {"min": None, "mean": None, "max": None, "raw": len(r)}
     return {"min": int(factored.min()), "mean": round(float(factored.mean()), 2), "max": int(factored.max()),

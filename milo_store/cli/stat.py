@@ -1,7 +1,7 @@
 """Summarise a store: model, blocks, tokens, planned vs actual ratio, bytes, ranks and raw units per layer."""
 import numpy as np
 
-from ..layout import RAW_INT8_RANK
+from ..layout import RAW_RANK
 from ..store import MiloStore
 from .common import human_bytes, print_json
 
@@ -14,7 +14,7 @@ def add_arguments(p):
 def describe(store: MiloStore) -> dict:
     acc = store.accounting()
     r = store.ranks.astype(np.int64)
-    raw = r < 0  # any raw form (RAW_RANK, RAW_INT8_RANK)
+    raw = r == RAW_RANK
     kinds = tuple(enumerate(("key", "value")))
     hist = {kind: [np.bincount(r[:, l, k][~raw[:, l, k]], minlength=store.layout.head_dim + 1).tolist()
                    for l in range(store.layout.num_layers)] for k, kind in kinds}
@@ -32,8 +32,6 @@ def describe(store: MiloStore) -> dict:
                                        for x in factored[:, :, k].mean(axis=(0, 2))] for k, kind in kinds},
         "rank_histogram_per_layer": hist,
         "raw_share_per_layer": {kind: [round(float(x), 4) for x in raw[:, :, k].mean(axis=(0, 2))] for k, kind in kinds},
-        "raw_int8_share_per_layer": {kind: [round(float(x), 4) for x in (r[:, :, k] == RAW_INT8_RANK).mean(axis=(0, 2))]
-                                     for k, kind in kinds},
     }
 
 
@@ -57,13 +55,10 @@ def run(args) -> int:
           f"(factors + index over fp16 full KV)")
     print(f"bytes        full KV {human_bytes(b['full_fp16_kv'])}  factors {human_bytes(b['factors'])}  "
           f"index {human_bytes(b['index'])}  on disk {human_bytes(b['on_disk'])} (all files)")
-    ranks, raw, raw8 = info["mean_rank_per_layer"], info["raw_share_per_layer"], info["raw_int8_share_per_layer"]
-    any_raw, any_raw8 = (any(x for kind in shares.values() for x in kind) for shares in (raw, raw8))
-    print("mean rank per layer (K / V)" + (", of factored units; share of raw units (K / V)" if any_raw else "")
-          + (", of them at INT8" if any_raw8 else "") + ":")
+    ranks, raw = info["mean_rank_per_layer"], info["raw_share_per_layer"]
+    any_raw = any(x for kind in raw.values() for x in kind)
+    print("mean rank per layer (K / V)" + (", of factored units; share of raw units (K / V):" if any_raw else ":"))
     for l in range(lay["num_layers"]):
         k, v = (f"{'all raw':>7}" if x is None else f"{x:7.2f}" for x in (ranks["key"][l], ranks["value"][l]))
-        shares = [("raw", raw)] * any_raw + [("INT8", raw8)] * any_raw8
-        print(f"  layer {l:>3}  {k} / {v}" + "".join(f"   {name} {x['key'][l]:6.1%} / {x['value'][l]:6.1%}"
-                                                     for name, x in shares))
+        print(f"  layer {l:>3}  {k} / {v}" + (f"   raw {raw['key'][l]:6.1%} / {raw['value'][l]:6.1%}" if any_raw else ""))
     return 0

@@ -181,11 +181,6 @@ def test_build_allocation_defaults_follow_the_dtype_and_yield_to_flags():
     assert allocation("--ratio", "0.5", "--dtype", "float16") == ("float16", "entropy", "head", "separate")
     assert allocation("--ratio", "0.5", "--policy", "energy") == ("int8", "energy", "global", "shared")
     assert allocation("--ratio", "0.5", "--key-share", "0.3") == ("int8", "frontier", "global", "separate")
-    assert build_config("--ratio", "0.25", "--raw-int8").raw_int8 is True
-    assert build_config("--ratio", "0.25", "--raw-int8", "--no-raw-int8").raw_int8 is False
-    for flags in (("--ratio", "0.25", "--policy", "entropy"), ("--ratio", "0.5", "--dtype", "int8")):
-        with pytest.raises(CommandError, match="raw INT8 units are a frontier choice in INT4/INT2 stores"):
-            build_config(*flags, "--raw-int8")
     raw = build_config("--codec", "raw", "--ratio", "0.25")
     assert (raw.codec, raw.ratio, raw.dtype, raw.policy) == ("raw", 1.0, "int8", "entropy")
 

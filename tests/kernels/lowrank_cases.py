@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from milo_kernels import RAW_INT8_RANK, RAW_RANK
+from milo_kernels import RAW_RANK
 
 
 def rope_angles(n: int, d: int, interleaved: bool, base: float = 10000.0) -> torch.Tensor:
@@ -109,8 +109,7 @@ def run_under_interpreter(test_file, keyword=None):
 
 def quantized_layer(kv_heads, d, block_tokens, quant, seed, rank_pool):
     """One layer packed as ``quant`` segments (milo_store.quant.pack_segment): ranks taken in turn from
-    ``rank_pool`` (ragged; RAW_RANK packs a raw segment, pack_raw_segment, and RAW_INT8_RANK one at INT8
-    inside an INT4/INT2 layer), shuffled storage order, even
+    ``rank_pool`` (ragged; RAW_RANK packs a raw segment, pack_raw_segment), shuffled storage order, even
     gaps of random bytes between segments and at the end (headers stay 2-byte aligned). Output rows
     leave a 2-row gap before every block.
     Returns uint8 factors, segments [S, 6] with byte offsets, and the number of output rows N."""
@@ -129,9 +128,8 @@ def quantized_layer(kv_heads, d, block_tokens, quant, seed, rank_pool):
         gap = 2 * int(torch.randint(0, 3, (), generator=gen))
         parts.append(torch.randint(0, 256, (gap,), generator=gen, dtype=torch.uint8))
         offset += gap
-        if rank in (RAW_RANK, RAW_INT8_RANK):
-            form = "int8" if rank == RAW_INT8_RANK else quant
-            raw = pack_raw_segment(torch.randn(tokens, d, generator=gen), form, kind)
+        if rank == RAW_RANK:
+            raw = pack_raw_segment(torch.randn(tokens, d, generator=gen), quant, kind)
         else:
             a, b = torch.randn(tokens, rank, generator=gen), torch.randn(d, rank, generator=gen)
             sigma = (torch.rand(rank, generator=gen) + 0.5) / math.sqrt(max(rank, 1))

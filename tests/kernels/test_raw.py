@@ -15,10 +15,9 @@ from hypothesis import given, settings, strategies as st
 
 from lowrank_cases import (check_outputs, nan_buffers, quantized_layer, random_layer, rope_by_complex,
                            rope_tables, run_under_interpreter, target_mask)
-from milo_kernels import (RAW_INT8_RANK, RAW_RANK, int8_segment_bytes, lowbit_segment_bytes, reconstruct_layer,
-                          reconstruct_layer_naive)
+from milo_kernels import RAW_RANK, int8_segment_bytes, lowbit_segment_bytes, reconstruct_layer, reconstruct_layer_naive
 from milo_store import Layout
-from milo_store.layout import RAW_INT8_RANK as STORE_RAW_INT8_RANK, RAW_RANK as STORE_RAW_RANK
+from milo_store.layout import RAW_RANK as STORE_RAW_RANK
 from milo_store.quant import pack_raw_segment, roundtrip
 
 CUDA = torch.cuda.is_available()
@@ -29,8 +28,8 @@ TOP = {"int8": 255, "int4": 15, "int2": 3}
 FLOATING = {"fp16": torch.float16, "fp32": torch.float32}
 
 
-def test_raw_ranks_agree_between_writer_and_reader():
-    assert (RAW_RANK, RAW_INT8_RANK) == (STORE_RAW_RANK, STORE_RAW_INT8_RANK)
+def test_raw_rank_agrees_between_writer_and_reader():
+    assert RAW_RANK == STORE_RAW_RANK
 
 
 def raw_bytes(quant, rank, tokens, d, kind):
@@ -158,7 +157,7 @@ def test_bf16_raw_segment_on_cpu():
 @pytest.mark.parametrize("quant", [None, "int8", "int4"])
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
 def test_raw_rows_are_validated(monkeypatch, backend, quant):
-    """Rank -3 is neither raw nor a rank; a raw segment's bytes must fit in the factors."""
+    """Rank -2 is neither raw nor a rank; a raw segment's bytes must fit in the factors."""
     monkeypatch.setenv("MILO_KERNEL", "" if backend == "cpu" else "reference")
     tokens, d = 5, 8
     x = torch.randn(tokens, d)
@@ -167,14 +166,14 @@ def test_raw_rows_are_validated(monkeypatch, backend, quant):
     cos, sin = rope_tables(tokens, d, False)
     reconstruct_layer(factors, torch.tensor([[0, RAW_RANK, tokens, 0, 0, 0]]), *out, cos, sin, quant=quant)
     with pytest.raises(ValueError, match=r"rank must be in \[0, d=8\] or -1 \(raw\)"):
-        reconstruct_layer(factors, torch.tensor([[0, -3, tokens, 0, 0, 0]]), *out, cos, sin, quant=quant)
+        reconstruct_layer(factors, torch.tensor([[0, -2, tokens, 0, 0, 0]]), *out, cos, sin, quant=quant)
     with pytest.raises(ValueError, match="reads past the end of factors"):
         reconstruct_layer(factors[:-2].clone(), torch.tensor([[0, RAW_RANK, tokens, 0, 0, 0]]), *out, cos, sin,
                           quant=quant)
 
 
 def test_plans_count_raw_sizes():
-    """plan_layers (no buffers yet) bounds factors by the raw sizes and refuses rank -3 too."""
+    """plan_layers (no buffers yet) bounds factors by the raw sizes and refuses rank -2 too."""
     pytest.importorskip("triton")
     from milo_kernels.reconstruct import plan_layers
 
@@ -187,7 +186,7 @@ def test_plans_count_raw_sizes():
                        quant="int4")
     assert int4[1].need_numel == 40 + lowbit_segment_bytes(RAW_RANK, 7, d, 4, 0)
     with pytest.raises(ValueError, match="or -1"):
-        plan_layers(segments - torch.tensor([0, 2, 0, 0, 0, 0]), d, factor_dtype=torch.float16, device="cpu")
+        plan_layers(segments - torch.tensor([0, 1, 0, 0, 0, 0]), d, factor_dtype=torch.float16, device="cpu")
 
 
 # -- (b) the fused Triton kernel against the reference ---------------------------------------------

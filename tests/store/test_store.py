@@ -1,6 +1,5 @@
 import json
 import shutil
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -9,7 +8,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from milo_store import (CompressionConfig, FormatVersionError, Layout, MiloStore, NotAStoreError, StoreCorruptedError,
                         StoreError, StoreLockedError, StoreWriter)
-from milo_store.layout import RAW_INT8_RANK, RAW_RANK
+from milo_store.layout import RAW_RANK
 from milo_store.synthetic import build_synthetic_store
 
 from .conftest import LAYOUT, TOKENS
@@ -137,37 +136,10 @@ def test_missing_metadata_wrong_version_and_non_store(tmp_path, small_store):
 
 def test_writer_refuses_impossible_ranks(tmp_path):
     ranks = np.ones((1, LAYOUT.num_layers, 2, LAYOUT.num_kv_heads))
-    for bad in (-3, RAW_INT8_RANK, LAYOUT.head_dim + 1):  # no sentinel; INT8 raw outside a low-bit store; above d
+    for bad in (-2, LAYOUT.head_dim + 1):  # below RAW_RANK; above the head dim
         ranks[0, 0, 0, 0] = bad
-        with pytest.raises(ValueError, match=rf"rank {bad} is neither in \[0, head_dim=.* raw form of floating stores"):
+        with pytest.raises(ValueError, match=r"ranks must be -1 \(raw\) or in \[0, head_dim="):
             StoreWriter(tmp_path / "s", LAYOUT, ranks, [5])
-    int8 = replace(LAYOUT, quant="int8")
-    ranks[0, 0, 0, 0] = RAW_INT8_RANK
-    with pytest.raises(ValueError, match="nor a raw form of int8 stores"):
-        StoreWriter(tmp_path / "s", int8, ranks, [5], dtype="int8")
-
-
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.integers(1, 4), st.sampled_from(["int4", "int2"]), st.integers(1, 40), st.integers(0, 999))
-def test_low_bit_store_with_raw_int8_units_round_trips_as_version_3(tmp_path_factory, N, quant, max_tokens, seed):
-    """INT4/INT2 stores may hold raw INT8 units (rank -2) beside raw low-bit and factored ones: bytes
-    come back exactly, and the store says version 3."""
-    rng = np.random.default_rng(seed)
-    layout = Layout(2, 2, 16, quant=quant)
-    tokens = rng.integers(1, max_tokens + 1, N)
-    ranks = np.minimum(rng.integers(RAW_INT8_RANK, 17, (N, 2, 2, 2)), tokens.reshape(-1, 1, 1, 1))
-    ranks[0, 0, 0, 0] = RAW_INT8_RANK
-    offsets = layout.block_offsets(ranks, tokens)
-    blocks = [torch.randint(0, 256, (int(offsets[i + 1] - offsets[i]),), dtype=torch.uint8) for i in range(N)]
-    path = tmp_path_factory.mktemp("rt8") / "s"
-    with StoreWriter(path, layout, ranks, tokens, dtype=quant) as w:
-        for b in blocks:
-            w.write_block(b)
-        w.commit()
-    with MiloStore.open(path, tier="disk") as store:
-        assert store.meta["format_version"] == 3 and np.array_equal(store.ranks, ranks)
-        assert all(torch.equal(store.block(i), b) for i, b in enumerate(blocks))
-        assert not store.verify_all()
 
 
 def test_raw_units_in_a_version_1_store_are_corruption(tmp_path):
@@ -181,23 +153,7 @@ def test_raw_units_in_a_version_1_store_are_corruption(tmp_path):
     assert doc["attributes"]["milo"]["format_version"] == 2
     doc["attributes"]["milo"]["format_version"] = 1
     meta.write_text(json.dumps(doc))
-    with pytest.raises(StoreCorruptedError, match="version-1 store cannot hold the raw units its ranks name"):
-        MiloStore.open(tmp_path / "s")
-
-
-def test_raw_int8_units_in_a_version_2_store_are_corruption(tmp_path):
-    """Version-2 readers know rank -1 only: a store claiming version 2 with -2 in its index is refused."""
-    layout = replace(LAYOUT, quant="int4")
-    ranks = np.full((1, layout.num_layers, 2, layout.num_kv_heads), RAW_INT8_RANK)
-    with StoreWriter(tmp_path / "s", layout, ranks, [5], dtype="int4") as w:
-        w.write_block(torch.zeros(int(layout.block_offsets(ranks, np.array([5]))[-1]), dtype=torch.uint8))
-        w.commit()
-    meta = tmp_path / "s" / "zarr.json"
-    doc = json.loads(meta.read_text())
-    assert doc["attributes"]["milo"]["format_version"] == 3
-    doc["attributes"]["milo"]["format_version"] = 2
-    meta.write_text(json.dumps(doc))
-    with pytest.raises(StoreCorruptedError, match=r"version-2 store cannot hold the raw units .*\(version 3\)"):
+    with pytest.raises(StoreCorruptedError, match="cannot hold raw units"):
         MiloStore.open(tmp_path / "s")
 
 
