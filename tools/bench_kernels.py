@@ -2,7 +2,8 @@
 
 The workload is one model's retrieval (default Qwen2.5-7B-shaped: 28 layers, 4 KV heads, d=128, 6 blocks of
 about 1600 tokens, ρ=0.5, so rank ≈ ρ·T·d/(T+d+1) per segment (ρ of the fp16 bytes), jittered ±25% and
-capped at d). The same factors packed as INT8/INT4/INT2 (--quant) are timed through the fused kernel too,
+capped at d; with --raw-share a share of the segments raw instead, X itself, as the frontier policy stores
+them). The same factors packed as INT8/INT4/INT2 (--quant) are timed through the fused kernel too,
 each checked against the reference first. Traffic is
 counted as factor bytes read plus K/V bytes written; the roofline is a device-to-device copy moving the same
 traffic (it reads and writes half of it each), timed in the same run. Host-to-device copies of the factor
@@ -25,9 +26,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from milo_kernels import reconstruct_layer, reconstruct_layer_naive  # noqa: E402
+from milo_kernels import RAW_RANK, reconstruct_layer, reconstruct_layer_naive  # noqa: E402
 from milo_kernels import reconstruct as rk  # noqa: E402
-from milo_store.quant import pack_segment  # noqa: E402
+from milo_store.quant import pack_raw_segment, pack_segment  # noqa: E402
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 # tiles around the default (64, 16, 32, 8 warps); docs/benchmarks.md lists which of them spill (compile_kernels.py)
@@ -44,6 +45,8 @@ def parse_args():
     p.add_argument("--blocks", type=int)
     p.add_argument("--block-tokens", type=int)
     p.add_argument("--rho", type=float, default=0.5)
+    p.add_argument("--raw-share", type=float, default=0.0, metavar="P",
+                   help="share of segments stored raw (rank -1, X itself; default 0)")
     p.add_argument("--dtype", default="fp16", choices=list(DTYPES))
     p.add_argument("--quant", nargs="*", choices=["int8", "int4", "int2"],
                    help="also time the factors packed in these formats (default: all three on CUDA, none on CPU)")
@@ -73,7 +76,9 @@ def build_layer(args, gen):
         for kind in (0, 1):
             for head in range(args.kv_heads):
                 rank = min(d, max(1, round(target * (0.75 + 0.5 * float(torch.rand((), generator=gen))))))
-                n = rank * (tokens + d + 1)
+                if float(torch.rand((), generator=gen)) < args.raw_share:
+                    rank = RAW_RANK
+                n = tokens * d if rank == RAW_RANK else rank * (tokens + d + 1)
                 parts.append(torch.randn(n, generator=gen) * 0.1)
                 segments.append([offset, rank, tokens, row, head, kind])
                 offset += n
@@ -97,8 +102,11 @@ def quantized_layer(layer, quant):
     flat, parts, table, at = layer["factors"].float().cpu(), [], layer["segments"].clone(), 0
     for i, (src, rank, tokens, _, _, kind) in enumerate(layer["segments"].tolist()):
         a_end, s_end = src + tokens * rank, src + tokens * rank + rank
-        raw = pack_segment(flat[src:a_end].view(tokens, rank), flat[a_end:s_end],
-                           flat[s_end:s_end + d * rank].view(d, rank), quant, kind)
+        if rank == RAW_RANK:
+            raw = pack_raw_segment(flat[src:src + tokens * d].view(tokens, d), quant, kind)
+        else:
+            raw = pack_segment(flat[src:a_end].view(tokens, rank), flat[a_end:s_end],
+                               flat[s_end:s_end + d * rank].view(d, rank), quant, kind)
         parts.append(raw)
         table[i, 0] = at
         at += raw.numel()
@@ -207,13 +215,15 @@ def main():
     factor_bytes = {scope: sum(L["factors"].numel() * L["factors"].element_size() for L in ls)
                     for scope, ls in scopes.items()}
     ranks = torch.cat([L["segments"][:, 1] for L in layers]).float()
+    factored = ranks[ranks >= 0] if (ranks >= 0).any() else ranks.new_zeros(1)
     report = {
         "device": torch.cuda.get_device_name() if gpu else platform.processor() or "cpu",
         "torch": torch.__version__, "triton": getattr(rk.triton, "__version__", None),
         "workload": {k: getattr(args, k) for k in ("layers", "kv_heads", "head_dim", "blocks", "block_tokens",
-                                                   "rho", "dtype")}
+                                                   "rho", "raw_share", "dtype")}
         | {"rows_per_layer": n_rows, "segments_per_layer": len(layers[0]["segments"]),
-           "rank_mean": ranks.mean().item(), "rank_min": ranks.min().item(), "rank_max": ranks.max().item(),
+           "rank_mean": factored.mean().item(), "rank_min": factored.min().item(), "rank_max": factored.max().item(),
+           "raw_segments": int((ranks == RAW_RANK).sum()),
            "traffic_bytes": traffic, "factor_bytes": factor_bytes,
            "rope_table_bytes": 2 * cos.numel() * cos.element_size()},  # read too, not counted as traffic
         "seconds": {}, "notes": [],
@@ -294,7 +304,8 @@ def print_table(report):
     w = report["workload"]
     print(f"\n{report['device']}: {w['layers']} layers x {w['kv_heads']} kv heads x d={w['head_dim']}, "
           f"{w['blocks']} blocks x ~{w['block_tokens']} tokens, rho={w['rho']}, {w['dtype']}, "
-          f"mean rank {w['rank_mean']:.1f}; triton config {report['triton_config']}")
+          f"mean rank {w['rank_mean']:.1f} of factored segments, {w['raw_segments']} raw; "
+          f"triton config {report['triton_config']}")
     for kind, error in report.get("max_abs_error_vs_reference", {}).items():
         print(f"max |triton - reference| on layer 0, {kind} (outputs poisoned with NaN first): {error:.3g}")
     print(f"{'what':<14}{'scope':>7}{'time':>12}{'GB/s':>10}{'vs copy':>9}{'vs ref':>8}")

@@ -44,8 +44,9 @@ def load_bench():
     return module
 
 
-def small_workload(bench, rho=0.5):
-    args = argparse.Namespace(head_dim=64, blocks=6, block_tokens=100, kv_heads=2, rho=rho, dtype="fp32", device="cpu")
+def small_workload(bench, rho=0.5, raw_share=0.0):
+    args = argparse.Namespace(head_dim=64, blocks=6, block_tokens=100, kv_heads=2, rho=rho, raw_share=raw_share,
+                              dtype="fp32", device="cpu")
     layer = bench.build_layer(args, torch.Generator().manual_seed(0))
     cos, sin = bench.rope_tables(layer["out_k"].shape[1], 64, "cpu")
     return args, layer, cos, sin
@@ -59,10 +60,12 @@ def test_bench_workload_stores_rho_of_the_fp16_values():
     assert 0.4 < kept / full < 0.6  # ranks are jittered ±25% around ρ T d / (T + d + 1)
 
 
-@pytest.mark.parametrize("quant", [None, "int4"])
-def test_bench_check_fails_a_kernel_that_writes_nothing(quant):
+@pytest.mark.parametrize("quant, raw_share", [(None, 0.0), ("int4", 0.0), (None, 0.5), ("int8", 0.5), ("int4", 0.5)])
+def test_bench_check_fails_a_kernel_that_writes_nothing(quant, raw_share):
+    """Also with raw segments among factored ones (--raw-share), packed as each format packs them."""
     bench = load_bench()
-    _, layer, cos, sin = small_workload(bench)
+    _, layer, cos, sin = small_workload(bench, raw_share=raw_share)
+    assert ((layer["segments"][:, 1] == -1).sum() > 0) == (raw_share > 0)
     if quant:
         layer = bench.quantized_layer(layer, quant)
 
