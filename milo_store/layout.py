@@ -91,6 +91,12 @@ class Layout:
         low_rank = np.maximum(r, 0) * self.unit_size(t, kind) + (r > 0) * self.fixed_size(t, kind)
         return np.where(r == RAW_RANK, self.raw_size(t, kind), low_rank)
 
+    def ranks_in_range(self, ranks) -> bool:
+        """Every rank is RAW_RANK or in [0, d]: what writer and reader both require (a projection's
+        rank may exceed a block's token count, never d)."""
+        r = np.asarray(ranks)
+        return not ((r < RAW_RANK) | (r > self.head_dim)).any()
+
     @property
     def units_per_block(self) -> int:
         return self.num_layers * 2 * self.num_kv_heads

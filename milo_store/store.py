@@ -31,7 +31,7 @@ from . import remote
 from .blockcache import BlockCache
 from .checksum import crc32c
 from .errors import FormatVersionError, NotAStoreError, StoreCorruptedError, StoreError
-from .layout import RAW_RANK, Layout, compressed_bytes
+from .layout import Layout, compressed_bytes
 from .sources import ChunkFiles
 from .urls import is_url
 
@@ -117,7 +117,7 @@ class MiloStore:
         if self.ranks.shape != want or self.checksums.shape != (n,):
             raise StoreCorruptedError(f"{self.path}: index shapes disagree: ranks {self.ranks.shape}, expected {want}; "
                                       f"checksums {self.checksums.shape}")
-        if n and (self.block_tokens.min() < 1 or self.ranks.min() < RAW_RANK or self.ranks.max() > self.layout.head_dim):
+        if n and (self.block_tokens.min() < 1 or not self.layout.ranks_in_range(self.ranks)):
             raise StoreCorruptedError(f"{self.path}: index holds impossible token counts or ranks")
         if fmt.store_version(self.ranks) > self.meta["format_version"]:
             raise StoreCorruptedError(f"{self.path}: a version-{self.meta['format_version']} store cannot hold raw units")

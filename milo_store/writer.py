@@ -101,7 +101,7 @@ class StoreWriter:
         self.block_tokens = np.asarray(block_tokens, dtype=np.int32)
         if self.ranks.shape != (len(self.block_tokens), layout.num_layers, 2, layout.num_kv_heads):
             raise ValueError(f"ranks shape {self.ranks.shape} does not match {len(self.block_tokens)} blocks of {layout}")
-        if ((self.ranks < RAW_RANK) | (self.ranks > layout.head_dim)).any():  # a projection may exceed T
+        if not layout.ranks_in_range(self.ranks):
             raise ValueError(f"ranks must be {RAW_RANK} (raw) or in [0, head_dim={layout.head_dim}]; got "
                              f"{int(self.ranks.min())}..{int(self.ranks.max())}")
         if dtype not in fmt.NUMPY_DTYPES:

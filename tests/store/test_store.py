@@ -142,6 +142,21 @@ def test_writer_refuses_impossible_ranks(tmp_path):
             StoreWriter(tmp_path / "s", LAYOUT, ranks, [5])
 
 
+@pytest.mark.parametrize("bad", [RAW_RANK - 1, LAYOUT.head_dim + 1])
+def test_a_rank_out_of_range_in_the_index_is_corruption(tmp_path, bad):
+    """The reader holds the index to the writer's rule (Layout.ranks_in_range) before laying out a byte."""
+    import zarr
+
+    ranks = np.ones((1, LAYOUT.num_layers, 2, LAYOUT.num_kv_heads))
+    with StoreWriter(tmp_path / "s", LAYOUT, ranks, [5]) as w:
+        w.write_block(torch.zeros(int(LAYOUT.block_offsets(ranks, np.array([5]))[-1]), dtype=torch.float16))
+        w.commit()
+    stored = zarr.open_array(str(tmp_path / "s" / "ranks"), mode="r+")
+    stored[0, 0, 0, 0] = bad
+    with pytest.raises(StoreCorruptedError, match="impossible token counts or ranks"):
+        MiloStore.open(tmp_path / "s")
+
+
 def test_raw_units_in_a_version_1_store_are_corruption(tmp_path):
     """A reader must never take the raw sentinel from a store that claims the format before it."""
     ranks = np.full((1, LAYOUT.num_layers, 2, LAYOUT.num_kv_heads), RAW_RANK)
