@@ -101,10 +101,10 @@ def quantized_layer(layer, quant):
     d = layer["out_k"].shape[-1]
     flat, parts, table, at = layer["factors"].float().cpu(), [], layer["segments"].clone(), 0
     for i, (src, rank, tokens, _, _, kind) in enumerate(layer["segments"].tolist()):
-        a_end, s_end = src + tokens * rank, src + tokens * rank + rank
         if rank == RAW_RANK:
             raw = pack_raw_segment(flat[src:src + tokens * d].view(tokens, d), quant, kind)
         else:
+            a_end, s_end = src + tokens * rank, src + tokens * rank + rank
             raw = pack_segment(flat[src:a_end].view(tokens, rank), flat[a_end:s_end],
                                flat[s_end:s_end + d * rank].view(d, rank), quant, kind)
         parts.append(raw)
