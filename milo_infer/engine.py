@@ -27,7 +27,8 @@ import transformers
 
 from milo_kernels import kernel_backend, plan_layers, reconstruct_layer
 from milo_store import MiloStore
-from milo_store.prefetch import LayerPrefetcher
+from milo_store.device_tier import DeviceTier
+from milo_store.prefetch import LayerPrefetcher, TransferPool
 
 from .cache import BatchCache
 from .decoding import GreedyDecoder, LabelDecoder
@@ -71,11 +72,13 @@ def rebuild_layer(factors, segments, out_k, out_v, cos, sin, *, interleaved, qua
 
 class Engine:
     """The model and the stores it answers from; ``plan`` queries, ``answer`` a batch of plans, or keep a
-    running ``batch()``. ``rebuild`` replaces the kernels' reconstruction (the benchmark's full-KV copy)."""
+    running ``batch()``. ``rebuild`` replaces the kernels' reconstruction (the benchmark's full-KV copy);
+    ``device_cache_bytes`` keeps that many bytes of blocks' factors on the device (`DeviceTier`)."""
 
     def __init__(self, loaded: LoadedModel, stores: dict[str, MiloStore], *, k: int = 6,
                  token_budget: int | None = None, order: str = "score", max_new_tokens: int = MAX_NEW_TOKENS,
-                 device=None, prefetch_depth: int = 2, aggregate: str = "max", rebuild: Rebuild = rebuild_layer):
+                 device=None, prefetch_depth: int = 2, aggregate: str = "max", rebuild: Rebuild = rebuild_layer,
+                 device_cache_bytes: int = 0):
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
         self.cache_kwarg = cache_keyword(self.model)
         model_device = next(self.model.parameters()).device
@@ -96,6 +99,9 @@ class Engine:
         self.cos, self.sin = rope_tables(self.model, self.max_positions, device=self.device)
         self.stores = {name: MountedStore(name, store, self.tokenizer, self.cos, self.sin, self.device, self.dtype,
                                           aggregate) for name, store in stores.items()}
+        self.device_tier = DeviceTier(device_cache_bytes, self.device) if device_cache_bytes else None
+        # one side stream and buffer set per store: a batch may stream from several stores at once
+        self.transfers = {name: TransferPool(self.device) for name in stores} if self.device.type == "cuda" else {}
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else self.tokenizer.eos_token_id or 0)
 
@@ -167,14 +173,17 @@ class Batch:
             by_store[p.store] += p.blocks
         unions = {name: list(dict.fromkeys(blocks)) for name, blocks in by_store.items()}
         with clock.host("read"):
-            fetched = {name: LayerPrefetcher(e.stores[name].store, ids, e.device, depth=e.prefetch_depth)
+            fetched = {name: LayerPrefetcher(e.stores[name].store, ids, e.device, depth=e.prefetch_depth,
+                                             tier=e.device_tier, pool=e.transfers.get(name))
                        for name, ids in unions.items()}
+        hits = sum(pf.tier_hits for pf in fetched.values())
         for pf in fetched.values():
             clock.defer("transfer", pf.transfer_seconds)
         self.fetch_stats = {
             "rows": len(plans), "blocks": sum(len(p.blocks) for p in plans),
             "unique_blocks": sum(len(u) for u in unions.values()),
-            "bytes": sum(int(pf.layer_values.sum()) * e.stores[n].store.itemsize for n, pf in fetched.items()),
+            "device_hits": hits,
+            "bytes": sum(pf.bytes_moved for pf in fetched.values()),
             "bytes_without_union": sum(p.kv_bytes_stored for p in plans)}
         H2 = 2 * e.stores[plans[0].store].layout.num_kv_heads
         tables = []

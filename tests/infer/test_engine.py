@@ -183,3 +183,36 @@ def test_batched_rows_equal_alone_through_the_triton_kernel(tmp_path):
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "worst" in run.stdout
+
+
+def test_the_device_tier_serves_blocks_again_without_reading_them(setup):
+    loaded, store = setup
+    plain = Engine(loaded, {"s": store})
+    tiered = Engine(loaded, {"s": store}, device_cache_bytes=1 << 30)
+    first = tiered.batch()
+    first.admit([tiered.plan("s", Request("topic1 topic2", k=2))])
+    assert first.fetch_stats["device_hits"] == 0 and first.fetch_stats["bytes"] > 0
+    again = tiered.batch()
+    plans = [tiered.plan("s", Request("topic2 topic1", k=2)), tiered.plan("s", Request("topic1 topic3", k=2))]
+    again.admit(plans)
+    assert again.fetch_stats["device_hits"] == 2 and again.fetch_stats["unique_blocks"] == 3
+    moved = again.fetch_stats["bytes"]
+    assert 0 < moved < again.fetch_stats["bytes_without_union"] and tiered.device_tier.stats()["hits"] == 2
+    for p, got in zip(plans, tiered.logits(plans)):
+        want = plain.logits([plain.plan("s", p.request)])[0]
+        assert (got - want).abs().max() <= ATOL
+
+
+def test_the_device_tier_keeps_within_its_bytes_least_recent_out_first():
+    from milo_store.device_tier import DeviceTier
+
+    tier = DeviceTier(100, "cpu")
+    for i in range(4):
+        tier.put(("s", i), torch.zeros(10, dtype=torch.float32))  # 40 bytes each
+    assert len(tier) == 2 and tier.bytes == 80 and tier.get(("s", 0)) is None
+    assert tier.get(("s", 2)) is not None  # 2 is now the most recent: 3 goes first
+    tier.put(("s", 4), torch.zeros(10))
+    assert tier.get(("s", 3)) is None and tier.get(("s", 2)) is not None
+    tier.put(("s", 5), torch.zeros(30))  # larger than the tier: not kept
+    assert tier.get(("s", 5)) is None and tier.bytes <= 100
+    assert tier.stats()["hits"] == 2 and tier.stats()["misses"] == 3
