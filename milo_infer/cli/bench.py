@@ -23,6 +23,7 @@ from ..corpus import load_corpus, load_dataset, task_from_corpus
 from ..models import load_model
 from ..session import default_device, place_model
 from . import CommandError
+from .errors import INPUT_ERRORS
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 
@@ -128,8 +129,6 @@ def run(args) -> int:
 
 def main(argv=None) -> int:
     """`python -m milo_infer.cli.bench`: the same command outside `milo` (tools/gpu_bench.sh uses it)."""
-    from .main import INPUT_ERRORS  # here: main imports this module
-
     p = argparse.ArgumentParser(prog="milo bench", description=__doc__)
     add_arguments(p)
     args = p.parse_args(argv)

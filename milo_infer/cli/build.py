@@ -22,7 +22,8 @@ import torch
 
 from milo_store import CompressionConfig
 from milo_store.allocation import KV_SPLITS, POLICIES, SCOPES
-from milo_store.cli.common import human_bytes, print_json
+from milo_store.commandline import print_json
+from milo_store.report import human_bytes
 from milo_store.codec import CODECS
 from milo_store.format import TORCH_DTYPES
 from milo_store.urls import is_url, local_sidecar
