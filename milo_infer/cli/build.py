@@ -30,7 +30,8 @@ from milo_store.urls import is_url, local_sidecar
 from milo_store.writer import check_target
 
 from ..build import BuildConfig, auto_dtype, build_store, default_allocation
-from ..corpus import DATASETS, load_corpus, load_dataset, task_from_corpus
+from ..corpus import load_corpus, task_from_corpus
+from ..datasets import DATASETS, load_dataset
 from ..distributed import World
 from ..models import load_model
 from . import CommandError

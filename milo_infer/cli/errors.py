@@ -6,7 +6,8 @@ from milo_store.errors import StoreError
 from milo_store.staging import StagingError
 
 from ..build import BuildError
-from ..corpus import CorpusError, DatasetUnavailable
+from ..corpus import CorpusError
+from ..datasets import DatasetUnavailable
 from ..distributed import RankError
 from ..models import ModelUnavailable, UnsupportedModelError
 from . import CommandError
