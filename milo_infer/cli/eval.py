@@ -1,7 +1,7 @@
 """Compare storage methods on held-out queries: accuracy and measured KV bytes, as a results table.
 
 For each data set, seed and block size: the first --shots training demonstrations become one store
-per method and ratio (the model encodes them once per codec; see `milo_infer.evaluate.encode_once`),
+per method and ratio (the model encodes them once per codec; see `milo_infer.shared_staging.encode_once`),
 then the first --test test items are answered from each store. --ratio and --block-size take
 comma-separated lists, for accuracy-against-ratio and -block-size curves (tools/plot_results.py).
 Everything lands under --out: the stores, one predictions JSONL per run (rerunning the same command
@@ -20,9 +20,12 @@ import torch
 from tqdm import tqdm
 
 from ..build import BuildConfig
-from ..corpus import DATASETS, load_corpus, load_dataset, task_from_corpus
-from ..evaluate import (BASES, DEFAULT, EXAMPLES, MODIFIERS, QUANTS, agreement, encode_once, evaluate, method_config,
-                        resolve, store_name, write_tables)
+from ..corpus import load_corpus, task_from_corpus
+from ..datasets import DATASETS, load_dataset
+from ..evaluate import agreement, evaluate
+from ..methods import BASES, DEFAULT, EXAMPLES, MODIFIERS, QUANTS, method_config, resolve, store_name
+from ..shared_staging import encode_once
+from ..tables import write_tables
 from ..models import load_model
 from ..session import MAX_NEW_TOKENS
 from . import CommandError

@@ -1,6 +1,7 @@
 """This machine's block cache of remote stores: `stat` (size, files; --verify checks every file) or `clear`."""
 from ..blockcache import BlockCache, parse_size
-from .common import human_bytes, print_json
+from ..commandline import print_json
+from ..report import human_bytes
 
 
 def add_arguments(p):

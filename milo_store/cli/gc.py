@@ -3,10 +3,11 @@
 Keeps the version the manifest names and the one it replaced, and any version with an object
 younger than --older-than seconds (a writer may still be uploading it).
 """
+from ..commandline import print_json
 from ..errors import StoreError
 from ..remote import gc
+from ..report import human_bytes
 from ..urls import is_url
-from .common import human_bytes, print_json
 
 
 def add_arguments(p):

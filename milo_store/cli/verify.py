@@ -1,8 +1,8 @@
 """Check a store's structure, every block's checksum and its indexes'; exit non-zero naming each bad one."""
 from tqdm import tqdm
 
+from ..commandline import print_json
 from ..store import MiloStore
-from .common import print_json
 
 
 def add_arguments(p):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from milo_infer import bench
+from milo_infer import synthetic_model
 from milo_infer.engine import Engine, Request, RequestError
 from milo_infer.models import LoadedModel, model_identity
 from milo_store import MiloStore
@@ -24,21 +24,21 @@ def random_llama() -> LoadedModel:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(1)
-    model = LlamaForCausalLM._from_config(LlamaConfig(**bench.SHAPES["tiny"], tie_word_embeddings=False),
+    model = LlamaForCausalLM._from_config(LlamaConfig(**synthetic_model.SHAPES["tiny"], tie_word_embeddings=False),
                                           dtype=torch.float32)
     model.eval().requires_grad_(False)
-    return LoadedModel(model=model, tokenizer=bench.byte_tokenizer(), identity=model_identity(model))
+    return LoadedModel(model=model, tokenizer=synthetic_model.byte_tokenizer(), identity=model_identity(model))
 
 
 def random_qwen2() -> LoadedModel:
     torch.manual_seed(0)
-    return bench.random_model("tiny")
+    return synthetic_model.random_model("tiny")
 
 
 @pytest.fixture(scope="module", params=["qwen2", "llama"])
 def setup(request, tmp_path_factory):
     loaded = random_qwen2() if request.param == "qwen2" else random_llama()
-    paths = bench.synthetic_stores(tmp_path_factory.mktemp(request.param), loaded, demos=40, block_size=8,
+    paths = synthetic_model.synthetic_stores(tmp_path_factory.mktemp(request.param), loaded, demos=40, block_size=8,
                                    demo_tokens=5, ratios=(0.5,))
     store = MiloStore.open(paths["milo-r0.5"])
     yield loaded, store
@@ -158,12 +158,12 @@ TRITON_CHECK = """
 import torch, sys
 sys.path.insert(0, {tests!r})
 from test_engine import random_qwen2, REQUESTS
-from milo_infer import bench
+from milo_infer import synthetic_model
 from milo_infer.engine import Engine
 from milo_kernels import kernel_backend
 from milo_store import MiloStore
 loaded = random_qwen2()
-paths = bench.synthetic_stores({root!r}, loaded, demos=24, block_size=8, demo_tokens=5, ratios=(0.5,))
+paths = synthetic_model.synthetic_stores({root!r}, loaded, demos=24, block_size=8, demo_tokens=5, ratios=(0.5,))
 with MiloStore.open(paths["milo-r0.5"]) as store:
     engine = Engine(loaded, {{"s": store}})
     assert kernel_backend(engine.device) == "triton"

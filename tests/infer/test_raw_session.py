@@ -5,7 +5,7 @@ One encoding (8 demonstrations of the demo corpus, blocks of 4) serves every sto
 """
 import pytest
 
-from milo_infer.evaluate import method_config
+from milo_infer.methods import method_config
 from milo_infer.session import MiloSession
 from milo_store.layout import RAW_RANK
 

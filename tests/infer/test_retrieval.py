@@ -206,7 +206,7 @@ def test_select_blocks_matches_greedy_reference(scores_tokens, k, budget):
 # --- against rank_bm25 on real data, and the index a store keeps ---------------------------
 
 def banking77(n: int):
-    from milo_infer.corpus import DatasetUnavailable, load_dataset
+    from milo_infer.datasets import DatasetUnavailable, load_dataset
 
     try:
         train, test, _ = load_dataset("banking77")

@@ -5,8 +5,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from milo_store import MiloStore
-from milo_store.cli.ls import block_rows
-from milo_store.cli.stat import describe
+from milo_store.report import block_rows, describe
 from milo_store.allocation import allocate_ranks
 from milo_store.codec import factorize_block, measured_losses, pack_block
 from milo_store.compress import CompressionConfig

@@ -1,14 +1,7 @@
-"""What the subcommands share: dispatch, one-line errors, formatting."""
+"""What the `milo-store` and `milo` command lines share: subcommand dispatch, one-line errors, JSON output."""
 import argparse
 import json
 import sys
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
 
 
 def print_json(obj) -> None:
