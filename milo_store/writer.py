@@ -16,6 +16,7 @@ import fcntl
 import itertools
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -62,6 +63,22 @@ class StoreLock:
         os.close(self.fd)
 
 
+def check_writable(path: Path) -> None:
+    """Refuse a location where no store can be written (``/proc/x``, a read-only or missing mount): a
+    writer creates ``<path>.lock`` and ``<path>.tmp-*`` beside it, making the missing parents first,
+    so a file must be creatable in the nearest directory that exists above it."""
+    existing = path.absolute().parent
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise StoreError(f"{path}: {existing} is a file, not a directory")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise StoreError(f"{path}: cannot write a store there ({existing}: {e.strerror or e})") from None
+
+
 def check_target(path, force: bool) -> None:
     """Refuse to overwrite what is not ours (any non-store), and a store unless forced."""
     if is_url(path):
@@ -69,6 +86,7 @@ def check_target(path, force: bool) -> None:
             raise StoreError(f"{path} already holds a store; pass force=True (--force) to replace it")
         return
     path = Path(path)
+    check_writable(path)
     if not path.exists():
         return
     if path.is_dir() and not any(path.iterdir()):

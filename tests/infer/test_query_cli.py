@@ -1,7 +1,11 @@
 """`milo query` on damaged stores and bad input: a one-line error and a non-zero exit, never an answer
 from corrupted bytes. The model is loaded once (the CLI's own load is replaced by the session's)."""
 import json
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +16,7 @@ from milo_store import CompressionConfig
 from demo_stores import encoded_demo_stores
 
 QUERY = "I still have not received my new card"
+ROOT = Path(__file__).resolve().parents[2]
 NOT_READ_BY_A_QUERY = {"token_ids"}  # kept for rebuilding blocks; a query never reads it
 
 pytestmark = pytest.mark.slow
@@ -58,3 +63,16 @@ def test_no_query_answers_from_a_store_with_a_flipped_byte_in_any_array(store, q
         else:
             assert code == 2 and out == "" and err.count("\n") == 1 and "Traceback" not in err, (array, err)
             assert array.split("/")[-1] in err or "factor bytes" in err, (array, err)
+
+
+def test_show_blocks_into_a_closed_pipe_ends_quietly(store):
+    """`milo query … --show-blocks | head -1`: no BrokenPipeError once the reader has gone."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run([sys.executable, "-m", "milo_infer.cli.main", "query", str(store), QUERY, "--k", "2",
+                               "--show-blocks"], stdout=write, stderr=subprocess.PIPE, text=True, timeout=300,
+                              env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    finally:
+        os.close(write)
+    assert done.returncode == 141 and "Error" not in done.stderr and "Traceback" not in done.stderr, done.stderr
