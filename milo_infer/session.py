@@ -136,6 +136,9 @@ class MiloSession:
         tokens = self.store.block_tokens[block_ids]
         dst = self.anchor_len + np.concatenate(([0], np.cumsum(tokens)[:-1])).astype(np.int64)
         prefix = self.anchor_len + int(tokens.sum())
+        if self.anchor_len + extra_tokens > self.cos.shape[0]:  # no k helps: not one block fits beside the query
+            raise ValueError(f"the query itself is too long: with the anchor and the answer it takes "
+                             f"{self.anchor_len + extra_tokens} of the model's {self.cos.shape[0]} positions")
         if prefix + extra_tokens > self.cos.shape[0]:
             raise ValueError(f"the assembled context ({prefix} tokens of anchor and blocks + {extra_tokens} for the "
                              f"query and answer) exceeds the model's {self.cos.shape[0]} positions; lower k or set a "

@@ -1,9 +1,12 @@
 """Answer a query from a store: retrieve blocks, rebuild their K/V, let the model answer.
 
 Prints the answer, and with --show-blocks the blocks used and their demonstrations; --json gives
-everything (answer, blocks, KV bytes full vs moved, seconds per stage) for programs.
+everything (answer, blocks, KV bytes full vs moved, seconds per stage) for programs. A query that shares no
+term with any demonstration is answered from arbitrary blocks: a warning on stderr says so, and
+``retrieval_matched`` is false in --json.
 """
 import json
+import sys
 
 from milo_store import MiloStore
 from milo_store.blockcache import BlockCache, parse_size
@@ -48,14 +51,19 @@ def run(args) -> int:
     examples = store.examples()
     results = []
     for text in args.text:
+        matched = session.retriever.matches(text)
+        if not matched:
+            print(f"milo query: warning: {text!r} shares no term with any demonstration: retrieval matched nothing, "
+                  "the blocks are arbitrary", file=sys.stderr)
         try:
             a = session.answer(text)
-        except ValueError as e:  # e.g. a token budget smaller than any block
+        except ValueError as e:  # e.g. a token budget smaller than any block, a query longer than the model's context
             raise CommandError(str(e)) from None
         shown = [{"block": b, "demonstrations": [f"{i} => {o}" for i, o, blk in
                                                  zip(examples["input"], examples["output"], examples["block"]) if blk == b]}
                  for b in a.blocks]
-        results.append({"query": text, "answer": a.text, "blocks": a.blocks, "prefix_tokens": a.prefix_tokens,
+        results.append({"query": text, "answer": a.text, "retrieval_matched": matched, "blocks": a.blocks,
+                        "prefix_tokens": a.prefix_tokens,
                         "kv_bytes_full": a.kv_bytes_full, "kv_bytes_stored": a.kv_bytes_stored,
                         "seconds": {k: round(v, 4) for k, v in a.seconds.items()}, "block_demonstrations": shown})
     if args.json:

@@ -76,3 +76,17 @@ def test_show_blocks_into_a_closed_pipe_ends_quietly(store):
     finally:
         os.close(write)
     assert done.returncode == 141 and "Error" not in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("text", ["", "zyxw qqvv"])
+def test_a_query_retrieval_cannot_match_is_answered_with_a_warning(store, query, text):
+    code, out, err = query(store, text, "--json")
+    assert code == 0 and json.loads(out)["retrieval_matched"] is False
+    assert "retrieval matched nothing, the blocks are arbitrary" in err
+    code, out, err = query(store, QUERY, "--json")
+    assert code == 0 and json.loads(out)["retrieval_matched"] is True and "matched nothing" not in err
+
+
+def test_a_query_longer_than_the_model_is_told_so_not_to_lower_k(store, query):
+    code, out, err = query(store, "card " * 9000)
+    assert code == 2 and err.count("\n") == 1 and "the query itself is too long" in err and "lower k" not in err, err
