@@ -223,3 +223,24 @@ def test_a_killed_writers_upload_folder_is_cleared_by_the_next(s3_url, tmp_path,
     assert not (leftover / "junk").exists()
     with MiloStore.open(url, block_cache=BlockCache(tmp_path / "blocks")) as store:
         assert store.verify_all() == []
+
+
+def test_a_mount_whose_pinned_version_was_removed_says_so(tmp_path, s3_url):
+    build_synthetic_store(s3_url, LAYOUT, TOKENS, CONFIG, seed=1)
+    old = MiloStore.open(s3_url, tier="disk", block_cache=BlockCache(tmp_path / "c"))
+    for seed in (2, 3):  # two replaces: the pinned version is neither current nor previous
+        build_synthetic_store(s3_url, LAYOUT, TOKENS, CONFIG, seed=seed, force=True)
+    assert len(gc(s3_url, older_than=0)["removed_versions"]) == 1
+    with old:
+        for read in (old.examples, old.anchor_kv):
+            with pytest.raises(StoreError, match="which this mount pinned, was removed"):
+                read()
+    with MiloStore.open(s3_url, tier="disk", block_cache=BlockCache(tmp_path / "c")) as new:
+        assert len(new.examples()["input"]) == len(TOKENS) and new.anchor_kv() is not None
+
+
+def test_gc_of_a_prefix_without_a_store_is_an_error(s3_url, capsys):
+    with pytest.raises(NotAStoreError, match="no milo store here"):
+        gc(s3_url + "-typo")
+    assert store_cli(["gc", s3_url + "-typo"]) == 2
+    assert "no milo store here" in capsys.readouterr().err
