@@ -80,23 +80,41 @@ def read_manifest(url: str, store) -> Manifest | None:
 class MetadataStore(zarr.storage.ObjectStore):
     """zarr's ObjectStore, with object-store failures turned into one-line StoreErrors naming the URL
     (zarr already maps a missing key to None). Metadata is read lazily (examples, anchor), so a link
-    failure can surface after the mount too."""
+    failure can surface after the mount too; so can the removal of the pinned version (``gc``), which
+    would otherwise read as arrays that are simply absent."""
 
-    def __init__(self, store, url: str):
+    def __init__(self, store, url: str, version: str):
         super().__init__(store, read_only=True)
-        self.url = url
+        self.url, self.version = url, version
 
     async def get(self, key, prototype, byte_range=None):
         try:
-            return await super().get(key, prototype, byte_range)
+            found = await super().get(key, prototype, byte_range)
         except Exception as e:
             raise remote_error(self.url, e) from None
+        if found is None:
+            await self._check_version_kept()
+        return found
 
     async def exists(self, key: str) -> bool:
         try:
-            return await super().exists(key)
+            found = await super().exists(key)
         except Exception as e:
             raise remote_error(self.url, e) from None
+        if not found:
+            await self._check_version_kept()
+        return found
+
+    async def _check_version_kept(self) -> None:
+        """A key is missing: fine if the version never had it, an error if the version itself is gone
+        (a version's objects never change, so its root metadata goes only when the version is removed)."""
+        try:
+            kept = await super().exists(f"{VERSIONS}/{self.version}/zarr.json")
+        except Exception as e:
+            raise remote_error(self.url, e) from None
+        if not kept:
+            raise StoreError(f"{self.url}: version {self.version}, which this mount pinned, was removed "
+                             "(milo-store gc after a replace); open the store again")
 
 
 def cache_key(url: str, version: str) -> str:
@@ -115,7 +133,7 @@ def mount(url: str, block_cache: BlockCache | None):
         raise FormatVersionError(f"{url}: {problem}")
     root = f"{VERSIONS}/{manifest.version}"
     try:
-        group = zarr.open_group(store=MetadataStore(store, url), path=root, mode="r")
+        group = zarr.open_group(store=MetadataStore(store, url, manifest.version), path=root, mode="r")
         meta = group.attrs.get(fmt.ATTRS_KEY)
     except StoreError:
         raise
@@ -193,6 +211,8 @@ def gc(url: str, older_than: float = 3600.0, dry_run: bool = False) -> dict:
 
     A version with any object younger than ``older_than`` seconds is kept: it may be a writer's
     upload in progress. Objects outside ``v/`` other than the manifest are not milo's and are left.
+    A URL with neither a manifest nor versions holds no store: NotAStoreError. Versions without a
+    manifest are the uploads of writers killed before the first publish, and are collected.
     """
     url = check_url(url)
     store = open_object_store(url)
@@ -202,6 +222,8 @@ def gc(url: str, older_than: float = 3600.0, dry_run: bool = False) -> dict:
         objects = [o for batch in obstore.list(store, prefix=f"{VERSIONS}/") for o in batch]
     except Exception as e:
         raise remote_error(url, e) from None
+    if manifest is None and not objects:  # most likely a mistyped prefix: say so rather than report nothing done
+        raise NotAStoreError(f"{url}: no milo store here (no {MANIFEST} and no store versions)")
     by_version: dict[str, list] = {}
     for o in objects:
         by_version.setdefault(o["path"].split("/")[1], []).append(o)

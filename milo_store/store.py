@@ -15,7 +15,10 @@ version a URL's manifest names (``remote.py``), pinned for the life of the mount
 Reads bypass zarr's codec pipeline on purpose: the factor array is uncompressed with the default
 chunk key encoding, so a block's bytes are plain byte ranges of at most a few files, and reading them
 into place is several times faster than a zarr slice (docs/benchmarks.md). Integrity comes from the
-per-block CRC32C, checked on every read unless ``verify=False``.
+per-block CRC32C, checked on every read unless ``verify=False``. Every other array but the indexes
+(which carry their own) is checked against the CRC32C of its values in the attributes
+(``fmt.ARRAY_CHECKSUMS``, format version 3) whenever it is read: the index arrays at mount, the
+anchor, token ids and demonstrations when asked for. Older stores have none and are read with a warning.
 """
 import warnings
 import weakref
@@ -49,10 +52,12 @@ class MiloStore:
         self.dtype = meta["factor_dtype"]
         self.torch_dtype = fmt.TORCH_DTYPES[self.dtype]
         self.itemsize = torch.empty(0, dtype=self.torch_dtype).element_size()
-        self.ranks = np.asarray(group[fmt.RANKS][...], dtype=np.int16)
-        self.block_tokens = np.asarray(group[fmt.TOKENS][...], dtype=np.int64)
-        self.checksums = np.asarray(group[fmt.CHECKSUMS][...], dtype=np.uint32)
-        self.block_group = (np.asarray(group[fmt.BLOCK_GROUP][...], dtype=np.int64) if fmt.BLOCK_GROUP in group
+        self._array_checksums = self._recorded_checksums()
+        self._token_ids = None
+        self.ranks = np.asarray(self._read_array(fmt.RANKS), dtype=np.int16)
+        self.block_tokens = np.asarray(self._read_array(fmt.TOKENS), dtype=np.int64)
+        self.checksums = np.asarray(self._read_array(fmt.CHECKSUMS), dtype=np.uint32)
+        self.block_group = (np.asarray(self._read_array(fmt.BLOCK_GROUP), dtype=np.int64) if fmt.BLOCK_GROUP in group
                             else np.arange(len(self.block_tokens), dtype=np.int64))
         self._check_index()
         self._group_starts = np.searchsorted(self.block_group, np.arange(self.num_groups + 1))
@@ -111,6 +116,33 @@ class MiloStore:
         return path, group, meta
 
     # -- structure -------------------------------------------------------------------------------
+    def _recorded_checksums(self) -> dict | None:
+        """The CRC32C of every metadata array (None for a store written before them, with a warning)."""
+        if self.meta["format_version"] < fmt.FORMAT_VERSION:
+            warnings.warn(f"{self.path}: format version {self.meta['format_version']} records no checksums of its "
+                          "metadata arrays (anchor, demonstrations, ranks, ...): they are read unchecked; rebuild "
+                          "the store to check them")
+            return None
+        recorded = self.meta.get(fmt.ARRAY_CHECKSUMS)
+        if not isinstance(recorded, dict):
+            raise StoreCorruptedError(f"{self.path}: attributes lack the checksums of its arrays ({fmt.ARRAY_CHECKSUMS})")
+        return recorded
+
+    def _read_array(self, name: str) -> np.ndarray:
+        """A whole metadata array, checked against its recorded CRC32C: corrupted bytes are never returned."""
+        try:
+            data = np.asarray(self.group[name][...])
+        except KeyError:
+            raise
+        except Exception as e:  # a damaged compressed chunk, or damaged array metadata
+            raise StoreCorruptedError(f"{self.path}: array {name} is unreadable ({type(e).__name__}: {e})") from e
+        if self._array_checksums is not None:
+            if name not in self._array_checksums:
+                raise StoreCorruptedError(f"{self.path}: array {name} has no recorded checksum")
+            if fmt.array_checksum(data) != self._array_checksums[name]:
+                raise StoreCorruptedError(f"{self.path}: array {name} fails its checksum (corrupted store metadata)")
+        return data
+
     def _check_index(self):
         n = len(self.block_tokens)
         want = (n, self.layout.num_layers, 2, self.layout.num_kv_heads)
@@ -218,6 +250,20 @@ class MiloStore:
                 self.index_arrays(name, check=True)
             except StoreError as e:
                 problems.append(str(e))
+        return problems + self._metadata_problems()
+
+    def _metadata_problems(self) -> list[str]:
+        """Every metadata array that is missing, unreadable or fails its recorded checksum."""
+        names = list(self._array_checksums or ())
+        names += [n for n in fmt.CHECKED_ARRAYS if n in self.group and n not in names]
+        problems = []
+        for name in names:
+            try:
+                self._read_array(name)
+            except KeyError:
+                problems.append(f"{self.path}: array {name} is missing")
+            except StoreError as e:
+                problems.append(str(e))
         return problems
 
     # -- metadata --------------------------------------------------------------------------------
@@ -247,21 +293,22 @@ class MiloStore:
         """The uncompressed anchor K/V [L, 2, H, T_anchor, d] (pre-RoPE keys), or None."""
         if fmt.ANCHOR not in self.group:
             return None
-        return fmt.from_numpy(np.asarray(self.group[fmt.ANCHOR][...]), fmt.anchor_dtype(self.dtype))
+        return fmt.from_numpy(self._read_array(fmt.ANCHOR), fmt.anchor_dtype(self.dtype))
 
     def token_ids(self, i: int) -> np.ndarray | None:
         """The token ids block i was encoded from, or None when the store does not keep them."""
         if fmt.TOKEN_IDS not in self.group:
             return None
+        if self._token_ids is None:  # read and checked whole once (its checksum covers the whole array)
+            self._token_ids = self._read_array(fmt.TOKEN_IDS)
         start = int(self.block_tokens[:i].sum())
-        return np.asarray(self.group[fmt.TOKEN_IDS][start:start + int(self.block_tokens[i])])
+        return self._token_ids[start:start + int(self.block_tokens[i])]
 
     def examples(self) -> dict:
         """Demonstrations: lists 'input', 'output', 'id' and 'block' (empty lists when none were stored)."""
         if fmt.EXAMPLES not in self.group:
             return {"input": [], "output": [], "id": [], "block": []}
-        g = self.group[fmt.EXAMPLES]
-        return {k: g[k][...].tolist() for k in ("input", "output", "id", "block")}
+        return {k: self._read_array(f"{fmt.EXAMPLES}/{k}").tolist() for k in ("input", "output", "id", "block")}
 
     def num_examples(self) -> int:
         """How many demonstrations the store keeps (from array metadata: no demonstration is read)."""

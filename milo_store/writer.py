@@ -16,6 +16,7 @@ import fcntl
 import itertools
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -62,6 +63,22 @@ class StoreLock:
         os.close(self.fd)
 
 
+def check_writable(path: Path) -> None:
+    """Refuse a location where no store can be written (``/proc/x``, a read-only or missing mount): a
+    writer creates ``<path>.lock`` and ``<path>.tmp-*`` beside it, making the missing parents first,
+    so a file must be creatable in the nearest directory that exists above it."""
+    existing = path.absolute().parent
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise StoreError(f"{path}: {existing} is a file, not a directory")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise StoreError(f"{path}: cannot write a store there ({existing}: {e.strerror or e})") from None
+
+
 def check_target(path, force: bool) -> None:
     """Refuse to overwrite what is not ours (any non-store), and a store unless forced."""
     if is_url(path):
@@ -69,6 +86,7 @@ def check_target(path, force: bool) -> None:
             raise StoreError(f"{path} already holds a store; pass force=True (--force) to replace it")
         return
     path = Path(path)
+    check_writable(path)
     if not path.exists():
         return
     if path.is_dir() and not any(path.iterdir()):
@@ -137,6 +155,7 @@ class StoreWriter:
         self.buffer_start = 0  # flat offset of buffer[0]
         self.next_block = 0
         self.checksums = np.zeros(len(self.block_tokens), dtype=np.uint32)
+        self.array_checksums = {}  # every array but factors (per-block CRC32C) and indexes (their own)
         self.extra = {}
 
     def _remove_stale_temps(self):
@@ -149,6 +168,11 @@ class StoreWriter:
                 os.rename(old, self.path)
             else:
                 shutil.rmtree(old, ignore_errors=True)
+
+    def _create_checked(self, name: str, data: np.ndarray, **kwargs) -> None:
+        """Write a whole metadata array and record the CRC32C of its values (fmt.ARRAY_CHECKSUMS)."""
+        self.group.create_array(name, data=data, **kwargs)
+        self.array_checksums[name] = fmt.array_checksum(data)
 
     def write_block(self, packed: torch.Tensor) -> None:
         """Append the next block's packed factors (flat, as codec.pack_block returns them)."""
@@ -183,7 +207,7 @@ class StoreWriter:
             raise ValueError(f"anchor K/V must be [L, 2, H, T, d] with L, H, d = {want[0]}, {want[2]}, "
                              f"{self.layout.head_dim}; got {tuple(anchor_kv.shape)}")
         data = fmt.to_numpy(anchor_kv.to(fmt.TORCH_DTYPES[fmt.anchor_dtype(self.dtype)]))
-        self.group.create_array(fmt.ANCHOR, data=data, compressors=None)
+        self._create_checked(fmt.ANCHOR, data, compressors=None)
 
     def write_examples(self, inputs: list[str], outputs: list[str], ids: list[str], blocks: list[int]) -> None:
         """The demonstrations' text and the block each belongs to (what retrieval indexes)."""
@@ -192,7 +216,8 @@ class StoreWriter:
         g = self.group.create_group(fmt.EXAMPLES)
         for name, values in (("input", inputs), ("output", outputs), ("id", ids)):
             g.create_array(name, shape=(len(values),), dtype=str)[:] = np.array(values, dtype=object)
-        g.create_array("block", data=np.asarray(blocks, dtype=np.int32))
+            self.array_checksums[f"{fmt.EXAMPLES}/{name}"] = fmt.array_checksum(np.array(values, dtype=object))
+        self._create_checked(f"{fmt.EXAMPLES}/block", np.asarray(blocks, dtype=np.int32))
 
     def write_index(self, name: str, arrays: dict, attrs: dict) -> None:
         """A named index under ``indexes/<name>``: 1-D arrays, each one uncompressed chunk so a reader can
@@ -215,7 +240,7 @@ class StoreWriter:
         token_ids = np.asarray(token_ids, dtype=np.int32)
         if token_ids.shape != (int(self.block_tokens.sum()),):
             raise ValueError(f"expected {int(self.block_tokens.sum())} token ids, got {token_ids.shape}")
-        self.group.create_array(fmt.TOKEN_IDS, data=token_ids)
+        self._create_checked(fmt.TOKEN_IDS, token_ids)
 
     def commit(self) -> Path | str:
         """Finish the factor array, write index and attributes, fsync, and move the store into place
@@ -225,14 +250,15 @@ class StoreWriter:
         try:
             if self.buffer_start < self.factors.shape[0]:
                 self._flush()
-            self.group.create_array(fmt.RANKS, data=self.ranks)
-            self.group.create_array(fmt.TOKENS, data=self.block_tokens)
-            self.group.create_array(fmt.CHECKSUMS, data=self.checksums)
+            self._create_checked(fmt.RANKS, self.ranks)
+            self._create_checked(fmt.TOKENS, self.block_tokens)
+            self._create_checked(fmt.CHECKSUMS, self.checksums)
             if self.block_group is not None:
-                self.group.create_array(fmt.BLOCK_GROUP, data=self.block_group)
-            version = fmt.store_version(self.ranks)
+                self._create_checked(fmt.BLOCK_GROUP, self.block_group)
+            version = fmt.FORMAT_VERSION
             self.group.attrs[fmt.ATTRS_KEY] = {
                 **self.attrs, "format_version": version, "factor_dtype": self.dtype,
+                fmt.ARRAY_CHECKSUMS: self.array_checksums,
                 "layout": {"num_layers": self.layout.num_layers, "num_kv_heads": self.layout.num_kv_heads,
                            "head_dim": self.layout.head_dim, "quant": self.layout.quant,
                            "quantized": self.layout.quant == "int8"}}  # what readers before INT4 look for

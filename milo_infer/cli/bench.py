@@ -22,7 +22,8 @@ from .. import bench, bench_report, synthetic_model
 from ..corpus import load_corpus, task_from_corpus
 from ..datasets import load_dataset
 from ..models import load_model
-from ..session import default_device, place_model
+from ..devices import usable_device
+from ..session import place_model
 from . import CommandError
 from .errors import INPUT_ERRORS
 
@@ -75,7 +76,10 @@ def _ratios(text: str) -> list[float]:
 def setup(args, ratios):
     """(loaded model, store paths, query texts) for the chosen source."""
     out = Path(args.stores) if args.stores else Path(args.out) / "stores"
-    device = torch.device(args.device) if args.device else default_device()
+    try:
+        device = usable_device(args.device)
+    except ValueError as e:
+        raise CommandError(f"--device {args.device}: {e}") from None
     if args.synthetic:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         loaded = synthetic_model.random_model(args.synthetic, device, dtype)

@@ -1,13 +1,17 @@
 """Answer a query from a store: retrieve blocks, rebuild their K/V, let the model answer.
 
 Prints the answer, and with --show-blocks the blocks used and their demonstrations; --json gives
-everything (answer, blocks, KV bytes full vs moved, seconds per stage) for programs.
+everything (answer, blocks, KV bytes full vs moved, seconds per stage) for programs. A query that shares no
+term with any demonstration is answered from arbitrary blocks: a warning on stderr says so, and
+``retrieval_matched`` is false in --json.
 """
 import json
+import sys
 
 from milo_store import MiloStore
 from milo_store.blockcache import BlockCache, parse_size
 
+from ..devices import usable_device
 from ..models import load_model
 from ..session import MiloSession, place_model
 from . import CommandError
@@ -33,27 +37,33 @@ def run(args) -> int:
         raise CommandError(f"--k must be at least 1; got {args.k}")
     if args.token_budget is not None and args.token_budget < 1:
         raise CommandError(f"--token-budget must be at least 1; got {args.token_budget}")
+    try:
+        device = usable_device(args.device)
+    except ValueError as e:  # an unknown or absent device: said before the model loads
+        raise CommandError(f"--device {args.device}: {e}") from None
     store = MiloStore.open(args.store, tier=args.tier, block_cache=BlockCache(args.cache_dir, args.cache_size))
     try:
         loaded = load_model(args.model)
     except (OSError, ValueError) as e:  # no such path, not a model folder, an unsupported model
         raise CommandError(f"--model: {e}") from None
-    try:
-        device = place_model(loaded, args.device)
-    except RuntimeError as e:  # e.g. an unknown or absent device
-        raise CommandError(f"--device {args.device}: {e}") from None
+    device = place_model(loaded, device)
     session = MiloSession(loaded, store, k=args.k, token_budget=args.token_budget, order=args.order, device=device)
     examples = store.examples()
     results = []
     for text in args.text:
+        matched = session.retriever.matches(text)
+        if not matched:
+            print(f"milo query: warning: {text!r} shares no term with any demonstration: retrieval matched nothing, "
+                  "the blocks are arbitrary", file=sys.stderr)
         try:
             a = session.answer(text)
-        except ValueError as e:  # e.g. a token budget smaller than any block
+        except ValueError as e:  # e.g. a token budget smaller than any block, a query longer than the model's context
             raise CommandError(str(e)) from None
         shown = [{"block": b, "demonstrations": [f"{i} => {o}" for i, o, blk in
                                                  zip(examples["input"], examples["output"], examples["block"]) if blk == b]}
                  for b in a.blocks]
-        results.append({"query": text, "answer": a.text, "blocks": a.blocks, "prefix_tokens": a.prefix_tokens,
+        results.append({"query": text, "answer": a.text, "retrieval_matched": matched, "blocks": a.blocks,
+                        "prefix_tokens": a.prefix_tokens,
                         "kv_bytes_full": a.kv_bytes_full, "kv_bytes_stored": a.kv_bytes_stored,
                         "seconds": {k: round(v, 4) for k, v in a.seconds.items()}, "block_demonstrations": shown})
     if args.json:

@@ -28,6 +28,7 @@ def run(args) -> int:
         print_json(report)
         return 0
     verb = "would remove" if args.dry_run else "removed"
-    print(f"{report['url']}: current version {report['current']}; {verb} {len(report['removed_versions'])} version(s), "
+    current = report["current"] or "none (no store published yet)"
+    print(f"{report['url']}: current version {current}; {verb} {len(report['removed_versions'])} version(s), "
           f"{report['removed_objects']} object(s), {human_bytes(report['removed_bytes'])}; kept {len(report['kept'])}")
     return 0

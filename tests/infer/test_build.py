@@ -157,6 +157,15 @@ def test_output_under_a_file(tmp_path, monkeypatch, capsys):
     assert f"{corpus} is a file, not a directory" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("out", ["/proc/x", "/proc/x/y", "/sys/x"])
+def test_unwritable_output_is_refused_before_the_model_loads(tmp_path, monkeypatch, capsys, out):
+    corpus = write_corpus(tmp_path / "c.jsonl", 6)
+    monkeypatch.setattr(milo_infer.cli.build, "load_model", no_model)
+    assert main(["build", "--corpus", str(corpus), "--block-size", "2", "--out", out]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"milo build: {out}: cannot write a store there" in err, err
+
+
 def test_unknown_model_path(tmp_path, capsys):
     corpus = write_corpus(tmp_path / "c.jsonl", 6)
     out = tmp_path / "out"
