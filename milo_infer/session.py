@@ -120,18 +120,16 @@ class MiloSession:
         """A cache whose layers fill [anchor][blocks] on first use. ``clock`` gains read (the store's
         reads), transfer (getting factors onto the device), wait (the compute stream waiting for a
         layer's factors) and reconstruct (dequantise and rebuild); for a store URL also remote (the part
-        of read spent on range GETs; bytes and GETs: ``store.remote_stats()``).
+        of this query's read spent on range GETs, from its own ``ReadStats``).
 
         Every layer's segment table (and, for the Triton kernel, its plan: validated, tiled, uploaded in
         one copy) is made here, on the host, once per query: ``fill`` only waits for its layer's factors
         and launches, so nothing in the forward waits for the host.
         """
-        fetched = self.store.remote_stats()
         with clock.host("read"):
             prefetch = LayerPrefetcher(self.store, block_ids, self.device, depth=self.prefetch_depth)
-        if fetched is not None:  # block cache misses of a store URL
-            remote = self.store.remote_stats()["seconds"] - fetched["seconds"]
-            clock.defer("remote", lambda: remote)
+        if self.store.remote:  # this query's own block cache misses of a store URL
+            clock.defer("remote", lambda: prefetch.read_stats.remote_seconds)
         clock.defer("transfer", prefetch.transfer_seconds)
         tokens = self.store.block_tokens[block_ids]
         dst = self.anchor_len + np.concatenate(([0], np.cumsum(tokens)[:-1])).astype(np.int64)

@@ -15,15 +15,18 @@ import time
 import numpy as np
 import torch
 
+from .sources import ReadStats
 from .store import MiloStore
 
 
 class LayerPrefetcher:
-    """``layer(l)`` -> (flat factors of layer l for the selected blocks, start of each block in it)."""
+    """``layer(l)`` -> (flat factors of layer l for the selected blocks, start of each block in it).
+    ``read_stats``: what reading the blocks cost (remote bytes, GETs, seconds; cache hits)."""
 
     def __init__(self, store: MiloStore, block_ids: list[int], device, depth: int = 2):
         self.store, self.block_ids, self.device = store, list(block_ids), torch.device(device)
-        self.blocks = store.blocks(self.block_ids)  # views (host tier) or reads (disk tiers; remote: one batch)
+        self.read_stats = ReadStats()
+        self.blocks = store.blocks(self.block_ids, self.read_stats)  # views (host tier) or reads (disk tiers; remote: one batch)
         self.bounds = [store.block_layer_bounds(i) for i in self.block_ids]
         L = store.layout.num_layers
         sizes = np.array([[b[l + 1] - b[l] for b in self.bounds] for l in range(L)], dtype=np.int64).reshape(L, -1)
