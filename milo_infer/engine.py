@@ -179,6 +179,8 @@ class Batch:
         hits = sum(pf.tier_hits for pf in fetched.values())
         for pf in fetched.values():
             clock.defer("transfer", pf.transfer_seconds)
+            if pf.store.remote:  # this batch's own block cache misses of a store URL
+                clock.defer("remote", lambda pf=pf: pf.read_stats.remote_seconds)
         self.fetch_stats = {
             "rows": len(plans), "blocks": sum(len(p.blocks) for p in plans),
             "unique_blocks": sum(len(u) for u in unions.values()),

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from .device_tier import DeviceTier
+from .sources import ReadStats
 from .store import MiloStore
 
 
@@ -44,7 +45,9 @@ class TransferPool:
 
 
 class LayerPrefetcher:
-    """``layer(l)`` -> (flat factors of layer l for the selected blocks, start of each block in it)."""
+    """``layer(l)`` -> (flat factors of layer l for the selected blocks, start of each block in it).
+    ``read_stats``: what reading the blocks the device tier did not hold cost (remote bytes, GETs,
+    seconds; cache hits)."""
 
     def __init__(self, store: MiloStore, block_ids: list[int], device, depth: int = 2, tier: DeviceTier | None = None,
                  pool: TransferPool | None = None):
@@ -53,7 +56,9 @@ class LayerPrefetcher:
         resident = {i: tier.get((str(store.path), i)) for i in self.block_ids} if tier is not None else {}
         missing = [i for i in self.block_ids if resident.get(i) is None]
         self.tier_hits = len(self.block_ids) - len(missing) if tier is not None else 0
-        read = dict(zip(missing, store.blocks(missing)))  # views (host tier) or reads (disk tiers; remote: one batch)
+        self.read_stats = ReadStats()
+        # views (host tier) or reads (disk tiers; remote: one batch)
+        read = dict(zip(missing, store.blocks(missing, self.read_stats)))
         self.bounds = [store.block_layer_bounds(i) for i in self.block_ids]
         L = store.layout.num_layers
         sizes = np.array([[b[l + 1] - b[l] for b in self.bounds] for l in range(L)], dtype=np.int64).reshape(L, -1)

@@ -22,7 +22,6 @@ import zarr
 import zarr.storage
 
 from . import format as fmt
-from .blockcache import BlockCache
 from .errors import FormatVersionError, NotAStoreError, StoreCorruptedError, StoreError
 from .sources import ObjectChunks, one_line
 from .urls import check_url, open_object_store
@@ -122,8 +121,9 @@ def cache_key(url: str, version: str) -> str:
     return f"{hashlib.sha256(url.encode()).hexdigest()[:16]}-{version}"
 
 
-def mount(url: str, block_cache: BlockCache | None):
-    """(URL, zarr group, milo attributes, source factory) of the version the manifest names now."""
+def mount(url: str):
+    """(URL, zarr group, milo attributes, origin factory, block cache key) of the version the manifest
+    names now."""
     url = check_url(url)
     store = open_object_store(url)
     manifest = read_manifest(url, store)
@@ -140,16 +140,15 @@ def mount(url: str, block_cache: BlockCache | None):
     except Exception as e:
         raise StoreCorruptedError(f"{url}: unreadable metadata of version {manifest.version} ({one_line(e)})") from None
 
-    def make_source(chunk_bytes: int, num_chunks: int, checksums):
+    def make_origin(chunk_bytes: int, num_chunks: int, checksums):
         try:
-            return ObjectChunks(url, store, root, chunk_bytes, num_chunks, checksums, block_cache,
-                                cache_key(url, manifest.version))
+            return ObjectChunks(url, store, root, chunk_bytes, num_chunks, checksums)
         except StoreError:
             raise
         except Exception as e:
             raise remote_error(url, e) from None
 
-    return url, group, meta, make_source
+    return url, group, meta, make_origin, cache_key(url, manifest.version)
 
 
 def new_version_id() -> str:

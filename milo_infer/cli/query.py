@@ -23,9 +23,16 @@ def add_arguments(p):
     p.add_argument("--model", default="default", help="model path or 'default' (must match the store)")
     p.add_argument("--k", type=int, default=6, help="blocks to retrieve per query (default 6)")
     p.add_argument("--token-budget", type=int, default=None, help="cap on retrieved tokens instead of / besides k")
-    p.add_argument("--tier", choices=("host", "disk", "cached"), default="host", help="where factors are read from")
-    p.add_argument("--cache-dir", default=None, help="block cache of remote stores (default ~/.cache/milo/blocks)")
-    p.add_argument("--cache-size", type=parse_size, default=None, help="block cache limit, e.g. 10G (default 10G)")
+    p.add_argument("--tier", choices=("host", "disk", "cached"), default="host",
+                   help="where factors are read from: host (the whole store in memory), disk (each query reads its "
+                        "blocks; for a store URL, range GETs behind the block cache), cached (disk behind an "
+                        "in-memory LRU, --memory-cache-size)")
+    p.add_argument("--memory-cache-size", type=parse_size, default=None,
+                   help="--tier cached: the in-memory LRU's limit, e.g. 2G (default 1G)")
+    p.add_argument("--cache-dir", default=None, help="this machine's block cache of store URLs (default ~/.cache/milo/blocks)")
+    p.add_argument("--block-cache-size", "--cache-size", dest="cache_size", type=parse_size, default=None,
+                   help="limit of the block cache of store URLs on this machine's disk, e.g. 10G "
+                        "(default $MILO_CACHE_SIZE or 10G); does not size --tier cached")
     p.add_argument("--order", choices=("score", "corpus"), default="score", help="block order in the context")
     p.add_argument("--device", default=None, help="compute device (default: cuda if available, else cpu)")
     p.add_argument("--show-blocks", action="store_true", help="list the retrieved blocks' demonstrations")
@@ -41,7 +48,10 @@ def run(args) -> int:
         device = usable_device(args.device)
     except ValueError as e:  # an unknown or absent device: said before the model loads
         raise CommandError(f"--device {args.device}: {e}") from None
-    store = MiloStore.open(args.store, tier=args.tier, block_cache=BlockCache(args.cache_dir, args.cache_size))
+    if args.memory_cache_size is not None and args.tier != "cached":
+        raise CommandError("--memory-cache-size sizes the cached tier's in-memory LRU; pass --tier cached with it")
+    memory = {} if args.memory_cache_size is None else {"memory_cache_bytes": args.memory_cache_size}
+    store = MiloStore.open(args.store, tier=args.tier, block_cache=BlockCache(args.cache_dir, args.cache_size), **memory)
     try:
         loaded = load_model(args.model)
     except (OSError, ValueError) as e:  # no such path, not a model folder, an unsupported model
