@@ -37,7 +37,7 @@ from milo_kernels import reconstruct_layer
 from milo_store import CompressionConfig, MiloStore
 from milo_store.prefetch import LayerPrefetcher
 
-from .build import BuildConfig
+from .build import BuildConfig, default_compression
 from .corpus import Demonstration, TaskSpec
 from .models import LoadedModel
 from .shared_staging import encode_once
@@ -50,10 +50,13 @@ def method_names(ratios) -> list[str]:
     return ["full", "full-gemm"] + [f"milo-r{r:g}" for r in ratios]
 
 
-def store_configs(ratios) -> dict[str, CompressionConfig]:
-    """Store directory name -> configuration: one identity store serves both full methods."""
+def store_configs(ratios, query_aware: bool = True) -> dict[str, CompressionConfig]:
+    """Store directory name -> configuration: one identity store serves both full methods; MILO's stores
+    are what `milo build` writes at each ratio (`default_compression`). Without query-aware weights (a
+    synthetic store has no model to weigh channels by) the same policy and quantization run unweighted."""
     configs = {"full": CompressionConfig(codec="identity", ratio=1.0, dtype="float16")}
-    configs.update({f"milo-r{r:g}": CompressionConfig(codec="svd", ratio=r, dtype="float16") for r in ratios})
+    configs.update({f"milo-r{r:g}": dataclasses.replace(default_compression(r), query_aware=query_aware)
+                    for r in ratios})
     return configs
 
 
@@ -72,30 +75,31 @@ def real_stores(root, loaded: LoadedModel, demos: list[Demonstration], task: Tas
 # --- measuring -----------------------------------------------------------------------------------
 
 def measure(sessions: dict[str, TimedSession], queries: list[str], k: int, batch: int, rounds: int) -> list[dict]:
-    """One row per method: medians over ``rounds`` of the same queries, methods interleaved."""
+    """One row per method: medians over ``rounds`` of the same queries answered ``batch`` at a time (real
+    batches: one forward per step for all rows), methods interleaved."""
     samples = {name: [] for name in sessions}
     chunks = [queries[i:i + batch] for i in range(0, len(queries), batch)]
     for _ in range(rounds):
         for name, s in sessions.items():
             s.k = k
-            answers, t = [], time.perf_counter()
+            answers, stats, t = [], {}, time.perf_counter()
             for chunk in chunks:
-                answers += s.answer_batch(chunk)
+                answers += s.engine.answer([s.plan(q) for q in chunk], stats)
             wall = time.perf_counter() - t
-            samples[name].append((wall, sum(a.completion_tokens for a in answers), answers))
+            samples[name].append((wall, sum(a.completion_tokens for a in answers), answers, stats))
     rows = []
     for name, runs in samples.items():
         n = len(queries)
         per_query = {stage: [] for stage in STAGES}
-        for _, _, answers in runs:
+        for _, _, answers, _ in runs:
             sec = [a.seconds for a in answers]
             for stage, values in (("retrieve", [x["retrieve"] for x in sec]), ("read", [x["read"] for x in sec]),
                                   ("transfer", [x["transfer"] for x in sec]),
                                   ("rebuild", [x["reconstruct"] for x in sec]),
                                   ("model", [x["model"] for x in sec])):
                 per_query[stage].append(sum(values) / n)
-        answers = runs[0][2]
-        moved = statistics.mean(a.kv_bytes_stored for a in answers)
+        answers, stats = runs[0][2], runs[0][3]
+        moved = statistics.mean(a.kv_bytes_moved for a in answers)
         transfer = statistics.median(per_query["transfer"])
         wall = statistics.median(r[0] for r in runs)
         rows.append({
@@ -103,7 +107,10 @@ def measure(sessions: dict[str, TimedSession], queries: list[str], k: int, batch
             "qps": n / wall, "tok_s": statistics.median(r[1] for r in runs) / wall,
             "tokens_per_query": statistics.median(r[1] for r in runs) / n,
             "ms": {stage: 1e3 * statistics.median(v) for stage, v in per_query.items()},
-            "bytes_moved": moved, "bytes_full_kv": statistics.mean(a.kv_bytes_full for a in answers),
+            "bytes_moved": moved, "bytes_without_union": statistics.mean(a.kv_bytes_stored for a in answers),
+            "unique_block_share": stats["unique_blocks"] / stats["blocks"] if stats["blocks"] else 1.0,
+            "peak_kv_bytes": stats["peak_kv_bytes"],
+            "bytes_full_kv": statistics.mean(a.kv_bytes_full for a in answers),
             "transfer_gbps": moved / transfer / 1e9 if transfer > 0 else float("nan"),
             "answers": [a.text for a in answers],
         })

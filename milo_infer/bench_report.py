@@ -16,13 +16,16 @@ def render_markdown(report: dict) -> str:
              f"medians of {report['rounds']} interleaved rounds",
              "",
              "| method | ρ (bytes) | k | batch | q/s | tok/s | retrieve ms | read ms | transfer ms | rebuild ms "
-             "| model ms | MiB/query | transfer GB/s | speedup vs full | bound 1/ρ |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| model ms | MiB/query | MiB/query without union | unique blocks | peak K/V MiB | transfer GB/s "
+             "| speedup vs full | bound 1/ρ |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in report["rows"]:
         ms = r["ms"]
         lines.append(f"| {r['method']} | {r['ratio']:.3f} | {r['k']} | {r['batch']} | {r['qps']:.2f} | {r['tok_s']:.1f} | "
                      + " | ".join(f"{ms[s]:.1f}" for s in STAGES)
-                     + f" | {r['bytes_moved'] / 2**20:.2f} | {r['transfer_gbps']:.2f} | {r['speedup']:.2f} | "
+                     + f" | {r['bytes_moved'] / 2**20:.2f} | {r['bytes_without_union'] / 2**20:.2f} | "
+                     f"{r['unique_block_share']:.0%} | {r['peak_kv_bytes'] / 2**20:.1f} | {r['transfer_gbps']:.2f} | "
+                     f"{r['speedup']:.2f} | "
                      f"{1 / r['ratio']:.2f} |")
     lines += ["", "raw transfer path, same run: " + ", ".join(f"{k} {v:.2f} GB/s" for k, v in report["link_gbps"].items())]
     for m, t in report["kernel_s"].items():

@@ -49,8 +49,9 @@ class Answer:
     groups: list[int]  # the retrieved groups they come from
     prefix_tokens: int
     kv_bytes_full: int
-    kv_bytes_stored: int
+    kv_bytes_stored: int  # the factor bytes of its blocks in the store
     seconds: dict = field(default_factory=dict)
+    kv_bytes_moved: int = 0  # its share of the bytes its admission really moved (shared blocks once, tier hits none)
     completion_tokens: int = 0
     finish_reason: str = "stop"  # "stop" (label closed, stop string, eos) or "length"
 
@@ -117,8 +118,9 @@ class Engine:
         return Batch(self)
 
     @torch.inference_mode()
-    def answer(self, plans: list[QueryPlan]) -> list[Answer]:
-        """Answer these plans as one batch, to completion; answers in the plans' order."""
+    def answer(self, plans: list[QueryPlan], stats: dict | None = None) -> list[Answer]:
+        """Answer these plans as one batch, to completion; answers in the plans' order. ``stats`` (a dict
+        the caller owns) gains the batch's fetch statistics, summed, and its peak K/V bytes, maxed."""
         batch = self.batch()
         done = {}
         events = batch.admit(plans)
@@ -127,6 +129,10 @@ class Engine:
             if not len(batch):
                 break
             events = batch.step()
+        if stats is not None:
+            for name, value in batch.fetch_stats.items():
+                stats[name] = stats.get(name, 0) + value
+            stats["peak_kv_bytes"] = max(stats.get("peak_kv_bytes", 0), batch.peak_kv_bytes)
         return [done[id(p)] for p in plans]
 
     @torch.inference_mode()
@@ -141,6 +147,7 @@ class Row:
     decoder: LabelDecoder | GreedyDecoder
     next_position: int  # RoPE position of the next token fed
     seconds: dict
+    moved: int = 0  # its share of the bytes its admission moved
     last_token: int = -1
     sent: int = 0  # characters of text already given out as deltas
     cancelled: bool = False
@@ -149,7 +156,8 @@ class Row:
 class Batch:
     """A running batch, used from one thread. ``admit`` adds rows (rebuild + prefill), ``step`` decodes one
     token for every row; a finished or cancelled row leaves. ``fetch_stats`` describes the last admission,
-    ``peak_kv_bytes`` the largest K/V cache it held."""
+    ``peak_kv_bytes`` the most K/V it held at once: the cache's buffers, and while prefixes are rebuilt
+    the factors staged for it (the transfer buffers on CUDA, a layer of gathered factors on CPU)."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
@@ -185,6 +193,7 @@ class Batch:
             "rows": len(plans), "blocks": sum(len(p.blocks) for p in plans),
             "unique_blocks": sum(len(u) for u in unions.values()),
             "device_hits": hits,
+            "buffer_bytes": sum(pf.buffer_bytes for pf in fetched.values()),
             "bytes": sum(pf.bytes_moved for pf in fetched.values()),
             "bytes_without_union": sum(p.kv_bytes_stored for p in plans)}
         H2 = 2 * e.stores[plans[0].store].layout.num_kv_heads
@@ -245,8 +254,8 @@ class Batch:
         if first and not all(layer.is_initialized for layer in cache.layers):
             raise RuntimeError(f"the model did not use the milo cache (transformers {transformers.__version__} "
                                f"ignored {e.cache_kwarg}=): the answer would have no retrieved context")
-        self.peak_kv_bytes = max(self.peak_kv_bytes, cache.bytes() + (self.cache.bytes() if self.cache is not None
-                                                                       and self.cache is not cache else 0))
+        held = cache.bytes() + (self.cache.bytes() if self.cache is not None and self.cache is not cache else 0)
+        self.peak_kv_bytes = max(self.peak_kv_bytes, held + (self.fetch_stats["buffer_bytes"] if first else 0))
         return out.logits
 
     def _prefill(self, plans: list[QueryPlan], keep_all: bool, clock: StageClock):
@@ -284,7 +293,8 @@ class Batch:
             m = e.stores[p.store]
             decoder = (LabelDecoder(m.trie, e.tokenizer, p.max_new_tokens) if m.trie is not None else
                        GreedyDecoder(e.tokenizer, STOP_STRINGS + tuple(p.request.stop), p.max_new_tokens))
-            rows.append(Row(p, decoder, p.prefix_tokens + len(p.query_ids), {"retrieve": p.retrieve_seconds, **share}))
+            rows.append(Row(p, decoder, p.prefix_tokens + len(p.query_ids), {"retrieve": p.retrieve_seconds, **share},
+                            moved=self.fetch_stats["bytes"] // len(plans)))
         if self.cache is None:
             self.cache, self.valid = cache, valid
         else:
@@ -334,7 +344,7 @@ class Batch:
         p, reason = row.plan, "length" if row.decoder.stop == "length" else "stop"
         answer = Answer(text=row.decoder.result().text.strip(), blocks=p.blocks, groups=p.groups,
                         prefix_tokens=p.prefix_tokens, kv_bytes_full=p.kv_bytes_full,
-                        kv_bytes_stored=p.kv_bytes_stored, seconds=dict(row.seconds),
+                        kv_bytes_stored=p.kv_bytes_stored, seconds=dict(row.seconds), kv_bytes_moved=row.moved,
                         completion_tokens=len(row.decoder.ids), finish_reason=reason)
         return RowEvent(p, delta, True, reason, answer)
 

@@ -83,7 +83,7 @@ def synthetic_stores(root, loaded: LoadedModel, *, demos: int, block_size: int, 
     attrs = {"model": ident, "task": dataclasses.asdict(task),
              "build": {"block_size": block_size, "synthetic": True, "anchor_token_ids": anchor_ids}}
     paths = {}
-    for name, config in store_configs(ratios).items():
+    for name, config in store_configs(ratios, query_aware=False).items():
         paths[name] = write_store(root / name, stagings[config.codec], n_blocks, layout, config, attrs=attrs,
                                   anchor_kv=anchor, examples=examples, force=True)
     return paths

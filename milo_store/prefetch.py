@@ -68,6 +68,9 @@ class LayerPrefetcher:
         self.bytes_moved = sum(int(self.bounds[j][-1]) for j, i in enumerate(self.block_ids) if i in set(missing)) \
             * store.itemsize
         self.depth = max(1, depth)
+        # factor bytes staged for the rebuild at once: depth + 1 layer buffers on CUDA, one gathered layer on CPU
+        layers_held = self.depth + 1 if self.device.type == "cuda" else 1
+        self.buffer_bytes = layers_held * int(self.layer_values.max(initial=0)) * store.itemsize
         self.cuda = self.device.type == "cuda"
         self._seconds, self._copies = 0.0, []  # CPU: wall time of layer(); CUDA: (start, end) events per copy
         if self.cuda:
