@@ -23,10 +23,14 @@ from .scoring import is_correct
 from .session import MAX_NEW_TOKENS, MiloSession
 
 
+EVAL_BATCH = 8  # queries per forward in `milo eval` (docs/benchmarks.md, "Batched execution")
+
+
 def evaluate(loaded: LoadedModel, store_path, test: list[Demonstration], task: TaskSpec, k: int = 6,
              n: int | None = None, *, predictions=None, max_new_tokens: int = MAX_NEW_TOKENS,
-             on_answer: Callable[[dict], None] | None = None) -> dict:
-    """Answer the first ``n`` test items from the store; accuracy, bytes and time per stage.
+             on_answer: Callable[[dict], None] | None = None, batch: int = EVAL_BATCH) -> dict:
+    """Answer the first ``n`` test items from the store, ``batch`` per forward (each row its own
+    retrieval; the predictions are those of one at a time); accuracy, bytes and time per stage.
 
     ``predictions`` (a JSONL path) keeps one line per finished item; items already there are not
     asked again. Its lines carry a key of the store's allocation and ``k``: lines from another
@@ -38,23 +42,22 @@ def evaluate(loaded: LoadedModel, store_path, test: list[Demonstration], task: T
     with MiloStore.open(store_path, tier="host") as store:
         key = _run_key(store, k, max_new_tokens if task.answer_kind != "label" else MAX_NEW_TOKENS)
         done = _read_predictions(predictions, key) if predictions is not None else {}
-        session = None
-        for item in items:
-            if item.id in done:
-                continue
-            session = session or MiloSession(loaded, store, k=k, max_new_tokens=max_new_tokens)
-            answer = session.answer(item.input)
-            reference = task.answer_of(item.output) or item.output
-            record = {"key": key, "id": item.id, "input": item.input, "reference": reference,
-                      "prediction": answer.text, "correct": is_correct(answer.text, reference, task.answer_kind),
-                      "blocks": answer.blocks, "groups": answer.groups, "kv_bytes_full": answer.kv_bytes_full,
-                      "kv_bytes_stored": answer.kv_bytes_stored, "seconds": answer.seconds}
-            done[item.id] = record
-            if predictions is not None:
-                with open(predictions, "a", encoding="utf-8") as f:
-                    f.write(json.dumps(record) + "\n")
-            if on_answer is not None:
-                on_answer(record)
+        pending = [item for item in items if item.id not in done]
+        session = MiloSession(loaded, store, k=k, max_new_tokens=max_new_tokens) if pending else None
+        for start in range(0, len(pending), batch):
+            chunk = pending[start:start + batch]
+            for item, answer in zip(chunk, session.answer_batch([item.input for item in chunk])):
+                reference = task.answer_of(item.output) or item.output
+                record = {"key": key, "id": item.id, "input": item.input, "reference": reference,
+                          "prediction": answer.text, "correct": is_correct(answer.text, reference, task.answer_kind),
+                          "blocks": answer.blocks, "groups": answer.groups, "kv_bytes_full": answer.kv_bytes_full,
+                          "kv_bytes_stored": answer.kv_bytes_stored, "seconds": answer.seconds}
+                done[item.id] = record
+                if predictions is not None:
+                    with open(predictions, "a", encoding="utf-8") as f:
+                        f.write(json.dumps(record) + "\n")
+                if on_answer is not None:
+                    on_answer(record)
         acc = store.accounting()
     records = [done[item.id] for item in items]
     stages = {}

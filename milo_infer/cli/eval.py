@@ -22,7 +22,7 @@ from tqdm import tqdm
 from ..build import BuildConfig
 from ..corpus import load_corpus, task_from_corpus
 from ..datasets import DATASETS, load_dataset
-from ..evaluate import agreement, evaluate
+from ..evaluate import EVAL_BATCH, agreement, evaluate
 from ..methods import BASES, DEFAULT, EXAMPLES, MODIFIERS, QUANTS, method_config, resolve, store_name
 from ..shared_staging import encode_once
 from ..tables import write_tables
@@ -51,6 +51,9 @@ def add_arguments(p):
                    help="the first seed (default 0): adds seeds from another process; each process writes "
                         "only its own rows to --out's tables (merge them with tools/results_table.py)")
     p.add_argument("--k", type=int, default=6, help="blocks retrieved per query (default 6)")
+    p.add_argument("--batch", type=int, default=EVAL_BATCH,
+                   help=f"queries answered per forward, each with its own blocks; predictions do not depend on it "
+                        f"(default {EVAL_BATCH})")
     p.add_argument("--block-size", default="32", metavar="M[,M]",
                    help="demonstrations per block; several encode the corpus once each (default 32)")
     p.add_argument("--context-blocks", type=int, default=2, help="previous blocks each block is encoded after")
@@ -87,7 +90,7 @@ def check(args) -> tuple[list[str], list[str]]:
         raise CommandError(f"--ratio must be in (0, 1]; got {args.ratio}")
     if min(args.block_sizes) < 1:
         raise CommandError(f"--block-size must be at least 1; got {args.block_size}")
-    for flag in ("shots", "test", "seeds", "k", "max_new_tokens") + (("threads",) if args.threads is not None else ()):
+    for flag in ("shots", "test", "seeds", "k", "batch", "max_new_tokens") + (("threads",) if args.threads is not None else ()):
         if getattr(args, flag) < 1:
             raise CommandError(f"--{flag.replace('_', '-')} must be at least 1; got {getattr(args, flag)}")
     if args.first_seed < 0:
@@ -145,7 +148,7 @@ def run(args) -> int:
             t0, answered = time.perf_counter(), []
             result = evaluate(loaded, run_dir / "stores" / sname, test, task, k=args.k,
                               predictions=run_dir / f"{sname}-k{args.k}{_length_tag(args, task)}.jsonl",
-                              max_new_tokens=args.max_new_tokens,
+                              max_new_tokens=args.max_new_tokens, batch=args.batch,
                               on_answer=lambda r: (answered.append(r), bar.update()))
             bar.update(result["n"] - len(answered))  # items resumed from the predictions file
             answers = result.pop("answers")

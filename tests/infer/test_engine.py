@@ -216,3 +216,16 @@ def test_the_device_tier_keeps_within_its_bytes_least_recent_out_first():
     tier.put(("s", 5), torch.zeros(30))  # larger than the tier: not kept
     assert tier.get(("s", 5)) is None and tier.bytes <= 100
     assert tier.stats()["hits"] == 2 and tier.stats()["misses"] == 3
+
+
+def test_milo_eval_predicts_the_same_in_batches_as_one_at_a_time(setup, tmp_path):
+    from milo_infer.corpus import Demonstration, TaskSpec
+    from milo_infer.evaluate import evaluate
+
+    loaded, store = setup
+    task = TaskSpec(**{**store.meta["task"], "labels": tuple(store.meta["task"]["labels"])})
+    items = [Demonstration(input=r.text, output=task.labels[i % 3], id=str(i)) for i, r in enumerate(REQUESTS * 2)]
+    one = evaluate(loaded, store.path, items, task, k=3, batch=1)
+    many = evaluate(loaded, store.path, items, task, k=3, batch=5, predictions=tmp_path / "p.jsonl")
+    assert one["answers"] == many["answers"] and one["accuracy"] == many["accuracy"]
+    assert len((tmp_path / "p.jsonl").read_text().splitlines()) == len(items)  # every row logged, in batches
