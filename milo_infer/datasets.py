@@ -74,9 +74,10 @@ def data_root(data_dir: str | os.PathLike | None = None) -> Path:
     return Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
-def load_dataset(name: str, *, seed: int = 0, data_dir: str | os.PathLike | None = None
+def load_dataset(name: str, *, seed: int = 0, data_dir: str | os.PathLike | None = None, shuffle: bool = True
                  ) -> tuple[list[Demonstration], list[Demonstration], TaskSpec]:
-    """``(train, test, task)`` for a benchmark set; see the module docstring for splits and labels."""
+    """``(train, test, task)`` for a benchmark set; see the module docstring for splits and labels.
+    ``shuffle=False`` keeps the files' order (a query stream as it was published, e.g. for cache hit rates)."""
     loaders = {"banking77": _banking77, "clinc150": _clinc150, "trec": _trec_coarse,
                "trec-fine": _trec_fine, "svamp": _svamp, "gsm8k": _gsm8k}
     if name not in loaders:
@@ -85,9 +86,10 @@ def load_dataset(name: str, *, seed: int = 0, data_dir: str | os.PathLike | None
     if not root.is_dir():
         raise DatasetUnavailable(f"data folder {root} does not exist (set MILO_DATA or pass data_dir)")
     train, test, task = loaders[name](root)
-    rng = random.Random(seed)
-    rng.shuffle(train)
-    rng.shuffle(test)
+    if shuffle:
+        rng = random.Random(seed)
+        rng.shuffle(train)
+        rng.shuffle(test)
     return train, test, task
 
 
