@@ -17,8 +17,8 @@ chunk key encoding, so a block's bytes are plain byte ranges of at most a few fi
 into place is several times faster than a zarr slice (docs/benchmarks.md). Integrity comes from the
 per-block CRC32C, checked on every read unless ``verify=False``. Every other array but the indexes
 (which carry their own) is checked against the CRC32C of its values in the attributes
-(``fmt.ARRAY_CHECKSUMS``, format version 3) whenever it is read: the index arrays at mount, the
-anchor, token ids and demonstrations when asked for. Older stores have none and are read with a warning.
+(``fmt.ARRAY_CHECKSUMS``, format version 3) whenever it is read: ranks, block tokens, checksums and
+block groups at mount, the anchor, token ids and demonstrations when asked for. Older stores have none and are read with a warning.
 """
 import warnings
 import weakref
@@ -132,7 +132,7 @@ class MiloStore:
         """A whole metadata array, checked against its recorded CRC32C: corrupted bytes are never returned."""
         try:
             data = np.asarray(self.group[name][...])
-        except KeyError:
+        except KeyError:  # no such array: the caller knows whether that is allowed
             raise
         except Exception as e:  # a damaged compressed chunk, or damaged array metadata
             raise StoreCorruptedError(f"{self.path}: array {name} is unreadable ({type(e).__name__}: {e})") from e
@@ -301,6 +301,7 @@ class MiloStore:
             return None
         if self._token_ids is None:  # read and checked whole once (its checksum covers the whole array)
             self._token_ids = self._read_array(fmt.TOKEN_IDS)
+            self._token_ids.setflags(write=False)
         start = int(self.block_tokens[:i].sum())
         return self._token_ids[start:start + int(self.block_tokens[i])]
 
