@@ -301,9 +301,8 @@ class MiloStore:
             return None
         if self._token_ids is None:  # read and checked whole once (its checksum covers the whole array)
             self._token_ids = self._read_array(fmt.TOKEN_IDS)
-            self._token_ids.setflags(write=False)
         start = int(self.block_tokens[:i].sum())
-        return self._token_ids[start:start + int(self.block_tokens[i])]
+        return self._token_ids[start:start + int(self.block_tokens[i])].copy()  # the caller's own, as before
 
     def examples(self) -> dict:
         """Demonstrations: lists 'input', 'output', 'id' and 'block' (empty lists when none were stored)."""
