@@ -12,7 +12,7 @@ def usable_device(name: str | None) -> torch.device:
         return default_device()
     try:
         device = torch.device(name)
-        torch.empty(0, device=device)
+        torch.zeros(1, device=device)  # allocates and runs on it: an absent ordinal fails here too
     except (RuntimeError, AssertionError) as e:  # torch asserts when it was built without CUDA
         raise ValueError(f"not usable here ({e})") from None
     return device

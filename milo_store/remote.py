@@ -24,7 +24,7 @@ import zarr.storage
 from . import format as fmt
 from .errors import FormatVersionError, NotAStoreError, StoreCorruptedError, StoreError
 from .sources import ObjectChunks, one_line
-from .urls import check_url, open_object_store
+from .urls import check_url, open_object_store, remote_timeout
 
 MANIFEST, VERSIONS = "manifest.json", "v"
 MANIFEST_FORMAT = 1
@@ -49,6 +49,11 @@ def remote_error(url: str, e: BaseException) -> StoreError:
     if isinstance(e, (obstore.exceptions.PermissionDeniedError, obstore.exceptions.UnauthenticatedError)) or any(
             s in text for s in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403 Forbidden")):
         return StoreError(f"{url}: access denied (check the credentials in the environment)")
+    if "kind: Timeout" in text:  # connected (or not) but no reply in time: name the address that is silent
+        request = re.search(r"performing \w+ (\S+)", text)
+        where = f" from {request.group(1)}" if request else ""
+        return StoreError(f"{url}: the object store is not answering: no reply{where} within {remote_timeout():g} s "
+                          "(MILO_REMOTE_TIMEOUT sets the wait)")
     if "error sending request" in text or "Connection refused" in text or "dns error" in text:
         return StoreError(f"{url}: cannot reach the object store ({one_line(e)})")
     return StoreError(f"{url}: object store error ({one_line(e)})")

@@ -18,7 +18,7 @@ into place is about 30× faster than a zarr slice (docs/design.md, "Store"). Int
 per-block CRC32C, checked on every read unless ``verify=False`` (always for bytes that crossed a
 network, which are refetched when damaged). Every other array but the indexes (which carry their own)
 is checked against the CRC32C of its values in the attributes (``fmt.ARRAY_CHECKSUMS``, format
-version 3) whenever it is read: the index arrays at mount, the anchor, token ids and demonstrations
+version 3) whenever it is read: ranks, block tokens, checksums and block groups at mount, the anchor, token ids and demonstrations
 when asked for. Older stores have none and are read with a warning.
 """
 import threading
@@ -142,7 +142,7 @@ class MiloStore:
         """A whole metadata array, checked against its recorded CRC32C: corrupted bytes are never returned."""
         try:
             data = np.asarray(self.group[name][...])
-        except KeyError:
+        except KeyError:  # no such array: the caller knows whether that is allowed
             raise
         except Exception as e:  # a damaged compressed chunk, or damaged array metadata
             raise StoreCorruptedError(f"{self.path}: array {name} is unreadable ({type(e).__name__}: {e})") from e
@@ -310,7 +310,7 @@ class MiloStore:
         if self._token_ids is None:  # read and checked whole once (its checksum covers the whole array)
             self._token_ids = self._read_array(fmt.TOKEN_IDS)
         start = int(self.block_tokens[:i].sum())
-        return self._token_ids[start:start + int(self.block_tokens[i])]
+        return self._token_ids[start:start + int(self.block_tokens[i])].copy()  # the caller's own, as before
 
     def examples(self) -> dict:
         """Demonstrations: lists 'input', 'output', 'id' and 'block' (empty lists when none were stored)."""

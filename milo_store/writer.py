@@ -4,7 +4,8 @@ Everything is written under ``<path>.tmp-<pid>-<n>``; commit writes the group at
 piece the reader needs), fsyncs, and renames the directory into place. A writer killed at any point
 leaves at most a temporary directory that never opens as a store and that the next writer removes.
 An exclusive ``flock`` on ``<path>.lock`` refuses a second concurrent writer; the kernel drops the
-lock when the holder dies, so a killed build never blocks the next one.
+lock when the holder dies, so a killed build never blocks the next one, and the holder removes the
+file when it releases the lock (``StoreLock``).
 
 For a store URL (``urls.py``) there is no rename: the writer builds the same directory locally (in a
 temporary directory), and commit hands it to ``remote.RemoteTarget``, which uploads it as a new
@@ -41,7 +42,13 @@ def is_store(path: Path) -> bool:
 
 
 class StoreLock:
-    """Exclusive, non-blocking writer lock on ``<path>.lock`` (released by the kernel if we die)."""
+    """Exclusive, non-blocking writer lock on ``<path>.lock`` (released by the kernel if we die).
+
+    The holder removes the file as it releases the lock, still holding it, so no file stays beside
+    a finished store. A writer that opened the file just before the removal may win the lock on the
+    removed file: it checks, once locked, that the file it holds is still the one at the path, and
+    otherwise starts over on the file now there, so two writers never both hold "the" lock.
+    """
 
     def __init__(self, path):
         self.lock_path = local_sidecar(path, "lock")
@@ -50,17 +57,34 @@ class StoreLock:
 
     def __enter__(self):
         self.lock_path.parent.mkdir(parents=True, exist_ok=True)
-        self.fd = os.open(self.lock_path, os.O_CREAT | os.O_RDWR, 0o644)
+        while True:
+            fd = os.open(self.lock_path, os.O_CREAT | os.O_RDWR, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise StoreLockedError(f"{self.name}: another writer is building this store") from None
+            if self._holds_current_file(fd):
+                self.fd = fd
+                return self
+            os.close(fd)  # its holder removed it on release: lock the file at the path now
+
+    def _holds_current_file(self, fd: int) -> bool:
         try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self.fd)
-            raise StoreLockedError(f"{self.name}: another writer is building this store") from None
-        return self
+            at_path = os.stat(self.lock_path)
+        except FileNotFoundError:
+            return False
+        held = os.fstat(fd)
+        return (held.st_dev, held.st_ino) == (at_path.st_dev, at_path.st_ino)
 
     def __exit__(self, *exc):
+        try:
+            os.unlink(self.lock_path)  # before unlocking: only the holder ever removes the file
+        except FileNotFoundError:
+            pass
         fcntl.flock(self.fd, fcntl.LOCK_UN)
         os.close(self.fd)
+        self.fd = None
 
 
 def check_writable(path: Path) -> None:

@@ -14,7 +14,7 @@ def add_arguments(p):
 def run(args) -> int:
     try:
         store = MiloStore.open(args.path, tier="disk", verify=False)
-    except StoreCorruptedError as e:  # an index array read at mount is damaged: a finding, not a failed run
+    except StoreCorruptedError as e:  # damage the mount reads (ranks, checksums, chunk sizes): a finding, not a failed run
         problems, blocks = [str(e)], None
     else:
         with store, tqdm(total=store.num_blocks, unit="block", desc="verify", disable=None) as bar:

@@ -1,4 +1,5 @@
 import json
+import os
 import shutil
 
 import numpy as np
@@ -87,6 +88,28 @@ def test_second_concurrent_writer_is_refused(tmp_path):
     finally:
         first.abort()
     StoreWriter(tmp_path / "s", LAYOUT, ranks, [5]).abort()  # free again once the first is gone
+
+
+def test_the_lock_file_goes_with_the_lock_and_a_racer_on_the_removed_file_is_refused(tmp_path, monkeypatch):
+    import milo_store.writer as writer
+
+    store = build_synthetic_store(tmp_path / "s", LAYOUT, TOKENS)
+    assert not (tmp_path / "s.lock").exists()  # a finished build leaves no lock file beside the store
+    first = writer.StoreLock(tmp_path / "s").__enter__()
+    stale = os.open(first.lock_path, os.O_RDWR)  # a writer that opened the file just before its removal
+    with pytest.raises(StoreLockedError):
+        writer.StoreLock(tmp_path / "s").__enter__()
+    assert first.lock_path.exists()  # a refused writer removes nothing
+    first.__exit__()
+    assert not first.lock_path.exists()
+    second = writer.StoreLock(store).__enter__()  # a new file at the path, held
+    real_open, opened = os.open, []
+    monkeypatch.setattr(writer.os, "open", lambda *a: stale if not opened and not opened.append(1) else real_open(*a))
+    with pytest.raises(StoreLockedError):  # it wins the removed file's lock, sees it is not the path's, retries
+        writer.StoreLock(store).__enter__()
+    monkeypatch.undo()
+    second.__exit__()
+    assert not second.lock_path.exists()
 
 
 # -- corruption: every case is a clear error, never wrong data ------------------------------------
