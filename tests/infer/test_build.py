@@ -16,7 +16,7 @@ import zarr
 
 import milo_infer.build
 import milo_infer.cli.build
-from milo_infer.build import BuildConfig, BuildError, build_store
+from milo_infer.build import CUDA_ENCODE_BATCH, BuildConfig, BuildError, build_store, default_encode_batch
 from milo_infer.cli.main import main
 from milo_infer.corpus import Demonstration, task_from_corpus
 from milo_infer.models import ModelUnavailable, default_gguf_path, load_model
@@ -366,3 +366,8 @@ def test_infeasible_ratio_is_refused_before_encoding(tiny_model_dir, tmp_path, c
     assert code == 2
     assert "but rank 1 everywhere needs" in capsys.readouterr().err
     assert not (tmp_path / "s").exists()
+
+
+def test_the_default_encode_batch_is_one_on_a_cpu_and_the_cuda_default_on_a_gpu():
+    assert default_encode_batch("cpu") == 1
+    assert default_encode_batch(torch.device("cuda", 0)) == CUDA_ENCODE_BATCH == 8
