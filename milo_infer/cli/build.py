@@ -33,8 +33,7 @@ from ..build import CUDA_ENCODE_BATCH, BuildConfig, build_store, default_compres
 from ..corpus import load_corpus, task_from_corpus
 from ..datasets import DATASETS, load_dataset
 from ..distributed import World
-from ..models import load_model
-from . import CommandError
+from . import CommandError, at_least, load_model_arg
 
 _ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
 
@@ -111,16 +110,9 @@ def unescape(text: str | None) -> str | None:
 def check_numbers(args) -> None:
     if not 0 < args.ratio <= 1:
         raise CommandError(f"--ratio must be in (0, 1]; got {args.ratio}")
-    if args.block_size < 1:
-        raise CommandError(f"--block-size must be at least 1; got {args.block_size}")
-    if args.context_blocks < 0:
-        raise CommandError(f"--context-blocks must be at least 0; got {args.context_blocks}")
-    if args.shots is not None and args.shots < 1:
-        raise CommandError(f"--shots must be at least 1; got {args.shots}")
-    if args.encode_batch is not None and args.encode_batch < 1:
-        raise CommandError(f"--encode-batch must be at least 1; got {args.encode_batch}")
-    if args.threads is not None and args.threads < 1:
-        raise CommandError(f"--threads must be at least 1; got {args.threads}")
+    at_least(args, 1, "block_size")
+    at_least(args, 0, "context_blocks")
+    at_least(args, 1, "shots", "encode_batch", "threads")
 
 
 def demonstrations(args):
@@ -176,10 +168,7 @@ def build(args, world: World, started: float) -> int:
         config = BuildConfig(block_size=args.block_size, context_blocks=args.context_blocks, order=args.order,
                              seed=args.seed, encode_batch=encode_batch, compression=compression)
         t0 = time.perf_counter()
-        try:
-            loaded = load_model(args.model)
-        except (OSError, ValueError) as e:  # no such path, not a model folder, an unsupported model
-            raise CommandError(f"--model: {e}") from None
+        loaded = load_model_arg(args.model)
         loaded.model.to(world.device)
         load_s = time.perf_counter() - t0
     staging = Path(args.staging) if args.staging else local_sidecar(out, "staging")

@@ -8,9 +8,8 @@ import json
 from milo_store import MiloStore
 from milo_store.blockcache import BlockCache, parse_size
 
-from ..models import load_model
 from ..session import MiloSession, place_model
-from . import CommandError
+from . import CommandError, at_least, load_model_arg
 
 
 def add_arguments(p):
@@ -29,15 +28,9 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    if args.k < 1:
-        raise CommandError(f"--k must be at least 1; got {args.k}")
-    if args.token_budget is not None and args.token_budget < 1:
-        raise CommandError(f"--token-budget must be at least 1; got {args.token_budget}")
+    at_least(args, 1, "k", "token_budget")
     store = MiloStore.open(args.store, tier=args.tier, block_cache=BlockCache(args.cache_dir, args.cache_size))
-    try:
-        loaded = load_model(args.model)
-    except (OSError, ValueError) as e:  # no such path, not a model folder, an unsupported model
-        raise CommandError(f"--model: {e}") from None
+    loaded = load_model_arg(args.model)
     try:
         device = place_model(loaded, args.device)
     except RuntimeError as e:  # e.g. an unknown or absent device

@@ -107,7 +107,7 @@ def test_cli_synthetic_run_writes_reports(tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["--ratios", "1.5"], "--ratios"), (["--k", "0"], "--k"), (["--batch", "x"], "--batch"),
-    (["--corpus", "c.jsonl"], "--corpus needs --queries"),
+    (["--corpus", "c.jsonl"], "--corpus needs --queries"), (["--threads", "0"], "--threads must be at least 1; got 0"),
 ])
 def test_bad_arguments_are_one_line_errors(tmp_path, capsys, argv, message):
     assert cli.main(argv + ["--out", str(tmp_path)]) == 2

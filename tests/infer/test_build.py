@@ -118,7 +118,7 @@ def test_bad_input_is_one_clear_line_before_the_model_loads(tmp_path, monkeypatc
             write_corpus(tmp_path / name, 12)
         else:
             (tmp_path / name).write_bytes(content)
-    monkeypatch.setattr(milo_infer.cli.build, "load_model", no_model)
+    monkeypatch.setattr(milo_infer.cli, "load_model", no_model)
     out = tmp_path / "store"
     argv = ["build", *[a.replace("{dir}", str(tmp_path)) for a in extra], "--out", str(out)]
     assert main(argv) == 2
@@ -143,7 +143,7 @@ def test_occupied_output_is_refused_and_left_alone(tmp_path, monkeypatch, capsys
         build_synthetic_store(out, Layout(2, 2, 16), [10, 12])
         message = f"{out} already holds a store; pass force=True (--force)"
     before = snapshot(out)
-    monkeypatch.setattr(milo_infer.cli.build, "load_model", no_model)
+    monkeypatch.setattr(milo_infer.cli, "load_model", no_model)
     assert main(["build", "--corpus", str(corpus), "--block-size", "2", "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err
@@ -152,7 +152,7 @@ def test_occupied_output_is_refused_and_left_alone(tmp_path, monkeypatch, capsys
 
 def test_output_under_a_file(tmp_path, monkeypatch, capsys):
     corpus = write_corpus(tmp_path / "c.jsonl", 6)
-    monkeypatch.setattr(milo_infer.cli.build, "load_model", no_model)
+    monkeypatch.setattr(milo_infer.cli, "load_model", no_model)
     assert main(["build", "--corpus", str(corpus), "--block-size", "2", "--out", str(corpus / "store")]) == 2
     assert f"{corpus} is a file, not a directory" in capsys.readouterr().err
 
