@@ -1,4 +1,4 @@
-"""Build a store from a demonstration corpus with a real model (issue: `milo build`).
+"""Build a store from a demonstration corpus with a real model.
 
 Pass one encodes each block of m demonstrations as [anchor][w previous blocks][block], keeps only
 the block's own pre-RoPE keys and values, factors them at full rank and stages them on disk (so a
