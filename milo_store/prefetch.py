@@ -9,7 +9,7 @@ Why page-locked sources: a non-blocking copy from pageable memory is staged by t
 own bounce buffer and the host blocks until the device has it, so the copy no longer overlaps anything.
 The host tier is pinned at mount and the disk tiers read into pinned memory on CUDA machines
 (`MiloStore`); a block that is still pageable (pinning failed) is copied into pinned memory here, once per
-prefetcher, that is once per query.
+prefetcher, so once for each query (or batch) that reads it.
 """
 import time
 

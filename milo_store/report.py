@@ -18,7 +18,6 @@ def human_bytes(n: float) -> str:
         n /= 1024
 
 
-
 def describe(store: MiloStore) -> dict:
     acc = store.accounting()
     r = store.ranks.astype(np.int64)
