@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from milo_infer.cli import query as query_cli
+import milo_infer.cli
 from milo_infer.cli.main import main as milo
 from milo_store import CompressionConfig
 
@@ -31,7 +31,7 @@ def store(tmp_path_factory, default_model):
 @pytest.fixture
 def query(default_model, monkeypatch, capsys):
     """Run `milo query` on the shared model: (exit code, stdout, stderr)."""
-    monkeypatch.setattr(query_cli, "load_model", lambda name: default_model)
+    monkeypatch.setattr(milo_infer.cli, "load_model", lambda name: default_model)
 
     def run(*argv):
         code = milo(["query", *map(str, argv), "--k", "2", "--tier", "disk"])
