@@ -152,6 +152,10 @@ class Row:
     sent: int = 0  # characters of text already given out as deltas
     cancelled: bool = False
 
+    @property
+    def finished(self) -> bool:
+        return self.decoder.done or self.cancelled
+
 
 class Batch:
     """A running batch, used from one thread. ``admit`` adds rows (rebuild + prefill), ``step`` decodes one
@@ -168,7 +172,8 @@ class Batch:
         self.peak_kv_bytes = 0
 
     def __len__(self) -> int:
-        return len(self.rows)
+        """Rows still decoding (finished rows may still hold their place until the batch is compacted)."""
+        return sum(not row.finished for row in self.rows)
 
     # -- admission -----------------------------------------------------------------------------
     def _rebuilt(self, plans: list[QueryPlan], clock: StageClock) -> tuple[BatchCache, torch.Tensor, int, int]:
@@ -297,8 +302,10 @@ class Batch:
                             moved=self.fetch_stats["bytes"] // len(plans)))
         if self.cache is None:
             self.cache, self.valid = cache, valid
-        else:
-            self._regroup(torch.arange(len(self.rows)), cache, valid, rows)
+        else:  # the running rows' cache is copied anyway: finished rows leave now
+            alive = [r for r, row in enumerate(self.rows) if not row.finished]
+            self._regroup(torch.tensor(alive, dtype=torch.long), cache, valid, rows)
+            self.rows = [self.rows[r] for r in alive]
         self.rows += rows
         events = [self._advance(row, last[r]) for r, row in enumerate(rows)]
         self._drop_finished()
@@ -314,8 +321,9 @@ class Batch:
 
     @torch.inference_mode()
     def step(self) -> list[RowEvent]:
-        """One decode forward for every row: one event each."""
-        if not self.rows:
+        """One decode forward for every row still decoding: one event each. A finished row that still holds
+        its place is fed padding and gets no event."""
+        if not len(self):
             return []
         e = self.engine
         t = time.perf_counter()
@@ -323,12 +331,14 @@ class Batch:
         if n + 1 > self.valid.shape[1]:  # a merged row can outlive the capacity its batch was made with
             self._regroup(torch.arange(len(self.rows)), None, None, [])
         self.valid[:, n] = True
-        ids = torch.tensor([[row.last_token] for row in self.rows], device=e.device)
+        ids = torch.tensor([[e.pad_id if row.finished else row.last_token] for row in self.rows], device=e.device)
         positions = torch.tensor([[row.next_position] for row in self.rows], device=e.device)
         logits = self._forward(self.cache, ids, positions, self.valid)[:, -1].float().cpu()
-        share = (time.perf_counter() - t) / len(self.rows)
+        share = (time.perf_counter() - t) / len(self)
         events = []
         for r, row in enumerate(self.rows):
+            if row.finished:
+                continue
             row.seconds["model"] = row.seconds.get("model", 0.0) + share
             row.next_position += 1
             events.append(self._advance(row, logits[r]))
@@ -349,8 +359,11 @@ class Batch:
         return RowEvent(p, delta, True, reason, answer)
 
     def _drop_finished(self) -> None:
-        keep = [r for r, row in enumerate(self.rows) if not (row.decoder.done or row.cancelled)]
-        if len(keep) == len(self.rows):
+        """Compact the batch once at least half its rows have finished (or all have): until then a finished
+        row costs one padded token per step, while compacting copies every remaining row's cache, so rows
+        that finish a step apart (labels) are dropped together and the copies stay few."""
+        keep = [r for r, row in enumerate(self.rows) if not row.finished]
+        if 2 * (len(self.rows) - len(keep)) < len(self.rows):
             return
         if keep:
             self._regroup(torch.tensor(keep, dtype=torch.long), None, None, [])
