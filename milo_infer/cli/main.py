@@ -14,9 +14,9 @@ from ..build import BuildError
 from ..corpus import CorpusError, DatasetUnavailable
 from ..distributed import RankError
 from ..models import ModelUnavailable, UnsupportedModelError
-from . import CommandError, bench, build, eval, query
+from . import CommandError, bench, build, eval, query, serve
 
-COMMANDS = {"build": build, "query": query, "eval": eval, "bench": bench}
+COMMANDS = {"build": build, "query": query, "eval": eval, "bench": bench, "serve": serve}
 
 # Errors that describe the user's input or environment, not a bug: no traceback for these.
 INPUT_ERRORS = (CommandError, BuildError, BudgetError, CorpusError, DatasetUnavailable, ModelUnavailable,

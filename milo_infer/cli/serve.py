@@ -1,0 +1,68 @@
+"""Serve mounted stores over an OpenAI-compatible HTTP API (completions, chat completions, models, metrics).
+
+Loads the model once, mounts every store once (each must match the model), and runs until SIGTERM
+or Ctrl-C, which drain: no new requests, in-flight ones finish within --drain-s, exit 0.
+"""
+import os
+
+from milo_store.blockcache import BlockCache, parse_size
+
+from ..models import load_model
+from ..server import MAX_BODY_BYTES
+from ..session import place_model
+from . import CommandError
+
+
+def add_arguments(p):
+    p.add_argument("store", nargs="+", help="store directories or URLs; clients name each by its basename")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--api-key", default=os.environ.get("MILO_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health (default $MILO_API_KEY)")
+    p.add_argument("--model", default="default", help="model path or 'default' (must match every store)")
+    p.add_argument("--device", default=None, help="compute device (default: cuda if available, else cpu)")
+    p.add_argument("--tier", choices=("host", "disk", "cached"), default="host", help="where factors are read from")
+    p.add_argument("--cache-dir", default=None, help="block cache of remote stores (default ~/.cache/milo/blocks)")
+    p.add_argument("--cache-size", type=parse_size, default=None, help="block cache limit, e.g. 10G (default 10G)")
+    p.add_argument("--device-cache", type=parse_size, default=0, help="device memory for reused blocks, e.g. 2G")
+    p.add_argument("--k", type=int, default=6, help="groups to retrieve per query unless a request says (default 6)")
+    p.add_argument("--token-budget", type=int, default=None, help="default cap on retrieved tokens")
+    p.add_argument("--max-batch", type=int, default=16, help="rows in the running batch at most (default 16)")
+    p.add_argument("--batch-wait-ms", type=float, default=5.0, help="how long an idle loop gathers a batch (default 5)")
+    p.add_argument("--max-queue", type=int, default=256, help="waiting requests at most; beyond, 503 (default 256)")
+    p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES, help=f"request body limit (default {MAX_BODY_BYTES})")
+    p.add_argument("--drain-s", type=float, default=30.0, help="on SIGTERM, how long in-flight requests may finish")
+
+
+def run(args) -> int:
+    for name in ("k", "max_batch", "max_queue", "max_body_bytes"):
+        if getattr(args, name) < 1:
+            raise CommandError(f"--{name.replace('_', '-')} must be at least 1; got {getattr(args, name)}")
+    if args.token_budget is not None and args.token_budget < 1:
+        raise CommandError(f"--token-budget must be at least 1; got {args.token_budget}")
+    if args.batch_wait_ms < 0 or args.drain_s < 0:
+        raise CommandError("--batch-wait-ms and --drain-s cannot be negative")
+    if not 0 <= args.port <= 65535:
+        raise CommandError(f"--port must be between 0 and 65535; got {args.port}")
+    try:  # the serve extra: not needed by the other commands, so imported here
+        from ..engine import Engine
+        from ..server.app import create_app
+        from ..server.launch import mount_stores, serve
+    except ImportError as e:
+        raise CommandError(f"milo serve needs the serve extra (pip install 'milo-kv[serve]'): {e}") from None
+    block_cache = BlockCache(args.cache_dir, args.cache_size)
+    stores = mount_stores(args.store, tier=args.tier, block_cache=block_cache)
+    try:
+        loaded = load_model(args.model)
+    except (OSError, ValueError) as e:  # no such path, not a model folder, an unsupported model
+        raise CommandError(f"--model: {e}") from None
+    try:
+        device = place_model(loaded, args.device)
+    except RuntimeError as e:  # e.g. an unknown or absent device
+        raise CommandError(f"--device {args.device}: {e}") from None
+    engine = Engine(loaded, stores, k=args.k, token_budget=args.token_budget, device=device,
+                    device_cache_bytes=args.device_cache)
+    app = create_app(engine, api_key=args.api_key or None, max_batch=args.max_batch, batch_wait_ms=args.batch_wait_ms,
+                     max_queue=args.max_queue, max_body_bytes=args.max_body_bytes, block_cache=block_cache)
+    serve(app, host=args.host, port=args.port, drain_s=args.drain_s)
+    return 0
