@@ -8,9 +8,8 @@ import json
 from milo_store import MiloStore
 from milo_store.blockcache import BlockCache, parse_size
 
-from ..models import load_model
-from ..session import MiloSession, place_model
-from . import CommandError
+from ..session import MiloSession
+from . import CommandError, load_placed_model
 
 
 def add_arguments(p):
@@ -34,14 +33,7 @@ def run(args) -> int:
     if args.token_budget is not None and args.token_budget < 1:
         raise CommandError(f"--token-budget must be at least 1; got {args.token_budget}")
     store = MiloStore.open(args.store, tier=args.tier, block_cache=BlockCache(args.cache_dir, args.cache_size))
-    try:
-        loaded = load_model(args.model)
-    except (OSError, ValueError) as e:  # no such path, not a model folder, an unsupported model
-        raise CommandError(f"--model: {e}") from None
-    try:
-        device = place_model(loaded, args.device)
-    except RuntimeError as e:  # e.g. an unknown or absent device
-        raise CommandError(f"--device {args.device}: {e}") from None
+    loaded, device = load_placed_model(args.model, args.device)
     session = MiloSession(loaded, store, k=args.k, token_budget=args.token_budget, order=args.order, device=device)
     examples = store.examples()
     results = []

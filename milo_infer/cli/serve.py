@@ -7,10 +7,8 @@ import os
 
 from milo_store.blockcache import BlockCache, parse_size
 
-from ..models import load_model
 from ..server import MAX_BODY_BYTES
-from ..session import place_model
-from . import CommandError
+from . import CommandError, load_placed_model
 
 
 def add_arguments(p):
@@ -52,14 +50,7 @@ def run(args) -> int:
         raise CommandError(f"milo serve needs the serve extra (pip install 'milo-kv[serve]'): {e}") from None
     block_cache = BlockCache(args.cache_dir, args.cache_size)
     stores = mount_stores(args.store, tier=args.tier, block_cache=block_cache)
-    try:
-        loaded = load_model(args.model)
-    except (OSError, ValueError) as e:  # no such path, not a model folder, an unsupported model
-        raise CommandError(f"--model: {e}") from None
-    try:
-        device = place_model(loaded, args.device)
-    except RuntimeError as e:  # e.g. an unknown or absent device
-        raise CommandError(f"--device {args.device}: {e}") from None
+    loaded, device = load_placed_model(args.model, args.device)
     engine = Engine(loaded, stores, k=args.k, token_budget=args.token_budget, device=device,
                     device_cache_bytes=args.device_cache)
     app = create_app(engine, api_key=args.api_key or None, max_batch=args.max_batch, batch_wait_ms=args.batch_wait_ms,
