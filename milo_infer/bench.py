@@ -48,22 +48,15 @@ STAGES = ("retrieve", "read", "transfer", "rebuild", "model")
 
 class TimedSession(MiloSession):
     """`MiloSession` for the benchmark: ``copy_identity`` replaces the rebuild of an identity store by a
-    copy (the full-KV baseline). Stage times come from `MiloSession.answer` (CUDA events on CUDA)."""
+    copy (the full-KV baseline). Stage times come from the engine (CUDA events on CUDA)."""
 
-    def __init__(self, *args, copy_identity: bool = False, **kwargs):
-        super().__init__(*args, **kwargs)
-        if copy_identity and self.store.meta.get("codec") != "identity":
-            raise ValueError(f"{self.store.path}: copy_identity needs an identity-codec store")
-        self.copy_identity = copy_identity
-
-    def rebuild(self, factors, segments, out_k, out_v, plan=None):
-        if self.copy_identity:
-            copy_identity_layer(factors, segments, out_k, out_v, self.cos, self.sin, interleaved=self.rope_interleaved)
-        else:
-            super().rebuild(factors, segments, out_k, out_v, plan)
+    def __init__(self, loaded, store, *, copy_identity: bool = False, **kwargs):
+        if copy_identity and store.meta.get("codec") != "identity":
+            raise ValueError(f"{store.path}: copy_identity needs an identity-codec store")
+        super().__init__(loaded, store, **({"rebuild": copy_identity_layer} if copy_identity else {}), **kwargs)
 
 
-def copy_identity_layer(factors, segments, out_k, out_v, cos, sin, *, interleaved=False) -> None:
+def copy_identity_layer(factors, segments, out_k, out_v, cos, sin, *, interleaved=False, **_) -> None:
     """The full-KV baseline's fill: an identity segment's A is X itself, so per kind gather every segment's
     rows in one cat, rotate the keys, and scatter all rows to their (head, row) in one indexed write: a
     handful of launches a layer, as a real offload's copy would be."""
@@ -83,17 +76,6 @@ def copy_identity_layer(factors, segments, out_k, out_v, cos, sin, *, interleave
         if kind == 0:
             x = rope(x.float(), cos[rows], sin[rows], interleaved)
         out[heads, rows] = x.to(out.dtype)
-
-
-@contextlib.contextmanager
-def counting_forwards(model):
-    """Count the model's forward calls: one per generated token (prefill yields the first)."""
-    count = [0]
-    handle = model.register_forward_pre_hook(lambda *_: count.__setitem__(0, count[0] + 1))
-    try:
-        yield count
-    finally:
-        handle.remove()
 
 
 # --- methods and stores --------------------------------------------------------------------------
@@ -134,11 +116,10 @@ def measure(sessions: dict[str, TimedSession], queries: list[str], k: int, batch
         for name, s in sessions.items():
             s.k = k
             answers, t = [], time.perf_counter()
-            with counting_forwards(s.model) as forwards:
-                for chunk in chunks:
-                    answers += s.answer_batch(chunk)
+            for chunk in chunks:
+                answers += s.answer_batch(chunk)
             wall = time.perf_counter() - t
-            samples[name].append((wall, forwards[0], answers))
+            samples[name].append((wall, sum(a.completion_tokens for a in answers), answers))
     rows = []
     for name, runs in samples.items():
         n = len(queries)
@@ -216,13 +197,14 @@ def kernel_speedup(session: TimedSession, block_ids: list[int], repeat: int = 3)
         factors, starts = prefetch.layer(l)
         layers.append((factors.clone(), torch.from_numpy(layout.layer_segments(store.ranks[block_ids, l], tokens,
                                                                               dst, starts))))
-    out_k = torch.empty(layout.num_kv_heads, int(tokens.sum()), layout.head_dim, dtype=session.dtype, device=dev)
+    engine = session.engine
+    out_k = torch.empty(layout.num_kv_heads, int(tokens.sum()), layout.head_dim, dtype=engine.dtype, device=dev)
     out_v = torch.empty_like(out_k)
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
 
     def run(fn):
         for factors, segments in layers:
-            fn(factors, segments, out_k, out_v, session.cos, session.sin, interleaved=session.rope_interleaved,
+            fn(factors, segments, out_k, out_v, engine.cos, engine.sin, interleaved=session.mounted.rope_interleaved,
                quant=layout.quant)
 
     times = {}

@@ -9,6 +9,10 @@ and lets tests drive the loops with a fake model.
 Classification tasks use :func:`constrained_greedy` with a :class:`LabelTrie`:
 the answer is forced to be one of the label strings, so accuracy measures the
 model's choice rather than its formatting.
+
+Each loop is a driver over a per-row decoder (:class:`LabelDecoder`,
+:class:`GreedyDecoder`: ``push(logits) -> token`` until ``done``), which is
+what the batched engine keeps for every row of a batch.
 """
 
 from __future__ import annotations
@@ -126,16 +130,121 @@ class LabelTrie:
         return self._label_at.get(prefix)
 
 
+class LabelDecoder:
+    """One row's label-constrained greedy choice, a token at a time (the batched engine keeps one per row).
+
+    ``push(logits)`` takes the logits for the next position and returns the chosen token; once
+    ``done``, ``result()`` is the answer. At each step the logits are masked to the tokens the trie
+    allows and the best one is taken (the lowest id on exact ties); when only one token is allowed the
+    logits are not read. ``limit`` (default: what the longest label needs) may be smaller: decoding
+    then stops there with ``stop == "length"`` and the partial label's text.
+    """
+
+    def __init__(self, trie: LabelTrie, tokenizer=None, limit: int | None = None) -> None:
+        self.trie, self.tokenizer = trie, tokenizer
+        self.limit = trie.max_tokens if limit is None else limit
+        if self.limit < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {self.limit}")
+        self.ids: list[int] = []
+        self.stop: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.stop is not None
+
+    def push(self, raw_logits) -> int:
+        allowed = self.trie.allowed(self.ids)
+        if len(allowed) == 1:
+            choice = allowed[0]
+        else:
+            logits = _as_logits(raw_logits)
+            if allowed[-1] >= len(logits):
+                raise ValueError(f"logits cover {len(logits)} tokens, but label token {allowed[-1]} is allowed")
+            choice = allowed[_argmax(logits[allowed])]
+        self.ids.append(choice)
+        if choice in self.trie.terminators:
+            self.stop = "label"
+        elif len(self.ids) >= self.limit:
+            self.stop = "length"
+        return choice
+
+    def text(self) -> str:
+        """The answer so far: the label once closed, else the decoded tokens (needs a tokenizer)."""
+        label = self.trie.label(self.ids)
+        if label is not None and self.stop == "label":
+            return label
+        return self.tokenizer.decode(self.ids, skip_special_tokens=True).strip() if self.tokenizer else ""
+
+    def result(self) -> Decoded:
+        return Decoded(text=self.text(), token_ids=list(self.ids), stop=self.stop)
+
+
+class GreedyDecoder:
+    """One row's plain greedy decoding until eos, a stop string, or ``max_new_tokens``.
+
+    The text is cut just before the earliest stop string found, since stop strings mark where the
+    answer ends (e.g. the start of the next demonstration), not part of it; eos is never part of it.
+    ``text()`` while decoding holds back any tail that could still become a stop string, so text
+    streamed from it is never taken back.
+    """
+
+    def __init__(self, tokenizer, stop_strings: Sequence[str], max_new_tokens: int) -> None:
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        if any(s == "" for s in stop_strings):
+            raise ValueError("stop strings must not be empty")
+        self.tokenizer, self.stop_strings, self.max_new_tokens = tokenizer, list(stop_strings), max_new_tokens
+        self.ids: list[int] = []
+        self.stop: str | None = None
+        self._text = ""
+
+    @property
+    def done(self) -> bool:
+        return self.stop is not None
+
+    def push(self, raw_logits) -> int:
+        choice = _argmax(_as_logits(raw_logits))
+        self.ids.append(choice)
+        if choice == self.tokenizer.eos_token_id:
+            self._text, self.stop = self.tokenizer.decode(self.ids[:-1], skip_special_tokens=True), "eos"
+            return choice
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        cuts = [i for i in (text.find(s) for s in self.stop_strings) if i >= 0]
+        if cuts:
+            self._text, self.stop = text[: min(cuts)], "stop_string"
+        else:
+            self._text = text
+            if len(self.ids) == self.max_new_tokens:
+                self.stop = "length"
+        return choice
+
+    def text(self) -> str:
+        if self.done:
+            return self._text
+        held = max((n for s in self.stop_strings for n in range(1, len(s)) if self._text.endswith(s[:n])), default=0)
+        return self._text[: len(self._text) - held]
+
+    def result(self) -> Decoded:
+        return Decoded(self._text, list(self.ids), self.stop)
+
+
+def _drive(step_fn: StepFn, decoder) -> Decoded:
+    """Run one decoder against a step function: the first logits, then one step per chosen token."""
+    logits = step_fn(None)
+    while True:
+        token = decoder.push(logits)
+        if decoder.done:
+            return decoder.result()
+        logits = step_fn(token)
+
+
 def constrained_greedy(
     step_fn: StepFn, trie: LabelTrie, max_new_tokens: int | None = None
 ) -> Decoded:
     """Greedy decoding restricted to the labels in ``trie``; always returns one of them.
 
-    At each step the logits are masked to the tokens the trie allows and the
-    best one is taken (the lowest id on exact ties). When only one token is
-    allowed the model is not consulted for the choice, and it is never run
-    past the terminator. ``max_new_tokens`` defaults to what the longest label
-    needs; a smaller value is refused rather than returning a cut-off label.
+    The model is never run past the terminator. ``max_new_tokens`` defaults to what the longest label
+    needs; a smaller value is refused rather than returning a cut-off label (`LabelDecoder` allows it).
     """
     if max_new_tokens is None:
         max_new_tokens = trie.max_tokens
@@ -144,51 +253,11 @@ def constrained_greedy(
             f"max_new_tokens={max_new_tokens} cannot finish the longest label "
             f"({trie.max_tokens} tokens with its terminator)"
         )
-
-    ids: list[int] = []
-    logits = _as_logits(step_fn(None))
-    while allowed := trie.allowed(ids):
-        if len(allowed) == 1:
-            choice = allowed[0]
-        else:
-            if allowed[-1] >= len(logits):
-                raise ValueError(
-                    f"logits cover {len(logits)} tokens, but label token {allowed[-1]} is allowed"
-                )
-            choice = allowed[_argmax(logits[allowed])]
-        ids.append(choice)
-        if choice in trie.terminators:
-            break
-        logits = _as_logits(step_fn(choice))
-    return Decoded(text=trie.label(ids), token_ids=ids, stop="label")
+    return _drive(step_fn, LabelDecoder(trie))
 
 
 def greedy_until(
     step_fn: StepFn, tokenizer, stop_strings: Sequence[str], max_new_tokens: int
 ) -> Decoded:
-    """Plain greedy decoding until eos, a stop string, or ``max_new_tokens``.
-
-    The returned text is cut just before the earliest stop string found, since
-    stop strings mark where the answer ends (e.g. the start of the next
-    demonstration), not part of it. eos is never part of the text.
-    """
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    if any(s == "" for s in stop_strings):
-        raise ValueError("stop strings must not be empty")
-    eos = tokenizer.eos_token_id
-
-    ids: list[int] = []
-    logits = _as_logits(step_fn(None))
-    while True:
-        choice = _argmax(logits)
-        ids.append(choice)
-        if choice == eos:
-            return Decoded(tokenizer.decode(ids[:-1], skip_special_tokens=True), ids, "eos")
-        text = tokenizer.decode(ids, skip_special_tokens=True)
-        cuts = [i for i in (text.find(s) for s in stop_strings) if i >= 0]
-        if cuts:
-            return Decoded(text[: min(cuts)], ids, "stop_string")
-        if len(ids) == max_new_tokens:
-            return Decoded(text, ids, "length")
-        logits = _as_logits(step_fn(choice))
+    """Plain greedy decoding until eos, a stop string, or ``max_new_tokens`` (`GreedyDecoder`)."""
+    return _drive(step_fn, GreedyDecoder(tokenizer, stop_strings, max_new_tokens))

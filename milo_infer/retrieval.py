@@ -193,8 +193,9 @@ class BM25BlockRetriever:
         The last query's scores are kept so that ``select`` followed by
         ``order_blocks(ids, scores(query))`` runs BM25 only once.
         """
-        if self._last is not None and self._last[0] == query:
-            return self._last[1]
+        last = self._last  # read once: planners on several threads share this retriever
+        if last is not None and last[0] == query:
+            return last[1]
         grouped = self.example_scores(query)  # already grouped: block b's demonstrations are contiguous
         if self.aggregate == "max":
             block_scores = np.maximum.reduceat(grouped, self._starts)

@@ -8,7 +8,8 @@ import torch
 
 from milo_infer import bench
 from milo_infer.cli import bench as bench_cli
-from milo_infer.session import MiloSession, cache_keyword, default_device
+from milo_infer.engine import cache_keyword
+from milo_infer.session import MiloSession, default_device
 from milo_infer.timing import StageClock
 from milo_store import MiloStore
 
@@ -43,7 +44,7 @@ def test_a_model_that_ignores_the_cache_fails_loudly(tiny):
         session = MiloSession(loaded, store, k=2)
         assert session.answer(bench.synthetic_queries(1, 3, 2)[0]).text  # the real model fills every layer
         model = loaded.model
-        session.model = lambda input_ids, cache, use_cache: model(input_ids=input_ids)  # drops the cache
+        session.engine.model = lambda input_ids, cache, use_cache, **kw: model(input_ids=input_ids)  # drops the cache
         with pytest.raises(RuntimeError, match="did not use the milo cache"):
             session.answer(bench.synthetic_queries(1, 3, 2)[0])
 
@@ -55,8 +56,8 @@ class PastKeyValuesModel(torch.nn.Module):
         super().__init__()
         self.inner = model
 
-    def forward(self, input_ids, past_key_values=None, use_cache=True):
-        return self.inner(input_ids=input_ids, cache=past_key_values, use_cache=use_cache)
+    def forward(self, input_ids, past_key_values=None, use_cache=True, **kwargs):
+        return self.inner(input_ids=input_ids, cache=past_key_values, use_cache=use_cache, **kwargs)
 
 
 def test_the_cache_goes_under_the_keyword_the_model_takes(tiny):
@@ -65,9 +66,9 @@ def test_the_cache_goes_under_the_keyword_the_model_takes(tiny):
     with MiloStore.open(paths["milo-r0.5"]) as store:
         expected = MiloSession(loaded, store, k=2).logits(query)
         session = MiloSession(loaded, store, k=2)
-        session.model = PastKeyValuesModel(loaded.model)
-        session.cache_kwarg = cache_keyword(session.model)
-        assert session.cache_kwarg == "past_key_values" and cache_keyword(loaded.model) == "cache"
+        session.engine.model = PastKeyValuesModel(loaded.model)
+        session.engine.cache_kwarg = cache_keyword(session.engine.model)
+        assert session.engine.cache_kwarg == "past_key_values" and cache_keyword(loaded.model) == "cache"
         torch.testing.assert_close(session.logits(query), expected, rtol=0, atol=0)
 
 
@@ -76,14 +77,14 @@ def test_answer_reports_every_stage_and_the_model_excludes_rebuild(tiny, monkeyp
     with MiloStore.open(paths["milo-r0.5"]) as store:
         session = MiloSession(loaded, store, k=3)
         seen = []
-        rebuild = session.rebuild
+        rebuild = session.engine.rebuild
 
-        def slow_rebuild(factors, segments, out_k, out_v, plan):
+        def slow_rebuild(factors, segments, out_k, out_v, cos, sin, *, plan, **kw):
             seen.append((segments.device, plan))
             torch.tensor(0.0).add_(1)  # stands for device work
-            rebuild(factors, segments, out_k, out_v, plan)
+            rebuild(factors, segments, out_k, out_v, cos, sin, plan=plan, **kw)
 
-        monkeypatch.setattr(session, "rebuild", slow_rebuild)
+        monkeypatch.setattr(session.engine, "rebuild", slow_rebuild)
         a = session.answer(bench.synthetic_queries(1, 3, 3)[0])
     assert set(a.seconds) == {"retrieve", "read", "transfer", "wait", "reconstruct", "model"}
     assert all(v >= 0 for v in a.seconds.values()) and a.seconds["reconstruct"] > 0 and a.seconds["model"] > 0

@@ -1,0 +1,148 @@
+"""What one query needs from a mounted store, decided on the host without touching the model.
+
+A `QueryPlan` is plain data: the retrieved groups and their store blocks in context order, where each
+block's rows go in the assembled context [anchor][blocks][query], every layer's segment table (source
+offsets relative to each block's own layer slice: the executor shifts them to wherever the batch's
+fetch put the block), the query's token ids, the answer budget and the bytes involved. Planning has
+no side effects, so plans can be made on any thread (a server's handlers), batched in any
+combination, and tested without a model. Execution is `milo_infer.engine`.
+
+Retrieval ranks *groups*, the blocks of m demonstrations the build encoded together; a store whose
+blocks are finer (``block_group``: one store block per demonstration, the example-svd baseline)
+puts each selected group's store blocks in order, so every store of one build gives a query the
+same demonstrations in the same order.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from milo_kernels import apply_rope
+from milo_store import IncompatibleStoreError, MiloStore, full_kv_bytes
+
+from .corpus import TaskSpec
+from .decoding import LabelTrie
+from .retrieval import order_blocks, store_retriever
+
+IDENTITY_FIELDS = ("config_hash", "num_layers", "num_kv_heads", "head_dim", "rope")
+MAX_NEW_TOKENS = 64  # longest free-form answer by default (labels are bounded by their own trie)
+STOP_STRINGS = ("\n\n", "\nInput:", "\nQuery:")  # where a free-form answer ends: the next demonstration
+
+
+class RequestError(ValueError):
+    """A request no batch can serve as asked (its context exceeds the model's positions, an empty
+    query, a budget below one token); the message names the problem."""
+
+
+@dataclass(frozen=True)
+class Request:
+    text: str  # the query
+    k: int | None = None  # groups to retrieve (None: the engine's default)
+    token_budget: int | None = None  # or the tokens the retrieved groups may take
+    max_new_tokens: int | None = None  # None: a label's length, or MAX_NEW_TOKENS for free-form answers
+    stop: tuple[str, ...] = ()  # extra stop strings (free-form answers)
+
+
+@dataclass(frozen=True, eq=False)
+class QueryPlan:
+    store: str  # the mounted store's name
+    request: Request
+    groups: list[int]  # retrieved groups, in context order
+    blocks: list[int]  # their store blocks, in context order
+    query_ids: list[int]
+    prefix_tokens: int  # anchor + blocks
+    dst_rows: np.ndarray  # int64 [n]: each block's first row in the assembled context
+    segments: np.ndarray  # int64 [L, n*2*H, 6]: SEGMENT_COLUMNS, src_offset relative to the block's layer slice
+    max_new_tokens: int  # the answer's budget
+    kv_bytes_full: int  # fp16 K/V of the blocks
+    kv_bytes_stored: int  # the factor bytes the blocks take in the store
+    retrieve_seconds: float
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.prefix_tokens + len(self.query_ids)
+
+
+def check_compatible(store: MiloStore, identity: dict) -> None:
+    """Refuse a store whose K/V another model (shape, RoPE, config) produced."""
+    stored = store.meta.get("model") or {}
+    wrong = [f"{k}: store {stored.get(k)!r} vs model {identity.get(k)!r}" for k in IDENTITY_FIELDS
+             if stored.get(k) != identity.get(k)]
+    if wrong:
+        raise IncompatibleStoreError(f"{store.path} was built for another model ({stored.get('name')}): " + "; ".join(wrong))
+
+
+class MountedStore:
+    """A store ready to answer from: its retriever, task, label trie, and anchor K/V rotated once onto the
+    device (the anchor always sits at positions 0..Ta-1)."""
+
+    def __init__(self, name: str, store: MiloStore, tokenizer, cos: torch.Tensor, sin: torch.Tensor, device, dtype,
+                 aggregate: str = "max"):
+        self.name, self.store, self.tokenizer, self.layout = name, store, tokenizer, store.layout
+        self.task = TaskSpec(**{**store.meta["task"], "labels": tuple(store.meta["task"].get("labels", ()))})
+        self.retriever = store_retriever(store, aggregate=aggregate)
+        self.trie = LabelTrie(tokenizer, list(self.task.labels)) if self.task.answer_kind == "label" else None
+        self.rope_interleaved = store.meta["model"]["rope"]["layout"] == "interleaved"
+        anchor = store.anchor_kv()  # [L, 2, H, Ta, d], keys pre-RoPE
+        if anchor is None:
+            raise IncompatibleStoreError(f"{store.path} has no anchor K/V: not a store `milo build` wrote")
+        Ta = anchor.shape[3]
+        keys = apply_rope(anchor[:, 0].float(), cos[:Ta].cpu(), sin[:Ta].cpu(), self.rope_interleaved)
+        self.anchor_k = keys.to(device, dtype)
+        self.anchor_v = anchor[:, 1].to(device, dtype)
+        self.anchor_len = Ta
+
+    def select(self, text: str, k: int, token_budget: int | None, order: str) -> list[int]:
+        """The retrieved groups in context order (k and token_budget count groups and their tokens)."""
+        ids = self.retriever.select(text, k=min(k, self.store.num_groups), token_budget=token_budget)
+        return order_blocks(ids, self.retriever.scores(text), order=order)
+
+    def query_ids(self, text: str) -> list[int]:
+        return self.tokenizer(self.task.render_query(text), add_special_tokens=False).input_ids
+
+    def answer_budget(self, request: Request, default: int) -> int:
+        """New tokens the answer may take: a label's trie length (or less, if asked), else the request's."""
+        asked = request.max_new_tokens
+        if asked is not None and asked < 1:
+            raise RequestError(f"max_new_tokens must be at least 1, got {asked}")
+        if self.trie is not None:
+            return min(self.trie.max_tokens, asked) if asked is not None else self.trie.max_tokens
+        return asked if asked is not None else default
+
+    def plan(self, request: Request, *, k: int, token_budget: int | None, order: str, max_new_tokens: int,
+             max_positions: int, block_ids: list[int] | None = None) -> QueryPlan:
+        """Plan one query; ``block_ids`` overrides retrieval (exactness checks place chosen blocks)."""
+        t = time.perf_counter()
+        k = request.k if request.k is not None else k
+        token_budget = request.token_budget if request.token_budget is not None else token_budget
+        if k < 1:
+            raise RequestError(f"k must be at least 1, got {k}")
+        groups = self.select(request.text, k, token_budget, order) if block_ids is None else []
+        blocks = self.store.blocks_of(groups) if block_ids is None else list(block_ids)
+        query_ids = self.query_ids(request.text)
+        budget = self.answer_budget(request, max_new_tokens)
+        seconds = time.perf_counter() - t
+        own = self.anchor_len + len(query_ids) + budget + 1
+        if own > max_positions:
+            raise RequestError(f"the query itself is too long: the anchor ({self.anchor_len} tokens), the query "
+                               f"({len(query_ids)}) and the answer ({budget}) exceed the model's {max_positions} "
+                               f"positions before any demonstration is added")
+        tokens = self.store.block_tokens[blocks]
+        dst = self.anchor_len + np.concatenate(([0], np.cumsum(tokens)[:-1])).astype(np.int64)
+        prefix = self.anchor_len + int(tokens.sum())
+        if prefix + len(query_ids) + budget + 1 > max_positions:
+            raise RequestError(f"the assembled context ({prefix} tokens of anchor and blocks + {len(query_ids)} "
+                               f"for the query + {budget + 1} for the answer) exceeds the model's {max_positions} "
+                               f"positions; lower k or set a token budget")
+        zeros = np.zeros(len(blocks), np.int64)
+        segments = np.stack([self.layout.layer_segments(self.store.ranks[blocks, l], tokens, dst, zeros)
+                             for l in range(self.layout.num_layers)]) if blocks else \
+            np.zeros((self.layout.num_layers, 0, 6), np.int64)
+        stored = int(sum(self.store.offsets[b + 1] - self.store.offsets[b] for b in blocks)) * self.store.itemsize
+        return QueryPlan(store=self.name, request=request, groups=groups, blocks=blocks, query_ids=query_ids,
+                         prefix_tokens=prefix, dst_rows=dst, segments=segments, max_new_tokens=budget,
+                         kv_bytes_full=full_kv_bytes(self.layout, tokens), kv_bytes_stored=stored,
+                         retrieve_seconds=seconds)
