@@ -22,7 +22,6 @@ def add_arguments(p):
     p.add_argument("--tier", choices=("host", "disk", "cached"), default="host", help="where factors are read from")
     p.add_argument("--cache-dir", default=None, help="block cache of remote stores (default ~/.cache/milo/blocks)")
     p.add_argument("--cache-size", type=parse_size, default=None, help="block cache limit, e.g. 10G (default 10G)")
-    p.add_argument("--device-cache", type=parse_size, default=0, help="device memory for reused blocks, e.g. 2G")
     p.add_argument("--k", type=int, default=6, help="groups to retrieve per query unless a request says (default 6)")
     p.add_argument("--token-budget", type=int, default=None, help="default cap on retrieved tokens")
     p.add_argument("--max-batch", type=int, default=16, help="rows in the running batch at most (default 16)")
@@ -51,8 +50,7 @@ def run(args) -> int:
     block_cache = BlockCache(args.cache_dir, args.cache_size)
     stores = mount_stores(args.store, tier=args.tier, block_cache=block_cache)
     loaded, device = load_placed_model(args.model, args.device)
-    engine = Engine(loaded, stores, k=args.k, token_budget=args.token_budget, device=device,
-                    device_cache_bytes=args.device_cache)
+    engine = Engine(loaded, stores, k=args.k, token_budget=args.token_budget, device=device)
     app = create_app(engine, api_key=args.api_key or None, max_batch=args.max_batch, batch_wait_ms=args.batch_wait_ms,
                      max_queue=args.max_queue, max_body_bytes=args.max_body_bytes, block_cache=block_cache)
     serve(app, host=args.host, port=args.port, drain_s=args.drain_s)

@@ -96,9 +96,8 @@ def create_app(engine, *, api_key: str | None = None, max_batch: int = 16, batch
 
     @api.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": started, "owned_by": "milo",
-                                            "milo": {"blocks": store.num_blocks}}
-                                           for name, store in engine.stores.items()]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": started, "owned_by": "milo"}
+                                           for name in engine.stores]}
 
     async def answer(request: HTTPRequest, chat: bool):
         body = protocol.parse_json(await read_body(request, max_body_bytes))

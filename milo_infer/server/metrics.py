@@ -48,7 +48,7 @@ class ServerMetrics:
         r.register(_BlockCacheHits(block_cache))
 
     def admitted(self, plans, fetch_stats: dict) -> None:
-        self.prompt_tokens.inc(sum(p.prefix_tokens + len(p.query_ids) for p in plans))
+        self.prompt_tokens.inc(sum(p.prompt_tokens for p in plans))
         self.kv_bytes_stored.inc(sum(p.kv_bytes_stored for p in plans))
         self.kv_bytes_moved.inc(fetch_stats.get("bytes", 0))
         if fetch_stats.get("blocks"):

@@ -150,9 +150,8 @@ def new_id(chat: bool) -> str:
 
 
 def usage(plan: QueryPlan, answer: Answer) -> dict:
-    prompt = plan.prefix_tokens + len(plan.query_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": answer.completion_tokens,
-            "total_tokens": prompt + answer.completion_tokens}
+    return {"prompt_tokens": plan.prompt_tokens, "completion_tokens": answer.completion_tokens,
+            "total_tokens": plan.prompt_tokens + answer.completion_tokens}
 
 
 def milo_details(answer: Answer) -> dict:

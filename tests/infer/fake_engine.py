@@ -9,6 +9,8 @@ import threading
 import time
 from types import SimpleNamespace
 
+import numpy as np
+
 from milo_infer.engine import Answer, QueryPlan, RequestError, RowEvent
 
 MAX_QUERY_WORDS = 40
@@ -29,7 +31,7 @@ def expected_answer(text: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, sto
 
 class FakeEngine:
     def __init__(self, stores=("demo",), *, max_positions=2048, step_s=0.0):
-        self.stores = {name: SimpleNamespace(num_blocks=2) for name in stores}
+        self.stores = {name: SimpleNamespace(name=name) for name in stores}
         self.max_positions, self.step_s = max_positions, step_s
         self.batches: list[FakeBatch] = []
 
@@ -40,7 +42,9 @@ class FakeEngine:
         if len(words) > MAX_QUERY_WORDS:
             raise RequestError(f"the query alone ({len(words)} tokens) exceeds the model's positions")
         return QueryPlan(store=store, request=request, groups=[1], blocks=[1, 0], query_ids=list(range(len(words))),
-                         prefix_tokens=10, kv_bytes_full=400, kv_bytes_stored=100)
+                         prefix_tokens=10, dst_rows=np.array([2, 6]), segments=np.zeros((1, 0, 6), np.int64),
+                         max_new_tokens=request.max_new_tokens or DEFAULT_MAX_NEW_TOKENS, kv_bytes_full=400,
+                         kv_bytes_stored=100, retrieve_seconds=0.0)
 
     def batch(self) -> "FakeBatch":
         self.batches.append(FakeBatch(self))
@@ -71,8 +75,7 @@ class FakeBatch:
                             "bytes_without_union": 100 * len(blocks)}
         events = []
         for plan in plans:
-            answer, reason = expected_answer(plan.request.text, plan.request.max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
-                                             plan.request.stop)
+            answer, reason = expected_answer(plan.request.text, plan.max_new_tokens, plan.request.stop)
             self.rows[id(plan)] = [plan, answer.split(), [], reason]
             events.append(self._advance(id(plan)))
         return events
