@@ -5,8 +5,9 @@ For each store, a `milo serve` subprocess on loopback answers ``--requests`` que
 client sees it): queries/s, p50/p99 latency, p50 time to first token, and the mean batch size from
 the server's own ``milo:batch_size`` histogram. Beside each level, the in-process engine answers the
 same queries in batches of that size (``Engine.answer``, no HTTP, no queue): the server's overhead
-is 1 - server q/s / engine q/s. ``--memory-requests`` more requests then measure the server's
-resident memory before and after (VmRSS). Prints a markdown table; ``--out`` also writes JSON. Run:
+is 1 - server q/s / engine q/s. ``--memory-requests`` more requests then trace the server's
+resident memory (VmRSS) before and after each quarter of them. Prints a markdown table; ``--out``
+also writes JSON. Run:
 
     HF_HUB_OFFLINE=1 .venv/bin/python tools/bench_serve.py stores/banking77 stores/banking77-r025 \\
         --concurrency 1,4,16,64 --requests 256 --memory-requests 2000
@@ -135,13 +136,13 @@ def bench_store(store: str, queries: list[str], loaded, args) -> dict:
             rows.append({"concurrency": concurrency, **row})
             print(f"  {model} c={concurrency}: {row['qps']:.1f} q/s (engine {row['engine_qps']:.1f})", file=sys.stderr)
         memory = None
-        if args.memory_requests:
-            rss_start = resident_bytes(process.pid)
+        if args.memory_requests:  # resident memory before, and after each quarter of the run
+            rss = [resident_bytes(process.pid)]
             many = [queries[i % len(queries)] for i in range(args.memory_requests)]
-            asyncio.run(load(base, model, many, max(args.concurrency)))
-            rss_end = resident_bytes(process.pid)
-            memory = {"requests": args.memory_requests, "rss_start": rss_start, "rss_end": rss_end,
-                      "growth": rss_end / rss_start - 1}
+            for quarter in np.array_split(np.arange(len(many)), 4):
+                asyncio.run(load(base, model, [many[i] for i in quarter], max(args.concurrency)))
+                rss.append(resident_bytes(process.pid))
+            memory = {"requests": args.memory_requests, "rss": rss, "growth": rss[-1] / rss[0] - 1}
     finally:
         mounted.close()
         process.send_signal(signal.SIGTERM)
@@ -160,8 +161,9 @@ def table(results: list[dict]) -> str:
     for r in results:
         if r["memory"]:
             m = r["memory"]
-            lines.append(f"\n{r['store']}: resident memory {m['rss_start'] / 2**20:.0f} MiB -> {m['rss_end'] / 2**20:.0f} MiB "
-                         f"over {m['requests']} requests ({m['growth'] * 100:+.1f}%); exit status {r['exit_status']}")
+            trace = " -> ".join(f"{b / 2**20:.0f}" for b in m["rss"])
+            lines.append(f"\n{r['store']}: resident memory {trace} MiB (start, then after each quarter of {m['requests']} "
+                         f"requests: {m['growth'] * 100:+.1f}%); exit status {r['exit_status']}")
     return "\n".join(lines)
 
 
