@@ -47,7 +47,8 @@ def start_server(store: str, args) -> tuple[subprocess.Popen, str]:
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)
     process = subprocess.Popen([sys.executable, "-m", "milo_infer.cli.main", "serve", store, "--port", str(port),
-                                "--max-batch", str(args.max_batch), "--model", args.model, "--k", str(args.k)],
+                                "--max-batch", str(args.max_batch), "--batch-wait-ms", str(args.batch_wait_ms),
+                                "--model", args.model, "--k", str(args.k)],
                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
@@ -174,6 +175,7 @@ def main():
     ap.add_argument("--requests", type=int, default=256, help="requests per concurrency level")
     ap.add_argument("--memory-requests", type=int, default=2000, help="requests of the memory run (0: skip)")
     ap.add_argument("--max-batch", type=int, default=64)
+    ap.add_argument("--batch-wait-ms", type=float, default=5.0, help="the server's gathering window (default 5)")
     ap.add_argument("--k", type=int, default=6)
     ap.add_argument("--model", default="default")
     ap.add_argument("--threads", type=int, default=0, help="torch threads of the server (0: torch's choice)")
