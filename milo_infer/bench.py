@@ -1,4 +1,4 @@
-"""End-to-end throughput of answering from offloaded K/V: full-KV offload against MILO (issue 7).
+"""End-to-end throughput of answering from offloaded K/V: full-KV offload against MILO.
 
 Every method answers the same queries through `MiloSession` (retrieve k blocks, read their factors,
 move them to the compute device, rebuild K/V, prefill the query and decode a label), from stores of
@@ -16,8 +16,10 @@ rebuild time of one retrieval by the literal reference vs the routed kernel. Fro
 derives the bound on speedup (the bytes ratio, ≈ 1/ρ) and the crossover: the link bandwidth below
 which moving fewer bytes pays for the extra reconstruction.
 
-`synthetic_setup` makes the same workload without a real model or corpus (random weights of a given
-shape, a byte-level tokenizer, synthetic K/V), for tests and GPU runs without downloads.
+The pieces around this module: `timed_session` (the session the methods run in), `bench_report`
+(the markdown table and the plot) and `synthetic_model` (the same workload without a real model or
+corpus: random weights of a given shape, a byte-level tokenizer, synthetic K/V, for tests and GPU runs
+without downloads).
 """
 from __future__ import annotations
 
@@ -32,50 +34,14 @@ import numpy as np
 import torch
 
 from milo_kernels import reconstruct_layer
-from milo_kernels.cpu import rope
-from milo_store import CompressionConfig, Layout, MiloStore, Staging, factorize_block, write_store
+from milo_store import CompressionConfig, MiloStore
 from milo_store.prefetch import LayerPrefetcher
-from milo_store.synthetic import synthetic_block_kv
 
+from .build import BuildConfig, default_compression
 from .corpus import Demonstration, TaskSpec
-from .models import LoadedModel, model_identity
-from .session import MiloSession
-
-STAGES = ("retrieve", "read", "transfer", "rebuild", "model")
-
-
-# --- the timed pipeline --------------------------------------------------------------------------
-
-class TimedSession(MiloSession):
-    """`MiloSession` for the benchmark: ``copy_identity`` replaces the rebuild of an identity store by a
-    copy (the full-KV baseline). Stage times come from the engine (CUDA events on CUDA)."""
-
-    def __init__(self, loaded, store, *, copy_identity: bool = False, **kwargs):
-        if copy_identity and store.meta.get("codec") != "identity":
-            raise ValueError(f"{store.path}: copy_identity needs an identity-codec store")
-        super().__init__(loaded, store, **({"rebuild": copy_identity_layer} if copy_identity else {}), **kwargs)
-
-
-def copy_identity_layer(factors, segments, out_k, out_v, cos, sin, *, interleaved=False, **_) -> None:
-    """The full-KV baseline's fill: an identity segment's A is X itself, so per kind gather every segment's
-    rows in one cat, rotate the keys, and scatter all rows to their (head, row) in one indexed write: a
-    handful of launches a layer, as a real offload's copy would be."""
-    d = out_k.shape[-1]
-    segs = segments.cpu()
-    for kind, out in ((0, out_k), (1, out_v)):
-        mine = segs[segs[:, 5] == kind]
-        if not len(mine):
-            continue
-        src, _, tokens, dst, head, _ = mine.unbind(1)
-        x = torch.cat([factors[s:s + t * d].view(t, d) for s, t in zip(src.tolist(), tokens.tolist())])
-        within = torch.arange(int(tokens.sum())) - torch.repeat_interleave(torch.cumsum(tokens, 0) - tokens, tokens)
-        where = torch.stack([torch.repeat_interleave(dst, tokens) + within, torch.repeat_interleave(head, tokens)])
-        if out.is_cuda:  # a pageable upload would wait for the compute stream, every layer
-            where = where.pin_memory().to(out.device, non_blocking=True)
-        rows, heads = where
-        if kind == 0:
-            x = rope(x.float(), cos[rows], sin[rows], interleaved)
-        out[heads, rows] = x.to(out.dtype)
+from .models import LoadedModel
+from .shared_staging import encode_once
+from .timed_session import STAGES, TimedSession
 
 
 # --- methods and stores --------------------------------------------------------------------------
@@ -84,10 +50,13 @@ def method_names(ratios) -> list[str]:
     return ["full", "full-gemm"] + [f"milo-r{r:g}" for r in ratios]
 
 
-def store_configs(ratios) -> dict[str, CompressionConfig]:
-    """Store directory name -> configuration: one identity store serves both full methods."""
+def store_configs(ratios, query_aware: bool = True) -> dict[str, CompressionConfig]:
+    """Store directory name -> configuration: one identity store serves both full methods; MILO's stores
+    are what `milo build` writes at each ratio (`default_compression`). Without query-aware weights (a
+    synthetic store has no model to weigh channels by) the same policy and quantization run unweighted."""
     configs = {"full": CompressionConfig(codec="identity", ratio=1.0, dtype="float16")}
-    configs.update({f"milo-r{r:g}": CompressionConfig(codec="svd", ratio=r, dtype="float16") for r in ratios})
+    configs.update({f"milo-r{r:g}": dataclasses.replace(default_compression(r), query_aware=query_aware)
+                    for r in ratios})
     return configs
 
 
@@ -98,9 +67,6 @@ def store_of(method: str) -> str:
 def real_stores(root, loaded: LoadedModel, demos: list[Demonstration], task: TaskSpec, ratios,
                 block_size: int = 32, context_blocks: int = 2) -> dict[str, Path]:
     """Build (or reuse) every method's store from one encoding of ``demos``."""
-    from .build import BuildConfig
-    from .evaluate import encode_once
-
     base = BuildConfig(block_size=block_size, context_blocks=context_blocks)
     summaries = encode_once(loaded, demos, task, base, store_configs(ratios), root, progress=False)
     return {name: Path(s["store"]) for name, s in summaries.items()}
@@ -109,30 +75,31 @@ def real_stores(root, loaded: LoadedModel, demos: list[Demonstration], task: Tas
 # --- measuring -----------------------------------------------------------------------------------
 
 def measure(sessions: dict[str, TimedSession], queries: list[str], k: int, batch: int, rounds: int) -> list[dict]:
-    """One row per method: medians over ``rounds`` of the same queries, methods interleaved."""
+    """One row per method: medians over ``rounds`` of the same queries answered ``batch`` at a time (real
+    batches: one forward per step for all rows), methods interleaved."""
     samples = {name: [] for name in sessions}
     chunks = [queries[i:i + batch] for i in range(0, len(queries), batch)]
     for _ in range(rounds):
         for name, s in sessions.items():
             s.k = k
-            answers, t = [], time.perf_counter()
+            answers, stats, t = [], {}, time.perf_counter()
             for chunk in chunks:
-                answers += s.answer_batch(chunk)
+                answers += s.engine.answer([s.plan(q) for q in chunk], stats)
             wall = time.perf_counter() - t
-            samples[name].append((wall, sum(a.completion_tokens for a in answers), answers))
+            samples[name].append((wall, sum(a.completion_tokens for a in answers), answers, stats))
     rows = []
     for name, runs in samples.items():
         n = len(queries)
         per_query = {stage: [] for stage in STAGES}
-        for _, _, answers in runs:
+        for _, _, answers, _ in runs:
             sec = [a.seconds for a in answers]
             for stage, values in (("retrieve", [x["retrieve"] for x in sec]), ("read", [x["read"] for x in sec]),
                                   ("transfer", [x["transfer"] for x in sec]),
                                   ("rebuild", [x["reconstruct"] for x in sec]),
                                   ("model", [x["model"] for x in sec])):
                 per_query[stage].append(sum(values) / n)
-        answers = runs[0][2]
-        moved = statistics.mean(a.kv_bytes_stored for a in answers)
+        answers, stats = runs[0][2], runs[0][3]
+        moved = statistics.mean(a.kv_bytes_moved for a in answers)
         transfer = statistics.median(per_query["transfer"])
         wall = statistics.median(r[0] for r in runs)
         rows.append({
@@ -140,7 +107,10 @@ def measure(sessions: dict[str, TimedSession], queries: list[str], k: int, batch
             "qps": n / wall, "tok_s": statistics.median(r[1] for r in runs) / wall,
             "tokens_per_query": statistics.median(r[1] for r in runs) / n,
             "ms": {stage: 1e3 * statistics.median(v) for stage, v in per_query.items()},
-            "bytes_moved": moved, "bytes_full_kv": statistics.mean(a.kv_bytes_full for a in answers),
+            "bytes_moved": moved, "bytes_without_union": statistics.mean(a.kv_bytes_stored for a in answers),
+            "unique_block_share": stats["unique_blocks"] / stats["blocks"] if stats["blocks"] else 1.0,
+            "peak_kv_bytes": stats["peak_kv_bytes"],
+            "bytes_full_kv": statistics.mean(a.kv_bytes_full for a in answers),
             "transfer_gbps": moved / transfer / 1e9 if transfer > 0 else float("nan"),
             "answers": [a.text for a in answers],
         })
@@ -281,145 +251,3 @@ def crossover(rows: list[dict]) -> dict[str, dict]:
         out[r["method"]] = {"bytes_saved": saved, "extra_rebuild_s": extra,
                             "crossover_gbps": saved / extra / 1e9 if extra > 0 else float("inf")}
     return out
-
-
-# --- reporting -----------------------------------------------------------------------------------
-
-def render_markdown(report: dict) -> str:
-    lay = report["layout"]
-    lines = [f"model {report['model']} ({lay['num_layers']} layers, {lay['num_kv_heads']} KV heads, d={lay['head_dim']}) "
-             f"on {report['device']}, {report['threads']} threads; store {report['store_blocks']} blocks of "
-             f"{min(report['block_tokens'])}-{max(report['block_tokens'])} tokens, {report['tier']} tier; "
-             f"medians of {report['rounds']} interleaved rounds",
-             "",
-             "| method | ρ (bytes) | k | batch | q/s | tok/s | retrieve ms | read ms | transfer ms | rebuild ms "
-             "| model ms | MiB/query | transfer GB/s | speedup vs full | bound 1/ρ |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in report["rows"]:
-        ms = r["ms"]
-        lines.append(f"| {r['method']} | {r['ratio']:.3f} | {r['k']} | {r['batch']} | {r['qps']:.2f} | {r['tok_s']:.1f} | "
-                     + " | ".join(f"{ms[s]:.1f}" for s in STAGES)
-                     + f" | {r['bytes_moved'] / 2**20:.2f} | {r['transfer_gbps']:.2f} | {r['speedup']:.2f} | "
-                     f"{1 / r['ratio']:.2f} |")
-    lines += ["", "raw transfer path, same run: " + ", ".join(f"{k} {v:.2f} GB/s" for k, v in report["link_gbps"].items())]
-    for m, t in report["kernel_s"].items():
-        lines.append(f"rebuild of one k={max(r['k'] for r in report['rows'])} retrieval, all layers, {m}: reference "
-                     f"{t['reference'] * 1e3:.1f} ms, routed kernel {t['kernel'] * 1e3:.1f} ms "
-                     f"({t['reference'] / t['kernel']:.2f}x)")
-    fastest = max(report["link_gbps"].values())
-    for m, c in report["crossover"].items():
-        if c["crossover_gbps"] == float("inf"):
-            lines.append(f"crossover {m}: its rebuild is no slower than the full copy, so it wins on any link")
-        else:
-            verdict = "wins" if fastest < c["crossover_gbps"] else "loses"
-            lines.append(f"crossover {m}: saves {c['bytes_saved'] / 2**20:.2f} MiB/query for "
-                         f"{c['extra_rebuild_s'] * 1e3:.1f} ms more rebuild; pays off on links slower than "
-                         f"{c['crossover_gbps']:.2f} GB/s (this run's fastest path: {fastest:.2f} GB/s, so it {verdict} here)")
-    return "\n".join(lines)
-
-
-def plot(report: dict, path) -> Path | None:
-    """Speedup vs ρ per k (batch of the first sweep), with the 1/ρ transfer bound; None without matplotlib."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    rows = [r for r in report["rows"] if r["method"] != "full-gemm"]
-    batch = rows[0]["batch"]
-    fig, ax = plt.subplots(figsize=(5, 3.6))
-    rho = np.linspace(0.15, 1.0, 100)
-    ax.plot(rho, 1 / rho, "k--", label="bound 1/ρ (transfer-bound)")
-    for k in sorted({r["k"] for r in rows}):
-        pts = sorted((r["ratio"], r["speedup"]) for r in rows if r["k"] == k and r["batch"] == batch)
-        ax.plot(*zip(*pts), "o-", label=f"measured, k={k}")
-    ax.set_xlabel("ρ (bytes moved / full)")
-    ax.set_ylabel("queries/s vs full")
-    ax.set_title(f"{report['model']} on {report['device']}")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return Path(path)
-
-
-# --- a workload without a real model -------------------------------------------------------------
-
-SHAPES = {
-    # Qwen2.5-7B's decoder (vocab and positions included); random weights.
-    "qwen2.5-7b": dict(num_hidden_layers=28, hidden_size=3584, num_attention_heads=28, num_key_value_heads=4,
-                       intermediate_size=18944, vocab_size=152064, max_position_embeddings=32768,
-                       rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
-    "tiny": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                 intermediate_size=128, vocab_size=300, max_position_embeddings=4096),
-}
-SYNTHETIC_LABELS = tuple(f"c{i:02d}" for i in range(16))  # " c07" + newline: 5 generated tokens each
-
-
-def byte_tokenizer():
-    """A byte-level BPE tokenizer with no merges, built in memory: needs no files and no download."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<|endoftext|>"])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
-
-
-def random_model(shape: str, device="cpu", dtype=torch.float32) -> LoadedModel:
-    """A Qwen2 model of a named shape with random weights, initialised directly on ``device``."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(**SHAPES[shape], tie_word_embeddings=False)
-    with torch.device(device):
-        model = Qwen2ForCausalLM._from_config(config, dtype=dtype)
-    model.eval().requires_grad_(False)
-    return LoadedModel(model=model, tokenizer=byte_tokenizer(), identity=model_identity(model))
-
-
-def synthetic_stores(root, loaded: LoadedModel, *, demos: int, block_size: int, demo_tokens: int, ratios,
-                     seed: int = 0) -> dict[str, Path]:
-    """Every method's store over the same synthetic K/V, with the attrs a session checks (model, task).
-
-    Each block holds ``block_size`` fake demonstrations of ``demo_tokens`` tokens about one topic word,
-    so BM25 retrieval of a query naming topics picks distinct blocks. SVD runs on the GPU when there is one.
-    """
-    root = Path(root)
-    ident = loaded.identity
-    layout = Layout(ident["num_layers"], ident["num_kv_heads"], ident["head_dim"])
-    n_blocks = -(-demos // block_size)
-    task = TaskSpec(name="synthetic", template="Input: {input}\nLabel: {output}\n", anchor="Label each input.",
-                    answer_kind="label", labels=SYNTHETIC_LABELS)
-    anchor_ids = loaded.tokenizer(task.anchor, add_special_tokens=True).input_ids
-    g = torch.Generator().manual_seed(seed)
-    svd_device = "cuda" if torch.cuda.is_available() else "cpu"
-    tokens = [demo_tokens * min(block_size, demos - b * block_size) for b in range(n_blocks)]
-    stagings = {c: Staging(root / f"staging-{c}", {"synthetic": seed, "codec": c, "layout": str(layout),
-                                                   "tokens": tokens}) for c in ("identity", "svd")}
-    for b, t in enumerate(tokens):
-        if all(s.has(b) for s in stagings.values()):
-            continue
-        k, v = synthetic_block_kv(layout, t, g)
-        stagings["identity"].put(b, factorize_block(k, v, codec="identity"))
-        f = factorize_block(k.to(svd_device), v.to(svd_device), codec="svd")
-        stagings["svd"].put(b, dataclasses.replace(f, A=f.A.cpu(), S=f.S.cpu(), B=f.B.cpu()))
-    examples = {"input": [f"demonstration {i} about topic{i // block_size}" for i in range(demos)],
-                "output": [SYNTHETIC_LABELS[i % len(SYNTHETIC_LABELS)] for i in range(demos)],
-                "id": [str(i) for i in range(demos)], "block": [i // block_size for i in range(demos)]}
-    anchor = torch.randn(layout.num_layers, 2, layout.num_kv_heads, len(anchor_ids), layout.head_dim, generator=g)
-    attrs = {"model": ident, "task": dataclasses.asdict(task),
-             "build": {"block_size": block_size, "synthetic": True, "anchor_token_ids": anchor_ids}}
-    paths = {}
-    for name, config in store_configs(ratios).items():
-        paths[name] = write_store(root / name, stagings[config.codec], n_blocks, layout, config, attrs=attrs,
-                                  anchor_kv=anchor, examples=examples, force=True)
-    return paths
-
-
-def synthetic_queries(n: int, n_blocks: int, k: int) -> list[str]:
-    """Queries naming k topics each, rotating through the blocks."""
-    return [" ".join(f"topic{(q * k + j) % n_blocks}" for j in range(k)) + f" question {q}" for q in range(n)]

@@ -275,7 +275,7 @@ def build_store(out, loaded: LoadedModel, demos: list[Demonstration], task: Task
             if world.rank == 0:
                 t0 = time.perf_counter()
                 path = commit(out, staging, loaded, anchor_ids, demos, task, config, blocks, demo_ids, block_ids,
-                              layout, force, lock)
+                              layout, force, lock, progress)
                 if not keep_staging:  # under the lock: a build that starts now must not resume from it
                     staging.remove()
                 write_s = time.perf_counter() - t0
@@ -294,8 +294,26 @@ def build_store(out, loaded: LoadedModel, demos: list[Demonstration], task: Task
     return world.gather(summary)[0]
 
 
+class StageBars:
+    """Pass two's progress (``write_store``'s stages: allocating, writing), one bar per stage, so the
+    seconds after the encoding bar ends are not silent."""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.stage, self.bar = enabled, None, None
+
+    def __call__(self, stage: str, done: int, total: int) -> None:
+        if stage != self.stage:
+            self.close()
+            self.stage, self.bar = stage, tqdm(total=total, unit="step", desc=stage, disable=not self.enabled)
+        self.bar.update(done - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 def commit(out: Path, staging: Staging, loaded: LoadedModel, anchor_ids, demos, task, config: BuildConfig, blocks,
-           demo_ids, block_ids, layout: Layout, force: bool, lock) -> Path:
+           demo_ids, block_ids, layout: Layout, force: bool, lock, progress: bool) -> Path:
     """Pass two, on one process: the anchor's K/V, the channel scales of a query-aware store,
     allocation over every staged spectrum, and the atomic write."""
     model = loaded.model
@@ -318,7 +336,11 @@ def commit(out: Path, staging: Staging, loaded: LoadedModel, anchor_ids, demos, 
         sample = (anchor_ids + [t for b in block_ids for t in b])[:min(CALIBRATION_TOKENS,
                                                                        loaded.identity["max_position_embeddings"])]
         channel_scale = channel_scales(model, sample)
-    return write_store(out, staging, len(blocks), layout, config.compression, attrs=attrs,
-                       anchor_kv=anchor_kv, examples=examples, channel_scale=channel_scale,
-                       token_ids=np.concatenate([np.asarray(b, dtype=np.int32) for b in block_ids]),
-                       force=force, lock=lock)
+    bars = StageBars(progress)
+    try:
+        return write_store(out, staging, len(blocks), layout, config.compression, attrs=attrs,
+                           anchor_kv=anchor_kv, examples=examples, channel_scale=channel_scale,
+                           token_ids=np.concatenate([np.asarray(b, dtype=np.int32) for b in block_ids]),
+                           force=force, lock=lock, progress=bars)
+    finally:
+        bars.close()

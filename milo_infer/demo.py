@@ -11,7 +11,7 @@ from importlib import resources
 from pathlib import Path
 
 from milo_store import MiloStore, NotAStoreError
-from milo_store.cli.stat import describe
+from milo_store.report import describe
 
 from .build import BuildConfig, build_store, default_compression
 from .corpus import load_corpus, task_from_corpus

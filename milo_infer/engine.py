@@ -27,7 +27,8 @@ import transformers
 
 from milo_kernels import kernel_backend, plan_layers, reconstruct_layer
 from milo_store import MiloStore
-from milo_store.prefetch import LayerPrefetcher
+from milo_store.device_tier import DeviceTier
+from milo_store.prefetch import LayerPrefetcher, TransferPool
 
 from .cache import BatchCache
 from .decoding import GreedyDecoder, LabelDecoder
@@ -48,8 +49,9 @@ class Answer:
     groups: list[int]  # the retrieved groups they come from
     prefix_tokens: int
     kv_bytes_full: int
-    kv_bytes_stored: int
+    kv_bytes_stored: int  # the factor bytes of its blocks in the store
     seconds: dict = field(default_factory=dict)
+    kv_bytes_moved: int = 0  # its share of the bytes its admission really moved (shared blocks once, tier hits none)
     completion_tokens: int = 0
     finish_reason: str = "stop"  # "stop" (label closed, stop string, eos) or "length"
 
@@ -71,11 +73,13 @@ def rebuild_layer(factors, segments, out_k, out_v, cos, sin, *, interleaved, qua
 
 class Engine:
     """The model and the stores it answers from; ``plan`` queries, ``answer`` a batch of plans, or keep a
-    running ``batch()``. ``rebuild`` replaces the kernels' reconstruction (the benchmark's full-KV copy)."""
+    running ``batch()``. ``rebuild`` replaces the kernels' reconstruction (the benchmark's full-KV copy);
+    ``device_cache_bytes`` keeps that many bytes of blocks' factors on the device (`DeviceTier`)."""
 
     def __init__(self, loaded: LoadedModel, stores: dict[str, MiloStore], *, k: int = 6,
                  token_budget: int | None = None, order: str = "score", max_new_tokens: int = MAX_NEW_TOKENS,
-                 device=None, prefetch_depth: int = 2, aggregate: str = "max", rebuild: Rebuild = rebuild_layer):
+                 device=None, prefetch_depth: int = 2, aggregate: str = "max", rebuild: Rebuild = rebuild_layer,
+                 device_cache_bytes: int = 0):
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
         self.cache_kwarg = cache_keyword(self.model)
         model_device = next(self.model.parameters()).device
@@ -96,6 +100,9 @@ class Engine:
         self.cos, self.sin = rope_tables(self.model, self.max_positions, device=self.device)
         self.stores = {name: MountedStore(name, store, self.tokenizer, self.cos, self.sin, self.device, self.dtype,
                                           aggregate) for name, store in stores.items()}
+        self.device_tier = DeviceTier(device_cache_bytes, self.device) if device_cache_bytes else None
+        # one side stream and buffer set per store: a batch may stream from several stores at once
+        self.transfers = {name: TransferPool(self.device) for name in stores} if self.device.type == "cuda" else {}
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else self.tokenizer.eos_token_id or 0)
 
@@ -111,8 +118,9 @@ class Engine:
         return Batch(self)
 
     @torch.inference_mode()
-    def answer(self, plans: list[QueryPlan]) -> list[Answer]:
-        """Answer these plans as one batch, to completion; answers in the plans' order."""
+    def answer(self, plans: list[QueryPlan], stats: dict | None = None) -> list[Answer]:
+        """Answer these plans as one batch, to completion; answers in the plans' order. ``stats`` (a dict
+        the caller owns) gains the batch's fetch statistics, summed, and its peak K/V bytes, maxed."""
         batch = self.batch()
         done = {}
         events = batch.admit(plans)
@@ -121,6 +129,10 @@ class Engine:
             if not len(batch):
                 break
             events = batch.step()
+        if stats is not None:
+            for name, value in batch.fetch_stats.items():
+                stats[name] = stats.get(name, 0) + value
+            stats["peak_kv_bytes"] = max(stats.get("peak_kv_bytes", 0), batch.peak_kv_bytes)
         return [done[id(p)] for p in plans]
 
     @torch.inference_mode()
@@ -135,6 +147,7 @@ class Row:
     decoder: LabelDecoder | GreedyDecoder
     next_position: int  # RoPE position of the next token fed
     seconds: dict
+    moved: int = 0  # its share of the bytes its admission moved
     last_token: int = -1
     sent: int = 0  # characters of text already given out as deltas
     cancelled: bool = False
@@ -143,7 +156,8 @@ class Row:
 class Batch:
     """A running batch, used from one thread. ``admit`` adds rows (rebuild + prefill), ``step`` decodes one
     token for every row; a finished or cancelled row leaves. ``fetch_stats`` describes the last admission,
-    ``peak_kv_bytes`` the largest K/V cache it held."""
+    ``peak_kv_bytes`` the most K/V it held at once: the cache's buffers, and while prefixes are rebuilt
+    the factors staged for it (the transfer buffers on CUDA, a layer of gathered factors on CPU)."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
@@ -167,14 +181,20 @@ class Batch:
             by_store[p.store] += p.blocks
         unions = {name: list(dict.fromkeys(blocks)) for name, blocks in by_store.items()}
         with clock.host("read"):
-            fetched = {name: LayerPrefetcher(e.stores[name].store, ids, e.device, depth=e.prefetch_depth)
+            fetched = {name: LayerPrefetcher(e.stores[name].store, ids, e.device, depth=e.prefetch_depth,
+                                             tier=e.device_tier, pool=e.transfers.get(name))
                        for name, ids in unions.items()}
+        hits = sum(pf.tier_hits for pf in fetched.values())
         for pf in fetched.values():
             clock.defer("transfer", pf.transfer_seconds)
+            if pf.store.remote:  # this batch's own block cache misses of a store URL
+                clock.defer("remote", lambda pf=pf: pf.read_stats.remote_seconds)
         self.fetch_stats = {
             "rows": len(plans), "blocks": sum(len(p.blocks) for p in plans),
             "unique_blocks": sum(len(u) for u in unions.values()),
-            "bytes": sum(int(pf.layer_values.sum()) * e.stores[n].store.itemsize for n, pf in fetched.items()),
+            "device_hits": hits,
+            "buffer_bytes": sum(pf.buffer_bytes for pf in fetched.values()),
+            "bytes": sum(pf.bytes_moved for pf in fetched.values()),
             "bytes_without_union": sum(p.kv_bytes_stored for p in plans)}
         H2 = 2 * e.stores[plans[0].store].layout.num_kv_heads
         tables = []
@@ -234,8 +254,8 @@ class Batch:
         if first and not all(layer.is_initialized for layer in cache.layers):
             raise RuntimeError(f"the model did not use the milo cache (transformers {transformers.__version__} "
                                f"ignored {e.cache_kwarg}=): the answer would have no retrieved context")
-        self.peak_kv_bytes = max(self.peak_kv_bytes, cache.bytes() + (self.cache.bytes() if self.cache is not None
-                                                                       and self.cache is not cache else 0))
+        held = cache.bytes() + (self.cache.bytes() if self.cache is not None and self.cache is not cache else 0)
+        self.peak_kv_bytes = max(self.peak_kv_bytes, held + (self.fetch_stats["buffer_bytes"] if first else 0))
         return out.logits
 
     def _prefill(self, plans: list[QueryPlan], keep_all: bool, clock: StageClock):
@@ -273,7 +293,8 @@ class Batch:
             m = e.stores[p.store]
             decoder = (LabelDecoder(m.trie, e.tokenizer, p.max_new_tokens) if m.trie is not None else
                        GreedyDecoder(e.tokenizer, STOP_STRINGS + tuple(p.request.stop), p.max_new_tokens))
-            rows.append(Row(p, decoder, p.prefix_tokens + len(p.query_ids), {"retrieve": p.retrieve_seconds, **share}))
+            rows.append(Row(p, decoder, p.prefix_tokens + len(p.query_ids), {"retrieve": p.retrieve_seconds, **share},
+                            moved=self.fetch_stats["bytes"] // len(plans)))
         if self.cache is None:
             self.cache, self.valid = cache, valid
         else:
@@ -323,7 +344,7 @@ class Batch:
         p, reason = row.plan, "length" if row.decoder.stop == "length" else "stop"
         answer = Answer(text=row.decoder.result().text.strip(), blocks=p.blocks, groups=p.groups,
                         prefix_tokens=p.prefix_tokens, kv_bytes_full=p.kv_bytes_full,
-                        kv_bytes_stored=p.kv_bytes_stored, seconds=dict(row.seconds),
+                        kv_bytes_stored=p.kv_bytes_stored, seconds=dict(row.seconds), kv_bytes_moved=row.moved,
                         completion_tokens=len(row.decoder.ids), finish_reason=reason)
         return RowEvent(p, delta, True, reason, answer)
 

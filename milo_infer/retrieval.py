@@ -187,6 +187,11 @@ class BM25BlockRetriever:
         (stable: a block's demonstrations keep their corpus order)."""
         return self.index.doc_scores(query)
 
+    def matches(self, query: str) -> bool:
+        """Whether any term of ``query`` occurs in a demonstration. Without one every block scores 0 and
+        the blocks selected are arbitrary (the lowest ids), which the caller should say."""
+        return any(self.index.term_id(term) is not None for term in tokenize(query))
+
     def scores(self, query: str) -> np.ndarray:
         """One score per block (read-only array indexed by block id).
 

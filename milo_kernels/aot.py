@@ -3,7 +3,7 @@
 `triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))` runs the whole pipeline down to a
 cubin; `ptxas -v` (shipped in the triton wheel) on the PTX reports registers, spills and static shared
 memory, and the compiled metadata the dynamic shared memory. `variants` lists every kernel the query
-path can launch (what `reconstruct.tile_config` picks for each factor dtype, RoPE layout and head dim); tools/compile_kernels.py prints the table, tests/kernels/test_compile.py checks a subset.
+path can launch (what `plan.tile_config` picks for each factor dtype, RoPE layout and head dim); tools/compile_kernels.py prints the table, tests/kernels/test_compile.py checks a subset.
 """
 import os
 import re
@@ -38,7 +38,7 @@ def variants(dtypes=tuple(FACTORS), head_dims=HEAD_DIMS, layouts=(False, True)) 
 
 
 def launch_config(v: Variant) -> dict:
-    from .reconstruct import tile_config
+    from .plan import tile_config
     return tile_config(v.d)
 
 
@@ -49,10 +49,10 @@ def compile_variant(v: Variant, cc: int) -> dict:
     from triton.compiler import ASTSource
 
     from .lowbit import GROUP_TOKENS
-    from .reconstruct import _kernel_for
+    from .triton_kernel import kernel_for
 
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # triton 3.9's default, stated (silences its warning)
-    kernel = _kernel_for(False)
+    kernel = kernel_for(False)
     config = launch_config(v)
     factor = FACTORS[v.dtype]
     out = OUTPUT.get(v.dtype, "*fp16")

@@ -2,7 +2,9 @@
 
 Files are ``<dir>/<store key>/<block>.<crc32c hex>``: the store key names the store URL and its
 pinned version (versions are immutable, so an entry never goes stale), and the name carries the
-block's checksum, so every file can be checked on its own. Safety with several processes:
+block's checksum, so every file can be checked on its own. A marker file ``<dir>/.milo-block-cache``
+says the directory is a cache (``clear`` removes entries only where it finds one, and only files
+named like entries) and records the byte limit it was last filled under. Safety with several processes:
 
 - a fill writes a temporary file in the same directory and ``os.replace``s it into place, so a
   reader sees no file or a whole one, never a torn one;
@@ -18,8 +20,9 @@ a running query) is a miss or a skipped fill, with one warning, never a failed q
 themselves come from the store and are checked there.
 """
 import itertools
+import json
 import os
-import shutil
+import re
 import time
 import warnings
 from pathlib import Path
@@ -27,10 +30,13 @@ from pathlib import Path
 import numpy as np
 
 from .checksum import crc32c
+from .errors import NotACacheError
 from .urls import cache_home
 
 DEFAULT_LIMIT = 10 << 30
 STALE_TEMP_SECONDS = 3600  # a temporary file this old belongs to a killed filler
+MARKER = ".milo-block-cache"
+_ENTRY_NAME = re.compile(r"\d+\.[0-9a-f]{8}")
 _counter = itertools.count()
 
 
@@ -57,9 +63,11 @@ class BlockCache:
         self.dir = Path(directory) if directory is not None else default_cache_dir()
         env = os.environ.get("MILO_CACHE_SIZE")
         self.limit = limit_bytes if limit_bytes is not None else parse_size(env) if env else DEFAULT_LIMIT
+        self._limit_given = limit_bytes is not None
         self.hits = self.misses = self.dropped = 0
         self._warned = False
         self._added = 0  # bytes this process filled since it last evicted
+        self._marked = False
 
     def _skip(self, error: OSError) -> None:
         """Carry on without the cache after an I/O error; say so once per cache object."""
@@ -102,6 +110,7 @@ class BlockCache:
         tmp = path.parent / f".tmp-{os.getpid()}-{next(_counter)}"
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
+            self._mark()
             with open(tmp, "wb") as f:
                 f.write(data)
             os.replace(tmp, path)
@@ -110,8 +119,25 @@ class BlockCache:
             self._skip(e)
             self._unlink(tmp)
 
+    def _mark(self) -> None:
+        """Write the marker once per cache object: it makes the directory clearable and records the limit."""
+        if self._marked:
+            return
+        tmp = self.dir / f".tmp-marker-{os.getpid()}-{next(_counter)}"
+        tmp.write_text(json.dumps({"limit_bytes": self.limit}))
+        os.replace(tmp, self.dir / MARKER)
+        self._marked = True
+
+    def recorded_limit(self) -> int | None:
+        """The byte limit the cache was last filled under, or None if no marker records one."""
+        try:
+            return int(json.loads((self.dir / MARKER).read_text())["limit_bytes"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
     def _entries(self):
-        """(mtime, size, path) of every cache file, and stale temporary files removed on the way."""
+        """(mtime, size, path) of every cache file, and stale temporary files removed on the way.
+        Files not named like an entry are not the cache's and are left out."""
         out = []
         if not self.dir.is_dir():
             return out
@@ -128,7 +154,8 @@ class BlockCache:
                     if now - st.st_mtime > STALE_TEMP_SECONDS:
                         self._unlink(Path(e.path))
                     continue
-                out.append((st.st_mtime, st.st_size, Path(e.path)))
+                if _ENTRY_NAME.fullmatch(e.name):
+                    out.append((st.st_mtime, st.st_size, Path(e.path)))
         return out
 
     def _scan(self, directory) -> list:
@@ -159,8 +186,12 @@ class BlockCache:
         return removed
 
     def stat(self) -> dict:
+        """What the cache holds, and its limit: the one given here, else the one it was last filled
+        under, else the default (``limit_source`` says which)."""
         entries = self._entries()
-        return {"dir": str(self.dir), "limit_bytes": self.limit, "files": len(entries),
+        recorded = None if self._limit_given else self.recorded_limit()
+        limit, source = (self.limit, "given" if self._limit_given else "default") if recorded is None else (recorded, "last used")
+        return {"dir": str(self.dir), "limit_bytes": limit, "limit_source": source, "files": len(entries),
                 "bytes": sum(size for _, size, _ in entries), "stores": len({p.parent.name for _, _, p in entries})}
 
     def check(self) -> list[str]:
@@ -175,8 +206,28 @@ class BlockCache:
                 bad.append(str(path))
         return bad
 
-    def clear(self) -> None:
-        shutil.rmtree(self.dir, ignore_errors=True)
+    def clear(self) -> tuple[int, int]:
+        """Unlink every entry (and empty store-key directories); returns the files and bytes removed.
+        Refuses a directory without the marker: it is not a cache, and its files are someone's."""
+        if not self.dir.exists():
+            return 0, 0
+        if not (self.dir / MARKER).is_file():
+            raise NotACacheError(f"{self.dir} is not a milo block cache (no {MARKER} marker); refusing to clear it")
+        files = removed_bytes = 0
+        for _, size, path in self._entries():
+            try:
+                path.unlink()
+            except FileNotFoundError:  # evicted by another process meanwhile: not ours to count
+                continue
+            files += 1
+            removed_bytes += size
+        for sub in self._scan(self.dir):
+            if sub.is_dir():
+                try:
+                    os.rmdir(sub.path)
+                except OSError:  # not empty: holds a filler's temporary file or a file that is not ours
+                    pass
+        return files, removed_bytes
 
     @staticmethod
     def _unlink(path: Path) -> None:

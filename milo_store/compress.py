@@ -146,7 +146,9 @@ def plan_ranks(staging: Staging, num_blocks: int, layout: Layout, config: Compre
                  quant_layout(layout, config.dtype), config)
 
 
-def _plan(source, layout: Layout, config: CompressionConfig) -> tuple[np.ndarray, np.ndarray]:
+def _plan(source, layout: Layout, config: CompressionConfig,
+          read: Callable[[int], None] = lambda done: None) -> tuple[np.ndarray, np.ndarray]:
+    """Ranks and tokens per block; ``read(n)`` after the n-th staged block is read."""
     N, d = source.num_blocks, layout.head_dim
     tokens = np.zeros(N, dtype=np.int64)
     full = np.zeros(N, dtype=np.int64)  # columns each block's factors hold: its full rank
@@ -164,6 +166,7 @@ def _plan(source, layout: Layout, config: CompressionConfig) -> tuple[np.ndarray
             tokens[i], s = source.spectrum(i)
         full[i] = s.shape[-1]
         spectra[i, ..., :full[i]] = s.double().numpy()
+        read(i + 1)
     if config.codec == "raw":
         return np.full(spectra.shape[:4], RAW_RANK, dtype=np.int16), tokens
     if config.codec == "identity" or config.full_rank:
@@ -181,8 +184,12 @@ def _plan(source, layout: Layout, config: CompressionConfig) -> tuple[np.ndarray
 def write_store(path, staging: Staging, num_blocks: int, layout: Layout, config: CompressionConfig, *,
                 attrs: dict | None = None, anchor_kv: torch.Tensor | None = None, examples: dict | None = None,
                 token_ids: np.ndarray | None = None, channel_scale: torch.Tensor | None = None, force: bool = False,
-                lock=None, progress: Callable[[int], None] | None = None) -> Path:
+                lock=None, progress: Callable[[str, int, int], None] | None = None) -> Path:
     """Allocate and commit the store at ``path`` from ``num_blocks`` staged blocks.
+
+    ``progress(stage, done, total)`` is told how far each stage is: ``allocating`` (every staged
+    block read, then the allocation) and ``writing`` (every block packed and written, then the
+    demonstrations, index and commit), so a caller can show the seconds they take.
 
     ``examples`` holds lists ``input``, ``output``, ``id``, ``block`` (the staged block of each
     demonstration) and, for ``example-svd``, ``tokens`` (each one's token count).
@@ -191,14 +198,15 @@ def write_store(path, staging: Staging, num_blocks: int, layout: Layout, config:
     """
     layout = quant_layout(layout, config.dtype)
     source = pass_two_source(staging, num_blocks, config, examples, channel_scale)
-    ranks, tokens = _plan(source, layout, config)
+    progress = progress or (lambda stage, done, total: None)
+    ranks, tokens = _plan(source, layout, config, lambda done: progress("allocating", done, source.num_blocks + 1))
+    progress("allocating", source.num_blocks + 1, source.num_blocks + 1)
     attrs = {**(attrs or {}), "codec": config.codec, "allocation": allocation_record(config)}
     with StoreWriter(path, layout, ranks, tokens, dtype=config.dtype, attrs=attrs, force=force,
                      lock=lock, block_group=source.block_group) as w:
         for i in range(source.num_blocks):
             w.write_block(pack_block(source.factors(i), ranks[i], config.dtype))
-            if progress:
-                progress(i)
+            progress("writing", i + 1, source.num_blocks + 1)
         if anchor_kv is not None:
             w.write_anchor(anchor_kv)
         if token_ids is not None:
@@ -209,4 +217,6 @@ def write_store(path, staging: Staging, num_blocks: int, layout: Layout, config:
             if examples["input"]:  # the retrieval index, built once here rather than at every mount
                 w.write_index(text_index.NAME, build_text_index(examples["input"], blocks, source.num_blocks),
                               text_index.index_attrs())
-        return w.commit()
+        committed = w.commit()
+    progress("writing", source.num_blocks + 1, source.num_blocks + 1)
+    return committed

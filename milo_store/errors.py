@@ -23,3 +23,7 @@ class StoreLockedError(StoreError):
 
 class IncompatibleStoreError(StoreError):
     """The store was built for another model than the one it is mounted for."""
+
+
+class NotACacheError(StoreError):
+    """A directory given as a block cache does not carry the cache's marker."""

@@ -5,15 +5,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
-FORMAT_VERSION = 1  # a store whose units are all factored
-RAW_FORMAT_VERSION = 2  # a store holding raw units (rank RAW_RANK), which a version-1 reader would misread
-READABLE_VERSIONS = (FORMAT_VERSION, RAW_FORMAT_VERSION)
+from .checksum import crc32c
+
+FACTORED_VERSION = 1  # every unit factored; metadata arrays unchecked
+RAW_FORMAT_VERSION = 2  # may hold raw units (rank RAW_RANK), which a version-1 reader would misread
+FORMAT_VERSION = 3  # may hold raw units; every array under a checksum (ARRAY_CHECKSUMS)
+READABLE_VERSIONS = (FACTORED_VERSION, RAW_FORMAT_VERSION, FORMAT_VERSION)
 ATTRS_KEY = "milo"
+ARRAY_CHECKSUMS = "array_checksums"  # attribute {array path: CRC32C of its values} for every array but factors and indexes
 FACTORS, RANKS, TOKENS, CHECKSUMS, ANCHOR = "factors", "ranks", "block_tokens", "checksums", "anchor_kv"
 TOKEN_IDS = "token_ids"  # int32, every block's tokens concatenated (optional)
 EXAMPLES = "examples"  # group with arrays input, output, id (str) and block (int32)
 BLOCK_GROUP = "block_group"  # int32 [N], optional: the retrieval group of each store block
 INDEXES = "indexes"  # group of named indexes (e.g. indexes/bm25), each of 1-D single-chunk arrays (optional)
+CHECKED_ARRAYS = (RANKS, TOKENS, CHECKSUMS, BLOCK_GROUP, ANCHOR, TOKEN_IDS,
+                  *(f"{EXAMPLES}/{k}" for k in ("input", "output", "id", "block")))  # under ARRAY_CHECKSUMS
 GROUP_BYTES = 4  # index bytes per block that a block_group array adds
 MAX_CHUNK_BYTES = 64 << 20
 # numpy cannot hold bfloat16: its bits go to disk as uint16 and are viewed back as torch.bfloat16.
@@ -26,8 +32,19 @@ TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32":
 
 
 def store_version(ranks: np.ndarray) -> int:
-    """The format version a store with these ranks is written as: 1 unless a unit is raw (rank < 0)."""
-    return RAW_FORMAT_VERSION if np.asarray(ranks).min(initial=0) < 0 else FORMAT_VERSION
+    """The lowest format version that may hold these ranks: 1 unless a unit is raw (rank < 0)."""
+    return RAW_FORMAT_VERSION if np.asarray(ranks).min(initial=0) < 0 else FACTORED_VERSION
+
+
+def array_checksum(data: np.ndarray) -> int:
+    """CRC32C of an array's values, whatever its chunks and codecs: numbers as their little-endian
+    bytes, strings as each one's UTF-8 bytes after their length (uint32, little-endian)."""
+    a = np.asarray(data)
+    if a.dtype.kind in "OTU":
+        encoded = [s.encode() for s in a.reshape(-1).tolist()]
+        joined = b"".join(len(e).to_bytes(4, "little") + e for e in encoded)
+        return crc32c(np.frombuffer(joined, dtype=np.uint8))
+    return crc32c(np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<")))
 
 
 def version_problem(version) -> str | None:

@@ -22,10 +22,9 @@ import zarr
 import zarr.storage
 
 from . import format as fmt
-from .blockcache import BlockCache
 from .errors import FormatVersionError, NotAStoreError, StoreCorruptedError, StoreError
 from .sources import ObjectChunks, one_line
-from .urls import check_url, open_object_store
+from .urls import check_url, open_object_store, remote_timeout
 
 MANIFEST, VERSIONS = "manifest.json", "v"
 MANIFEST_FORMAT = 1
@@ -50,6 +49,11 @@ def remote_error(url: str, e: BaseException) -> StoreError:
     if isinstance(e, (obstore.exceptions.PermissionDeniedError, obstore.exceptions.UnauthenticatedError)) or any(
             s in text for s in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403 Forbidden")):
         return StoreError(f"{url}: access denied (check the credentials in the environment)")
+    if "kind: Timeout" in text:  # connected (or not) but no reply in time: name the address that is silent
+        request = re.search(r"performing \w+ (\S+)", text)
+        where = f" from {request.group(1)}" if request else ""
+        return StoreError(f"{url}: the object store is not answering: no reply{where} within {remote_timeout():g} s "
+                          "(MILO_REMOTE_TIMEOUT sets the wait)")
     if "error sending request" in text or "Connection refused" in text or "dns error" in text:
         return StoreError(f"{url}: cannot reach the object store ({one_line(e)})")
     return StoreError(f"{url}: object store error ({one_line(e)})")
@@ -80,23 +84,41 @@ def read_manifest(url: str, store) -> Manifest | None:
 class MetadataStore(zarr.storage.ObjectStore):
     """zarr's ObjectStore, with object-store failures turned into one-line StoreErrors naming the URL
     (zarr already maps a missing key to None). Metadata is read lazily (examples, anchor), so a link
-    failure can surface after the mount too."""
+    failure can surface after the mount too; so can the removal of the pinned version (``gc``), which
+    would otherwise read as arrays that are simply absent."""
 
-    def __init__(self, store, url: str):
+    def __init__(self, store, url: str, version: str):
         super().__init__(store, read_only=True)
-        self.url = url
+        self.url, self.version = url, version
 
     async def get(self, key, prototype, byte_range=None):
         try:
-            return await super().get(key, prototype, byte_range)
+            found = await super().get(key, prototype, byte_range)
         except Exception as e:
             raise remote_error(self.url, e) from None
+        if found is None:
+            await self._check_version_kept()
+        return found
 
     async def exists(self, key: str) -> bool:
         try:
-            return await super().exists(key)
+            found = await super().exists(key)
         except Exception as e:
             raise remote_error(self.url, e) from None
+        if not found:
+            await self._check_version_kept()
+        return found
+
+    async def _check_version_kept(self) -> None:
+        """A key is missing: fine if the version never had it, an error if the version itself is gone
+        (a version's objects never change, so its root metadata goes only when the version is removed)."""
+        try:
+            kept = await super().exists(f"{VERSIONS}/{self.version}/zarr.json")
+        except Exception as e:
+            raise remote_error(self.url, e) from None
+        if not kept:
+            raise StoreError(f"{self.url}: version {self.version}, which this mount pinned, was removed "
+                             "(milo-store gc after a replace); open the store again")
 
 
 def cache_key(url: str, version: str) -> str:
@@ -104,8 +126,9 @@ def cache_key(url: str, version: str) -> str:
     return f"{hashlib.sha256(url.encode()).hexdigest()[:16]}-{version}"
 
 
-def mount(url: str, block_cache: BlockCache | None):
-    """(URL, zarr group, milo attributes, source factory) of the version the manifest names now."""
+def mount(url: str):
+    """(URL, zarr group, milo attributes, origin factory, block cache key) of the version the manifest
+    names now."""
     url = check_url(url)
     store = open_object_store(url)
     manifest = read_manifest(url, store)
@@ -115,23 +138,22 @@ def mount(url: str, block_cache: BlockCache | None):
         raise FormatVersionError(f"{url}: {problem}")
     root = f"{VERSIONS}/{manifest.version}"
     try:
-        group = zarr.open_group(store=MetadataStore(store, url), path=root, mode="r")
+        group = zarr.open_group(store=MetadataStore(store, url, manifest.version), path=root, mode="r")
         meta = group.attrs.get(fmt.ATTRS_KEY)
     except StoreError:
         raise
     except Exception as e:
         raise StoreCorruptedError(f"{url}: unreadable metadata of version {manifest.version} ({one_line(e)})") from None
 
-    def make_source(chunk_bytes: int, num_chunks: int, checksums):
+    def make_origin(chunk_bytes: int, num_chunks: int, checksums):
         try:
-            return ObjectChunks(url, store, root, chunk_bytes, num_chunks, checksums, block_cache,
-                                cache_key(url, manifest.version))
+            return ObjectChunks(url, store, root, chunk_bytes, num_chunks, checksums)
         except StoreError:
             raise
         except Exception as e:
             raise remote_error(url, e) from None
 
-    return url, group, meta, make_source
+    return url, group, meta, make_origin, cache_key(url, manifest.version)
 
 
 def new_version_id() -> str:
@@ -193,6 +215,8 @@ def gc(url: str, older_than: float = 3600.0, dry_run: bool = False) -> dict:
 
     A version with any object younger than ``older_than`` seconds is kept: it may be a writer's
     upload in progress. Objects outside ``v/`` other than the manifest are not milo's and are left.
+    A URL with neither a manifest nor versions holds no store: NotAStoreError. Versions without a
+    manifest are the uploads of writers killed before the first publish, and are collected.
     """
     url = check_url(url)
     store = open_object_store(url)
@@ -202,6 +226,8 @@ def gc(url: str, older_than: float = 3600.0, dry_run: bool = False) -> dict:
         objects = [o for batch in obstore.list(store, prefix=f"{VERSIONS}/") for o in batch]
     except Exception as e:
         raise remote_error(url, e) from None
+    if manifest is None and not objects:  # most likely a mistyped prefix: say so rather than report nothing done
+        raise NotAStoreError(f"{url}: no milo store here (no {MANIFEST} and no store versions)")
     by_version: dict[str, list] = {}
     for o in objects:
         by_version.setdefault(o["path"].split("/")[1], []).append(o)

@@ -1,25 +1,29 @@
 """Mount a store: metadata through zarr, factor bytes straight from the chunk files into tensors.
 
-Tiers:
-- ``host``: the whole factor array in one tensor (page-locked with cudaHostRegister when CUDA is
-  there, so its size is exact rather than rounded up by the caching host allocator); a block is a
-  zero-copy view.
-- ``disk``: every block read is a ``preadv`` of its byte range from the chunk files into a fresh tensor
-  (page-locked when CUDA is there, so the prefetcher's copies to the device are truly asynchronous);
-  for a store URL, merged range GETs through the machine's block cache (``blockcache.py``).
-- ``cached``: ``disk`` behind an LRU of whole blocks bounded in bytes.
+The bytes come from the store's origin (``sources.py``): its local chunk files, or the chunk objects
+of the store version a URL's manifest names (``remote.py``), pinned for the life of the mount. A
+tier is the sources composed in front of it, once, at mount (``compose_source``):
 
-The bytes come from a source (``sources.py``): local chunk files, or the chunk objects of the store
-version a URL's manifest names (``remote.py``), pinned for the life of the mount.
+- ``host``: the whole factor array read once into one tensor (page-locked with cudaHostRegister when
+  CUDA is there, so its size is exact rather than rounded up by the caching host allocator); a block
+  is a zero-copy view.
+- ``disk``: every block read into a fresh tensor (page-locked when CUDA is there, so the prefetcher's
+  copies to the device are truly asynchronous): a ``preadv`` of the chunk files, or for a store URL
+  range GETs behind this machine's block cache (``blockcache.py``, sized by ``BlockCache``).
+- ``cached``: ``disk`` behind an in-memory LRU of whole blocks of at most ``memory_cache_bytes``.
 
 Reads bypass zarr's codec pipeline on purpose: the factor array is uncompressed with the default
 chunk key encoding, so a block's bytes are plain byte ranges of at most a few files, and reading them
-into place is several times faster than a zarr slice (docs/benchmarks.md). Integrity comes from the
-per-block CRC32C, checked on every read unless ``verify=False``.
+into place is about 30× faster than a zarr slice (docs/design.md, "Store"). Integrity comes from the
+per-block CRC32C, checked on every read unless ``verify=False`` (always for bytes that crossed a
+network, which are refetched when damaged). Every other array but the indexes (which carry their own)
+is checked against the CRC32C of its values in the attributes (``fmt.ARRAY_CHECKSUMS``, format
+version 3) whenever it is read: ranks, block tokens, checksums and block groups at mount, the anchor, token ids and demonstrations
+when asked for. Older stores have none and are read with a warning.
 """
+import threading
 import warnings
 import weakref
-from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +36,7 @@ from .blockcache import BlockCache
 from .checksum import crc32c
 from .errors import FormatVersionError, NotAStoreError, StoreCorruptedError, StoreError
 from .layout import Layout, compressed_bytes
-from .sources import ChunkFiles
+from .sources import BlockCacheSource, ByteSource, ChunkFiles, MemoryLRU, Origin, ReadStats
 from .urls import is_url
 
 TIERS = ("host", "disk", "cached")
@@ -41,7 +45,8 @@ TIERS = ("host", "disk", "cached")
 class MiloStore:
     """A mounted store. Use ``MiloStore.open(path, tier=...)``."""
 
-    def __init__(self, path, group, meta: dict, tier: str, verify: bool, cache_bytes: int, pin: bool | None, make_source):
+    def __init__(self, path, group, meta: dict, tier: str, verify: bool, memory_cache_bytes: int, pin: bool | None,
+                 make_origin, block_cache: tuple[BlockCache, str] | None):
         self.path, self.group, self.meta, self.tier, self.verify = path, group, meta, tier, verify
         lay = meta["layout"]
         quant = lay.get("quant", "int8" if lay.get("quantized") else None)  # "quantized": stores before int4/int2
@@ -49,10 +54,12 @@ class MiloStore:
         self.dtype = meta["factor_dtype"]
         self.torch_dtype = fmt.TORCH_DTYPES[self.dtype]
         self.itemsize = torch.empty(0, dtype=self.torch_dtype).element_size()
-        self.ranks = np.asarray(group[fmt.RANKS][...], dtype=np.int16)
-        self.block_tokens = np.asarray(group[fmt.TOKENS][...], dtype=np.int64)
-        self.checksums = np.asarray(group[fmt.CHECKSUMS][...], dtype=np.uint32)
-        self.block_group = (np.asarray(group[fmt.BLOCK_GROUP][...], dtype=np.int64) if fmt.BLOCK_GROUP in group
+        self._array_checksums = self._recorded_checksums()
+        self._token_ids = None
+        self.ranks = np.asarray(self._read_array(fmt.RANKS), dtype=np.int16)
+        self.block_tokens = np.asarray(self._read_array(fmt.TOKENS), dtype=np.int64)
+        self.checksums = np.asarray(self._read_array(fmt.CHECKSUMS), dtype=np.uint32)
+        self.block_group = (np.asarray(self._read_array(fmt.BLOCK_GROUP), dtype=np.int64) if fmt.BLOCK_GROUP in group
                             else np.arange(len(self.block_tokens), dtype=np.int64))
         self._check_index()
         self._group_starts = np.searchsorted(self.block_group, np.arange(self.num_groups + 1))
@@ -61,12 +68,15 @@ class MiloStore:
         if factors.shape != (int(self.offsets[-1]),):
             raise StoreCorruptedError(f"{path}: factor array holds {factors.shape[0]} values, ranks describe {self.offsets[-1]}")
         self.chunk = factors.chunks[0]
-        self.source, self._host, self._unpin = None, None, None
+        self.origin: Origin | None = None
+        self.source: ByteSource | None = None
+        self._host, self._unpin = None, None
         self._pin = pin if pin is not None else torch.cuda.is_available()
-        self._cache, self._cache_bytes, self._cache_limit = OrderedDict(), 0, cache_bytes
+        self._totals, self._totals_lock = ReadStats(), threading.Lock()
         try:  # a failed mount releases what it took (file descriptors, page-locked memory)
             total = factors.shape[0]
-            self.source = make_source(self.chunk * self.itemsize, -(-total // self.chunk) if total else 0, self.checksums)
+            self.origin = make_origin(self.chunk * self.itemsize, -(-total // self.chunk) if total else 0, self.checksums)
+            self.source = compose_source(tier, self.origin, self.checksums, block_cache, memory_cache_bytes)
             if tier == "host":
                 self._load_host()
         except BaseException:
@@ -74,26 +84,31 @@ class MiloStore:
             raise
 
     @classmethod
-    def open(cls, path, tier: str = "host", *, verify: bool = True, cache_bytes: int = 1 << 30,
+    def open(cls, path, tier: str = "host", *, verify: bool = True, memory_cache_bytes: int = 1 << 30,
              pin: bool | None = None, block_cache: BlockCache | None = None) -> "MiloStore":
         """Mount the store at ``path`` (a directory, or a store URL: ``urls.py``).
 
-        Raises a StoreError subclass naming what is wrong. ``block_cache`` is where a URL's blocks are
-        kept on this machine (default: ``BlockCache()``, under ~/.cache/milo/blocks).
+        Raises a StoreError subclass naming what is wrong. ``memory_cache_bytes`` bounds the ``cached``
+        tier's in-memory LRU; ``block_cache`` is where a URL's blocks are kept on this machine's disk
+        (default: ``BlockCache()``, under ~/.cache/milo/blocks, its own size limit).
         """
         if tier not in TIERS:
             raise ValueError(f"unknown tier {tier!r}; expected one of {TIERS}")
+        if memory_cache_bytes < 0:
+            raise ValueError(f"memory_cache_bytes must be at least 0; got {memory_cache_bytes}")
         if is_url(path):
-            path, group, meta, make_source = remote.mount(path, block_cache if block_cache is not None else BlockCache())
+            path, group, meta, make_origin, cache_key = remote.mount(path)
+            cache = (block_cache if block_cache is not None else BlockCache(), cache_key)
         else:
             path, group, meta = cls._open_local(Path(path))
-            make_source = lambda chunk_bytes, num_chunks, _: ChunkFiles(path, chunk_bytes, num_chunks)  # noqa: E731
+            make_origin = lambda chunk_bytes, num_chunks, checksums: ChunkFiles(path, chunk_bytes, num_chunks, checksums)  # noqa: E731
+            cache = None
         if not isinstance(meta, dict):
             raise NotAStoreError(f"{path}: a zarr group but not a milo store (no '{fmt.ATTRS_KEY}' attributes)")
         if problem := fmt.version_problem(meta.get("format_version")):
             raise FormatVersionError(f"{path}: {problem}")
         try:
-            return cls(path, group, meta, tier, verify, cache_bytes, pin, make_source)
+            return cls(path, group, meta, tier, verify, memory_cache_bytes, pin, make_origin, cache)
         except (KeyError, ValueError, FileNotFoundError) as e:
             raise StoreCorruptedError(f"{path}: broken store structure ({type(e).__name__}: {e})") from e
 
@@ -111,6 +126,33 @@ class MiloStore:
         return path, group, meta
 
     # -- structure -------------------------------------------------------------------------------
+    def _recorded_checksums(self) -> dict | None:
+        """The CRC32C of every metadata array (None for a store written before them, with a warning)."""
+        if self.meta["format_version"] < fmt.FORMAT_VERSION:
+            warnings.warn(f"{self.path}: format version {self.meta['format_version']} records no checksums of its "
+                          "metadata arrays (anchor, demonstrations, ranks, ...): they are read unchecked; rebuild "
+                          "the store to check them")
+            return None
+        recorded = self.meta.get(fmt.ARRAY_CHECKSUMS)
+        if not isinstance(recorded, dict):
+            raise StoreCorruptedError(f"{self.path}: attributes lack the checksums of its arrays ({fmt.ARRAY_CHECKSUMS})")
+        return recorded
+
+    def _read_array(self, name: str) -> np.ndarray:
+        """A whole metadata array, checked against its recorded CRC32C: corrupted bytes are never returned."""
+        try:
+            data = np.asarray(self.group[name][...])
+        except KeyError:  # no such array: the caller knows whether that is allowed
+            raise
+        except Exception as e:  # a damaged compressed chunk, or damaged array metadata
+            raise StoreCorruptedError(f"{self.path}: array {name} is unreadable ({type(e).__name__}: {e})") from e
+        if self._array_checksums is not None:
+            if name not in self._array_checksums:
+                raise StoreCorruptedError(f"{self.path}: array {name} has no recorded checksum")
+            if fmt.array_checksum(data) != self._array_checksums[name]:
+                raise StoreCorruptedError(f"{self.path}: array {name} fails its checksum (corrupted store metadata)")
+        return data
+
     def _check_index(self):
         n = len(self.block_tokens)
         want = (n, self.layout.num_layers, 2, self.layout.num_kv_heads)
@@ -125,15 +167,24 @@ class MiloStore:
             raise StoreCorruptedError(f"{self.path}: {problem}")
 
     # -- reading ---------------------------------------------------------------------------------
-    def _read_blocks(self, blocks: list[int], outs: list[torch.Tensor], use_cache: bool = True) -> None:
-        """Fill ``outs`` (CPU, contiguous, one per block) with these blocks' bytes from the source."""
-        views = [memoryview(o.view(torch.uint8).numpy()) for o in outs]
-        self.source.read_blocks(blocks, [int(self.offsets[i]) * self.itemsize for i in blocks], views, use_cache)
+    def _read(self, source: ByteSource, blocks: list[int], outs: list[torch.Tensor], check: bool,
+              stats: ReadStats | None = None) -> None:
+        """Fill ``outs`` (CPU, contiguous, one per block) with these blocks' bytes from ``source``; the
+        call's costs go to ``stats`` and to the store's running totals."""
+        call = ReadStats()
+        try:
+            source.read_blocks(blocks, [int(self.offsets[i]) * self.itemsize for i in blocks],
+                               [memoryview(o.view(torch.uint8).numpy()) for o in outs], check, call)
+        finally:
+            with self._totals_lock:
+                self._totals.add(call)
+            if stats is not None:
+                stats.add(call)
 
     def _read_range(self, start: int, stop: int, out: torch.Tensor) -> None:
-        """Values [start, stop) of the flat factor array into ``out`` (CPU, contiguous), unchecked:
-        the raw read path, as benchmarks time it."""
-        self.source.read_range(start * self.itemsize, memoryview(out.view(torch.uint8).numpy())[:(stop - start) * self.itemsize])
+        """Values [start, stop) of the flat factor array into ``out`` (CPU, contiguous), unchecked,
+        from the origin: the raw read path, as benchmarks time it."""
+        self.origin.read_range(start * self.itemsize, memoryview(out.view(torch.uint8).numpy())[:(stop - start) * self.itemsize])
 
     def _load_host(self):
         total = int(self.offsets[-1])
@@ -144,59 +195,48 @@ class MiloStore:
                 self._unpin = weakref.finalize(self, _unregister_pinned, _register_pinned(self._host))
             except RuntimeError as e:  # e.g. a low `ulimit -l`: still correct, only transfers are slower
                 warnings.warn(f"{self.path}: host tier left pageable, page-locking failed ({e})")
-        self._read_blocks(list(range(self.num_blocks)), [self._host[self.offsets[i]:self.offsets[i + 1]]
-                                                         for i in range(self.num_blocks)])
-        if self.verify:
-            for i in range(self.num_blocks):
-                self._check(i, self._host[self.offsets[i]:self.offsets[i + 1]])
+        self._read(self.source, list(range(self.num_blocks)),
+                   [self._host[self.offsets[i]:self.offsets[i + 1]] for i in range(self.num_blocks)], self.verify)
 
-    def _check(self, i: int, data: torch.Tensor):
-        if crc32c(data) != int(self.checksums[i]):
-            raise StoreCorruptedError(f"{self.path}: block {i} fails its checksum (corrupted factor bytes)")
-
-    def _read_block(self, i: int, check: bool, use_cache: bool = True) -> torch.Tensor:
-        """Block i's bytes read from the source into a fresh tensor, checksum checked if asked."""
-        data = torch.empty(int(self.offsets[i + 1] - self.offsets[i]), dtype=self.torch_dtype)
-        self._read_blocks([i], [data], use_cache)
-        if check:
-            self._check(i, data)
-        return data
+    def _fresh(self, i: int, pinned: bool = False) -> torch.Tensor:
+        return torch.empty(int(self.offsets[i + 1] - self.offsets[i]), dtype=self.torch_dtype, pin_memory=pinned)
 
     def block(self, i: int) -> torch.Tensor:
         """Block i's packed factors, flat. A view in the host tier; a fresh tensor from disk otherwise."""
         return self.blocks([i])[0]
 
-    def blocks(self, ids: list[int]) -> list[torch.Tensor]:
-        """Several blocks at once (one batch of merged, concurrent reads from a remote source)."""
+    def blocks(self, ids: list[int], stats: ReadStats | None = None) -> list[torch.Tensor]:
+        """Several blocks at once (one batch of merged, concurrent reads from a remote source).
+
+        Safe to call from several threads. ``stats``, when given, gains this call's own costs (remote
+        bytes, GETs and seconds; block cache and memory hits), whatever other calls overlap it.
+        """
         for i in ids:
             if not 0 <= i < self.num_blocks:
                 raise IndexError(f"block {i} out of range: the store has {self.num_blocks} blocks")
         if self._host is not None:
             return [self._host[self.offsets[i]:self.offsets[i + 1]] for i in ids]
-        out = {i: self._cache[i] for i in ids if i in self._cache}
-        for i in out:
-            self._cache.move_to_end(i)
-        missing = list(dict.fromkeys(i for i in ids if i not in out))
+        unique = list(dict.fromkeys(ids))
         pinned = self._pin and torch.cuda.is_available()  # so the prefetcher's copies to the GPU are asynchronous
-        fresh = [torch.empty(int(self.offsets[i + 1] - self.offsets[i]), dtype=self.torch_dtype, pin_memory=pinned)
-                 for i in missing]
-        if missing:
-            self._read_blocks(missing, fresh)
-        for i, data in zip(missing, fresh):
-            if self.verify:
-                self._check(i, data)
-            out[i] = data
-            if self.tier == "cached" and data.numel() * self.itemsize <= self._cache_limit:
-                self._cache[i] = data
-                self._cache_bytes += data.numel() * self.itemsize
-                while self._cache_bytes > self._cache_limit:
-                    _, old = self._cache.popitem(last=False)
-                    self._cache_bytes -= old.numel() * self.itemsize
+        fresh = [self._fresh(i, pinned) for i in unique]
+        if unique:
+            self._read(self.source, unique, fresh, self.verify, stats)
+        out = dict(zip(unique, fresh))
         return [out[i] for i in ids]
 
     def remote_stats(self) -> dict | None:
-        """Bytes, GETs and seconds fetched from the object store so far (None for a local store)."""
-        return dict(self.source.stats) if hasattr(self.source, "stats") else None
+        """Bytes, GETs and seconds fetched from the object store so far, over every caller (None for a
+        local store). One call's own costs: ``blocks(ids, stats=ReadStats())``."""
+        if not self.remote:
+            return None
+        with self._totals_lock:
+            t = self._totals
+            return {"bytes": t.remote_bytes, "gets": t.remote_gets, "seconds": t.remote_seconds}
+
+    @property
+    def remote(self) -> bool:
+        """Whether the store is read from an object store (a store URL)."""
+        return is_url(self.path)
 
     def block_layer_bounds(self, i: int) -> np.ndarray:
         """Offsets of each layer inside block i (int64 [L + 1]), relative to the block's start."""
@@ -207,8 +247,8 @@ class MiloStore:
         ``progress(i)`` is called after each block."""
         problems = []
         for i in range(self.num_blocks):
-            try:
-                self._read_block(i, check=True, use_cache=False)
+            try:  # from the origin itself: no cache stands in for the store's own bytes
+                self._read(self.origin, [i], [self._fresh(i)], True)
             except StoreError as e:
                 problems.append(str(e))
             if progress:
@@ -216,6 +256,20 @@ class MiloStore:
         for name in self.index_names():
             try:
                 self.index_arrays(name, check=True)
+            except StoreError as e:
+                problems.append(str(e))
+        return problems + self._metadata_problems()
+
+    def _metadata_problems(self) -> list[str]:
+        """Every metadata array that is missing, unreadable or fails its recorded checksum."""
+        names = list(self._array_checksums or ())
+        names += [n for n in fmt.CHECKED_ARRAYS if n in self.group and n not in names]
+        problems = []
+        for name in names:
+            try:
+                self._read_array(name)
+            except KeyError:
+                problems.append(f"{self.path}: array {name} is missing")
             except StoreError as e:
                 problems.append(str(e))
         return problems
@@ -247,21 +301,22 @@ class MiloStore:
         """The uncompressed anchor K/V [L, 2, H, T_anchor, d] (pre-RoPE keys), or None."""
         if fmt.ANCHOR not in self.group:
             return None
-        return fmt.from_numpy(np.asarray(self.group[fmt.ANCHOR][...]), fmt.anchor_dtype(self.dtype))
+        return fmt.from_numpy(self._read_array(fmt.ANCHOR), fmt.anchor_dtype(self.dtype))
 
     def token_ids(self, i: int) -> np.ndarray | None:
         """The token ids block i was encoded from, or None when the store does not keep them."""
         if fmt.TOKEN_IDS not in self.group:
             return None
+        if self._token_ids is None:  # read and checked whole once (its checksum covers the whole array)
+            self._token_ids = self._read_array(fmt.TOKEN_IDS)
         start = int(self.block_tokens[:i].sum())
-        return np.asarray(self.group[fmt.TOKEN_IDS][start:start + int(self.block_tokens[i])])
+        return self._token_ids[start:start + int(self.block_tokens[i])].copy()  # the caller's own, as before
 
     def examples(self) -> dict:
         """Demonstrations: lists 'input', 'output', 'id' and 'block' (empty lists when none were stored)."""
         if fmt.EXAMPLES not in self.group:
             return {"input": [], "output": [], "id": [], "block": []}
-        g = self.group[fmt.EXAMPLES]
-        return {k: g[k][...].tolist() for k in ("input", "output", "id", "block")}
+        return {k: self._read_array(f"{fmt.EXAMPLES}/{k}").tolist() for k in ("input", "output", "id", "block")}
 
     def num_examples(self) -> int:
         """How many demonstrations the store keeps (from array metadata: no demonstration is read)."""
@@ -315,17 +370,18 @@ class MiloStore:
             acc["index_bytes"] += extra
             acc["total_bytes"] += extra
             acc["ratio"] = acc["total_bytes"] / acc["full_fp16_bytes"] if acc["full_fp16_bytes"] else 0.0
-        acc["disk_bytes"], acc["factor_file_bytes"] = self.source.disk_bytes()
+        acc["disk_bytes"], acc["factor_file_bytes"] = self.origin.disk_bytes()
         acc["planned_ratio"] = self.meta.get("allocation", {}).get("ratio")
         return acc
 
     def close(self):
-        if self.source is not None:
+        if self.source is not None:  # closes the origin behind it
             self.source.close()
+        elif self.origin is not None:  # a mount that failed between the two
+            self.origin.close()
         if self._unpin is not None:
             self._unpin()
         self._host = None
-        self._cache.clear()
 
     def __enter__(self):
         return self
@@ -335,6 +391,18 @@ class MiloStore:
 
     def __repr__(self):
         return f"MiloStore({str(self.path)!r}, tier={self.tier!r}, blocks={self.num_blocks})"
+
+
+def compose_source(tier: str, origin: Origin, checksums: np.ndarray, block_cache: tuple[BlockCache, str] | None,
+                   memory_cache_bytes: int) -> ByteSource:
+    """A tier's read path: the origin, behind this machine's block cache (a URL's, with its key), behind
+    the ``cached`` tier's in-memory LRU."""
+    source: ByteSource = origin
+    if block_cache is not None:
+        source = BlockCacheSource(source, *block_cache, checksums)
+    if tier == "cached":
+        source = MemoryLRU(source, memory_cache_bytes)
+    return source
 
 
 def _register_pinned(t: torch.Tensor) -> torch.Tensor:

@@ -59,6 +59,11 @@ def _env_float(name: str, default: float) -> float:
         raise StoreError(f"{name}={os.environ[name]!r} is not a number") from None
 
 
+def remote_timeout() -> float:
+    """Seconds one object-store request may take, reply and body (``MILO_REMOTE_TIMEOUT``, default 20)."""
+    return _env_float("MILO_REMOTE_TIMEOUT", 20.0)
+
+
 def open_object_store(url: str):
     """The obstore client rooted at ``url`` (its prefix), with milo's timeouts and retries."""
     url = check_url(url)
@@ -69,10 +74,13 @@ def open_object_store(url: str):
         path = urlsplit(url).path
         os.makedirs(path, exist_ok=True)
         return from_url(url)
-    timeout = _env_float("MILO_REMOTE_TIMEOUT", 30.0)
+    timeout = remote_timeout()
+    connect = _env_float("MILO_REMOTE_CONNECT_TIMEOUT", 5.0)
     retries = int(_env_float("MILO_REMOTE_RETRIES", 4))
-    client = {"connect_timeout": timedelta(seconds=min(timeout, 5.0)), "timeout": timedelta(seconds=timeout),
+    client = {"connect_timeout": timedelta(seconds=min(timeout, connect)), "timeout": timedelta(seconds=timeout),
               "allow_http": os.environ.get("AWS_ALLOW_HTTP", "").lower() == "true"}
-    retry = {"max_retries": retries, "retry_timeout": timedelta(seconds=4 * timeout),
+    # Retries (5xx, resets) start only within one timeout of the first attempt: an endpoint that accepts
+    # connections but never answers is reported after one or two timeouts, not after every retry's.
+    retry = {"max_retries": retries, "retry_timeout": timedelta(seconds=timeout),
              "backoff": {"init_backoff": timedelta(milliseconds=50), "max_backoff": timedelta(seconds=2), "base": 2}}
     return from_url(url, client_options=client, retry_config=retry)

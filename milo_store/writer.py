@@ -4,7 +4,8 @@ Everything is written under ``<path>.tmp-<pid>-<n>``; commit writes the group at
 piece the reader needs), fsyncs, and renames the directory into place. A writer killed at any point
 leaves at most a temporary directory that never opens as a store and that the next writer removes.
 An exclusive ``flock`` on ``<path>.lock`` refuses a second concurrent writer; the kernel drops the
-lock when the holder dies, so a killed build never blocks the next one.
+lock when the holder dies, so a killed build never blocks the next one, and the holder removes the
+file when it releases the lock (``StoreLock``).
 
 For a store URL (``urls.py``) there is no rename: the writer builds the same directory locally (in a
 temporary directory), and commit hands it to ``remote.RemoteTarget``, which uploads it as a new
@@ -16,6 +17,7 @@ import fcntl
 import itertools
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +42,13 @@ def is_store(path: Path) -> bool:
 
 
 class StoreLock:
-    """Exclusive, non-blocking writer lock on ``<path>.lock`` (released by the kernel if we die)."""
+    """Exclusive, non-blocking writer lock on ``<path>.lock`` (released by the kernel if we die).
+
+    The holder removes the file as it releases the lock, still holding it, so no file stays beside
+    a finished store. A writer that opened the file just before the removal may win the lock on the
+    removed file: it checks, once locked, that the file it holds is still the one at the path, and
+    otherwise starts over on the file now there, so two writers never both hold "the" lock.
+    """
 
     def __init__(self, path):
         self.lock_path = local_sidecar(path, "lock")
@@ -49,17 +57,50 @@ class StoreLock:
 
     def __enter__(self):
         self.lock_path.parent.mkdir(parents=True, exist_ok=True)
-        self.fd = os.open(self.lock_path, os.O_CREAT | os.O_RDWR, 0o644)
+        while True:
+            fd = os.open(self.lock_path, os.O_CREAT | os.O_RDWR, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise StoreLockedError(f"{self.name}: another writer is building this store") from None
+            if self._holds_current_file(fd):
+                self.fd = fd
+                return self
+            os.close(fd)  # its holder removed it on release: lock the file at the path now
+
+    def _holds_current_file(self, fd: int) -> bool:
         try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self.fd)
-            raise StoreLockedError(f"{self.name}: another writer is building this store") from None
-        return self
+            at_path = os.stat(self.lock_path)
+        except FileNotFoundError:
+            return False
+        held = os.fstat(fd)
+        return (held.st_dev, held.st_ino) == (at_path.st_dev, at_path.st_ino)
 
     def __exit__(self, *exc):
+        try:
+            os.unlink(self.lock_path)  # before unlocking: only the holder ever removes the file
+        except FileNotFoundError:
+            pass
         fcntl.flock(self.fd, fcntl.LOCK_UN)
         os.close(self.fd)
+        self.fd = None
+
+
+def check_writable(path: Path) -> None:
+    """Refuse a location where no store can be written (``/proc/x``, a read-only or missing mount): a
+    writer creates ``<path>.lock`` and ``<path>.tmp-*`` beside it, making the missing parents first,
+    so a file must be creatable in the nearest directory that exists above it."""
+    existing = path.absolute().parent
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise StoreError(f"{path}: {existing} is a file, not a directory")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise StoreError(f"{path}: cannot write a store there ({existing}: {e.strerror or e})") from None
 
 
 def check_target(path, force: bool) -> None:
@@ -69,6 +110,7 @@ def check_target(path, force: bool) -> None:
             raise StoreError(f"{path} already holds a store; pass force=True (--force) to replace it")
         return
     path = Path(path)
+    check_writable(path)
     if not path.exists():
         return
     if path.is_dir() and not any(path.iterdir()):
@@ -137,6 +179,7 @@ class StoreWriter:
         self.buffer_start = 0  # flat offset of buffer[0]
         self.next_block = 0
         self.checksums = np.zeros(len(self.block_tokens), dtype=np.uint32)
+        self.array_checksums = {}  # every array but factors (per-block CRC32C) and indexes (their own)
         self.extra = {}
 
     def _remove_stale_temps(self):
@@ -149,6 +192,11 @@ class StoreWriter:
                 os.rename(old, self.path)
             else:
                 shutil.rmtree(old, ignore_errors=True)
+
+    def _create_checked(self, name: str, data: np.ndarray, **kwargs) -> None:
+        """Write a whole metadata array and record the CRC32C of its values (fmt.ARRAY_CHECKSUMS)."""
+        self.group.create_array(name, data=data, **kwargs)
+        self.array_checksums[name] = fmt.array_checksum(data)
 
     def write_block(self, packed: torch.Tensor) -> None:
         """Append the next block's packed factors (flat, as codec.pack_block returns them)."""
@@ -183,7 +231,7 @@ class StoreWriter:
             raise ValueError(f"anchor K/V must be [L, 2, H, T, d] with L, H, d = {want[0]}, {want[2]}, "
                              f"{self.layout.head_dim}; got {tuple(anchor_kv.shape)}")
         data = fmt.to_numpy(anchor_kv.to(fmt.TORCH_DTYPES[fmt.anchor_dtype(self.dtype)]))
-        self.group.create_array(fmt.ANCHOR, data=data, compressors=None)
+        self._create_checked(fmt.ANCHOR, data, compressors=None)
 
     def write_examples(self, inputs: list[str], outputs: list[str], ids: list[str], blocks: list[int]) -> None:
         """The demonstrations' text and the block each belongs to (what retrieval indexes)."""
@@ -192,7 +240,8 @@ class StoreWriter:
         g = self.group.create_group(fmt.EXAMPLES)
         for name, values in (("input", inputs), ("output", outputs), ("id", ids)):
             g.create_array(name, shape=(len(values),), dtype=str)[:] = np.array(values, dtype=object)
-        g.create_array("block", data=np.asarray(blocks, dtype=np.int32))
+            self.array_checksums[f"{fmt.EXAMPLES}/{name}"] = fmt.array_checksum(np.array(values, dtype=object))
+        self._create_checked(f"{fmt.EXAMPLES}/block", np.asarray(blocks, dtype=np.int32))
 
     def write_index(self, name: str, arrays: dict, attrs: dict) -> None:
         """A named index under ``indexes/<name>``: 1-D arrays, each one uncompressed chunk so a reader can
@@ -215,7 +264,7 @@ class StoreWriter:
         token_ids = np.asarray(token_ids, dtype=np.int32)
         if token_ids.shape != (int(self.block_tokens.sum()),):
             raise ValueError(f"expected {int(self.block_tokens.sum())} token ids, got {token_ids.shape}")
-        self.group.create_array(fmt.TOKEN_IDS, data=token_ids)
+        self._create_checked(fmt.TOKEN_IDS, token_ids)
 
     def commit(self) -> Path | str:
         """Finish the factor array, write index and attributes, fsync, and move the store into place
@@ -225,14 +274,15 @@ class StoreWriter:
         try:
             if self.buffer_start < self.factors.shape[0]:
                 self._flush()
-            self.group.create_array(fmt.RANKS, data=self.ranks)
-            self.group.create_array(fmt.TOKENS, data=self.block_tokens)
-            self.group.create_array(fmt.CHECKSUMS, data=self.checksums)
+            self._create_checked(fmt.RANKS, self.ranks)
+            self._create_checked(fmt.TOKENS, self.block_tokens)
+            self._create_checked(fmt.CHECKSUMS, self.checksums)
             if self.block_group is not None:
-                self.group.create_array(fmt.BLOCK_GROUP, data=self.block_group)
-            version = fmt.store_version(self.ranks)
+                self._create_checked(fmt.BLOCK_GROUP, self.block_group)
+            version = fmt.FORMAT_VERSION
             self.group.attrs[fmt.ATTRS_KEY] = {
                 **self.attrs, "format_version": version, "factor_dtype": self.dtype,
+                fmt.ARRAY_CHECKSUMS: self.array_checksums,
                 "layout": {"num_layers": self.layout.num_layers, "num_kv_heads": self.layout.num_kv_heads,
                            "head_dim": self.layout.head_dim, "quant": self.layout.quant,
                            "quantized": self.layout.quant == "int8"}}  # what readers before INT4 look for

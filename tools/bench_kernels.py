@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from milo_kernels import RAW_RANK, reconstruct_layer, reconstruct_layer_naive  # noqa: E402
-from milo_kernels import reconstruct as rk  # noqa: E402
+from milo_kernels import plan as planning, reconstruct as rk, triton_kernel  # noqa: E402
 from milo_store.quant import pack_raw_segment, pack_segment  # noqa: E402
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -180,7 +180,7 @@ def graphed(fn):
 def planned_launches(layers, cos, sin):
     """The query path: every layer planned at once (`plan_layers`, default tiles), then one launch each."""
     first = layers[0]
-    plans = rk.plan_layers(torch.stack([L["segments"] for L in layers]), first["out_k"].shape[-1],
+    plans = planning.plan_layers(torch.stack([L["segments"] for L in layers]), first["out_k"].shape[-1],
                            factor_dtype=first["factors"].dtype, device=first["factors"].device)
     for plan, L in zip(plans, layers):
         rk.launch(plan, L["factors"], L["out_k"], L["out_v"], cos, sin)
@@ -191,7 +191,7 @@ def sweep_configs(layers, cos, sin, time_it):
     results = []
     for config in SWEEP:
         try:
-            plans = [rk.plan_layer(**L, cos=cos, sin=sin, **config) for L in layers]
+            plans = [planning.plan_layer(**L, cos=cos, sin=sin, **config) for L in layers]
             seconds = time_it(lambda: [rk.launch(p, L["factors"], L["out_k"], L["out_v"], cos, sin)
                                        for p, L in zip(plans, layers)])
             results.append({**config, "seconds": seconds})
@@ -207,7 +207,7 @@ def main():
     n_rows = layers[0]["out_k"].shape[1]
     cos, sin = rope_tables(max(L["out_k"].shape[1] for L in layers), args.head_dim, args.device)
     gpu = args.device == "cuda"
-    triton_ok = rk.triton is not None and (gpu or (rk._interpreting() and args.dtype != "bf16"))
+    triton_ok = triton_kernel.triton is not None and (gpu or (triton_kernel.interpreting() and args.dtype != "bf16"))
     time_it = timer(args.device, warmup=3, iters=args.iters)
     time_slow = timer(args.device, warmup=1, iters=max(3, args.iters // 4))
     scopes = {"layer": layers[:1], "model": layers}
@@ -218,7 +218,7 @@ def main():
     factored = ranks[ranks >= 0] if (ranks >= 0).any() else ranks.new_zeros(1)
     report = {
         "device": torch.cuda.get_device_name() if gpu else platform.processor() or "cpu",
-        "torch": torch.__version__, "triton": getattr(rk.triton, "__version__", None),
+        "torch": torch.__version__, "triton": getattr(triton_kernel.triton, "__version__", None),
         "workload": {k: getattr(args, k) for k in ("layers", "kv_heads", "head_dim", "blocks", "block_tokens",
                                                    "rho", "raw_share", "dtype")}
         | {"rows_per_layer": n_rows, "segments_per_layer": len(layers[0]["segments"]),
@@ -252,7 +252,7 @@ def main():
     report["triton_config"] = config or "default"
     if triton_ok:
         os.environ["MILO_KERNEL"] = "triton"
-        plans = {id(L): rk.plan_layer(**L, cos=cos, sin=sin, **config) for L in layers}
+        plans = {id(L): planning.plan_layer(**L, cos=cos, sin=sin, **config) for L in layers}
 
         def launch(L):
             rk.launch(plans[id(L)], L["factors"], L["out_k"], L["out_v"], cos, sin)
@@ -267,7 +267,7 @@ def main():
                 secs[f"triton_graph/{scope}"] = time_it(graphed(each(ls, launch)))
         for quant in args.quant:  # the fused kernel on the same factors, packed: fewer bytes read
             packed = [quantized_layer(L, quant) for L in layers]
-            qplans = {id(L): rk.plan_layer(**L, cos=cos, sin=sin, quant=quant) for L in packed}
+            qplans = {id(L): planning.plan_layer(**L, cos=cos, sin=sin, quant=quant) for L in packed}
 
             def qlaunch(L):
                 rk.launch(qplans[id(L)], L["factors"], L["out_k"], L["out_v"], cos, sin)

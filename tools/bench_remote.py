@@ -38,7 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from loopback_proxy import LoopbackProxy  # noqa: E402
 
 from milo_infer import bench  # noqa: E402
-from milo_infer.corpus import load_dataset  # noqa: E402
+from milo_infer.timed_session import TimedSession  # noqa: E402
+from milo_infer.datasets import load_dataset  # noqa: E402
 from milo_infer.models import load_model  # noqa: E402
 from milo_store import Layout, MiloStore, StoreWriter  # noqa: E402
 from milo_store.blockcache import BlockCache, parse_size  # noqa: E402
@@ -168,7 +169,7 @@ def open_sessions(loaded, urls: dict, cache: BlockCache, k: int) -> dict:
     sessions = {}
     for m, url in urls.items():
         store = MiloStore.open(url, tier="disk", block_cache=cache)
-        sessions[m] = bench.TimedSession(loaded, store, k=k, copy_identity=m == "full")
+        sessions[m] = TimedSession(loaded, store, k=k, copy_identity=m == "full")
     return sessions
 
 

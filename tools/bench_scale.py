@@ -75,8 +75,7 @@ def probe_mount(path: str, queries: list[str], k: int) -> dict:
 
     from milo_infer.retrieval import store_retriever
     from milo_store import MiloStore
-    from milo_store.cli.ls import block_rows
-    from milo_store.cli.stat import describe
+    from milo_store.report import block_rows, describe
 
     torch.set_num_threads(1)
     with MiloStore.open(path, tier="disk", verify=False) as store:

@@ -1,7 +1,7 @@
 """Compile every reconstruction-kernel variant the query path can launch for sm_80 and sm_90, without a GPU.
 
 Per variant (factor dtype x RoPE layout x head dim, with the tiles
-`milo_kernels.reconstruct.tile_config` picks): compile seconds, registers per thread, spill bytes,
+`milo_kernels.plan.tile_config` picks): compile seconds, registers per thread, spill bytes,
 shared memory and the occupancy they allow. Exits 1 if a variant fails to compile or spills.
 
     python tools/compile_kernels.py                       # everything, both targets

@@ -18,11 +18,14 @@ from pathlib import Path
 
 import torch
 
-from .. import bench
-from ..corpus import load_corpus, load_dataset, task_from_corpus
+from .. import bench, bench_report, synthetic_model
+from ..corpus import load_corpus, task_from_corpus
+from ..datasets import load_dataset
 from ..models import load_model
-from ..session import default_device, place_model
+from ..devices import usable_device
+from ..session import place_model
 from . import CommandError
+from .errors import INPUT_ERRORS
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 
@@ -31,7 +34,7 @@ def add_arguments(p):
     src = p.add_mutually_exclusive_group()
     src.add_argument("--corpus", metavar="FILE", help="demonstrations .jsonl/.csv (default: the shipped demo corpus)")
     src.add_argument("--dataset", metavar="NAME", help="a benchmark set (banking77, ...) from MILO_DATA")
-    src.add_argument("--synthetic", choices=sorted(bench.SHAPES), help="random model of this shape, synthetic store")
+    src.add_argument("--synthetic", choices=sorted(synthetic_model.SHAPES), help="random model of this shape, synthetic store")
     p.add_argument("--queries", metavar="FILE", help="query items (input field) for --corpus (default: the demo queries)")
     p.add_argument("--shots", type=int, default=256, help="demonstrations stored for --dataset/--synthetic (default 256)")
     p.add_argument("--model", default="default", metavar="PATH", help="'default', an HF directory or a .gguf")
@@ -73,14 +76,17 @@ def _ratios(text: str) -> list[float]:
 def setup(args, ratios):
     """(loaded model, store paths, query texts) for the chosen source."""
     out = Path(args.stores) if args.stores else Path(args.out) / "stores"
-    device = torch.device(args.device) if args.device else default_device()
+    try:
+        device = usable_device(args.device)
+    except ValueError as e:
+        raise CommandError(f"--device {args.device}: {e}") from None
     if args.synthetic:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        loaded = bench.random_model(args.synthetic, device, dtype)
-        paths = bench.synthetic_stores(out, loaded, demos=args.shots, block_size=args.block_size,
+        loaded = synthetic_model.random_model(args.synthetic, device, dtype)
+        paths = synthetic_model.synthetic_stores(out, loaded, demos=args.shots, block_size=args.block_size,
                                        demo_tokens=args.demo_tokens, ratios=ratios)
         n_blocks = -(-args.shots // args.block_size)
-        return loaded, paths, bench.synthetic_queries(args.n_queries, n_blocks, max(_ints(args.k, "--k")))
+        return loaded, paths, synthetic_model.synthetic_queries(args.n_queries, n_blocks, max(_ints(args.k, "--k")))
     if args.dataset:
         train, test, task = load_dataset(args.dataset)
         if args.shots > len(train):
@@ -116,10 +122,10 @@ def run(args) -> int:
                              tier=args.tier, progress=lambda line: print(line, file=sys.stderr))
     report["command"] = "milo bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:])
     report["seconds"] = time.perf_counter() - started
-    md = bench.render_markdown(report)
+    md = bench_report.render_markdown(report)
     (out / "bench.md").write_text(md + "\n", encoding="utf-8")
     (out / "bench.json").write_text(json.dumps(report, indent=2, default=float), encoding="utf-8")
-    png = bench.plot(report, out / "bench.png")
+    png = bench_report.plot(report, out / "bench.png")
     print(md)
     print(f"wrote {out / 'bench.md'}, {out / 'bench.json'}" + (f", {png}" if png else "")
           + f" in {report['seconds']:.0f} s")
@@ -128,8 +134,6 @@ def run(args) -> int:
 
 def main(argv=None) -> int:
     """`python -m milo_infer.cli.bench`: the same command outside `milo` (tools/gpu_bench.sh uses it)."""
-    from .main import INPUT_ERRORS  # here: main imports this module
-
     p = argparse.ArgumentParser(prog="milo bench", description=__doc__)
     add_arguments(p)
     args = p.parse_args(argv)

@@ -22,14 +22,16 @@ import torch
 
 from milo_store import CompressionConfig
 from milo_store.allocation import KV_SPLITS, POLICIES, SCOPES
-from milo_store.cli.common import human_bytes, print_json
+from milo_store.commandline import print_json
+from milo_store.report import human_bytes
 from milo_store.codec import CODECS
 from milo_store.format import TORCH_DTYPES
 from milo_store.urls import is_url, local_sidecar
 from milo_store.writer import check_target
 
 from ..build import BuildConfig, auto_dtype, build_store, default_allocation
-from ..corpus import DATASETS, load_corpus, load_dataset, task_from_corpus
+from ..corpus import load_corpus, task_from_corpus
+from ..datasets import DATASETS, load_dataset
 from ..distributed import World
 from ..models import load_model
 from . import CommandError

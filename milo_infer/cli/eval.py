@@ -1,7 +1,7 @@
 """Compare storage methods on held-out queries: accuracy and measured KV bytes, as a results table.
 
 For each data set, seed and block size: the first --shots training demonstrations become one store
-per method and ratio (the model encodes them once per codec; see `milo_infer.evaluate.encode_once`),
+per method and ratio (the model encodes them once per codec; see `milo_infer.shared_staging.encode_once`),
 then the first --test test items are answered from each store. --ratio and --block-size take
 comma-separated lists, for accuracy-against-ratio and -block-size curves (tools/plot_results.py).
 Everything lands under --out: the stores, one predictions JSONL per run (rerunning the same command
@@ -20,9 +20,12 @@ import torch
 from tqdm import tqdm
 
 from ..build import BuildConfig
-from ..corpus import DATASETS, load_corpus, load_dataset, task_from_corpus
-from ..evaluate import (BASES, DEFAULT, EXAMPLES, MODIFIERS, QUANTS, agreement, encode_once, evaluate, method_config,
-                        resolve, store_name, write_tables)
+from ..corpus import load_corpus, task_from_corpus
+from ..datasets import DATASETS, load_dataset
+from ..evaluate import EVAL_BATCH, agreement, evaluate
+from ..methods import BASES, DEFAULT, EXAMPLES, MODIFIERS, QUANTS, method_config, resolve, store_name
+from ..shared_staging import encode_once
+from ..tables import write_tables
 from ..models import load_model
 from ..session import MAX_NEW_TOKENS
 from . import CommandError
@@ -48,6 +51,9 @@ def add_arguments(p):
                    help="the first seed (default 0): adds seeds from another process; each process writes "
                         "only its own rows to --out's tables (merge them with tools/results_table.py)")
     p.add_argument("--k", type=int, default=6, help="blocks retrieved per query (default 6)")
+    p.add_argument("--batch", type=int, default=EVAL_BATCH,
+                   help=f"queries answered per forward, each with its own blocks; predictions do not depend on it "
+                        f"(default {EVAL_BATCH})")
     p.add_argument("--block-size", default="32", metavar="M[,M]",
                    help="demonstrations per block; several encode the corpus once each (default 32)")
     p.add_argument("--context-blocks", type=int, default=2, help="previous blocks each block is encoded after")
@@ -84,7 +90,7 @@ def check(args) -> tuple[list[str], list[str]]:
         raise CommandError(f"--ratio must be in (0, 1]; got {args.ratio}")
     if min(args.block_sizes) < 1:
         raise CommandError(f"--block-size must be at least 1; got {args.block_size}")
-    for flag in ("shots", "test", "seeds", "k", "max_new_tokens") + (("threads",) if args.threads is not None else ()):
+    for flag in ("shots", "test", "seeds", "k", "batch", "max_new_tokens") + (("threads",) if args.threads is not None else ()):
         if getattr(args, flag) < 1:
             raise CommandError(f"--{flag.replace('_', '-')} must be at least 1; got {getattr(args, flag)}")
     if args.first_seed < 0:
@@ -142,7 +148,7 @@ def run(args) -> int:
             t0, answered = time.perf_counter(), []
             result = evaluate(loaded, run_dir / "stores" / sname, test, task, k=args.k,
                               predictions=run_dir / f"{sname}-k{args.k}{_length_tag(args, task)}.jsonl",
-                              max_new_tokens=args.max_new_tokens,
+                              max_new_tokens=args.max_new_tokens, batch=args.batch,
                               on_answer=lambda r: (answered.append(r), bar.update()))
             bar.update(result["n"] - len(answered))  # items resumed from the predictions file
             answers = result.pop("answers")

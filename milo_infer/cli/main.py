@@ -5,22 +5,12 @@ Every input error is reported as one line on stderr with exit code 2, whether ar
 """
 import sys
 
-from milo_store.cli.common import run_subcommands
-from milo_store.allocation import BudgetError
-from milo_store.errors import StoreError
-from milo_store.staging import StagingError
+from milo_store.commandline import run_subcommands
 
-from ..build import BuildError
-from ..corpus import CorpusError, DatasetUnavailable
-from ..distributed import RankError
-from ..models import ModelUnavailable, UnsupportedModelError
-from . import CommandError, bench, build, eval, query, serve
+from . import bench, build, eval, query, serve
+from .errors import INPUT_ERRORS
 
 COMMANDS = {"build": build, "query": query, "eval": eval, "bench": bench, "serve": serve}
-
-# Errors that describe the user's input or environment, not a bug: no traceback for these.
-INPUT_ERRORS = (CommandError, BuildError, BudgetError, CorpusError, DatasetUnavailable, ModelUnavailable,
-                UnsupportedModelError, StoreError, StagingError, RankError)
 
 
 def main(argv=None) -> int:

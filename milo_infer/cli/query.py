@@ -1,15 +1,18 @@
 """Answer a query from a store: retrieve blocks, rebuild their K/V, let the model answer.
 
 Prints the answer, and with --show-blocks the blocks used and their demonstrations; --json gives
-everything (answer, blocks, KV bytes full vs moved, seconds per stage) for programs.
+everything (answer, blocks, KV bytes full vs moved, seconds per stage) for programs. A query that shares no
+term with any demonstration is answered from arbitrary blocks: a warning on stderr says so, and
+``retrieval_matched`` is false in --json.
 """
 import json
+import sys
 
 from milo_store import MiloStore
-from milo_store.blockcache import BlockCache, parse_size
 
-from ..session import MiloSession
-from . import CommandError, load_placed_model
+from ..models import load_model
+from ..session import MiloSession, place_model
+from . import CommandError, add_tier_arguments, checked_device, mount_options
 
 
 def add_arguments(p):
@@ -18,9 +21,7 @@ def add_arguments(p):
     p.add_argument("--model", default="default", help="model path or 'default' (must match the store)")
     p.add_argument("--k", type=int, default=6, help="blocks to retrieve per query (default 6)")
     p.add_argument("--token-budget", type=int, default=None, help="cap on retrieved tokens instead of / besides k")
-    p.add_argument("--tier", choices=("host", "disk", "cached"), default="host", help="where factors are read from")
-    p.add_argument("--cache-dir", default=None, help="block cache of remote stores (default ~/.cache/milo/blocks)")
-    p.add_argument("--cache-size", type=parse_size, default=None, help="block cache limit, e.g. 10G (default 10G)")
+    add_tier_arguments(p)
     p.add_argument("--order", choices=("score", "corpus"), default="score", help="block order in the context")
     p.add_argument("--device", default=None, help="compute device (default: cuda if available, else cpu)")
     p.add_argument("--show-blocks", action="store_true", help="list the retrieved blocks' demonstrations")
@@ -32,20 +33,30 @@ def run(args) -> int:
         raise CommandError(f"--k must be at least 1; got {args.k}")
     if args.token_budget is not None and args.token_budget < 1:
         raise CommandError(f"--token-budget must be at least 1; got {args.token_budget}")
-    store = MiloStore.open(args.store, tier=args.tier, block_cache=BlockCache(args.cache_dir, args.cache_size))
-    loaded, device = load_placed_model(args.model, args.device)
+    device = checked_device(args.device)
+    store = MiloStore.open(args.store, **mount_options(args))
+    try:
+        loaded = load_model(args.model)
+    except (OSError, ValueError) as e:  # no such path, not a model folder, an unsupported model
+        raise CommandError(f"--model: {e}") from None
+    device = place_model(loaded, device)
     session = MiloSession(loaded, store, k=args.k, token_budget=args.token_budget, order=args.order, device=device)
     examples = store.examples()
     results = []
     for text in args.text:
+        matched = session.retriever.matches(text)
+        if not matched:
+            print(f"milo query: warning: {text!r} shares no term with any demonstration: retrieval matched nothing, "
+                  "the blocks are arbitrary", file=sys.stderr)
         try:
             a = session.answer(text)
-        except ValueError as e:  # e.g. a token budget smaller than any block
+        except ValueError as e:  # e.g. a token budget smaller than any block, a query longer than the model's context
             raise CommandError(str(e)) from None
         shown = [{"block": b, "demonstrations": [f"{i} => {o}" for i, o, blk in
                                                  zip(examples["input"], examples["output"], examples["block"]) if blk == b]}
                  for b in a.blocks]
-        results.append({"query": text, "answer": a.text, "blocks": a.blocks, "prefix_tokens": a.prefix_tokens,
+        results.append({"query": text, "answer": a.text, "retrieval_matched": matched, "blocks": a.blocks,
+                        "prefix_tokens": a.prefix_tokens,
                         "kv_bytes_full": a.kv_bytes_full, "kv_bytes_stored": a.kv_bytes_stored,
                         "seconds": {k: round(v, 4) for k, v in a.seconds.items()}, "block_demonstrations": shown})
     if args.json:

@@ -5,10 +5,12 @@ or Ctrl-C, which drain: no new requests, in-flight ones finish within --drain-s,
 """
 import os
 
-from milo_store.blockcache import BlockCache, parse_size
+from milo_store.blockcache import parse_size
 
 from ..server import MAX_BODY_BYTES
-from . import CommandError, load_placed_model
+from ..models import load_model
+from ..session import place_model
+from . import CommandError, add_tier_arguments, checked_device, mount_options
 
 
 def add_arguments(p):
@@ -19,9 +21,9 @@ def add_arguments(p):
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health (default $MILO_API_KEY)")
     p.add_argument("--model", default="default", help="model path or 'default' (must match every store)")
     p.add_argument("--device", default=None, help="compute device (default: cuda if available, else cpu)")
-    p.add_argument("--tier", choices=("host", "disk", "cached"), default="host", help="where factors are read from")
-    p.add_argument("--cache-dir", default=None, help="block cache of remote stores (default ~/.cache/milo/blocks)")
-    p.add_argument("--cache-size", type=parse_size, default=None, help="block cache limit, e.g. 10G (default 10G)")
+    add_tier_arguments(p)
+    p.add_argument("--device-cache", type=parse_size, default=0,
+                   help="device memory kept for blocks' factors across requests, e.g. 2G (default 0: none)")
     p.add_argument("--k", type=int, default=6, help="groups to retrieve per query unless a request says (default 6)")
     p.add_argument("--token-budget", type=int, default=None, help="default cap on retrieved tokens")
     p.add_argument("--max-batch", type=int, default=16, help="rows in the running batch at most (default 16)")
@@ -47,11 +49,17 @@ def run(args) -> int:
         from ..server.launch import mount_stores, serve
     except ImportError as e:
         raise CommandError(f"milo serve needs the serve extra (pip install 'milo-kv[serve]'): {e}") from None
-    block_cache = BlockCache(args.cache_dir, args.cache_size)
-    stores = mount_stores(args.store, tier=args.tier, block_cache=block_cache)
-    loaded, device = load_placed_model(args.model, args.device)
-    engine = Engine(loaded, stores, k=args.k, token_budget=args.token_budget, device=device)
+    device = checked_device(args.device)
+    options = mount_options(args)
+    stores = mount_stores(args.store, **options)
+    try:
+        loaded = load_model(args.model)
+    except (OSError, ValueError) as e:  # no such path, not a model folder, an unsupported model
+        raise CommandError(f"--model: {e}") from None
+    device = place_model(loaded, device)
+    engine = Engine(loaded, stores, k=args.k, token_budget=args.token_budget, device=device,
+                    device_cache_bytes=args.device_cache)
     app = create_app(engine, api_key=args.api_key or None, max_batch=args.max_batch, batch_wait_ms=args.batch_wait_ms,
-                     max_queue=args.max_queue, max_body_bytes=args.max_body_bytes, block_cache=block_cache)
+                     max_queue=args.max_queue, max_body_bytes=args.max_body_bytes, block_cache=options["block_cache"])
     serve(app, host=args.host, port=args.port, drain_s=args.drain_s)
     return 0

@@ -13,8 +13,9 @@ def store_name(location: str) -> str:
     return PurePosixPath(str(location).rstrip("/")).name
 
 
-def mount_stores(locations: list[str], *, tier: str, block_cache) -> dict[str, MiloStore]:
-    """Every store opened once, by name; two stores of one name are refused (a client could not tell them apart)."""
+def mount_stores(locations: list[str], **options) -> dict[str, MiloStore]:
+    """Every store opened once (``options``: `MiloStore.open`'s keywords), by name; two stores of one name are
+    refused (a client could not tell them apart)."""
     names = [store_name(loc) for loc in locations]
     clash = sorted({n for n in names if names.count(n) > 1})
     if clash:
@@ -22,7 +23,7 @@ def mount_stores(locations: list[str], *, tier: str, block_cache) -> dict[str, M
     stores: dict[str, MiloStore] = {}
     try:
         for name, location in zip(names, locations):
-            stores[name] = MiloStore.open(location, tier=tier, block_cache=block_cache)
+            stores[name] = MiloStore.open(location, **options)
     except BaseException:
         for store in stores.values():
             store.close()

@@ -45,12 +45,15 @@ class ServerMetrics:
                                        registry=r)
         self.unique_block_share = Gauge("milo:unique_block_share", "Unique blocks over requested blocks, last admission",
                                         registry=r)
+        self.device_cache_hits = Counter("milo:device_cache_hits", "Blocks of admitted rows found in the device tier",
+                                         registry=r)
         r.register(_BlockCacheHits(block_cache))
 
     def admitted(self, plans, fetch_stats: dict) -> None:
         self.prompt_tokens.inc(sum(p.prompt_tokens for p in plans))
         self.kv_bytes_stored.inc(sum(p.kv_bytes_stored for p in plans))
         self.kv_bytes_moved.inc(fetch_stats.get("bytes", 0))
+        self.device_cache_hits.inc(fetch_stats.get("device_hits", 0))
         if fetch_stats.get("blocks"):
             self.unique_block_share.set(fetch_stats["unique_blocks"] / fetch_stats["blocks"])
 

@@ -3,10 +3,11 @@
 Keeps the version the manifest names and the one it replaced, and any version with an object
 younger than --older-than seconds (a writer may still be uploading it).
 """
+from ..commandline import print_json
 from ..errors import StoreError
 from ..remote import gc
+from ..report import human_bytes
 from ..urls import is_url
-from .common import human_bytes, print_json
 
 
 def add_arguments(p):
@@ -27,6 +28,7 @@ def run(args) -> int:
         print_json(report)
         return 0
     verb = "would remove" if args.dry_run else "removed"
-    print(f"{report['url']}: current version {report['current']}; {verb} {len(report['removed_versions'])} version(s), "
+    current = report["current"] or "none (no store published yet)"
+    print(f"{report['url']}: current version {current}; {verb} {len(report['removed_versions'])} version(s), "
           f"{report['removed_objects']} object(s), {human_bytes(report['removed_bytes'])}; kept {len(report['kept'])}")
     return 0

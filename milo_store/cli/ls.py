@@ -1,12 +1,9 @@
 """List a store's blocks: tokens, demonstrations, K and V ranks, bytes (a page at a time: --offset, --limit)."""
 import argparse
 
-import numpy as np
-
-from .. import text_index
-from ..layout import RAW_RANK
+from ..commandline import print_json
+from ..report import block_rows, human_bytes
 from ..store import MiloStore
-from .common import human_bytes, print_json
 
 
 def non_negative(text: str) -> int:
@@ -21,36 +18,6 @@ def add_arguments(p):
     p.add_argument("--offset", type=non_negative, default=0, help="first block listed (default 0)")
     p.add_argument("--limit", type=non_negative, default=100, help="most blocks listed (default 100; 0: all)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-
-
-def demonstrations_per_block(store: MiloStore, start: int, stop: int) -> np.ndarray:
-    """From the BM25 index's block starts (a few entries); stores without it count every demonstration's block."""
-    found = store.index_arrays(text_index.NAME, check=False)
-    if found is not None:
-        return np.diff(np.asarray(found[1]["block_starts"][start:stop + 1], dtype=np.int64))
-    return np.bincount(np.asarray(store.examples()["block"], dtype=np.int64), minlength=store.num_blocks)[start:stop]
-
-
-def rank_summary(ranks: np.ndarray) -> dict:
-    """min/mean/max rank of a block's factored units of one kind, and how many are raw (RAW_RANK)."""
-    r = ranks.astype(int).ravel()
-    factored = r[r != RAW_RANK]
-    if not len(factored):
-        return {"min": None, "mean": None, "max": None, "raw": len(r)}
-    return {"min": int(factored.min()), "mean": round(float(factored.mean()), 2), "max": int(factored.max()),
-            "raw": int(len(r) - len(factored))}
-
-
-def block_rows(store: MiloStore, offset: int = 0, limit: int = 0) -> list[dict]:
-    start = min(offset, store.num_blocks)
-    stop = store.num_blocks if limit == 0 else min(start + limit, store.num_blocks)
-    per_block = demonstrations_per_block(store, start, stop)
-    rows = []
-    for i in range(start, stop):
-        rows.append({"block": i, "tokens": int(store.block_tokens[i]), "demonstrations": int(per_block[i - start]),
-                     "key_rank": rank_summary(store.ranks[i, :, 0]), "value_rank": rank_summary(store.ranks[i, :, 1]),
-                     "bytes": int(store.offsets[i + 1] - store.offsets[i]) * store.itemsize})
-    return rows
 
 
 def _ranks(s: dict) -> str:

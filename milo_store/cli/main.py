@@ -1,9 +1,9 @@
 """`milo-store`: inspect stores. One subcommand per module, each with add_arguments and run."""
 import sys
 
+from ..commandline import run_subcommands
 from ..errors import StoreError
 from . import cache, gc, ls, push, stat, verify
-from .common import run_subcommands
 
 COMMANDS = {"ls": ls, "stat": stat, "verify": verify, "push": push, "gc": gc, "cache": cache}
 

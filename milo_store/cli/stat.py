@@ -1,38 +1,12 @@
 """Summarise a store: model, blocks, tokens, planned vs actual ratio, bytes, ranks and raw units per layer."""
-import numpy as np
-
-from ..layout import RAW_RANK
+from ..commandline import print_json
+from ..report import describe, human_bytes
 from ..store import MiloStore
-from .common import human_bytes, print_json
 
 
 def add_arguments(p):
     p.add_argument("path", help="store directory or URL (s3://bucket/prefix, gs://, az://, file://)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-
-
-def describe(store: MiloStore) -> dict:
-    acc = store.accounting()
-    r = store.ranks.astype(np.int64)
-    raw = r == RAW_RANK
-    kinds = tuple(enumerate(("key", "value")))
-    hist = {kind: [np.bincount(r[:, l, k][~raw[:, l, k]], minlength=store.layout.head_dim + 1).tolist()
-                   for l in range(store.layout.num_layers)] for k, kind in kinds}
-    factored = np.ma.masked_array(r, raw)  # mean ranks are over factored units; raw ones are counted apart
-    return {
-        "path": str(store.path), "format_version": store.meta["format_version"],
-        "model": store.meta.get("model"), "codec": store.meta.get("codec"), "allocation": store.meta.get("allocation"),
-        "factor_dtype": store.dtype, "layout": store.meta["layout"],
-        "blocks": store.num_blocks, "demonstrations": store.num_examples(), "tokens": int(store.block_tokens.sum()),
-        "planned_ratio": acc["planned_ratio"], "actual_ratio": acc["ratio"],
-        "bytes": {"full_fp16_kv": acc["full_fp16_bytes"], "factors": acc["factor_bytes"], "index": acc["index_bytes"],
-                  "accounted": acc["total_bytes"], "factor_files": acc["factor_file_bytes"], "on_disk": acc["disk_bytes"]},
-        "disk_ratio": acc["disk_bytes"] / acc["full_fp16_bytes"] if acc["full_fp16_bytes"] else None,
-        "mean_rank_per_layer": {kind: [None if x is np.ma.masked else round(float(x), 2)
-                                       for x in factored[:, :, k].mean(axis=(0, 2))] for k, kind in kinds},
-        "rank_histogram_per_layer": hist,
-        "raw_share_per_layer": {kind: [round(float(x), 4) for x in raw[:, :, k].mean(axis=(0, 2))] for k, kind in kinds},
-    }
 
 
 def run(args) -> int:

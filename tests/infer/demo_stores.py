@@ -3,7 +3,7 @@ import torch
 
 from milo_infer.build import BuildConfig
 from milo_infer.corpus import load_corpus, task_from_corpus
-from milo_infer.evaluate import encode_once
+from milo_infer.shared_staging import encode_once
 from milo_store import MiloStore
 
 DEMO = "milo_infer/data/demo_corpus.jsonl"

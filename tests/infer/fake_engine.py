@@ -72,7 +72,7 @@ class FakeBatch:
         self.running_at_admission.append(len(self.rows))
         blocks = [b for p in plans for b in p.blocks]
         self.fetch_stats = {"blocks": len(blocks), "unique_blocks": len(set(blocks)), "bytes": 100 * len(set(blocks)),
-                            "bytes_without_union": 100 * len(blocks)}
+                            "bytes_without_union": 100 * len(blocks), "device_hits": 1}
         events = []
         for plan in plans:
             answer, reason = expected_answer(plan.request.text, plan.max_new_tokens, plan.request.stop)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from demo_stores import encoded_demo_stores
 
-from milo_infer.evaluate import method_config
+from milo_infer.methods import method_config
 from milo_infer.session import MiloSession
 from milo_store import CompressionConfig
 

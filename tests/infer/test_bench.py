@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from milo_infer import bench
+from milo_infer import bench, bench_report, synthetic_model, timed_session
 from milo_infer.cli import bench as cli
 from milo_kernels import reconstruct_layer
 from milo_store import Layout, factorize_block, pack_block
@@ -17,7 +17,8 @@ from milo_store.synthetic import synthetic_block_kv
 
 REPO = Path(__file__).resolve().parents[2]
 COLUMNS = ["method", "ρ (bytes)", "k", "batch", "q/s", "tok/s", "retrieve ms", "read ms", "transfer ms",
-           "rebuild ms", "model ms", "MiB/query", "transfer GB/s", "speedup vs full", "bound 1/ρ"]
+           "rebuild ms", "model ms", "MiB/query", "MiB/query without union", "unique blocks", "peak K/V MiB",
+           "transfer GB/s", "speedup vs full", "bound 1/ρ"]
 
 
 @pytest.fixture(scope="module")
@@ -27,9 +28,9 @@ def report(tmp_path_factory):
     torch.set_num_threads(1)
     torch.manual_seed(0)
     root = tmp_path_factory.mktemp("bench")
-    loaded = bench.random_model("tiny")
-    paths = bench.synthetic_stores(root, loaded, demos=48, block_size=8, demo_tokens=12, ratios=(0.5, 0.25))
-    queries = bench.synthetic_queries(2, 6, 4)
+    loaded = synthetic_model.random_model("tiny")
+    paths = synthetic_model.synthetic_stores(root, loaded, demos=48, block_size=8, demo_tokens=12, ratios=(0.5, 0.25))
+    queries = synthetic_model.synthetic_queries(2, 6, 4)
     try:
         yield bench.run_bench(loaded, paths, queries, ks=(2, 4), batches=(1, 2), rounds=2, progress=lambda _: None)
     finally:
@@ -51,11 +52,17 @@ def test_every_method_k_and_batch_has_positive_numbers(report):
 
 def test_bytes_are_measured_and_compressed_stores_move_fewer(report):
     for r in report["rows"]:
+        # a batch fetches the union of its rows' blocks: alone, a query moves all of its own
+        assert r["bytes_moved"] <= r["bytes_without_union"] and 0 < r["unique_block_share"] <= 1
+        if r["batch"] == 1:
+            assert r["bytes_moved"] == r["bytes_without_union"] and r["unique_block_share"] == 1
+        assert r["peak_kv_bytes"] > 0
         if r["method"].startswith("full"):
-            assert r["ratio"] == 1.0 and r["bytes_moved"] > r["bytes_full_kv"]  # identity also moves Σ = 1, B = I
+            # identity also moves Σ = 1, B = I
+            assert r["ratio"] == 1.0 and r["bytes_without_union"] > r["bytes_full_kv"]
         else:
             target = float(r["method"].removeprefix("milo-r"))
-            assert r["ratio"] < 1.0 and r["bytes_moved"] < 1.2 * target * r["bytes_full_kv"]
+            assert r["ratio"] < 1.0 and r["bytes_without_union"] < 1.2 * target * r["bytes_full_kv"]
     c = report["crossover"]
     assert set(c) == {"milo-r0.5", "milo-r0.25"} and all(v["bytes_saved"] > 0 for v in c.values())
 
@@ -76,7 +83,7 @@ def test_copy_identity_layer_equals_the_kernel_on_an_identity_block():
     angles = torch.arange(12.0)[:, None] * torch.rand(16)
     cos, sin = angles.cos(), angles.sin()
     outs = []
-    for fn in (reconstruct_layer, bench.copy_identity_layer):
+    for fn in (reconstruct_layer, timed_session.copy_identity_layer):
         out = [torch.full((2, 12, 16), math.nan) for _ in range(2)]
         fn(factors, segments, *out, cos, sin)
         outs.append(out)
@@ -85,13 +92,13 @@ def test_copy_identity_layer_equals_the_kernel_on_an_identity_block():
 
 
 def test_markdown_table_has_the_columns_and_one_line_per_row(report, tmp_path):
-    md = bench.render_markdown(report)
+    md = bench_report.render_markdown(report)
     header = next(line for line in md.splitlines() if line.startswith("| method"))
     assert [c.strip() for c in header.strip("|").split("|")] == COLUMNS
     assert sum(line.startswith("| ") and not line.startswith("| method") for line in md.splitlines()) == len(report["rows"])
     assert "raw transfer path, same run: memcpy" in md and "crossover milo-r0.25" in md
     pytest.importorskip("matplotlib")
-    assert bench.plot(report, tmp_path / "b.png").stat().st_size > 0
+    assert bench_report.plot(report, tmp_path / "b.png").stat().st_size > 0
 
 
 def test_cli_synthetic_run_writes_reports(tmp_path):

@@ -157,6 +157,15 @@ def test_output_under_a_file(tmp_path, monkeypatch, capsys):
     assert f"{corpus} is a file, not a directory" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("out", ["/proc/x", "/proc/x/y", "/sys/x"])
+def test_unwritable_output_is_refused_before_the_model_loads(tmp_path, monkeypatch, capsys, out):
+    corpus = write_corpus(tmp_path / "c.jsonl", 6)
+    monkeypatch.setattr(milo_infer.cli.build, "load_model", no_model)
+    assert main(["build", "--corpus", str(corpus), "--block-size", "2", "--out", out]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"milo build: {out}: cannot write a store there" in err, err
+
+
 def test_unknown_model_path(tmp_path, capsys):
     corpus = write_corpus(tmp_path / "c.jsonl", 6)
     out = tmp_path / "out"
@@ -366,3 +375,12 @@ def test_infeasible_ratio_is_refused_before_encoding(tiny_model_dir, tmp_path, c
     assert code == 2
     assert "but rank 1 everywhere needs" in capsys.readouterr().err
     assert not (tmp_path / "s").exists()
+
+
+def test_allocating_and_writing_show_progress(tiny, tmp_path, capsys):
+    """After the encoding bar, pass two's stages have bars of their own, each run to its end."""
+    demos = [Demonstration(f"customer message number {i}", ("refund", "card lost")[i % 2], str(i)) for i in range(6)]
+    build_store(tmp_path / "s", tiny, demos, task_from_corpus(demos), BuildConfig(block_size=2), progress=True)
+    err = capsys.readouterr().err
+    assert "encoding" in err and "allocating: 100%" in err and "writing: 100%" in err, err
+    assert err.index("encoding") < err.index("allocating") < err.index("writing")

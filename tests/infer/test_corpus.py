@@ -6,10 +6,8 @@ from pathlib import Path
 import pytest
 
 import milo_infer
-from milo_infer.corpus import (
-    DATASETS, SVAMP_TEST_SIZE, CorpusError, DatasetUnavailable, Demonstration, TaskSpec, data_root,
-    load_corpus, load_dataset, task_from_corpus,
-)
+from milo_infer.corpus import CorpusError, Demonstration, TaskSpec, load_corpus, task_from_corpus
+from milo_infer.datasets import DATASETS, SVAMP_TEST_SIZE, DatasetUnavailable, data_root, load_dataset
 
 DATA = Path(milo_infer.__file__).parent / "data"
 
@@ -171,7 +169,7 @@ def test_readable_labels():
 
 @pytest.mark.slow
 def test_trec_malformed_line_is_skipped_and_counted(caplog):
-    with caplog.at_level(logging.WARNING, logger="milo_infer.corpus"):
+    with caplog.at_level(logging.WARNING, logger="milo_infer.datasets"):
         train, _, _ = dataset("trec")
     assert "skipped 1 malformed line(s)" in caplog.text and "[4451]" in caplog.text
     assert "train-4451" not in {d.id for d in train}

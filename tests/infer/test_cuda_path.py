@@ -6,7 +6,7 @@ and by tools/gpu_check.sh; these tests cover the host-side logic around it.
 import pytest
 import torch
 
-from milo_infer import bench
+from milo_infer import synthetic_model
 from milo_infer.cli import bench as bench_cli
 from milo_infer.engine import cache_keyword
 from milo_infer.session import MiloSession, default_device
@@ -17,8 +17,8 @@ from milo_store import MiloStore
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     torch.manual_seed(0)
-    loaded = bench.random_model("tiny")
-    paths = bench.synthetic_stores(tmp_path_factory.mktemp("tiny"), loaded, demos=24, block_size=8, demo_tokens=6,
+    loaded = synthetic_model.random_model("tiny")
+    paths = synthetic_model.synthetic_stores(tmp_path_factory.mktemp("tiny"), loaded, demos=24, block_size=8, demo_tokens=6,
                                    ratios=(0.5,))
     return loaded, paths
 
@@ -42,11 +42,11 @@ def test_a_model_that_ignores_the_cache_fails_loudly(tiny):
     loaded, paths = tiny
     with MiloStore.open(paths["milo-r0.5"]) as store:
         session = MiloSession(loaded, store, k=2)
-        assert session.answer(bench.synthetic_queries(1, 3, 2)[0]).text  # the real model fills every layer
+        assert session.answer(synthetic_model.synthetic_queries(1, 3, 2)[0]).text  # the real model fills every layer
         model = loaded.model
         session.engine.model = lambda input_ids, cache, use_cache, **kw: model(input_ids=input_ids)  # drops the cache
         with pytest.raises(RuntimeError, match="did not use the milo cache"):
-            session.answer(bench.synthetic_queries(1, 3, 2)[0])
+            session.answer(synthetic_model.synthetic_queries(1, 3, 2)[0])
 
 
 class PastKeyValuesModel(torch.nn.Module):
@@ -62,7 +62,7 @@ class PastKeyValuesModel(torch.nn.Module):
 
 def test_the_cache_goes_under_the_keyword_the_model_takes(tiny):
     loaded, paths = tiny
-    query = bench.synthetic_queries(1, 3, 2)[0]
+    query = synthetic_model.synthetic_queries(1, 3, 2)[0]
     with MiloStore.open(paths["milo-r0.5"]) as store:
         expected = MiloSession(loaded, store, k=2).logits(query)
         session = MiloSession(loaded, store, k=2)
@@ -85,7 +85,7 @@ def test_answer_reports_every_stage_and_the_model_excludes_rebuild(tiny, monkeyp
             rebuild(factors, segments, out_k, out_v, cos, sin, plan=plan, **kw)
 
         monkeypatch.setattr(session.engine, "rebuild", slow_rebuild)
-        a = session.answer(bench.synthetic_queries(1, 3, 3)[0])
+        a = session.answer(synthetic_model.synthetic_queries(1, 3, 3)[0])
     assert set(a.seconds) == {"retrieve", "read", "transfer", "wait", "reconstruct", "model"}
     assert all(v >= 0 for v in a.seconds.values()) and a.seconds["reconstruct"] > 0 and a.seconds["model"] > 0
     # the segment tables are host tensors planned before the forward: one per layer, none moved per layer

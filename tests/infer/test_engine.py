@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from milo_infer import bench
+from milo_infer import synthetic_model
 from milo_infer.engine import Engine, Request, RequestError
 from milo_infer.models import LoadedModel, model_identity
 from milo_store import MiloStore
@@ -24,21 +24,21 @@ def random_llama() -> LoadedModel:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(1)
-    model = LlamaForCausalLM._from_config(LlamaConfig(**bench.SHAPES["tiny"], tie_word_embeddings=False),
+    model = LlamaForCausalLM._from_config(LlamaConfig(**synthetic_model.SHAPES["tiny"], tie_word_embeddings=False),
                                           dtype=torch.float32)
     model.eval().requires_grad_(False)
-    return LoadedModel(model=model, tokenizer=bench.byte_tokenizer(), identity=model_identity(model))
+    return LoadedModel(model=model, tokenizer=synthetic_model.byte_tokenizer(), identity=model_identity(model))
 
 
 def random_qwen2() -> LoadedModel:
     torch.manual_seed(0)
-    return bench.random_model("tiny")
+    return synthetic_model.random_model("tiny")
 
 
 @pytest.fixture(scope="module", params=["qwen2", "llama"])
 def setup(request, tmp_path_factory):
     loaded = random_qwen2() if request.param == "qwen2" else random_llama()
-    paths = bench.synthetic_stores(tmp_path_factory.mktemp(request.param), loaded, demos=40, block_size=8,
+    paths = synthetic_model.synthetic_stores(tmp_path_factory.mktemp(request.param), loaded, demos=40, block_size=8,
                                    demo_tokens=5, ratios=(0.5,))
     store = MiloStore.open(paths["milo-r0.5"])
     yield loaded, store
@@ -158,12 +158,12 @@ TRITON_CHECK = """
 import torch, sys
 sys.path.insert(0, {tests!r})
 from test_engine import random_qwen2, REQUESTS
-from milo_infer import bench
+from milo_infer import synthetic_model
 from milo_infer.engine import Engine
 from milo_kernels import kernel_backend
 from milo_store import MiloStore
 loaded = random_qwen2()
-paths = bench.synthetic_stores({root!r}, loaded, demos=24, block_size=8, demo_tokens=5, ratios=(0.5,))
+paths = synthetic_model.synthetic_stores({root!r}, loaded, demos=24, block_size=8, demo_tokens=5, ratios=(0.5,))
 with MiloStore.open(paths["milo-r0.5"]) as store:
     engine = Engine(loaded, {{"s": store}})
     assert kernel_backend(engine.device) == "triton"
@@ -183,3 +183,49 @@ def test_batched_rows_equal_alone_through_the_triton_kernel(tmp_path):
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "worst" in run.stdout
+
+
+def test_the_device_tier_serves_blocks_again_without_reading_them(setup):
+    loaded, store = setup
+    plain = Engine(loaded, {"s": store})
+    tiered = Engine(loaded, {"s": store}, device_cache_bytes=1 << 30)
+    first = tiered.batch()
+    first.admit([tiered.plan("s", Request("topic1 topic2", k=2))])
+    assert first.fetch_stats["device_hits"] == 0 and first.fetch_stats["bytes"] > 0
+    again = tiered.batch()
+    plans = [tiered.plan("s", Request("topic2 topic1", k=2)), tiered.plan("s", Request("topic1 topic3", k=2))]
+    again.admit(plans)
+    assert again.fetch_stats["device_hits"] == 2 and again.fetch_stats["unique_blocks"] == 3
+    moved = again.fetch_stats["bytes"]
+    assert 0 < moved < again.fetch_stats["bytes_without_union"] and tiered.device_tier.stats()["hits"] == 2
+    for p, got in zip(plans, tiered.logits(plans)):
+        want = plain.logits([plain.plan("s", p.request)])[0]
+        assert (got - want).abs().max() <= ATOL
+
+
+def test_the_device_tier_keeps_within_its_bytes_least_recent_out_first():
+    from milo_store.device_tier import DeviceTier
+
+    tier = DeviceTier(100, "cpu")
+    for i in range(4):
+        tier.put(("s", i), torch.zeros(10, dtype=torch.float32))  # 40 bytes each
+    assert len(tier) == 2 and tier.bytes == 80 and tier.get(("s", 0)) is None
+    assert tier.get(("s", 2)) is not None  # 2 is now the most recent: 3 goes first
+    tier.put(("s", 4), torch.zeros(10))
+    assert tier.get(("s", 3)) is None and tier.get(("s", 2)) is not None
+    tier.put(("s", 5), torch.zeros(30))  # larger than the tier: not kept
+    assert tier.get(("s", 5)) is None and tier.bytes <= 100
+    assert tier.stats()["hits"] == 2 and tier.stats()["misses"] == 3
+
+
+def test_milo_eval_predicts_the_same_in_batches_as_one_at_a_time(setup, tmp_path):
+    from milo_infer.corpus import Demonstration, TaskSpec
+    from milo_infer.evaluate import evaluate
+
+    loaded, store = setup
+    task = TaskSpec(**{**store.meta["task"], "labels": tuple(store.meta["task"]["labels"])})
+    items = [Demonstration(input=r.text, output=task.labels[i % 3], id=str(i)) for i, r in enumerate(REQUESTS * 2)]
+    one = evaluate(loaded, store.path, items, task, k=3, batch=1)
+    many = evaluate(loaded, store.path, items, task, k=3, batch=5, predictions=tmp_path / "p.jsonl")
+    assert one["answers"] == many["answers"] and one["accuracy"] == many["accuracy"]
+    assert len((tmp_path / "p.jsonl").read_text().splitlines()) == len(items)  # every row logged, in batches

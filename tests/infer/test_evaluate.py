@@ -15,8 +15,10 @@ from milo_infer.cli import CommandError
 from milo_infer.cli.eval import check
 from milo_infer.corpus import load_corpus, task_from_corpus
 from milo_infer.cli.build import add_arguments as build_arguments, compression_config
-from milo_infer.evaluate import (agreement, default_method, encode_once, evaluate, method_config, store_name,
-                                 write_tables)
+from milo_infer.evaluate import agreement, evaluate
+from milo_infer.methods import default_method, method_config, store_name
+from milo_infer.shared_staging import encode_once
+from milo_infer.tables import write_tables
 
 DEMO = "milo_infer/data/demo_corpus.jsonl"
 QUERIES = "milo_infer/data/demo_queries.jsonl"

@@ -5,8 +5,9 @@ One encoding (8 demonstrations of the demo corpus, blocks of 4) serves every sto
 """
 import pytest
 
-from milo_infer.evaluate import method_config
+from milo_infer.methods import method_config
 from milo_infer.session import MiloSession
+from milo_store.format import FORMAT_VERSION
 from milo_store.layout import RAW_RANK
 
 from demo_stores import encoded_demo_stores
@@ -31,7 +32,7 @@ def test_raw_fp16_store_gives_the_full_stores_logits(stores, default_model):
     """Both hold X in fp16 (full as A = X, Σ = 1, B = I): the rebuilt caches, so the logits, agree."""
     opened, _ = stores
     raw, full = opened["raw"], opened["full"]
-    assert (raw.ranks == RAW_RANK).all() and raw.meta["format_version"] == 2
+    assert (raw.ranks == RAW_RANK).all() and raw.meta["format_version"] == FORMAT_VERSION
     assert raw.accounting()["ratio"] < full.accounting()["ratio"]  # no B = I
     ref, ours = (MiloSession(default_model, s, k=2).logits(QUERY) for s in (full, raw))
     assert (ref - ours).abs().max() <= 1e-4 * ref.abs().max()

@@ -206,7 +206,7 @@ def test_select_blocks_matches_greedy_reference(scores_tokens, k, budget):
 # --- against rank_bm25 on real data, and the index a store keeps ---------------------------
 
 def banking77(n: int):
-    from milo_infer.corpus import DatasetUnavailable, load_dataset
+    from milo_infer.datasets import DatasetUnavailable, load_dataset
 
     try:
         train, test, _ = load_dataset("banking77")
@@ -301,3 +301,10 @@ def test_an_index_that_disagrees_with_its_store_is_refused(tmp_path):
     with MiloStore.open(path, tier="disk") as store:
         with pytest.raises(StoreCorruptedError, match="covers 6 demonstrations in 4 blocks, the store has 8"):
             store_retriever(store)
+
+
+def test_matches_says_whether_any_query_term_is_in_a_demonstration():
+    r = retriever()
+    assert r.matches(TEXTS[0].split()[0].upper() + " zyxw")  # case folded, one known term is enough
+    assert not r.matches("zyxw qqvv") and not r.matches("") and not r.matches("?!")
+    assert not r.scores("zyxw qqvv").any()  # what a query without a match gets: every block 0

@@ -294,3 +294,4 @@ def test_metrics_use_vllm_names_under_milo(server, client):
                  "milo:kv_bytes_stored_total", "milo:unique_block_share", "milo:block_cache_hits_total"):
         assert f"\n{name}" in text, name
     assert metric(server[0], "milo:unique_block_share") == 1.0  # the fake plans ask blocks [1, 0]
+    assert metric(server[0], "milo:device_cache_hits_total") == metric(server[0], "milo:kv_bytes_moved_total") / 200

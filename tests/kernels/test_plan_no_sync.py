@@ -7,7 +7,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-from milo_kernels import reconstruct as rk  # noqa: E402
+from milo_kernels import plan as planning, reconstruct as rk, triton_kernel  # noqa: E402
 from milo_store.quant import pack_segment  # noqa: E402
 
 
@@ -23,8 +23,8 @@ class Recorder:
 def meta_triton(monkeypatch):
     recorder = Recorder()
     monkeypatch.setenv("MILO_KERNEL", "triton")
-    monkeypatch.setattr(rk, "_require_triton", lambda factors: None)
-    monkeypatch.setattr(rk, "_kernel", lambda: recorder)
+    monkeypatch.setattr(triton_kernel, "require_triton", lambda factors: None)
+    monkeypatch.setattr(triton_kernel, "kernel", lambda: recorder)
     return recorder
 
 
@@ -63,7 +63,7 @@ def test_planning_every_layer_at_once_reads_nothing_back(meta_triton):
     """The query path's form: plan_layers on the host for all layers, then per-layer launches."""
     d = 64
     raw, segments, n = int4_layer(d)
-    plans = rk.plan_layers(torch.stack([segments, segments]), d, factor_dtype=torch.uint8, device="meta", quant="int4")
+    plans = planning.plan_layers(torch.stack([segments, segments]), d, factor_dtype=torch.uint8, device="meta", quant="int4")
     factors = torch.empty(raw.numel(), dtype=torch.uint8, device="meta")
     out_k, out_v = torch.empty(2, 1, n, d, dtype=torch.float16, device="meta")
     cos = sin = torch.empty(n, d, device="meta")
@@ -76,15 +76,15 @@ def test_planning_every_layer_at_once_reads_nothing_back(meta_triton):
 def test_plan_layers_checks_each_layer():
     """Overlapping rows are refused within a layer, allowed across layers; structure is checked too."""
     one = torch.tensor([[0, 2, 4, 0, 0, 0], [40, 2, 4, 4, 0, 0]])
-    rk.plan_layers(torch.stack([one, one]), 16, factor_dtype=torch.float16, device="cpu")
+    planning.plan_layers(torch.stack([one, one]), 16, factor_dtype=torch.float16, device="cpu")
     overlapping = one.clone()
     overlapping[1, 3] = 2
     with pytest.raises(ValueError, match="overlapping rows"):
-        rk.plan_layers(torch.stack([one, overlapping]), 16, factor_dtype=torch.float16, device="cpu")
+        planning.plan_layers(torch.stack([one, overlapping]), 16, factor_dtype=torch.float16, device="cpu")
     bad = one.clone()
     bad[0, 1] = 17
     with pytest.raises(ValueError, match=r"rank must be in \[0, d=16\]"):
-        rk.plan_layers(torch.stack([one, bad]), 16, factor_dtype=torch.float16, device="cpu")
+        planning.plan_layers(torch.stack([one, bad]), 16, factor_dtype=torch.float16, device="cpu")
 
 
 def test_a_device_segment_table_is_read_back(meta_triton):
@@ -103,8 +103,8 @@ def test_tile_table_goes_to_cuda_pinned_and_non_blocking(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: calls.append("pin") or self)
     monkeypatch.setattr(torch.Tensor, "to", lambda self, device, **kw: calls.append((str(device), kw)) or self)
     table = torch.zeros(3, 7, dtype=torch.int64)
-    rk._upload(table, torch.device("cuda", 0))
+    planning._upload(table, torch.device("cuda", 0))
     assert calls == ["pin", ("cuda:0", {"non_blocking": True})]
     calls.clear()
-    rk._upload(table, torch.device("cpu"))  # CPU-only runs never pin (pinning needs CUDA)
+    planning._upload(table, torch.device("cpu"))  # CPU-only runs never pin (pinning needs CUDA)
     assert calls == [("cpu", {})]

@@ -175,7 +175,7 @@ def test_raw_rows_are_validated(monkeypatch, backend, quant):
 def test_plans_count_raw_sizes():
     """plan_layers (no buffers yet) bounds factors by the raw sizes and refuses rank -2 too."""
     pytest.importorskip("triton")
-    from milo_kernels.reconstruct import plan_layers
+    from milo_kernels.plan import plan_layers
 
     d = 16
     segments = torch.tensor([[[0, RAW_RANK, 5, 0, 0, 0], [50, 2, 3, 0, 0, 1]],
@@ -201,7 +201,8 @@ TILES = {False: {"block_t": 16, "block_r": 16, "block_h": 16}, True: {}}
 @pytest.mark.parametrize("factor", ["fp32", "fp16", "int8", "int4", "int2"])
 @pytest.mark.parametrize("interleaved", [False, True], ids=["half-small", "interleaved-default"])
 def test_triton_raw_mixed_layer_matches_reference(monkeypatch, factor, interleaved):
-    from milo_kernels.reconstruct import launch, plan_layer
+    from milo_kernels.plan import plan_layer
+    from milo_kernels.reconstruct import launch
 
     kv_heads, d, block_tokens = MIXED
     factors, segments, n, quant = mixed_layer(factor, kv_heads, d, block_tokens, seed=12)

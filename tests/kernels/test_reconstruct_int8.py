@@ -117,7 +117,8 @@ def test_validation_uses_int8_segment_size(monkeypatch):
 @pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_triton_int8_matches_reference(shape, interleaved, tiles):
-    from milo_kernels.reconstruct import launch, plan_layer
+    from milo_kernels.plan import plan_layer
+    from milo_kernels.reconstruct import launch
 
     kv_heads, d, block_tokens = SHAPES[shape]
     raw, segments, n_rows = int8_layer(kv_heads, d, block_tokens, seed=3)
@@ -132,7 +133,8 @@ def test_triton_int8_matches_reference(shape, interleaved, tiles):
 
 @needs_triton
 def test_triton_public_entry_and_plan_kind(monkeypatch):
-    from milo_kernels.reconstruct import launch, plan_layer
+    from milo_kernels.plan import plan_layer
+    from milo_kernels.reconstruct import launch
 
     monkeypatch.setenv("MILO_KERNEL", "triton")
     kv_heads, d, block_tokens = SHAPES["gqa3-odd-even"]

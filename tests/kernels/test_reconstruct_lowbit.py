@@ -98,7 +98,8 @@ def lowbit_layer(kv_heads, d, block_tokens, quant, seed):
 @pytest.mark.parametrize("quant", ["int4", "int2"])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_triton_lowbit_matches_reference(monkeypatch, shape, quant, interleaved, tiles):
-    from milo_kernels.reconstruct import launch, plan_layer
+    from milo_kernels.plan import plan_layer
+    from milo_kernels.reconstruct import launch
 
     kv_heads, d, block_tokens = SHAPES[shape]
     raw, segments, n_rows = lowbit_layer(kv_heads, d, block_tokens, quant, seed=5)

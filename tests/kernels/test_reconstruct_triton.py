@@ -19,7 +19,8 @@ pytestmark = pytest.mark.skipif(not (CUDA or INTERPRET), reason="needs CUDA or T
 DEVICE = "cuda" if CUDA else "cpu"
 
 from milo_kernels import reconstruct_layer, reconstruct_layer_naive  # noqa: E402
-from milo_kernels.reconstruct import launch, plan_layer, plan_layers  # noqa: E402
+from milo_kernels.plan import plan_layer, plan_layers  # noqa: E402
+from milo_kernels.reconstruct import launch  # noqa: E402
 
 # (kv_heads, d, tokens of each block): one block and many, GQA head counts, tokens that are not tile multiples
 SHAPES = {

@@ -20,7 +20,8 @@ MANY_TOKENS = [17, 40, 9, 31, 25, 12, 33, 28, 19, 40, 22, 30]
 
 
 def _files(cache: BlockCache):
-    return sorted(p for p in cache.dir.rglob("*") if p.is_file())
+    """The entry files (the marker beside them is not one)."""
+    return sorted(p for p in cache.dir.rglob("*") if p.is_file() and p.parent != cache.dir)
 
 
 def test_lru_by_bytes(tmp_path):
@@ -123,3 +124,30 @@ def test_cache_io_errors_are_misses_not_failures(tmp_path, monkeypatch):
                         if str(p).endswith("/s") else real(p))  # `milo-store cache clear` between the two levels
     cache.put("s", 1, crc32c(data[:1]), memoryview(data[:1]))
     assert cache.evict() == 0
+
+
+def test_clear_refuses_a_directory_the_cache_did_not_mark_and_counts_only_its_entries(tmp_path, capsys):
+    from milo_store.cli.main import main as store_cli
+    foreign = tmp_path / "notes"
+    (foreign / "sub").mkdir(parents=True)
+    (foreign / "todo.txt").write_text("hi")
+    (foreign / "sub" / "1.0000abcd").write_bytes(b"ab")  # named like an entry, but no marker: not the cache's
+    assert store_cli(["cache", "clear", "--cache-dir", str(foreign)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not a milo block cache" in err
+    assert (foreign / "todo.txt").read_text() == "hi" and (foreign / "sub" / "1.0000abcd").exists()
+
+    cache = BlockCache(tmp_path / "cache", limit_bytes=3 << 20)
+    data = np.arange(64, dtype=np.uint8)
+    for block in range(2):
+        cache.put("store-a", block, crc32c(data), memoryview(data))
+    stray = cache.dir / "store-a" / "readme.txt"  # a file someone left in the cache is not an entry
+    stray.write_text("mine")
+    assert store_cli(["cache", "stat", "--cache-dir", str(cache.dir)]) == 0
+    assert "2 blocks of 1 store version(s), 128 B of 3.00 MiB (last used limit)" in capsys.readouterr().out
+    assert store_cli(["cache", "clear", "--cache-dir", str(cache.dir), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert (info["removed_files"], info["removed_bytes"]) == (2, 128)
+    assert stray.read_text() == "mine" and cache.dir.is_dir()
+    assert store_cli(["cache", "stat", "--cache-dir", str(tmp_path / "fresh")]) == 0
+    assert "of 10.00 GiB (default limit)" in capsys.readouterr().out

@@ -1,5 +1,7 @@
 import json
+import shutil
 
+from milo_store import MiloStore, StoreCorruptedError
 from milo_store.cli.main import main
 
 
@@ -51,3 +53,50 @@ def test_ls_pages_and_counts_demonstrations_with_or_without_the_index(small_stor
     assert [r["demonstrations"] for r in json.loads(capsys.readouterr().out)] == [1, 1]
     assert main(["ls", str(small_store), "--limit", "-1"]) == 2
     assert "must not be negative" in capsys.readouterr().err
+
+
+def _arrays(store) -> list[str]:
+    """Every array of a store directory, as its path inside the store ('examples/input', 'indexes/bm25/terms', ...)."""
+    return sorted(str(p.parent.relative_to(store)) for p in store.rglob("zarr.json")
+                  if json.loads(p.read_text())["node_type"] == "array")
+
+
+def _names(problem: str, array: str) -> bool:
+    """Whether a problem line names this array (an index's arrays are named within their index)."""
+    parts = array.split("/")
+    if array == "factors":
+        return "(corrupted factor bytes)" in problem
+    return f"index {parts[1]}: {parts[2]} " in problem if parts[0] == "indexes" else f"array {array} " in problem
+
+
+def _every_read_fails(path) -> bool:
+    """Whether mounting the store, or reading anything a query reads from it, is refused as corruption."""
+    try:
+        with MiloStore.open(path, tier="disk") as store:
+            reads = [lambda: store.blocks(list(range(store.num_blocks))), store.anchor_kv, store.examples,
+                     lambda: [store.index_arrays(n) for n in store.index_names()]]
+            for read in reads:
+                try:
+                    read()
+                except StoreCorruptedError:
+                    return True
+    except StoreCorruptedError:
+        return True
+    return False
+
+
+def test_a_flipped_byte_in_any_array_is_named_by_verify_and_refused_when_read(small_store, tmp_path, capsys):
+    arrays = _arrays(small_store)
+    assert {"factors", "ranks", "block_tokens", "checksums", "anchor_kv", "examples/input", "examples/output",
+            "examples/id", "examples/block", "indexes/bm25/terms"} <= set(arrays)
+    for array in arrays:
+        damaged = tmp_path / array.replace("/", "-")
+        shutil.copytree(small_store, damaged)
+        chunk = sorted(p for p in (damaged / array / "c").rglob("*") if p.is_file())[0]
+        raw = bytearray(chunk.read_bytes())
+        raw[len(raw) // 2] ^= 0x10
+        chunk.write_bytes(bytes(raw))
+        assert main(["verify", str(damaged), "--json"]) == 1, array
+        problems = json.loads(capsys.readouterr().out)["problems"]
+        assert any(_names(p, array) for p in problems), (array, problems)
+        assert _every_read_fails(damaged), array

@@ -5,11 +5,11 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from milo_store import MiloStore
-from milo_store.cli.ls import block_rows
-from milo_store.cli.stat import describe
+from milo_store.report import block_rows, describe
 from milo_store.allocation import allocate_ranks
 from milo_store.codec import factorize_block, measured_losses, pack_block
 from milo_store.compress import CompressionConfig
+from milo_store.format import FORMAT_VERSION
 from milo_store.layout import RAW_RANK, Layout, compressed_bytes
 from milo_store.quant import pack_raw_segment, roundtrip
 from milo_store.synthetic import build_synthetic_store
@@ -161,7 +161,7 @@ def test_frontier_store_mounts_as_version_2_and_reads_back(tmp_path):
     config = CompressionConfig(ratio=0.5, dtype="int8", policy="frontier")
     path = build_synthetic_store(tmp_path / "s", layout, [300, 200, 257], config, seed=3)
     with MiloStore.open(path, tier="disk") as store:
-        assert store.meta["format_version"] == 2
+        assert store.meta["format_version"] == FORMAT_VERSION
         raw = store.ranks == RAW_RANK
         assert raw.any() and not raw.all()
         acc = store.accounting()
@@ -175,7 +175,7 @@ def test_frontier_store_mounts_as_version_2_and_reads_back(tmp_path):
                for k, kind in enumerate(("key", "value")) for l, h in enumerate(info["rank_histogram_per_layer"][kind]))
     plain = build_synthetic_store(tmp_path / "p", layout, [300, 200, 257], CompressionConfig(ratio=0.5, dtype="int8"))
     with MiloStore.open(plain, tier="disk") as store:
-        assert store.meta["format_version"] == 1 and (store.ranks >= 0).all()
+        assert store.meta["format_version"] == FORMAT_VERSION and (store.ranks >= 0).all()
 
 
 def test_frontier_applies_to_block_svd_only():

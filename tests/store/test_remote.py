@@ -13,6 +13,7 @@ from milo_store import CompressionConfig, Layout, MiloStore, NotAStoreError, Sto
 from milo_store.blockcache import BlockCache
 from milo_store.cli.main import main as store_cli
 from milo_store.errors import FormatVersionError, StoreCorruptedError
+from milo_store.format import FORMAT_VERSION
 from milo_store.push import push
 from milo_store.remote import MANIFEST, RemoteTarget, gc
 from milo_store.synthetic import build_synthetic_store
@@ -81,16 +82,16 @@ def test_remote_store_matches_the_local_one(tmp_path, s3_url):
         assert all(torch.equal(x, y) for x, y in zip(_blocks(a), _blocks(h)))
 
 
-def test_stores_with_raw_units_publish_format_version_2(tmp_path, s3_url):
-    """Written to a URL or pushed there, a store holding raw units says version 2 in its manifest too."""
+def test_stores_with_raw_units_publish_their_format_version(tmp_path, s3_url):
+    """Written to a URL or pushed there, a store holding raw units says its version in its manifest too."""
     frontier = CompressionConfig(ratio=0.5, dtype="int8", policy="frontier")
     local = build_synthetic_store(tmp_path / "local", LAYOUT, TOKENS, frontier, seed=3)
     written = build_synthetic_store(s3_url + "-written", LAYOUT, TOKENS, frontier, seed=3)
     pushed = push(local, s3_url + "-pushed")
     with MiloStore.open(local) as a:
-        assert (a.ranks < 0).any() and a.meta["format_version"] == 2
+        assert (a.ranks < 0).any() and a.meta["format_version"] == FORMAT_VERSION
         for url in (written, pushed):
-            assert _manifest(url)["format_version"] == 2
+            assert _manifest(url)["format_version"] == FORMAT_VERSION
             with MiloStore.open(url, tier="disk", block_cache=BlockCache(tmp_path / "c")) as b:
                 assert np.array_equal(a.ranks, b.ranks) and all(torch.equal(x, y) for x, y in zip(_blocks(a), _blocks(b)))
 
@@ -222,3 +223,24 @@ def test_a_killed_writers_upload_folder_is_cleared_by_the_next(s3_url, tmp_path,
     assert not (leftover / "junk").exists()
     with MiloStore.open(url, block_cache=BlockCache(tmp_path / "blocks")) as store:
         assert store.verify_all() == []
+
+
+def test_a_mount_whose_pinned_version_was_removed_says_so(tmp_path, s3_url):
+    build_synthetic_store(s3_url, LAYOUT, TOKENS, CONFIG, seed=1)
+    old = MiloStore.open(s3_url, tier="disk", block_cache=BlockCache(tmp_path / "c"))
+    for seed in (2, 3):  # two replaces: the pinned version is neither current nor previous
+        build_synthetic_store(s3_url, LAYOUT, TOKENS, CONFIG, seed=seed, force=True)
+    assert len(gc(s3_url, older_than=0)["removed_versions"]) == 1
+    with old:
+        for read in (old.examples, old.anchor_kv):
+            with pytest.raises(StoreError, match="which this mount pinned, was removed"):
+                read()
+    with MiloStore.open(s3_url, tier="disk", block_cache=BlockCache(tmp_path / "c")) as new:
+        assert len(new.examples()["input"]) == len(TOKENS) and new.anchor_kv() is not None
+
+
+def test_gc_of_a_prefix_without_a_store_is_an_error(s3_url, capsys):
+    with pytest.raises(NotAStoreError, match="no milo store here"):
+        gc(s3_url + "-typo")
+    assert store_cli(["gc", s3_url + "-typo"]) == 2
+    assert "no milo store here" in capsys.readouterr().err

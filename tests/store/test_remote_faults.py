@@ -1,7 +1,9 @@
 """Faults between client and S3 server (a proxy on loopback): answers stay identical or the error is
 clear; never wrong bytes. Also wrong credentials, as the server's 403 reaches the client."""
 import os
+import socket
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -83,3 +85,20 @@ def test_wrong_credentials(tmp_path, remote_store, monkeypatch):
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
         with pytest.raises(StoreError, match=f"{url}: access denied"):
             MiloStore.open(url)
+
+
+def test_an_endpoint_that_never_answers_is_named_within_the_timeout(monkeypatch):
+    """It accepts connections (the kernel completes them from the backlog) and never replies."""
+    with socket.socket() as mute:
+        mute.bind(("127.0.0.1", 0))
+        mute.listen(16)
+        endpoint = f"http://127.0.0.1:{mute.getsockname()[1]}"
+        for name, value in {"AWS_ENDPOINT_URL": endpoint, "AWS_ALLOW_HTTP": "true", "AWS_ACCESS_KEY_ID": "milo-test",
+                            "AWS_SECRET_ACCESS_KEY": "milo-test-secret", "AWS_REGION": "us-east-1",
+                            "MILO_REMOTE_TIMEOUT": "1"}.items():
+            monkeypatch.setenv(name, value)
+        started = time.monotonic()
+        with pytest.raises(StoreError, match=f"s3://milo-mute/s: the object store is not answering: no reply from "
+                                             f"{endpoint}/milo-mute/s/manifest.json within 1 s"):
+            MiloStore.open("s3://milo-mute/s")
+        assert time.monotonic() - started < 2.5  # one timeout, not one per retry

@@ -1,4 +1,5 @@
 import json
+import os
 import shutil
 
 import numpy as np
@@ -8,6 +9,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from milo_store import (CompressionConfig, FormatVersionError, Layout, MiloStore, NotAStoreError, StoreCorruptedError,
                         StoreError, StoreLockedError, StoreWriter)
+from milo_store.format import FORMAT_VERSION, array_checksum
 from milo_store.layout import RAW_RANK
 from milo_store.synthetic import build_synthetic_store
 
@@ -34,7 +36,7 @@ def test_write_read_random_ragged_store_is_byte_exact(tmp_path_factory, N, L, H,
     for tier in ("host", "disk", "cached"):
         with MiloStore.open(path, tier=tier) as store:
             assert np.array_equal(store.ranks, ranks) and np.array_equal(store.block_tokens, tokens)
-            assert store.meta["format_version"] == (2 if (ranks == RAW_RANK).any() else 1)
+            assert store.meta["format_version"] == FORMAT_VERSION  # raw units or not
             for i, b in enumerate(blocks):
                 got = store.block(i)
                 assert got.dtype == tdtype and torch.equal(got.view(torch.uint8), b.view(torch.uint8))
@@ -86,6 +88,28 @@ def test_second_concurrent_writer_is_refused(tmp_path):
     finally:
         first.abort()
     StoreWriter(tmp_path / "s", LAYOUT, ranks, [5]).abort()  # free again once the first is gone
+
+
+def test_the_lock_file_goes_with_the_lock_and_a_racer_on_the_removed_file_is_refused(tmp_path, monkeypatch):
+    import milo_store.writer as writer
+
+    store = build_synthetic_store(tmp_path / "s", LAYOUT, TOKENS)
+    assert not (tmp_path / "s.lock").exists()  # a finished build leaves no lock file beside the store
+    first = writer.StoreLock(tmp_path / "s").__enter__()
+    stale = os.open(first.lock_path, os.O_RDWR)  # a writer that opened the file just before its removal
+    with pytest.raises(StoreLockedError):
+        writer.StoreLock(tmp_path / "s").__enter__()
+    assert first.lock_path.exists()  # a refused writer removes nothing
+    first.__exit__()
+    assert not first.lock_path.exists()
+    second = writer.StoreLock(store).__enter__()  # a new file at the path, held
+    real_open, opened = os.open, []
+    monkeypatch.setattr(writer.os, "open", lambda *a: stale if not opened and not opened.append(1) else real_open(*a))
+    with pytest.raises(StoreLockedError):  # it wins the removed file's lock, sees it is not the path's, retries
+        writer.StoreLock(store).__enter__()
+    monkeypatch.undo()
+    second.__exit__()
+    assert not second.lock_path.exists()
 
 
 # -- corruption: every case is a clear error, never wrong data ------------------------------------
@@ -153,6 +177,10 @@ def test_a_rank_out_of_range_in_the_index_is_corruption(tmp_path, bad):
         w.commit()
     stored = zarr.open_array(str(tmp_path / "s" / "ranks"), mode="r+")
     stored[0, 0, 0, 0] = bad
+    meta = tmp_path / "s" / "zarr.json"  # re-record the checksum: the range rule must stop it on its own
+    doc = json.loads(meta.read_text())
+    doc["attributes"]["milo"]["array_checksums"]["ranks"] = array_checksum(stored[...])
+    meta.write_text(json.dumps(doc))
     with pytest.raises(StoreCorruptedError, match="impossible token counts or ranks"):
         MiloStore.open(tmp_path / "s")
 
@@ -165,10 +193,10 @@ def test_raw_units_in_a_version_1_store_are_corruption(tmp_path):
         w.commit()
     meta = tmp_path / "s" / "zarr.json"
     doc = json.loads(meta.read_text())
-    assert doc["attributes"]["milo"]["format_version"] == 2
+    assert doc["attributes"]["milo"]["format_version"] == FORMAT_VERSION
     doc["attributes"]["milo"]["format_version"] = 1
     meta.write_text(json.dumps(doc))
-    with pytest.raises(StoreCorruptedError, match="cannot hold raw units"):
+    with pytest.raises(StoreCorruptedError, match="cannot hold raw units"), pytest.warns(UserWarning, match="unchecked"):
         MiloStore.open(tmp_path / "s")
 
 
@@ -199,3 +227,18 @@ def test_failed_mount_releases_its_file_descriptors(small_store):
         with pytest.raises(StoreCorruptedError):
             MiloStore.open(small_store, tier="host")
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_a_store_before_array_checksums_reads_with_a_warning(small_store):
+    """Version 2 recorded no checksums of its metadata arrays: still readable, and says they are unchecked."""
+    meta = small_store / "zarr.json"
+    doc = json.loads(meta.read_text())
+    del doc["attributes"]["milo"]["array_checksums"]
+    doc["attributes"]["milo"]["format_version"] = 2
+    meta.write_text(json.dumps(doc))
+    with pytest.warns(UserWarning, match="read unchecked"), MiloStore.open(small_store, tier="disk") as store:
+        assert store.examples()["input"][0] == "synthetic demonstration 0" and store.verify_all() == []
+    doc["attributes"]["milo"]["format_version"] = FORMAT_VERSION  # a current store must record them
+    meta.write_text(json.dumps(doc))
+    with pytest.raises(StoreCorruptedError, match="lack the checksums of its arrays"):
+        MiloStore.open(small_store)

@@ -1,14 +1,9 @@
-"""What the subcommands share: dispatch, one-line errors, formatting."""
+"""What the `milo-store` and `milo` command lines share: subcommand dispatch, one-line errors, JSON output."""
 import argparse
+import io
 import json
+import os
 import sys
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
 
 
 def print_json(obj) -> None:
@@ -38,7 +33,20 @@ def run_subcommands(prog: str, description: str, commands: dict, input_errors: t
     except SystemExit as e:  # --help, or a parse error already printed: return its code instead of raising
         return e.code
     try:
-        return args.run(args) or 0
+        code = args.run(args) or 0
+        sys.stdout.flush()  # so a reader that closed the pipe is found here, not at exit
+        return code
     except input_errors as e:
         print(f"{prog} {args.command}: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # e.g. `| head -1`: the reader has what it wanted; stop quietly
+        _discard_stdout()
+        return 141  # 128 + SIGPIPE, what a shell reports for a process killed by a closed pipe
+
+
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null, so what is still buffered is not flushed into the closed pipe at exit."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, io.UnsupportedOperation):  # stdout is not a file descriptor (replaced in tests)
+        pass

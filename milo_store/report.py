@@ -1,0 +1,72 @@
+"""What a store holds, as plain data: a summary (`describe`), per-block rows (`block_rows`), sizes for people.
+
+Library code the `milo-store stat`/`ls` commands print, and that `milo_infer.demo` and
+tools/bench_scale.py call directly.
+"""
+import numpy as np
+
+from . import text_index
+from .layout import RAW_RANK
+from .store import MiloStore
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+
+
+
+def describe(store: MiloStore) -> dict:
+    acc = store.accounting()
+    r = store.ranks.astype(np.int64)
+    raw = r == RAW_RANK
+    kinds = tuple(enumerate(("key", "value")))
+    hist = {kind: [np.bincount(r[:, l, k][~raw[:, l, k]], minlength=store.layout.head_dim + 1).tolist()
+                   for l in range(store.layout.num_layers)] for k, kind in kinds}
+    factored = np.ma.masked_array(r, raw)  # mean ranks are over factored units; raw ones are counted apart
+    return {
+        "path": str(store.path), "format_version": store.meta["format_version"],
+        "model": store.meta.get("model"), "codec": store.meta.get("codec"), "allocation": store.meta.get("allocation"),
+        "factor_dtype": store.dtype, "layout": store.meta["layout"],
+        "blocks": store.num_blocks, "demonstrations": store.num_examples(), "tokens": int(store.block_tokens.sum()),
+        "planned_ratio": acc["planned_ratio"], "actual_ratio": acc["ratio"],
+        "bytes": {"full_fp16_kv": acc["full_fp16_bytes"], "factors": acc["factor_bytes"], "index": acc["index_bytes"],
+                  "accounted": acc["total_bytes"], "factor_files": acc["factor_file_bytes"], "on_disk": acc["disk_bytes"]},
+        "disk_ratio": acc["disk_bytes"] / acc["full_fp16_bytes"] if acc["full_fp16_bytes"] else None,
+        "mean_rank_per_layer": {kind: [None if x is np.ma.masked else round(float(x), 2)
+                                       for x in factored[:, :, k].mean(axis=(0, 2))] for k, kind in kinds},
+        "rank_histogram_per_layer": hist,
+        "raw_share_per_layer": {kind: [round(float(x), 4) for x in raw[:, :, k].mean(axis=(0, 2))] for k, kind in kinds},
+    }
+
+
+def demonstrations_per_block(store: MiloStore, start: int, stop: int) -> np.ndarray:
+    """From the BM25 index's block starts (a few entries); stores without it count every demonstration's block."""
+    found = store.index_arrays(text_index.NAME, check=False)
+    if found is not None:
+        return np.diff(np.asarray(found[1]["block_starts"][start:stop + 1], dtype=np.int64))
+    return np.bincount(np.asarray(store.examples()["block"], dtype=np.int64), minlength=store.num_blocks)[start:stop]
+
+
+def rank_summary(ranks: np.ndarray) -> dict:
+    """min/mean/max rank of a block's factored units of one kind, and how many are raw (RAW_RANK)."""
+    r = ranks.astype(int).ravel()
+    factored = r[r != RAW_RANK]
+    if not len(factored):
+        return {"min": None, "mean": None, "max": None, "raw": len(r)}
+    return {"min": int(factored.min()), "mean": round(float(factored.mean()), 2), "max": int(factored.max()),
+            "raw": int(len(r) - len(factored))}
+
+
+def block_rows(store: MiloStore, offset: int = 0, limit: int = 0) -> list[dict]:
+    start = min(offset, store.num_blocks)
+    stop = store.num_blocks if limit == 0 else min(start + limit, store.num_blocks)
+    per_block = demonstrations_per_block(store, start, stop)
+    rows = []
+    for i in range(start, stop):
+        rows.append({"block": i, "tokens": int(store.block_tokens[i]), "demonstrations": int(per_block[i - start]),
+                     "key_rank": rank_summary(store.ranks[i, :, 0]), "value_rank": rank_summary(store.ranks[i, :, 1]),
+                     "bytes": int(store.offsets[i + 1] - store.offsets[i]) * store.itemsize})
+    return rows

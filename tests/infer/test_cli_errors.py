@@ -1,0 +1,41 @@
+"""Input and environment errors of the CLIs are one line (or, for a closed pipe, silence), never a traceback."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import milo_infer.cli.query
+from milo_infer.cli.main import main as milo
+from milo_store import CompressionConfig, Layout
+from milo_store.synthetic import build_synthetic_store
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def no_model(*args, **kwargs):
+    raise AssertionError("the model was loaded before the device was checked")
+
+
+def test_an_absent_cuda_device_is_one_line_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    device = f"cuda:{torch.cuda.device_count()}" if torch.cuda.is_available() else "cuda"  # never there
+    monkeypatch.setattr(milo_infer.cli.query, "load_model", no_model)
+    assert milo(["query", str(tmp_path / "store"), "a query", "--device", device]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"milo query: --device {device}: not usable here"), err
+
+
+@pytest.mark.parametrize("command", ["ls", "stat"])
+def test_a_closed_pipe_ends_the_command_quietly(tmp_path, command):
+    """`milo-store ls STORE | head -1`: the reader is gone; no BrokenPipeError traceback, no 'Exception ignored'."""
+    store = build_synthetic_store(tmp_path / "s", Layout(2, 2, 16), [10, 12, 9], CompressionConfig(ratio=0.5))
+    read, write = os.pipe()
+    os.close(read)  # every write the command makes meets a closed pipe
+    try:
+        done = subprocess.run([sys.executable, "-m", "milo_store.cli.main", command, str(store)], stdout=write,
+                              stderr=subprocess.PIPE, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    finally:
+        os.close(write)
+    assert done.returncode == 141 and done.stderr == "", done.stderr

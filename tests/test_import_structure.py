@@ -1,0 +1,137 @@
+"""The packages' import structure, read from the source (ast), every import counted (also those inside
+functions, which would otherwise hide a circle):
+
+* no import circle between modules;
+* the flow is one-way, tools -> milo_infer -> {milo_store, milo_kernels}: milo_store and milo_kernels
+  import neither milo_infer nor tools, nor each other (the store knows nothing about kernels, the
+  kernels nothing about stores);
+* no module imports another package's CLI modules (a CLI only parses and prints; what two packages
+  share lives in a library module).
+"""
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("milo_store", "milo_kernels", "milo_infer", "tools")
+FORBIDDEN = {  # package -> packages it must not import
+    "milo_store": {"milo_infer", "tools", "milo_kernels"},
+    "milo_kernels": {"milo_infer", "tools", "milo_store"},
+    "milo_infer": {"tools"},
+}
+
+
+def module_files(root: Path) -> dict[str, Path]:
+    """Dotted module name -> file, for every .py of the packages under ``root``."""
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            parts = path.relative_to(root).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The modules of ``modules`` that the file imports; `from a import b` counts a.b when b is a module."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    targets = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        else:
+            continue
+        for target in names:
+            while target and target not in modules:  # `import a.b.c` of a non-module attribute: its module
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                targets.add(target)
+    return targets
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    modules = module_files(root)
+    return {name: imports_of(name, path, modules) for name, path in modules.items()}
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every import circle once, as the modules along it (first repeated at the end)."""
+    found, state = [], {}  # state: 1 on the current path, 2 finished
+
+    def visit(node, path):
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                found.append(path[path.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, path)
+        path.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [])
+    return found
+
+
+def is_cli(module: str) -> bool:
+    return ".cli." in f".{module}." and not module.startswith("tools")
+
+
+def import_problems(root: Path) -> list[str]:
+    """One line per broken rule, empty when the structure holds."""
+    graph = import_graph(root)
+    problems = [f"import circle: {' -> '.join(c)}" for c in circles(graph)]
+    for module, targets in sorted(graph.items()):
+        top = module.split(".")[0]
+        for target in sorted(targets):
+            other = target.split(".")[0]
+            if other in FORBIDDEN.get(top, ()):
+                problems.append(f"{module} imports {target}: {top} must not import {other}")
+            if is_cli(target) and other != top:
+                problems.append(f"{module} imports {target}: another package's CLI module")
+    return problems
+
+
+def test_the_packages_import_structure_holds():
+    assert import_problems(REPO) == []
+
+
+def write_tree(root: Path, files: dict[str, str]) -> Path:
+    for relative, text in files.items():
+        path = root / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    for package in PACKAGES:
+        (root / package).mkdir(exist_ok=True)
+    return root
+
+
+@pytest.mark.parametrize("files, expected", [
+    ({"milo_infer/__init__.py": "", "milo_infer/a.py": "from . import b\n",
+      "milo_infer/b.py": "def f():\n    from .a import x\n"},
+     ["import circle: milo_infer.a -> milo_infer.b -> milo_infer.a"]),
+    ({"milo_store/__init__.py": "", "milo_store/x.py": "from milo_infer.session import MiloSession\n",
+      "milo_infer/__init__.py": "", "milo_infer/session.py": ""},
+     ["milo_store.x imports milo_infer.session: milo_store must not import milo_infer"]),
+    ({"milo_kernels/__init__.py": "", "milo_kernels/k.py": "import milo_store.layout\n",
+      "milo_store/__init__.py": "", "milo_store/layout.py": ""},
+     ["milo_kernels.k imports milo_store.layout: milo_kernels must not import milo_store"]),
+    ({"milo_store/__init__.py": "", "milo_store/cli/__init__.py": "", "milo_store/cli/common.py": "",
+      "milo_infer/__init__.py": "", "milo_infer/demo.py": "from milo_store.cli.common import human_bytes\n",
+      "tools/t.py": "from milo_store.cli import common\n"},
+     ["milo_infer.demo imports milo_store.cli.common: another package's CLI module",
+      "tools.t imports milo_store.cli.common: another package's CLI module"]),
+    ({"milo_infer/__init__.py": "", "milo_infer/cli/__init__.py": "", "milo_infer/cli/main.py": "from . import bench\n",
+      "milo_infer/cli/bench.py": "from .. import models\n", "milo_infer/models.py": "import torch\n"},
+     []),  # a package's CLI modules may import each other and the library below them
+])
+def test_each_rule_finds_what_it_names(tmp_path, files, expected):
+    assert import_problems(write_tree(tmp_path, files)) == expected
