@@ -1,4 +1,4 @@
-"""Build a store from a demonstration corpus with a real model (issue: `milo build`).
+"""Build a store from a demonstration corpus with a real model.
 
 Pass one encodes each block of m demonstrations as [anchor][w previous blocks][block], keeps only
 the block's own pre-RoPE keys and values, factors them at full rank and stages them on disk (so a
@@ -69,10 +69,34 @@ def default_allocation(dtype: str, ratio: float) -> dict:
     return dict(FRONTIER if dtype in ("int8", "int4") and ratio >= FRONTIER_FROM else PAPER_ALLOCATION)
 
 
-def default_compression(ratio: float, seed: int = 0) -> CompressionConfig:
-    """What `milo build` writes when only the ratio is given (`milo eval --methods default` measures it)."""
-    dtype = auto_dtype(ratio)
-    return CompressionConfig(ratio=ratio, seed=seed, dtype=dtype, query_aware=True, **default_allocation(dtype, ratio))
+def default_compression(ratio: float, seed: int = 0, *, codec: str = "svd", dtype: str | None = None,
+                        query_aware: bool = True, key_share: float = 0.5, **allocation) -> CompressionConfig:
+    """What `milo build` writes: with only the ratio given, its defaults (`milo eval --methods default`
+    measures them); every choice given (None: not given) overrides its default.
+
+    ``dtype`` defaults to `auto_dtype`; policy, scope and K/V split (``allocation``) to `default_allocation`
+    of that dtype for the svd codec, with separate budgets when ``key_share`` is not 0.5. Query-aware
+    weighting applies to the svd codec only. A raw store's ratio is its format's, so it records 1.0 (as
+    `milo eval`'s raw methods do).
+    """
+    dtype = dtype or auto_dtype(ratio, codec)
+    chosen = default_allocation(dtype, ratio) if codec == "svd" else {}
+    if key_share != 0.5:  # a key share needs separate budgets
+        chosen["kv_split"] = "separate"
+    chosen.update({name: value for name, value in allocation.items() if value is not None})
+    return CompressionConfig(ratio=1.0 if codec == "raw" else ratio, codec=codec, dtype=dtype, key_share=key_share,
+                             seed=seed, query_aware=query_aware and codec == "svd", **chosen)
+
+
+# Blocks per forward pass when no encode batch is given: 1 on a CPU, where batching did not pay
+# (docs/benchmarks.md); on a GPU CUDA_ENCODE_BATCH, a guess that no run has measured yet
+# (tools/gpu_bench.sh ends with batch 1 against 8).
+CUDA_ENCODE_BATCH = 8
+
+
+def default_encode_batch(device) -> int:
+    """The encode batch `milo build` uses on ``device`` when --encode-batch is not given."""
+    return CUDA_ENCODE_BATCH if torch.device(device).type == "cuda" else 1
 
 
 @dataclass

@@ -39,6 +39,7 @@ class MiloSession:
                              max_new_tokens=max_new_tokens, prefetch_depth=prefetch_depth, aggregate=aggregate,
                              rebuild=rebuild)
         self.mounted = self.engine.stores["store"]
+        self.retriever = self.mounted.retriever
         self.device, self.layout = self.engine.device, store.layout
 
     @property

@@ -24,12 +24,13 @@ from .models import LoadedModel
 
 
 def encode_once(loaded: LoadedModel, demos: list[Demonstration], task: TaskSpec, base: BuildConfig,
-                stores: dict[str, CompressionConfig], root, *, progress: bool = True) -> dict[str, dict]:
+                stores: dict[str, CompressionConfig], root, *, progress: bool = True, reuse: bool = True
+                ) -> dict[str, dict]:
     """Build each named store under ``root`` from one encoding; returns each one's build summary.
 
     A store already at its path built the same way (demonstrations, blocks, allocation, model) is
-    kept as is. Each codec's
-    staged factors live in ``root/staging-<fingerprint hash>``; a build gets hard links to them in
+    kept as is, unless ``reuse`` is False (then it is written again, from the staged encoding). Each
+    codec's staged factors live in ``root/staging-<fingerprint hash>``; a build gets hard links to them in
     its own ``<store>.staging`` (what `build_store` reads and resumes from), and whatever it encodes
     is linked back, even when it is interrupted. Staged files are only ever replaced whole
     (`Staging.put` renames), so sharing them by links is safe. Identity stores are built first so
@@ -41,7 +42,7 @@ def encode_once(loaded: LoadedModel, demos: list[Demonstration], task: TaskSpec,
     for name, compression in sorted(stores.items(), key=lambda item: item[1].codec != "identity"):
         out = root / name
         config = dataclasses.replace(base, compression=compression)
-        existing = _existing_summary(out, loaded, demos, config)
+        existing = _existing_summary(out, loaded, demos, config) if reuse else None
         if existing is not None:
             summaries[name] = existing
             continue

@@ -24,7 +24,6 @@ QUANT_BITS = {None: 8, "int8": 8, **LOWBIT_BITS}  # for uint8 factors; None read
 SEGMENT_COLUMNS = ("src_offset", "rank", "tokens", "dst_row", "head", "kind")
 
 
-
 @dataclass(frozen=True)
 class Plan:
     """A validated segment table expanded into one row per Triton program, already on the device."""

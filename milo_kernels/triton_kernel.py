@@ -51,7 +51,6 @@ def require_triton(factors) -> None:
             raise TypeError("the Triton interpreter has no bf16; use fp16/fp32 or MILO_KERNEL=reference")
 
 
-
 # Device helpers of the kernel, jitted with it by `kernel_for` (plain functions until then); BITS and
 # GROUP are the kernel's constexprs (a device function takes its caller's constexprs as constants).
 

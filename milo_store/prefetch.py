@@ -8,7 +8,8 @@ call concatenates the host views: there is nothing to transfer.
 Why page-locked sources: a non-blocking copy from pageable memory is staged by the driver through its
 own bounce buffer and the host blocks until the device has it, so the copy no longer overlaps anything.
 The host tier is pinned at mount and the disk tiers read into pinned memory on CUDA machines
-(`MiloStore`); a block that is still pageable (pinning failed) is copied into pinned memory here, once.
+(`MiloStore`); a block that is still pageable (pinning failed) is copied into pinned memory here, once per
+prefetcher, so once for each batch that reads it.
 
 With a `DeviceTier`, blocks it holds are read from the device (a device-to-device copy into the layer's
 buffer) and the others are copied, layer by layer, into device tensors of their own that join the tier

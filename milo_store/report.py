@@ -1,11 +1,12 @@
-"""What a store holds, as plain data: a summary (`describe`), per-block rows (`block_rows`), sizes for people.
+"""What a store holds, as plain data: a summary (`describe`), per-block rows (`block_rows`), the
+demonstrations of some blocks (`block_demonstrations`), sizes for people.
 
 Library code the `milo-store stat`/`ls` commands print, and that `milo_infer.demo` and
 tools/bench_scale.py call directly.
 """
 import numpy as np
 
-from . import text_index
+from . import format as fmt, text_index
 from .layout import RAW_RANK
 from .store import MiloStore
 
@@ -15,7 +16,6 @@ def human_bytes(n: float) -> str:
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
-
 
 
 def describe(store: MiloStore) -> dict:
@@ -70,3 +70,22 @@ def block_rows(store: MiloStore, offset: int = 0, limit: int = 0) -> list[dict]:
                      "key_rank": rank_summary(store.ranks[i, :, 0]), "value_rank": rank_summary(store.ranks[i, :, 1]),
                      "bytes": int(store.offsets[i + 1] - store.offsets[i]) * store.itemsize})
     return rows
+
+
+def block_demonstrations(store: MiloStore, blocks) -> dict[int, list[tuple[str, str]]]:
+    """(input, output) of each of ``blocks``' demonstrations, in store order.
+
+    Reads the demonstrations' block numbers and then only the rows of these blocks (their chunks), not
+    every demonstration's text as `MiloStore.examples` does: a query shows a few blocks of a large store.
+    """
+    wanted = sorted({int(b) for b in blocks})
+    found = {b: [] for b in wanted}
+    if fmt.EXAMPLES not in store.group or not wanted:
+        return found
+    g = store.group[fmt.EXAMPLES]
+    block_of = np.asarray(g["block"][...])
+    rows = np.flatnonzero(np.isin(block_of, wanted))
+    inputs, outputs = (g[name].get_orthogonal_selection(rows).tolist() for name in ("input", "output"))
+    for block, text, answer in zip(block_of[rows].tolist(), inputs, outputs):
+        found[block].append((text, answer))
+    return found

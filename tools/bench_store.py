@@ -1,6 +1,6 @@
 """Store benchmark: build, open and per-query block reads of each tier, beside raw bandwidths measured in the same run.
 
-Shape (issue 2): 512 demonstrations of a 3B-class model (36 layers, 2 KV heads, d=128), 16 blocks of
+Shape: 512 demonstrations of a 3B-class model (36 layers, 2 KV heads, d=128), 16 blocks of
 about 1000 tokens (16k tokens), ratio 0.5. Baselines over the very same byte ranges: ``os.preadv``
 from the page cache into a preallocated buffer (raw read), ``torch`` copy (memcpy), and zarr's own
 slice read. Run: ``.venv/bin/python tools/bench_store.py [--blocks 16 --tokens 1000 --k 6]``.

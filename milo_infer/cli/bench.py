@@ -21,10 +21,9 @@ import torch
 from .. import bench, bench_report, synthetic_model
 from ..corpus import load_corpus, task_from_corpus
 from ..datasets import load_dataset
-from ..models import load_model
 from ..devices import usable_device
 from ..session import place_model
-from . import CommandError
+from . import CommandError, at_least, load_model_arg
 from .errors import INPUT_ERRORS
 
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -98,10 +97,7 @@ def setup(args, ratios):
         demos = load_corpus(args.corpus or DATA / "demo_corpus.jsonl")
         queries = [q.input for q in load_corpus(args.queries or DATA / "demo_queries.jsonl")][:args.n_queries]
         task = task_from_corpus(demos)
-    try:
-        loaded = load_model(args.model)
-    except (OSError, ValueError) as e:
-        raise CommandError(f"--model: {e}") from None
+    loaded = load_model_arg(args.model)
     place_model(loaded, device)
     paths = bench.real_stores(out, loaded, demos, task, ratios, block_size=args.block_size)
     return loaded, paths, queries
@@ -110,9 +106,7 @@ def setup(args, ratios):
 def run(args) -> int:
     started = time.perf_counter()
     ratios, ks, batches = _ratios(args.ratios), _ints(args.k, "--k"), _ints(args.batch, "--batch")
-    for flag in ("n_queries", "rounds", "shots", "block_size", "demo_tokens"):
-        if getattr(args, flag) < 1:
-            raise CommandError(f"--{flag.replace('_', '-')} must be at least 1; got {getattr(args, flag)}")
+    at_least(args, 1, "n_queries", "rounds", "shots", "block_size", "demo_tokens", "threads")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     out = Path(args.out)

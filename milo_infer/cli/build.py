@@ -29,12 +29,11 @@ from milo_store.format import TORCH_DTYPES
 from milo_store.urls import is_url, local_sidecar
 from milo_store.writer import check_target
 
-from ..build import BuildConfig, auto_dtype, build_store, default_allocation
+from ..build import CUDA_ENCODE_BATCH, BuildConfig, build_store, default_compression, default_encode_batch
 from ..corpus import load_corpus, task_from_corpus
 from ..datasets import DATASETS, load_dataset
 from ..distributed import World
-from ..models import load_model
-from . import CommandError
+from . import CommandError, at_least, load_model_arg
 
 _ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
 
@@ -82,7 +81,7 @@ def add_arguments(p):
                    "from (default <out>.staging); with several machines, a directory they all share")
     p.add_argument("--encode-batch", type=int, metavar="N",
                    help="blocks per forward pass, right-padded (default: 1 on a CPU, where batching did not "
-                        f"pay in docs/benchmarks.md; {CUDA_ENCODE_BATCH} on a GPU)")
+                        f"pay in docs/benchmarks.md; {CUDA_ENCODE_BATCH} on a GPU, a guess not yet measured)")
     p.add_argument("--threads", type=int, metavar="N",
                    help="torch CPU threads per process; 1 is many times faster on a CPU shared with other jobs "
                         "(default: torch's)")
@@ -90,27 +89,13 @@ def add_arguments(p):
     p.add_argument("--json", action="store_true", help="print the closing summary as JSON")
 
 
-CUDA_ENCODE_BATCH = 8  # a guess, not measured yet: tools/gpu_bench.sh ends with batch 1 vs 8 (docs/benchmarks.md)
-
-
-def factor_dtype(choice: str, ratio: float, codec: str) -> str:
-    """The factor dtype ``--dtype`` names; ``auto`` is `milo_infer.build.auto_dtype`."""
-    return auto_dtype(ratio, codec) if choice == "auto" else choice
-
-
 def compression_config(args) -> CompressionConfig:
-    """The store configuration the arguments ask for (with none given: `milo_infer.build.default_compression`):
-    policy, scope and K/V split default by factor dtype (`default_allocation`). A raw store's ratio is its
-    format's, so it records 1.0 (as `milo eval`'s raw methods do)."""
-    dtype = factor_dtype(args.dtype, args.ratio, args.codec)
-    allocation = default_allocation(dtype, args.ratio) if args.codec == "svd" else {}
-    if args.key_share != 0.5:  # a key share needs separate budgets
-        allocation = {**allocation, "kv_split": "separate"}
-    allocation.update({k: getattr(args, k) for k in ("policy", "scope", "kv_split") if getattr(args, k) is not None})
+    """The store configuration the arguments ask for: `milo_infer.build.default_compression` of them."""
     try:
-        return CompressionConfig(ratio=1.0 if args.codec == "raw" else args.ratio, codec=args.codec, dtype=dtype,
-                                 key_share=args.key_share, seed=args.seed,
-                                 query_aware=args.query_aware and args.codec == "svd", **allocation)
+        return default_compression(args.ratio, args.seed, codec=args.codec,
+                                   dtype=None if args.dtype == "auto" else args.dtype, query_aware=args.query_aware,
+                                   key_share=args.key_share, policy=args.policy, scope=args.scope,
+                                   kv_split=args.kv_split)
     except ValueError as e:
         raise CommandError(str(e)) from None
 
@@ -125,16 +110,9 @@ def unescape(text: str | None) -> str | None:
 def check_numbers(args) -> None:
     if not 0 < args.ratio <= 1:
         raise CommandError(f"--ratio must be in (0, 1]; got {args.ratio}")
-    if args.block_size < 1:
-        raise CommandError(f"--block-size must be at least 1; got {args.block_size}")
-    if args.context_blocks < 0:
-        raise CommandError(f"--context-blocks must be at least 0; got {args.context_blocks}")
-    if args.shots is not None and args.shots < 1:
-        raise CommandError(f"--shots must be at least 1; got {args.shots}")
-    if args.encode_batch is not None and args.encode_batch < 1:
-        raise CommandError(f"--encode-batch must be at least 1; got {args.encode_batch}")
-    if args.threads is not None and args.threads < 1:
-        raise CommandError(f"--threads must be at least 1; got {args.threads}")
+    at_least(args, 1, "block_size")
+    at_least(args, 0, "context_blocks")
+    at_least(args, 1, "shots", "encode_batch", "threads")
 
 
 def demonstrations(args):
@@ -186,14 +164,11 @@ def build(args, world: World, started: float) -> int:
             check_target(out, args.force)
         demos, task = demonstrations(args)
         compression = compression_config(args)
-        encode_batch = args.encode_batch or (CUDA_ENCODE_BATCH if world.device.type == "cuda" else 1)
+        encode_batch = args.encode_batch or default_encode_batch(world.device)
         config = BuildConfig(block_size=args.block_size, context_blocks=args.context_blocks, order=args.order,
                              seed=args.seed, encode_batch=encode_batch, compression=compression)
         t0 = time.perf_counter()
-        try:
-            loaded = load_model(args.model)
-        except (OSError, ValueError) as e:  # no such path, not a model folder, an unsupported model
-            raise CommandError(f"--model: {e}") from None
+        loaded = load_model_arg(args.model)
         loaded.model.to(world.device)
         load_s = time.perf_counter() - t0
     staging = Path(args.staging) if args.staging else local_sidecar(out, "staging")

@@ -26,9 +26,8 @@ from ..evaluate import EVAL_BATCH, agreement, evaluate
 from ..methods import BASES, DEFAULT, EXAMPLES, MODIFIERS, QUANTS, method_config, resolve, store_name
 from ..shared_staging import encode_once
 from ..tables import write_tables
-from ..models import load_model
 from ..session import MAX_NEW_TOKENS
-from . import CommandError
+from . import CommandError, at_least, load_model_arg
 
 
 def add_arguments(p):
@@ -90,13 +89,8 @@ def check(args) -> tuple[list[str], list[str]]:
         raise CommandError(f"--ratio must be in (0, 1]; got {args.ratio}")
     if min(args.block_sizes) < 1:
         raise CommandError(f"--block-size must be at least 1; got {args.block_size}")
-    for flag in ("shots", "test", "seeds", "k", "batch", "max_new_tokens") + (("threads",) if args.threads is not None else ()):
-        if getattr(args, flag) < 1:
-            raise CommandError(f"--{flag.replace('_', '-')} must be at least 1; got {getattr(args, flag)}")
-    if args.first_seed < 0:
-        raise CommandError(f"--first-seed must be at least 0; got {args.first_seed}")
-    if args.context_blocks < 0:
-        raise CommandError(f"--context-blocks must be at least 0; got {args.context_blocks}")
+    at_least(args, 1, "shots", "test", "seeds", "k", "batch", "max_new_tokens", "threads")
+    at_least(args, 0, "first_seed", "context_blocks")
     return names, methods
 
 
@@ -120,10 +114,7 @@ def run(args) -> int:
     out = Path(args.out)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    try:
-        loaded = load_model(args.model)
-    except (OSError, ValueError) as e:
-        raise CommandError(f"--model: {e}") from None
+    loaded = load_model_arg(args.model)
     command = "milo eval " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if sys.argv[1:2] == ["eval"] else ""
     rows = []
     # a method whose ratio is fixed (full, raw, milo-fullrank) has one store whatever --ratio lists; full

@@ -5,12 +5,13 @@ or Ctrl-C, which drain: no new requests, in-flight ones finish within --drain-s,
 """
 import os
 
+import torch
+
 from milo_store.blockcache import parse_size
 
 from ..server import MAX_BODY_BYTES
-from ..models import load_model
 from ..session import place_model
-from . import CommandError, add_tier_arguments, checked_device, mount_options
+from . import CommandError, add_tier_arguments, at_least, checked_device, load_model_arg, mount_options
 
 
 def add_arguments(p):
@@ -21,6 +22,8 @@ def add_arguments(p):
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health (default $MILO_API_KEY)")
     p.add_argument("--model", default="default", help="model path or 'default' (must match every store)")
     p.add_argument("--device", default=None, help="compute device (default: cuda if available, else cpu)")
+    p.add_argument("--threads", type=int, metavar="N",
+                   help="torch CPU threads; 1 is many times faster on a CPU shared with other jobs (default: torch's)")
     add_tier_arguments(p)
     p.add_argument("--device-cache", type=parse_size, default=0,
                    help="device memory kept for blocks' factors across requests, e.g. 2G (default 0: none)")
@@ -34,11 +37,7 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    for name in ("k", "max_batch", "max_queue", "max_body_bytes"):
-        if getattr(args, name) < 1:
-            raise CommandError(f"--{name.replace('_', '-')} must be at least 1; got {getattr(args, name)}")
-    if args.token_budget is not None and args.token_budget < 1:
-        raise CommandError(f"--token-budget must be at least 1; got {args.token_budget}")
+    at_least(args, 1, "k", "token_budget", "max_batch", "max_queue", "max_body_bytes", "threads")
     if args.batch_wait_ms < 0 or args.drain_s < 0:
         raise CommandError("--batch-wait-ms and --drain-s cannot be negative")
     if not 0 <= args.port <= 65535:
@@ -50,12 +49,11 @@ def run(args) -> int:
     except ImportError as e:
         raise CommandError(f"milo serve needs the serve extra (pip install 'milo-kv[serve]'): {e}") from None
     device = checked_device(args.device)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     options = mount_options(args)
     stores = mount_stores(args.store, **options)
-    try:
-        loaded = load_model(args.model)
-    except (OSError, ValueError) as e:  # no such path, not a model folder, an unsupported model
-        raise CommandError(f"--model: {e}") from None
+    loaded = load_model_arg(args.model)
     device = place_model(loaded, device)
     engine = Engine(loaded, stores, k=args.k, token_budget=args.token_budget, device=device,
                     device_cache_bytes=args.device_cache)

@@ -2,6 +2,7 @@
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -11,8 +12,10 @@ import torch
 
 from milo_infer import bench, bench_report, synthetic_model, timed_session
 from milo_infer.cli import bench as cli
+from milo_infer.session import MiloSession
 from milo_kernels import reconstruct_layer
-from milo_store import Layout, factorize_block, pack_block
+from milo_store import Layout, MiloStore, factorize_block, pack_block
+from milo_store.layout import full_kv_bytes
 from milo_store.synthetic import synthetic_block_kv
 
 REPO = Path(__file__).resolve().parents[2]
@@ -22,17 +25,22 @@ COLUMNS = ["method", "ρ (bytes)", "k", "batch", "q/s", "tok/s", "retrieve ms", 
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
-    """One run of every method; one torch thread (two contend badly on a shared 2-core machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def workload(tmp_path_factory):
+    """(model, store paths, queries) of the tiny synthetic benchmark."""
     torch.manual_seed(0)
     root = tmp_path_factory.mktemp("bench")
     loaded = synthetic_model.random_model("tiny")
     paths = synthetic_model.synthetic_stores(root, loaded, demos=48, block_size=8, demo_tokens=12, ratios=(0.5, 0.25))
-    queries = synthetic_model.synthetic_queries(2, 6, 4)
+    return loaded, paths, synthetic_model.synthetic_queries(2, 6, 4)
+
+
+@pytest.fixture(scope="module")
+def report(workload):
+    """One run of every method; one torch thread (two contend badly on a shared 2-core machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
-        yield bench.run_bench(loaded, paths, queries, ks=(2, 4), batches=(1, 2), rounds=2, progress=lambda _: None)
+        yield bench.run_bench(*workload, ks=(2, 4), batches=(1, 2), rounds=2, progress=lambda _: None)
     finally:
         torch.set_num_threads(threads)
 
@@ -48,6 +56,32 @@ def test_every_method_k_and_batch_has_positive_numbers(report):
     assert all(v > 0 for v in report["link_gbps"].values()) and set(report["link_gbps"]) == {"memcpy", "preadv (page cache)"}
     for times in report["kernel_s"].values():
         assert times["reference"] > 0 and times["kernel"] > 0
+
+
+def test_each_rows_figures_come_from_one_measurement(report):
+    """The rates share one wall time, the transfer rate is the bytes over the transfer stage, and speedup and
+    ratio are against the full method of the same k and batch."""
+    rows = {(r["method"], r["k"], r["batch"]): r for r in report["rows"]}
+    for (method, k, batch), r in rows.items():
+        full = rows[("full", k, batch)]
+        assert r["tok_s"] / r["qps"] == pytest.approx(r["tokens_per_query"])
+        assert r["transfer_gbps"] == pytest.approx(r["bytes_moved"] / (r["ms"]["transfer"] / 1e3) / 1e9)
+        assert r["speedup"] == pytest.approx(r["qps"] / full["qps"])
+        assert r["ratio"] == pytest.approx(r["bytes_moved"] / full["bytes_moved"])
+        assert r["queries"] == 2 and len(r["answers"]) == 2
+
+
+def test_bytes_moved_are_the_retrieved_blocks_bytes_in_the_store(report, workload):
+    """Measured, not modelled: each row's bytes are those of the blocks its queries retrieve, read from the store."""
+    loaded, paths, queries = workload
+    for r in report["rows"]:
+        with MiloStore.open(paths[bench.store_of(r["method"])], tier="host") as store:
+            session = MiloSession(loaded, store, k=r["k"])
+            blocks = [session.select(q) for q in queries]
+            moved = [sum(int(store.offsets[b + 1] - store.offsets[b]) for b in chosen) * store.itemsize for chosen in blocks]
+            full = [full_kv_bytes(store.layout, store.block_tokens[chosen]) for chosen in blocks]
+        assert all(len(chosen) == r["k"] for chosen in blocks)
+        assert r["bytes_moved"] == statistics.mean(moved) and r["bytes_full_kv"] == statistics.mean(full)
 
 
 def test_bytes_are_measured_and_compressed_stores_move_fewer(report):
@@ -114,7 +148,7 @@ def test_cli_synthetic_run_writes_reports(tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["--ratios", "1.5"], "--ratios"), (["--k", "0"], "--k"), (["--batch", "x"], "--batch"),
-    (["--corpus", "c.jsonl"], "--corpus needs --queries"),
+    (["--corpus", "c.jsonl"], "--corpus needs --queries"), (["--threads", "0"], "--threads must be at least 1; got 0"),
 ])
 def test_bad_arguments_are_one_line_errors(tmp_path, capsys, argv, message):
     assert cli.main(argv + ["--out", str(tmp_path)]) == 2

@@ -4,7 +4,8 @@ from pathlib import Path
 
 import numpy as np
 
-from milo_store import CompressionConfig, Layout
+from milo_infer.retrieval import store_retriever
+from milo_store import CompressionConfig, Layout, MiloStore, report
 from milo_store.synthetic import build_synthetic_store
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
@@ -22,15 +23,50 @@ def test_varied_corpus_keeps_the_base_then_varies_each_copy_deterministically():
     assert all(set(t.split()) <= vocabulary for t in texts)
 
 
-def test_probe_mount_measures_a_store(tmp_path):
+def test_probe_mount_measures_a_store(tmp_path, monkeypatch):
+    """It times what it names: a mount without and with verification, `ls` and `stat`, and each query's
+    retrieval and the lookup of the blocks that query retrieved."""
     texts = varied_corpus(BASE, 64)
     blocks = np.arange(64) // 32
     path = build_synthetic_store(tmp_path / "s", Layout(1, 1, 8), [16, 16], CompressionConfig(ratio=0.5),
                                  texts=texts, example_block=blocks.tolist())
-    out = probe_mount(str(path), ["top up", "pending transfer", "nothing"], k=1)
-    assert out["mount_s_verify_True"] > 0 and out["cli_ls_s"] > 0
-    p50, p99 = out["retrieve_ms"]
-    assert 0 < p50 <= p99
+    queries = ["top up", "pending transfer", "nothing"]
+    with MiloStore.open(path, tier="disk") as store:
+        retriever = store_retriever(store)
+        expected_blocks = [b for q in queries for b in store.blocks_of(retriever.select(q, k=1))]
+    calls = {"open": [], "block": [], "ls": [], "stat": 0}
+    real_open, real_block = MiloStore.open.__func__, MiloStore.block
+    real_rows, real_describe = report.block_rows, report.describe
+
+    def open_(cls, *args, **kwargs):
+        calls["open"].append(kwargs.get("verify"))
+        return real_open(cls, *args, **kwargs)
+
+    def block(self, i):
+        calls["block"].append(i)
+        return real_block(self, i)
+
+    def rows(store, offset=0, limit=0):
+        calls["ls"].append((offset, limit))
+        return real_rows(store, offset, limit)
+
+    def describe(store):
+        calls["stat"] += 1
+        return real_describe(store)
+
+    monkeypatch.setattr(MiloStore, "open", classmethod(open_))
+    monkeypatch.setattr(MiloStore, "block", block)
+    monkeypatch.setattr(report, "block_rows", rows)
+    monkeypatch.setattr(report, "describe", describe)
+    out = probe_mount(str(path), queries, k=1)
+    assert calls == {"open": [False, False, True, False, False], "block": expected_blocks, "ls": [(0, 20)], "stat": 1}
+    assert set(out) == {"mount_s_verify_False", "mount_s_verify_True", "rss_mount_verify_False",
+                        "rss_mount_verify_True", "cli_ls_s", "cli_stat_s", "rss_after_queries", "retrieve_ms",
+                        "lookup_ms"}
+    assert out["mount_s_verify_True"] > 0 and out["cli_ls_s"] > 0 and out["cli_stat_s"] > 0
+    for name in ("retrieve_ms", "lookup_ms"):
+        p50, p99 = out[name]
+        assert 0 < p50 <= p99
 
 
 def test_agreement_counts_only_items_both_answered(tmp_path):

@@ -16,7 +16,7 @@ import zarr
 
 import milo_infer.build
 import milo_infer.cli.build
-from milo_infer.build import BuildConfig, BuildError, build_store
+from milo_infer.build import CUDA_ENCODE_BATCH, BuildConfig, BuildError, build_store, default_encode_batch
 from milo_infer.cli.main import main
 from milo_infer.corpus import Demonstration, task_from_corpus
 from milo_infer.models import ModelUnavailable, default_gguf_path, load_model
@@ -118,7 +118,7 @@ def test_bad_input_is_one_clear_line_before_the_model_loads(tmp_path, monkeypatc
             write_corpus(tmp_path / name, 12)
         else:
             (tmp_path / name).write_bytes(content)
-    monkeypatch.setattr(milo_infer.cli.build, "load_model", no_model)
+    monkeypatch.setattr(milo_infer.cli, "load_model", no_model)
     out = tmp_path / "store"
     argv = ["build", *[a.replace("{dir}", str(tmp_path)) for a in extra], "--out", str(out)]
     assert main(argv) == 2
@@ -143,7 +143,7 @@ def test_occupied_output_is_refused_and_left_alone(tmp_path, monkeypatch, capsys
         build_synthetic_store(out, Layout(2, 2, 16), [10, 12])
         message = f"{out} already holds a store; pass force=True (--force)"
     before = snapshot(out)
-    monkeypatch.setattr(milo_infer.cli.build, "load_model", no_model)
+    monkeypatch.setattr(milo_infer.cli, "load_model", no_model)
     assert main(["build", "--corpus", str(corpus), "--block-size", "2", "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err
@@ -152,7 +152,7 @@ def test_occupied_output_is_refused_and_left_alone(tmp_path, monkeypatch, capsys
 
 def test_output_under_a_file(tmp_path, monkeypatch, capsys):
     corpus = write_corpus(tmp_path / "c.jsonl", 6)
-    monkeypatch.setattr(milo_infer.cli.build, "load_model", no_model)
+    monkeypatch.setattr(milo_infer.cli, "load_model", no_model)
     assert main(["build", "--corpus", str(corpus), "--block-size", "2", "--out", str(corpus / "store")]) == 2
     assert f"{corpus} is a file, not a directory" in capsys.readouterr().err
 
@@ -384,3 +384,8 @@ def test_allocating_and_writing_show_progress(tiny, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "encoding" in err and "allocating: 100%" in err and "writing: 100%" in err, err
     assert err.index("encoding") < err.index("allocating") < err.index("writing")
+
+
+def test_the_default_encode_batch_is_one_on_a_cpu_and_the_cuda_default_on_a_gpu():
+    assert default_encode_batch("cpu") == 1
+    assert default_encode_batch(torch.device("cuda", 0)) == CUDA_ENCODE_BATCH == 8

@@ -18,7 +18,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on
 pytestmark = pytest.mark.skipif(not (CUDA or INTERPRET), reason="needs CUDA or TRITON_INTERPRET=1")
 DEVICE = "cuda" if CUDA else "cpu"
 
-from milo_kernels import reconstruct_layer, reconstruct_layer_naive  # noqa: E402
+from milo_kernels import reconstruct as rk, reconstruct_layer, reconstruct_layer_naive, triton_kernel  # noqa: E402
 from milo_kernels.plan import plan_layer, plan_layers  # noqa: E402
 from milo_kernels.reconstruct import launch  # noqa: E402
 
@@ -98,14 +98,32 @@ def test_kernel_writes_into_a_strided_view(interleaved):
 
 
 def test_public_entry_dispatches_to_triton(monkeypatch):
+    """`reconstruct_layer` under MILO_KERNEL=triton launches the Triton kernel once, on the planned grid, and
+    neither other backend runs."""
     monkeypatch.setenv("MILO_KERNEL", "triton")
+    launches = []
+    real_kernel = triton_kernel.kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                launches.append(grid)
+                return real_kernel()[grid](*args, **kwargs)
+            return run
+
+    monkeypatch.setattr(triton_kernel, "kernel", Spy)
+    for other in ("reconstruct_layer_cpu", "reconstruct_layer_naive"):
+        monkeypatch.setattr(rk, other, lambda *a, other=other, **k: pytest.fail(f"{other} ran, not the Triton kernel"))
     kv_heads, d, block_tokens = SHAPES["d128"]
     factors, segments, n_rows = random_layer(kv_heads, d, block_tokens, torch.float16, seed=4)
     cos, sin = rope_tables(n_rows, d, interleaved=False)
     want = [torch.full((kv_heads, n_rows, d), math.nan, dtype=torch.float16) for _ in range(2)]
     reconstruct_layer_naive(factors, segments, *want, cos, sin)
     got = [torch.full((kv_heads, n_rows, d), math.nan, dtype=torch.float16, device=DEVICE) for _ in range(2)]
-    reconstruct_layer(factors.to(DEVICE), segments, *got, cos.to(DEVICE), sin.to(DEVICE))
+    args = (factors.to(DEVICE), segments, *got, cos.to(DEVICE), sin.to(DEVICE))
+    reconstruct_layer(*args)
+    plan = plan_layer(*args)
+    assert launches == [(len(plan.tiles), -(-(d // 2) // plan.block_h))]
     check([g.cpu() for g in got], want, target_mask(segments, kv_heads, n_rows, d), "fp16")
 
 
