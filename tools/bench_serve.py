@@ -31,7 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from milo_infer.corpus import load_dataset  # noqa: E402
+from milo_infer.datasets import load_dataset  # noqa: E402
 from milo_infer.server.launch import store_name  # noqa: E402
 
 
