@@ -234,7 +234,9 @@ class ObjectChunks:
                 raise StoreError(f"{self.url}: cannot read blocks {blocks} (factor chunk object {c}) after "
                                  f"{FETCH_ATTEMPTS} attempts: {problem}")
         for (_, _, out, j), buf in zip(pieces, bufs):
-            out[:] = buf  # a zero-copy slice of obstore's body of the merged GET, copied once into place
+            # buf: a zero-copy slice of the body of obstore's merged GET, copied once into place, by numpy
+            # so the copy releases the GIL and overlaps the other chunk objects' GETs and checks
+            np.copyto(np.frombuffer(out, np.uint8), np.frombuffer(buf, np.uint8))
             arrived(j)
         fetched = requests(list(zip(starts, ends)), COALESCE_GAP)
         return sum(z - a for a, z in fetched), len(fetched)

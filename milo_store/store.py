@@ -316,7 +316,11 @@ class MiloStore:
         """Demonstrations: lists 'input', 'output', 'id' and 'block' (empty lists when none were stored)."""
         if fmt.EXAMPLES not in self.group:
             return {"input": [], "output": [], "id": [], "block": []}
-        return {k: self._read_array(f"{fmt.EXAMPLES}/{k}").tolist() for k in ("input", "output", "id", "block")}
+        return {k: self.example_array(k).tolist() for k in ("input", "output", "id", "block")}
+
+    def example_array(self, name: str) -> np.ndarray:
+        """One demonstrations array ('input', 'output', 'id' or 'block'), read whole and checked."""
+        return self._read_array(f"{fmt.EXAMPLES}/{name}")
 
     def num_examples(self) -> int:
         """How many demonstrations the store keeps (from array metadata: no demonstration is read)."""

@@ -3,6 +3,10 @@
 Real pre-RoPE keys are strongly low-rank and values less so; the decay rates mimic that, so a
 synthetic store exercises the allocator and the byte layout the way a real one does.
 """
+import json
+import shutil
+from pathlib import Path
+
 import torch
 
 from .codec import factorize_block
@@ -54,3 +58,22 @@ def build_synthetic_store(path, layout: Layout, block_tokens, config: Compressio
                       anchor_kv=anchor, examples=examples, force=force)
     staging.remove()
     return out
+
+
+def store_arrays(store_dir) -> list[str]:
+    """Every array of a store directory, as its path inside the store ('examples/input', 'indexes/bm25/terms', ...)."""
+    store_dir = Path(store_dir)
+    return sorted(str(p.parent.relative_to(store_dir)) for p in store_dir.rglob("zarr.json")
+                  if json.loads(p.read_text())["node_type"] == "array")
+
+
+def flipped_copy(store_dir, array: str, dest) -> Path:
+    """A copy of the store at ``dest`` with one bit flipped in the middle of ``array``'s first chunk file:
+    what corruption tests feed to readers that must detect it."""
+    dest = Path(dest)
+    shutil.copytree(store_dir, dest)
+    chunk = sorted(p for p in (dest / array / "c").rglob("*") if p.is_file())[0]
+    raw = bytearray(chunk.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    chunk.write_bytes(bytes(raw))
+    return dest

@@ -13,17 +13,27 @@ Three parts, one run, one S3-compatible server (moto, in its own process on 127.
    measured bytes ratio; the crossover is where MILO's queries/s pass full's.
 3. in the same run, per link rate: raw range GETs of the same byte ranges as milo's read path.
 
+Raw range GETs come three ways, each timed against milo's read path on the same queries: obstore's
+``get_ranges`` over the merged ranges without coalescing (the reference the ratio divides by), with its
+default 1 MiB coalescing, and ``get_ranges_async`` for every chunk object at once on one event loop.
+``--reads-only`` runs only that comparison, on a random-bytes store with blocks the size of the full
+store's (no model), at each of ``--rates``.
+
 This machine is shared and noisy; ratios inside one run are what to read. Run:
 
     HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 PYTHONPATH=. python tools/bench_remote.py --out /tmp/bench-remote
+    HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 PYTHONPATH=. python tools/bench_remote.py --out /tmp/bench-reads --reads-only --rates 0,50M
 """
 import argparse
+import asyncio
+import contextlib
 import json
 import os
 import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -44,6 +54,7 @@ from milo_infer.models import load_model  # noqa: E402
 from milo_store import Layout, MiloStore, StoreWriter  # noqa: E402
 from milo_store.blockcache import BlockCache, parse_size  # noqa: E402
 from milo_store.push import push  # noqa: E402
+from milo_store.remote import REMOTE_CHUNK_BYTES  # noqa: E402
 from milo_store.sources import chunk_pieces  # noqa: E402
 from milo_store.urls import open_object_store  # noqa: E402
 
@@ -81,8 +92,8 @@ def raw_ranges(store: MiloStore, ids) -> dict[str, list[tuple[int, int]]]:
     per = {}
     for i in sorted(set(ids)):
         start, stop = int(store.offsets[i]) * store.itemsize, int(store.offsets[i + 1]) * store.itemsize
-        for c, a, z, _ in chunk_pieces(start, stop, store.source.chunk_bytes):
-            ranges = per.setdefault(store.source._key(c), [])
+        for c, a, z, _ in chunk_pieces(start, stop, store.origin.chunk_bytes):
+            ranges = per.setdefault(store.origin.key(c), [])
             if ranges and ranges[-1][1] == a:
                 ranges[-1] = (ranges[-1][0], z)
             else:
@@ -90,32 +101,68 @@ def raw_ranges(store: MiloStore, ids) -> dict[str, list[tuple[int, int]]]:
     return per
 
 
-def raw_get(client, per_key, pool) -> int:
+def raw_get(client, per_key, pool, coalesce: int = 0) -> int:
     """obstore range GETs of these ranges, objects in parallel: the client alone, nothing else."""
     def one(item):
         key, ranges = item
-        bufs = obstore.get_ranges(client, key, starts=[a for a, _ in ranges], ends=[z for _, z in ranges], coalesce=0)
+        bufs = obstore.get_ranges(client, key, starts=[a for a, _ in ranges], ends=[z for _, z in ranges],
+                                  coalesce=coalesce)
         return sum(len(b) for b in bufs)
     return sum(pool.map(one, per_key.items()))
 
 
+async def raw_get_async(client, per_key) -> int:
+    """obstore's async range GETs of every chunk object at once, its default coalescing."""
+    got = await asyncio.gather(*(obstore.get_ranges_async(client, key, starts=[a for a, _ in r], ends=[z for _, z in r])
+                                 for key, r in per_key.items()))
+    return sum(len(b) for bufs in got for b in bufs)
+
+
 def raw_vs_milo(url: str, queries: list[list[int]], tmp: Path) -> dict:
-    """Seconds per query of raw GETs and of milo's cold read of the same blocks, interleaved; medians."""
+    """Seconds per query of raw GETs (three ways) and of milo's cold read of the same blocks, interleaved
+    query by query in a rotating order; medians. The async GETs run on one event loop in its own thread, as
+    a server's would."""
     client = open_object_store(url)
-    raw, milo, nbytes = [], [], []
-    with MiloStore.open(url, tier="disk", block_cache=BlockCache(tmp / "none", 0)) as store, \
-            ThreadPoolExecutor(8) as pool:
-        for ids in queries:
-            per = raw_ranges(store, ids)
-            t = time.perf_counter()
-            nbytes.append(raw_get(client, per, pool))
-            raw.append(time.perf_counter() - t)
-            t = time.perf_counter()
-            store.blocks(ids)
-            milo.append(time.perf_counter() - t)
-    r, m, b = statistics.median(raw), statistics.median(milo), statistics.median(nbytes)
-    return {"bytes_per_query": b, "raw_s": r, "milo_s": m, "raw_mbps": b / r / 1e6, "milo_mbps": b / m / 1e6,
-            "milo_over_raw": r / m}
+    loop = asyncio.new_event_loop()
+    loop_thread = threading.Thread(target=loop.run_forever, daemon=True)
+    loop_thread.start()
+    ways = {"raw": lambda ids, per: raw_get(client, per, pool),
+            "raw_coalesced": lambda ids, per: raw_get(client, per, pool, coalesce=1 << 20),
+            "raw_async": lambda ids, per: asyncio.run_coroutine_threadsafe(raw_get_async(client, per), loop).result(),
+            "milo": lambda ids, per: store.blocks(ids)}
+    seconds = {w: [] for w in ways}
+    nbytes = []
+    try:
+        with MiloStore.open(url, tier="disk", block_cache=BlockCache(tmp / "none", 0)) as store, \
+                ThreadPoolExecutor(8) as pool:
+            order = list(ways)
+            for q, ids in enumerate(queries):  # the order rotates, so no way always follows another
+                per = raw_ranges(store, ids)
+                for w in order[q % len(order):] + order[:q % len(order)]:
+                    t = time.perf_counter()
+                    got = ways[w](ids, per)
+                    seconds[w].append(time.perf_counter() - t)
+                    if w == "raw":
+                        nbytes.append(got)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        loop_thread.join()
+        loop.close()
+    med = {w: statistics.median(v) for w, v in seconds.items()}
+    b = statistics.median(nbytes)
+    return {"bytes_per_query": b, "raw_s": med["raw"], "milo_s": med["milo"], "raw_mbps": b / med["raw"] / 1e6,
+            "milo_mbps": b / med["milo"] / 1e6, "milo_over_raw": med["raw"] / med["milo"],
+            "paired_milo_over_raw": statistics.median(r / m for r, m in zip(seconds["raw"], seconds["milo"])),
+            "raw_coalesced_mbps": b / med["raw_coalesced"] / 1e6, "raw_async_mbps": b / med["raw_async"] / 1e6}
+
+
+def random_store(url: str, layout: Layout, ranks: np.ndarray, tokens: np.ndarray, chunk_bytes: int) -> None:
+    """A store of random fp16 factors at ``url`` with chunks of at most ``chunk_bytes``."""
+    g = torch.Generator().manual_seed(0)
+    with StoreWriter(url, layout, ranks, tokens, max_chunk_bytes=chunk_bytes, force=True) as w:
+        for i in range(len(tokens)):
+            w.write_block(torch.randn(int(w.offsets[i + 1] - w.offsets[i]), generator=g).half())
+        w.commit()
 
 
 def chunk_sweep(sizes, tmp: Path, blocks: int, block_tokens: int, rank: int, k: int, n_queries: int) -> list[dict]:
@@ -128,11 +175,7 @@ def chunk_sweep(sizes, tmp: Path, blocks: int, block_tokens: int, rank: int, k: 
     rows = []
     for size in sizes:
         url = f"s3://{BUCKET}/chunks-{size}"
-        g = torch.Generator().manual_seed(0)
-        with StoreWriter(url, layout, ranks, tokens, max_chunk_bytes=size, force=True) as w:
-            for i in range(blocks):
-                w.write_block(torch.randn(int(w.offsets[i + 1] - w.offsets[i]), generator=g).half())
-            w.commit()
+        random_store(url, layout, ranks, tokens, size)
         row = raw_vs_milo(url, queries, tmp)
         row["chunk_bytes"] = size
         rows.append(row)
@@ -173,6 +216,43 @@ def open_sessions(loaded, urls: dict, cache: BlockCache, k: int) -> dict:
     return sessions
 
 
+@contextlib.contextmanager
+def link(rate: float):
+    """Clients opened inside reach the server through a loopback proxy throttled to ``rate`` bytes/s
+    (0: directly)."""
+    if not rate:
+        yield
+        return
+    upstream = os.environ["AWS_ENDPOINT_URL"]
+    with LoopbackProxy(upstream, rate=rate) as proxy:
+        os.environ["AWS_ENDPOINT_URL"] = proxy.url
+        try:
+            yield
+        finally:
+            os.environ["AWS_ENDPOINT_URL"] = upstream
+
+
+def read_path(args, tmp: Path) -> list[dict]:
+    """Raw range GETs against milo's cold read path at each link rate, on a random-bytes store whose
+    blocks are the size of the end-to-end full store's (k of them per query, remote chunk objects)."""
+    layout = Layout(30, 3, 64)
+    blocks = 16
+    ranks = np.full((blocks, layout.num_layers, 2, layout.num_kv_heads), 64, dtype=np.int16)
+    tokens = np.full(blocks, args.read_block_tokens, dtype=np.int32)
+    url = f"s3://{BUCKET}/reads"
+    random_store(url, layout, ranks, tokens, REMOTE_CHUNK_BYTES)
+    rng = np.random.default_rng(0)
+    queries = [sorted(rng.choice(blocks, size=args.k, replace=False).tolist()) for _ in range(args.n_queries)]
+    rows = []
+    for rate in args.rates:
+        with link(rate):
+            row = raw_vs_milo(url, queries, tmp)
+        row["rate_mbps"] = rate / 1e6 if rate else None
+        rows.append(row)
+        print(f"link {rate / 1e6 if rate else 'unthrottled'} MB/s: milo / raw {row['milo_over_raw']:.2f}", file=sys.stderr)
+    return rows
+
+
 def end_to_end(args, loaded, urls: dict, queries: list[str], tmp: Path) -> dict:
     warm_cache = BlockCache(tmp / "warm", 1 << 40)
     sessions = open_sessions(loaded, urls, warm_cache, args.k)
@@ -180,14 +260,9 @@ def end_to_end(args, loaded, urls: dict, queries: list[str], tmp: Path) -> dict:
     warm = run_queries(sessions, queries)
     for s in sessions.values():
         s.store.close()
-    upstream = os.environ["AWS_ENDPOINT_URL"]
     rows = []
     for rate in args.rates:
-        proxy = LoopbackProxy(upstream, rate=rate) if rate else None
-        try:
-            if proxy:
-                proxy.__enter__()
-                os.environ["AWS_ENDPOINT_URL"] = proxy.url
+        with link(rate):
             cold_cache = BlockCache(tmp / "cold", 0)  # caches nothing: every block comes over the link
             sessions = open_sessions(loaded, urls, cold_cache, args.k)
             cold = run_queries(sessions, queries)
@@ -195,10 +270,6 @@ def end_to_end(args, loaded, urls: dict, queries: list[str], tmp: Path) -> dict:
             for s in sessions.values():
                 s.store.close()
             raw = raw_vs_milo(urls["full"], block_ids, tmp)
-        finally:
-            if proxy:
-                proxy.__exit__()
-            os.environ["AWS_ENDPOINT_URL"] = upstream
         rows.append({"rate_mbps": rate / 1e6 if rate else None, "cold": cold, "raw_vs_milo_full": raw})
         print(f"link {rate / 1e6 if rate else 'unthrottled'} MB/s: " + ", ".join(
             f"{m} {r['qps']:.2f} q/s" for m, r in cold.items()), file=sys.stderr)
@@ -233,14 +304,34 @@ def render(report: dict) -> str:
     for row in e["rows"]:
         add(f"{row['rate_mbps']:g}" if row["rate_mbps"] else "unthrottled", "cold", row["cold"])
     add("any", "warm", e["warm"])
-    lines += ["", "raw range GETs vs milo's read path for the full store's blocks of the same queries, same link:", "",
-              "| link MB/s | raw MB/s | milo MB/s | milo / raw |", "|---:|---:|---:|---:|"]
-    for row in e["rows"]:
-        r = row["raw_vs_milo_full"]
-        lines.append(f"| {row['rate_mbps'] if row['rate_mbps'] else 'unthrottled'} | {r['raw_mbps']:.0f} | "
-                     f"{r['milo_mbps']:.0f} | {r['milo_over_raw']:.2f} |")
+    lines += ["", "raw range GETs vs milo's read path for the full store's blocks of the same queries, same link:", ""]
+    lines += read_table([{**row["raw_vs_milo_full"], "rate_mbps": row["rate_mbps"]} for row in e["rows"]])
     lines += [""] + [f"crossover {m}: {c}" for m, c in report["crossover"].items()]
     return "\n".join(lines)
+
+
+def read_table(rows: list[dict]) -> list[str]:
+    """Raw range GETs (three ways) beside milo's read path, one line per link rate; milo / raw divides
+    the medians by the first way's, paired the median of the per-query ratios (steadier on a busy
+    machine). Reports saved before the other columns were measured show "-" for them."""
+    def cell(r, key, form):
+        return format(r[key], form) if key in r else "-"
+    lines = ["| link MB/s | raw MB/s | raw coalesced 1 MiB MB/s | raw async MB/s | milo MB/s | milo / raw "
+             "| paired milo / raw |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['rate_mbps'] if r['rate_mbps'] else 'unthrottled'} | {cell(r, 'raw_mbps', '.0f')} | "
+                     f"{cell(r, 'raw_coalesced_mbps', '.0f')} | {cell(r, 'raw_async_mbps', '.0f')} | "
+                     f"{cell(r, 'milo_mbps', '.0f')} | {r['milo_over_raw']:.2f} | "
+                     f"{cell(r, 'paired_milo_over_raw', '.2f')} |")
+    return lines
+
+
+def render_reads(report: dict) -> str:
+    return "\n".join([f"## Remote read path ({report['date']})", "", f"command: `{report['command']}`", "",
+                      f"moto {report['moto']} on 127.0.0.1 (own process); random-bytes store, blocks of "
+                      f"{report['block_mib']:.1f} MiB in {REMOTE_CHUNK_BYTES >> 20} MiB chunk objects, k={report['k']} "
+                      f"blocks per query, {report['n_queries']} queries, medians; cold (no block cache).", "",
+                      *read_table(report["reads"])])
 
 
 def crossover(rows: list[dict]) -> dict:
@@ -278,9 +369,15 @@ def main(argv=None) -> int:
     p.add_argument("--rates", default="25M,50M,200M,1G,0", help="simulated link rates, bytes/s (0: no proxy)")
     p.add_argument("--chunk-sizes", default="1M,4M,8M,32M,64M")
     p.add_argument("--render", metavar="JSON", help="only render the markdown of a saved bench_remote.json")
+    p.add_argument("--reads-only", action="store_true", help="only raw range GETs vs milo's read path, no model")
+    p.add_argument("--read-block-tokens", type=int, default=768,
+                   help="--reads-only: tokens per block at rank 64 (768: about the full store's 18 MiB blocks)")
     args = p.parse_args(argv)
     if args.render:
         report = json.loads(Path(args.render).read_text())
+        if "reads" in report:
+            print(render_reads(report))
+            return 0
         report["crossover"] = crossover(report["e2e"]["rows"])
         print(render(report))
         return 0
@@ -293,6 +390,19 @@ def main(argv=None) -> int:
     tmp = out / "tmp"
     tmp.mkdir(parents=True, exist_ok=True)
     moto, endpoint = start_moto()
+    if args.reads_only:
+        try:
+            reads = read_path(args, tmp)
+        finally:
+            moto.terminate()
+            moto.wait()
+        import moto as moto_pkg
+        report = {"date": str(date.today()), "command": "python tools/bench_remote.py " + " ".join(sys.argv[1:]),
+                  "moto": moto_pkg.__version__, "k": args.k, "n_queries": args.n_queries, "reads": reads,
+                  "block_mib": 180 * 64 * (args.read_block_tokens + 65) * 2 / 2**20}
+        (out / "bench_remote.json").write_text(json.dumps(report, indent=2))
+        print(render_reads(report))
+        return 0
     try:
         chunks = chunk_sweep([parse_size(s) for s in args.chunk_sizes.split(",")], tmp, blocks=24, block_tokens=512,
                              rank=32, k=args.k, n_queries=6)

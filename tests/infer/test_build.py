@@ -160,7 +160,7 @@ def test_output_under_a_file(tmp_path, monkeypatch, capsys):
 @pytest.mark.parametrize("out", ["/proc/x", "/proc/x/y", "/sys/x"])
 def test_unwritable_output_is_refused_before_the_model_loads(tmp_path, monkeypatch, capsys, out):
     corpus = write_corpus(tmp_path / "c.jsonl", 6)
-    monkeypatch.setattr(milo_infer.cli.build, "load_model", no_model)
+    monkeypatch.setattr(milo_infer.cli, "load_model", no_model)
     assert main(["build", "--corpus", str(corpus), "--block-size", "2", "--out", out]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"milo build: {out}: cannot write a store there" in err, err

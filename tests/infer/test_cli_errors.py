@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import milo_infer.cli.query
+import milo_infer.cli
 from milo_infer.cli.main import main as milo
 from milo_store import CompressionConfig, Layout
 from milo_store.synthetic import build_synthetic_store
@@ -21,7 +21,7 @@ def no_model(*args, **kwargs):
 
 def test_an_absent_cuda_device_is_one_line_before_the_model_loads(tmp_path, monkeypatch, capsys):
     device = f"cuda:{torch.cuda.device_count()}" if torch.cuda.is_available() else "cuda"  # never there
-    monkeypatch.setattr(milo_infer.cli.query, "load_model", no_model)
+    monkeypatch.setattr(milo_infer.cli, "load_model", no_model)
     assert milo(["query", str(tmp_path / "store"), "a query", "--device", device]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"milo query: --device {device}: not usable here"), err

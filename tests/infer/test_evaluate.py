@@ -204,7 +204,7 @@ def test_methods_and_arguments_are_checked_before_any_model_load():
     assert method_config("milo-fullrank", 0.5).full_rank and method_config("full", 0.5).codec == "identity"
     assert store_name("full", 0.5) == "full" and store_name("milo-energy", 0.25) == "milo-energy-r0.25"
     args = Namespace(methods="full,milo", dataset="banking77", corpus=None, queries=None, ratio=0.5, shots=8,
-                     test=2, seeds=1, k=2, block_size=4, context_blocks=1, threads=None, max_new_tokens=64,
+                     test=2, seeds=1, k=2, batch=8, block_size=4, context_blocks=1, threads=None, max_new_tokens=64,
                      first_seed=0)
     assert check(args) == (["banking77"], ["full", "milo"])
     lists = Namespace(**{**vars(args), "ratio": "0.25,0.5,0.25", "block_size": "4,8"})
@@ -213,6 +213,6 @@ def test_methods_and_arguments_are_checked_before_any_model_load():
     for change, message in [({"methods": "full,nope"}, "unknown method 'nope'"), ({"dataset": "imdb"}, "unknown imdb"),
                             ({"ratio": 1.5}, "ratio"), ({"ratio": "0.5,x"}, "comma-separated numbers"),
                             ({"block_size": "8,0"}, "--block-size must be at least 1"),
-                            ({"first_seed": -1}, "--first-seed"), ({"max_new_tokens": 0}, "--max-new-tokens"), ({"k": 0}, "--k"), ({"threads": 0}, "--threads"), ({"corpus": DEMO}, "--queries")]:
+                            ({"first_seed": -1}, "--first-seed"), ({"max_new_tokens": 0}, "--max-new-tokens"), ({"k": 0}, "--k"), ({"batch": 0}, "--batch"), ({"threads": 0}, "--threads"), ({"corpus": DEMO}, "--queries")]:
         with pytest.raises(CommandError, match=message):
             check(Namespace(**{**vars(args), **change}))

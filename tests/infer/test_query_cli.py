@@ -2,16 +2,16 @@
 from corrupted bytes. The model is loaded once (the CLI's own load is replaced by the session's)."""
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from milo_infer.cli import query as query_cli
+import milo_infer.cli
 from milo_infer.cli.main import main as milo
 from milo_store import CompressionConfig
+from milo_store.synthetic import flipped_copy, store_arrays
 
 from demo_stores import encoded_demo_stores
 
@@ -31,7 +31,7 @@ def store(tmp_path_factory, default_model):
 @pytest.fixture
 def query(default_model, monkeypatch, capsys):
     """Run `milo query` on the shared model: (exit code, stdout, stderr)."""
-    monkeypatch.setattr(query_cli, "load_model", lambda name: default_model)
+    monkeypatch.setattr(milo_infer.cli, "load_model", lambda name: default_model)
 
     def run(*argv):
         code = milo(["query", *map(str, argv), "--k", "2", "--tier", "disk"])
@@ -40,23 +40,13 @@ def query(default_model, monkeypatch, capsys):
     return run
 
 
-def _arrays(store) -> list[str]:
-    return sorted(str(p.parent.relative_to(store)) for p in store.rglob("zarr.json")
-                  if json.loads(p.read_text())["node_type"] == "array")
-
-
 def test_no_query_answers_from_a_store_with_a_flipped_byte_in_any_array(store, query, tmp_path):
     code, clean, _ = query(store, QUERY, "--json")
     assert code == 0
-    arrays = _arrays(store)
+    arrays = store_arrays(store)
     assert "token_ids" in arrays and "anchor_kv" in arrays and "examples/input" in arrays
     for array in arrays:
-        damaged = tmp_path / array.replace("/", "-")
-        shutil.copytree(store, damaged)
-        chunk = sorted(p for p in (damaged / array / "c").rglob("*") if p.is_file())[0]
-        raw = bytearray(chunk.read_bytes())
-        raw[len(raw) // 2] ^= 0x10
-        chunk.write_bytes(bytes(raw))
+        damaged = flipped_copy(store, array, tmp_path / array.replace("/", "-"))
         code, out, err = query(damaged, QUERY, "--json")
         if array in NOT_READ_BY_A_QUERY:
             assert code == 0 and json.loads(out)["answer"] == json.loads(clean)["answer"], array

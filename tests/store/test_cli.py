@@ -3,6 +3,7 @@ import shutil
 
 from milo_store import MiloStore, StoreCorruptedError
 from milo_store.cli.main import main
+from milo_store.synthetic import flipped_copy, store_arrays
 
 
 def test_stat_json_reports_planned_and_actual_ratio(small_store, capsys):
@@ -41,7 +42,6 @@ def test_not_a_store_is_a_clear_error(tmp_path, capsys):
 
 
 def test_ls_pages_and_counts_demonstrations_with_or_without_the_index(small_store, capsys):
-    import shutil
 
     assert main(["ls", str(small_store), "--offset", "1", "--limit", "2", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
@@ -53,12 +53,6 @@ def test_ls_pages_and_counts_demonstrations_with_or_without_the_index(small_stor
     assert [r["demonstrations"] for r in json.loads(capsys.readouterr().out)] == [1, 1]
     assert main(["ls", str(small_store), "--limit", "-1"]) == 2
     assert "must not be negative" in capsys.readouterr().err
-
-
-def _arrays(store) -> list[str]:
-    """Every array of a store directory, as its path inside the store ('examples/input', 'indexes/bm25/terms', ...)."""
-    return sorted(str(p.parent.relative_to(store)) for p in store.rglob("zarr.json")
-                  if json.loads(p.read_text())["node_type"] == "array")
 
 
 def _names(problem: str, array: str) -> bool:
@@ -86,16 +80,11 @@ def _every_read_fails(path) -> bool:
 
 
 def test_a_flipped_byte_in_any_array_is_named_by_verify_and_refused_when_read(small_store, tmp_path, capsys):
-    arrays = _arrays(small_store)
+    arrays = store_arrays(small_store)
     assert {"factors", "ranks", "block_tokens", "checksums", "anchor_kv", "examples/input", "examples/output",
             "examples/id", "examples/block", "indexes/bm25/terms"} <= set(arrays)
     for array in arrays:
-        damaged = tmp_path / array.replace("/", "-")
-        shutil.copytree(small_store, damaged)
-        chunk = sorted(p for p in (damaged / array / "c").rglob("*") if p.is_file())[0]
-        raw = bytearray(chunk.read_bytes())
-        raw[len(raw) // 2] ^= 0x10
-        chunk.write_bytes(bytes(raw))
+        damaged = flipped_copy(small_store, array, tmp_path / array.replace("/", "-"))
         assert main(["verify", str(damaged), "--json"]) == 1, array
         problems = json.loads(capsys.readouterr().out)["problems"]
         assert any(_names(p, array) for p in problems), (array, problems)

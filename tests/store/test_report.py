@@ -1,9 +1,9 @@
-"""`milo_store.report.block_demonstrations`: a few blocks' demonstrations, read without the others' text."""
-import numpy as np
+"""`milo_store.report.block_demonstrations`: a few blocks' demonstrations, read through checked arrays."""
+import pytest
 
-from milo_store import Layout, MiloStore
+from milo_store import Layout, MiloStore, StoreCorruptedError
 from milo_store.report import block_demonstrations
-from milo_store.synthetic import build_synthetic_store
+from milo_store.synthetic import build_synthetic_store, flipped_copy
 
 
 def test_block_demonstrations_are_those_of_the_blocks_in_store_order(tmp_path):
@@ -20,16 +20,16 @@ def test_block_demonstrations_are_those_of_the_blocks_in_store_order(tmp_path):
     assert found[3] == []  # a block without demonstrations
 
 
-def test_only_the_blocks_rows_are_read(tmp_path, monkeypatch):
+def test_shown_demonstrations_are_checked_and_ids_are_not_read(tmp_path, monkeypatch):
     path = build_synthetic_store(tmp_path / "s", Layout(1, 1, 8), [6, 6], texts=["a x", "b y", "c z"],
                                  example_block=[0, 1, 0])
     with MiloStore.open(path, tier="disk") as store:
         monkeypatch.setattr(MiloStore, "examples", lambda self: (_ for _ in ()).throw(AssertionError("read all")))
-        rows = []
-        array = type(store.group["examples/input"])
-        original = array.get_orthogonal_selection
-        monkeypatch.setattr(array, "get_orthogonal_selection",
-                            lambda self, selection, **kw: rows.append(np.asarray(selection).tolist())
-                            or original(self, selection, **kw))
+        read = []
+        original = MiloStore.example_array
+        monkeypatch.setattr(MiloStore, "example_array", lambda self, name: read.append(name) or original(self, name))
         assert block_demonstrations(store, [1]) == {1: [("b y", "x")]}
-    assert rows == [[1], [1]]  # input and output, row 1 alone
+    assert sorted(read) == ["block", "input", "output"]
+    damaged = flipped_copy(path, "examples/input", tmp_path / "damaged")
+    with MiloStore.open(damaged, tier="disk") as store, pytest.raises(StoreCorruptedError, match="examples/input"):
+        block_demonstrations(store, [1])
