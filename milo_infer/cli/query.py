@@ -12,12 +12,10 @@ import sys
 import torch
 
 from milo_store import MiloStore
-from milo_store.blockcache import BlockCache, parse_size
 from milo_store.report import block_demonstrations
 
-from ..devices import usable_device
 from ..session import MiloSession, place_model
-from . import CommandError, at_least, load_model_arg
+from . import CommandError, add_tier_arguments, at_least, checked_device, load_model_arg, mount_options
 
 
 def add_arguments(p):
@@ -26,16 +24,7 @@ def add_arguments(p):
     p.add_argument("--model", default="default", help="model path or 'default' (must match the store)")
     p.add_argument("--k", type=int, default=6, help="blocks to retrieve per query (default 6)")
     p.add_argument("--token-budget", type=int, default=None, help="cap on retrieved tokens instead of / besides k")
-    p.add_argument("--tier", choices=("host", "disk", "cached"), default="host",
-                   help="where factors are read from: host (the whole store in memory), disk (each query reads its "
-                        "blocks; for a store URL, range GETs behind the block cache), cached (disk behind an "
-                        "in-memory LRU, --memory-cache-size)")
-    p.add_argument("--memory-cache-size", type=parse_size, default=None,
-                   help="--tier cached: the in-memory LRU's limit, e.g. 2G (default 1G)")
-    p.add_argument("--cache-dir", default=None, help="this machine's block cache of store URLs (default ~/.cache/milo/blocks)")
-    p.add_argument("--block-cache-size", "--cache-size", dest="cache_size", type=parse_size, default=None,
-                   help="limit of the block cache of store URLs on this machine's disk, e.g. 10G "
-                        "(default $MILO_CACHE_SIZE or 10G); does not size --tier cached")
+    add_tier_arguments(p)
     p.add_argument("--order", choices=("score", "corpus"), default="score", help="block order in the context")
     p.add_argument("--device", default=None, help="compute device (default: cuda if available, else cpu)")
     p.add_argument("--threads", type=int, metavar="N",
@@ -46,16 +35,10 @@ def add_arguments(p):
 
 def run(args) -> int:
     at_least(args, 1, "k", "token_budget", "threads")
-    try:
-        device = usable_device(args.device)
-    except ValueError as e:  # an unknown or absent device: said before the model loads
-        raise CommandError(f"--device {args.device}: {e}") from None
+    device = checked_device(args.device)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    if args.memory_cache_size is not None and args.tier != "cached":
-        raise CommandError("--memory-cache-size sizes the cached tier's in-memory LRU; pass --tier cached with it")
-    memory = {} if args.memory_cache_size is None else {"memory_cache_bytes": args.memory_cache_size}
-    store = MiloStore.open(args.store, tier=args.tier, block_cache=BlockCache(args.cache_dir, args.cache_size), **memory)
+    store = MiloStore.open(args.store, **mount_options(args))
     loaded = load_model_arg(args.model)
     device = place_model(loaded, device)
     session = MiloSession(loaded, store, k=args.k, token_budget=args.token_budget, order=args.order, device=device)

@@ -1,0 +1,63 @@
+"""Serve mounted stores over an OpenAI-compatible HTTP API (completions, chat completions, models, metrics).
+
+Loads the model once, mounts every store once (each must match the model), and runs until SIGTERM
+or Ctrl-C, which drain: no new requests, in-flight ones finish within --drain-s, exit 0.
+"""
+import os
+
+import torch
+
+from milo_store.blockcache import parse_size
+
+from ..server import MAX_BODY_BYTES
+from ..session import place_model
+from . import CommandError, add_tier_arguments, at_least, checked_device, load_model_arg, mount_options
+
+
+def add_arguments(p):
+    p.add_argument("store", nargs="+", help="store directories or URLs; clients name each by its basename")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--api-key", default=os.environ.get("MILO_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health (default $MILO_API_KEY)")
+    p.add_argument("--model", default="default", help="model path or 'default' (must match every store)")
+    p.add_argument("--device", default=None, help="compute device (default: cuda if available, else cpu)")
+    p.add_argument("--threads", type=int, metavar="N",
+                   help="torch CPU threads; 1 is many times faster on a CPU shared with other jobs (default: torch's)")
+    add_tier_arguments(p)
+    p.add_argument("--device-cache", type=parse_size, default=0,
+                   help="device memory kept for blocks' factors across requests, e.g. 2G (default 0: none)")
+    p.add_argument("--k", type=int, default=6, help="groups to retrieve per query unless a request says (default 6)")
+    p.add_argument("--token-budget", type=int, default=None, help="default cap on retrieved tokens")
+    p.add_argument("--max-batch", type=int, default=16, help="rows in the running batch at most (default 16)")
+    p.add_argument("--batch-wait-ms", type=float, default=5.0, help="how long an idle loop gathers a batch (default 5)")
+    p.add_argument("--max-queue", type=int, default=256, help="waiting requests at most; beyond, 503 (default 256)")
+    p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES, help=f"request body limit (default {MAX_BODY_BYTES})")
+    p.add_argument("--drain-s", type=float, default=30.0, help="on SIGTERM, how long in-flight requests may finish")
+
+
+def run(args) -> int:
+    at_least(args, 1, "k", "token_budget", "max_batch", "max_queue", "max_body_bytes", "threads")
+    if args.batch_wait_ms < 0 or args.drain_s < 0:
+        raise CommandError("--batch-wait-ms and --drain-s cannot be negative")
+    if not 0 <= args.port <= 65535:
+        raise CommandError(f"--port must be between 0 and 65535; got {args.port}")
+    try:  # the serve extra: not needed by the other commands, so imported here
+        from ..engine import Engine
+        from ..server.app import create_app
+        from ..server.launch import mount_stores, serve
+    except ImportError as e:
+        raise CommandError(f"milo serve needs the serve extra (pip install 'milo-kv[serve]'): {e}") from None
+    device = checked_device(args.device)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    options = mount_options(args)
+    stores = mount_stores(args.store, **options)
+    loaded = load_model_arg(args.model)
+    device = place_model(loaded, device)
+    engine = Engine(loaded, stores, k=args.k, token_budget=args.token_budget, device=device,
+                    device_cache_bytes=args.device_cache)
+    app = create_app(engine, api_key=args.api_key or None, max_batch=args.max_batch, batch_wait_ms=args.batch_wait_ms,
+                     max_queue=args.max_queue, max_body_bytes=args.max_body_bytes, block_cache=options["block_cache"])
+    serve(app, host=args.host, port=args.port, drain_s=args.drain_s)
+    return 0

@@ -1,0 +1,192 @@
+"""The engine loop: one thread owns the engine's running batch; HTTP handlers only submit plans and read events.
+
+Continuous batching: each iteration admits waiting requests into the free slots (the batch holds at
+most ``max_batch`` rows; an empty batch waits up to ``batch_wait_s`` for more to gather), then runs
+one decode step for every row. A finished row leaves the batch at once, so a waiting request joins
+at the next step and a short label answer is never held behind a long free-form one.
+
+Each request's ``deliver`` is called on the loop's thread with every `RowEvent` of its row, or with
+one exception that ends it (`EngineFailed`, `ShuttingDown`, an engine `RequestError`).
+"""
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..engine import QueryPlan, RequestError, RowEvent
+from .metrics import ServerMetrics
+
+log = logging.getLogger("milo.serve")
+IDLE_POLL_S = 0.05  # how often an idle loop looks whether it was told to stop
+
+
+class QueueFull(Exception):
+    """Every queue slot is taken: the client should retry later (503 with Retry-After)."""
+
+
+class NotAccepting(Exception):
+    """The loop is stopping or its engine failed: it takes no new requests."""
+
+
+class EngineFailed(RuntimeError):
+    """The engine raised while running a batch: every row in it, and every waiting request, ends with this."""
+
+
+class ShuttingDown(RuntimeError):
+    """The server stopped before this request was answered."""
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One submitted request, as the loop tracks it."""
+
+    plan: QueryPlan
+    deliver: Callable[[object], None]
+    submitted: float = field(default_factory=time.monotonic)
+    answered: bool = False  # its first event was delivered
+    cancelled: bool = False
+
+
+class EngineLoop:
+    def __init__(self, engine, metrics: ServerMetrics, *, max_batch: int = 16, batch_wait_s: float = 0.005,
+                 max_queue: int = 256):
+        if max_batch < 1 or max_queue < 1 or batch_wait_s < 0:
+            raise ValueError(f"max_batch and max_queue must be at least 1 and batch_wait_s not negative; got "
+                             f"{max_batch}, {max_queue}, {batch_wait_s}")
+        self.engine, self.metrics = engine, metrics
+        self.max_batch, self.batch_wait_s = max_batch, batch_wait_s
+        self.waiting: queue.Queue[Ticket] = queue.Queue(max_queue)
+        self.failure: str | None = None  # what the engine raised, once it has
+        self._cancelled: queue.SimpleQueue[Ticket] = queue.SimpleQueue()
+        self._running: dict[int, Ticket] = {}  # id(plan) -> ticket; the ticket keeps the plan (and its id) alive
+        self._accepting = True
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="milo-engine-loop", daemon=True)
+
+    @property
+    def healthy(self) -> bool:
+        return self.failure is None and self._accepting and self._thread.is_alive()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop_accepting(self) -> None:
+        """Draining: requests already queued or running go on; new ones get `NotAccepting`."""
+        self._accepting = False
+
+    def stop(self, timeout: float | None = None) -> None:
+        """End the loop; what is still queued or running gets `ShuttingDown`."""
+        self._accepting = False
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def submit(self, plan: QueryPlan, deliver: Callable[[object], None]) -> Ticket:
+        """Queue a plan (from any thread); raises `QueueFull` or `NotAccepting`."""
+        if self.failure is not None:
+            raise NotAccepting(f"the engine failed: {self.failure}")
+        if not self._accepting:
+            raise NotAccepting("the server is shutting down")
+        ticket = Ticket(plan, deliver)
+        try:
+            self.waiting.put_nowait(ticket)
+        except queue.Full:
+            raise QueueFull(f"all {self.waiting.maxsize} queue slots are taken") from None
+        self.metrics.waiting.set(self.waiting.qsize())
+        return ticket
+
+    def cancel(self, ticket: Ticket) -> None:
+        """The client left (from any thread): its row leaves the batch at the next iteration."""
+        ticket.cancelled = True
+        self._cancelled.put(ticket)
+
+    # -- the loop's own thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            batch = self.engine.batch()
+            while not self._stop.is_set():
+                self._drop_cancelled(batch)
+                tickets = self._take(self.max_batch - len(batch), idle=len(batch) == 0)
+                if tickets:
+                    self._admit(batch, tickets)
+                if len(batch):
+                    self.metrics.batch_size.observe(len(batch))
+                    self._deliver(batch.step())
+                self.metrics.running.set(len(self._running))
+                self.metrics.waiting.set(self.waiting.qsize())
+        except Exception as e:  # the engine is broken: nothing more can be answered
+            self.failure = f"{type(e).__name__}: {e}"
+            log.exception("engine loop failed")
+            self._end_all(EngineFailed(self.failure))
+        else:
+            self._end_all(ShuttingDown("the server stopped before this request was answered"))
+        self.metrics.running.set(0)
+
+    def _take(self, free: int, *, idle: bool) -> list[Ticket]:
+        """Up to ``free`` queued tickets, not cancelled; an idle loop blocks for the first, then gathers."""
+        taken: list[Ticket] = []
+        if free <= 0:
+            return taken
+        if idle:
+            try:
+                taken.append(self.waiting.get(timeout=IDLE_POLL_S))
+            except queue.Empty:
+                return taken
+        deadline = time.monotonic() + (self.batch_wait_s if idle else 0.0)
+        while len(taken) < free:
+            remaining = deadline - time.monotonic()
+            try:
+                taken.append(self.waiting.get(timeout=remaining) if remaining > 0 else self.waiting.get_nowait())
+            except queue.Empty:
+                break
+        return [t for t in taken if not t.cancelled]
+
+    def _admit(self, batch, tickets: list[Ticket]) -> None:
+        try:
+            events = batch.admit([t.plan for t in tickets])
+        except RequestError as e:  # the plans cannot be served; the batch itself is fine
+            for t in tickets:
+                t.deliver(e)
+            return
+        for t in tickets:
+            self._running[id(t.plan)] = t
+        self.metrics.admitted([t.plan for t in tickets], getattr(batch, "fetch_stats", None) or {})
+        self._deliver(events)
+
+    def _deliver(self, events: list[RowEvent]) -> None:
+        now = time.monotonic()
+        for event in events:
+            ticket = self._running.get(id(event.plan))
+            if ticket is None:  # a cancelled row's last event
+                continue
+            if not ticket.answered:
+                ticket.answered = True
+                self.metrics.ttft.observe(now - ticket.submitted)
+            if event.finished:
+                del self._running[id(event.plan)]
+                self.metrics.finished(event.answer, event.finish_reason, now - ticket.submitted)
+            ticket.deliver(event)
+
+    def _drop_cancelled(self, batch) -> None:
+        while True:
+            try:
+                ticket = self._cancelled.get_nowait()
+            except queue.Empty:
+                return
+            if self._running.pop(id(ticket.plan), None) is ticket:
+                batch.cancel(ticket.plan)
+
+    def _end_all(self, error: Exception) -> None:
+        """Tell every running and queued request that it ends with ``error``."""
+        ended = list(self._running.values())
+        self._running.clear()
+        while True:
+            try:
+                ended.append(self.waiting.get_nowait())
+            except queue.Empty:
+                break
+        for ticket in ended:
+            if not ticket.cancelled:
+                ticket.deliver(error)

@@ -1,0 +1,200 @@
+"""Load test of `milo serve`: real Banking77 test queries from concurrent streaming clients, beside the in-process engine.
+
+For each store, a `milo serve` subprocess on loopback answers ``--requests`` queries at each
+``--concurrency`` (the openai async client, streaming, so time to first token is measured where the
+client sees it): queries/s, p50/p99 latency, p50 time to first token, and the mean batch size from
+the server's own ``milo:batch_size`` histogram. Beside each level, the in-process engine answers the
+same queries in batches of that size (``Engine.answer``, no HTTP, no queue): the server's overhead
+is 1 - server q/s / engine q/s. ``--memory-requests`` more requests then trace the server's
+resident memory (VmRSS) before and after each quarter of them. Prints a markdown table; ``--out``
+also writes JSON. Run:
+
+    HF_HUB_OFFLINE=1 .venv/bin/python tools/bench_serve.py stores/banking77 stores/banking77-r025 \\
+        --concurrency 1,4,16,64 --requests 256 --memory-requests 2000
+"""
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from milo_infer.datasets import load_dataset  # noqa: E402
+from milo_infer.server.launch import store_name  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(store: str, args) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    if args.threads:
+        env["OMP_NUM_THREADS"] = str(args.threads)
+    process = subprocess.Popen([sys.executable, "-m", "milo_infer.cli.main", "serve", store, "--port", str(port),
+                                "--max-batch", str(args.max_batch), "--batch-wait-ms", str(args.batch_wait_ms),
+                                "--model", args.model, "--k", str(args.k)],
+                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return process, base
+        except httpx.TransportError:
+            pass
+        time.sleep(0.25)
+    process.kill()
+    raise SystemExit(f"bench_serve: milo serve {store} did not start (exit {process.poll()})")
+
+
+def resident_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+def batch_histogram(base: str) -> tuple[float, float]:
+    """(sum, count) of the server's batch-size histogram."""
+    values = {}
+    for line in httpx.get(base + "/metrics").text.splitlines():
+        for name in ("milo:batch_size_sum", "milo:batch_size_count"):
+            if line.startswith(name + " "):
+                values[name] = float(line.split()[1])
+    return values["milo:batch_size_sum"], values["milo:batch_size_count"]
+
+
+async def load(base: str, model: str, queries: list[str], concurrency: int) -> dict:
+    """Every query once, ``concurrency`` at a time; latency and time to first token per request."""
+    client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=600)
+    limit = asyncio.Semaphore(concurrency)
+    latency, first = [], []
+
+    async def ask(query: str) -> None:
+        async with limit:
+            start = time.perf_counter()
+            seen = None
+            async for _chunk in await client.completions.create(model=model, prompt=query, stream=True):
+                seen = seen or time.perf_counter()
+            latency.append(time.perf_counter() - start)
+            first.append((seen or time.perf_counter()) - start)
+
+    start = time.perf_counter()
+    try:
+        await asyncio.gather(*(ask(q) for q in queries))
+    finally:
+        await client.close()
+    wall = time.perf_counter() - start
+    return {"qps": len(queries) / wall, "p50_s": float(np.percentile(latency, 50)),
+            "p99_s": float(np.percentile(latency, 99)), "ttft_p50_s": float(np.percentile(first, 50))}
+
+
+def engine_qps(engine, name: str, queries: list[str], batch: int) -> float:
+    """Queries/s of the in-process engine answering ``queries`` in batches of ``batch``."""
+    from milo_infer.engine import Request
+
+    plans = [engine.plan(name, Request(q)) for q in queries]
+    start = time.perf_counter()
+    for i in range(0, len(plans), batch):
+        engine.answer(plans[i:i + batch])
+    return len(plans) / (time.perf_counter() - start)
+
+
+def bench_store(store: str, queries: list[str], loaded, args) -> dict:
+    from milo_infer.engine import Engine
+    from milo_store import MiloStore
+
+    model = store_name(store)
+    process, base = start_server(store, args)
+    mounted = MiloStore.open(store)
+    engine = Engine(loaded, {model: mounted}, k=args.k)
+    rows = []
+    try:
+        asyncio.run(load(base, model, queries[:8], 4))  # warm-up
+        for concurrency in args.concurrency:
+            before = batch_histogram(base)
+            row = asyncio.run(load(base, model, queries[:args.requests], concurrency))
+            after = batch_histogram(base)
+            row["mean_batch"] = (after[0] - before[0]) / max(1.0, after[1] - before[1])
+            row["engine_qps"] = engine_qps(engine, model, queries[:args.requests], min(concurrency, args.max_batch))
+            row["overhead"] = 1 - row["qps"] / row["engine_qps"]
+            rows.append({"concurrency": concurrency, **row})
+            print(f"  {model} c={concurrency}: {row['qps']:.1f} q/s (engine {row['engine_qps']:.1f})", file=sys.stderr)
+        memory = None
+        if args.memory_requests:  # resident memory before, and after each quarter of the run
+            rss = [resident_bytes(process.pid)]
+            many = [queries[i % len(queries)] for i in range(args.memory_requests)]
+            for quarter in np.array_split(np.arange(len(many)), 4):
+                asyncio.run(load(base, model, [many[i] for i in quarter], max(args.concurrency)))
+                rss.append(resident_bytes(process.pid))
+            memory = {"requests": args.memory_requests, "rss": rss, "growth": rss[-1] / rss[0] - 1}
+    finally:
+        mounted.close()
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(120)
+    return {"store": model, "path": store, "levels": rows, "memory": memory, "exit_status": code}
+
+
+def table(results: list[dict]) -> str:
+    lines = ["| store | clients | q/s | p50 s | p99 s | TTFT p50 s | mean batch | engine q/s | overhead |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        for lv in r["levels"]:
+            lines.append(f"| {r['store']} | {lv['concurrency']} | {lv['qps']:.1f} | {lv['p50_s']:.3f} | {lv['p99_s']:.3f} "
+                         f"| {lv['ttft_p50_s']:.3f} | {lv['mean_batch']:.1f} | {lv['engine_qps']:.1f} "
+                         f"| {lv['overhead'] * 100:.0f}% |")
+    for r in results:
+        if r["memory"]:
+            m = r["memory"]
+            trace = " -> ".join(f"{b / 2**20:.0f}" for b in m["rss"])
+            lines.append(f"\n{r['store']}: resident memory {trace} MiB (start, then after each quarter of {m['requests']} "
+                         f"requests: {m['growth'] * 100:+.1f}%); exit status {r['exit_status']}")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("stores", nargs="+", help="store directories (each served on its own, one after another)")
+    ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 64])
+    ap.add_argument("--requests", type=int, default=256, help="requests per concurrency level")
+    ap.add_argument("--memory-requests", type=int, default=2000, help="requests of the memory run (0: skip)")
+    ap.add_argument("--max-batch", type=int, default=64)
+    ap.add_argument("--batch-wait-ms", type=float, default=5.0, help="the server's gathering window (default 5)")
+    ap.add_argument("--k", type=int, default=6)
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads of the server (0: torch's choice)")
+    ap.add_argument("--out", default=None, help="also write the results here as JSON")
+    args = ap.parse_args()
+    from milo_infer.models import load_model
+    from milo_infer.session import place_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    _, test, _ = load_dataset("banking77")
+    queries = [d.input for d in test]
+    loaded = load_model(args.model)
+    place_model(loaded, None)
+    results = [bench_store(store, queries, loaded, args) for store in args.stores]
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()
