@@ -23,7 +23,7 @@ from .scoring import is_correct
 from .session import MAX_NEW_TOKENS, MiloSession
 
 
-EVAL_BATCH = 8  # queries per forward in `milo eval`: about 2x batch 1 on this CPU (docs/benchmarks.md, "Batched execution")
+EVAL_BATCH = 8  # queries per forward in `milo eval`: ~2x batch 1 on a CPU (docs/benchmarks.md)
 
 
 def evaluate(loaded: LoadedModel, store_path, test: list[Demonstration], task: TaskSpec, k: int = 6,
