@@ -58,7 +58,8 @@ def write_tables(rows: list[dict], out, *, header: str = "") -> tuple[Path, Path
 
 
 def _label(row: dict, rows: list[dict]) -> str:
-    """The method's name, plus its ratio and block size where the rows hold more than one of each."""
+    """The method's name, plus its ratio, block size and context blocks where the rows hold more than one
+    of each (prefill's rows have no context blocks: they do not depend on them)."""
     label = row["method"] if row["method"] != DEFAULT else f"default = {row['resolved']}"
     def scaled(r):  # a method whose store changes with the ratio
         return not fixed_ratio(r.get("resolved", r["method"]))
@@ -66,6 +67,8 @@ def _label(row: dict, rows: list[dict]) -> str:
         label += f" ρ={row['ratio_setting']:g}"
     if len({r.get("block_size") for r in rows}) > 1:
         label += f" m={row.get('block_size')}"
+    if row.get("context_blocks") is not None and len({r.get("context_blocks") for r in rows} - {None}) > 1:
+        label += f" w={row['context_blocks']}"
     return label
 
 

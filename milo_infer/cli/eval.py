@@ -165,6 +165,7 @@ def run(args) -> int:
                     row["agreement_prefill"] = agreement(reference, prefilled)
             rows.append({"dataset": name, "seed": seed, "method": m, "resolved": resolve(m, ratio), "store": sname,
                          "k": args.k, "shots": args.shots, "block_size": block_size,
+                         "context_blocks": None if m == PREFILL else args.context_blocks,  # prefill's: any
                          "ratio_setting": stores[sname].ratio, "eval_s": time.perf_counter() - t0,
                          "build": built[sname], "agreement": None if m == "full" else agreement(answers, reference),
                          "agreement_prefill": agreement(answers, prefilled) if prefilled and m != PREFILL else None,

@@ -208,6 +208,9 @@ def test_table_gives_agreement_with_prefill_beside_full_and_time_to_first_token(
     assert "| full | 80.0 [– · 90%] | 80.0 | 1.000 (1.00× smaller) | 0.00 MiB of 0.00 MiB fp16 | 0.50 s | 12 |" in text
     assert "| prefill | 85.0 [90% · –] | 85.0 | no store | none (the model prefills) | 20.00 s | 4,800 |" in text
     assert "| milo | 70.0 [95% · 88%] | 70.0 |" in text and text.rstrip().endswith("| – | – |")
+    rows[0]["context_blocks"], rows[2]["context_blocks"] = 0, 2
+    text = write_tables(rows, tmp_path)[0].read_text()
+    assert "| full w=0 | 80.0 [– · 90%] |" in text and "| milo w=2 |" in text and "| prefill | 85.0" in text
 
 
 def test_prefill_is_fulls_retrieval_without_a_store_of_its_own():
