@@ -54,6 +54,8 @@ class Answer:
     kv_bytes_moved: int = 0  # its share of the bytes its admission really moved (shared blocks once, tier hits none)
     completion_tokens: int = 0
     finish_reason: str = "stop"  # "stop" (label closed, stop string, eos) or "length"
+    first_token_seconds: float = 0.0  # retrieval + its admission's wall time (every row of it waits for the whole)
+    prefill_tokens: int = 0  # tokens the model computed in its admission's forward
 
 
 @dataclass
@@ -148,6 +150,7 @@ class Row:
     next_position: int  # RoPE position of the next token fed
     seconds: dict
     moved: int = 0  # its share of the bytes its admission moved
+    first_token_seconds: float = 0.0
     last_token: int = -1
     sent: int = 0  # characters of text already given out as deltas
     cancelled: bool = False
@@ -188,7 +191,7 @@ class Batch:
         with clock.host("read"):
             fetched = {name: LayerPrefetcher(e.stores[name].store, ids, e.device, depth=e.prefetch_depth,
                                              tier=e.device_tier, pool=e.transfers.get(name))
-                       for name, ids in unions.items()}
+                       for name, ids in unions.items() if ids}  # prefill rows read nothing
         hits = sum(pf.tier_hits for pf in fetched.values())
         for pf in fetched.values():
             clock.defer("transfer", pf.transfer_seconds)
@@ -207,7 +210,8 @@ class Batch:
             where = {b: i for i, b in enumerate(unions[p.store])}
             at = [where[b] for b in p.blocks]
             seg = p.segments.copy()
-            seg[:, :, 0] += np.repeat(fetched[p.store].starts[:, at], H2, axis=1)
+            if p.blocks:
+                seg[:, :, 0] += np.repeat(fetched[p.store].starts[:, at], H2, axis=1)
             segments = torch.from_numpy(seg)
             layout = e.stores[p.store].layout
             store = e.stores[p.store].store
@@ -288,8 +292,10 @@ class Batch:
             return []
         e = self.engine
         clock = StageClock(e.device)
+        t = time.perf_counter()
         cache, valid, logits = self._prefill(plans, False, clock)
         last = logits[:, -1].float().cpu()
+        admission = time.perf_counter() - t
         seconds = clock.read()
         seconds["model"] = max(0.0, seconds.pop("forwards") - seconds.get("wait", 0.0) - seconds.get("reconstruct", 0.0))
         share = {stage: s / len(plans) for stage, s in seconds.items()}
@@ -299,7 +305,8 @@ class Batch:
             decoder = (LabelDecoder(m.trie, e.tokenizer, p.max_new_tokens) if m.trie is not None else
                        GreedyDecoder(e.tokenizer, STOP_STRINGS + tuple(p.request.stop), p.max_new_tokens))
             rows.append(Row(p, decoder, p.prefix_tokens + len(p.query_ids), {"retrieve": p.retrieve_seconds, **share},
-                            moved=self.fetch_stats["bytes"] // len(plans)))
+                            moved=self.fetch_stats["bytes"] // len(plans),
+                            first_token_seconds=p.retrieve_seconds + admission))
         if self.cache is None:
             self.cache, self.valid = cache, valid
         else:  # the running rows' cache is copied anyway: finished rows leave now
@@ -355,7 +362,8 @@ class Batch:
         answer = Answer(text=row.decoder.result().text.strip(), blocks=p.blocks, groups=p.groups,
                         prefix_tokens=p.prefix_tokens, kv_bytes_full=p.kv_bytes_full,
                         kv_bytes_stored=p.kv_bytes_stored, seconds=dict(row.seconds), kv_bytes_moved=row.moved,
-                        completion_tokens=len(row.decoder.ids), finish_reason=reason)
+                        completion_tokens=len(row.decoder.ids), finish_reason=reason,
+                        first_token_seconds=row.first_token_seconds, prefill_tokens=len(p.query_ids))
         return RowEvent(p, delta, True, reason, answer)
 
     def _drop_finished(self) -> None:

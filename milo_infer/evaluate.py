@@ -28,9 +28,11 @@ EVAL_BATCH = 8  # queries per forward in `milo eval`: ~2x batch 1 on a CPU (docs
 
 def evaluate(loaded: LoadedModel, store_path, test: list[Demonstration], task: TaskSpec, k: int = 6,
              n: int | None = None, *, predictions=None, max_new_tokens: int = MAX_NEW_TOKENS,
-             on_answer: Callable[[dict], None] | None = None, batch: int = EVAL_BATCH) -> dict:
+             on_answer: Callable[[dict], None] | None = None, batch: int = EVAL_BATCH, prefill: bool = False) -> dict:
     """Answer the first ``n`` test items from the store, ``batch`` per forward (each row its own
-    retrieval; the predictions are those of one at a time); accuracy, bytes and time per stage.
+    retrieval; the predictions are those of one at a time); accuracy, bytes, time per stage, time to
+    first token and tokens prefilled. ``prefill``: the model prefills the retrieved demonstrations'
+    tokens instead of reading their K/V (`MiloSession`'s ``prefill``).
 
     ``predictions`` (a JSONL path) keeps one line per finished item; items already there are not
     asked again. Its lines carry a key of the store's allocation and ``k``: lines from another
@@ -40,10 +42,10 @@ def evaluate(loaded: LoadedModel, store_path, test: list[Demonstration], task: T
     if not items:
         raise ValueError("no test items to evaluate")
     with MiloStore.open(store_path, tier="host") as store:
-        key = _run_key(store, k, max_new_tokens if task.answer_kind != "label" else MAX_NEW_TOKENS)
+        key = _run_key(store, k, max_new_tokens if task.answer_kind != "label" else MAX_NEW_TOKENS, prefill)
         done = _read_predictions(predictions, key) if predictions is not None else {}
         pending = [item for item in items if item.id not in done]
-        session = MiloSession(loaded, store, k=k, max_new_tokens=max_new_tokens) if pending else None
+        session = MiloSession(loaded, store, k=k, max_new_tokens=max_new_tokens, prefill=prefill) if pending else None
         for start in range(0, len(pending), batch):
             chunk = pending[start:start + batch]
             for item, answer in zip(chunk, session.answer_batch([item.input for item in chunk])):
@@ -51,7 +53,8 @@ def evaluate(loaded: LoadedModel, store_path, test: list[Demonstration], task: T
                 record = {"key": key, "id": item.id, "input": item.input, "reference": reference,
                           "prediction": answer.text, "correct": is_correct(answer.text, reference, task.answer_kind),
                           "blocks": answer.blocks, "groups": answer.groups, "kv_bytes_full": answer.kv_bytes_full,
-                          "kv_bytes_stored": answer.kv_bytes_stored, "seconds": answer.seconds}
+                          "kv_bytes_stored": answer.kv_bytes_stored, "seconds": answer.seconds,
+                          "first_token_seconds": answer.first_token_seconds, "prefill_tokens": answer.prefill_tokens}
                 done[item.id] = record
                 if predictions is not None:
                     with open(predictions, "a", encoding="utf-8") as f:
@@ -68,7 +71,14 @@ def evaluate(loaded: LoadedModel, store_path, test: list[Demonstration], task: T
             "query_kv_bytes_stored": statistics.fmean(r["kv_bytes_stored"] for r in records),
             "query_kv_bytes_full": statistics.fmean(r["kv_bytes_full"] for r in records),
             "store_bytes": acc["total_bytes"], "store_full_fp16_bytes": acc["full_fp16_bytes"],
-            "store_ratio": acc["ratio"], "seconds": stages, "answers": {r["id"]: r["prediction"] for r in records}}
+            "store_ratio": acc["ratio"], "seconds": stages, "first_token_seconds": _mean(records, "first_token_seconds"),
+            "prefill_tokens": _mean(records, "prefill_tokens"), "answers": {r["id"]: r["prediction"] for r in records}}
+
+
+def _mean(records: list[dict], field: str) -> float | None:
+    """The mean of a field over the records that log it (predictions written before it existed do not)."""
+    values = [r[field] for r in records if field in r]
+    return statistics.fmean(values) if values else None
 
 
 def agreement(answers: dict, reference: dict) -> float | None:
@@ -77,11 +87,16 @@ def agreement(answers: dict, reference: dict) -> float | None:
     return sum(answers[i] == reference[i] for i in shared) / len(shared) if shared else None
 
 
-def _run_key(store: MiloStore, k: int, max_new_tokens: int = MAX_NEW_TOKENS) -> str:
+def _run_key(store: MiloStore, k: int, max_new_tokens: int = MAX_NEW_TOKENS, prefill: bool = False) -> str:
     """What a logged answer depends on besides the question (a non-default free-form answer length
-    is added only when set, so logs written before it existed keep their key)."""
-    what = {"allocation": allocation_record(store.meta.get("allocation")), "build": store.meta.get("build"),
+    is added only when set, so logs written before it existed keep their key). A prefilled answer
+    depends on neither the store's allocation nor the context its blocks were encoded in."""
+    build = store.meta.get("build")
+    what = {"allocation": allocation_record(store.meta.get("allocation")), "build": build,
             "model": store.meta.get("model", {}).get("config_hash"), "k": k}
+    if prefill:
+        what = {**what, "allocation": None, "prefill": True,
+                "build": {f: v for f, v in (build or {}).items() if f != "context_blocks"}}
     if max_new_tokens != MAX_NEW_TOKENS:
         what["max_new_tokens"] = max_new_tokens
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]

@@ -6,6 +6,8 @@ bytes, ``global-proj`` (one corpus-wide projection per layer, K/V and head) and 
 demonstration factored alone) — then a quantization (``+int8``, ``+int4``, ``+kivi``) and modifiers
 (``-fullrank`` keeps every direction, isolating the codec's rounding from the truncation; allocation
 policy, scope, K/V split, ``-ks<share>``). ``default`` is whatever `milo build` writes at the run's ratio.
+``prefill`` is no store: the model prefills the demonstrations the ``full`` store retrieves (same
+groups, same order) from their token ids, the plain-prompting baseline every store is measured against.
 """
 from __future__ import annotations
 
@@ -51,11 +53,14 @@ EXAMPLES = ("full", "default", "raw+int8", "raw+kivi", "milo", "milo-fullrank", 
             "milo-ks0.3", "milo+int8", "milo+int4", "milo+kivi", "milo+int8-qaw", "milo+int8-frontier-qaw",
             "global-proj", "example-svd", "example-asvd")
 DEFAULT = "default"  # whatever `milo build` writes at the run's ratio (`default_method`)
+PREFILL = "prefill"  # the model prefills full's retrieved demonstrations itself: full's store, no K/V read
 
 
 @functools.cache
 def method_fields(name: str) -> dict:
     """The CompressionConfig fields a method name stands for (ValueError naming the bad part)."""
+    if name == PREFILL:  # retrieves from full's store
+        return dict(BASES["full"])
     base = max((b for b in BASES if name == b or name.startswith((b + "-", b + "+"))), key=len, default=None)
     if base is None:
         raise ValueError(f"unknown method {name!r}: it must start with one of {', '.join(BASES)}")
@@ -115,6 +120,6 @@ def fixed_ratio(method: str) -> bool:
 
 def store_name(method: str, ratio: float) -> str:
     """Directory name of a method's store: the ratio is part of it only where it changes the store.
-    ``default`` shares the store of the method it stands for."""
-    method = resolve(method, ratio)
+    ``default`` shares the store of the method it stands for, ``prefill`` full's."""
+    method = "full" if method == PREFILL else resolve(method, ratio)
     return method if fixed_ratio(method) else f"{method}-r{ratio:g}"

@@ -11,6 +11,12 @@ Retrieval ranks *groups*, the blocks of m demonstrations the build encoded toget
 blocks are finer (``block_group``: one store block per demonstration, the example-svd baseline)
 puts each selected group's store blocks in order, so every store of one build gives a query the
 same demonstrations in the same order.
+
+A prefill request (``Request(prefill=True)``, the `prefill` method of `milo eval`) retrieves the same
+groups and plans no prefix at all: its "query" is the token ids the store's anchor and retrieved
+blocks were encoded from, then the query's, so the engine's one prefill forward computes every K/V
+itself (no store read, no rebuild). The ids are the stored ones rather than a tokenization of the
+joined text, so the only difference from the `full` store is attention across blocks.
 """
 from __future__ import annotations
 
@@ -44,6 +50,7 @@ class Request:
     token_budget: int | None = None  # or the tokens the retrieved groups may take
     max_new_tokens: int | None = None  # None: a label's length, or MAX_NEW_TOKENS for free-form answers
     stop: tuple[str, ...] = ()  # extra stop strings (free-form answers)
+    prefill: bool = False  # the model prefills the retrieved demonstrations' tokens instead of rebuilding their K/V
 
 
 @dataclass(frozen=True, eq=False)
@@ -51,9 +58,9 @@ class QueryPlan:
     store: str  # the mounted store's name
     request: Request
     groups: list[int]  # retrieved groups, in context order
-    blocks: list[int]  # their store blocks, in context order
-    query_ids: list[int]
-    prefix_tokens: int  # anchor + blocks
+    blocks: list[int]  # their store blocks to rebuild, in context order (none for a prefill request)
+    query_ids: list[int]  # what the prefill forward feeds (a prefill request: anchor, blocks and query)
+    prefix_tokens: int  # anchor + blocks rebuilt from the store (0 for a prefill request)
     dst_rows: np.ndarray  # int64 [n]: each block's first row in the assembled context
     segments: np.ndarray  # int64 [L, n*2*H, 6]: SEGMENT_COLUMNS, src_offset relative to the block's layer slice
     max_new_tokens: int  # the answer's budget
@@ -141,8 +148,23 @@ class MountedStore:
         segments = np.stack([self.layout.layer_segments(self.store.ranks[blocks, l], tokens, dst, zeros)
                              for l in range(self.layout.num_layers)]) if blocks else \
             np.zeros((self.layout.num_layers, 0, 6), np.int64)
+        if request.prefill:
+            return self.prefill_plan(request, groups, blocks, query_ids, budget, seconds)
         stored = int(sum(self.store.offsets[b + 1] - self.store.offsets[b] for b in blocks)) * self.store.itemsize
         return QueryPlan(store=self.name, request=request, groups=groups, blocks=blocks, query_ids=query_ids,
                          prefix_tokens=prefix, dst_rows=dst, segments=segments, max_new_tokens=budget,
                          kv_bytes_full=full_kv_bytes(self.layout, tokens), kv_bytes_stored=stored,
                          retrieve_seconds=seconds)
+
+    def prefill_plan(self, request: Request, groups: list[int], blocks: list[int], query_ids: list[int],
+                     budget: int, seconds: float) -> QueryPlan:
+        """The plan that feeds [anchor ids][each block's ids][query ids] to the model, with nothing to rebuild."""
+        anchor = self.store.meta.get("build", {}).get("anchor_token_ids")
+        texts = [self.store.token_ids(b) for b in blocks]
+        if anchor is None or any(ids is None for ids in texts):
+            raise RequestError(f"{self.store.path} keeps no token ids for its anchor or blocks: prefill needs a "
+                               f"store `milo build` wrote")
+        ids = list(anchor) + [int(t) for block in texts for t in block] + query_ids
+        return QueryPlan(store=self.name, request=request, groups=groups, blocks=[], query_ids=ids, prefix_tokens=0,
+                         dst_rows=np.zeros(0, np.int64), segments=np.zeros((self.layout.num_layers, 0, 6), np.int64),
+                         max_new_tokens=budget, kv_bytes_full=0, kv_bytes_stored=0, retrieve_seconds=seconds)

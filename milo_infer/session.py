@@ -3,7 +3,9 @@
 A thin face of the batched engine (``milo_infer.engine``) over a single store: the context the model
 sees is [anchor][selected blocks][query], keys stored before RoPE and rotated at the positions the
 blocks take in this assembled context, everything the store holds going through
-``milo_kernels.reconstruct_layer``. ``answer_batch`` answers its queries as one batch.
+``milo_kernels.reconstruct_layer``. ``answer_batch`` answers its queries as one batch. A session made
+with ``prefill=True`` retrieves the same blocks and lets the model prefill their tokens instead (the
+plain-prompting baseline).
 """
 import torch
 
@@ -29,12 +31,13 @@ def place_model(loaded: LoadedModel, device) -> torch.device:
 
 
 class MiloSession:
-    """One store, one engine; ``k`` and ``token_budget`` may be changed between calls."""
+    """One store, one engine; ``k`` and ``token_budget`` may be changed between calls. ``prefill``: the
+    model prefills [anchor][retrieved blocks][query] from their token ids, reading no K/V."""
 
     def __init__(self, loaded: LoadedModel, store: MiloStore, *, k: int = 6, token_budget: int | None = None,
                  order: str = "score", device=None, max_new_tokens: int = MAX_NEW_TOKENS, prefetch_depth: int = 2,
-                 aggregate: str = "max", rebuild=rebuild_layer):
-        self.store = store
+                 aggregate: str = "max", rebuild=rebuild_layer, prefill: bool = False):
+        self.store, self.prefill = store, prefill
         self.engine = Engine(loaded, {"store": store}, k=k, token_budget=token_budget, order=order, device=device,
                              max_new_tokens=max_new_tokens, prefetch_depth=prefetch_depth, aggregate=aggregate,
                              rebuild=rebuild)
@@ -51,7 +54,7 @@ class MiloSession:
         self.engine.k = value
 
     def plan(self, text: str, block_ids: list[int] | None = None):
-        return self.engine.plan("store", Request(text), block_ids=block_ids)
+        return self.engine.plan("store", Request(text, prefill=self.prefill), block_ids=block_ids)
 
     def select(self, text: str) -> list[int]:
         """The retrieved groups in context order."""

@@ -24,7 +24,8 @@ def load_rows(paths: list[str], dataset: str | None = None, methods: list[str] |
     for path in paths:
         with open(path, encoding="utf-8") as f:
             for r in json.load(f):
-                key = (r["dataset"], r["seed"], r["method"], r.get("ratio_setting"), r.get("block_size"), r.get("k"))
+                key = (r["dataset"], r["seed"], r["method"], r.get("ratio_setting"), r.get("block_size"), r.get("k"),
+                       r.get("context_blocks"))
                 merged[key] = r
     rows = [r for r in merged.values() if (dataset is None or r["dataset"] == dataset)
             and (methods is None or r["method"] in methods)]

@@ -6,6 +6,8 @@ then the first --test test items are answered from each store. --ratio and --blo
 comma-separated lists, for accuracy-against-ratio and -block-size curves (tools/plot_results.py).
 Everything lands under --out: the stores, one predictions JSONL per run (rerunning the same command
 resumes where it stopped) and results.md / results.json, rewritten after every finished method.
+`prefill` (the model prefilling full's retrieved demonstrations) does not depend on --context-blocks,
+so its predictions sit beside the run folders and serve every --context-blocks of the same --out.
 """
 import itertools
 import os
@@ -23,7 +25,7 @@ from ..build import BuildConfig
 from ..corpus import load_corpus, task_from_corpus
 from ..datasets import DATASETS, load_dataset
 from ..evaluate import EVAL_BATCH, agreement, evaluate
-from ..methods import BASES, DEFAULT, EXAMPLES, MODIFIERS, QUANTS, method_config, resolve, store_name
+from ..methods import BASES, DEFAULT, EXAMPLES, MODIFIERS, PREFILL, QUANTS, method_config, resolve, store_name
 from ..shared_staging import encode_once
 from ..tables import write_tables
 from ..session import MAX_NEW_TOKENS
@@ -39,7 +41,8 @@ def add_arguments(p):
     p.add_argument("--methods", default="full,default,raw+int8", metavar="M",
                    help=f"comma-separated method names, base(+quantization)(-modifier)*: bases "
                         f"{', '.join(BASES)}; modifiers {', '.join(MODIFIERS)}, ks<key share>; quantizations "
-                        f"{', '.join(QUANTS)}; or '{DEFAULT}' (what milo build writes at each ratio). "
+                        f"{', '.join(QUANTS)}; or '{DEFAULT}' (what milo build writes at each ratio), or "
+                        f"'{PREFILL}' (no store: the model prefills the demonstrations full retrieves). "
                         f"E.g. {', '.join(EXAMPLES)} (default full,default,raw+int8)")
     p.add_argument("--shots", type=int, default=512, help="demonstrations stored per data set (default 512)")
     p.add_argument("--ratio", default="0.5", metavar="R[,R]",
@@ -118,11 +121,12 @@ def run(args) -> int:
     command = "milo eval " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if sys.argv[1:2] == ["eval"] else ""
     rows = []
     # a method whose ratio is fixed (full, raw, milo-fullrank) has one store whatever --ratio lists; full
-    # answers first, so that every other method's agreement with it is known when its row is written
+    # then prefill answer first, so that every other method's agreement with them is known when its row
+    # is written (full's agreement with prefill is added to its row once prefill has answered)
     runs = {}  # (method, store name) -> the first ratio naming that store
     for m, r in itertools.product(methods, args.ratios):
         runs.setdefault((m, store_name(m, r)), r)
-    runs = sorted(runs.items(), key=lambda run: run[0][0] != "full")
+    runs = sorted(runs.items(), key=lambda run: (run[0][0] != "full", run[0][0] != PREFILL))
     bar = tqdm(total=len(names) * args.seeds * len(args.block_sizes) * len(runs) * args.test, unit="query",
                desc="eval")
     seeds = range(args.first_seed, args.first_seed + args.seeds)
@@ -133,21 +137,29 @@ def run(args) -> int:
         bar.set_postfix_str(f"{name} seed {seed} b{block_size}: encoding")
         base = BuildConfig(block_size=block_size, context_blocks=args.context_blocks, seed=seed)
         built = encode_once(loaded, demos, task, base, stores, run_dir / "stores", progress=False)
-        reference = {}
+        reference, prefilled, first = {}, {}, len(rows)
         for (m, sname), ratio in runs:
-            bar.set_postfix_str(f"{name} seed {seed} b{block_size}: {sname}")
+            bar.set_postfix_str(f"{name} seed {seed} b{block_size}: {m if m == PREFILL else sname}")
             t0, answered = time.perf_counter(), []
+            predictions = (run_dir.parent / f"seed{seed}-shots{args.shots}-b{block_size}-{PREFILL}" if m == PREFILL
+                           else run_dir / sname)
             result = evaluate(loaded, run_dir / "stores" / sname, test, task, k=args.k,
-                              predictions=run_dir / f"{sname}-k{args.k}{_length_tag(args, task)}.jsonl",
-                              max_new_tokens=args.max_new_tokens, batch=args.batch,
+                              predictions=f"{predictions}-k{args.k}{_length_tag(args, task)}.jsonl",
+                              max_new_tokens=args.max_new_tokens, batch=args.batch, prefill=m == PREFILL,
                               on_answer=lambda r: (answered.append(r), bar.update()))
             bar.update(result["n"] - len(answered))  # items resumed from the predictions file
             answers = result.pop("answers")
             reference = answers if m == "full" else reference
+            if m == PREFILL:
+                prefilled = answers
+                for row in rows[first:]:  # full's row, answered before
+                    row["agreement_prefill"] = agreement(reference, prefilled)
             rows.append({"dataset": name, "seed": seed, "method": m, "resolved": resolve(m, ratio), "store": sname,
                          "k": args.k, "shots": args.shots, "block_size": block_size,
+                         "context_blocks": None if m == PREFILL else args.context_blocks,  # prefill's: any
                          "ratio_setting": stores[sname].ratio, "eval_s": time.perf_counter() - t0,
                          "build": built[sname], "agreement": None if m == "full" else agreement(answers, reference),
+                         "agreement_prefill": agreement(answers, prefilled) if prefilled and m != PREFILL else None,
                          **result})
             header = _header(args, command, started, loaded.identity["name"])
             write_tables(rows, out, header=header)

@@ -16,7 +16,7 @@ from milo_infer.cli.eval import check
 from milo_infer.corpus import load_corpus, task_from_corpus
 from milo_infer.cli.build import add_arguments as build_arguments, compression_config
 from milo_infer.evaluate import agreement, evaluate
-from milo_infer.methods import default_method, method_config, store_name
+from milo_infer.methods import default_method, fixed_ratio, method_config, store_name
 from milo_infer.shared_staging import encode_once
 from milo_infer.tables import write_tables
 
@@ -196,6 +196,26 @@ def test_agreement_counts_equal_answers_on_shared_items(tmp_path):
     text = write_tables(rows, tmp_path)[0].read_text()
     assert "| full | 80.0 | 80.0 |" in text and "| raw+int8 | 70.0 [90%] |" in text
     assert "| default = milo+int8-qaw | 75.0 [96%] |" in text
+
+
+def test_table_gives_agreement_with_prefill_beside_full_and_time_to_first_token(tmp_path):
+    rows = [{**_row("full", "a", 0.8, 1000), "agreement": None, "agreement_prefill": 0.9,
+             "first_token_seconds": 0.5, "prefill_tokens": 12},
+            {**_row("prefill", "a", 0.85, 1000), "agreement": 0.9, "first_token_seconds": 20.0,
+             "prefill_tokens": 4800},
+            {**_row("milo", "a", 0.7, 250), "agreement": 0.95, "agreement_prefill": 0.88}]
+    text = write_tables(rows, tmp_path)[0].read_text()
+    assert "| full | 80.0 [– · 90%] | 80.0 | 1.000 (1.00× smaller) | 0.00 MiB of 0.00 MiB fp16 | 0.50 s | 12 |" in text
+    assert "| prefill | 85.0 [90% · –] | 85.0 | no store | none (the model prefills) | 20.00 s | 4,800 |" in text
+    assert "| milo | 70.0 [95% · 88%] | 70.0 |" in text and text.rstrip().endswith("| – | – |")
+    rows[0]["context_blocks"], rows[2]["context_blocks"] = 0, 2
+    text = write_tables(rows, tmp_path)[0].read_text()
+    assert "| full w=0 | 80.0 [– · 90%] |" in text and "| milo w=2 |" in text and "| prefill | 85.0" in text
+
+
+def test_prefill_is_fulls_retrieval_without_a_store_of_its_own():
+    assert store_name("prefill", 0.25) == "full" and method_config("prefill", 0.25).codec == "identity"
+    assert fixed_ratio("prefill")
 
 
 def test_methods_and_arguments_are_checked_before_any_model_load():

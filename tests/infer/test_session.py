@@ -42,6 +42,20 @@ def test_one_block_identity_equals_plain_forward(tmp_path, default_model, defaul
     assert torch.allclose(ours, ref, atol=1e-4, rtol=0), (ours - ref).abs().max()
 
 
+def test_prefill_of_one_identity_block_at_no_context_equals_full(tmp_path, default_model):
+    """With --context-blocks 0 and one block, the store's K/V is what a prompt's prefill computes: the
+    `prefill` baseline and `full` must give the same logits, and prefill those of a plain forward."""
+    store = small_store(tmp_path, default_model, "s", n=6, block_size=6, w=0, codec="identity")
+    full, prefill = MiloSession(default_model, store), MiloSession(default_model, store, prefill=True)
+    q = full.query_ids(QUERY)
+    ids = store.meta["build"]["anchor_token_ids"] + store.token_ids(0).tolist() + q
+    assert prefill.plan(QUERY, block_ids=[0]).query_ids == ids
+    prefilled = prefill.logits(QUERY, block_ids=[0])
+    assert torch.allclose(prefilled, plain_forward_logits(default_model.model, ids), atol=1e-4, rtol=0)
+    ours = full.logits(QUERY, block_ids=[0])
+    assert torch.allclose(prefilled[-len(q):], ours, atol=1e-4, rtol=0), (prefilled[-len(q):] - ours).abs().max()
+
+
 def test_several_blocks_identity_equals_a_transformers_only_reference(tmp_path, default_model):
     """Reference from transformers' pieces alone: each block's forward in its encoding context, its
     cached post-RoPE keys rotated back and forth with the model's rotary embedding, a DynamicCache."""
