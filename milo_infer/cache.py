@@ -88,17 +88,19 @@ class BatchCache(Cache):
         if capacity < length:
             raise ValueError(f"capacity {capacity} is below the {length} columns in use")
         for l, layer in enumerate(self.layers):
-            parts = [(layer.k_buf.index_select(0, keep), layer.v_buf.index_select(0, keep), layer.length)]
+            # the kept rows' columns in use only: gathering whole buffers would copy their unused capacity too
+            n = layer.length
+            parts = [(layer.k_buf[:, :, :n].index_select(0, keep), layer.v_buf[:, :, :n].index_select(0, keep))]
             if other is not None:
                 o = other.layers[l]
-                parts.append((o.k_buf, o.v_buf, o.length))
-            rows = sum(k.shape[0] for k, _, _ in parts)
+                parts.append((o.k_buf[:, :, :o.length], o.v_buf[:, :, :o.length]))
+            rows = sum(k.shape[0] for k, _ in parts)
             H, d = layer.k_buf.shape[1], layer.k_buf.shape[3]
             k_buf = torch.zeros(rows, H, capacity, d, dtype=layer.dtype, device=layer.device)
             v_buf = torch.zeros_like(k_buf)
             at = 0
-            for k, v, n in parts:
-                k_buf[at:at + k.shape[0], :, :n] = k[:, :, :n]
-                v_buf[at:at + k.shape[0], :, :n] = v[:, :, :n]
+            for k, v in parts:
+                k_buf[at:at + k.shape[0], :, :k.shape[2]] = k
+                v_buf[at:at + k.shape[0], :, :k.shape[2]] = v
                 at += k.shape[0]
             layer.k_buf, layer.v_buf, layer.length = k_buf, v_buf, length

@@ -17,6 +17,7 @@ step it took part in), so the seconds of a run's answers add up to the run.
 """
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -385,7 +386,9 @@ class Batch:
         row's budget (a copy, once per change of the batch's rows)."""
         kept = [self.rows[i] for i in keep.tolist()]
         length = max(self.cache.length, other.length if other is not None else 0)
-        room = max((row.plan.max_new_tokens - len(row.decoder.ids) for row in kept + joining), default=0)
+        # columns are shared: only rows still decoding decide how many more steps the batch takes
+        room = max((row.plan.max_new_tokens - len(row.decoder.ids) for row in kept + joining if not row.finished),
+                   default=0)
         capacity = length + room + 1
         keep_dev = keep.to(self.engine.device)
         self.cache.regroup(keep_dev, other, capacity)
@@ -400,5 +403,4 @@ class Batch:
 def cache_keyword(model) -> str:
     """The name under which this model's forward takes a cache: transformers 5 renamed
     ``past_key_values`` to ``cache`` between 5.17 and 5.24, and passes an unknown name on silently."""
-    import inspect
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

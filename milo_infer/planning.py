@@ -144,12 +144,12 @@ class MountedStore:
             raise RequestError(f"the assembled context ({prefix} tokens of anchor and blocks + {len(query_ids)} "
                                f"for the query + {budget + 1} for the answer) exceeds the model's {max_positions} "
                                f"positions; lower k or set a token budget")
+        if request.prefill:  # nothing to rebuild: no segment tables
+            return self.prefill_plan(request, groups, blocks, query_ids, budget, seconds)
         zeros = np.zeros(len(blocks), np.int64)
         segments = np.stack([self.layout.layer_segments(self.store.ranks[blocks, l], tokens, dst, zeros)
                              for l in range(self.layout.num_layers)]) if blocks else \
             np.zeros((self.layout.num_layers, 0, 6), np.int64)
-        if request.prefill:
-            return self.prefill_plan(request, groups, blocks, query_ids, budget, seconds)
         stored = int(sum(self.store.offsets[b + 1] - self.store.offsets[b] for b in blocks)) * self.store.itemsize
         return QueryPlan(store=self.name, request=request, groups=groups, blocks=blocks, query_ids=query_ids,
                          prefix_tokens=prefix, dst_rows=dst, segments=segments, max_new_tokens=budget,
