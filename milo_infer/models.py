@@ -244,7 +244,11 @@ def model_identity(model) -> dict:
     ``config_hash`` covers the config fields that shape or change the cached keys and values (the
     architecture, sizes, norm, and RoPE), not the weights: ``name`` says which weights.
     """
-    config = model.config
+    return config_identity(model.config, model.dtype)
+
+
+def config_identity(config, dtype) -> dict:
+    """`model_identity` from a model's config alone (what another engine, vLLM, loaded the weights with)."""
     rope = dict(config.rope_parameters or {})
     kv_fields = {
         "model_type": config.model_type,
@@ -276,7 +280,7 @@ def model_identity(model) -> dict:
             "scaling": rope if rope.get("rope_type", "default") != "default" else None,
         },
         "max_position_embeddings": config.max_position_embeddings,
-        "dtype": str(model.dtype).removeprefix("torch."),
+        "dtype": str(dtype).removeprefix("torch."),
     }
 
 
@@ -392,7 +396,22 @@ def rope_tables(model, n_rows: int, device=None) -> tuple[torch.Tensor, torch.Te
     them with ``milo_kernels.naive.apply_rope(x, cos, sin, interleaved=False)``.
     """
     rotary = getattr(model, "model", model).rotary_emb
-    device = torch.device(device) if device is not None else rotary.inv_freq.device
+    return _rotary_tables(rotary, n_rows, torch.device(device) if device is not None else rotary.inv_freq.device)
+
+
+def config_rope_tables(config, n_rows: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rope_tables` without the model: its architecture's rotary module, made from ``config`` alone."""
+    modeling = importlib.import_module(f"transformers.models.{config.model_type}.modeling_{config.model_type}")
+    rotary_classes = [obj for name, obj in vars(modeling).items() if name.endswith("RotaryEmbedding")
+                      and isinstance(obj, type) and obj.__module__ == modeling.__name__]
+    if len(rotary_classes) != 1:
+        raise ValueError(f"cannot tell the rotary embedding of model type {config.model_type!r} "
+                         f"({len(rotary_classes)} candidates in {modeling.__name__})")
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    return _rotary_tables(rotary_classes[0](config=config).to(device), n_rows, device)
+
+
+def _rotary_tables(rotary, n_rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     probe = torch.empty(0, dtype=torch.float32, device=device)  # only its dtype and device are read
     positions = torch.arange(n_rows, device=device)[None]
     with torch.no_grad():
