@@ -90,24 +90,7 @@ def load_model(spec: str | os.PathLike = "default", *, dtype: torch.dtype = torc
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    if str(spec) == "default":
-        directory = _converted_gguf(default_gguf_path())
-    else:
-        path = Path(spec).expanduser()
-        if path.is_file() and path.suffix == ".gguf":
-            directory = _converted_gguf(path)
-        elif path.is_dir():
-            if not (path / "config.json").is_file():
-                raise FileNotFoundError(f"model directory {path} has no config.json (not a Hugging Face model folder)")
-            directory = path
-        elif path.exists():
-            raise ValueError(f"model file {path} is not a .gguf file; give a .gguf file or an HF model directory")
-        else:
-            raise FileNotFoundError(
-                f"model {str(spec)!r}: no such file or directory {path.resolve()} "
-                "(expected 'default', a Hugging Face model directory, or a .gguf file)"
-            )
-
+    directory = model_directory(spec)
     check_supported(AutoConfig.from_pretrained(directory))  # before spending time on the weights
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
     if arch is not None and arch != model.config.model_type:
@@ -117,6 +100,24 @@ def load_model(spec: str | os.PathLike = "default", *, dtype: torch.dtype = torc
     model.eval().requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(directory)
     return LoadedModel(model=model, tokenizer=tokenizer, identity=model_identity(model))
+
+
+def model_directory(spec) -> Path:
+    """The Hugging Face model directory ``spec`` names (`load_model`'s specs; a GGUF is converted once):
+    what another engine, vLLM, loads the same weights from."""
+    if str(spec) == "default":
+        return _converted_gguf(default_gguf_path())
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return _converted_gguf(path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model directory {path} has no config.json (not a Hugging Face model folder)")
+        return path
+    if path.exists():
+        raise ValueError(f"model file {path} is not a .gguf file; give a .gguf file or an HF model directory")
+    raise FileNotFoundError(f"model {str(spec)!r}: no such file or directory {path.resolve()} "
+                            "(expected 'default', a Hugging Face model directory, or a .gguf file)")
 
 
 def _converted_gguf(gguf: Path) -> Path:
