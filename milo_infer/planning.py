@@ -82,21 +82,20 @@ def check_compatible(store: MiloStore, identity: dict) -> None:
         raise IncompatibleStoreError(f"{store.path} was built for another model ({stored.get('name')}): " + "; ".join(wrong))
 
 
-class MountedStore(StorePrefix):
-    """A store ready to answer from: its anchor and block placement (`StorePrefix`), retriever, task and
-    label trie."""
+class StoreQueries:
+    """What a query needs from a store besides its K/V: the retriever, the task's query rendering and its
+    label trie (a client that sends requests to another engine needs only this)."""
 
-    def __init__(self, name: str, store: MiloStore, tokenizer, cos: torch.Tensor, sin: torch.Tensor, device, dtype,
-                 aggregate: str = "max"):
-        super().__init__(name, store, cos, sin, device, dtype)
+    def __init__(self, store: MiloStore, tokenizer, aggregate: str = "max"):
         self.tokenizer = tokenizer
         self.task = TaskSpec(**{**store.meta["task"], "labels": tuple(store.meta["task"].get("labels", ()))})
         self.retriever = store_retriever(store, aggregate=aggregate)
         self.trie = LabelTrie(tokenizer, list(self.task.labels)) if self.task.answer_kind == "label" else None
+        self.num_groups = store.num_groups
 
     def select(self, text: str, k: int, token_budget: int | None, order: str) -> list[int]:
         """The retrieved groups in context order (k and token_budget count groups and their tokens)."""
-        ids = self.retriever.select(text, k=min(k, self.store.num_groups), token_budget=token_budget)
+        ids = self.retriever.select(text, k=min(k, self.num_groups), token_budget=token_budget)
         return order_blocks(ids, self.retriever.scores(text), order=order)
 
     def query_ids(self, text: str) -> list[int]:
@@ -110,6 +109,16 @@ class MountedStore(StorePrefix):
         if self.trie is not None:
             return min(self.trie.max_tokens, asked) if asked is not None else self.trie.max_tokens
         return asked if asked is not None else default
+
+
+class MountedStore(StorePrefix, StoreQueries):
+    """A store ready to answer from: its anchor and block placement (`StorePrefix`) and its queries'
+    retrieval, rendering and labels (`StoreQueries`)."""
+
+    def __init__(self, name: str, store: MiloStore, tokenizer, cos: torch.Tensor, sin: torch.Tensor, device, dtype,
+                 aggregate: str = "max"):
+        StorePrefix.__init__(self, name, store, cos, sin, device, dtype)
+        StoreQueries.__init__(self, store, tokenizer, aggregate)
 
     def plan(self, request: Request, *, k: int, token_budget: int | None, order: str, max_new_tokens: int,
              max_positions: int, block_ids: list[int] | None = None) -> QueryPlan:

@@ -2,8 +2,8 @@
 
 A `StorePrefix` is a store's anchor K/V, rotated once onto the device (the anchor always sits at
 positions 0..Ta-1), and the plan of any blocks placed after it: each block's first row and every
-layer's segment table. A `PrefixRebuild` takes rows (anything with ``store``, ``blocks``,
-``segments`` and ``prefix_tokens``: a `QueryPlan`, or a vLLM request's load), fetches each store's
+layer's segment table. A `PrefixRebuild` takes rows (`PrefixRow`s, or `QueryPlan`s, which have
+the same fields), fetches each store's
 union of their blocks once (a block several rows use crosses the link once), streams those factors a
 layer ahead, and rebuilds any layer of every row's prefix, keys rotated at that row's positions,
 into buffers the caller owns. It knows nothing of models or of how the rows' tokens are attended to.
@@ -44,6 +44,15 @@ def prefix_token_ids(store: MiloStore, blocks: list[int]) -> list[int] | None:
     if anchor is None or any(ids is None for ids in texts):
         return None
     return [int(t) for t in anchor] + [int(t) for block in texts for t in block]
+
+
+@dataclass(frozen=True)
+class PrefixRow:
+    """A row as `PrefixRebuild` takes it (a `QueryPlan` has the same fields)."""
+    store: str
+    blocks: list[int]
+    segments: np.ndarray
+    prefix_tokens: int
 
 
 class StorePrefix:
