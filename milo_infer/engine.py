@@ -66,6 +66,7 @@ class RowEvent:
     finished: bool
     finish_reason: str | None = None
     answer: Answer | None = None
+    error: Exception | None = None  # the row ended with this instead of an answer (another engine's failure)
 
 
 class Engine:

@@ -8,8 +8,9 @@ Select it with::
 
 (extra keys: ``tier``, ``memory_cache_bytes``, ``block_cache_dir``, ``block_cache_bytes``, as `MiloStore.open`
 takes them). Scheduler side: a request whose ``kv_transfer_params`` name a store and blocks and whose prompt
-begins with exactly the token ids that store encoded them from (`transfer.PrefixClaims`) has the
-vLLM-block-aligned part of that prefix claimed as externally computed; every other request is plain
+begins with exactly the token ids that store encoded them from (`transfer.PrefixClaims`) has that
+whole prefix claimed as externally computed (a partial last vLLM block included, so the K/V are the
+store's, exactly as milo's own engine would rebuild them); every other request is plain
 vLLM. Worker side: each step's claimed requests are rebuilt together (`PrefixRebuild`: each store's
 union of their blocks fetched once, then one layer at a time), keys rotated at the request's own
 positions (vLLM's paged cache holds keys after RoPE), and written through the attention backend's own
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
+UNREADABLE = (StoreError, OSError)  # a block failing its checksum; a read that failed after its retries
 logger = init_logger(f"vllm.{__name__}")  # vLLM configures handlers for its own namespace only
 
 
@@ -65,11 +67,12 @@ class MiloConnectorMetadata(KVConnectorMetadata):
     loads: list[Load] = field(default_factory=list)
 
 
-def open_stores(extra: dict) -> dict[str, MiloStore]:
+def open_stores(extra: dict, metadata_only: bool) -> dict[str, MiloStore]:
+    """The configured stores; ``metadata_only`` (the scheduler: token ids, never factors) mounts them from disk."""
     stores = extra.get("stores")
     if not isinstance(stores, dict) or not stores:
         raise ValueError("MiloConnector needs kv_connector_extra_config {'stores': {name: store path or URL}}")
-    options: dict[str, Any] = {"tier": extra.get("tier", "host")}
+    options: dict[str, Any] = {"tier": "disk" if metadata_only else extra.get("tier", "host")}
     if "memory_cache_bytes" in extra:
         options["memory_cache_bytes"] = int(extra["memory_cache_bytes"])
     if "block_cache_dir" in extra or "block_cache_bytes" in extra:
@@ -83,7 +86,8 @@ class MiloConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.block_size = vllm_config.cache_config.block_size
-        self.stores = open_stores(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.stores = open_stores(self._kv_transfer_config.kv_connector_extra_config or {},
+                                  metadata_only=role == KVConnectorRole.SCHEDULER)
         model_config = vllm_config.model_config
         identity = config_identity(model_config.hf_config, model_config.dtype)
         for store in self.stores.values():
@@ -96,6 +100,7 @@ class MiloConnector(KVConnectorBase_V1):
         self._prefixes: dict[str, StorePrefix] | None = None
         self._rebuild: PrefixRebuild | None = None
         self._loads: list[Load] = []
+        self._slots: list[torch.Tensor] = []
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
         self._load_errors: set[int] = set()
         self._forward_context = None
@@ -110,8 +115,9 @@ class MiloConnector(KVConnectorBase_V1):
             if request.kv_transfer_params:
                 logger.warning("request %s is served without the store: %s", request.request_id, why)
             return 0, False
-        # whole vLLM blocks only, and never the prompt's last token (vLLM computes it to sample from)
-        end = min(claim.prefix_tokens, len(prompt) - 1) // self.block_size * self.block_size
+        # the whole prefix, as milo's engine rebuilds it (vLLM takes a sub-block tail), but never the
+        # prompt's last token: vLLM computes that one to sample from
+        end = min(claim.prefix_tokens, len(prompt) - 1)
         if end <= num_computed_tokens:
             return 0, False
         self._claimed[request.request_id] = (claim, num_computed_tokens, end)
@@ -176,13 +182,13 @@ class MiloConnector(KVConnectorBase_V1):
         loads = meta.loads
         try:
             rebuild = PrefixRebuild(self._prefixes, self._rows(loads), self.cos, self.sin, self.device)
-        except StoreError:  # find the requests whose blocks fail; the others still load
+        except UNREADABLE:  # find the requests whose blocks fail; the others still load
             readable = []
             for load in loads:
                 try:
                     PrefixRebuild(self._prefixes, self._rows([load]), self.cos, self.sin, self.device)
                     readable.append(load)
-                except StoreError as err:
+                except UNREADABLE as err:
                     logger.error("request %s: its prefix from store %r is not loaded (%s)", load.req_id, load.store,
                                  err)
                     self._load_errors.update(load.block_ids)
@@ -190,6 +196,7 @@ class MiloConnector(KVConnectorBase_V1):
             rebuild = PrefixRebuild(self._prefixes, self._rows(loads), self.cos, self.sin, self.device) \
                 if loads else None
         self._rebuild, self._loads = rebuild, loads
+        self._slots = [torch.tensor(load.slots, dtype=torch.long, device=self.device) for load in loads]
         if rebuild is not None:
             rows = rebuild.rows
             layout = self._prefixes[rows[0].store].layout  # stores of one model share K/V shapes
@@ -206,10 +213,9 @@ class MiloConnector(KVConnectorBase_V1):
         layer = self._forward_context.no_compile_layers[layer_name]
         k_buf, v_buf = self._buffers
         self._rebuild.fill(extract_layer_index(layer_name), k_buf, v_buf)
-        for r, load in enumerate(self._loads):
+        for r, (load, slots) in enumerate(zip(self._loads, self._slots)):
             keys = k_buf[r, :, load.start:load.end].transpose(0, 1).contiguous()  # [T, H, d]
             values = v_buf[r, :, load.start:load.end].transpose(0, 1).contiguous()
-            slots = torch.tensor(load.slots, dtype=torch.long, device=self.device)
             layer.impl.do_kv_cache_update(layer, keys, values, layer.kv_cache, slots)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
