@@ -124,11 +124,16 @@ def _converted_gguf(gguf: Path) -> Path:
     """Return the safetensors cache of ``gguf``, converting it first when missing or stale.
 
     The conversion is written into a temporary sibling folder and renamed into place, so a killed
-    conversion leaves no half cache; a cache whose source file changed (size or mtime) is redone.
+    conversion leaves no half cache; a cache whose source file's content changed is redone. The cache
+    is keyed by the file's content, not its path: two venvs (milo's and vLLM's) that each install the
+    default model's package share one conversion instead of redoing it in turn under each other.
     """
     gguf = gguf.resolve()
-    stat = gguf.stat()
-    source = {"gguf": str(gguf), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    digest = hashlib.sha256()
+    with gguf.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    source = {"gguf": gguf.name, "size": gguf.stat().st_size, "sha256": digest.hexdigest()}
     target = cache_root() / "models" / gguf.stem
     marker = target / _SOURCE_FILE
     if marker.is_file() and json.loads(marker.read_text()) == source:

@@ -1,6 +1,7 @@
 """vLLM with the milo connector against vLLM prefilling the same prompts itself: agreement, accuracy, TTFT, qps.
 
-Starts one vLLM server (CPU or CUDA: its venv's build) with the connector over the given stores and
+Runs in milo's venv and starts one vLLM server from vLLM's (``$MILO_VLLM_PYTHON``, default
+``.venv-vllm/bin/python``: CPU or CUDA, its venv's build) with the connector over the given stores and
 prefix caching off, so a request without ``kv_transfer_params`` is a true prefill of the very same
 token ids. For each test query (the same retrieval for every store: they must come from one build):
 
@@ -10,7 +11,7 @@ token ids. For each test query (the same retrieval for every store: they must co
 * at concurrency 1 and ``--concurrency``: time to first token (a 1-token request's latency) and
   queries per second, with the store and without.
 
-    .venv-vllm/bin/python tools/bench_vllm.py --dataset banking77 --n-queries 100 --k 6 \\
+    .venv/bin/python tools/bench_vllm.py --dataset banking77 --n-queries 100 --k 6 \\
         --store full=DIR --store r0.5=DIR --store r0.25=DIR --out results.json
 """
 import argparse
@@ -42,7 +43,8 @@ def start(stores: dict[str, str], port: int, log: Path, vllm_args: list[str]) ->
         raise SystemExit("each store needs its own basename (the connector's name for it)")
     args = ["--host", "127.0.0.1", "--port", str(port), "--no-enable-prefix-caching",
             "--enable-prompt-tokens-details", *vllm_args]
-    cmd = launch.command(list(stores.values()), vllm_args=tuple(args))
+    python = os.environ.get("MILO_VLLM_PYTHON") or str(Path(__file__).resolve().parents[1] / ".venv-vllm/bin/python")
+    cmd = launch.command(list(stores.values()), vllm_args=tuple(args), python=python)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "HF_HUB_OFFLINE": "1"}
     process = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
     deadline = time.monotonic() + 900

@@ -1,5 +1,6 @@
 """The model adapter: pre-RoPE capture + our RoPE tables must reproduce the model's own KV cache."""
 import json
+import shutil
 
 import pytest
 import torch
@@ -54,6 +55,19 @@ def test_default_model_is_cached_and_reloads_fast(default_model):
     assert (folder / "model.safetensors").stat().st_mtime_ns == written
     assert again.identity == default_model.identity
     json.dumps(default_model.identity)
+
+
+@pytest.mark.slow
+def test_a_copy_of_the_gguf_elsewhere_shares_the_conversion(default_model, tmp_path):
+    """Another venv's install of the same package (vLLM's) must not redo the conversion under this one."""
+    from milo_infer.models import _converted_gguf, default_gguf_path
+
+    folder = cache_root() / "models" / "SmolLM2-135M-Instruct.Q4_1"
+    written = (folder / "model.safetensors").stat().st_mtime_ns
+    copy = tmp_path / default_gguf_path().name
+    shutil.copyfile(default_gguf_path(), copy)
+    assert _converted_gguf(copy) == folder
+    assert (folder / "model.safetensors").stat().st_mtime_ns == written
 
 
 @pytest.mark.slow
