@@ -22,20 +22,19 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-import numpy as np
 import torch
 import transformers
 
-from milo_kernels import kernel_backend, plan_layers, reconstruct_layer
 from milo_store import MiloStore
 from milo_store.device_tier import DeviceTier
-from milo_store.prefetch import LayerPrefetcher, TransferPool
+from milo_store.prefetch import TransferPool
 
 from .cache import BatchCache
 from .decoding import GreedyDecoder, LabelDecoder
 from .models import LoadedModel, rope_tables
 from .planning import (MAX_NEW_TOKENS, STOP_STRINGS, MountedStore, QueryPlan, Request, RequestError,
                        check_compatible)
+from .prefix import PrefixRebuild, rebuild_layer
 from .timing import StageClock
 
 __all__ = ["Answer", "Batch", "Engine", "QueryPlan", "Request", "RequestError", "RowEvent"]
@@ -67,11 +66,7 @@ class RowEvent:
     finished: bool
     finish_reason: str | None = None
     answer: Answer | None = None
-
-
-def rebuild_layer(factors, segments, out_k, out_v, cos, sin, *, interleaved, quant, plan=None) -> None:
-    """The default rebuild: the kernels' reconstruction (Triton on CUDA, the CPU path otherwise)."""
-    reconstruct_layer(factors, segments, out_k, out_v, cos, sin, interleaved=interleaved, quant=quant, plan=plan)
+    error: Exception | None = None  # the row ended with this instead of an answer (another engine's failure)
 
 
 class Engine:
@@ -184,63 +179,16 @@ class Batch:
         """A cache for these plans whose first forward rebuilds every row's prefix, its column mask, and
         the column where the queries start and end. The union of each store's blocks is fetched once."""
         e = self.engine
-        by_store: dict[str, list[int]] = {}
-        for p in plans:
-            by_store.setdefault(p.store, [])
-            by_store[p.store] += p.blocks
-        unions = {name: list(dict.fromkeys(blocks)) for name, blocks in by_store.items()}
-        with clock.host("read"):
-            fetched = {name: LayerPrefetcher(e.stores[name].store, ids, e.device, depth=e.prefetch_depth,
-                                             tier=e.device_tier, pool=e.transfers.get(name))
-                       for name, ids in unions.items() if ids}  # prefill rows read nothing
-        hits = sum(pf.tier_hits for pf in fetched.values())
-        for pf in fetched.values():
-            clock.defer("transfer", pf.transfer_seconds)
-            if pf.store.remote:  # this batch's own block cache misses of a store URL
-                clock.defer("remote", lambda pf=pf: pf.read_stats.remote_seconds)
-        self.fetch_stats = {
-            "rows": len(plans), "blocks": sum(len(p.blocks) for p in plans),
-            "unique_blocks": sum(len(u) for u in unions.values()),
-            "device_hits": hits,
-            "buffer_bytes": sum(pf.buffer_bytes for pf in fetched.values()),
-            "bytes": sum(pf.bytes_moved for pf in fetched.values()),
-            "bytes_without_union": sum(p.kv_bytes_stored for p in plans)}
-        H2 = 2 * e.stores[plans[0].store].layout.num_kv_heads
-        tables = []
-        for p in plans:
-            where = {b: i for i, b in enumerate(unions[p.store])}
-            at = [where[b] for b in p.blocks]
-            seg = p.segments.copy()
-            if p.blocks:
-                seg[:, :, 0] += np.repeat(fetched[p.store].starts[:, at], H2, axis=1)
-            segments = torch.from_numpy(seg)
-            layout = e.stores[p.store].layout
-            store = e.stores[p.store].store
-            plans_l = (plan_layers(segments, layout.head_dim, factor_dtype=store.torch_dtype, device=e.device,
-                                   quant=layout.quant) if kernel_backend(e.device) == "triton" and len(p.blocks)
-                       else [None] * layout.num_layers)
-            tables.append((segments, plans_l))
+        rebuild = PrefixRebuild(e.stores, plans, e.cos, e.sin, e.device, depth=e.prefetch_depth, tier=e.device_tier,
+                                pools=e.transfers, rebuild=e.rebuild, clock=clock)
+        self.fetch_stats = {**rebuild.fetch_stats, "bytes_without_union": sum(p.kv_bytes_stored for p in plans)}
         prefix_end = max(p.prefix_tokens for p in plans)
         query_len = max(len(p.query_ids) for p in plans)
         start, end = prefix_end, prefix_end + query_len
         capacity = end + max(p.max_new_tokens for p in plans)
-
-        def fill(layer: int, k_buf: torch.Tensor, v_buf: torch.Tensor) -> None:
-            with clock.device_stage("wait"):
-                factors = {name: pf.layer(layer)[0] for name, pf in fetched.items()}
-            with clock.device_stage("reconstruct"):
-                for r, (p, (segments, layer_plans)) in enumerate(zip(plans, tables)):
-                    m = e.stores[p.store]
-                    k_buf[r, :, :m.anchor_len] = m.anchor_k[layer]
-                    v_buf[r, :, :m.anchor_len] = m.anchor_v[layer]
-                    if p.blocks:
-                        e.rebuild(factors[p.store], segments[layer], k_buf[r, :, :p.prefix_tokens],
-                                  v_buf[r, :, :p.prefix_tokens], e.cos, e.sin, interleaved=m.rope_interleaved,
-                                  quant=m.layout.quant, plan=layer_plans[layer])
-
         layout = e.stores[plans[0].store].layout
         cache = BatchCache(layout.num_layers, len(plans), start, capacity, (layout.num_kv_heads, layout.head_dim),
-                           e.dtype, e.device, fill)
+                           e.dtype, e.device, rebuild.fill)
         valid = torch.zeros(len(plans), capacity, dtype=torch.bool)
         for r, p in enumerate(plans):
             valid[r, :p.prefix_tokens] = True

@@ -90,24 +90,7 @@ def load_model(spec: str | os.PathLike = "default", *, dtype: torch.dtype = torc
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    if str(spec) == "default":
-        directory = _converted_gguf(default_gguf_path())
-    else:
-        path = Path(spec).expanduser()
-        if path.is_file() and path.suffix == ".gguf":
-            directory = _converted_gguf(path)
-        elif path.is_dir():
-            if not (path / "config.json").is_file():
-                raise FileNotFoundError(f"model directory {path} has no config.json (not a Hugging Face model folder)")
-            directory = path
-        elif path.exists():
-            raise ValueError(f"model file {path} is not a .gguf file; give a .gguf file or an HF model directory")
-        else:
-            raise FileNotFoundError(
-                f"model {str(spec)!r}: no such file or directory {path.resolve()} "
-                "(expected 'default', a Hugging Face model directory, or a .gguf file)"
-            )
-
+    directory = model_directory(spec)
     check_supported(AutoConfig.from_pretrained(directory))  # before spending time on the weights
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
     if arch is not None and arch != model.config.model_type:
@@ -119,15 +102,38 @@ def load_model(spec: str | os.PathLike = "default", *, dtype: torch.dtype = torc
     return LoadedModel(model=model, tokenizer=tokenizer, identity=model_identity(model))
 
 
+def model_directory(spec) -> Path:
+    """The Hugging Face model directory ``spec`` names (`load_model`'s specs; a GGUF is converted once):
+    what another engine, vLLM, loads the same weights from."""
+    if str(spec) == "default":
+        return _converted_gguf(default_gguf_path())
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return _converted_gguf(path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model directory {path} has no config.json (not a Hugging Face model folder)")
+        return path
+    if path.exists():
+        raise ValueError(f"model file {path} is not a .gguf file; give a .gguf file or an HF model directory")
+    raise FileNotFoundError(f"model {str(spec)!r}: no such file or directory {path.resolve()} "
+                            "(expected 'default', a Hugging Face model directory, or a .gguf file)")
+
+
 def _converted_gguf(gguf: Path) -> Path:
     """Return the safetensors cache of ``gguf``, converting it first when missing or stale.
 
     The conversion is written into a temporary sibling folder and renamed into place, so a killed
-    conversion leaves no half cache; a cache whose source file changed (size or mtime) is redone.
+    conversion leaves no half cache; a cache whose source file's content changed is redone. The cache
+    is keyed by the file's content, not its path: two venvs (milo's and vLLM's) that each install the
+    default model's package share one conversion instead of redoing it in turn under each other.
     """
     gguf = gguf.resolve()
-    stat = gguf.stat()
-    source = {"gguf": str(gguf), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    digest = hashlib.sha256()
+    with gguf.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    source = {"gguf": gguf.name, "size": gguf.stat().st_size, "sha256": digest.hexdigest()}
     target = cache_root() / "models" / gguf.stem
     marker = target / _SOURCE_FILE
     if marker.is_file() and json.loads(marker.read_text()) == source:
@@ -244,7 +250,11 @@ def model_identity(model) -> dict:
     ``config_hash`` covers the config fields that shape or change the cached keys and values (the
     architecture, sizes, norm, and RoPE), not the weights: ``name`` says which weights.
     """
-    config = model.config
+    return config_identity(model.config, model.dtype)
+
+
+def config_identity(config, dtype) -> dict:
+    """`model_identity` from a model's config alone (what another engine, vLLM, loaded the weights with)."""
     rope = dict(config.rope_parameters or {})
     kv_fields = {
         "model_type": config.model_type,
@@ -276,7 +286,7 @@ def model_identity(model) -> dict:
             "scaling": rope if rope.get("rope_type", "default") != "default" else None,
         },
         "max_position_embeddings": config.max_position_embeddings,
-        "dtype": str(model.dtype).removeprefix("torch."),
+        "dtype": str(dtype).removeprefix("torch."),
     }
 
 
@@ -392,7 +402,22 @@ def rope_tables(model, n_rows: int, device=None) -> tuple[torch.Tensor, torch.Te
     them with ``milo_kernels.naive.apply_rope(x, cos, sin, interleaved=False)``.
     """
     rotary = getattr(model, "model", model).rotary_emb
-    device = torch.device(device) if device is not None else rotary.inv_freq.device
+    return _rotary_tables(rotary, n_rows, torch.device(device) if device is not None else rotary.inv_freq.device)
+
+
+def config_rope_tables(config, n_rows: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rope_tables` without the model: its architecture's rotary module, made from ``config`` alone."""
+    modeling = importlib.import_module(f"transformers.models.{config.model_type}.modeling_{config.model_type}")
+    rotary_classes = [obj for name, obj in vars(modeling).items() if name.endswith("RotaryEmbedding")
+                      and isinstance(obj, type) and obj.__module__ == modeling.__name__]
+    if len(rotary_classes) != 1:
+        raise ValueError(f"cannot tell the rotary embedding of model type {config.model_type!r} "
+                         f"({len(rotary_classes)} candidates in {modeling.__name__})")
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    return _rotary_tables(rotary_classes[0](config=config).to(device), n_rows, device)
+
+
+def _rotary_tables(rotary, n_rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     probe = torch.empty(0, dtype=torch.float32, device=device)  # only its dtype and device are read
     positions = torch.arange(n_rows, device=device)[None]
     with torch.no_grad():

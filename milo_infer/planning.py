@@ -26,11 +26,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from milo_kernels import apply_rope
-from milo_store import IncompatibleStoreError, MiloStore, full_kv_bytes
+from milo_store import IncompatibleStoreError, MiloStore
 
 from .corpus import TaskSpec
 from .decoding import LabelTrie
+from .prefix import StorePrefix, prefix_token_ids
 from .retrieval import order_blocks, store_retriever
 
 IDENTITY_FIELDS = ("config_hash", "num_layers", "num_kv_heads", "head_dim", "rope")
@@ -82,29 +82,20 @@ def check_compatible(store: MiloStore, identity: dict) -> None:
         raise IncompatibleStoreError(f"{store.path} was built for another model ({stored.get('name')}): " + "; ".join(wrong))
 
 
-class MountedStore:
-    """A store ready to answer from: its retriever, task, label trie, and anchor K/V rotated once onto the
-    device (the anchor always sits at positions 0..Ta-1)."""
+class StoreQueries:
+    """What a query needs from a store besides its K/V: the retriever, the task's query rendering and its
+    label trie (a client that sends requests to another engine needs only this)."""
 
-    def __init__(self, name: str, store: MiloStore, tokenizer, cos: torch.Tensor, sin: torch.Tensor, device, dtype,
-                 aggregate: str = "max"):
-        self.name, self.store, self.tokenizer, self.layout = name, store, tokenizer, store.layout
+    def __init__(self, store: MiloStore, tokenizer, aggregate: str = "max"):
+        self.tokenizer = tokenizer
         self.task = TaskSpec(**{**store.meta["task"], "labels": tuple(store.meta["task"].get("labels", ()))})
         self.retriever = store_retriever(store, aggregate=aggregate)
         self.trie = LabelTrie(tokenizer, list(self.task.labels)) if self.task.answer_kind == "label" else None
-        self.rope_interleaved = store.meta["model"]["rope"]["layout"] == "interleaved"
-        anchor = store.anchor_kv()  # [L, 2, H, Ta, d], keys pre-RoPE
-        if anchor is None:
-            raise IncompatibleStoreError(f"{store.path} has no anchor K/V: not a store `milo build` wrote")
-        Ta = anchor.shape[3]
-        keys = apply_rope(anchor[:, 0].float(), cos[:Ta].cpu(), sin[:Ta].cpu(), self.rope_interleaved)
-        self.anchor_k = keys.to(device, dtype)
-        self.anchor_v = anchor[:, 1].to(device, dtype)
-        self.anchor_len = Ta
+        self.num_groups = store.num_groups
 
     def select(self, text: str, k: int, token_budget: int | None, order: str) -> list[int]:
         """The retrieved groups in context order (k and token_budget count groups and their tokens)."""
-        ids = self.retriever.select(text, k=min(k, self.store.num_groups), token_budget=token_budget)
+        ids = self.retriever.select(text, k=min(k, self.num_groups), token_budget=token_budget)
         return order_blocks(ids, self.retriever.scores(text), order=order)
 
     def query_ids(self, text: str) -> list[int]:
@@ -118,6 +109,16 @@ class MountedStore:
         if self.trie is not None:
             return min(self.trie.max_tokens, asked) if asked is not None else self.trie.max_tokens
         return asked if asked is not None else default
+
+
+class MountedStore(StorePrefix, StoreQueries):
+    """A store ready to answer from: its anchor and block placement (`StorePrefix`) and its queries'
+    retrieval, rendering and labels (`StoreQueries`)."""
+
+    def __init__(self, name: str, store: MiloStore, tokenizer, cos: torch.Tensor, sin: torch.Tensor, device, dtype,
+                 aggregate: str = "max"):
+        StorePrefix.__init__(self, name, store, cos, sin, device, dtype)
+        StoreQueries.__init__(self, store, tokenizer, aggregate)
 
     def plan(self, request: Request, *, k: int, token_budget: int | None, order: str, max_new_tokens: int,
              max_positions: int, block_ids: list[int] | None = None) -> QueryPlan:
@@ -137,34 +138,26 @@ class MountedStore:
             raise RequestError(f"the query itself is too long: the anchor ({self.anchor_len} tokens), the query "
                                f"({len(query_ids)}) and the answer ({budget}) exceed the model's {max_positions} "
                                f"positions before any demonstration is added")
-        tokens = self.store.block_tokens[blocks]
-        dst = self.anchor_len + np.concatenate(([0], np.cumsum(tokens)[:-1])).astype(np.int64)
-        prefix = self.anchor_len + int(tokens.sum())
-        if prefix + len(query_ids) + budget + 1 > max_positions:
-            raise RequestError(f"the assembled context ({prefix} tokens of anchor and blocks + {len(query_ids)} "
-                               f"for the query + {budget + 1} for the answer) exceeds the model's {max_positions} "
-                               f"positions; lower k or set a token budget")
-        if request.prefill:  # nothing to rebuild: no segment tables
+        placed = self.place(blocks, with_segments=not request.prefill)
+        if placed.prefix_tokens + len(query_ids) + budget + 1 > max_positions:
+            raise RequestError(f"the assembled context ({placed.prefix_tokens} tokens of anchor and blocks + "
+                               f"{len(query_ids)} for the query + {budget + 1} for the answer) exceeds the model's "
+                               f"{max_positions} positions; lower k or set a token budget")
+        if request.prefill:
             return self.prefill_plan(request, groups, blocks, query_ids, budget, seconds)
-        zeros = np.zeros(len(blocks), np.int64)
-        segments = np.stack([self.layout.layer_segments(self.store.ranks[blocks, l], tokens, dst, zeros)
-                             for l in range(self.layout.num_layers)]) if blocks else \
-            np.zeros((self.layout.num_layers, 0, 6), np.int64)
-        stored = int(sum(self.store.offsets[b + 1] - self.store.offsets[b] for b in blocks)) * self.store.itemsize
         return QueryPlan(store=self.name, request=request, groups=groups, blocks=blocks, query_ids=query_ids,
-                         prefix_tokens=prefix, dst_rows=dst, segments=segments, max_new_tokens=budget,
-                         kv_bytes_full=full_kv_bytes(self.layout, tokens), kv_bytes_stored=stored,
-                         retrieve_seconds=seconds)
+                         prefix_tokens=placed.prefix_tokens, dst_rows=placed.dst_rows, segments=placed.segments,
+                         max_new_tokens=budget, kv_bytes_full=placed.kv_bytes_full,
+                         kv_bytes_stored=placed.kv_bytes_stored, retrieve_seconds=seconds)
 
     def prefill_plan(self, request: Request, groups: list[int], blocks: list[int], query_ids: list[int],
                      budget: int, seconds: float) -> QueryPlan:
         """The plan that feeds [anchor ids][each block's ids][query ids] to the model, with nothing to rebuild."""
-        anchor = self.store.meta.get("build", {}).get("anchor_token_ids")
-        texts = [self.store.token_ids(b) for b in blocks]
-        if anchor is None or any(ids is None for ids in texts):
+        prefix = prefix_token_ids(self.store, blocks)
+        if prefix is None:
             raise RequestError(f"{self.store.path} keeps no token ids for its anchor or blocks: prefill needs a "
                                f"store `milo build` wrote")
-        ids = list(anchor) + [int(t) for block in texts for t in block] + query_ids
+        ids = prefix + query_ids
         return QueryPlan(store=self.name, request=request, groups=groups, blocks=[], query_ids=ids, prefix_tokens=0,
                          dst_rows=np.zeros(0, np.int64), segments=np.zeros((self.layout.num_layers, 0, 6), np.int64),
                          max_new_tokens=budget, kv_bytes_full=0, kv_bytes_stored=0, retrieve_seconds=seconds)

@@ -135,3 +135,15 @@ def write_tree(root: Path, files: dict[str, str]) -> Path:
 ])
 def test_each_rule_finds_what_it_names(tmp_path, files, expected):
     assert import_problems(write_tree(tmp_path, files)) == expected
+
+
+def test_only_the_connector_imports_vllm():
+    """vLLM lives in a venv of its own: the rest of milo (the vLLM client side included) must import without it."""
+    importers = set()
+    for name, path in module_files(REPO).items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            roots = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            if any(r.split(".")[0] == "vllm" for r in roots):
+                importers.add(name)
+    assert importers == {"milo_infer.vllm.connector"}

@@ -21,6 +21,10 @@ def add_arguments(p):
     p.add_argument("--api-key", default=os.environ.get("MILO_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health (default $MILO_API_KEY)")
     p.add_argument("--model", default="default", help="model path or 'default' (must match every store)")
+    p.add_argument("--vllm", metavar="URL", default=None,
+                   help="answer through the vLLM server at URL instead of milo's own engine: it must run the milo "
+                        "connector over the same stores under the same names (docs/design.md, 'vLLM'); milo "
+                        "retrieves and builds each prompt, vLLM batches, loads the prefix from the store and decodes")
     p.add_argument("--device", default=None, help="compute device (default: cuda if available, else cpu)")
     p.add_argument("--threads", type=int, metavar="N",
                    help="torch CPU threads; 1 is many times faster on a CPU shared with other jobs (default: torch's)")
@@ -48,15 +52,25 @@ def run(args) -> int:
         from ..server.launch import mount_stores, serve
     except ImportError as e:
         raise CommandError(f"milo serve needs the serve extra (pip install 'milo-kv[serve]'): {e}") from None
-    device = checked_device(args.device)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     options = mount_options(args)
-    stores = mount_stores(args.store, **options)
-    loaded = load_model_arg(args.model)
-    device = place_model(loaded, device)
-    engine = Engine(loaded, stores, k=args.k, token_budget=args.token_budget, device=device,
-                    device_cache_bytes=args.device_cache)
+    if args.vllm:
+        from ..vllm.engine import VllmEngine, VllmUnavailable
+
+        # only metadata, token ids and the BM25 index are read here: vLLM's connector reads the factors
+        stores = mount_stores(args.store, **{**options, "tier": "disk"})
+        try:
+            engine = VllmEngine(args.vllm, stores, args.model, k=args.k, token_budget=args.token_budget)
+        except VllmUnavailable as e:
+            raise CommandError(str(e)) from None
+    else:
+        device = checked_device(args.device)
+        stores = mount_stores(args.store, **options)
+        loaded = load_model_arg(args.model)
+        device = place_model(loaded, device)
+        engine = Engine(loaded, stores, k=args.k, token_budget=args.token_budget, device=device,
+                        device_cache_bytes=args.device_cache)
     app = create_app(engine, api_key=args.api_key or None, max_batch=args.max_batch, batch_wait_ms=args.batch_wait_ms,
                      max_queue=args.max_queue, max_body_bytes=args.max_body_bytes, block_cache=options["block_cache"])
     serve(app, host=args.host, port=args.port, drain_s=args.drain_s)

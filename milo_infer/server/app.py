@@ -20,7 +20,7 @@ from ..engine import RequestError
 from . import MAX_BODY_BYTES, protocol
 from .metrics import ServerMetrics
 from .protocol import APIError, ChunkWriter, ParsedRequest
-from .scheduler import EngineLoop, NotAccepting, QueueFull, ShuttingDown
+from .scheduler import EngineLoop, NotAccepting, QueueFull, ShuttingDown, UpstreamError
 
 RETRY_AFTER_S = 1
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streamed request looks whether its client left
@@ -37,6 +37,8 @@ def as_api_error(error: Exception) -> APIError:
         return APIError(400, str(error), code="invalid_request")
     if isinstance(error, ShuttingDown):
         return APIError(503, str(error), kind="server_error", code="shutting_down")
+    if isinstance(error, UpstreamError):
+        return APIError(502, str(error), kind="server_error", code="upstream_failed")
     return APIError(500, str(error), kind="server_error", code="engine_failed")
 
 

@@ -38,6 +38,10 @@ class ShuttingDown(RuntimeError):
     """The server stopped before this request was answered."""
 
 
+class UpstreamError(RuntimeError):
+    """The engine the server forwards to (a vLLM server) failed this request; the others go on."""
+
+
 @dataclass(eq=False)
 class Ticket:
     """One submitted request, as the loop tracks it."""
@@ -160,6 +164,10 @@ class EngineLoop:
         for event in events:
             ticket = self._running.get(id(event.plan))
             if ticket is None:  # a cancelled row's last event
+                continue
+            if event.error is not None:  # this row failed (in another engine); the batch goes on
+                del self._running[id(event.plan)]
+                ticket.deliver(event.error)
                 continue
             if not ticket.answered:
                 ticket.answered = True

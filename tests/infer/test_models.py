@@ -1,5 +1,6 @@
 """The model adapter: pre-RoPE capture + our RoPE tables must reproduce the model's own KV cache."""
 import json
+import shutil
 
 import pytest
 import torch
@@ -9,7 +10,8 @@ from transformers import (
 )
 
 from milo_infer.models import (
-    UnsupportedModelError, cache_root, capture_kv, check_supported, load_model, model_identity, rope_tables,
+    UnsupportedModelError, cache_root, capture_kv, check_supported, config_identity, config_rope_tables, load_model,
+    model_identity, rope_tables,
 )
 from milo_kernels.naive import apply_rope
 
@@ -53,6 +55,19 @@ def test_default_model_is_cached_and_reloads_fast(default_model):
     assert (folder / "model.safetensors").stat().st_mtime_ns == written
     assert again.identity == default_model.identity
     json.dumps(default_model.identity)
+
+
+@pytest.mark.slow
+def test_a_copy_of_the_gguf_elsewhere_shares_the_conversion(default_model, tmp_path):
+    """Another venv's install of the same package (vLLM's) must not redo the conversion under this one."""
+    from milo_infer.models import _converted_gguf, default_gguf_path
+
+    folder = cache_root() / "models" / "SmolLM2-135M-Instruct.Q4_1"
+    written = (folder / "model.safetensors").stat().st_mtime_ns
+    copy = tmp_path / default_gguf_path().name
+    shutil.copyfile(default_gguf_path(), copy)
+    assert _converted_gguf(copy) == folder
+    assert (folder / "model.safetensors").stat().st_mtime_ns == written
 
 
 @pytest.mark.slow
@@ -127,6 +142,21 @@ def test_scaled_rope_tables_match_the_model(rope):
     check_supported(model.config)
     assert model_identity(model)["rope"]["scaling"]["rope_type"] == rope["rope_type"]
     assert_capture_reproduces_cache(model, tiny_ids(n=90))
+
+
+@pytest.mark.parametrize("cls, config_cls, rope", [
+    (LlamaForCausalLM, LlamaConfig, None),
+    (Qwen2ForCausalLM, Qwen2Config, None),
+    (MistralForCausalLM, MistralConfig, None),
+    (LlamaForCausalLM, LlamaConfig, {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                     "original_max_position_embeddings": 64}),
+])
+def test_config_alone_gives_the_models_rope_and_identity(cls, config_cls, rope):
+    """What the vLLM connector, which has the config but not the HF model, rotates keys with."""
+    model = tiny(cls, config_cls, **({"rope_parameters": rope} if rope else {}))
+    for ours, models in zip(config_rope_tables(model.config, 90), rope_tables(model, 90)):
+        assert torch.equal(ours, models)
+    assert config_identity(model.config, model.dtype) == model_identity(model)
 
 
 def test_tiny_mistral_without_window():

@@ -1,0 +1,230 @@
+"""A vLLM KV connector (``KVConnectorBase_V1``) that loads a request's [anchor][blocks] prefix from milo stores.
+
+Select it with::
+
+    --kv-transfer-config '{"kv_connector": "MiloConnector", "kv_connector_module_path":
+      "milo_infer.vllm.connector", "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute",
+      "kv_connector_extra_config": {"stores": {"banking77": "/path/or/url"}}}'
+
+(extra keys: ``tier``, ``memory_cache_bytes``, ``block_cache_dir``, ``block_cache_bytes``, as `MiloStore.open`
+takes them). Scheduler side: a request whose ``kv_transfer_params`` name a store and blocks and whose prompt
+begins with exactly the token ids that store encoded them from (`transfer.PrefixClaims`) has that
+whole prefix claimed as externally computed (a partial last vLLM block included, so the K/V are the
+store's, exactly as milo's own engine would rebuild them); every other request is plain
+vLLM. Worker side: each step's claimed requests are rebuilt together (`PrefixRebuild`: each store's
+union of their blocks fetched once, then one layer at a time), keys rotated at the request's own
+positions (vLLM's paged cache holds keys after RoPE), and written through the attention backend's own
+cache update, never by slicing its (backend-packed) cache tensor. A request whose blocks cannot be read
+(a checksum fails, a remote read fails) is reported as a load error, so vLLM recomputes it or fails it
+(``kv_load_failure_policy``); nothing it would have loaded is written, and other requests load as usual.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
+                                                                KVConnectorRole)
+from vllm.logger import init_logger
+from vllm.model_executor.models.utils import extract_layer_index
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from milo_store import MiloStore, StoreError
+from milo_store.blockcache import BlockCache
+
+from ..models import config_identity, config_rope_tables
+from ..planning import check_compatible
+from ..prefix import PrefixRebuild, PrefixRow, StorePrefix
+from .transfer import Claim, PrefixClaims
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+UNREADABLE = (StoreError, OSError)  # a block failing its checksum; a read that failed after its retries
+logger = init_logger(f"vllm.{__name__}")  # vLLM configures handlers for its own namespace only
+
+
+@dataclass
+class Load:
+    """One request's prefix tokens [start, end) to load into vLLM's cache slots."""
+    req_id: str
+    store: str
+    blocks: list[int]
+    start: int
+    end: int
+    slots: list[int]  # one per token in [start, end)
+    block_ids: list[int]  # the vLLM blocks those slots are in (reported on a load error)
+
+
+@dataclass
+class MiloConnectorMetadata(KVConnectorMetadata):
+    loads: list[Load] = field(default_factory=list)
+
+
+def open_stores(extra: dict, metadata_only: bool) -> dict[str, MiloStore]:
+    """The configured stores; ``metadata_only`` (the scheduler: token ids, never factors) mounts them from disk."""
+    stores = extra.get("stores")
+    if not isinstance(stores, dict) or not stores:
+        raise ValueError("MiloConnector needs kv_connector_extra_config {'stores': {name: store path or URL}}")
+    options: dict[str, Any] = {"tier": "disk" if metadata_only else extra.get("tier", "host")}
+    if "memory_cache_bytes" in extra:
+        options["memory_cache_bytes"] = int(extra["memory_cache_bytes"])
+    if "block_cache_dir" in extra or "block_cache_bytes" in extra:
+        options["block_cache"] = BlockCache(extra.get("block_cache_dir"), extra.get("block_cache_bytes"))
+    return {name: MiloStore.open(path, **options) for name, path in stores.items()}
+
+
+class MiloConnector(KVConnectorBase_V1):
+    _cache_hit_source = CacheHitSource.DISK
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.block_size = vllm_config.cache_config.block_size
+        self.stores = open_stores(self._kv_transfer_config.kv_connector_extra_config or {},
+                                  metadata_only=role == KVConnectorRole.SCHEDULER)
+        model_config = vllm_config.model_config
+        identity = config_identity(model_config.hf_config, model_config.dtype)
+        for store in self.stores.values():
+            check_compatible(store, identity)
+        # scheduler side
+        self.claims = PrefixClaims(self.stores)
+        self._claimed: dict[str, tuple[Claim, int, int]] = {}  # req_id -> (claim, start, end) awaiting blocks
+        self._to_load: set[str] = set()
+        # worker side
+        self._prefixes: dict[str, StorePrefix] | None = None
+        self._rebuild: PrefixRebuild | None = None
+        self._loads: list[Load] = []
+        self._slots: list[torch.Tensor] = []
+        self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._load_errors: set[int] = set()
+        self._forward_context = None
+        logger.info("MiloConnector (%s): stores %s", role.name.lower(),
+                    ", ".join(f"{n} ({s.num_blocks} blocks)" for n, s in self.stores.items()))
+
+    # -- scheduler side ----------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        prompt = list(request.prompt_token_ids or [])
+        claim, why = self.claims.claim(request.kv_transfer_params, prompt)
+        if claim is None:
+            if request.kv_transfer_params:
+                logger.warning("request %s is served without the store: %s", request.request_id, why)
+            return 0, False
+        # the whole prefix, as milo's engine rebuilds it (vLLM takes a sub-block tail), but never the
+        # prompt's last token: vLLM computes that one to sample from
+        end = min(claim.prefix_tokens, len(prompt) - 1)
+        if end <= num_computed_tokens:
+            return 0, False
+        self._claimed[request.request_id] = (claim, num_computed_tokens, end)
+        return end - num_computed_tokens, False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+        if num_external_tokens > 0 and request.request_id in self._claimed:
+            self._to_load.add(request.request_id)
+        else:
+            self._claimed.pop(request.request_id, None)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        meta = MiloConnectorMetadata()
+        blocks_of = {new.req_id: new.block_ids[0] for new in scheduler_output.scheduled_new_reqs}
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):  # a preempted request resumes with all its blocks anew
+            if req_id in cached.resumed_req_ids and cached.new_block_ids[i] is not None:
+                blocks_of[req_id] = cached.new_block_ids[i][0]
+        for req_id in list(self._to_load):
+            if req_id not in blocks_of:
+                continue
+            claim, start, end = self._claimed.pop(req_id)
+            self._to_load.discard(req_id)
+            vllm_blocks = blocks_of[req_id]
+            slots = [vllm_blocks[p // self.block_size] * self.block_size + p % self.block_size
+                     for p in range(start, end)]
+            used = vllm_blocks[start // self.block_size:(end - 1) // self.block_size + 1]
+            meta.loads.append(Load(req_id, claim.store, claim.blocks, start, end, slots, list(used)))
+        return meta
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict | None]:
+        self._claimed.pop(request.request_id, None)
+        self._to_load.discard(request.request_id)
+        return False, None
+
+    # -- worker side -------------------------------------------------------------------------------
+    def _mount(self) -> None:
+        """The stores' anchors and RoPE tables on the worker's device, once."""
+        model_config = self._vllm_config.model_config
+        device = torch.device(self._vllm_config.device_config.device)
+        longest = min(s.meta["model"]["max_position_embeddings"] for s in self.stores.values())
+        self.cos, self.sin = config_rope_tables(model_config.hf_config, longest, device)
+        self.device, self.dtype = device, model_config.dtype
+        self._prefixes = {name: StorePrefix(name, store, self.cos, self.sin, device, self.dtype)
+                          for name, store in self.stores.items()}
+
+    def _rows(self, loads: list[Load]) -> list[PrefixRow]:
+        rows = []
+        for load in loads:
+            placed = self._prefixes[load.store].place(load.blocks)
+            rows.append(PrefixRow(load.store, load.blocks, placed.segments, placed.prefix_tokens))
+        return rows
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, MiloConnectorMetadata)
+        self._rebuild, self._loads, self._forward_context = None, [], forward_context
+        if not meta.loads:
+            return
+        if self._prefixes is None:
+            self._mount()
+        loads = meta.loads
+        try:
+            rebuild = PrefixRebuild(self._prefixes, self._rows(loads), self.cos, self.sin, self.device)
+        except UNREADABLE:  # find the requests whose blocks fail; the others still load
+            readable = []
+            for load in loads:
+                try:
+                    PrefixRebuild(self._prefixes, self._rows([load]), self.cos, self.sin, self.device)
+                    readable.append(load)
+                except UNREADABLE as err:
+                    logger.error("request %s: its prefix from store %r is not loaded (%s)", load.req_id, load.store,
+                                 err)
+                    self._load_errors.update(load.block_ids)
+            loads = readable
+            rebuild = PrefixRebuild(self._prefixes, self._rows(loads), self.cos, self.sin, self.device) \
+                if loads else None
+        self._rebuild, self._loads = rebuild, loads
+        self._slots = [torch.tensor(load.slots, dtype=torch.long, device=self.device) for load in loads]
+        if rebuild is not None:
+            rows = rebuild.rows
+            layout = self._prefixes[rows[0].store].layout  # stores of one model share K/V shapes
+            longest = max(row.prefix_tokens for row in rows)
+            self._buffers = tuple(torch.zeros(len(rows), layout.num_kv_heads, longest, layout.head_dim,
+                                              dtype=self.dtype, device=self.device)
+                                  for _ in range(2))
+            logger.debug("loading %d tokens for %d requests from the store",
+                         sum(load.end - load.start for load in loads), len(loads))
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self._rebuild is None:
+            return
+        layer = self._forward_context.no_compile_layers[layer_name]
+        k_buf, v_buf = self._buffers
+        self._rebuild.fill(extract_layer_index(layer_name), k_buf, v_buf)
+        for r, (load, slots) in enumerate(zip(self._loads, self._slots)):
+            keys = k_buf[r, :, load.start:load.end].transpose(0, 1).contiguous()  # [T, H, d]
+            values = v_buf[r, :, load.start:load.end].transpose(0, 1).contiguous()
+            layer.impl.do_kv_cache_update(layer, keys, values, layer.kv_cache, slots)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        return  # a consumer: the store is written by `milo build`, never by vLLM
+
+    def wait_for_save(self):
+        return
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+

@@ -1,0 +1,179 @@
+"""`milo serve --engine vllm URL`: milo's HTTP front over a running vLLM server that has the milo connector.
+
+`VllmEngine` has the face `milo serve`'s engine loop drives (``stores``, ``max_positions``, ``plan``,
+``batch``), so the HTTP handlers, metrics and errors are the same as over milo's own engine. Planning
+stays here (BM25 retrieval, the same groups and ids as milo's engine); each admitted plan becomes one
+streamed vLLM completion whose prompt is [anchor][blocks][query] as token ids, with the store and
+blocks in ``kv_transfer_params``, so vLLM batches, schedules and loads the prefix from the store
+itself. A `VllmBatch` is the set of requests in flight: ``step`` hands back the deltas that arrived.
+"""
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import torch
+from transformers import AutoConfig, AutoTokenizer
+
+from milo_store import MiloStore
+
+from ..engine import Answer, QueryPlan, Request, RowEvent
+from ..models import config_identity, config_rope_tables, model_directory
+from ..planning import MAX_NEW_TOKENS, STOP_STRINGS, MountedStore, check_compatible
+from ..server.scheduler import UpstreamError
+from .transfer import VllmPrompt, vllm_prompt
+
+STEP_WAIT_S = 0.05  # how long a step waits for the first delta (then the loop may admit or cancel)
+
+
+class VllmUnavailable(UpstreamError):
+    """The vLLM server cannot be reached or refused a request milo checked (names the URL and reason)."""
+
+
+class VllmEngine:
+    def __init__(self, url: str, stores: dict[str, MiloStore], model="default", *, k: int = 6,
+                 token_budget: int | None = None, order: str = "score", max_new_tokens: int = MAX_NEW_TOKENS,
+                 timeout_s: float = 600.0):
+        self.url = url.rstrip("/")
+        self.client = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout_s, connect=10.0))
+        try:
+            served = self.client.get("/v1/models").raise_for_status().json()["data"][0]
+        except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
+            raise VllmUnavailable(f"no vLLM server answers at {self.url}/v1/models ({e})") from None
+        self.model_name = served["id"]
+        directory = model_directory(model)
+        config = AutoConfig.from_pretrained(directory)
+        self.tokenizer = AutoTokenizer.from_pretrained(directory)
+        for store in stores.values():
+            check_compatible(store, config_identity(config, torch.float32))
+        self.max_positions = min([served.get("max_model_len") or config.max_position_embeddings] +
+                                 [s.meta["model"]["max_position_embeddings"] for s in stores.values()])
+        cos, sin = config_rope_tables(config, self.max_positions)
+        self.stores = {name: MountedStore(name, store, self.tokenizer, cos, sin, "cpu", torch.float32)
+                       for name, store in stores.items()}
+        self.k, self.token_budget, self.order, self.max_new_tokens = k, token_budget, order, max_new_tokens
+
+    def plan(self, store: str, request: Request) -> QueryPlan:
+        """As `Engine.plan`: host-only, safe from any thread."""
+        if store not in self.stores:
+            raise KeyError(f"no store named {store!r} is mounted (mounted: {', '.join(self.stores)})")
+        return self.stores[store].plan(request, k=self.k, token_budget=self.token_budget, order=self.order,
+                                       max_new_tokens=self.max_new_tokens, max_positions=self.max_positions)
+
+    def prompt(self, plan: QueryPlan) -> VllmPrompt:
+        m = self.stores[plan.store]
+        return vllm_prompt(plan.store, m.store, plan.groups, plan.blocks, plan.query_ids, tuple(m.task.labels))
+
+    def batch(self) -> "VllmBatch":
+        return VllmBatch(self)
+
+
+@dataclass(eq=False)
+class _Row:
+    plan: QueryPlan
+    started: float
+    text: str = ""
+    finished: bool = False
+    cancelled: bool = False
+    first_token_seconds: float = 0.0
+    usage: dict = field(default_factory=dict)
+
+
+class VllmBatch:
+    """The plans in flight on the vLLM server, each streamed by a thread of its own into one queue."""
+
+    def __init__(self, engine: VllmEngine):
+        self.engine = engine
+        self.rows: dict[int, _Row] = {}
+        self.events: queue.Queue = queue.Queue()
+
+    def __len__(self) -> int:
+        return sum(not row.finished for row in self.rows.values())
+
+    def admit(self, plans: list[QueryPlan]) -> list[RowEvent]:
+        for plan in plans:
+            row = _Row(plan, time.perf_counter())
+            self.rows[id(plan)] = row
+            threading.Thread(target=self._stream, args=(row,), daemon=True, name="milo-vllm-row").start()
+        return []
+
+    def cancel(self, plan: QueryPlan) -> None:
+        row = self.rows.pop(id(plan), None)
+        if row is not None:
+            row.cancelled = row.finished = True  # its thread closes the stream at its next chunk
+
+    def step(self) -> list[RowEvent]:
+        """The events that arrived: waits up to STEP_WAIT_S for the first, then takes whatever else is there."""
+        items = []
+        try:
+            items.append(self.events.get(timeout=STEP_WAIT_S))
+            while True:
+                items.append(self.events.get_nowait())
+        except queue.Empty:
+            pass
+        out = []
+        for row, delta, reason, error in items:
+            if row.cancelled:
+                continue
+            if error is not None:  # this row ends with the error; the others go on
+                row.finished = True
+                self.rows.pop(id(row.plan), None)
+                out.append(RowEvent(row.plan, "", True, "error", error=error))
+            else:
+                out.append(self._event(row, delta, reason))
+        return out
+
+    def _event(self, row: _Row, delta: str, reason: str | None) -> RowEvent:
+        if reason is None:
+            return RowEvent(row.plan, delta, False)
+        row.finished = True
+        self.rows.pop(id(row.plan), None)
+        p, usage = row.plan, row.usage
+        prompt_tokens = usage.get("prompt_tokens", p.prompt_tokens)
+        loaded = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        answer = Answer(text=row.text.strip(), blocks=p.blocks, groups=p.groups, prefix_tokens=p.prefix_tokens,
+                        kv_bytes_full=p.kv_bytes_full, kv_bytes_stored=p.kv_bytes_stored,
+                        seconds={"retrieve": p.retrieve_seconds, "vllm": time.perf_counter() - row.started},
+                        completion_tokens=usage.get("completion_tokens", 0),
+                        finish_reason="length" if reason == "length" else "stop",
+                        first_token_seconds=p.retrieve_seconds + row.first_token_seconds,
+                        prefill_tokens=prompt_tokens - loaded)
+        return RowEvent(p, delta, True, answer.finish_reason, answer)
+
+    def _stream(self, row: _Row) -> None:
+        """One plan's streamed completion; every delta, the end, or the error goes to the queue."""
+        e, p = self.engine, row.plan
+        reason = None
+        try:
+            body = e.prompt(p).body(e.model_name, max_tokens=p.max_new_tokens)
+            body.update(stream=True, stream_options={"include_usage": True})
+            if not e.stores[p.store].task.labels:
+                body["stop"] = list(STOP_STRINGS + tuple(p.request.stop))
+            with e.client.stream("POST", "/v1/completions", json=body) as response:
+                if response.status_code != 200:
+                    response.read()
+                    raise VllmUnavailable(f"vLLM at {e.url} answered {response.status_code}: {response.text[:500]}")
+                for line in response.iter_lines():
+                    if row.cancelled:
+                        return
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk.get("usage"):
+                        row.usage = chunk["usage"]
+                    for choice in chunk.get("choices") or []:
+                        if not row.text and choice.get("text"):
+                            row.first_token_seconds = time.perf_counter() - row.started
+                        row.text += choice.get("text") or ""
+                        reason = choice.get("finish_reason") or reason
+                        if choice.get("text"):
+                            self.events.put((row, choice["text"], None, None))
+            self.events.put((row, "", reason or "stop", None))
+        except httpx.HTTPError as err:
+            self.events.put((row, "", None, VllmUnavailable(f"vLLM at {e.url} failed mid-request ({err})")))
+        except (VllmUnavailable, ValueError) as err:
+            self.events.put((row, "", None, err))

@@ -1,0 +1,116 @@
+"""What a vLLM request carries to the milo connector, how a client builds it, and how the connector checks it.
+
+The request names a store and its blocks in ``kv_transfer_params["milo"]``; its prompt token ids must
+begin with the ids that store encoded its anchor and those blocks from. The connector never trusts the
+names: it compares the ids (`PrefixClaims.claim`), and a request that does not match is served by vLLM
+as a plain request (its whole prompt prefilled).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from milo_store import MiloStore
+
+from ..planning import Request, StoreQueries
+from ..prefix import prefix_token_ids
+
+KEY = "milo"  # this connector's entry in a request's kv_transfer_params
+
+
+def transfer_params(store: str, blocks: list[int]) -> dict:
+    return {KEY: {"store": store, "blocks": [int(b) for b in blocks]}}
+
+
+@dataclass(frozen=True)
+class VllmPrompt:
+    prompt_token_ids: list[int]  # [anchor][blocks][query]: what vLLM is sent as the prompt
+    kv_transfer_params: dict
+    groups: list[int]  # the retrieved groups, in context order
+    blocks: list[int]  # their store blocks
+    prefix_tokens: int  # anchor + blocks: what the connector can load
+    labels: tuple[str, ...]  # the task's labels (empty for free-form answers)
+
+    def body(self, model: str, *, max_tokens: int = 16, use_store: bool = True, logprobs: int | None = None) -> dict:
+        """The OpenAI completions request for vLLM: greedy, constrained to the task's labels where it has
+        them (vLLM's structured outputs, as milo's engine constrains to its label trie); without
+        ``use_store`` the same prompt is plain vLLM, every token prefilled (the true-prefill reference)."""
+        body = {"model": model, "prompt": self.prompt_token_ids, "max_tokens": max_tokens, "temperature": 0}
+        if self.labels:
+            body["structured_outputs"] = {"choice": [" " + label for label in self.labels]}
+        if logprobs is not None:
+            body["logprobs"] = logprobs
+        if use_store:
+            body["kv_transfer_params"] = self.kv_transfer_params
+        return body
+
+
+class VllmPrompts:
+    """Turns queries into vLLM requests over one mounted store: retrieval and rendering as milo's own
+    engine does them (same groups, same order, same query ids), no model needed."""
+
+    def __init__(self, name: str, store: MiloStore, tokenizer, *, k: int = 6, order: str = "score",
+                 aggregate: str = "max"):
+        self.name, self.store, self.k, self.order = name, store, k, order
+        self.queries = StoreQueries(store, tokenizer, aggregate)
+
+    def prompt(self, request: Request, blocks: list[int] | None = None) -> VllmPrompt:
+        """``blocks`` overrides retrieval (exactness checks place chosen blocks)."""
+        k = request.k if request.k is not None else self.k
+        groups = self.queries.select(request.text, k, request.token_budget, self.order) if blocks is None else []
+        blocks = self.store.blocks_of(groups) if blocks is None else list(blocks)
+        return vllm_prompt(self.name, self.store, groups, blocks, self.queries.query_ids(request.text),
+                           tuple(self.queries.task.labels))
+
+
+def vllm_prompt(name: str, store: MiloStore, groups: list[int], blocks: list[int], query_ids: list[int],
+                labels: tuple[str, ...]) -> VllmPrompt:
+    prefix = prefix_token_ids(store, blocks)
+    if prefix is None:
+        raise ValueError(f"{store.path} keeps no token ids for its anchor or blocks: vLLM requests need a store "
+                         f"`milo build` wrote")
+    return VllmPrompt(prompt_token_ids=prefix + list(query_ids), kv_transfer_params=transfer_params(name, blocks),
+                      groups=list(groups), blocks=list(blocks), prefix_tokens=len(prefix), labels=labels)
+
+
+@dataclass(frozen=True)
+class Claim:
+    store: str
+    blocks: list[int]
+    prefix_tokens: int  # anchor + blocks, as the prompt's first tokens
+
+
+class PrefixClaims:
+    """The connector's check of a request: the prefix it may load, or None with the reason why not."""
+
+    def __init__(self, stores: dict[str, MiloStore]):
+        self.stores = stores
+
+    def claim(self, params: dict | None, prompt_token_ids: list[int]) -> tuple[Claim | None, str]:
+        entry = (params or {}).get(KEY)
+        if entry is None:
+            return None, "no milo entry in kv_transfer_params"
+        if not isinstance(entry, dict) or not isinstance(entry.get("store"), str) or \
+                not isinstance(entry.get("blocks"), list) or not all(isinstance(b, int) for b in entry["blocks"]):
+            return None, f"kv_transfer_params[{KEY!r}] must be {{'store': name, 'blocks': [block ids]}}, got {entry!r}"
+        name, blocks = entry["store"], entry["blocks"]
+        store = self.stores.get(name)
+        if store is None:
+            return None, f"no store named {name!r} is configured (configured: {', '.join(self.stores)})"
+        if any(not 0 <= b < store.num_blocks for b in blocks):
+            return None, f"block ids outside store {name!r}'s 0..{store.num_blocks - 1}"
+        ids = prefix_token_ids(store, blocks)
+        if ids is None:
+            return None, f"store {name!r} keeps no token ids for its anchor or blocks"
+        if list(prompt_token_ids[:len(ids)]) != ids:
+            return None, f"the prompt does not begin with the token ids store {name!r} encoded its anchor and blocks from"
+        return Claim(name, list(blocks), len(ids)), ""
+
+
+def connector_config(stores: dict[str, str], *, load_failure: str = "recompute", **options) -> dict:
+    """vLLM's ``--kv-transfer-config`` (as JSON) for the milo connector over ``stores`` (name: path or URL);
+    ``options`` are the connector's extra keys (``tier``, ``memory_cache_bytes``, ``block_cache_dir``,
+    ``block_cache_bytes``). ``load_failure``: what vLLM does with a request whose prefix cannot be read,
+    ``"recompute"`` it or ``"fail"`` it."""
+    return {"kv_connector": "MiloConnector", "kv_connector_module_path": "milo_infer.vllm.connector",
+            "kv_role": "kv_consumer", "kv_load_failure_policy": load_failure,
+            "kv_connector_extra_config": {"stores": {name: str(path) for name, path in stores.items()}, **options}}

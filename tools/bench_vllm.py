@@ -1,0 +1,156 @@
+"""vLLM with the milo connector against vLLM prefilling the same prompts itself: agreement, accuracy, TTFT, qps.
+
+Runs in milo's venv and starts one vLLM server from vLLM's (``$MILO_VLLM_PYTHON``, default
+``.venv-vllm/bin/python``: CPU or CUDA, its venv's build) with the connector over the given stores and
+prefix caching off, so a request without ``kv_transfer_params`` is a true prefill of the very same
+token ids. For each test query (the same retrieval for every store: they must come from one build):
+
+* answers, label-constrained and greedy, from each store and from plain vLLM; accuracy, and the share
+  of answers equal to plain vLLM's (and to milo's own engine's, where ``--milo-predictions`` gives
+  `milo eval` prediction files of the same stores and queries);
+* at concurrency 1 and ``--concurrency``: time to first token (a 1-token request's latency) and
+  queries per second, with the store and without.
+
+    .venv/bin/python tools/bench_vllm.py --dataset banking77 --n-queries 100 --k 6 \\
+        --store full=DIR --store r0.5=DIR --store r0.25=DIR --out results.json
+"""
+import argparse
+import concurrent.futures
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from milo_infer.datasets import load_dataset  # noqa: E402
+from milo_infer.engine import Request  # noqa: E402
+from milo_infer.models import model_directory  # noqa: E402
+from milo_infer.scoring import is_correct  # noqa: E402
+from milo_infer.vllm import launch  # noqa: E402
+from milo_infer.vllm.transfer import VllmPrompts  # noqa: E402
+from milo_store import MiloStore  # noqa: E402
+
+
+def start(stores: dict[str, str], port: int, log: Path, vllm_args: list[str]) -> subprocess.Popen:
+    names = {Path(p).name: n for n, p in stores.items()}
+    if len(names) != len(stores):
+        raise SystemExit("each store needs its own basename (the connector's name for it)")
+    args = ["--host", "127.0.0.1", "--port", str(port), "--no-enable-prefix-caching",
+            "--enable-prompt-tokens-details", *vllm_args]
+    python = os.environ.get("MILO_VLLM_PYTHON") or str(Path(__file__).resolve().parents[1] / ".venv-vllm/bin/python")
+    cmd = launch.command(list(stores.values()), vllm_args=tuple(args), python=python)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "HF_HUB_OFFLINE": "1"}
+    process = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    deadline = time.monotonic() + 900
+    while True:
+        if process.poll() is not None:
+            raise SystemExit(f"vLLM exited while starting; see {log}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
+                return process
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            process.terminate()
+            raise SystemExit(f"vLLM did not start in 900 s; see {log}")
+        time.sleep(2)
+
+
+def complete(url: str, body: dict) -> tuple[dict, float]:
+    t = time.perf_counter()
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=900)
+    response.raise_for_status()
+    return response.json(), time.perf_counter() - t
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dataset", default="banking77")
+    p.add_argument("--store", action="append", required=True, metavar="NAME=DIR",
+                   help="a store of the one build (repeat); NAME labels it in the results")
+    p.add_argument("--n-queries", type=int, default=100)
+    p.add_argument("--k", type=int, default=6)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--timing-queries", type=int, default=16, help="queries per TTFT/qps measurement")
+    p.add_argument("--milo-predictions", action="append", default=[], metavar="NAME=JSONL",
+                   help="milo eval's predictions for store NAME (same queries), to compare with")
+    p.add_argument("--port", type=int, default=8011)
+    p.add_argument("--out", required=True)
+    p.add_argument("vllm_args", nargs="*", help="after --: vLLM's own flags")
+    args = p.parse_args()
+    stores = dict(s.split("=", 1) for s in args.store)
+    out = Path(args.out)
+    url = f"http://127.0.0.1:{args.port}"
+    _, test, task = load_dataset(args.dataset)
+    test = test[:args.n_queries]
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(model_directory("default"))
+    opened = {name: MiloStore.open(path, tier="disk") for name, path in stores.items()}
+    clients = {name: VllmPrompts(Path(stores[name]).name, store, tokenizer, k=args.k) for name, store in opened.items()}
+    first = next(iter(clients.values()))
+    model = str(model_directory("default"))
+    process = start(stores, args.port, out.with_suffix(".vllm.log"), args.vllm_args)
+    results = {"dataset": args.dataset, "k": args.k, "n_queries": len(test), "date": time.strftime("%Y-%m-%d"),
+               "answers": {}, "tokens": {}, "timing": {}}
+    try:
+        prompts = [first.prompt(Request(text=q.input)) for q in test]
+        for name, client in clients.items():  # one build: every store retrieves the same blocks
+            assert [client.prompt(Request(text=q.input)).blocks for q in test[:5]] == [x.blocks for x in prompts[:5]]
+        results["tokens"] = {"prompt": statistics.mean(len(x.prompt_token_ids) for x in prompts),
+                             "prefix": statistics.mean(x.prefix_tokens for x in prompts)}
+        for name in ["prefill", *clients]:
+            texts, loaded = [], []
+            for q, prompt in zip(test, prompts):
+                body = (prompt if name == "prefill" else clients[name].prompt(Request(text=q.input))).body(
+                    model, use_store=name != "prefill")
+                r, _ = complete(url, body)
+                texts.append(r["choices"][0]["text"].strip())
+                loaded.append(r["usage"]["prompt_tokens_details"]["cached_tokens"])
+            results["answers"][name] = texts
+            results["tokens"][f"loaded {name}"] = statistics.mean(loaded)
+            print(name, "done", flush=True)
+            out.write_text(json.dumps(results, indent=1))
+        for c in (1, args.concurrency):
+            for name in ["prefill", *clients]:
+                bodies = [(x if name == "prefill" else clients[name].prompt(Request(text=q.input))).body(
+                    model, max_tokens=1, use_store=name != "prefill") for q, x in zip(test, prompts)]
+                bodies = bodies[:args.timing_queries]
+                t = time.perf_counter()
+                with concurrent.futures.ThreadPoolExecutor(c) as pool:
+                    latencies = [s for _, s in pool.map(lambda b: complete(url, b), bodies)]
+                wall = time.perf_counter() - t
+                results["timing"][f"{name} c{c}"] = {"ttft_mean_s": statistics.mean(latencies),
+                                                    "qps": len(bodies) / wall}
+                print(name, c, results["timing"][f"{name} c{c}"], flush=True)
+                out.write_text(json.dumps(results, indent=1))
+    finally:
+        os.killpg(process.pid, 15)
+        process.wait(60)
+    references = [q.output for q in test]
+    answers = results["answers"]
+    milo = {}
+    for spec in args.milo_predictions:
+        name, path = spec.split("=", 1)
+        by_id = {json.loads(line)["id"]: json.loads(line)["prediction"] for line in open(path)}
+        milo[name] = [by_id.get(q.id) for q in test]
+    summary = {}
+    for name, texts in answers.items():
+        row = {"accuracy": sum(is_correct(t, r, task.answer_kind) for t, r in zip(texts, references)) / len(texts),
+               "agree_prefill": sum(t == u for t, u in zip(texts, answers["prefill"])) / len(texts)}
+        if name in milo:
+            pairs = [(t, m) for t, m in zip(texts, milo[name]) if m is not None]
+            row["agree_milo"] = sum(t == m for t, m in pairs) / len(pairs) if pairs else None
+        summary[name] = row
+    results["summary"] = summary
+    out.write_text(json.dumps(results, indent=1))
+    print(json.dumps({"summary": summary, "timing": results["timing"], "tokens": results["tokens"]}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
