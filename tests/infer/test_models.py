@@ -25,7 +25,8 @@ def assert_capture_reproduces_cache(model, ids, atol=1e-5):
     with torch.no_grad(), capture_kv(model) as captured:
         out = model(ids, use_cache=True)
     cos, sin = rope_tables(model, ids.shape[1])
-    layers = out.cache.layers  # transformers 5: `cache` (formerly past_key_values), per-layer objects
+    # transformers renamed the output's `past_key_values` to `cache` after 5.19 (vLLM's venv has 5.19)
+    layers = (out.cache if hasattr(out, "cache") else out.past_key_values).layers
     assert len(layers) == len(captured.keys) == model.config.num_hidden_layers
     for layer, cached in enumerate(layers):
         keys = captured.keys[layer].transpose(1, 2)  # [B, T, H, d] -> the cache's [B, H, T, d]
