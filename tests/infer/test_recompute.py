@@ -10,7 +10,9 @@ import torch
 from transformers import DynamicCache
 
 from milo_infer import synthetic_model
+from milo_infer.corpus import Demonstration, TaskSpec
 from milo_infer.engine import Batch, Engine, Request, RequestError
+from milo_infer.evaluate import evaluate
 from milo_infer.timing import StageClock
 from milo_store import MiloStore
 
@@ -123,3 +125,21 @@ def test_a_negative_recompute_or_a_store_without_token_ids_is_a_request_error(se
         assert len(engine.plan("s", Request("topic1", k=1)).recompute) == 0  # nothing asked, nothing needed
         with pytest.raises(RequestError, match="keeps no token ids.*recompute needs"):
             engine.plan("s", Request("topic1", k=1, recompute=2))
+
+
+def test_milo_eval_recomputing_every_token_answers_as_prefill_and_logs_apart(setup, tmp_path):
+    loaded, store = setup
+    task = engine_task(store)
+    items = [Demonstration(input=r.text, output=task.labels[i % len(task.labels)], id=str(i))
+             for i, r in enumerate(QUERIES)]
+    prefilled = evaluate(loaded, store.path, items, task, k=2, prefill=True)
+    log = tmp_path / "p.jsonl"
+    recomputed = evaluate(loaded, store.path, items, task, k=2, recompute=longest_block(store), predictions=log)
+    assert recomputed["answers"] == prefilled["answers"]
+    assert recomputed["prefill_tokens"] > evaluate(loaded, store.path, items, task, k=2)["prefill_tokens"]
+    with pytest.raises(ValueError, match="another store, k"):  # a log of one n is not another's
+        evaluate(loaded, store.path, items, task, k=2, recompute=3, predictions=log)
+
+
+def engine_task(store) -> TaskSpec:
+    return TaskSpec(**{**store.meta["task"], "labels": tuple(store.meta["task"]["labels"])})
