@@ -5,6 +5,9 @@ is the `prefill` baseline; recomputing none is the plain store path; anything be
 token-at-a-time forward over a transformers DynamicCache holding the rebuilt K/V of the tokens not
 recomputed. Batched rows of different n must be the rows alone.
 """
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -143,3 +146,19 @@ def test_milo_eval_recomputing_every_token_answers_as_prefill_and_logs_apart(set
 
 def engine_task(store) -> TaskSpec:
     return TaskSpec(**{**store.meta["task"], "labels": tuple(store.meta["task"]["labels"])})
+
+
+def test_the_cost_tool_answers_every_query_at_every_setting(setup):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    from recompute_cost import PREFILL, measure
+
+    loaded, store = setup
+    engine = Engine(loaded, {"store": store}, k=2)
+    texts = [r.text for r in QUERIES]
+    result = measure(engine, texts, [0, 3, PREFILL])
+    assert list(result) == ["0", "3", "prefill"] and all(r["first_token_seconds"] > 0 for r in result.values())
+    queries = [len(engine.plan("store", Request(t)).query_ids) for t in texts]
+    recomputed = [len(engine.plan("store", Request(t, recompute=3)).recompute) for t in texts]
+    assert result["0"]["prefill_tokens"] == sum(queries) / len(texts)
+    assert result["3"]["prefill_tokens"] == (sum(queries) + sum(recomputed)) / len(texts)
+    assert result["prefill"]["prefill_tokens"] > result["3"]["prefill_tokens"]
