@@ -5,12 +5,11 @@ blocks once (a block several rows retrieved crosses the link once per batch), st
 layer ahead (`LayerPrefetcher`), and rebuilds each row's [anchor][blocks] at that row's own positions
 into one `BatchCache` (keys are pre-RoPE in the store, so one fetched block serves rows that place it
 at different positions). Rows' queries are left-padded into one prefill forward, with explicit
-position ids and a 4-D mask built from the cache's per-row column mask (a row that recomputes tokens of its
-prefix feeds them first, at their own positions, and its rebuilt columns of them are masked out for
-good: `Batch._forward` lets the first forward's tokens see only the prefix columns before their own
-position); then every row decodes one
-token per forward, each with its own stopping (`LabelDecoder`, `GreedyDecoder`), and a finished row
-leaves the batch. A running `Batch` also admits new rows between steps (continuous batching): they
+position ids and a 4-D mask built from the cache's per-row column mask (a row that recomputes tokens
+of its prefix feeds them first, at their own positions, and its rebuilt columns of them are masked
+out for good; in that first forward a token sees only the prefix columns before its own position);
+then every row decodes one token per forward, each with its own stopping (`LabelDecoder`,
+`GreedyDecoder`), and a finished row leaves the batch. A running `Batch` also admits new rows between steps (continuous batching): they
 are rebuilt and prefilled as a small batch of their own and merged into the running cache.
 
 Nothing per query is written on a long-lived object: a batch's stage seconds and fetch statistics
