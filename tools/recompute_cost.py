@@ -5,7 +5,8 @@ shared CPU the load drifts between them. Here every query is answered at every n
 --prefill, by the prefill baseline) before the next query, in an order that rotates per query, so
 each setting sees the same load on average.
 
-Run: ``python tools/recompute_cost.py STORE --dataset banking77 --queries 10 --n 0,4,16,32,128 --threads 1``
+Run: ``python tools/recompute_cost.py STORE --dataset banking77 --queries 10 --n 0,4,16,32,128 --prefill --threads 1``
+(an n at least a block's length recomputes every token: prefill's answers, at the store's rounding)
 """
 import argparse
 import json
@@ -26,16 +27,25 @@ PREFILL = "prefill"
 
 
 def measure(engine: Engine, texts: list[str], settings: list) -> dict:
-    """Mean time to first token and tokens computed per setting (an int n, or PREFILL), each query answered
-    alone at every setting, the settings' order rotated by one per query."""
-    seen = {s: {"first_token_seconds": [], "prefill_tokens": []} for s in settings}
+    """Per setting (an int n, or PREFILL): mean time to first token, mean tokens computed and the answers,
+    each query answered alone at every setting, the settings' order rotated by one per query; with
+    PREFILL among them, each setting's share of answers equal to prefill's."""
+    seen = {s: {"first_token_seconds": [], "prefill_tokens": [], "answers": []} for s in settings}
     for i, text in enumerate(texts):
         for s in settings[i % len(settings):] + settings[:i % len(settings)]:
             request = Request(text, prefill=True) if s == PREFILL else Request(text, recompute=s)
             answer = engine.answer([engine.plan("store", request)])[0]
-            seen[s]["first_token_seconds"].append(answer.first_token_seconds)
-            seen[s]["prefill_tokens"].append(answer.prefill_tokens)
-    return {str(s): {field: statistics.fmean(values) for field, values in fields.items()} for s, fields in seen.items()}
+            for field, value in (("first_token_seconds", answer.first_token_seconds),
+                                 ("prefill_tokens", answer.prefill_tokens), ("answers", answer.text)):
+                seen[s][field].append(value)
+    result = {}
+    for s, fields in seen.items():
+        result[str(s)] = {"first_token_seconds": statistics.fmean(fields["first_token_seconds"]),
+                          "prefill_tokens": statistics.fmean(fields["prefill_tokens"]), "answers": fields["answers"]}
+        if PREFILL in seen:
+            result[str(s)]["agreement_prefill"] = statistics.fmean(
+                a == b for a, b in zip(fields["answers"], seen[PREFILL]["answers"]))
+    return result
 
 
 def main():
