@@ -5,9 +5,11 @@ blocks once (a block several rows retrieved crosses the link once per batch), st
 layer ahead (`LayerPrefetcher`), and rebuilds each row's [anchor][blocks] at that row's own positions
 into one `BatchCache` (keys are pre-RoPE in the store, so one fetched block serves rows that place it
 at different positions). Rows' queries are left-padded into one prefill forward, with explicit
-position ids and a 4-D mask built from the cache's per-row column mask; then every row decodes one
-token per forward, each with its own stopping (`LabelDecoder`, `GreedyDecoder`), and a finished row
-leaves the batch. A running `Batch` also admits new rows between steps (continuous batching): they
+position ids and a 4-D mask built from the cache's per-row column mask (a row that recomputes tokens
+of its prefix feeds them first, at their own positions, and its rebuilt columns of them are masked
+out for good; in that first forward a token sees only the prefix columns before its own position);
+then every row decodes one token per forward, each with its own stopping (`LabelDecoder`,
+`GreedyDecoder`), and a finished row leaves the batch. A running `Batch` also admits new rows between steps (continuous batching): they
 are rebuilt and prefilled as a small batch of their own and merged into the running cache.
 
 Nothing per query is written on a long-lived object: a batch's stage seconds and fetch statistics
@@ -72,12 +74,13 @@ class RowEvent:
 class Engine:
     """The model and the stores it answers from; ``plan`` queries, ``answer`` a batch of plans, or keep a
     running ``batch()``. ``rebuild`` replaces the kernels' reconstruction (the benchmark's full-KV copy);
-    ``device_cache_bytes`` keeps that many bytes of blocks' factors on the device (`DeviceTier`)."""
+    ``device_cache_bytes`` keeps that many bytes of blocks' factors on the device (`DeviceTier`); ``recompute``
+    is how many first tokens of each retrieved block a request computes again unless it says."""
 
     def __init__(self, loaded: LoadedModel, stores: dict[str, MiloStore], *, k: int = 6,
                  token_budget: int | None = None, order: str = "score", max_new_tokens: int = MAX_NEW_TOKENS,
                  device=None, prefetch_depth: int = 2, aggregate: str = "max", rebuild: Rebuild = rebuild_layer,
-                 device_cache_bytes: int = 0):
+                 device_cache_bytes: int = 0, recompute: int = 0):
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
         self.cache_kwarg = cache_keyword(self.model)
         model_device = next(self.model.parameters()).device
@@ -91,7 +94,7 @@ class Engine:
             raise ValueError("an engine needs at least one store")
         self.dtype = next(self.model.parameters()).dtype
         self.k, self.token_budget, self.order, self.max_new_tokens = k, token_budget, order, max_new_tokens
-        self.prefetch_depth, self.rebuild = prefetch_depth, rebuild
+        self.prefetch_depth, self.rebuild, self.recompute = prefetch_depth, rebuild, recompute
         for store in stores.values():
             check_compatible(store, loaded.identity)
         self.max_positions = min(s.meta["model"]["max_position_embeddings"] for s in stores.values())
@@ -110,7 +113,7 @@ class Engine:
             raise KeyError(f"no store named {store!r} is mounted (mounted: {', '.join(self.stores)})")
         return self.stores[store].plan(request, k=self.k, token_budget=self.token_budget, order=self.order,
                                        max_new_tokens=self.max_new_tokens, max_positions=self.max_positions,
-                                       block_ids=block_ids)
+                                       recompute=self.recompute, block_ids=block_ids)
 
     def batch(self) -> "Batch":
         return Batch(self)
@@ -192,19 +195,25 @@ class Batch:
         valid = torch.zeros(len(plans), capacity, dtype=torch.bool)
         for r, p in enumerate(plans):
             valid[r, :p.prefix_tokens] = True
+            valid[r, torch.from_numpy(p.recompute)] = False  # stale: their fresh K/V come in the query's columns
             valid[r, end - len(p.query_ids):end] = True
         return cache, valid.to(e.device), start, end
 
     def _forward(self, cache: BatchCache, ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
                  keep_all: bool = False) -> torch.Tensor:
         """One model call over ``ids`` [B, q] at ``positions`` with ``cache``; a query token attends to the
-        valid columns before the new ones and causally among the new ones. Returns logits [B, q or 1, V]."""
+        valid columns before the new ones and causally among the new ones. In the first forward the columns
+        before the new ones are the rebuilt prefixes, whose column is their position: a token attends only to
+        those before its own position (a no-op for the query; a recomputed prefix token sees what precedes
+        it in the context, never what follows). Returns logits [B, q or 1, V]."""
         e = self.engine
         first = not cache.layers[0].is_initialized
         n, q = cache.length, ids.shape[1]
         new = torch.arange(q, device=e.device)
         allowed = valid[:, None, :n + q].expand(-1, q, -1).clone()
         allowed[:, :, n:] &= new[None, None, :] <= new[None, :, None]
+        if first:
+            allowed[:, :, :n] &= torch.arange(n, device=e.device)[None, None, :] < positions[:, :, None]
         mask = torch.zeros(allowed.shape, dtype=e.dtype, device=e.device)
         mask.masked_fill_(~allowed, torch.finfo(e.dtype).min)
         out = e.model(input_ids=ids, position_ids=positions, attention_mask=mask[:, None], use_cache=True,
@@ -225,7 +234,7 @@ class Batch:
             q = len(p.query_ids)
             ids[r, end - start - q:] = torch.tensor(p.query_ids)
             positions[r] = p.prefix_tokens  # padding: masked for every row, position immaterial
-            positions[r, end - start - q:] = p.prefix_tokens + torch.arange(q)
+            positions[r, end - start - q:] = torch.from_numpy(p.positions)
         with clock.device_stage("forwards"):
             logits = self._forward(cache, ids.to(e.device), positions.to(e.device), valid, keep_all)
         return cache, valid, logits
@@ -253,7 +262,7 @@ class Batch:
             m = e.stores[p.store]
             decoder = (LabelDecoder(m.trie, e.tokenizer, p.max_new_tokens) if m.trie is not None else
                        GreedyDecoder(e.tokenizer, STOP_STRINGS + tuple(p.request.stop), p.max_new_tokens))
-            rows.append(Row(p, decoder, p.prefix_tokens + len(p.query_ids), {"retrieve": p.retrieve_seconds, **share},
+            rows.append(Row(p, decoder, p.prompt_tokens, {"retrieve": p.retrieve_seconds, **share},
                             moved=self.fetch_stats["bytes"] // len(plans),
                             first_token_seconds=p.retrieve_seconds + admission))
         if self.cache is None:

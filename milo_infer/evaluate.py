@@ -28,11 +28,13 @@ EVAL_BATCH = 8  # queries per forward in `milo eval`: ~2x batch 1 on a CPU (docs
 
 def evaluate(loaded: LoadedModel, store_path, test: list[Demonstration], task: TaskSpec, k: int = 6,
              n: int | None = None, *, predictions=None, max_new_tokens: int = MAX_NEW_TOKENS,
-             on_answer: Callable[[dict], None] | None = None, batch: int = EVAL_BATCH, prefill: bool = False) -> dict:
+             on_answer: Callable[[dict], None] | None = None, batch: int = EVAL_BATCH, prefill: bool = False,
+             recompute: int = 0) -> dict:
     """Answer the first ``n`` test items from the store, ``batch`` per forward (each row its own
     retrieval; the predictions are those of one at a time); accuracy, bytes, time per stage, time to
     first token and tokens prefilled. ``prefill``: the model prefills the retrieved demonstrations'
-    tokens instead of reading their K/V (`MiloSession`'s ``prefill``).
+    tokens instead of reading their K/V (`MiloSession`'s ``prefill``); ``recompute``: the model computes each
+    retrieved block's first that many tokens again after the rebuild (`MiloSession`'s ``recompute``).
 
     ``predictions`` (a JSONL path) keeps one line per finished item; items already there are not
     asked again. Its lines carry a key of the store's allocation and ``k``: lines from another
@@ -42,10 +44,11 @@ def evaluate(loaded: LoadedModel, store_path, test: list[Demonstration], task: T
     if not items:
         raise ValueError("no test items to evaluate")
     with MiloStore.open(store_path, tier="host") as store:
-        key = _run_key(store, k, max_new_tokens if task.answer_kind != "label" else MAX_NEW_TOKENS, prefill)
+        key = _run_key(store, k, max_new_tokens if task.answer_kind != "label" else MAX_NEW_TOKENS, prefill, recompute)
         done = _read_predictions(predictions, key) if predictions is not None else {}
         pending = [item for item in items if item.id not in done]
-        session = MiloSession(loaded, store, k=k, max_new_tokens=max_new_tokens, prefill=prefill) if pending else None
+        session = (MiloSession(loaded, store, k=k, max_new_tokens=max_new_tokens, prefill=prefill, recompute=recompute)
+                   if pending else None)
         for start in range(0, len(pending), batch):
             chunk = pending[start:start + batch]
             for item, answer in zip(chunk, session.answer_batch([item.input for item in chunk])):
@@ -87,9 +90,10 @@ def agreement(answers: dict, reference: dict) -> float | None:
     return sum(answers[i] == reference[i] for i in shared) / len(shared) if shared else None
 
 
-def _run_key(store: MiloStore, k: int, max_new_tokens: int = MAX_NEW_TOKENS, prefill: bool = False) -> str:
-    """What a logged answer depends on besides the question (a non-default free-form answer length
-    is added only when set, so logs written before it existed keep their key). A prefilled answer
+def _run_key(store: MiloStore, k: int, max_new_tokens: int = MAX_NEW_TOKENS, prefill: bool = False,
+             recompute: int = 0) -> str:
+    """What a logged answer depends on besides the question (a non-default free-form answer length and
+    a recompute are added only when set, so logs written before they existed keep their key). A prefilled answer
     depends on neither the store's allocation nor the context its blocks were encoded in."""
     build = store.meta.get("build")
     what = {"allocation": allocation_record(store.meta.get("allocation")), "build": build,
@@ -99,6 +103,8 @@ def _run_key(store: MiloStore, k: int, max_new_tokens: int = MAX_NEW_TOKENS, pre
                 "build": {f: v for f, v in (build or {}).items() if f != "context_blocks"}}
     if max_new_tokens != MAX_NEW_TOKENS:
         what["max_new_tokens"] = max_new_tokens
+    if recompute:
+        what["recompute"] = recompute
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -8,6 +8,8 @@ demonstration factored alone) — then a quantization (``+int8``, ``+int4``, ``+
 policy, scope, K/V split, ``-ks<share>``). ``default`` is whatever `milo build` writes at the run's ratio.
 ``prefill`` is no store: the model prefills the demonstrations the ``full`` store retrieves (same
 groups, same order) from their token ids, the plain-prompting baseline every store is measured against.
+A store method may end in ``-recompute<n>``: the same store, each retrieved block's first n tokens
+computed again by the model at query time (`Request.recompute`), e.g. ``default-recompute16``.
 """
 from __future__ import annotations
 
@@ -54,11 +56,26 @@ EXAMPLES = ("full", "default", "raw+int8", "raw+kivi", "milo", "milo-fullrank", 
             "global-proj", "example-svd", "example-asvd")
 DEFAULT = "default"  # whatever `milo build` writes at the run's ratio (`default_method`)
 PREFILL = "prefill"  # the model prefills full's retrieved demonstrations itself: full's store, no K/V read
+RECOMPUTE = re.compile(r"(.+)-recompute(\d+)")  # a store method, then the tokens per block recomputed at query time
+
+
+def split_recompute(name: str) -> tuple[str, int]:
+    """The store method a name stands for and the tokens per block it recomputes at query time (0: none)."""
+    matched = RECOMPUTE.fullmatch(name)
+    if matched is None:
+        return name, 0
+    base, n = matched.group(1), int(matched.group(2))
+    if base == PREFILL:
+        raise ValueError(f"method {name!r}: prefill computes every token already; -recompute<n> follows a store method")
+    if n == 0 or str(n) != matched.group(2):
+        raise ValueError(f"method {name!r}: write -recompute<n> with n of 1 or more tokens, no leading zeros")
+    return base, n
 
 
 @functools.cache
 def method_fields(name: str) -> dict:
     """The CompressionConfig fields a method name stands for (ValueError naming the bad part)."""
+    name = split_recompute(name)[0]  # the store does not depend on what a query recomputes
     if name == PREFILL:  # retrieves from full's store
         return dict(BASES["full"])
     base = max((b for b in BASES if name == b or name.startswith((b + "-", b + "+"))), key=len, default=None)
@@ -104,7 +121,8 @@ def default_method(ratio: float) -> str:
 
 def resolve(method: str, ratio: float) -> str:
     """The concrete method a name stands for at ``ratio``: ``default`` becomes `default_method`."""
-    return default_method(ratio) if method == DEFAULT else method
+    base, n = split_recompute(method)
+    return (default_method(ratio) if base == DEFAULT else base) + (f"-recompute{n}" if n else "")
 
 
 def method_config(name: str, ratio: float, seed: int = 0) -> CompressionConfig:
@@ -115,11 +133,13 @@ def method_config(name: str, ratio: float, seed: int = 0) -> CompressionConfig:
 
 def fixed_ratio(method: str) -> bool:
     """Whether the method's store is the same at every ratio (full, raw, -fullrank)."""
+    method = split_recompute(method)[0]
     return method != DEFAULT and "ratio" in method_fields(method)
 
 
 def store_name(method: str, ratio: float) -> str:
     """Directory name of a method's store: the ratio is part of it only where it changes the store.
-    ``default`` shares the store of the method it stands for, ``prefill`` full's."""
+    ``default`` shares the store of the method it stands for, ``prefill`` full's, ``-recompute<n>`` its base's."""
+    method = split_recompute(method)[0]
     method = "full" if method == PREFILL else resolve(method, ratio)
     return method if fixed_ratio(method) else f"{method}-r{ratio:g}"

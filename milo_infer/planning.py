@@ -17,11 +17,17 @@ groups and plans no prefix at all: its "query" is the token ids the store's anch
 blocks were encoded from, then the query's, so the engine's one prefill forward computes every K/V
 itself (no store read, no rebuild). The ids are the stored ones rather than a tokenization of the
 joined text, so the only difference from the `full` store is attention across blocks.
+
+A recompute request (``Request(recompute=n)``, EPIC-style) rebuilds the prefix as usual and has the
+model compute the first n tokens of every retrieved block again, in the assembled context: the plan's
+``recompute`` lists their context positions, and its forward feeds their stored ids before the
+query's. The engine masks their rebuilt columns out, so what follows reads only their fresh K/V
+(docs/design.md, "Query-time recompute").
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -51,6 +57,7 @@ class Request:
     max_new_tokens: int | None = None  # None: a label's length, or MAX_NEW_TOKENS for free-form answers
     stop: tuple[str, ...] = ()  # extra stop strings (free-form answers)
     prefill: bool = False  # the model prefills the retrieved demonstrations' tokens instead of rebuilding their K/V
+    recompute: int | None = None  # first tokens of each block the model computes again (None: the engine's default)
 
 
 @dataclass(frozen=True, eq=False)
@@ -59,7 +66,8 @@ class QueryPlan:
     request: Request
     groups: list[int]  # retrieved groups, in context order
     blocks: list[int]  # their store blocks to rebuild, in context order (none for a prefill request)
-    query_ids: list[int]  # what the prefill forward feeds (a prefill request: anchor, blocks and query)
+    query_ids: list[int]  # what the prefill forward feeds: recomputed tokens' ids, then the query's (a prefill
+    # request: anchor, blocks and query)
     prefix_tokens: int  # anchor + blocks rebuilt from the store (0 for a prefill request)
     dst_rows: np.ndarray  # int64 [n]: each block's first row in the assembled context
     segments: np.ndarray  # int64 [L, n*2*H, 6]: SEGMENT_COLUMNS, src_offset relative to the block's layer slice
@@ -67,10 +75,19 @@ class QueryPlan:
     kv_bytes_full: int  # fp16 K/V of the blocks
     kv_bytes_stored: int  # the factor bytes the blocks take in the store
     retrieve_seconds: float
+    recompute: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # int64 [m]: context positions
+    # of the rebuilt tokens computed again, ascending; their ids open query_ids
 
     @property
     def prompt_tokens(self) -> int:
-        return self.prefix_tokens + len(self.query_ids)
+        """Positions the context takes: the prefix, then the query (recomputed tokens sit inside the prefix)."""
+        return self.prefix_tokens + len(self.query_ids) - len(self.recompute)
+
+    @property
+    def positions(self) -> np.ndarray:
+        """int64 [len(query_ids)]: the RoPE position of every token the forward feeds."""
+        query = self.prefix_tokens + np.arange(len(self.query_ids) - len(self.recompute), dtype=np.int64)
+        return np.concatenate([self.recompute, query])
 
 
 def check_compatible(store: MiloStore, identity: dict) -> None:
@@ -121,13 +138,16 @@ class MountedStore(StorePrefix, StoreQueries):
         StoreQueries.__init__(self, store, tokenizer, aggregate)
 
     def plan(self, request: Request, *, k: int, token_budget: int | None, order: str, max_new_tokens: int,
-             max_positions: int, block_ids: list[int] | None = None) -> QueryPlan:
+             max_positions: int, recompute: int = 0, block_ids: list[int] | None = None) -> QueryPlan:
         """Plan one query; ``block_ids`` overrides retrieval (exactness checks place chosen blocks)."""
         t = time.perf_counter()
         k = request.k if request.k is not None else k
         token_budget = request.token_budget if request.token_budget is not None else token_budget
+        recompute = request.recompute if request.recompute is not None else recompute
         if k < 1:
             raise RequestError(f"k must be at least 1, got {k}")
+        if recompute < 0:
+            raise RequestError(f"recompute must be 0 or more tokens per block, got {recompute}")
         groups = self.select(request.text, k, token_budget, order) if block_ids is None else []
         blocks = self.store.blocks_of(groups) if block_ids is None else list(block_ids)
         query_ids = self.query_ids(request.text)
@@ -145,10 +165,23 @@ class MountedStore(StorePrefix, StoreQueries):
                                f"{max_positions} positions; lower k or set a token budget")
         if request.prefill:
             return self.prefill_plan(request, groups, blocks, query_ids, budget, seconds)
-        return QueryPlan(store=self.name, request=request, groups=groups, blocks=blocks, query_ids=query_ids,
+        positions, ids = self.recompute_tokens(blocks, placed.dst_rows, recompute)
+        return QueryPlan(store=self.name, request=request, groups=groups, blocks=blocks, query_ids=ids + query_ids,
                          prefix_tokens=placed.prefix_tokens, dst_rows=placed.dst_rows, segments=placed.segments,
                          max_new_tokens=budget, kv_bytes_full=placed.kv_bytes_full,
-                         kv_bytes_stored=placed.kv_bytes_stored, retrieve_seconds=seconds)
+                         kv_bytes_stored=placed.kv_bytes_stored, retrieve_seconds=seconds, recompute=positions)
+
+    def recompute_tokens(self, blocks: list[int], dst: np.ndarray, n: int) -> tuple[np.ndarray, list[int]]:
+        """The context positions and stored ids of each block's first ``n`` tokens, in context order."""
+        if n == 0 or not blocks:
+            return np.zeros(0, np.int64), []
+        texts = [self.store.token_ids(b) for b in blocks]
+        if any(ids is None for ids in texts):
+            raise RequestError(f"{self.store.path} keeps no token ids for its blocks: recompute needs a store "
+                               f"`milo build` wrote")
+        heads = [ids[:n] for ids in texts]
+        positions = np.concatenate([start + np.arange(len(h), dtype=np.int64) for start, h in zip(dst, heads)])
+        return positions, [int(t) for h in heads for t in h]
 
     def prefill_plan(self, request: Request, groups: list[int], blocks: list[int], query_ids: list[int],
                      budget: int, seconds: float) -> QueryPlan:

@@ -5,7 +5,8 @@ sees is [anchor][selected blocks][query], keys stored before RoPE and rotated at
 blocks take in this assembled context, everything the store holds going through
 ``milo_kernels.reconstruct_layer``. ``answer_batch`` answers its queries as one batch. A session made
 with ``prefill=True`` retrieves the same blocks and lets the model prefill their tokens instead (the
-plain-prompting baseline).
+plain-prompting baseline); one made with ``recompute=n`` has the model compute each retrieved block's
+first n tokens again in the assembled context, after the rebuild (`Request.recompute`).
 """
 import torch
 
@@ -32,15 +33,17 @@ def place_model(loaded: LoadedModel, device) -> torch.device:
 
 class MiloSession:
     """One store, one engine; ``k`` and ``token_budget`` may be changed between calls. ``prefill``: the
-    model prefills [anchor][retrieved blocks][query] from their token ids, reading no K/V."""
+    model prefills [anchor][retrieved blocks][query] from their token ids, reading no K/V; ``recompute``: the
+    first tokens of each retrieved block the model computes again over the rebuilt context."""
 
     def __init__(self, loaded: LoadedModel, store: MiloStore, *, k: int = 6, token_budget: int | None = None,
                  order: str = "score", device=None, max_new_tokens: int = MAX_NEW_TOKENS, prefetch_depth: int = 2,
-                 aggregate: str = "max", rebuild=rebuild_layer, prefill: bool = False):
+                 aggregate: str = "max", rebuild=rebuild_layer, prefill: bool = False,
+                 recompute: int = 0):
         self.store, self.prefill = store, prefill
         self.engine = Engine(loaded, {"store": store}, k=k, token_budget=token_budget, order=order, device=device,
                              max_new_tokens=max_new_tokens, prefetch_depth=prefetch_depth, aggregate=aggregate,
-                             rebuild=rebuild)
+                             rebuild=rebuild, recompute=recompute)
         self.mounted = self.engine.stores["store"]
         self.retriever = self.mounted.retriever
         self.device, self.layout = self.engine.device, store.layout

@@ -7,7 +7,8 @@ comma-separated lists, for accuracy-against-ratio and -block-size curves (tools/
 Everything lands under --out: the stores, one predictions JSONL per run (rerunning the same command
 resumes where it stopped) and results.md / results.json, rewritten after every finished method.
 `prefill` (the model prefilling full's retrieved demonstrations) does not depend on --context-blocks,
-so its predictions sit beside the run folders and serve every --context-blocks of the same --out.
+so its predictions sit beside the run folders and serve every --context-blocks of the same --out. A
+method ending in -recompute<n> answers from its base method's store, with predictions of its own.
 """
 import itertools
 import os
@@ -25,7 +26,8 @@ from ..build import BuildConfig
 from ..corpus import load_corpus, task_from_corpus
 from ..datasets import DATASETS, load_dataset
 from ..evaluate import EVAL_BATCH, agreement, evaluate
-from ..methods import BASES, DEFAULT, EXAMPLES, MODIFIERS, PREFILL, QUANTS, method_config, resolve, store_name
+from ..methods import (BASES, DEFAULT, EXAMPLES, MODIFIERS, PREFILL, QUANTS, method_config, resolve, split_recompute,
+                       store_name)
 from ..shared_staging import encode_once
 from ..tables import write_tables
 from ..session import MAX_NEW_TOKENS
@@ -42,7 +44,9 @@ def add_arguments(p):
                    help=f"comma-separated method names, base(+quantization)(-modifier)*: bases "
                         f"{', '.join(BASES)}; modifiers {', '.join(MODIFIERS)}, ks<key share>; quantizations "
                         f"{', '.join(QUANTS)}; or '{DEFAULT}' (what milo build writes at each ratio), or "
-                        f"'{PREFILL}' (no store: the model prefills the demonstrations full retrieves). "
+                        f"'{PREFILL}' (no store: the model prefills the demonstrations full retrieves); any store "
+                        f"method may end in -recompute<n> (the model computes each retrieved block's first n "
+                        f"tokens again at query time). "
                         f"E.g. {', '.join(EXAMPLES)} (default full,default,raw+int8)")
     p.add_argument("--shots", type=int, default=512, help="demonstrations stored per data set (default 512)")
     p.add_argument("--ratio", default="0.5", metavar="R[,R]",
@@ -141,11 +145,13 @@ def run(args) -> int:
         for (m, sname), ratio in runs:
             bar.set_postfix_str(f"{name} seed {seed} b{block_size}: {m if m == PREFILL else sname}")
             t0, answered = time.perf_counter(), []
+            recompute = split_recompute(m)[1]
             predictions = (run_dir.parent / f"seed{seed}-shots{args.shots}-b{block_size}-{PREFILL}" if m == PREFILL
-                           else run_dir / sname)
+                           else run_dir / (sname + (f"-recompute{recompute}" if recompute else "")))
             result = evaluate(loaded, run_dir / "stores" / sname, test, task, k=args.k,
                               predictions=f"{predictions}-k{args.k}{_length_tag(args, task)}.jsonl",
                               max_new_tokens=args.max_new_tokens, batch=args.batch, prefill=m == PREFILL,
+                              recompute=recompute,
                               on_answer=lambda r: (answered.append(r), bar.update()))
             bar.update(result["n"] - len(answered))  # items resumed from the predictions file
             answers = result.pop("answers")

@@ -24,6 +24,9 @@ def add_arguments(p):
     p.add_argument("--model", default="default", help="model path or 'default' (must match the store)")
     p.add_argument("--k", type=int, default=6, help="blocks to retrieve per query (default 6)")
     p.add_argument("--token-budget", type=int, default=None, help="cap on retrieved tokens instead of / besides k")
+    p.add_argument("--recompute", type=int, default=0, metavar="N",
+                   help="tokens at the start of each retrieved block the model computes again in the query's context "
+                        "(closer to plain prompting, N×k more tokens per query; default 0)")
     add_tier_arguments(p)
     p.add_argument("--order", choices=("score", "corpus"), default="score", help="block order in the context")
     p.add_argument("--device", default=None, help="compute device (default: cuda if available, else cpu)")
@@ -35,13 +38,15 @@ def add_arguments(p):
 
 def run(args) -> int:
     at_least(args, 1, "k", "token_budget", "threads")
+    at_least(args, 0, "recompute")
     device = checked_device(args.device)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     store = MiloStore.open(args.store, **mount_options(args))
     loaded = load_model_arg(args.model)
     device = place_model(loaded, device)
-    session = MiloSession(loaded, store, k=args.k, token_budget=args.token_budget, order=args.order, device=device)
+    session = MiloSession(loaded, store, k=args.k, token_budget=args.token_budget, order=args.order, device=device,
+                          recompute=args.recompute)
     matched = [session.retriever.matches(text) for text in args.text]
     for text, hit in zip(args.text, matched):
         if not hit:

@@ -33,6 +33,9 @@ def add_arguments(p):
                    help="device memory kept for blocks' factors across requests, e.g. 2G (default 0: none)")
     p.add_argument("--k", type=int, default=6, help="groups to retrieve per query unless a request says (default 6)")
     p.add_argument("--token-budget", type=int, default=None, help="default cap on retrieved tokens")
+    p.add_argument("--recompute", type=int, default=0, metavar="N",
+                   help="tokens at the start of each retrieved block the model computes again in the query's context, "
+                        "unless a request says (closer to plain prompting, N×k more tokens per query; default 0)")
     p.add_argument("--max-batch", type=int, default=16, help="rows in the running batch at most (default 16)")
     p.add_argument("--batch-wait-ms", type=float, default=5.0, help="how long an idle loop gathers a batch (default 5)")
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests at most; beyond, 503 (default 256)")
@@ -42,6 +45,7 @@ def add_arguments(p):
 
 def run(args) -> int:
     at_least(args, 1, "k", "token_budget", "max_batch", "max_queue", "max_body_bytes", "threads")
+    at_least(args, 0, "recompute")
     if args.batch_wait_ms < 0 or args.drain_s < 0:
         raise CommandError("--batch-wait-ms and --drain-s cannot be negative")
     if not 0 <= args.port <= 65535:
@@ -56,6 +60,8 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     options = mount_options(args)
     if args.vllm:
+        if args.recompute:
+            raise CommandError("--recompute is milo's own engine's: vLLM loads a stored prefix as it is")
         from ..vllm.engine import VllmEngine, VllmUnavailable
 
         # only metadata, token ids and the BM25 index are read here: vLLM's connector reads the factors
@@ -70,7 +76,7 @@ def run(args) -> int:
         loaded = load_model_arg(args.model)
         device = place_model(loaded, device)
         engine = Engine(loaded, stores, k=args.k, token_budget=args.token_budget, device=device,
-                        device_cache_bytes=args.device_cache)
+                        device_cache_bytes=args.device_cache, recompute=args.recompute)
     app = create_app(engine, api_key=args.api_key or None, max_batch=args.max_batch, batch_wait_ms=args.batch_wait_ms,
                      max_queue=args.max_queue, max_body_bytes=args.max_body_bytes, block_cache=options["block_cache"])
     serve(app, host=args.host, port=args.port, drain_s=args.drain_s)

@@ -139,7 +139,8 @@ def parse_request(body: dict, *, chat: bool, models, max_positions: int) -> Pars
     if not isinstance(options, dict):
         raise invalid("stream_options", "must be an object")
     request = Request(text=text, k=_optional_int(body, "k", low=1), token_budget=_optional_int(body, "token_budget", low=1),
-                      max_new_tokens=_optional_int(body, length, low=1, high=max_positions), stop=_stop(body))
+                      max_new_tokens=_optional_int(body, length, low=1, high=max_positions), stop=_stop(body),
+                      recompute=_optional_int(body, "recompute", low=0, high=max_positions))
     return ParsedRequest(chat=chat, model=model, request=request, stream=stream,
                          include_usage=bool(options.get("include_usage")))
 

@@ -21,7 +21,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from milo_store import MiloStore
 
-from ..engine import Answer, QueryPlan, Request, RowEvent
+from ..engine import Answer, QueryPlan, Request, RequestError, RowEvent
 from ..models import config_identity, config_rope_tables, model_directory
 from ..planning import MAX_NEW_TOKENS, STOP_STRINGS, MountedStore, check_compatible
 from ..server.scheduler import UpstreamError
@@ -61,6 +61,8 @@ class VllmEngine:
         """As `Engine.plan`: host-only, safe from any thread."""
         if store not in self.stores:
             raise KeyError(f"no store named {store!r} is mounted (mounted: {', '.join(self.stores)})")
+        if request.recompute:
+            raise RequestError("recompute is milo's own engine's: vLLM loads a stored prefix as it is")
         return self.stores[store].plan(request, k=self.k, token_budget=self.token_budget, order=self.order,
                                        max_new_tokens=self.max_new_tokens, max_positions=self.max_positions)
 

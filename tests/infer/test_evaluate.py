@@ -16,7 +16,7 @@ from milo_infer.cli.eval import check
 from milo_infer.corpus import load_corpus, task_from_corpus
 from milo_infer.cli.build import add_arguments as build_arguments, compression_config
 from milo_infer.evaluate import agreement, evaluate
-from milo_infer.methods import default_method, fixed_ratio, method_config, store_name
+from milo_infer.methods import default_method, fixed_ratio, method_config, resolve, split_recompute, store_name
 from milo_infer.shared_staging import encode_once
 from milo_infer.tables import write_tables
 
@@ -236,3 +236,15 @@ def test_methods_and_arguments_are_checked_before_any_model_load():
                             ({"first_seed": -1}, "--first-seed"), ({"max_new_tokens": 0}, "--max-new-tokens"), ({"k": 0}, "--k"), ({"batch": 0}, "--batch"), ({"threads": 0}, "--threads"), ({"corpus": DEMO}, "--queries")]:
         with pytest.raises(CommandError, match=message):
             check(Namespace(**{**vars(args), **change}))
+
+
+def test_a_recompute_method_answers_from_its_base_methods_store():
+    assert split_recompute("default-recompute16") == ("default", 16) and split_recompute("full") == ("full", 0)
+    assert store_name("full-recompute4", 0.5) == "full" and fixed_ratio("full-recompute4")
+    assert store_name("default-recompute4", 0.5) == store_name("default", 0.5) and not fixed_ratio("default-recompute4")
+    assert resolve("default-recompute4", 0.5) == default_method(0.5) + "-recompute4"
+    assert method_config("milo-energy-recompute8", 0.25) == method_config("milo-energy", 0.25)
+    for bad, message in [("prefill-recompute4", "prefill computes every token"), ("full-recompute0", "1 or more"),
+                         ("full-recompute08", "no leading zeros"), ("nope-recompute4", "unknown method 'nope'")]:
+        with pytest.raises(ValueError, match=message):
+            method_config(bad, 0.5)

@@ -85,6 +85,13 @@ def test_extra_body_k_and_token_budget_are_accepted(client):
     assert r.choices[0].text == "A B"
 
 
+def test_extra_body_recompute_reaches_the_engines_request():
+    from milo_infer.server.protocol import parse_request
+    body = {"model": "demo", "prompt": "a b", "recompute": 16}
+    assert parse_request(body, chat=False, models={"demo"}, max_positions=2048).request.recompute == 16
+    assert parse_request({**body, "recompute": None}, chat=False, models={"demo"}, max_positions=2048).request.recompute is None
+
+
 def test_chat_completion_answers_the_last_user_message(client):
     r = client.chat.completions.create(model="other", messages=[
         {"role": "system", "content": "be brief"}, {"role": "user", "content": "first question"},
@@ -140,6 +147,7 @@ BAD_INPUTS = [
     ("/v1/completions", {"model": "demo", "prompt": "hi", "temperature": 0.7}, 400, "temperature", "greedy"),
     ("/v1/completions", {"model": "demo", "prompt": "hi", "echo": True}, 400, "echo", "echo"),
     ("/v1/completions", {"model": "demo", "prompt": "hi", "k": 0}, 400, "k", "at least 1"),
+    ("/v1/completions", {"model": "demo", "prompt": "hi", "recompute": -1}, 400, "recompute", "between 0 and 2048"),
     ("/v1/completions", {"model": "demo", "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "at most 4"),
     ("/v1/completions", {"model": "demo", "prompt": "w " * 41}, 400, None, "exceeds the model's positions"),
     ("/v1/completions", {"model": "demo", "prompt": "x" * 70_000}, 413, None, "exceeds the server's limit"),
