@@ -79,7 +79,6 @@ class _Row:
     plan: QueryPlan
     started: float
     text: str = ""
-    finished: bool = False
     cancelled: bool = False
     first_token_seconds: float = 0.0
     usage: dict = field(default_factory=dict)
@@ -94,7 +93,7 @@ class VllmBatch:
         self.events: queue.Queue = queue.Queue()
 
     def __len__(self) -> int:
-        return sum(not row.finished for row in self.rows.values())
+        return len(self.rows)  # a row leaves once it finished or was cancelled
 
     def admit(self, plans: list[QueryPlan]) -> list[RowEvent]:
         for plan in plans:
@@ -106,7 +105,7 @@ class VllmBatch:
     def cancel(self, plan: QueryPlan) -> None:
         row = self.rows.pop(id(plan), None)
         if row is not None:
-            row.cancelled = row.finished = True  # its thread closes the stream at its next chunk
+            row.cancelled = True  # its thread closes the stream at its next chunk
 
     def step(self) -> list[RowEvent]:
         """The events that arrived: waits up to STEP_WAIT_S for the first, then takes whatever else is there."""
@@ -122,7 +121,6 @@ class VllmBatch:
             if row.cancelled:
                 continue
             if error is not None:  # this row ends with the error; the others go on
-                row.finished = True
                 self.rows.pop(id(row.plan), None)
                 out.append(RowEvent(row.plan, "", True, "error", error=error))
             else:
@@ -132,7 +130,6 @@ class VllmBatch:
     def _event(self, row: _Row, delta: str, reason: str | None) -> RowEvent:
         if reason is None:
             return RowEvent(row.plan, delta, False)
-        row.finished = True
         self.rows.pop(id(row.plan), None)
         p, usage = row.plan, row.usage
         prompt_tokens = usage.get("prompt_tokens", p.prompt_tokens)
