@@ -72,6 +72,11 @@ def split_recompute(name: str) -> tuple[str, int]:
     return base, n
 
 
+def recompute_name(method: str, n: int) -> str:
+    """``method`` recomputing ``n`` tokens per block (itself when n is 0): the inverse of `split_recompute`."""
+    return f"{method}-recompute{n}" if n else method
+
+
 @functools.cache
 def method_fields(name: str) -> dict:
     """The CompressionConfig fields a method name stands for (ValueError naming the bad part)."""
@@ -122,7 +127,7 @@ def default_method(ratio: float) -> str:
 def resolve(method: str, ratio: float) -> str:
     """The concrete method a name stands for at ``ratio``: ``default`` becomes `default_method`."""
     base, n = split_recompute(method)
-    return (default_method(ratio) if base == DEFAULT else base) + (f"-recompute{n}" if n else "")
+    return recompute_name(default_method(ratio) if base == DEFAULT else base, n)
 
 
 def method_config(name: str, ratio: float, seed: int = 0) -> CompressionConfig:

@@ -26,8 +26,8 @@ from ..build import BuildConfig
 from ..corpus import load_corpus, task_from_corpus
 from ..datasets import DATASETS, load_dataset
 from ..evaluate import EVAL_BATCH, agreement, evaluate
-from ..methods import (BASES, DEFAULT, EXAMPLES, MODIFIERS, PREFILL, QUANTS, method_config, resolve, split_recompute,
-                       store_name)
+from ..methods import (BASES, DEFAULT, EXAMPLES, MODIFIERS, PREFILL, QUANTS, method_config, recompute_name, resolve,
+                       split_recompute, store_name)
 from ..shared_staging import encode_once
 from ..tables import write_tables
 from ..session import MAX_NEW_TOKENS
@@ -147,7 +147,7 @@ def run(args) -> int:
             t0, answered = time.perf_counter(), []
             recompute = split_recompute(m)[1]
             predictions = (run_dir.parent / f"seed{seed}-shots{args.shots}-b{block_size}-{PREFILL}" if m == PREFILL
-                           else run_dir / (sname + (f"-recompute{recompute}" if recompute else "")))
+                           else run_dir / recompute_name(sname, recompute))
             result = evaluate(loaded, run_dir / "stores" / sname, test, task, k=args.k,
                               predictions=f"{predictions}-k{args.k}{_length_tag(args, task)}.jsonl",
                               max_new_tokens=args.max_new_tokens, batch=args.batch, prefill=m == PREFILL,
