@@ -11,7 +11,7 @@ $(VENV)/.ready: pyproject.toml tools/setup_env.sh
 setup: $(VENV)/.ready
 
 demo: $(VENV)/.ready
-	$(PY) -m milo_infer.demo
+	$(PY) -m milo_infer.evaluation.demo
 
 test: $(VENV)/.ready
 	$(PY) -m pytest -q -p no:cacheprovider

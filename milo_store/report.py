@@ -1,7 +1,7 @@
 """What a store holds, as plain data: a summary (`describe`), per-block rows (`block_rows`), the
 demonstrations of some blocks (`block_demonstrations`), sizes for people.
 
-Library code the `milo-store stat`/`ls` commands print, and that `milo_infer.demo` and
+Library code the `milo-store stat`/`ls` commands print, and that `milo_infer.evaluation.demo` and
 tools/bench_scale.py call directly.
 """
 import numpy as np

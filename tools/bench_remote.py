@@ -47,9 +47,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from loopback_proxy import LoopbackProxy  # noqa: E402
 
-from milo_infer import bench  # noqa: E402
-from milo_infer.timed_session import TimedSession  # noqa: E402
-from milo_infer.datasets import load_dataset  # noqa: E402
+from milo_infer.bench import throughput  # noqa: E402
+from milo_infer.bench.timed_session import TimedSession  # noqa: E402
+from milo_infer.tasks.datasets import load_dataset  # noqa: E402
 from milo_infer.models import load_model  # noqa: E402
 from milo_store import Layout, MiloStore, StoreWriter  # noqa: E402
 from milo_store.blockcache import BlockCache, parse_size  # noqa: E402
@@ -408,7 +408,7 @@ def main(argv=None) -> int:
                              rank=32, k=args.k, n_queries=6)
         loaded = load_model("default")
         train, test, task = load_dataset("banking77")
-        local = bench.real_stores(out / "stores", loaded, train[:args.shots], task, ratios)
+        local = throughput.real_stores(out / "stores", loaded, train[:args.shots], task, ratios)
         urls = {}
         for name, path in local.items():
             urls[name] = f"s3://{BUCKET}/e2e-{name}"

@@ -73,7 +73,7 @@ def probe_mount(path: str, queries: list[str], k: int) -> dict:
 
     import torch
 
-    from milo_infer.retrieval import store_retriever
+    from milo_infer.runtime.retrieval import store_retriever
     from milo_store import MiloStore
     from milo_store.report import block_rows, describe
 

@@ -31,7 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from milo_infer.datasets import load_dataset  # noqa: E402
+from milo_infer.tasks.datasets import load_dataset  # noqa: E402
 from milo_infer.server.launch import store_name  # noqa: E402
 
 
@@ -107,7 +107,7 @@ async def load(base: str, model: str, queries: list[str], concurrency: int) -> d
 
 def engine_qps(engine, name: str, queries: list[str], batch: int) -> float:
     """Queries/s of the in-process engine answering ``queries`` in batches of ``batch``."""
-    from milo_infer.engine import Request
+    from milo_infer.runtime.engine import Request
 
     plans = [engine.plan(name, Request(q)) for q in queries]
     start = time.perf_counter()
@@ -117,7 +117,7 @@ def engine_qps(engine, name: str, queries: list[str], batch: int) -> float:
 
 
 def bench_store(store: str, queries: list[str], loaded, args) -> dict:
-    from milo_infer.engine import Engine
+    from milo_infer.runtime.engine import Engine
     from milo_store import MiloStore
 
     model = store_name(store)
@@ -182,7 +182,7 @@ def main():
     ap.add_argument("--out", default=None, help="also write the results here as JSON")
     args = ap.parse_args()
     from milo_infer.models import load_model
-    from milo_infer.session import place_model
+    from milo_infer.runtime.session import place_model
 
     if args.threads:
         torch.set_num_threads(args.threads)

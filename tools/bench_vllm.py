@@ -28,10 +28,10 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from milo_infer.datasets import load_dataset  # noqa: E402
-from milo_infer.engine import Request  # noqa: E402
+from milo_infer.tasks.datasets import load_dataset  # noqa: E402
+from milo_infer.runtime.engine import Request  # noqa: E402
 from milo_infer.models import model_directory  # noqa: E402
-from milo_infer.scoring import is_correct  # noqa: E402
+from milo_infer.tasks.scoring import is_correct  # noqa: E402
 from milo_infer.vllm import launch  # noqa: E402
 from milo_infer.vllm.transfer import VllmPrompts  # noqa: E402
 from milo_store import MiloStore  # noqa: E402

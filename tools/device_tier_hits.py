@@ -1,4 +1,4 @@
-"""Hit rates of the device tier (milo_store.device_tier.DeviceTier) on a real query stream, per tier size.
+"""Hit rates of the device tier (milo_infer.runtime.device_tier.DeviceTier) on a real query stream, per tier size.
 
 Each query retrieves its blocks as `milo query` would (the store's BM25 index, top-k groups); the tier
 sees those blocks in order, one query after another. Sizes are given in MiB of device memory, so the
@@ -14,10 +14,10 @@ import random
 
 import torch
 
-from milo_infer.datasets import load_dataset
-from milo_infer.retrieval import store_retriever
+from milo_infer.tasks.datasets import load_dataset
+from milo_infer.runtime.retrieval import store_retriever
 from milo_store import MiloStore
-from milo_store.device_tier import DeviceTier
+from milo_infer.runtime.device_tier import DeviceTier
 
 
 def stream_hits(store: MiloStore, queries: list[str], k: int, limit_bytes: int) -> dict:

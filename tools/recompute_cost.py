@@ -18,9 +18,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from milo_infer.datasets import load_dataset  # noqa: E402
-from milo_infer.engine import Engine, Request  # noqa: E402
-from milo_infer.methods import PREFILL  # noqa: E402
+from milo_infer.tasks.datasets import load_dataset  # noqa: E402
+from milo_infer.runtime.engine import Engine, Request  # noqa: E402
+from milo_infer.evaluation.methods import PREFILL  # noqa: E402
 from milo_infer.models import load_model  # noqa: E402
 from milo_store import MiloStore  # noqa: E402
 

@@ -2,7 +2,7 @@
 
 Run: ``.venv/bin/python tools/results_table.py A/results.json B/results.json [--header TEXT] --out DIR``:
 rows are merged as tools/plot_results.py merges them (a row seen twice keeps the last) and written as
-DIR/results.md and DIR/results.json by `milo_infer.tables.write_tables`.
+DIR/results.md and DIR/results.json by `milo_infer.evaluation.tables.write_tables`.
 """
 import argparse
 import sys
@@ -11,7 +11,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plot_results import load_rows  # noqa: E402
 
-from milo_infer.tables import write_tables  # noqa: E402
+from milo_infer.evaluation.tables import write_tables  # noqa: E402
 
 
 def main():

@@ -3,7 +3,7 @@ subcommand per module; what they share is here: the input error, the numeric fla
 --model, checking --device, and the flags that say how a store is mounted."""
 from milo_store.blockcache import BlockCache, parse_size
 
-from ..devices import usable_device
+from ..runtime.devices import usable_device
 from ..models import load_model
 
 

@@ -18,15 +18,15 @@ from pathlib import Path
 
 import torch
 
-from .. import bench, bench_report, synthetic_model
-from ..corpus import load_corpus, task_from_corpus
-from ..datasets import load_dataset
-from ..devices import usable_device
-from ..session import place_model
+from ..bench import synthetic_model, throughput
+from ..bench.report import plot, render_markdown
+from ..tasks.corpus import DEMO_CORPUS, DEMO_QUERIES, load_corpus, task_from_corpus
+from ..tasks.datasets import load_dataset
+from ..runtime.devices import usable_device
+from ..runtime.session import place_model
 from . import CommandError, at_least, load_model_arg
 from .errors import INPUT_ERRORS
 
-DATA = Path(__file__).resolve().parents[1] / "data"
 
 
 def add_arguments(p):
@@ -94,12 +94,12 @@ def setup(args, ratios):
     else:
         if args.corpus and not args.queries:
             raise CommandError("--corpus needs --queries")
-        demos = load_corpus(args.corpus or DATA / "demo_corpus.jsonl")
-        queries = [q.input for q in load_corpus(args.queries or DATA / "demo_queries.jsonl")][:args.n_queries]
+        demos = load_corpus(args.corpus or DEMO_CORPUS)
+        queries = [q.input for q in load_corpus(args.queries or DEMO_QUERIES)][:args.n_queries]
         task = task_from_corpus(demos)
     loaded = load_model_arg(args.model)
     place_model(loaded, device)
-    paths = bench.real_stores(out, loaded, demos, task, ratios, block_size=args.block_size)
+    paths = throughput.real_stores(out, loaded, demos, task, ratios, block_size=args.block_size)
     return loaded, paths, queries
 
 
@@ -112,14 +112,14 @@ def run(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)  # before the long work, so a bad --out fails at once
     loaded, paths, queries = setup(args, ratios)
-    report = bench.run_bench(loaded, paths, queries, ks=ks, batches=batches, rounds=args.rounds, ratios=ratios,
+    report = throughput.run_bench(loaded, paths, queries, ks=ks, batches=batches, rounds=args.rounds, ratios=ratios,
                              tier=args.tier, progress=lambda line: print(line, file=sys.stderr))
     report["command"] = "milo bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:])
     report["seconds"] = time.perf_counter() - started
-    md = bench_report.render_markdown(report)
+    md = render_markdown(report)
     (out / "bench.md").write_text(md + "\n", encoding="utf-8")
     (out / "bench.json").write_text(json.dumps(report, indent=2, default=float), encoding="utf-8")
-    png = bench_report.plot(report, out / "bench.png")
+    png = plot(report, out / "bench.png")
     print(md)
     print(f"wrote {out / 'bench.md'}, {out / 'bench.json'}" + (f", {png}" if png else "")
           + f" in {report['seconds']:.0f} s")

@@ -5,10 +5,10 @@ from milo_store.allocation import BudgetError
 from milo_store.errors import StoreError
 from milo_store.staging import StagingError
 
-from ..build import BuildError
-from ..corpus import CorpusError
-from ..datasets import DatasetUnavailable
-from ..distributed import RankError
+from ..build.builder import BuildError
+from ..tasks.corpus import CorpusError
+from ..tasks.datasets import DatasetUnavailable
+from ..build.distributed import RankError
 from ..models import ModelUnavailable, UnsupportedModelError
 from . import CommandError
 

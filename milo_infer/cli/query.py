@@ -14,7 +14,7 @@ import torch
 from milo_store import MiloStore
 from milo_store.report import block_demonstrations
 
-from ..session import MiloSession, place_model
+from ..runtime.session import MiloSession, place_model
 from . import CommandError, add_tier_arguments, at_least, checked_device, load_model_arg, mount_options
 
 

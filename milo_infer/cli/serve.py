@@ -10,7 +10,7 @@ import torch
 from milo_store.blockcache import parse_size
 
 from ..server import MAX_BODY_BYTES
-from ..session import place_model
+from ..runtime.session import place_model
 from . import CommandError, add_tier_arguments, at_least, checked_device, load_model_arg, mount_options
 
 
@@ -51,7 +51,7 @@ def run(args) -> int:
     if not 0 <= args.port <= 65535:
         raise CommandError(f"--port must be between 0 and 65535; got {args.port}")
     try:  # the serve extra: not needed by the other commands, so imported here
-        from ..engine import Engine
+        from ..runtime.engine import Engine
         from ..server.app import create_app
         from ..server.launch import mount_stores, serve
     except ImportError as e:

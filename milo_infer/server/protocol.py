@@ -11,7 +11,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from ..engine import Answer, QueryPlan, Request
+from ..runtime.engine import Answer, QueryPlan, Request
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
 

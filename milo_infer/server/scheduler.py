@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..engine import QueryPlan, RequestError, RowEvent
+from ..runtime.engine import QueryPlan, RequestError, RowEvent
 from .metrics import ServerMetrics
 
 log = logging.getLogger("milo.serve")

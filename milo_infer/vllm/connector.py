@@ -34,8 +34,8 @@ from milo_store import MiloStore, StoreError
 from milo_store.blockcache import BlockCache
 
 from ..models import config_identity, config_rope_tables
-from ..planning import check_compatible
-from ..prefix import PrefixRebuild, PrefixRow, StorePrefix
+from ..runtime.planning import check_compatible
+from ..runtime.prefix import PrefixRebuild, PrefixRow, StorePrefix
 from .transfer import Claim, PrefixClaims
 
 if TYPE_CHECKING:

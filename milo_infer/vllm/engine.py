@@ -21,9 +21,9 @@ from transformers import AutoConfig, AutoTokenizer
 
 from milo_store import MiloStore
 
-from ..engine import Answer, QueryPlan, Request, RequestError, RowEvent
+from ..runtime.engine import Answer, QueryPlan, Request, RequestError, RowEvent
 from ..models import config_identity, config_rope_tables, model_directory
-from ..planning import MAX_NEW_TOKENS, STOP_STRINGS, MountedStore, check_compatible
+from ..runtime.planning import MAX_NEW_TOKENS, STOP_STRINGS, MountedStore, check_compatible
 from ..server.scheduler import UpstreamError
 from .transfer import VllmPrompt, vllm_prompt
 

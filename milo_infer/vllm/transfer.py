@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 from milo_store import MiloStore
 
-from ..planning import Request, StoreQueries
-from ..prefix import prefix_token_ids
+from ..runtime.planning import Request, StoreQueries
+from ..runtime.prefix import prefix_token_ids
 
 KEY = "milo"  # this connector's entry in a request's kv_transfer_params
 

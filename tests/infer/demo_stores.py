@@ -1,12 +1,12 @@
 """Stores of the shipped demo corpus built from one encoding, for tests that run them through the model."""
 import torch
 
-from milo_infer.build import BuildConfig
-from milo_infer.corpus import load_corpus, task_from_corpus
-from milo_infer.shared_staging import encode_once
+from milo_infer.build.builder import BuildConfig
+from milo_infer.tasks.corpus import load_corpus, task_from_corpus
+from milo_infer.build.shared_staging import encode_once
 from milo_store import MiloStore
 
-DEMO = "milo_infer/data/demo_corpus.jsonl"
+DEMO = "milo_infer/tasks/data/demo_corpus.jsonl"
 
 
 def encoded_demo_stores(tmp_path_factory, loaded, configs: dict):

@@ -13,7 +13,7 @@ from milo_infer.cli.main import main as milo
 from milo_store import CompressionConfig
 from milo_store.synthetic import flipped_copy, store_arrays
 
-from demo_stores import encoded_demo_stores
+from tests.infer.demo_stores import encoded_demo_stores
 
 QUERY = "I still have not received my new card"
 ROOT = Path(__file__).resolve().parents[2]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import milo_infer.cli.query
-from demo_stores import encoded_demo_stores
+from tests.infer.demo_stores import encoded_demo_stores
 from milo_infer.cli.main import main
 from milo_store import CompressionConfig, MiloStore
 

@@ -1,0 +1,1 @@
+"""Throughput: timed sessions, synthetic models and stores, the benchmark and its report."""

@@ -1,0 +1,94 @@
+"""The benchmark's workload without a real model or corpus: a Qwen2 model of a named shape with random
+weights, a byte-level tokenizer built in memory, and every method's store over synthetic K/V.
+
+Needs no files and no download, so tests and GPU runs can use it anywhere.
+"""
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from milo_store import Layout, Staging, factorize_block, write_store
+from milo_store.synthetic import synthetic_block_kv
+
+from .throughput import store_configs
+from ..tasks.corpus import TaskSpec
+from ..models import LoadedModel, model_identity
+
+SHAPES = {
+    # Qwen2.5-7B's decoder (vocab and positions included); random weights.
+    "qwen2.5-7b": dict(num_hidden_layers=28, hidden_size=3584, num_attention_heads=28, num_key_value_heads=4,
+                       intermediate_size=18944, vocab_size=152064, max_position_embeddings=32768,
+                       rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    "tiny": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128, vocab_size=300, max_position_embeddings=4096),
+}
+SYNTHETIC_LABELS = tuple(f"c{i:02d}" for i in range(16))  # " c07" + newline: 5 generated tokens each
+
+
+def byte_tokenizer():
+    """A byte-level BPE tokenizer with no merges, built in memory: needs no files and no download."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|endoftext|>"])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+
+
+def random_model(shape: str, device="cpu", dtype=torch.float32) -> LoadedModel:
+    """A Qwen2 model of a named shape with random weights, initialised directly on ``device``."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(**SHAPES[shape], tie_word_embeddings=False)
+    with torch.device(device):
+        model = Qwen2ForCausalLM._from_config(config, dtype=dtype)
+    model.eval().requires_grad_(False)
+    return LoadedModel(model=model, tokenizer=byte_tokenizer(), identity=model_identity(model))
+
+
+def synthetic_stores(root, loaded: LoadedModel, *, demos: int, block_size: int, demo_tokens: int, ratios,
+                     seed: int = 0) -> dict[str, Path]:
+    """Every method's store over the same synthetic K/V, with the attrs a session checks (model, task).
+
+    Each block holds ``block_size`` fake demonstrations of ``demo_tokens`` tokens about one topic word,
+    so BM25 retrieval of a query naming topics picks distinct blocks. SVD runs on the GPU when there is one.
+    """
+    root = Path(root)
+    ident = loaded.identity
+    layout = Layout(ident["num_layers"], ident["num_kv_heads"], ident["head_dim"])
+    n_blocks = -(-demos // block_size)
+    task = TaskSpec(name="synthetic", template="Input: {input}\nLabel: {output}\n", anchor="Label each input.",
+                    answer_kind="label", labels=SYNTHETIC_LABELS)
+    anchor_ids = loaded.tokenizer(task.anchor, add_special_tokens=True).input_ids
+    g = torch.Generator().manual_seed(seed)
+    svd_device = "cuda" if torch.cuda.is_available() else "cpu"
+    tokens = [demo_tokens * min(block_size, demos - b * block_size) for b in range(n_blocks)]
+    stagings = {c: Staging(root / f"staging-{c}", {"synthetic": seed, "codec": c, "layout": str(layout),
+                                                   "tokens": tokens}) for c in ("identity", "svd")}
+    for b, t in enumerate(tokens):
+        if all(s.has(b) for s in stagings.values()):
+            continue
+        k, v = synthetic_block_kv(layout, t, g)
+        stagings["identity"].put(b, factorize_block(k, v, codec="identity"))
+        f = factorize_block(k.to(svd_device), v.to(svd_device), codec="svd")
+        stagings["svd"].put(b, dataclasses.replace(f, A=f.A.cpu(), S=f.S.cpu(), B=f.B.cpu()))
+    examples = {"input": [f"demonstration {i} about topic{i // block_size}" for i in range(demos)],
+                "output": [SYNTHETIC_LABELS[i % len(SYNTHETIC_LABELS)] for i in range(demos)],
+                "id": [str(i) for i in range(demos)], "block": [i // block_size for i in range(demos)]}
+    anchor = torch.randn(layout.num_layers, 2, layout.num_kv_heads, len(anchor_ids), layout.head_dim, generator=g)
+    attrs = {"model": ident, "task": dataclasses.asdict(task),
+             "build": {"block_size": block_size, "synthetic": True, "anchor_token_ids": anchor_ids}}
+    paths = {}
+    for name, config in store_configs(ratios, query_aware=False).items():
+        paths[name] = write_store(root / name, stagings[config.codec], n_blocks, layout, config, attrs=attrs,
+                                  anchor_kv=anchor, examples=examples, force=True)
+    return paths
+
+
+def synthetic_queries(n: int, n_blocks: int, k: int) -> list[str]:
+    """Queries naming k topics each, rotating through the blocks."""
+    return [" ".join(f"topic{(q * k + j) % n_blocks}" for j in range(k)) + f" question {q}" for q in range(n)]

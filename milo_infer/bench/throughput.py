@@ -1,0 +1,253 @@
+"""End-to-end throughput of answering from offloaded K/V: full-KV offload against MILO.
+
+Every method answers the same queries through `MiloSession` (retrieve k blocks, read their factors,
+move them to the compute device, rebuild K/V, prefill the query and decode a label), from stores of
+one encoding whose bytes are measured, never computed:
+
+* ``full``: the identity-codec fp16 store with its K/V *copied* into the cache and keys rotated, the
+  work a full-KV offload does; ``full-gemm``: the same store rebuilt by the kernel as X·I (what the
+  unmodified pipeline does with an identity store, kept to show what that costs);
+* ``milo-r<ρ>``: SVD factors at ratio ρ, rebuilt by `milo_kernels.reconstruct_layer`.
+
+Methods run interleaved, round after round, and each figure is the median over rounds, so drifting
+load on a shared machine hits all methods alike. Beside them, in the same run: the raw bandwidth of
+the transfer path (memcpy and page-cache preadv on CPU, pinned and pageable H2D on CUDA) and the
+rebuild time of one retrieval by the literal reference vs the routed kernel. From these the report
+derives the bound on speedup (the bytes ratio, ≈ 1/ρ) and the crossover: the link bandwidth below
+which moving fewer bytes pays for the extra reconstruction.
+
+The pieces around this module: `timed_session` (the session the methods run in), `bench_report`
+(the markdown table and the plot) and `synthetic_model` (the same workload without a real model or
+corpus: random weights of a given shape, a byte-level tokenizer, synthetic K/V, for tests and GPU runs
+without downloads).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from milo_kernels import reconstruct_layer
+from milo_store import CompressionConfig, MiloStore
+from ..runtime.prefetch import LayerPrefetcher
+
+from ..build.builder import BuildConfig, default_compression
+from ..tasks.corpus import Demonstration, TaskSpec
+from ..models import LoadedModel
+from ..build.shared_staging import encode_once
+from .timed_session import STAGES, TimedSession
+
+
+# --- methods and stores --------------------------------------------------------------------------
+
+def method_names(ratios) -> list[str]:
+    return ["full", "full-gemm"] + [f"milo-r{r:g}" for r in ratios]
+
+
+def store_configs(ratios, query_aware: bool = True) -> dict[str, CompressionConfig]:
+    """Store directory name -> configuration: one identity store serves both full methods; MILO's stores
+    are what `milo build` writes at each ratio (`default_compression`). Without query-aware weights (a
+    synthetic store has no model to weigh channels by) the same policy and quantization run unweighted."""
+    configs = {"full": CompressionConfig(codec="identity", ratio=1.0, dtype="float16")}
+    configs.update({f"milo-r{r:g}": dataclasses.replace(default_compression(r), query_aware=query_aware)
+                    for r in ratios})
+    return configs
+
+
+def store_of(method: str) -> str:
+    return "full" if method.startswith("full") else method
+
+
+def real_stores(root, loaded: LoadedModel, demos: list[Demonstration], task: TaskSpec, ratios,
+                block_size: int = 32, context_blocks: int = 2) -> dict[str, Path]:
+    """Build (or reuse) every method's store from one encoding of ``demos``."""
+    base = BuildConfig(block_size=block_size, context_blocks=context_blocks)
+    summaries = encode_once(loaded, demos, task, base, store_configs(ratios), root, progress=False)
+    return {name: Path(s["store"]) for name, s in summaries.items()}
+
+
+# --- measuring -----------------------------------------------------------------------------------
+
+def measure(sessions: dict[str, TimedSession], queries: list[str], k: int, batch: int, rounds: int) -> list[dict]:
+    """One row per method: medians over ``rounds`` of the same queries answered ``batch`` at a time (real
+    batches: one forward per step for all rows), methods interleaved."""
+    samples = {name: [] for name in sessions}
+    chunks = [queries[i:i + batch] for i in range(0, len(queries), batch)]
+    for _ in range(rounds):
+        for name, s in sessions.items():
+            s.k = k
+            answers, stats, t = [], {}, time.perf_counter()
+            for chunk in chunks:
+                answers += s.engine.answer([s.plan(q) for q in chunk], stats)
+            wall = time.perf_counter() - t
+            samples[name].append((wall, sum(a.completion_tokens for a in answers), answers, stats))
+    rows = []
+    for name, runs in samples.items():
+        n = len(queries)
+        per_query = {stage: [] for stage in STAGES}
+        for _, _, answers, _ in runs:
+            sec = [a.seconds for a in answers]
+            for stage, values in (("retrieve", [x["retrieve"] for x in sec]), ("read", [x["read"] for x in sec]),
+                                  ("transfer", [x["transfer"] for x in sec]),
+                                  ("rebuild", [x["reconstruct"] for x in sec]),
+                                  ("model", [x["model"] for x in sec])):
+                per_query[stage].append(sum(values) / n)
+        answers, stats = runs[0][2], runs[0][3]
+        moved = statistics.mean(a.kv_bytes_moved for a in answers)
+        transfer = statistics.median(per_query["transfer"])
+        wall = statistics.median(r[0] for r in runs)
+        rows.append({
+            "method": name, "k": k, "batch": batch, "queries": n,
+            "qps": n / wall, "tok_s": statistics.median(r[1] for r in runs) / wall,
+            "tokens_per_query": statistics.median(r[1] for r in runs) / n,
+            "ms": {stage: 1e3 * statistics.median(v) for stage, v in per_query.items()},
+            "bytes_moved": moved, "bytes_without_union": statistics.mean(a.kv_bytes_stored for a in answers),
+            "unique_block_share": stats["unique_blocks"] / stats["blocks"] if stats["blocks"] else 1.0,
+            "peak_kv_bytes": stats["peak_kv_bytes"],
+            "bytes_full_kv": statistics.mean(a.kv_bytes_full for a in answers),
+            "transfer_gbps": moved / transfer / 1e9 if transfer > 0 else float("nan"),
+            "answers": [a.text for a in answers],
+        })
+    base = next(r for r in rows if r["method"] == "full")
+    for r in rows:
+        r["ratio"] = r["bytes_moved"] / base["bytes_moved"]
+        r["speedup"] = r["qps"] / base["qps"]
+    return rows
+
+
+def _median_time(fn, repeat: int, sync) -> float:
+    times = []
+    for _ in range(repeat):
+        sync()
+        t = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def link_bandwidth(store: MiloStore, device: torch.device, nbytes: int, repeat: int = 5) -> dict[str, float]:
+    """GB/s of the transfer path for ``nbytes`` (one query's full-KV bytes), measured now.
+
+    CPU: a host memcpy, and a preadv of the store's chunk files from the page cache (the disk tier's
+    read). CUDA: host-to-device copies from pinned and from pageable memory.
+    """
+    n = max(1, min(nbytes, int(store.offsets[-1]) * store.itemsize) // store.itemsize)
+    src = torch.randn(n).to(store.torch_dtype)
+    out = {}
+    if device.type == "cuda":
+        sync = lambda: torch.cuda.synchronize(device)  # noqa: E731
+        dst = torch.empty_like(src, device=device)
+        pinned = src.pin_memory()
+        out["H2D pinned"] = _median_time(lambda: dst.copy_(pinned, non_blocking=True), repeat, sync)
+        out["H2D pageable"] = _median_time(lambda: dst.copy_(src), repeat, sync)
+    else:
+        dst = torch.empty_like(src)
+        out["memcpy"] = _median_time(lambda: dst.copy_(src), repeat, lambda: None)
+        store._read_range(0, n, dst)  # warm the page cache
+        out["preadv (page cache)"] = _median_time(lambda: store._read_range(0, n, dst), repeat, lambda: None)
+    return {name: n * store.itemsize / s / 1e9 for name, s in out.items()}
+
+
+def kernel_speedup(session: TimedSession, block_ids: list[int], repeat: int = 3) -> dict[str, float]:
+    """Seconds to rebuild every layer of one retrieval through `reconstruct_layer` (validation included):
+    MILO_KERNEL=reference (the literal oracle) vs the device's own path (batched CPU, or Triton)."""
+    store, layout, dev = session.store, session.layout, session.device
+    prefetch = LayerPrefetcher(store, block_ids, dev)
+    tokens = store.block_tokens[block_ids]
+    dst = np.concatenate(([0], np.cumsum(tokens)[:-1])).astype(np.int64)
+    layers = []
+    for l in range(layout.num_layers):
+        factors, starts = prefetch.layer(l)
+        layers.append((factors.clone(), torch.from_numpy(layout.layer_segments(store.ranks[block_ids, l], tokens,
+                                                                              dst, starts))))
+    engine = session.engine
+    out_k = torch.empty(layout.num_kv_heads, int(tokens.sum()), layout.head_dim, dtype=engine.dtype, device=dev)
+    out_v = torch.empty_like(out_k)
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+
+    def run(fn):
+        for factors, segments in layers:
+            fn(factors, segments, out_k, out_v, engine.cos, engine.sin, interleaved=session.mounted.rope_interleaved,
+               quant=layout.quant)
+
+    times = {}
+    for name, backend in (("reference", "reference"), ("kernel", "")):  # "" = the device's own kernel
+        with _env("MILO_KERNEL", backend):
+            run(reconstruct_layer)  # warm up (Triton compiles on first use)
+            times[name] = _median_time(lambda: run(reconstruct_layer), repeat, sync)
+    return times
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str):
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
+
+
+def run_bench(loaded: LoadedModel, store_paths: dict[str, Path], queries: list[str], *, ks=(2, 4, 8), batches=(1, 4),
+              rounds: int = 3, ratios=(0.5, 0.25), tier: str = "host", device=None, progress=print) -> dict:
+    """Every (k, batch) × method, the transfer path's raw bandwidth and the kernel's speedup; one report."""
+    stores = {name: MiloStore.open(path, tier=tier) for name, path in store_paths.items()}
+    try:
+        sessions = {m: TimedSession(loaded, stores[store_of(m)], device=device, copy_identity=m == "full")
+                    for m in method_names(ratios)}
+        first = next(iter(sessions.values()))
+        dev = first.device
+        ks = sorted({min(k, first.store.num_blocks) for k in ks})
+        for s in sessions.values():  # warm up: first-touch allocations, lazy imports, kernel compilation
+            s.k = max(ks)
+            s.answer(queries[0])
+        rows = []
+        for k in ks:
+            for b in batches:
+                rows += measure(sessions, queries, k, b, rounds)
+                progress(f"bench: k={k} batch={b} done")
+        top = [r for r in rows if r["k"] == max(ks) and r["batch"] == batches[0]]
+        full_bytes = next(r["bytes_full_kv"] for r in top if r["method"] == "full")
+        link = link_bandwidth(stores["full"], dev, int(full_bytes))
+        first.k = max(ks)
+        blocks = first.select(queries[0])
+        kernels = {m: kernel_speedup(sessions[m], blocks) for m in sessions if m.startswith("milo")}
+        shape = first.layout
+        return {"rows": rows, "link_gbps": link, "kernel_s": kernels, "device": str(dev),
+                "model": loaded.identity["name"], "layout": dataclasses.asdict(shape),
+                "store_blocks": first.store.num_blocks, "block_tokens": first.store.block_tokens.tolist(),
+                "tier": tier, "rounds": rounds, "threads": torch.get_num_threads(), "ratios": list(ratios),
+                "crossover": crossover(top)}
+    finally:
+        for s in stores.values():
+            s.close()
+
+
+def crossover(rows: list[dict]) -> dict[str, dict]:
+    """Per MILO method, the link bandwidth at which its saved bytes pay for its extra rebuild time.
+
+    Moving B bytes over a link of bandwidth W costs B/W; MILO saves (B_full − B_milo)/W of transfer and
+    spends (rebuild_milo − rebuild_full) more on reconstruction, so it wins on links slower than
+    W* = (B_full − B_milo) / (rebuild_milo − rebuild_full). Rebuild times are the measured ones of the
+    full copy and of MILO's kernel on this device, per query.
+    """
+    full = next(r for r in rows if r["method"] == "full")
+    out = {}
+    for r in rows:
+        if not r["method"].startswith("milo"):
+            continue
+        saved = full["bytes_moved"] - r["bytes_moved"]
+        extra = (r["ms"]["rebuild"] - full["ms"]["rebuild"]) / 1e3
+        out[r["method"]] = {"bytes_saved": saved, "extra_rebuild_s": extra,
+                            "crossover_gbps": saved / extra / 1e9 if extra > 0 else float("inf")}
+    return out

@@ -1,0 +1,1 @@
+"""Accuracy at equal bytes: methods, evaluation runs, their tables, and the demo."""

@@ -1,0 +1,362 @@
+"""Batched execution: many queries per forward, each row with its own retrieved blocks (FlexGen-style).
+
+A batch takes `QueryPlan`s (``milo_infer.runtime.planning``). For each store it fetches the union of its rows'
+blocks once (a block several rows retrieved crosses the link once per batch), streams those factors a
+layer ahead (`LayerPrefetcher`), and rebuilds each row's [anchor][blocks] at that row's own positions
+into one `BatchCache` (keys are pre-RoPE in the store, so one fetched block serves rows that place it
+at different positions). Rows' queries are left-padded into one prefill forward, with explicit
+position ids and a 4-D mask built from the cache's per-row column mask (a row that recomputes tokens
+of its prefix feeds them first, at their own positions, and its rebuilt columns of them are masked
+out for good; in that first forward a token sees only the prefix columns before its own position);
+then every row decodes one token per forward, each with its own stopping (`LabelDecoder`,
+`GreedyDecoder`), and a finished row leaves the batch. A running `Batch` also admits new rows between steps (continuous batching): they
+are rebuilt and prefilled as a small batch of their own and merged into the running cache.
+
+Nothing per query is written on a long-lived object: a batch's stage seconds and fetch statistics
+live on the batch and its rows; each row's ``Answer.seconds`` is its share of the stages it was part
+of (its own retrieval, an equal share of its admission's read/rebuild/prefill and of every decode
+step it took part in), so the seconds of a run's answers add up to the run.
+"""
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import transformers
+
+from milo_store import MiloStore
+from .device_tier import DeviceTier
+from .prefetch import TransferPool
+
+from .cache import BatchCache
+from .decoding import GreedyDecoder, LabelDecoder
+from ..models import LoadedModel, rope_tables
+from .planning import MAX_NEW_TOKENS, STOP_STRINGS, MountedStore, QueryPlan, Request, RequestError, check_compatible
+from .prefix import PrefixRebuild, rebuild_layer
+from .timing import StageClock
+
+__all__ = ["Answer", "Batch", "Engine", "QueryPlan", "Request", "RequestError", "RowEvent"]
+
+Rebuild = Callable[..., None]  # (factors, segments, out_k, out_v, cos, sin, *, interleaved, quant, plan)
+
+
+@dataclass
+class Answer:
+    text: str
+    blocks: list[int]  # store blocks, in context order
+    groups: list[int]  # the retrieved groups they come from
+    prefix_tokens: int
+    kv_bytes_full: int
+    kv_bytes_stored: int  # the factor bytes of its blocks in the store
+    seconds: dict = field(default_factory=dict)
+    kv_bytes_moved: int = 0  # its share of the bytes its admission really moved (shared blocks once, tier hits none)
+    completion_tokens: int = 0
+    finish_reason: str = "stop"  # "stop" (label closed, stop string, eos) or "length"
+    first_token_seconds: float = 0.0  # retrieval + its admission's wall time (every row of it waits for the whole)
+    prefill_tokens: int = 0  # tokens the model computed in its admission's forward
+
+
+@dataclass
+class RowEvent:
+    """One row's progress in one forward."""
+    plan: QueryPlan
+    delta: str  # text this forward added to the answer ('' allowed)
+    finished: bool
+    finish_reason: str | None = None
+    answer: Answer | None = None
+    error: Exception | None = None  # the row ended with this instead of an answer (another engine's failure)
+
+
+class Engine:
+    """The model and the stores it answers from; ``plan`` queries, ``answer`` a batch of plans, or keep a
+    running ``batch()``. ``rebuild`` replaces the kernels' reconstruction (the benchmark's full-KV copy);
+    ``device_cache_bytes`` keeps that many bytes of blocks' factors on the device (`DeviceTier`); ``recompute``
+    is how many first tokens of each retrieved block a request computes again unless it says."""
+
+    def __init__(self, loaded: LoadedModel, stores: dict[str, MiloStore], *, k: int = 6,
+                 token_budget: int | None = None, order: str = "score", max_new_tokens: int = MAX_NEW_TOKENS,
+                 device=None, prefetch_depth: int = 2, aggregate: str = "max", rebuild: Rebuild = rebuild_layer,
+                 device_cache_bytes: int = 0, recompute: int = 0):
+        self.model, self.tokenizer = loaded.model, loaded.tokenizer
+        self.cache_kwarg = cache_keyword(self.model)
+        model_device = next(self.model.parameters()).device
+        self.device = torch.device(device) if device is not None else model_device
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        if self.device != model_device:
+            raise ValueError(f"the model is on {model_device} but the session was asked to run on {self.device}: "
+                             f"move the model first (milo_infer.runtime.session.place_model)")
+        if not stores:
+            raise ValueError("an engine needs at least one store")
+        self.dtype = next(self.model.parameters()).dtype
+        self.k, self.token_budget, self.order, self.max_new_tokens = k, token_budget, order, max_new_tokens
+        self.prefetch_depth, self.rebuild, self.recompute = prefetch_depth, rebuild, recompute
+        for store in stores.values():
+            check_compatible(store, loaded.identity)
+        self.max_positions = min(s.meta["model"]["max_position_embeddings"] for s in stores.values())
+        self.cos, self.sin = rope_tables(self.model, self.max_positions, device=self.device)
+        self.stores = {name: MountedStore(name, store, self.tokenizer, self.cos, self.sin, self.device, self.dtype,
+                                          aggregate) for name, store in stores.items()}
+        self.device_tier = DeviceTier(device_cache_bytes, self.device) if device_cache_bytes else None
+        # one side stream and buffer set per store: a batch may stream from several stores at once
+        self.transfers = {name: TransferPool(self.device) for name in stores} if self.device.type == "cuda" else {}
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = int(pad if pad is not None else self.tokenizer.eos_token_id or 0)
+
+    def plan(self, store: str, request: Request, block_ids: list[int] | None = None) -> QueryPlan:
+        """Host-only and read-only: safe from any thread. Raises KeyError for an unknown store."""
+        if store not in self.stores:
+            raise KeyError(f"no store named {store!r} is mounted (mounted: {', '.join(self.stores)})")
+        return self.stores[store].plan(request, k=self.k, token_budget=self.token_budget, order=self.order,
+                                       max_new_tokens=self.max_new_tokens, max_positions=self.max_positions,
+                                       recompute=self.recompute, block_ids=block_ids)
+
+    def batch(self) -> "Batch":
+        return Batch(self)
+
+    @torch.inference_mode()
+    def answer(self, plans: list[QueryPlan], stats: dict | None = None) -> list[Answer]:
+        """Answer these plans as one batch, to completion; answers in the plans' order. ``stats`` (a dict
+        the caller owns) gains the batch's fetch statistics, summed, and its peak K/V bytes, maxed."""
+        batch = self.batch()
+        done = {}
+        events = batch.admit(plans)
+        while True:
+            done.update({id(event.plan): event.answer for event in events if event.finished})
+            if not len(batch):
+                break
+            events = batch.step()
+        if stats is not None:
+            for name, value in batch.fetch_stats.items():
+                stats[name] = stats.get(name, 0) + value
+            stats["peak_kv_bytes"] = max(stats.get("peak_kv_bytes", 0), batch.peak_kv_bytes)
+        return [done[id(p)] for p in plans]
+
+    @torch.inference_mode()
+    def logits(self, plans: list[QueryPlan]) -> list[torch.Tensor]:
+        """Each plan's query logits [T_query, vocab] (fp32) from one batched prefill, for exactness checks."""
+        return Batch(self).prefill_logits(plans)
+
+
+@dataclass(eq=False)
+class Row:
+    plan: QueryPlan
+    decoder: LabelDecoder | GreedyDecoder
+    next_position: int  # RoPE position of the next token fed
+    seconds: dict
+    moved: int = 0  # its share of the bytes its admission moved
+    first_token_seconds: float = 0.0
+    last_token: int = -1
+    sent: int = 0  # characters of text already given out as deltas
+    cancelled: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return self.decoder.done or self.cancelled
+
+
+class Batch:
+    """A running batch, used from one thread. ``admit`` adds rows (rebuild + prefill), ``step`` decodes one
+    token for every row; a finished or cancelled row leaves. ``fetch_stats`` describes the last admission,
+    ``peak_kv_bytes`` the most K/V it held at once: the cache's buffers, and while prefixes are rebuilt
+    the factors staged for it (the transfer buffers on CUDA, a layer of gathered factors on CPU)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.rows: list[Row] = []
+        self.cache: BatchCache | None = None
+        self.valid: torch.Tensor | None = None  # bool [rows, capacity]: columns each row attends to
+        self.fetch_stats: dict = {}
+        self.peak_kv_bytes = 0
+
+    def __len__(self) -> int:
+        """Rows still decoding (finished rows may still hold their place until the batch is compacted)."""
+        return sum(not row.finished for row in self.rows)
+
+    # -- admission -----------------------------------------------------------------------------
+    def _rebuilt(self, plans: list[QueryPlan], clock: StageClock) -> tuple[BatchCache, torch.Tensor, int, int]:
+        """A cache for these plans whose first forward rebuilds every row's prefix, its column mask, and
+        the column where the queries start and end. The union of each store's blocks is fetched once."""
+        e = self.engine
+        rebuild = PrefixRebuild(e.stores, plans, e.cos, e.sin, e.device, depth=e.prefetch_depth, tier=e.device_tier,
+                                pools=e.transfers, rebuild=e.rebuild, clock=clock)
+        self.fetch_stats = {**rebuild.fetch_stats, "bytes_without_union": sum(p.kv_bytes_stored for p in plans)}
+        prefix_end = max(p.prefix_tokens for p in plans)
+        query_len = max(len(p.query_ids) for p in plans)
+        start, end = prefix_end, prefix_end + query_len
+        capacity = end + max(p.max_new_tokens for p in plans)
+        layout = e.stores[plans[0].store].layout
+        cache = BatchCache(layout.num_layers, len(plans), start, capacity, (layout.num_kv_heads, layout.head_dim),
+                           e.dtype, e.device, rebuild.fill)
+        valid = torch.zeros(len(plans), capacity, dtype=torch.bool)
+        for r, p in enumerate(plans):
+            valid[r, :p.prefix_tokens] = True
+            valid[r, torch.from_numpy(p.recompute)] = False  # stale: their fresh K/V come in the query's columns
+            valid[r, end - len(p.query_ids):end] = True
+        return cache, valid.to(e.device), start, end
+
+    def _forward(self, cache: BatchCache, ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
+                 keep_all: bool = False) -> torch.Tensor:
+        """One model call over ``ids`` [B, q] at ``positions`` with ``cache``; a query token attends to the
+        valid columns before the new ones and causally among the new ones. In the first forward the columns
+        before the new ones are the rebuilt prefixes, whose column is their position: a token attends only to
+        those before its own position (a no-op for the query; a recomputed prefix token sees what precedes
+        it in the context, never what follows). Returns logits [B, q or 1, V]."""
+        e = self.engine
+        first = not cache.layers[0].is_initialized
+        n, q = cache.length, ids.shape[1]
+        new = torch.arange(q, device=e.device)
+        allowed = valid[:, None, :n + q].expand(-1, q, -1).clone()
+        allowed[:, :, n:] &= new[None, None, :] <= new[None, :, None]
+        if first:
+            allowed[:, :, :n] &= torch.arange(n, device=e.device)[None, None, :] < positions[:, :, None]
+        mask = torch.zeros(allowed.shape, dtype=e.dtype, device=e.device)
+        mask.masked_fill_(~allowed, torch.finfo(e.dtype).min)
+        out = e.model(input_ids=ids, position_ids=positions, attention_mask=mask[:, None], use_cache=True,
+                      logits_to_keep=0 if keep_all else 1, **{e.cache_kwarg: cache})
+        if first and not all(layer.is_initialized for layer in cache.layers):
+            raise RuntimeError(f"the model did not use the milo cache (transformers {transformers.__version__} "
+                               f"ignored {e.cache_kwarg}=): the answer would have no retrieved context")
+        held = cache.bytes() + (self.cache.bytes() if self.cache is not None and self.cache is not cache else 0)
+        self.peak_kv_bytes = max(self.peak_kv_bytes, held + (self.fetch_stats["buffer_bytes"] if first else 0))
+        return out.logits
+
+    def _prefill(self, plans: list[QueryPlan], keep_all: bool, clock: StageClock):
+        cache, valid, start, end = self._rebuilt(plans, clock)
+        e = self.engine
+        ids = torch.full((len(plans), end - start), e.pad_id, dtype=torch.long)
+        positions = torch.zeros_like(ids)
+        for r, p in enumerate(plans):
+            q = len(p.query_ids)
+            ids[r, end - start - q:] = torch.tensor(p.query_ids)
+            positions[r] = p.prefix_tokens  # padding: masked for every row, position immaterial
+            positions[r, end - start - q:] = torch.from_numpy(p.positions)
+        with clock.device_stage("forwards"):
+            logits = self._forward(cache, ids.to(e.device), positions.to(e.device), valid, keep_all)
+        return cache, valid, logits
+
+    def prefill_logits(self, plans: list[QueryPlan]) -> list[torch.Tensor]:
+        _, _, logits = self._prefill(plans, True, StageClock(self.engine.device))
+        return [logits[r, logits.shape[1] - len(p.query_ids):].float() for r, p in enumerate(plans)]
+
+    @torch.inference_mode()
+    def admit(self, plans: list[QueryPlan]) -> list[RowEvent]:
+        """Add rows: rebuild their prefixes and prefill their queries in one forward; each new row's first event."""
+        if not plans:
+            return []
+        e = self.engine
+        clock = StageClock(e.device)
+        t = time.perf_counter()
+        cache, valid, logits = self._prefill(plans, False, clock)
+        last = logits[:, -1].float().cpu()
+        admission = time.perf_counter() - t
+        seconds = clock.read()
+        seconds["model"] = max(0.0, seconds.pop("forwards") - seconds.get("wait", 0.0) - seconds.get("reconstruct", 0.0))
+        share = {stage: s / len(plans) for stage, s in seconds.items()}
+        rows = []
+        for p in plans:
+            m = e.stores[p.store]
+            decoder = (LabelDecoder(m.trie, e.tokenizer, p.max_new_tokens) if m.trie is not None else
+                       GreedyDecoder(e.tokenizer, STOP_STRINGS + tuple(p.request.stop), p.max_new_tokens))
+            rows.append(Row(p, decoder, p.prompt_tokens, {"retrieve": p.retrieve_seconds, **share},
+                            moved=self.fetch_stats["bytes"] // len(plans),
+                            first_token_seconds=p.retrieve_seconds + admission))
+        if self.cache is None:
+            self.cache, self.valid = cache, valid
+        else:  # the running rows' cache is copied anyway: finished rows leave now
+            alive = [r for r, row in enumerate(self.rows) if not row.finished]
+            self._regroup(torch.tensor(alive, dtype=torch.long), cache, valid, rows)
+            self.rows = [self.rows[r] for r in alive]
+        self.rows += rows
+        events = [self._advance(row, last[r]) for r, row in enumerate(rows)]
+        self._drop_finished()
+        return events
+
+    # -- decoding ------------------------------------------------------------------------------
+    def cancel(self, plan: QueryPlan) -> None:
+        """The row of ``plan`` leaves before the next forward (a client that went away)."""
+        for row in self.rows:
+            if row.plan is plan:
+                row.cancelled = True
+        self._drop_finished()
+
+    @torch.inference_mode()
+    def step(self) -> list[RowEvent]:
+        """One decode forward for every row still decoding: one event each. A finished row that still holds
+        its place is fed padding and gets no event."""
+        if not len(self):
+            return []
+        e = self.engine
+        t = time.perf_counter()
+        n = self.cache.length
+        if n + 1 > self.valid.shape[1]:  # a merged row can outlive the capacity its batch was made with
+            self._regroup(torch.arange(len(self.rows)), None, None, [])
+        self.valid[:, n] = True
+        ids = torch.tensor([[e.pad_id if row.finished else row.last_token] for row in self.rows], device=e.device)
+        positions = torch.tensor([[row.next_position] for row in self.rows], device=e.device)
+        logits = self._forward(self.cache, ids, positions, self.valid)[:, -1].float().cpu()
+        share = (time.perf_counter() - t) / len(self)
+        events = []
+        for r, row in enumerate(self.rows):
+            if row.finished:
+                continue
+            row.seconds["model"] = row.seconds.get("model", 0.0) + share
+            row.next_position += 1
+            events.append(self._advance(row, logits[r]))
+        self._drop_finished()
+        return events
+
+    def _advance(self, row: Row, logits: torch.Tensor) -> RowEvent:
+        row.last_token = row.decoder.push(logits)
+        text = row.decoder.text()
+        delta, row.sent = text[row.sent:], len(text)
+        if not row.decoder.done:
+            return RowEvent(row.plan, delta, False)
+        p, reason = row.plan, "length" if row.decoder.stop == "length" else "stop"
+        answer = Answer(text=row.decoder.result().text.strip(), blocks=p.blocks, groups=p.groups,
+                        prefix_tokens=p.prefix_tokens, kv_bytes_full=p.kv_bytes_full,
+                        kv_bytes_stored=p.kv_bytes_stored, seconds=dict(row.seconds), kv_bytes_moved=row.moved,
+                        completion_tokens=len(row.decoder.ids), finish_reason=reason,
+                        first_token_seconds=row.first_token_seconds, prefill_tokens=len(p.query_ids))
+        return RowEvent(p, delta, True, reason, answer)
+
+    def _drop_finished(self) -> None:
+        """Compact the batch once at least half its rows have finished (or all have): until then a finished
+        row costs one padded token per step, while compacting copies every remaining row's cache, so rows
+        that finish a step apart (labels) are dropped together and the copies stay few."""
+        keep = [r for r, row in enumerate(self.rows) if not row.finished]
+        if 2 * (len(self.rows) - len(keep)) < len(self.rows):
+            return
+        if keep:
+            self._regroup(torch.tensor(keep, dtype=torch.long), None, None, [])
+        else:
+            self.cache = self.valid = None
+        self.rows = [self.rows[r] for r in keep]
+
+    def _regroup(self, keep: torch.Tensor, other: BatchCache | None, other_valid: torch.Tensor | None,
+                 joining: list[Row]) -> None:
+        """Rebuild the cache's buffers for rows ``keep`` then ``other``'s rows, sized for every remaining
+        row's budget (a copy, once per change of the batch's rows)."""
+        kept = [self.rows[i] for i in keep.tolist()]
+        length = max(self.cache.length, other.length if other is not None else 0)
+        # columns are shared: only rows still decoding decide how many more steps the batch takes
+        room = max((row.plan.max_new_tokens - len(row.decoder.ids) for row in kept + joining if not row.finished),
+                   default=0)
+        capacity = length + room + 1
+        keep_dev = keep.to(self.engine.device)
+        self.cache.regroup(keep_dev, other, capacity)
+        valid = torch.zeros(len(kept) + len(joining), capacity, dtype=torch.bool, device=self.engine.device)
+        old = self.valid.index_select(0, keep_dev)
+        valid[:len(kept), :min(old.shape[1], capacity)] = old[:, :capacity]
+        if other_valid is not None:
+            valid[len(kept):, :min(other_valid.shape[1], capacity)] = other_valid[:, :capacity]
+        self.valid = valid
+
+
+def cache_keyword(model) -> str:
+    """The name under which this model's forward takes a cache: transformers 5 renamed
+    ``past_key_values`` to ``cache`` between 5.17 and 5.24, and passes an unknown name on silently."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

@@ -1,0 +1,148 @@
+"""Stage the selected blocks' factors of each layer on the compute device, a bounded number of layers ahead.
+
+One code path with the device as an argument. On CUDA, each layer's slices are copied from page-locked
+host memory into a reusable device buffer on a side stream, and an event per layer lets the compute
+stream wait for exactly that layer (FlexGen-style overlap of transfer with compute). On CPU the same
+call concatenates the host views: there is nothing to transfer.
+
+Why page-locked sources: a non-blocking copy from pageable memory is staged by the driver through its
+own bounce buffer and the host blocks until the device has it, so the copy no longer overlaps anything.
+The host tier is pinned at mount and the disk tiers read into pinned memory on CUDA machines
+(`MiloStore`); a block that is still pageable (pinning failed) is copied into pinned memory here, once per
+prefetcher, so once for each batch that reads it.
+
+With a `DeviceTier`, blocks it holds are read from the device (a device-to-device copy into the layer's
+buffer) and the others are copied, layer by layer, into device tensors of their own that join the tier
+once the last layer has been handed out (so a later batch's side stream, which waits for the compute
+stream, never reads a block before its copies finished).
+"""
+import time
+
+import numpy as np
+import torch
+
+from .device_tier import DeviceTier
+from milo_store.sources import ReadStats
+from milo_store.store import MiloStore
+
+
+class TransferPool:
+    """A side stream and device buffers that successive prefetchers reuse (CUDA), instead of making
+    their own per batch. One prefetcher at a time: a batch's copies are ordered after the compute
+    stream's use of the previous batch's layers (every copy waits for the compute stream)."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.stream = torch.cuda.Stream(self.device)
+        self._buffers: dict[torch.dtype, list[torch.Tensor]] = {}
+
+    def buffers(self, count: int, numel: int, dtype) -> list[torch.Tensor]:
+        have = self._buffers.get(dtype, [])
+        if len(have) < count or (have and have[0].numel() < numel):
+            size = max(numel, have[0].numel() if have else 0)
+            have = [torch.empty(size, dtype=dtype, device=self.device) for _ in range(max(count, len(have)))]
+            self._buffers[dtype] = have
+        return have[:count]
+
+
+class LayerPrefetcher:
+    """``layer(l)`` -> (flat factors of layer l for the selected blocks, start of each block in it).
+    ``read_stats``: what reading the blocks the device tier did not hold cost (remote bytes, GETs,
+    seconds; cache hits)."""
+
+    def __init__(self, store: MiloStore, block_ids: list[int], device, depth: int = 2, tier: DeviceTier | None = None,
+                 pool: TransferPool | None = None):
+        self.store, self.block_ids, self.device = store, list(block_ids), torch.device(device)
+        self.tier, self._joining = tier, {}
+        resident = {i: tier.get((str(store.path), i)) for i in self.block_ids} if tier is not None else {}
+        missing = [i for i in self.block_ids if resident.get(i) is None]
+        self.tier_hits = len(self.block_ids) - len(missing) if tier is not None else 0
+        self.read_stats = ReadStats()
+        # views (host tier) or reads (disk tiers; remote: one batch)
+        read = dict(zip(missing, store.blocks(missing, self.read_stats)))
+        self.bounds = [store.block_layer_bounds(i) for i in self.block_ids]
+        L = store.layout.num_layers
+        sizes = np.array([[b[l + 1] - b[l] for b in self.bounds] for l in range(L)], dtype=np.int64).reshape(L, -1)
+        self.starts = np.concatenate((np.zeros((L, 1), np.int64), np.cumsum(sizes, axis=1)[:, :-1]), axis=1)
+        self.layer_values = sizes.sum(axis=1)
+        # bytes that cross from the store to the device: the blocks the device tier did not hold
+        fetched = set(missing)
+        self.bytes_moved = sum(int(b[-1]) for i, b in zip(self.block_ids, self.bounds) if i in fetched) * store.itemsize
+        self.depth = max(1, depth)
+        # factor bytes staged for the rebuild at once: depth + 1 layer buffers on CUDA, one gathered layer on CPU
+        layers_held = self.depth + 1 if self.device.type == "cuda" else 1
+        self.buffer_bytes = layers_held * int(self.layer_values.max(initial=0)) * store.itemsize
+        self.cuda = self.device.type == "cuda"
+        self._seconds, self._copies = 0.0, []  # CPU: wall time of layer(); CUDA: (start, end) events per copy
+        if self.cuda:
+            read = {i: b if b.is_pinned() else b.pin_memory() for i, b in read.items()}
+        if tier is not None:  # missing blocks get a device tensor of their own, filled as layers are copied
+            self._joining = {i: (read[i], torch.empty_like(read[i], device=self.device) if self.cuda else read[i])
+                             for i in missing}
+            self._at = {i: self.block_ids.index(i) for i in missing}
+            resident.update({i: dev for i, (_, dev) in self._joining.items()})
+        self.blocks = [resident[i] if i in resident else read[i] for i in self.block_ids]
+        if self.cuda:
+            cap = int(self.layer_values.max(initial=0))
+            if pool is not None:
+                self.stream, self.buffers = pool.stream, pool.buffers(self.depth + 1, cap, store.torch_dtype)
+            else:
+                self.stream = torch.cuda.Stream(self.device)
+                self.buffers = [torch.empty(cap, dtype=store.torch_dtype, device=self.device)
+                                for _ in range(self.depth + 1)]
+            for _, dev in self._joining.values():
+                dev.record_stream(self.stream)  # written on the side stream, like the buffers
+            self.events = {}
+            for l in range(min(self.depth, L)):
+                self._issue(l)
+
+    def _issue(self, l: int) -> None:
+        buf = self.buffers[l % len(self.buffers)]
+        compute = torch.cuda.current_stream(self.device)  # taken before the side stream becomes current
+        start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.stream):
+            # the buffer is reused: wait until compute has finished with the layer it last held
+            self.stream.wait_stream(compute)
+            start.record(self.stream)
+            for i, (host, dev) in self._joining.items():  # blocks joining the device tier: H2D into their own tensor
+                lo, hi = self.bounds[self._at[i]][l:l + 2]
+                dev[lo:hi].copy_(host[lo:hi], non_blocking=True)
+            for block, b, start_at in zip(self.blocks, self.bounds, self.starts[l]):
+                n = int(b[l + 1] - b[l])
+                buf[start_at:start_at + n].copy_(block[b[l]:b[l + 1]], non_blocking=True)
+            done.record(self.stream)
+        # allocated on the compute stream, written on this one: if the prefetcher is dropped mid-forward,
+        # the allocator must not hand the memory out again before these copies finish
+        buf.record_stream(self.stream)
+        self._copies.append((start, done))
+        self.events[l] = done
+
+    def layer(self, l: int) -> tuple[torch.Tensor, np.ndarray]:
+        n = int(self.layer_values[l])
+        if not self.cuda:
+            t = time.perf_counter()
+            parts = [blk[b[l]:b[l + 1]] for blk, b in zip(self.blocks, self.bounds)]
+            flat = torch.cat(parts) if len(parts) != 1 else parts[0]
+            self._seconds += time.perf_counter() - t
+            out = flat.to(self.device), self.starts[l]
+        else:
+            if l not in self.events:
+                self._issue(l)
+            torch.cuda.current_stream(self.device).wait_event(self.events.pop(l))
+            if l + self.depth < len(self.layer_values):
+                self._issue(l + self.depth)
+            out = self.buffers[l % len(self.buffers)][:n], self.starts[l]
+        if l == len(self.layer_values) - 1:  # every layer's copies are ordered before the compute stream now
+            for i, (_, dev) in self._joining.items():
+                self.tier.put((str(self.store.path), i), dev)
+            self._joining = {}
+        return out
+
+    def transfer_seconds(self) -> float:
+        """Seconds spent moving factors so far: on CUDA the copies' own time on the side stream, so
+        read it only once the device is idle (it synchronises on the last copy)."""
+        if not self.cuda:
+            return self._seconds
+        if self._copies:
+            self._copies[-1][1].synchronize()
+        return sum(start.elapsed_time(done) for start, done in self._copies) / 1e3

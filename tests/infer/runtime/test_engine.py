@@ -1,0 +1,231 @@
+"""The batched engine against one query at a time: every row of a batch must be the query alone.
+
+fp32 models (random weights: Qwen2 and Llama code paths), rows with different block counts, prefix and
+query lengths, rows joining a running batch and leaving it. Alone means a batch of one, which
+tests/infer/runtime/test_session.py holds to plain forwards and to a transformers-only reference.
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from milo_infer.bench import synthetic_model
+from milo_infer.runtime.engine import Engine, Request, RequestError
+from milo_infer.models import LoadedModel, model_identity
+from milo_store import MiloStore
+
+ATOL = 1e-4
+
+
+def random_llama() -> LoadedModel:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(1)
+    model = LlamaForCausalLM._from_config(LlamaConfig(**synthetic_model.SHAPES["tiny"], tie_word_embeddings=False),
+                                          dtype=torch.float32)
+    model.eval().requires_grad_(False)
+    return LoadedModel(model=model, tokenizer=synthetic_model.byte_tokenizer(), identity=model_identity(model))
+
+
+def random_qwen2() -> LoadedModel:
+    torch.manual_seed(0)
+    return synthetic_model.random_model("tiny")
+
+
+@pytest.fixture(scope="module", params=["qwen2", "llama"])
+def setup(request, tmp_path_factory):
+    loaded = random_qwen2() if request.param == "qwen2" else random_llama()
+    paths = synthetic_model.synthetic_stores(tmp_path_factory.mktemp(request.param), loaded, demos=40, block_size=8,
+                                   demo_tokens=5, ratios=(0.5,))
+    store = MiloStore.open(paths["milo-r0.5"])
+    yield loaded, store
+    store.close()
+
+
+# rows of different k (block counts), shared blocks, and queries of different lengths
+REQUESTS = [Request("topic1 topic2 q", k=2), Request("topic3 a much longer question about topic0", k=1),
+            Request("topic0 topic1 topic2 topic3 topic4", k=4), Request("topic2", k=3)]
+
+
+def test_every_row_of_a_batch_has_the_logits_of_the_query_alone(setup):
+    loaded, store = setup
+    engine = Engine(loaded, {"s": store})
+    plans = [engine.plan("s", r) for r in REQUESTS]
+    assert len({p.prefix_tokens for p in plans}) > 2 and len({len(p.query_ids) for p in plans}) > 2
+    batched = engine.logits(plans)
+    for p, got in zip(plans, batched):
+        alone = engine.logits([engine.plan("s", p.request)])[0]
+        assert got.shape == alone.shape
+        assert (got - alone).abs().max() <= ATOL
+
+
+def free_form(engine):
+    engine.stores["s"].trie = None  # free-form greedy: every step's logits decide the next token
+    return engine
+
+
+def test_batched_answers_and_tokens_equal_alone_for_labels_and_free_form(setup):
+    loaded, store = setup
+    for engine in (Engine(loaded, {"s": store}), free_form(Engine(loaded, {"s": store}, max_new_tokens=6))):
+        plans = [engine.plan("s", r) for r in REQUESTS]
+        together = engine.answer(plans)
+        alone = [engine.answer([engine.plan("s", r)])[0] for r in REQUESTS]
+        assert [a.text for a in together] == [a.text for a in alone]
+        assert [a.completion_tokens for a in together] == [a.completion_tokens for a in alone]
+        assert all(a.blocks == b.blocks and a.prefix_tokens == b.prefix_tokens for a, b in zip(together, alone))
+
+
+def run_to_end(batch, events, done):
+    while True:
+        done.update({id(e.plan): e for e in events if e.finished})
+        if not len(batch):
+            return
+        events = batch.step()
+
+
+def test_rows_joining_and_leaving_a_running_batch_answer_as_alone(setup):
+    loaded, store = setup
+    engine = free_form(Engine(loaded, {"s": store}, max_new_tokens=8))
+    short = Request("topic4 stop early", k=1, max_new_tokens=2)
+    plans = [engine.plan("s", r) for r in [REQUESTS[0], short, REQUESTS[2]]]
+    batch, done, texts = engine.batch(), {}, {}
+    events = batch.admit(plans[:2])
+    for _ in range(3):  # the short row finishes and leaves; then two rows join mid-decode
+        done.update({id(e.plan): e for e in events if e.finished})
+        for e in events:
+            texts[id(e.plan)] = texts.get(id(e.plan), "") + e.delta
+        events = batch.step()
+    assert len(batch) == 1 and id(plans[1]) in done
+    late = [plans[2], engine.plan("s", REQUESTS[3])]
+    events += batch.admit(late)
+    cancelled = engine.plan("s", REQUESTS[1])
+    events += batch.admit([cancelled])
+    batch.cancel(cancelled)
+    assert len(batch) == 3
+    run_to_end(batch, events, done)
+    assert id(cancelled) not in done
+    for p in plans[:2] + late:
+        alone = engine.answer([engine.plan("s", p.request)])[0]
+        assert done[id(p)].answer.text == alone.text and done[id(p)].finish_reason == alone.finish_reason
+    assert done[id(plans[1])].finish_reason == "length" and done[id(plans[1])].answer.completion_tokens == 2
+
+
+def test_streamed_deltas_add_up_to_the_answer(setup):
+    loaded, store = setup
+    engine = free_form(Engine(loaded, {"s": store}, max_new_tokens=6))
+    plans = [engine.plan("s", r) for r in REQUESTS]
+    batch, text, done = engine.batch(), {}, {}
+    events = batch.admit(plans)
+    while True:
+        for e in events:
+            text[id(e.plan)] = text.get(id(e.plan), "") + e.delta
+            if e.finished:
+                done[id(e.plan)] = e.answer
+        if not len(batch):
+            break
+        events = batch.step()
+    assert all(text[id(p)].strip() == done[id(p)].text for p in plans)
+
+
+def test_a_block_several_rows_retrieved_is_fetched_once(setup):
+    loaded, store = setup
+    engine = Engine(loaded, {"s": store})
+    plans = [engine.plan("s", Request("topic1 topic2", k=2)), engine.plan("s", Request("topic2 topic3", k=2))]
+    assert set(plans[0].blocks) & set(plans[1].blocks)
+    batch = engine.batch()
+    batch.admit(plans)
+    stats = batch.fetch_stats
+    assert stats["blocks"] == 4 and stats["unique_blocks"] == len(set(plans[0].blocks) | set(plans[1].blocks))
+    assert stats["bytes"] < stats["bytes_without_union"] == sum(p.kv_bytes_stored for p in plans)
+    assert batch.peak_kv_bytes > 0
+
+
+def test_a_context_beyond_the_models_positions_is_a_request_error(setup):
+    loaded, store = setup
+    engine = Engine(loaded, {"s": store})
+    with pytest.raises(RequestError, match="the query itself is too long"):
+        engine.plan("s", Request("x " * 5000))
+    with pytest.raises(RequestError, match="max_new_tokens must be at least 1"):
+        engine.plan("s", Request("topic1", max_new_tokens=0))
+    with pytest.raises(KeyError, match="no store named 'nope'"):
+        engine.plan("nope", Request("topic1"))
+
+
+TRITON_CHECK = """
+import torch, sys
+sys.path.insert(0, {tests!r})
+from test_engine import random_qwen2, REQUESTS
+from milo_infer.bench import synthetic_model
+from milo_infer.runtime.engine import Engine
+from milo_kernels import kernel_backend
+from milo_store import MiloStore
+loaded = random_qwen2()
+paths = synthetic_model.synthetic_stores({root!r}, loaded, demos=24, block_size=8, demo_tokens=5, ratios=(0.5,))
+with MiloStore.open(paths["milo-r0.5"]) as store:
+    engine = Engine(loaded, {{"s": store}})
+    assert kernel_backend(engine.device) == "triton"
+    plans = [engine.plan("s", r) for r in REQUESTS[:3]]
+    batched = engine.logits(plans)
+    worst = max(float((b - engine.logits([engine.plan("s", p.request)])[0]).abs().max()) for p, b in zip(plans, batched))
+print("worst", worst)
+assert worst <= {atol}
+"""
+
+
+def test_batched_rows_equal_alone_through_the_triton_kernel(tmp_path):
+    """Under the interpreter (a GPU would run it for real): the kernel path, planned per row."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "MILO_KERNEL": "triton"}
+    code = TRITON_CHECK.format(tests=str(Path(__file__).parent), root=str(tmp_path), atol=ATOL)
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "worst" in run.stdout
+
+
+def test_the_device_tier_serves_blocks_again_without_reading_them(setup):
+    loaded, store = setup
+    plain = Engine(loaded, {"s": store})
+    tiered = Engine(loaded, {"s": store}, device_cache_bytes=1 << 30)
+    first = tiered.batch()
+    first.admit([tiered.plan("s", Request("topic1 topic2", k=2))])
+    assert first.fetch_stats["device_hits"] == 0 and first.fetch_stats["bytes"] > 0
+    again = tiered.batch()
+    plans = [tiered.plan("s", Request("topic2 topic1", k=2)), tiered.plan("s", Request("topic1 topic3", k=2))]
+    again.admit(plans)
+    assert again.fetch_stats["device_hits"] == 2 and again.fetch_stats["unique_blocks"] == 3
+    moved = again.fetch_stats["bytes"]
+    assert 0 < moved < again.fetch_stats["bytes_without_union"] and tiered.device_tier.stats()["hits"] == 2
+    for p, got in zip(plans, tiered.logits(plans)):
+        want = plain.logits([plain.plan("s", p.request)])[0]
+        assert (got - want).abs().max() <= ATOL
+
+
+def test_the_device_tier_keeps_within_its_bytes_least_recent_out_first():
+    from milo_infer.runtime.device_tier import DeviceTier
+
+    tier = DeviceTier(100, "cpu")
+    for i in range(4):
+        tier.put(("s", i), torch.zeros(10, dtype=torch.float32))  # 40 bytes each
+    assert len(tier) == 2 and tier.bytes == 80 and tier.get(("s", 0)) is None
+    assert tier.get(("s", 2)) is not None  # 2 is now the most recent: 3 goes first
+    tier.put(("s", 4), torch.zeros(10))
+    assert tier.get(("s", 3)) is None and tier.get(("s", 2)) is not None
+    tier.put(("s", 5), torch.zeros(30))  # larger than the tier: not kept
+    assert tier.get(("s", 5)) is None and tier.bytes <= 100
+    assert tier.stats()["hits"] == 2 and tier.stats()["misses"] == 3
+
+
+def test_milo_eval_predicts_the_same_in_batches_as_one_at_a_time(setup, tmp_path):
+    from milo_infer.tasks.corpus import Demonstration, TaskSpec
+    from milo_infer.evaluation.evaluate import evaluate
+
+    loaded, store = setup
+    task = TaskSpec(**{**store.meta["task"], "labels": tuple(store.meta["task"]["labels"])})
+    items = [Demonstration(input=r.text, output=task.labels[i % 3], id=str(i)) for i, r in enumerate(REQUESTS * 2)]
+    one = evaluate(loaded, store.path, items, task, k=3, batch=1)
+    many = evaluate(loaded, store.path, items, task, k=3, batch=5, predictions=tmp_path / "p.jsonl")
+    assert one["answers"] == many["answers"] and one["accuracy"] == many["accuracy"]
+    assert len((tmp_path / "p.jsonl").read_text().splitlines()) == len(items)  # every row logged, in batches

@@ -1,0 +1,113 @@
+"""A test double of `milo_infer.runtime.engine.Engine` with its interface and no model, for the server's scheduler.
+
+A query's answer is its own words upper-cased, one word per decode step (the first at admission),
+until ``max_new_tokens`` (finish "length", default 8) or a stop string (finish "stop"). A query
+holding the word ``crash`` makes the batch raise at its next step. The batch records what the
+scheduler did to it: the size of every admission, the rows at every step, the cancelled plans.
+"""
+import threading
+import time
+from types import SimpleNamespace
+
+import numpy as np
+
+from milo_infer.runtime.engine import Answer, QueryPlan, RequestError, RowEvent
+
+MAX_QUERY_WORDS = 40
+DEFAULT_MAX_NEW_TOKENS = 8
+
+
+def expected_answer(text: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, stop=()) -> tuple[str, str]:
+    """What the fake engine answers ``text``, and the finish reason."""
+    words = []
+    for word in text.upper().split():
+        if word in stop:
+            return " ".join(words), "stop"
+        if len(words) == max_new_tokens:
+            return " ".join(words), "length"
+        words.append(word)
+    return " ".join(words), "stop"
+
+
+class FakeEngine:
+    def __init__(self, stores=("demo",), *, max_positions=2048, step_s=0.0):
+        self.stores = {name: SimpleNamespace(name=name) for name in stores}
+        self.max_positions, self.step_s = max_positions, step_s
+        self.batches: list[FakeBatch] = []
+
+    def plan(self, store: str, request) -> QueryPlan:
+        if store not in self.stores:
+            raise KeyError(store)
+        words = request.text.split()
+        if len(words) > MAX_QUERY_WORDS:
+            raise RequestError(f"the query alone ({len(words)} tokens) exceeds the model's positions")
+        return QueryPlan(store=store, request=request, groups=[1], blocks=[1, 0], query_ids=list(range(len(words))),
+                         prefix_tokens=10, dst_rows=np.array([2, 6]), segments=np.zeros((1, 0, 6), np.int64),
+                         max_new_tokens=request.max_new_tokens or DEFAULT_MAX_NEW_TOKENS, kv_bytes_full=400,
+                         kv_bytes_stored=100, retrieve_seconds=0.0)
+
+    def batch(self) -> "FakeBatch":
+        self.batches.append(FakeBatch(self))
+        return self.batches[-1]
+
+
+class FakeBatch:
+    def __init__(self, engine: FakeEngine):
+        self.engine = engine
+        self.rows = {}  # id(plan) -> [plan, words to come, words given, thread]
+        self.admissions: list[int] = []  # plans per admit call
+        self.running_at_admission: list[int] = []  # rows already running at each admit call
+        self.step_rows: list[int] = []
+        self.cancelled: list[QueryPlan] = []
+        self.fetch_stats = {}
+        self.owner = None
+
+    def _check_thread(self):
+        self.owner = self.owner or threading.get_ident()
+        assert self.owner == threading.get_ident(), "a Batch is used from one thread only"
+
+    def admit(self, plans):
+        self._check_thread()
+        self.admissions.append(len(plans))
+        self.running_at_admission.append(len(self.rows))
+        blocks = [b for p in plans for b in p.blocks]
+        self.fetch_stats = {"blocks": len(blocks), "unique_blocks": len(set(blocks)), "bytes": 100 * len(set(blocks)),
+                            "bytes_without_union": 100 * len(blocks), "device_hits": 1}
+        events = []
+        for plan in plans:
+            answer, reason = expected_answer(plan.request.text, plan.max_new_tokens, plan.request.stop)
+            self.rows[id(plan)] = [plan, answer.split(), [], reason]
+            events.append(self._advance(id(plan)))
+        return events
+
+    def step(self):
+        self._check_thread()
+        if self.engine.step_s:
+            time.sleep(self.engine.step_s)
+        self.step_rows.append(len(self.rows))
+        if any("crash" in row[0].request.text.split() for row in self.rows.values()):
+            raise RuntimeError("the device fell over")
+        return [self._advance(key) for key in list(self.rows)]
+
+    def _advance(self, key) -> RowEvent:
+        plan, to_come, given, reason = self.rows[key]
+        delta = ""
+        if to_come:
+            word = to_come.pop(0)
+            delta = word if not given else " " + word
+            given.append(word)
+        if to_come:
+            return RowEvent(plan=plan, delta=delta, finished=False, finish_reason=None, answer=None)
+        del self.rows[key]
+        answer = Answer(text=" ".join(given), blocks=plan.blocks, groups=plan.groups, prefix_tokens=plan.prefix_tokens,
+                        kv_bytes_full=plan.kv_bytes_full, kv_bytes_stored=plan.kv_bytes_stored,
+                        seconds={"model": 0.001}, completion_tokens=len(given), finish_reason=reason)
+        return RowEvent(plan=plan, delta=delta, finished=True, finish_reason=reason, answer=answer)
+
+    def cancel(self, plan):
+        self._check_thread()
+        self.cancelled.append(plan)
+        del self.rows[id(plan)]
+
+    def __len__(self):
+        return len(self.rows)

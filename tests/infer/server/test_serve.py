@@ -1,0 +1,218 @@
+"""`milo serve` as a user runs it: a subprocess on a free loopback port over a small store built with the
+real default model, talked to with the official openai client and raw httpx; nothing is left running.
+"""
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.infer.demo_stores import DEMO, encoded_demo_stores
+from milo_infer.tasks.corpus import load_corpus
+from milo_infer.runtime.session import MiloSession
+from milo_store import CompressionConfig
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[3]
+KEY = "sk-milo-test"
+START_TIMEOUT_S = 180
+QUERIES = [d.input for d in load_corpus(DEMO)[8:24]]  # 16 queries outside the store's demonstrations
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Served:
+    def __init__(self, base: str, process: subprocess.Popen, log: Path):
+        self.base, self.process, self.log = base, process, log
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+@contextmanager
+def milo_serve(tmp_path: Path, stores, *options: str):
+    """``milo serve STORES OPTIONS`` on a free port, once its /health answers; SIGTERM (then kill) on exit."""
+    port = free_port()
+    log = tmp_path / f"serve-{port}.log"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
+    with open(log, "wb") as out:
+        process = subprocess.Popen([sys.executable, "-m", "milo_infer.cli.main", "serve", *map(str, stores),
+                                    "--port", str(port), *options], env=env, stdout=out, stderr=subprocess.STDOUT)
+    served = Served(f"http://127.0.0.1:{port}", process, log)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            if process.poll() is not None:
+                pytest.fail(f"milo serve exited with {process.returncode}:\n{served.output()[-3000:]}")
+            try:
+                if httpx.get(served.base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, f"milo serve did not start in {START_TIMEOUT_S} s"
+            time.sleep(0.25)
+        yield served
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def metric(base: str, name: str) -> float:
+    text = httpx.get(base + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " ")]
+    assert len(values) == 1, f"{name} not in /metrics"
+    return values[0]
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, default_model):
+    """A store of 8 demonstrations in 2 blocks, and each query's answer from `MiloSession`."""
+    stores = encoded_demo_stores(tmp_path_factory, default_model, {"demo": CompressionConfig(ratio=0.5)})
+    opened, _ = next(stores)
+    store = opened["demo"]
+    session = MiloSession(default_model, store)
+    expected = {q: session.answer(q).text for q in QUERIES}
+    yield Path(store.path), expected
+    next(stores, None)
+
+
+@pytest.fixture(scope="module")
+def server(built, tmp_path_factory):
+    with milo_serve(tmp_path_factory.mktemp("serve"), [built[0]], "--api-key", KEY, "--max-batch", "16",
+                    "--batch-wait-ms", "30") as served:
+        yield served
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.base + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def test_answers_equal_the_sessions(client, built):
+    _, expected = built
+    for query in QUERIES[:3]:
+        r = client.completions.create(model="demo", prompt=query, max_tokens=16)
+        assert r.choices[0].text == expected[query]
+        assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens > 0
+        assert r.model_extra["milo"]["blocks"] and r.model_extra["milo"]["kv_bytes_stored"] > 0
+        chat = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": query}])
+        assert chat.choices[0].message.content == expected[query]
+        streamed = client.completions.create(model="demo", prompt=query, stream=True)
+        assert "".join(c.choices[0].text for c in streamed).strip() == expected[query]
+    assert [m.id for m in client.models.list()] == ["demo"]
+
+
+def test_raw_sse_framing_and_error_bodies(server):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    with httpx.stream("POST", server.base + "/v1/completions", headers=auth, timeout=60,
+                      json={"model": "demo", "prompt": QUERIES[0], "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        frames = r.read().decode().split("\n\n")
+    assert frames[-2:] == ["data: [DONE]", ""]
+    chunks = [json.loads(f.removeprefix("data: ")) for f in frames[:-2]]
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    bad = {"unknown model": ({"model": "nope", "prompt": "hi"}, 404, "not mounted"),
+           "too many tokens": ({"model": "demo", "prompt": "hi", "max_tokens": 10 ** 6}, 400, "max_tokens"),
+           "context too long": ({"model": "demo", "prompt": "card " * 9000}, 400, "positions"),
+           "n": ({"model": "demo", "prompt": "hi", "n": 3}, 400, "n=1")}
+    for name, (body, status, words) in bad.items():
+        r = httpx.post(server.base + "/v1/completions", headers=auth, json=body, timeout=60)
+        assert r.status_code == status and words in r.json()["error"]["message"], (name, r.text)
+    r = httpx.post(server.base + "/v1/completions", headers={"Authorization": "Bearer wrong"},
+                   json={"model": "demo", "prompt": "hi"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert KEY not in server.output()  # no secret in the logs
+
+
+def test_load_every_request_answered_as_sequentially_and_batched(server, built):
+    _, expected = built
+    queries = QUERIES * 8  # 128 requests
+
+    async def load():
+        client = openai.AsyncOpenAI(base_url=server.base + "/v1", api_key=KEY, max_retries=0, timeout=120)
+        limit = asyncio.Semaphore(32)
+
+        async def ask(query):
+            async with limit:
+                return (await client.completions.create(model="demo", prompt=query)).choices[0].text
+        try:
+            return await asyncio.gather(*(ask(q) for q in queries))
+        finally:
+            await client.close()
+
+    answers = asyncio.run(asyncio.wait_for(load(), 150))
+    assert answers == [expected[q] for q in queries]
+    assert metric(server.base, 'milo:batch_size_bucket{le="1.0"}') < metric(server.base, "milo:batch_size_count")
+    assert metric(server.base, "milo:num_requests_running") == 0
+
+
+def test_a_client_leaving_mid_stream_frees_its_row(server):
+    with httpx.stream("POST", server.base + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                      json={"model": "demo", "prompt": QUERIES[1], "stream": True}) as r:
+        assert next(r.iter_lines()).startswith("data: ")
+    deadline = time.monotonic() + 30
+    while metric(server.base, "milo:num_requests_running") != 0:
+        assert time.monotonic() < deadline, "the row stayed in the batch"
+        time.sleep(0.1)
+    assert httpx.get(server.base + "/health").status_code == 200
+
+
+def test_sigterm_under_load_finishes_in_flight_requests_and_exits_0(built, tmp_path):
+    _, expected = built
+    with milo_serve(tmp_path, [built[0]], "--max-batch", "4", "--drain-s", "60") as served:
+        async def load_then_term():
+            async with httpx.AsyncClient(base_url=served.base, timeout=120) as http:
+                in_flight = [asyncio.ensure_future(http.post("/v1/completions", json={"model": "demo", "prompt": q}))
+                             for q in QUERIES[:12]]
+                while metric(served.base, "milo:num_requests_running") == 0:
+                    await asyncio.sleep(0.02)
+                served.process.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.3)
+                try:
+                    late = (await http.post("/v1/completions", json={"model": "demo", "prompt": "hi"})).status_code
+                except httpx.TransportError:
+                    late = "refused"
+                return await asyncio.gather(*in_flight), late
+
+        responses, late = asyncio.run(asyncio.wait_for(load_then_term(), 150))
+        assert [r.status_code for r in responses] == [200] * 12
+        assert [r.json()["choices"][0]["text"] for r in responses] == [expected[q] for q in QUERIES[:12]]
+        assert late in (503, "refused")
+        assert served.process.wait(60) == 0, served.output()[-2000:]
+
+
+def test_refuses_to_start_naming_the_store_that_does_not_match_the_model(built, tmp_path):
+    other = tmp_path / "other"
+    shutil.copytree(built[0], other)
+    meta = json.loads((other / "zarr.json").read_text())
+    meta["attributes"]["milo"]["model"]["config_hash"] = "0" * 64
+    (other / "zarr.json").write_text(json.dumps(meta))
+    done = subprocess.run([sys.executable, "-m", "milo_infer.cli.main", "serve", str(built[0]), str(other),
+                           "--port", str(free_port())], env={**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and str(other) in done.stderr and "another model" in done.stderr, done.stderr
+    twin = tmp_path / "elsewhere" / built[0].name
+    shutil.copytree(built[0], twin)
+    clash = subprocess.run([sys.executable, "-m", "milo_infer.cli.main", "serve", str(built[0]), str(twin)],
+                           env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=60)
+    assert clash.returncode == 2 and f"two stores share the name {built[0].name!r}" in clash.stderr, clash.stderr
