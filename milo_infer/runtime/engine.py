@@ -28,58 +28,29 @@ import torch
 import transformers
 
 from milo_store import MiloStore
-from .device_tier import DeviceTier
-from .prefetch import TransferPool
 
+from ..models import LoadedModel, rope_tables
 from .cache import BatchCache
 from .decoding import GreedyDecoder, LabelDecoder
-from ..models import LoadedModel, rope_tables
-from .planning import MAX_NEW_TOKENS, STOP_STRINGS, MountedStore, QueryPlan, Request, RequestError, check_compatible
+from .device_tier import DeviceTier
+from .interface import Answer, RowEvent
+from .planning import STOP_STRINGS, EngineSettings, MountedStore, QueryPlan, Request, check_compatible
+from .prefetch import TransferPool
 from .prefix import PrefixRebuild, rebuild_layer
 from .timing import StageClock
-
-__all__ = ["Answer", "Batch", "Engine", "QueryPlan", "Request", "RequestError", "RowEvent"]
 
 Rebuild = Callable[..., None]  # (factors, segments, out_k, out_v, cos, sin, *, interleaved, quant, plan)
 
 
-@dataclass
-class Answer:
-    text: str
-    blocks: list[int]  # store blocks, in context order
-    groups: list[int]  # the retrieved groups they come from
-    prefix_tokens: int
-    kv_bytes_full: int
-    kv_bytes_stored: int  # the factor bytes of its blocks in the store
-    seconds: dict = field(default_factory=dict)
-    kv_bytes_moved: int = 0  # its share of the bytes its admission really moved (shared blocks once, tier hits none)
-    completion_tokens: int = 0
-    finish_reason: str = "stop"  # "stop" (label closed, stop string, eos) or "length"
-    first_token_seconds: float = 0.0  # retrieval + its admission's wall time (every row of it waits for the whole)
-    prefill_tokens: int = 0  # tokens the model computed in its admission's forward
-
-
-@dataclass
-class RowEvent:
-    """One row's progress in one forward."""
-    plan: QueryPlan
-    delta: str  # text this forward added to the answer ('' allowed)
-    finished: bool
-    finish_reason: str | None = None
-    answer: Answer | None = None
-    error: Exception | None = None  # the row ended with this instead of an answer (another engine's failure)
-
-
 class Engine:
-    """The model and the stores it answers from; ``plan`` queries, ``answer`` a batch of plans, or keep a
-    running ``batch()``. ``rebuild`` replaces the kernels' reconstruction (the benchmark's full-KV copy);
-    ``device_cache_bytes`` keeps that many bytes of blocks' factors on the device (`DeviceTier`); ``recompute``
-    is how many first tokens of each retrieved block a request computes again unless it says."""
+    """The model and the stores it answers from (a `ServingEngine`); ``plan`` queries, ``answer`` a batch of
+    plans, or keep a running ``batch()``. ``settings`` are what requests default to; ``rebuild`` replaces the
+    kernels' reconstruction (the benchmark's full-KV copy); ``device_cache_bytes`` keeps that many bytes of
+    blocks' factors on the device (`DeviceTier`)."""
 
-    def __init__(self, loaded: LoadedModel, stores: dict[str, MiloStore], *, k: int = 6,
-                 token_budget: int | None = None, order: str = "score", max_new_tokens: int = MAX_NEW_TOKENS,
-                 device=None, prefetch_depth: int = 2, aggregate: str = "max", rebuild: Rebuild = rebuild_layer,
-                 device_cache_bytes: int = 0, recompute: int = 0):
+    def __init__(self, loaded: LoadedModel, stores: dict[str, MiloStore], settings: EngineSettings = EngineSettings(),
+                 *, device=None, prefetch_depth: int = 2, rebuild: Rebuild = rebuild_layer,
+                 device_cache_bytes: int = 0):
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
         self.cache_kwarg = cache_keyword(self.model)
         model_device = next(self.model.parameters()).device
@@ -92,14 +63,14 @@ class Engine:
         if not stores:
             raise ValueError("an engine needs at least one store")
         self.dtype = next(self.model.parameters()).dtype
-        self.k, self.token_budget, self.order, self.max_new_tokens = k, token_budget, order, max_new_tokens
-        self.prefetch_depth, self.rebuild, self.recompute = prefetch_depth, rebuild, recompute
+        self.settings, self.prefetch_depth, self.rebuild = settings, prefetch_depth, rebuild
         for store in stores.values():
             check_compatible(store, loaded.identity)
         self.max_positions = min(s.meta["model"]["max_position_embeddings"] for s in stores.values())
         self.cos, self.sin = rope_tables(self.model, self.max_positions, device=self.device)
         self.stores = {name: MountedStore(name, store, self.tokenizer, self.cos, self.sin, self.device, self.dtype,
-                                          aggregate) for name, store in stores.items()}
+                                          settings.aggregate) for name, store in stores.items()}
+        self.prefixes = {name: m.prefix for name, m in self.stores.items()}
         self.device_tier = DeviceTier(device_cache_bytes, self.device) if device_cache_bytes else None
         # one side stream and buffer set per store: a batch may stream from several stores at once
         self.transfers = {name: TransferPool(self.device) for name in stores} if self.device.type == "cuda" else {}
@@ -110,9 +81,7 @@ class Engine:
         """Host-only and read-only: safe from any thread. Raises KeyError for an unknown store."""
         if store not in self.stores:
             raise KeyError(f"no store named {store!r} is mounted (mounted: {', '.join(self.stores)})")
-        return self.stores[store].plan(request, k=self.k, token_budget=self.token_budget, order=self.order,
-                                       max_new_tokens=self.max_new_tokens, max_positions=self.max_positions,
-                                       recompute=self.recompute, block_ids=block_ids)
+        return self.stores[store].plan(request, self.settings, self.max_positions, block_ids)
 
     def batch(self) -> "Batch":
         return Batch(self)
@@ -181,14 +150,15 @@ class Batch:
         """A cache for these plans whose first forward rebuilds every row's prefix, its column mask, and
         the column where the queries start and end. The union of each store's blocks is fetched once."""
         e = self.engine
-        rebuild = PrefixRebuild(e.stores, plans, e.cos, e.sin, e.device, depth=e.prefetch_depth, tier=e.device_tier,
+        rebuild = PrefixRebuild(e.prefixes, [p.placement for p in plans], e.cos, e.sin, e.device, depth=e.prefetch_depth, tier=e.device_tier,
                                 pools=e.transfers, rebuild=e.rebuild, clock=clock)
-        self.fetch_stats = {**rebuild.fetch_stats, "bytes_without_union": sum(p.kv_bytes_stored for p in plans)}
+        self.fetch_stats = {**rebuild.fetch_stats,
+                            "bytes_without_union": sum(p.placement.kv_bytes_stored for p in plans)}
         prefix_end = max(p.prefix_tokens for p in plans)
         query_len = max(len(p.query_ids) for p in plans)
         start, end = prefix_end, prefix_end + query_len
         capacity = end + max(p.max_new_tokens for p in plans)
-        layout = e.stores[plans[0].store].layout
+        layout = e.prefixes[plans[0].store].layout
         cache = BatchCache(layout.num_layers, len(plans), start, capacity, (layout.num_kv_heads, layout.head_dim),
                            e.dtype, e.device, rebuild.fill)
         valid = torch.zeros(len(plans), capacity, dtype=torch.bool)
@@ -258,8 +228,8 @@ class Batch:
         share = {stage: s / len(plans) for stage, s in seconds.items()}
         rows = []
         for p in plans:
-            m = e.stores[p.store]
-            decoder = (LabelDecoder(m.trie, e.tokenizer, p.max_new_tokens) if m.trie is not None else
+            trie = e.stores[p.store].queries.trie
+            decoder = (LabelDecoder(trie, e.tokenizer, p.max_new_tokens) if trie is not None else
                        GreedyDecoder(e.tokenizer, STOP_STRINGS + tuple(p.request.stop), p.max_new_tokens))
             rows.append(Row(p, decoder, p.prompt_tokens, {"retrieve": p.retrieve_seconds, **share},
                             moved=self.fetch_stats["bytes"] // len(plans),
@@ -317,8 +287,8 @@ class Batch:
             return RowEvent(row.plan, delta, False)
         p, reason = row.plan, "length" if row.decoder.stop == "length" else "stop"
         answer = Answer(text=row.decoder.result().text.strip(), blocks=p.blocks, groups=p.groups,
-                        prefix_tokens=p.prefix_tokens, kv_bytes_full=p.kv_bytes_full,
-                        kv_bytes_stored=p.kv_bytes_stored, seconds=dict(row.seconds), kv_bytes_moved=row.moved,
+                        prefix_tokens=p.prefix_tokens, kv_bytes_full=p.placement.kv_bytes_full,
+                        kv_bytes_stored=p.placement.kv_bytes_stored, seconds=dict(row.seconds), kv_bytes_moved=row.moved,
                         completion_tokens=len(row.decoder.ids), finish_reason=reason,
                         first_token_seconds=row.first_token_seconds, prefill_tokens=len(p.query_ids))
         return RowEvent(p, delta, True, reason, answer)

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 
-from ..runtime.engine import RequestError
+from ..runtime.planning import RequestError
 from . import MAX_BODY_BYTES, protocol
 from .metrics import ServerMetrics
 from .protocol import APIError, ChunkWriter, ParsedRequest
