@@ -28,6 +28,7 @@ class Answer:
     finish_reason: str = "stop"  # "stop" (label closed, stop string, eos) or "length"
     first_token_seconds: float = 0.0  # retrieval + its admission's wall time (every row of it waits for the whole)
     prefill_tokens: int = 0  # tokens the model computed in its admission's forward
+    recomputed_blocks: list[int] = field(default_factory=list)  # blocks that could not be read, computed by the model
 
 
 @dataclass
@@ -38,7 +39,7 @@ class RowEvent:
     finished: bool
     finish_reason: str | None = None
     answer: Answer | None = None
-    error: Exception | None = None  # the row ended with this instead of an answer (another engine's failure)
+    error: Exception | None = None  # the row ended with this instead of an answer (a `RowError`)
 
 
 @runtime_checkable

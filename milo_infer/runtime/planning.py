@@ -27,7 +27,7 @@ query's. The engine masks their rebuilt columns out, so what follows reads only 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -36,17 +36,13 @@ from milo_store import IncompatibleStoreError, MiloStore
 
 from ..tasks.corpus import TaskSpec
 from .decoding import LabelTrie
+from .errors import BlockLoadError, RequestError
 from .prefix import BlockPlacement, StorePrefix, prefix_token_ids
 from .retrieval import order_blocks, store_retriever
 
 IDENTITY_FIELDS = ("config_hash", "num_layers", "num_kv_heads", "head_dim", "rope")
 MAX_NEW_TOKENS = 64  # longest free-form answer by default (labels are bounded by their own trie)
 STOP_STRINGS = ("\n\n", "\nInput:", "\nQuery:")  # where a free-form answer ends: the next demonstration
-
-
-class RequestError(ValueError):
-    """A request no batch can serve as asked (its context exceeds the model's positions, an empty
-    query, a budget below one token); the message names the problem."""
 
 
 ORDERS = ("score", "corpus")
@@ -219,6 +215,26 @@ class MountedStore:
         positions, ids = self.recompute_tokens(blocks, placed.dst_rows, recompute)
         return QueryPlan(request=request, groups=groups, placement=placed, query_ids=ids + query_ids,
                          max_new_tokens=budget, retrieve_seconds=seconds, recompute=positions)
+
+    def without_blocks(self, plan: QueryPlan, unread: set[int]) -> QueryPlan:
+        """``plan`` with the blocks of ``unread`` computed by the model from the token ids the store keeps for
+        them, in the same forward as the query, instead of read and rebuilt: their columns stay in the
+        context, masked, and their tokens join the recomputed ones at their own positions (the same
+        mechanism as ``Request.recompute``, so the rest of the row is as planned). Raises `BlockLoadError`
+        when the store keeps no token ids for them."""
+        recomputed = dict(zip(plan.recompute.tolist(), plan.query_ids[:len(plan.recompute)]))
+        for b, start in zip(plan.blocks, plan.placement.dst_rows.tolist()):
+            if b not in unread:
+                continue
+            ids = self.store.token_ids(b)
+            if ids is None:
+                raise BlockLoadError(f"store {self.name!r}: block {b} cannot be read and the store keeps no token ids "
+                                     f"to compute it from")
+            recomputed.update({start + j: int(t) for j, t in enumerate(ids)})
+        positions = sorted(recomputed)
+        placement = self.prefix.place(plan.blocks, unread=frozenset(unread))
+        return replace(plan, placement=placement, recompute=np.array(positions, dtype=np.int64),
+                       query_ids=[recomputed[q] for q in positions] + plan.query_ids[len(plan.recompute):])
 
     def recompute_tokens(self, blocks: list[int], dst: np.ndarray, n: int) -> tuple[np.ndarray, list[int]]:
         """The context positions and stored ids of each block's first ``n`` tokens, in context order."""

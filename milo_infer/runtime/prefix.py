@@ -16,11 +16,14 @@ import numpy as np
 import torch
 
 from milo_kernels import apply_rope, kernel_backend, plan_layers, reconstruct_layer
-from milo_store import IncompatibleStoreError, MiloStore, full_kv_bytes
+from milo_store import IncompatibleStoreError, MiloStore, StoreError, full_kv_bytes
 
 from .device_tier import DeviceTier
 from .prefetch import LayerPrefetcher, TransferPool
 from .timing import StageClock
+
+
+UNREADABLE = (StoreError, OSError)  # a block failing its checksum; a read that failed after its retries
 
 
 def rebuild_layer(factors, segments, out_k, out_v, cos, sin, *, interleaved, quant, plan=None) -> None:
@@ -64,21 +67,36 @@ class StorePrefix:
         self.anchor_v = anchor[:, 1].to(device, dtype)
         self.anchor_len = Ta
 
-    def place(self, blocks: list[int], with_segments: bool = True) -> BlockPlacement:
-        """``blocks`` in this order after the anchor; ``with_segments=False`` skips the segment tables."""
+    def place(self, blocks: list[int], with_segments: bool = True,
+              unread: frozenset[int] = frozenset()) -> BlockPlacement:
+        """``blocks`` in this order after the anchor; ``with_segments=False`` skips the segment tables. Blocks
+        in ``unread`` keep their columns in the context but are not placed (nothing reads or rebuilds them:
+        the model computes their tokens)."""
         tokens = self.store.block_tokens[blocks]
         dst = self.anchor_len + np.concatenate(([0], np.cumsum(tokens)[:-1])).astype(np.int64)
+        keep = [i for i, b in enumerate(blocks) if b not in unread]
+        placed = [blocks[i] for i in keep]
         L = self.layout.num_layers
-        if with_segments and blocks:
-            zeros = np.zeros(len(blocks), np.int64)
-            segments = np.stack([self.layout.layer_segments(self.store.ranks[blocks, l], tokens, dst, zeros)
+        if with_segments and placed:
+            zeros = np.zeros(len(placed), np.int64)
+            segments = np.stack([self.layout.layer_segments(self.store.ranks[placed, l], tokens[keep], dst[keep], zeros)
                                  for l in range(L)])
         else:
             segments = np.zeros((L, 0, 6), np.int64)
-        stored = int(sum(self.store.offsets[b + 1] - self.store.offsets[b] for b in blocks)) * self.store.itemsize
-        return BlockPlacement(store=self.name, blocks=list(blocks), dst_rows=dst, segments=segments,
+        stored = int(sum(self.store.offsets[b + 1] - self.store.offsets[b] for b in placed)) * self.store.itemsize
+        return BlockPlacement(store=self.name, blocks=placed, dst_rows=dst[keep], segments=segments,
                               prefix_tokens=self.anchor_len + int(tokens.sum()),
-                              kv_bytes_full=full_kv_bytes(self.layout, tokens), kv_bytes_stored=stored)
+                              kv_bytes_full=full_kv_bytes(self.layout, tokens[keep]), kv_bytes_stored=stored)
+
+    def unreadable(self, blocks: list[int]) -> dict[int, Exception]:
+        """Which of ``blocks`` cannot be read, each read alone, with what reading it raised."""
+        found = {}
+        for b in dict.fromkeys(blocks):
+            try:
+                self.store.blocks([b])
+            except UNREADABLE as err:
+                found[b] = err
+        return found
 
     def nothing_placed(self) -> BlockPlacement:
         """No prefix at all, not even the anchor: a row whose model computes every token (prefill)."""

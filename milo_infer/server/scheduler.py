@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..runtime.interface import RowEvent, ServingEngine
-from ..runtime.planning import QueryPlan, RequestError
+from ..runtime.errors import RequestError
+from ..runtime.planning import QueryPlan
 from .metrics import ServerMetrics
 
 log = logging.getLogger("milo.serve")
@@ -37,10 +38,6 @@ class EngineFailed(RuntimeError):
 
 class ShuttingDown(RuntimeError):
     """The server stopped before this request was answered."""
-
-
-class UpstreamError(RuntimeError):
-    """The engine the server forwards to (a vLLM server) failed this request; the others go on."""
 
 
 @dataclass(eq=False)

@@ -15,7 +15,8 @@ import torch
 from milo_infer.bench import synthetic_model
 from milo_infer.runtime.engine import Engine
 from milo_infer.runtime.interface import RunningBatch, ServingEngine
-from milo_infer.runtime.planning import EngineSettings, Request, RequestError
+from milo_infer.runtime.errors import RequestError
+from milo_infer.runtime.planning import EngineSettings, Request
 from milo_infer.models import LoadedModel, model_identity
 from milo_store import MiloStore
 

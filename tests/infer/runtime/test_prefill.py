@@ -11,7 +11,8 @@ from milo_infer.bench import synthetic_model
 from milo_infer.build.builder import BuildConfig, build_store
 from milo_infer.tasks.corpus import load_corpus, task_from_corpus
 from milo_infer.runtime.engine import Engine
-from milo_infer.runtime.planning import EngineSettings, Request, RequestError
+from milo_infer.runtime.errors import RequestError
+from milo_infer.runtime.planning import EngineSettings, Request
 from milo_store import CompressionConfig, MiloStore
 
 from tests.infer.runtime.test_engine import ATOL, random_llama, random_qwen2

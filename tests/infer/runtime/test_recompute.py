@@ -15,7 +15,8 @@ from transformers import DynamicCache
 from milo_infer.bench import synthetic_model
 from milo_infer.tasks.corpus import Demonstration, TaskSpec
 from milo_infer.runtime.engine import Batch, Engine
-from milo_infer.runtime.planning import EngineSettings, Request, RequestError
+from milo_infer.runtime.errors import RequestError
+from milo_infer.runtime.planning import EngineSettings, Request
 from milo_infer.evaluation.evaluate import evaluate
 from milo_infer.runtime.timing import StageClock
 from milo_store import MiloStore

@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import numpy as np
 
 from milo_infer.runtime.interface import Answer, RowEvent
-from milo_infer.runtime.planning import QueryPlan, RequestError
+from milo_infer.runtime.errors import RequestError
+from milo_infer.runtime.planning import QueryPlan
 from milo_infer.runtime.prefix import BlockPlacement
 
 MAX_QUERY_WORDS = 40

@@ -9,7 +9,6 @@ the same store. The tests of the request check (`PrefixClaims`) need no vLLM.
 """
 import concurrent.futures
 import math
-import shutil
 
 import httpx
 import pytest
@@ -19,11 +18,13 @@ from milo_infer.build.builder import BuildConfig, default_compression
 from milo_infer.tasks.datasets import DatasetUnavailable, load_dataset
 from milo_infer.runtime.engine import Engine
 from milo_infer.runtime.interface import RunningBatch, ServingEngine
-from milo_infer.runtime.planning import EngineSettings, Request, RequestError
+from milo_infer.runtime.errors import RequestError
+from milo_infer.runtime.planning import EngineSettings, Request
 from milo_infer.models import model_directory
 from milo_infer.build.shared_staging import encode_once
 from milo_infer.vllm.transfer import KEY, PrefixClaims, VllmPrompts, transfer_params
 from milo_store import MiloStore
+from tests.infer.demo_stores import corrupted_block
 from tests.infer.vllm.vllm_server import vllm_python, vllm_server
 
 SHOTS, BLOCK, CONTEXT, K = 64, 8, 2, 4  # 8 blocks of 8 demonstrations; 4 retrieved: ~850-token prompts
@@ -54,26 +55,6 @@ def stores(default_model, banking77, tmp_path_factory):
     for store in opened.values():
         store.close()
     torch.set_num_threads(threads)
-
-
-def corrupted_block(store_dir, dest) -> int:
-    """A copy of the store whose factors hold fp16 infinities in the middle (K/V that, if ever loaded,
-    turn attention into NaN); the block whose checksum that breaks."""
-    shutil.copytree(store_dir, dest)
-    chunk = dest / "factors" / "c" / "0"  # an identity store's factors: one uncompressed fp16 chunk
-    raw = bytearray(chunk.read_bytes())
-    middle = len(raw) // 2 // 2 * 2
-    raw[middle:middle + 4096] = b"\x00\x7c" * 2048
-    chunk.write_bytes(bytes(raw))
-    with MiloStore.open(dest, tier="disk") as store:
-        bad = []
-        for b in range(store.num_blocks):
-            try:
-                store.block(b)
-            except Exception:  # noqa: BLE001 - any refusal to read is what we look for
-                bad.append(b)
-    assert len(bad) == 1, f"expected one corrupted block, found {bad}"
-    return bad[0]
 
 
 @pytest.fixture(scope="module")
