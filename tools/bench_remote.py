@@ -51,6 +51,7 @@ from milo_infer.bench import throughput  # noqa: E402
 from milo_infer.bench.timed_session import TimedSession  # noqa: E402
 from milo_infer.tasks.datasets import load_dataset  # noqa: E402
 from milo_infer.models import load_model  # noqa: E402
+from milo_infer.runtime.planning import EngineSettings  # noqa: E402
 from milo_store import Layout, MiloStore, StoreWriter  # noqa: E402
 from milo_store.blockcache import BlockCache, parse_size  # noqa: E402
 from milo_store.push import push  # noqa: E402
@@ -212,7 +213,7 @@ def open_sessions(loaded, urls: dict, cache: BlockCache, k: int) -> dict:
     sessions = {}
     for m, url in urls.items():
         store = MiloStore.open(url, tier="disk", block_cache=cache)
-        sessions[m] = TimedSession(loaded, store, k=k, copy_identity=m == "full")
+        sessions[m] = TimedSession(loaded, store, settings=EngineSettings(k=k), copy_identity=m == "full")
     return sessions
 
 

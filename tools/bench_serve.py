@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from milo_infer.tasks.datasets import load_dataset  # noqa: E402
 from milo_infer.server.launch import store_name  # noqa: E402
+from milo_infer.runtime.planning import EngineSettings  # noqa: E402
 
 
 def free_port() -> int:
@@ -107,7 +108,7 @@ async def load(base: str, model: str, queries: list[str], concurrency: int) -> d
 
 def engine_qps(engine, name: str, queries: list[str], batch: int) -> float:
     """Queries/s of the in-process engine answering ``queries`` in batches of ``batch``."""
-    from milo_infer.runtime.engine import Request
+    from milo_infer.runtime.planning import Request
 
     plans = [engine.plan(name, Request(q)) for q in queries]
     start = time.perf_counter()
@@ -123,7 +124,7 @@ def bench_store(store: str, queries: list[str], loaded, args) -> dict:
     model = store_name(store)
     process, base = start_server(store, args)
     mounted = MiloStore.open(store)
-    engine = Engine(loaded, {model: mounted}, k=args.k)
+    engine = Engine(loaded, {model: mounted}, settings=EngineSettings(k=args.k))
     rows = []
     try:
         asyncio.run(load(base, model, queries[:8], 4))  # warm-up

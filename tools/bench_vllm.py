@@ -29,7 +29,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from milo_infer.tasks.datasets import load_dataset  # noqa: E402
-from milo_infer.runtime.engine import Request  # noqa: E402
+from milo_infer.runtime.planning import EngineSettings, Request  # noqa: E402
 from milo_infer.models import model_directory  # noqa: E402
 from milo_infer.tasks.scoring import is_correct  # noqa: E402
 from milo_infer.vllm import launch  # noqa: E402
@@ -92,7 +92,7 @@ def main() -> None:
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(model_directory("default"))
     opened = {name: MiloStore.open(path, tier="disk") for name, path in stores.items()}
-    clients = {name: VllmPrompts(Path(stores[name]).name, store, tokenizer, k=args.k) for name, store in opened.items()}
+    clients = {name: VllmPrompts(Path(stores[name]).name, store, tokenizer, settings=EngineSettings(k=args.k)) for name, store in opened.items()}
     first = next(iter(clients.values()))
     model = str(model_directory("default"))
     process = start(stores, args.port, out.with_suffix(".vllm.log"), args.vllm_args)

@@ -19,7 +19,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from milo_infer.tasks.datasets import load_dataset  # noqa: E402
-from milo_infer.runtime.engine import Engine, Request  # noqa: E402
+from milo_infer.runtime.engine import Engine  # noqa: E402
+from milo_infer.runtime.planning import EngineSettings, Request  # noqa: E402
 from milo_infer.evaluation.methods import PREFILL  # noqa: E402
 from milo_infer.models import load_model  # noqa: E402
 from milo_store import MiloStore  # noqa: E402
@@ -63,7 +64,7 @@ def main():
     settings = [int(n) for n in args.n.split(",")] + ([PREFILL] if args.prefill else [])
     _, test, _ = load_dataset(args.dataset, seed=args.seed)
     with MiloStore.open(args.store) as store:
-        engine = Engine(load_model("default"), {"store": store}, k=args.k)
+        engine = Engine(load_model("default"), {"store": store}, settings=EngineSettings(k=args.k))
         result = measure(engine, [item.input for item in test[:args.queries]], settings)
     print(json.dumps({"store": args.store, "dataset": args.dataset, "queries": args.queries, "k": args.k,
                       "threads": torch.get_num_threads(), "settings": result}, indent=2))

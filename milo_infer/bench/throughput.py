@@ -174,7 +174,7 @@ def kernel_speedup(session: TimedSession, block_ids: list[int], repeat: int = 3)
 
     def run(fn):
         for factors, segments in layers:
-            fn(factors, segments, out_k, out_v, engine.cos, engine.sin, interleaved=session.mounted.rope_interleaved,
+            fn(factors, segments, out_k, out_v, engine.cos, engine.sin, interleaved=session.mounted.prefix.rope_interleaved,
                quant=layout.quant)
 
     times = {}

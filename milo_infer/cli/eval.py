@@ -30,7 +30,7 @@ from ..evaluation.methods import (BASES, DEFAULT, EXAMPLES, MODIFIERS, PREFILL, 
                                   resolve, split_recompute, store_name)
 from ..build.shared_staging import encode_once
 from ..evaluation.tables import write_tables
-from ..runtime.session import MAX_NEW_TOKENS
+from ..runtime.planning import MAX_NEW_TOKENS
 from . import CommandError, at_least, load_model_arg
 
 

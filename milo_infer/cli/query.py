@@ -15,6 +15,7 @@ from milo_store import MiloStore
 from milo_store.report import block_demonstrations
 
 from ..runtime.session import MiloSession, place_model
+from ..runtime.planning import EngineSettings
 from . import CommandError, add_tier_arguments, at_least, checked_device, load_model_arg, mount_options
 
 
@@ -45,8 +46,7 @@ def run(args) -> int:
     store = MiloStore.open(args.store, **mount_options(args))
     loaded = load_model_arg(args.model)
     device = place_model(loaded, device)
-    session = MiloSession(loaded, store, k=args.k, token_budget=args.token_budget, order=args.order, device=device,
-                          recompute=args.recompute)
+    session = MiloSession(loaded, store, settings=EngineSettings(k=args.k, token_budget=args.token_budget, order=args.order, recompute=args.recompute), device=device)
     matched = [session.retriever.matches(text) for text in args.text]
     for text, hit in zip(args.text, matched):
         if not hit:

@@ -10,6 +10,7 @@ import torch
 from milo_store.blockcache import parse_size
 
 from ..server import MAX_BODY_BYTES
+from ..runtime.planning import EngineSettings
 from ..runtime.session import place_model
 from . import CommandError, add_tier_arguments, at_least, checked_device, load_model_arg, mount_options
 
@@ -59,6 +60,7 @@ def run(args) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     options = mount_options(args)
+    settings = EngineSettings(k=args.k, token_budget=args.token_budget, recompute=args.recompute)
     if args.vllm:
         if args.recompute:
             raise CommandError("--recompute is milo's own engine's: vLLM loads a stored prefix as it is")
@@ -67,7 +69,7 @@ def run(args) -> int:
         # only metadata, token ids and the BM25 index are read here: vLLM's connector reads the factors
         stores = mount_stores(args.store, **{**options, "tier": "disk"})
         try:
-            engine = VllmEngine(args.vllm, stores, args.model, k=args.k, token_budget=args.token_budget)
+            engine = VllmEngine(args.vllm, stores, args.model, settings=settings)
         except VllmUnavailable as e:
             raise CommandError(str(e)) from None
     else:
@@ -75,8 +77,7 @@ def run(args) -> int:
         stores = mount_stores(args.store, **options)
         loaded = load_model_arg(args.model)
         device = place_model(loaded, device)
-        engine = Engine(loaded, stores, k=args.k, token_budget=args.token_budget, device=device,
-                        device_cache_bytes=args.device_cache, recompute=args.recompute)
+        engine = Engine(loaded, stores, settings, device=device, device_cache_bytes=args.device_cache)
     app = create_app(engine, api_key=args.api_key or None, max_batch=args.max_batch, batch_wait_ms=args.batch_wait_ms,
                      max_queue=args.max_queue, max_body_bytes=args.max_body_bytes, block_cache=options["block_cache"])
     serve(app, host=args.host, port=args.port, drain_s=args.drain_s)

@@ -26,6 +26,7 @@ from ..models import load_model
 from ..tasks.scoring import is_correct
 from ..runtime.session import MiloSession
 from ..build.shared_staging import encode_once
+from ..runtime.planning import EngineSettings
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,7 @@ def main(argv=None) -> int:
         print(f"  {info['blocks']} blocks, {info['demonstrations']} demonstrations; KV full {b['full_fp16_kv'] / 2**20:.1f} "
               f"MiB, stored {b['accounted'] / 2**20:.1f} MiB (ratio {info['actual_ratio']:.3f}, planned "
               f"{info['planned_ratio']})\n")
-        rows = compare(MiloSession(loaded, store, k=args.k), MiloSession(loaded, full_store, k=args.k),
+        rows = compare(MiloSession(loaded, store, settings=EngineSettings(k=args.k)), MiloSession(loaded, full_store, settings=EngineSettings(k=args.k)),
                        load_corpus(DEMO_QUERIES))
     print(render(rows))
     return 0

@@ -20,7 +20,8 @@ from milo_store.compress import allocation_record
 from ..tasks.corpus import Demonstration, TaskSpec
 from ..models import LoadedModel
 from ..tasks.scoring import is_correct
-from ..runtime.session import MAX_NEW_TOKENS, MiloSession
+from ..runtime.planning import MAX_NEW_TOKENS, EngineSettings
+from ..runtime.session import MiloSession
 
 
 EVAL_BATCH = 8  # queries per forward in `milo eval`: ~2x batch 1 on a CPU (docs/benchmarks.md)
@@ -47,7 +48,7 @@ def evaluate(loaded: LoadedModel, store_path, test: list[Demonstration], task: T
         key = _run_key(store, k, max_new_tokens if task.answer_kind != "label" else MAX_NEW_TOKENS, prefill, recompute)
         done = _read_predictions(predictions, key) if predictions is not None else {}
         pending = [item for item in items if item.id not in done]
-        session = (MiloSession(loaded, store, k=k, max_new_tokens=max_new_tokens, prefill=prefill, recompute=recompute)
+        session = (MiloSession(loaded, store, settings=EngineSettings(k=k, max_new_tokens=max_new_tokens, recompute=recompute), prefill=prefill)
                    if pending else None)
         for start in range(0, len(pending), batch):
             chunk = pending[start:start + batch]

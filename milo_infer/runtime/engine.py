@@ -20,6 +20,7 @@ step it took part in), so the seconds of a run's answers add up to the run.
 from __future__ import annotations
 
 import inspect
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -28,58 +29,37 @@ import torch
 import transformers
 
 from milo_store import MiloStore
-from .device_tier import DeviceTier
-from .prefetch import TransferPool
 
+from ..models import LoadedModel, rope_tables
 from .cache import BatchCache
 from .decoding import GreedyDecoder, LabelDecoder
-from ..models import LoadedModel, rope_tables
-from .planning import MAX_NEW_TOKENS, STOP_STRINGS, MountedStore, QueryPlan, Request, RequestError, check_compatible
-from .prefix import PrefixRebuild, rebuild_layer
+from .device_tier import DeviceTier
+from .errors import AdmissionOutOfMemory, BlockLoadError, RowFailed
+from .interface import Answer, RowEvent
+from .planning import STOP_STRINGS, EngineSettings, MountedStore, QueryPlan, Request, check_compatible
+from .prefetch import TransferPool
+from .prefix import UNREADABLE, PrefixRebuild, rebuild_layer
 from .timing import StageClock
 
-__all__ = ["Answer", "Batch", "Engine", "QueryPlan", "Request", "RequestError", "RowEvent"]
-
+log = logging.getLogger("milo.engine")
+LOAD_ERROR_POLICIES = ("recompute", "fail")
 Rebuild = Callable[..., None]  # (factors, segments, out_k, out_v, cos, sin, *, interleaved, quant, plan)
 
 
-@dataclass
-class Answer:
-    text: str
-    blocks: list[int]  # store blocks, in context order
-    groups: list[int]  # the retrieved groups they come from
-    prefix_tokens: int
-    kv_bytes_full: int
-    kv_bytes_stored: int  # the factor bytes of its blocks in the store
-    seconds: dict = field(default_factory=dict)
-    kv_bytes_moved: int = 0  # its share of the bytes its admission really moved (shared blocks once, tier hits none)
-    completion_tokens: int = 0
-    finish_reason: str = "stop"  # "stop" (label closed, stop string, eos) or "length"
-    first_token_seconds: float = 0.0  # retrieval + its admission's wall time (every row of it waits for the whole)
-    prefill_tokens: int = 0  # tokens the model computed in its admission's forward
-
-
-@dataclass
-class RowEvent:
-    """One row's progress in one forward."""
-    plan: QueryPlan
-    delta: str  # text this forward added to the answer ('' allowed)
-    finished: bool
-    finish_reason: str | None = None
-    answer: Answer | None = None
-    error: Exception | None = None  # the row ended with this instead of an answer (another engine's failure)
-
-
 class Engine:
-    """The model and the stores it answers from; ``plan`` queries, ``answer`` a batch of plans, or keep a
-    running ``batch()``. ``rebuild`` replaces the kernels' reconstruction (the benchmark's full-KV copy);
-    ``device_cache_bytes`` keeps that many bytes of blocks' factors on the device (`DeviceTier`); ``recompute``
-    is how many first tokens of each retrieved block a request computes again unless it says."""
+    """The model and the stores it answers from (a `ServingEngine`); ``plan`` queries, ``answer`` a batch of
+    plans, or keep a running ``batch()``. ``settings`` are what requests default to; ``rebuild`` replaces the
+    kernels' reconstruction (the benchmark's full-KV copy); ``device_cache_bytes`` keeps that many bytes of
+    blocks' factors on the device (`DeviceTier`). ``on_load_error``: a block that cannot be read (checksum,
+    a read that failed after its retries) is computed by the model from the token ids the store keeps for
+    it ("recompute"), or ends the rows that need it with a `BlockLoadError` ("fail"); other rows never
+    notice either way."""
 
-    def __init__(self, loaded: LoadedModel, stores: dict[str, MiloStore], *, k: int = 6,
-                 token_budget: int | None = None, order: str = "score", max_new_tokens: int = MAX_NEW_TOKENS,
-                 device=None, prefetch_depth: int = 2, aggregate: str = "max", rebuild: Rebuild = rebuild_layer,
-                 device_cache_bytes: int = 0, recompute: int = 0):
+    def __init__(self, loaded: LoadedModel, stores: dict[str, MiloStore], settings: EngineSettings = EngineSettings(),
+                 *, device=None, prefetch_depth: int = 2, rebuild: Rebuild = rebuild_layer,
+                 device_cache_bytes: int = 0, on_load_error: str = "recompute"):
+        if on_load_error not in LOAD_ERROR_POLICIES:
+            raise ValueError(f"on_load_error must be one of {', '.join(LOAD_ERROR_POLICIES)}, got {on_load_error!r}")
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
         self.cache_kwarg = cache_keyword(self.model)
         model_device = next(self.model.parameters()).device
@@ -92,14 +72,16 @@ class Engine:
         if not stores:
             raise ValueError("an engine needs at least one store")
         self.dtype = next(self.model.parameters()).dtype
-        self.k, self.token_budget, self.order, self.max_new_tokens = k, token_budget, order, max_new_tokens
-        self.prefetch_depth, self.rebuild, self.recompute = prefetch_depth, rebuild, recompute
+        self.settings, self.prefetch_depth, self.rebuild = settings, prefetch_depth, rebuild
+        self.on_load_error = on_load_error
+        self.unreadable_logged: set[tuple[str, int]] = set()  # each unreadable block is logged once
         for store in stores.values():
             check_compatible(store, loaded.identity)
         self.max_positions = min(s.meta["model"]["max_position_embeddings"] for s in stores.values())
         self.cos, self.sin = rope_tables(self.model, self.max_positions, device=self.device)
         self.stores = {name: MountedStore(name, store, self.tokenizer, self.cos, self.sin, self.device, self.dtype,
-                                          aggregate) for name, store in stores.items()}
+                                          settings.aggregate) for name, store in stores.items()}
+        self.prefixes = {name: m.prefix for name, m in self.stores.items()}
         self.device_tier = DeviceTier(device_cache_bytes, self.device) if device_cache_bytes else None
         # one side stream and buffer set per store: a batch may stream from several stores at once
         self.transfers = {name: TransferPool(self.device) for name in stores} if self.device.type == "cuda" else {}
@@ -110,22 +92,24 @@ class Engine:
         """Host-only and read-only: safe from any thread. Raises KeyError for an unknown store."""
         if store not in self.stores:
             raise KeyError(f"no store named {store!r} is mounted (mounted: {', '.join(self.stores)})")
-        return self.stores[store].plan(request, k=self.k, token_budget=self.token_budget, order=self.order,
-                                       max_new_tokens=self.max_new_tokens, max_positions=self.max_positions,
-                                       recompute=self.recompute, block_ids=block_ids)
+        return self.stores[store].plan(request, self.settings, self.max_positions, block_ids)
 
     def batch(self) -> "Batch":
         return Batch(self)
 
     @torch.inference_mode()
     def answer(self, plans: list[QueryPlan], stats: dict | None = None) -> list[Answer]:
-        """Answer these plans as one batch, to completion; answers in the plans' order. ``stats`` (a dict
-        the caller owns) gains the batch's fetch statistics, summed, and its peak K/V bytes, maxed."""
+        """Answer these plans as one batch, to completion; answers in the plans' order (a row that ends with an
+        error raises it). ``stats`` (a dict the caller owns) gains the batch's fetch statistics, summed, and its peak K/V bytes, maxed."""
         batch = self.batch()
         done = {}
         events = batch.admit(plans)
         while True:
-            done.update({id(event.plan): event.answer for event in events if event.finished})
+            for event in events:
+                if event.error is not None:
+                    raise event.error
+                if event.finished:
+                    done[id(event.plan)] = event.answer
             if not len(batch):
                 break
             events = batch.step()
@@ -134,6 +118,12 @@ class Engine:
                 stats[name] = stats.get(name, 0) + value
             stats["peak_kv_bytes"] = max(stats.get("peak_kv_bytes", 0), batch.peak_kv_bytes)
         return [done[id(p)] for p in plans]
+
+    def report_unreadable(self, store: str, block: int, error: Exception) -> None:
+        if (store, block) not in self.unreadable_logged:
+            self.unreadable_logged.add((store, block))
+            log.error("store %r: block %d cannot be read (%s); rows that need it are %s", store, block, error,
+                      "answered by computing it" if self.on_load_error == "recompute" else "failed")
 
     @torch.inference_mode()
     def logits(self, plans: list[QueryPlan]) -> list[torch.Tensor]:
@@ -149,6 +139,8 @@ class Row:
     seconds: dict
     moved: int = 0  # its share of the bytes its admission moved
     first_token_seconds: float = 0.0
+    prefill_tokens: int = 0  # tokens its admission's forward computed for it
+    recomputed_blocks: list[int] = field(default_factory=list)  # unreadable blocks the model computed instead
     last_token: int = -1
     sent: int = 0  # characters of text already given out as deltas
     cancelled: bool = False
@@ -170,6 +162,7 @@ class Batch:
         self.cache: BatchCache | None = None
         self.valid: torch.Tensor | None = None  # bool [rows, capacity]: columns each row attends to
         self.fetch_stats: dict = {}
+        self.unreadable_blocks = 0  # blocks the last admission could not read
         self.peak_kv_bytes = 0
 
     def __len__(self) -> int:
@@ -177,18 +170,50 @@ class Batch:
         return sum(not row.finished for row in self.rows)
 
     # -- admission -----------------------------------------------------------------------------
-    def _rebuilt(self, plans: list[QueryPlan], clock: StageClock) -> tuple[BatchCache, torch.Tensor, int, int]:
-        """A cache for these plans whose first forward rebuilds every row's prefix, its column mask, and
-        the column where the queries start and end. The union of each store's blocks is fetched once."""
+    def _fetch(self, plans: list[QueryPlan], clock: StageClock) -> PrefixRebuild:
+        """Read these plans' blocks: the union of each store's once (raises what an unreadable block raises)."""
         e = self.engine
-        rebuild = PrefixRebuild(e.stores, plans, e.cos, e.sin, e.device, depth=e.prefetch_depth, tier=e.device_tier,
-                                pools=e.transfers, rebuild=e.rebuild, clock=clock)
-        self.fetch_stats = {**rebuild.fetch_stats, "bytes_without_union": sum(p.kv_bytes_stored for p in plans)}
+        return PrefixRebuild(e.prefixes, [p.placement for p in plans], e.cos, e.sin, e.device, depth=e.prefetch_depth,
+                             tier=e.device_tier, pools=e.transfers, rebuild=e.rebuild, clock=clock)
+
+    def _readable(self, plans: list[QueryPlan], clock: StageClock):
+        """``plans`` with their blocks read: (submitted, executed) pairs, the rebuild, and an error event for
+        each row that cannot run. Where the union cannot be read, its blocks are read one by one to find the
+        unreadable ones; a row needing one recomputes it (`MountedStore.without_blocks`) or fails with
+        `BlockLoadError`, as the engine's ``on_load_error`` says; the other rows load as planned."""
+        e = self.engine
+        try:
+            return [(p, p) for p in plans], self._fetch(plans, clock), []
+        except UNREADABLE:
+            pass
+        unreadable = {name: e.prefixes[name].unreadable([b for p in plans if p.store == name for b in p.blocks])
+                      for name in dict.fromkeys(p.store for p in plans)}
+        pairs, failed = [], []
+        for p in plans:
+            bad = {b: err for b, err in unreadable[p.store].items() if b in p.blocks}
+            for b, err in bad.items():
+                e.report_unreadable(p.store, b, err)
+            try:
+                if bad and e.on_load_error == "fail":
+                    b, err = next(iter(bad.items()))
+                    raise BlockLoadError(f"store {p.store!r}: block {b} cannot be read ({err})")
+                pairs.append((p, e.stores[p.store].without_blocks(p, set(bad)) if bad else p))
+            except BlockLoadError as err:
+                failed.append(RowEvent(p, "", True, "error", error=err))
+        self.unreadable_blocks = sum(len(bad) for bad in unreadable.values())
+        return pairs, (self._fetch([x for _, x in pairs], clock) if pairs else None), failed
+
+    def _rebuilt(self, plans: list[QueryPlan], rebuild: PrefixRebuild) -> tuple[BatchCache, torch.Tensor, int, int]:
+        """A cache for these plans whose first forward rebuilds every row's prefix (``rebuild``), its column
+        mask, and the column where the queries start and end."""
+        e = self.engine
+        self.fetch_stats = {**rebuild.fetch_stats, "unreadable_blocks": self.unreadable_blocks,
+                            "bytes_without_union": sum(p.placement.kv_bytes_stored for p in plans)}
         prefix_end = max(p.prefix_tokens for p in plans)
         query_len = max(len(p.query_ids) for p in plans)
         start, end = prefix_end, prefix_end + query_len
         capacity = end + max(p.max_new_tokens for p in plans)
-        layout = e.stores[plans[0].store].layout
+        layout = e.prefixes[plans[0].store].layout
         cache = BatchCache(layout.num_layers, len(plans), start, capacity, (layout.num_kv_heads, layout.head_dim),
                            e.dtype, e.device, rebuild.fill)
         valid = torch.zeros(len(plans), capacity, dtype=torch.bool)
@@ -224,8 +249,9 @@ class Batch:
         self.peak_kv_bytes = max(self.peak_kv_bytes, held + (self.fetch_stats["buffer_bytes"] if first else 0))
         return out.logits
 
-    def _prefill(self, plans: list[QueryPlan], keep_all: bool, clock: StageClock):
-        cache, valid, start, end = self._rebuilt(plans, clock)
+    def _prefill(self, plans: list[QueryPlan], keep_all: bool, clock: StageClock,
+                 rebuild: PrefixRebuild | None = None):
+        cache, valid, start, end = self._rebuilt(plans, rebuild or self._fetch(plans, clock))
         e = self.engine
         ids = torch.full((len(plans), end - start), e.pad_id, dtype=torch.long)
         positions = torch.zeros_like(ids)
@@ -239,31 +265,56 @@ class Batch:
         return cache, valid, logits
 
     def prefill_logits(self, plans: list[QueryPlan]) -> list[torch.Tensor]:
-        _, _, logits = self._prefill(plans, True, StageClock(self.engine.device))
-        return [logits[r, logits.shape[1] - len(p.query_ids):].float() for r, p in enumerate(plans)]
+        """Each plan's logits over what its forward fed (recomputed tokens, then the query), through the same
+        reads as an admission; a row that cannot run raises its error."""
+        clock = StageClock(self.engine.device)
+        pairs, rebuild, failed = self._readable(plans, clock)
+        if failed:
+            raise failed[0].error
+        executed = [x for _, x in pairs]
+        _, _, logits = self._prefill(executed, True, clock, rebuild)
+        return [logits[r, logits.shape[1] - len(x.query_ids):].float() for r, x in enumerate(executed)]
 
     @torch.inference_mode()
     def admit(self, plans: list[QueryPlan]) -> list[RowEvent]:
-        """Add rows: rebuild their prefixes and prefill their queries in one forward; each new row's first event."""
+        """Add rows: rebuild their prefixes and prefill their queries in one forward; each new row's first event,
+        or the error that ended it (a block that could not be read, no device memory even alone). An
+        admission the device has no memory for is tried again in halves; the batch is unchanged by one that
+        fails."""
         if not plans:
             return []
         e = self.engine
         clock = StageClock(e.device)
         t = time.perf_counter()
-        cache, valid, logits = self._prefill(plans, False, clock)
+        pairs, rebuild, events = self._readable(plans, clock)
+        if not pairs:
+            return events
+        executed = [x for _, x in pairs]
+        try:
+            cache, valid, logits = self._prefill(executed, False, clock, rebuild)
+        except torch.OutOfMemoryError:
+            del rebuild
+            submitted = [p for p, _ in pairs]
+            if len(submitted) == 1:
+                error = AdmissionOutOfMemory(f"the device ({e.device}) has no memory for this request's "
+                                             f"{submitted[0].prompt_tokens}-token context now")
+                return events + [RowEvent(submitted[0], "", True, "error", error=error)]
+            half = len(submitted) // 2
+            return events + self.admit(submitted[:half]) + self.admit(submitted[half:])
         last = logits[:, -1].float().cpu()
         admission = time.perf_counter() - t
         seconds = clock.read()
         seconds["model"] = max(0.0, seconds.pop("forwards") - seconds.get("wait", 0.0) - seconds.get("reconstruct", 0.0))
-        share = {stage: s / len(plans) for stage, s in seconds.items()}
+        share = {stage: s / len(pairs) for stage, s in seconds.items()}
         rows = []
-        for p in plans:
-            m = e.stores[p.store]
-            decoder = (LabelDecoder(m.trie, e.tokenizer, p.max_new_tokens) if m.trie is not None else
+        for p, x in pairs:
+            trie = e.stores[p.store].queries.trie
+            decoder = (LabelDecoder(trie, e.tokenizer, p.max_new_tokens) if trie is not None else
                        GreedyDecoder(e.tokenizer, STOP_STRINGS + tuple(p.request.stop), p.max_new_tokens))
             rows.append(Row(p, decoder, p.prompt_tokens, {"retrieve": p.retrieve_seconds, **share},
-                            moved=self.fetch_stats["bytes"] // len(plans),
-                            first_token_seconds=p.retrieve_seconds + admission))
+                            moved=self.fetch_stats["bytes"] // len(pairs),
+                            first_token_seconds=p.retrieve_seconds + admission, prefill_tokens=len(x.query_ids),
+                            recomputed_blocks=[b for b in p.blocks if b not in x.blocks]))
         if self.cache is None:
             self.cache, self.valid = cache, valid
         else:  # the running rows' cache is copied anyway: finished rows leave now
@@ -271,7 +322,7 @@ class Batch:
             self._regroup(torch.tensor(alive, dtype=torch.long), cache, valid, rows)
             self.rows = [self.rows[r] for r in alive]
         self.rows += rows
-        events = [self._advance(row, last[r]) for r, row in enumerate(rows)]
+        events += [self._advance(row, last[r]) for r, row in enumerate(rows)]
         self._drop_finished()
         return events
 
@@ -310,17 +361,25 @@ class Batch:
         return events
 
     def _advance(self, row: Row, logits: torch.Tensor) -> RowEvent:
-        row.last_token = row.decoder.push(logits)
-        text = row.decoder.text()
+        """The row's next token and its event; a row whose own work raises ends alone, with `RowFailed`."""
+        try:
+            row.last_token = row.decoder.push(logits)
+            text = row.decoder.text()
+        except Exception as err:  # a decoder's fault is this row's alone: the batch and the others go on
+            row.cancelled = True
+            failure = RowFailed(f"decoding this request failed: {type(err).__name__}: {err}")
+            failure.__cause__ = err
+            return RowEvent(row.plan, "", True, "error", error=failure)
         delta, row.sent = text[row.sent:], len(text)
         if not row.decoder.done:
             return RowEvent(row.plan, delta, False)
         p, reason = row.plan, "length" if row.decoder.stop == "length" else "stop"
         answer = Answer(text=row.decoder.result().text.strip(), blocks=p.blocks, groups=p.groups,
-                        prefix_tokens=p.prefix_tokens, kv_bytes_full=p.kv_bytes_full,
-                        kv_bytes_stored=p.kv_bytes_stored, seconds=dict(row.seconds), kv_bytes_moved=row.moved,
+                        prefix_tokens=p.prefix_tokens, kv_bytes_full=p.placement.kv_bytes_full,
+                        kv_bytes_stored=p.placement.kv_bytes_stored, seconds=dict(row.seconds), kv_bytes_moved=row.moved,
                         completion_tokens=len(row.decoder.ids), finish_reason=reason,
-                        first_token_seconds=row.first_token_seconds, prefill_tokens=len(p.query_ids))
+                        first_token_seconds=row.first_token_seconds, prefill_tokens=row.prefill_tokens,
+                        recomputed_blocks=row.recomputed_blocks)
         return RowEvent(p, delta, True, reason, answer)
 
     def _drop_finished(self) -> None:

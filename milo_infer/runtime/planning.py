@@ -27,7 +27,7 @@ query's. The engine masks their rebuilt columns out, so what follows reads only 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -36,7 +36,8 @@ from milo_store import IncompatibleStoreError, MiloStore
 
 from ..tasks.corpus import TaskSpec
 from .decoding import LabelTrie
-from .prefix import StorePrefix, prefix_token_ids
+from .errors import BlockLoadError, RequestError
+from .prefix import BlockPlacement, StorePrefix, prefix_token_ids
 from .retrieval import order_blocks, store_retriever
 
 IDENTITY_FIELDS = ("config_hash", "num_layers", "num_kv_heads", "head_dim", "rope")
@@ -44,9 +45,34 @@ MAX_NEW_TOKENS = 64  # longest free-form answer by default (labels are bounded b
 STOP_STRINGS = ("\n\n", "\nInput:", "\nQuery:")  # where a free-form answer ends: the next demonstration
 
 
-class RequestError(ValueError):
-    """A request no batch can serve as asked (its context exceeds the model's positions, an empty
-    query, a budget below one token); the message names the problem."""
+ORDERS = ("score", "corpus")
+AGGREGATES = ("max", "sum-top-n")
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What an engine answers with unless a request says otherwise: one definition shared by milo's
+    engine, its one-store session and the vLLM client side, so every front end retrieves alike."""
+
+    k: int = 6  # groups retrieved per query
+    token_budget: int | None = None  # or the tokens the retrieved groups may take
+    order: str = "score"  # the retrieved groups' order in the context (ORDERS)
+    max_new_tokens: int = MAX_NEW_TOKENS  # a free-form answer's budget
+    aggregate: str = "max"  # a group's score from its demonstrations' (AGGREGATES)
+    recompute: int = 0  # first tokens of each retrieved block the model computes again
+
+    def __post_init__(self):
+        problems = [f"{name} must be at least {least}, got {value}" for name, value, least in
+                    (("k", self.k, 1), ("max_new_tokens", self.max_new_tokens, 1), ("recompute", self.recompute, 0))
+                    if value < least]
+        if self.token_budget is not None and self.token_budget < 1:
+            problems.append(f"token_budget must be at least 1, got {self.token_budget}")
+        if self.order not in ORDERS:
+            problems.append(f"order must be one of {', '.join(ORDERS)}, got {self.order!r}")
+        if self.aggregate not in AGGREGATES:
+            problems.append(f"aggregate must be one of {', '.join(AGGREGATES)}, got {self.aggregate!r}")
+        if problems:
+            raise ValueError("; ".join(problems))
 
 
 @dataclass(frozen=True)
@@ -62,21 +88,28 @@ class Request:
 
 @dataclass(frozen=True, eq=False)
 class QueryPlan:
-    store: str  # the mounted store's name
     request: Request
     groups: list[int]  # retrieved groups, in context order
-    blocks: list[int]  # their store blocks to rebuild, in context order (none for a prefill request)
+    placement: BlockPlacement  # the store, its blocks to rebuild in context order (none for a prefill request),
+    # where each goes and every layer's segment table
     query_ids: list[int]  # what the prefill forward feeds: recomputed tokens' ids, then the query's (a prefill
     # request: anchor, blocks and query)
-    prefix_tokens: int  # anchor + blocks rebuilt from the store (0 for a prefill request)
-    dst_rows: np.ndarray  # int64 [n]: each block's first row in the assembled context
-    segments: np.ndarray  # int64 [L, n*2*H, 6]: SEGMENT_COLUMNS, src_offset relative to the block's layer slice
     max_new_tokens: int  # the answer's budget
-    kv_bytes_full: int  # fp16 K/V of the blocks
-    kv_bytes_stored: int  # the factor bytes the blocks take in the store
     retrieve_seconds: float
     recompute: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # int64 [m]: context positions
     # of the rebuilt tokens computed again, ascending; their ids open query_ids
+
+    @property
+    def store(self) -> str:
+        return self.placement.store
+
+    @property
+    def blocks(self) -> list[int]:
+        return self.placement.blocks
+
+    @property
+    def prefix_tokens(self) -> int:
+        return self.placement.prefix_tokens
 
     @property
     def prompt_tokens(self) -> int:
@@ -104,7 +137,7 @@ class StoreQueries:
     label trie (a client that sends requests to another engine needs only this)."""
 
     def __init__(self, store: MiloStore, tokenizer, aggregate: str = "max"):
-        self.tokenizer = tokenizer
+        self.store, self.tokenizer = store, tokenizer
         self.task = TaskSpec(**{**store.meta["task"], "labels": tuple(store.meta["task"].get("labels", ()))})
         self.retriever = store_retriever(store, aggregate=aggregate)
         self.trie = LabelTrie(tokenizer, list(self.task.labels)) if self.task.answer_kind == "label" else None
@@ -114,6 +147,20 @@ class StoreQueries:
         """The retrieved groups in context order (k and token_budget count groups and their tokens)."""
         ids = self.retriever.select(text, k=min(k, self.num_groups), token_budget=token_budget)
         return order_blocks(ids, self.retriever.scores(text), order=order)
+
+    def choose(self, request: Request, settings: EngineSettings,
+               block_ids: list[int] | None = None) -> tuple[list[int], list[int]]:
+        """The request's groups and their store blocks, in context order: retrieved with the request's k
+        and token budget where it gives them, else the settings'; ``block_ids`` overrides retrieval
+        (exactness checks place chosen blocks) and then no group is named."""
+        if block_ids is not None:
+            return [], list(block_ids)
+        k = request.k if request.k is not None else settings.k
+        if k < 1:
+            raise RequestError(f"k must be at least 1, got {k}")
+        token_budget = request.token_budget if request.token_budget is not None else settings.token_budget
+        groups = self.select(request.text, k, token_budget, settings.order)
+        return groups, self.store.blocks_of(groups)
 
     def query_ids(self, text: str) -> list[int]:
         return self.tokenizer(self.task.render_query(text), add_special_tokens=False).input_ids
@@ -128,48 +175,66 @@ class StoreQueries:
         return asked if asked is not None else default
 
 
-class MountedStore(StorePrefix, StoreQueries):
-    """A store ready to answer from: its anchor and block placement (`StorePrefix`) and its queries'
-    retrieval, rendering and labels (`StoreQueries`)."""
+def check_context(anchor_tokens: int, prefix_tokens: int, query_tokens: int, budget: int, max_positions: int) -> None:
+    """Refuse a context the model has no positions for, naming the query when it alone is too long."""
+    if anchor_tokens + query_tokens + budget + 1 > max_positions:
+        raise RequestError(f"the query itself is too long: the anchor ({anchor_tokens} tokens), the query "
+                           f"({query_tokens}) and the answer ({budget}) exceed the model's {max_positions} "
+                           f"positions before any demonstration is added")
+    if prefix_tokens + query_tokens + budget + 1 > max_positions:
+        raise RequestError(f"the assembled context ({prefix_tokens} tokens of anchor and blocks + "
+                           f"{query_tokens} for the query + {budget + 1} for the answer) exceeds the model's "
+                           f"{max_positions} positions; lower k or set a token budget")
+
+
+class MountedStore:
+    """A store ready to answer from: its anchor and block placement on the device (``prefix``) and its
+    queries' retrieval, rendering and labels (``queries``)."""
 
     def __init__(self, name: str, store: MiloStore, tokenizer, cos: torch.Tensor, sin: torch.Tensor, device, dtype,
                  aggregate: str = "max"):
-        StorePrefix.__init__(self, name, store, cos, sin, device, dtype)
-        StoreQueries.__init__(self, store, tokenizer, aggregate)
+        self.name, self.store = name, store
+        self.prefix = StorePrefix(name, store, cos, sin, device, dtype)
+        self.queries = StoreQueries(store, tokenizer, aggregate)
 
-    def plan(self, request: Request, *, k: int, token_budget: int | None, order: str, max_new_tokens: int,
-             max_positions: int, recompute: int = 0, block_ids: list[int] | None = None) -> QueryPlan:
+    def plan(self, request: Request, settings: EngineSettings, max_positions: int,
+             block_ids: list[int] | None = None) -> QueryPlan:
         """Plan one query; ``block_ids`` overrides retrieval (exactness checks place chosen blocks)."""
         t = time.perf_counter()
-        k = request.k if request.k is not None else k
-        token_budget = request.token_budget if request.token_budget is not None else token_budget
-        recompute = request.recompute if request.recompute is not None else recompute
-        if k < 1:
-            raise RequestError(f"k must be at least 1, got {k}")
+        recompute = request.recompute if request.recompute is not None else settings.recompute
         if recompute < 0:
             raise RequestError(f"recompute must be 0 or more tokens per block, got {recompute}")
-        groups = self.select(request.text, k, token_budget, order) if block_ids is None else []
-        blocks = self.store.blocks_of(groups) if block_ids is None else list(block_ids)
-        query_ids = self.query_ids(request.text)
-        budget = self.answer_budget(request, max_new_tokens)
+        groups, blocks = self.queries.choose(request, settings, block_ids)
+        query_ids = self.queries.query_ids(request.text)
+        budget = self.queries.answer_budget(request, settings.max_new_tokens)
         seconds = time.perf_counter() - t
-        own = self.anchor_len + len(query_ids) + budget + 1
-        if own > max_positions:
-            raise RequestError(f"the query itself is too long: the anchor ({self.anchor_len} tokens), the query "
-                               f"({len(query_ids)}) and the answer ({budget}) exceed the model's {max_positions} "
-                               f"positions before any demonstration is added")
-        placed = self.place(blocks, with_segments=not request.prefill)
-        if placed.prefix_tokens + len(query_ids) + budget + 1 > max_positions:
-            raise RequestError(f"the assembled context ({placed.prefix_tokens} tokens of anchor and blocks + "
-                               f"{len(query_ids)} for the query + {budget + 1} for the answer) exceeds the model's "
-                               f"{max_positions} positions; lower k or set a token budget")
+        placed = self.prefix.place(blocks, with_segments=not request.prefill)
+        check_context(self.prefix.anchor_len, placed.prefix_tokens, len(query_ids), budget, max_positions)
         if request.prefill:
             return self.prefill_plan(request, groups, blocks, query_ids, budget, seconds)
         positions, ids = self.recompute_tokens(blocks, placed.dst_rows, recompute)
-        return QueryPlan(store=self.name, request=request, groups=groups, blocks=blocks, query_ids=ids + query_ids,
-                         prefix_tokens=placed.prefix_tokens, dst_rows=placed.dst_rows, segments=placed.segments,
-                         max_new_tokens=budget, kv_bytes_full=placed.kv_bytes_full,
-                         kv_bytes_stored=placed.kv_bytes_stored, retrieve_seconds=seconds, recompute=positions)
+        return QueryPlan(request=request, groups=groups, placement=placed, query_ids=ids + query_ids,
+                         max_new_tokens=budget, retrieve_seconds=seconds, recompute=positions)
+
+    def without_blocks(self, plan: QueryPlan, unread: set[int]) -> QueryPlan:
+        """``plan`` with the blocks of ``unread`` computed by the model from the token ids the store keeps for
+        them, in the same forward as the query, instead of read and rebuilt: their columns stay in the
+        context, masked, and their tokens join the recomputed ones at their own positions (the same
+        mechanism as ``Request.recompute``, so the rest of the row is as planned). Raises `BlockLoadError`
+        when the store keeps no token ids for them."""
+        recomputed = dict(zip(plan.recompute.tolist(), plan.query_ids[:len(plan.recompute)]))
+        for b, start in zip(plan.blocks, plan.placement.dst_rows.tolist()):
+            if b not in unread:
+                continue
+            ids = self.store.token_ids(b)
+            if ids is None:
+                raise BlockLoadError(f"store {self.name!r}: block {b} cannot be read and the store keeps no token ids "
+                                     f"to compute it from")
+            recomputed.update({start + j: int(t) for j, t in enumerate(ids)})
+        positions = sorted(recomputed)
+        placement = self.prefix.place(plan.blocks, unread=frozenset(unread))
+        return replace(plan, placement=placement, recompute=np.array(positions, dtype=np.int64),
+                       query_ids=[recomputed[q] for q in positions] + plan.query_ids[len(plan.recompute):])
 
     def recompute_tokens(self, blocks: list[int], dst: np.ndarray, n: int) -> tuple[np.ndarray, list[int]]:
         """The context positions and stored ids of each block's first ``n`` tokens, in context order."""
@@ -190,7 +255,5 @@ class MountedStore(StorePrefix, StoreQueries):
         if prefix is None:
             raise RequestError(f"{self.store.path} keeps no token ids for its anchor or blocks: prefill needs a "
                                f"store `milo build` wrote")
-        ids = prefix + query_ids
-        return QueryPlan(store=self.name, request=request, groups=groups, blocks=[], query_ids=ids, prefix_tokens=0,
-                         dst_rows=np.zeros(0, np.int64), segments=np.zeros((self.layout.num_layers, 0, 6), np.int64),
-                         max_new_tokens=budget, kv_bytes_full=0, kv_bytes_stored=0, retrieve_seconds=seconds)
+        return QueryPlan(request=request, groups=groups, placement=self.prefix.nothing_placed(),
+                         query_ids=prefix + query_ids, max_new_tokens=budget, retrieve_seconds=seconds)

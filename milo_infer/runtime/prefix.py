@@ -1,9 +1,9 @@
 """Rebuilding [anchor][blocks] prefixes from stores: what the engine's batches and the vLLM connector share.
 
 A `StorePrefix` is a store's anchor K/V, rotated once onto the device (the anchor always sits at
-positions 0..Ta-1), and the plan of any blocks placed after it: each block's first row and every
-layer's segment table. A `PrefixRebuild` takes rows (`PrefixRow`s, or `QueryPlan`s, which have
-the same fields), fetches each store's
+positions 0..Ta-1), and the placement of any blocks after it (`BlockPlacement`: each block's first
+row and every layer's segment table). A `PrefixRebuild` takes one placement per row (a `QueryPlan`
+holds one; the vLLM connector makes its own), fetches each store's
 union of their blocks once (a block several rows use crosses the link once), streams those factors a
 layer ahead, and rebuilds any layer of every row's prefix, keys rotated at that row's positions,
 into buffers the caller owns. It knows nothing of models or of how the rows' tokens are attended to.
@@ -16,11 +16,14 @@ import numpy as np
 import torch
 
 from milo_kernels import apply_rope, kernel_backend, plan_layers, reconstruct_layer
-from milo_store import IncompatibleStoreError, MiloStore, full_kv_bytes
+from milo_store import IncompatibleStoreError, MiloStore, StoreError, full_kv_bytes
+
 from .device_tier import DeviceTier
 from .prefetch import LayerPrefetcher, TransferPool
-
 from .timing import StageClock
+
+
+UNREADABLE = (StoreError, OSError)  # a block failing its checksum; a read that failed after its retries
 
 
 def rebuild_layer(factors, segments, out_k, out_v, cos, sin, *, interleaved, quant, plan=None) -> None:
@@ -30,6 +33,9 @@ def rebuild_layer(factors, segments, out_k, out_v, cos, sin, *, interleaved, qua
 
 @dataclass(frozen=True)
 class BlockPlacement:
+    """Where one row's blocks go: the one type the engine's plans and the vLLM connector's loads share."""
+    store: str  # the mounted store's name
+    blocks: list[int]  # store blocks, in context order
     dst_rows: np.ndarray  # int64 [n]: each block's first row in the assembled context
     segments: np.ndarray  # int64 [L, n*2*H, 6]: SEGMENT_COLUMNS, src_offset relative to the block's layer slice
     prefix_tokens: int  # anchor + blocks
@@ -44,15 +50,6 @@ def prefix_token_ids(store: MiloStore, blocks: list[int]) -> list[int] | None:
     if anchor is None or any(ids is None for ids in texts):
         return None
     return [int(t) for t in anchor] + [int(t) for block in texts for t in block]
-
-
-@dataclass(frozen=True)
-class PrefixRow:
-    """A row as `PrefixRebuild` takes it (a `QueryPlan` has the same fields)."""
-    store: str
-    blocks: list[int]
-    segments: np.ndarray
-    prefix_tokens: int
 
 
 class StorePrefix:
@@ -70,29 +67,52 @@ class StorePrefix:
         self.anchor_v = anchor[:, 1].to(device, dtype)
         self.anchor_len = Ta
 
-    def place(self, blocks: list[int], with_segments: bool = True) -> BlockPlacement:
-        """``blocks`` in this order after the anchor; ``with_segments=False`` skips the segment tables."""
+    def place(self, blocks: list[int], with_segments: bool = True,
+              unread: frozenset[int] = frozenset()) -> BlockPlacement:
+        """``blocks`` in this order after the anchor; ``with_segments=False`` skips the segment tables. Blocks
+        in ``unread`` keep their columns in the context but are not placed (nothing reads or rebuilds them:
+        the model computes their tokens)."""
         tokens = self.store.block_tokens[blocks]
         dst = self.anchor_len + np.concatenate(([0], np.cumsum(tokens)[:-1])).astype(np.int64)
+        keep = [i for i, b in enumerate(blocks) if b not in unread]
+        placed = [blocks[i] for i in keep]
         L = self.layout.num_layers
-        if with_segments and blocks:
-            zeros = np.zeros(len(blocks), np.int64)
-            segments = np.stack([self.layout.layer_segments(self.store.ranks[blocks, l], tokens, dst, zeros)
+        if with_segments and placed:
+            zeros = np.zeros(len(placed), np.int64)
+            segments = np.stack([self.layout.layer_segments(self.store.ranks[placed, l], tokens[keep], dst[keep], zeros)
                                  for l in range(L)])
         else:
             segments = np.zeros((L, 0, 6), np.int64)
-        stored = int(sum(self.store.offsets[b + 1] - self.store.offsets[b] for b in blocks)) * self.store.itemsize
-        return BlockPlacement(dst_rows=dst, segments=segments, prefix_tokens=self.anchor_len + int(tokens.sum()),
-                              kv_bytes_full=full_kv_bytes(self.layout, tokens), kv_bytes_stored=stored)
+        stored = int(sum(self.store.offsets[b + 1] - self.store.offsets[b] for b in placed)) * self.store.itemsize
+        return BlockPlacement(store=self.name, blocks=placed, dst_rows=dst[keep], segments=segments,
+                              prefix_tokens=self.anchor_len + int(tokens.sum()),
+                              kv_bytes_full=full_kv_bytes(self.layout, tokens[keep]), kv_bytes_stored=stored)
+
+    def unreadable(self, blocks: list[int]) -> dict[int, Exception]:
+        """Which of ``blocks`` cannot be read, each read alone, with what reading it raised."""
+        found = {}
+        for b in dict.fromkeys(blocks):
+            try:
+                self.store.blocks([b])
+            except UNREADABLE as err:
+                found[b] = err
+        return found
+
+    def nothing_placed(self) -> BlockPlacement:
+        """No prefix at all, not even the anchor: a row whose model computes every token (prefill)."""
+        return BlockPlacement(store=self.name, blocks=[], dst_rows=np.zeros(0, np.int64),
+                              segments=np.zeros((self.layout.num_layers, 0, 6), np.int64), prefix_tokens=0,
+                              kv_bytes_full=0, kv_bytes_stored=0)
 
 
 class PrefixRebuild:
-    """Every row's [anchor][blocks], one layer at a time: ``fill(layer, k, v)`` writes row r's prefix into
+    """Every row's [anchor][blocks] (one `BlockPlacement` per row), one layer at a time: ``fill(layer, k, v)``
+    writes row r's prefix into
     ``k[r, :, :P_r]`` and ``v[r, :, :P_r]`` ([rows, H, T, d] buffers). The blocks are read when it is made
     (a block that fails its checksum raises `StoreCorruptedError` here, before anything is written).
     ``fetch_stats`` says what the fetch read and moved; ``clock`` (optional) times its stages."""
 
-    def __init__(self, prefixes: dict[str, StorePrefix], rows: list, cos: torch.Tensor, sin: torch.Tensor, device,
+    def __init__(self, prefixes: dict[str, StorePrefix], rows: list[BlockPlacement], cos: torch.Tensor, sin: torch.Tensor, device,
                  *, depth: int = 2, tier: DeviceTier | None = None, pools: dict[str, TransferPool] | None = None,
                  rebuild=rebuild_layer, clock: StageClock | None = None):
         self.prefixes, self.rows, self.cos, self.sin, self.rebuild = prefixes, rows, cos, sin, rebuild

@@ -16,11 +16,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 
-from ..runtime.engine import RequestError
+from ..runtime.errors import RequestError, UpstreamError
 from . import MAX_BODY_BYTES, protocol
 from .metrics import ServerMetrics
 from .protocol import APIError, ChunkWriter, ParsedRequest
-from .scheduler import EngineLoop, NotAccepting, QueueFull, ShuttingDown, UpstreamError
+from .scheduler import EngineLoop, NotAccepting, QueueFull, ShuttingDown
 
 RETRY_AFTER_S = 1
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streamed request looks whether its client left

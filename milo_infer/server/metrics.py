@@ -51,7 +51,7 @@ class ServerMetrics:
 
     def admitted(self, plans, fetch_stats: dict) -> None:
         self.prompt_tokens.inc(sum(p.prompt_tokens for p in plans))
-        self.kv_bytes_stored.inc(sum(p.kv_bytes_stored for p in plans))
+        self.kv_bytes_stored.inc(sum(p.placement.kv_bytes_stored for p in plans))
         self.kv_bytes_moved.inc(fetch_stats.get("bytes", 0))
         self.device_cache_hits.inc(fetch_stats.get("device_hits", 0))
         if fetch_stats.get("blocks"):

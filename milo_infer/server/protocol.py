@@ -11,7 +11,8 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from ..runtime.engine import Answer, QueryPlan, Request
+from ..runtime.interface import Answer
+from ..runtime.planning import QueryPlan, Request
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
 

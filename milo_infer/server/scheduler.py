@@ -15,7 +15,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..runtime.engine import QueryPlan, RequestError, RowEvent
+from ..runtime.interface import RowEvent, ServingEngine
+from ..runtime.errors import RequestError
+from ..runtime.planning import QueryPlan
 from .metrics import ServerMetrics
 
 log = logging.getLogger("milo.serve")
@@ -38,10 +40,6 @@ class ShuttingDown(RuntimeError):
     """The server stopped before this request was answered."""
 
 
-class UpstreamError(RuntimeError):
-    """The engine the server forwards to (a vLLM server) failed this request; the others go on."""
-
-
 @dataclass(eq=False)
 class Ticket:
     """One submitted request, as the loop tracks it."""
@@ -54,7 +52,7 @@ class Ticket:
 
 
 class EngineLoop:
-    def __init__(self, engine, metrics: ServerMetrics, *, max_batch: int = 16, batch_wait_s: float = 0.005,
+    def __init__(self, engine: ServingEngine, metrics: ServerMetrics, *, max_batch: int = 16, batch_wait_s: float = 0.005,
                  max_queue: int = 256):
         if max_batch < 1 or max_queue < 1 or batch_wait_s < 0:
             raise ValueError(f"max_batch and max_queue must be at least 1 and batch_wait_s not negative; got "
@@ -156,7 +154,7 @@ class EngineLoop:
             return
         for t in tickets:
             self._running[id(t.plan)] = t
-        self.metrics.admitted([t.plan for t in tickets], getattr(batch, "fetch_stats", None) or {})
+        self.metrics.admitted([t.plan for t in tickets], batch.fetch_stats)
         self._deliver(events)
 
     def _deliver(self, events: list[RowEvent]) -> None:

@@ -35,7 +35,7 @@ from milo_store.blockcache import BlockCache
 
 from ..models import config_identity, config_rope_tables
 from ..runtime.planning import check_compatible
-from ..runtime.prefix import PrefixRebuild, PrefixRow, StorePrefix
+from ..runtime.prefix import BlockPlacement, PrefixRebuild, StorePrefix
 from .transfer import Claim, PrefixClaims
 
 if TYPE_CHECKING:
@@ -54,8 +54,7 @@ logger = init_logger(f"vllm.{__name__}")  # vLLM configures handlers for its own
 class Load:
     """One request's prefix tokens [start, end) to load into vLLM's cache slots."""
     req_id: str
-    store: str
-    blocks: list[int]
+    claim: Claim  # the store and blocks, checked against the prompt
     start: int
     end: int
     slots: list[int]  # one per token in [start, end)
@@ -145,7 +144,7 @@ class MiloConnector(KVConnectorBase_V1):
             slots = [vllm_blocks[p // self.block_size] * self.block_size + p % self.block_size
                      for p in range(start, end)]
             used = vllm_blocks[start // self.block_size:(end - 1) // self.block_size + 1]
-            meta.loads.append(Load(req_id, claim.store, claim.blocks, start, end, slots, list(used)))
+            meta.loads.append(Load(req_id, claim, start, end, slots, list(used)))
         return meta
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict | None]:
@@ -164,12 +163,8 @@ class MiloConnector(KVConnectorBase_V1):
         self._prefixes = {name: StorePrefix(name, store, self.cos, self.sin, device, self.dtype)
                           for name, store in self.stores.items()}
 
-    def _rows(self, loads: list[Load]) -> list[PrefixRow]:
-        rows = []
-        for load in loads:
-            placed = self._prefixes[load.store].place(load.blocks)
-            rows.append(PrefixRow(load.store, load.blocks, placed.segments, placed.prefix_tokens))
-        return rows
+    def _rows(self, loads: list[Load]) -> list[BlockPlacement]:
+        return [self._prefixes[load.claim.store].place(load.claim.blocks) for load in loads]
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -189,8 +184,8 @@ class MiloConnector(KVConnectorBase_V1):
                     PrefixRebuild(self._prefixes, self._rows([load]), self.cos, self.sin, self.device)
                     readable.append(load)
                 except UNREADABLE as err:
-                    logger.error("request %s: its prefix from store %r is not loaded (%s)", load.req_id, load.store,
-                                 err)
+                    logger.error("request %s: its prefix from store %r is not loaded (%s)", load.req_id,
+                                 load.claim.store, err)
                     self._load_errors.update(load.block_ids)
             loads = readable
             rebuild = PrefixRebuild(self._prefixes, self._rows(loads), self.cos, self.sin, self.device) \

@@ -1,7 +1,7 @@
-"""`milo serve --engine vllm URL`: milo's HTTP front over a running vLLM server that has the milo connector.
+"""`milo serve --vllm URL`: milo's HTTP front over a running vLLM server that has the milo connector.
 
-`VllmEngine` has the face `milo serve`'s engine loop drives (``stores``, ``max_positions``, ``plan``,
-``batch``), so the HTTP handlers, metrics and errors are the same as over milo's own engine. Planning
+`VllmEngine` is a `ServingEngine` (``milo_infer.runtime.interface``), the face `milo serve`'s engine loop
+drives, so the HTTP handlers, metrics and errors are the same as over milo's own engine. Planning
 stays here (BM25 retrieval, the same groups and ids as milo's engine); each admitted plan becomes one
 streamed vLLM completion whose prompt is [anchor][blocks][query] as token ids, with the store and
 blocks in ``kv_transfer_params``, so vLLM batches, schedules and loads the prefix from the store
@@ -21,10 +21,10 @@ from transformers import AutoConfig, AutoTokenizer
 
 from milo_store import MiloStore
 
-from ..runtime.engine import Answer, QueryPlan, Request, RequestError, RowEvent
 from ..models import config_identity, config_rope_tables, model_directory
-from ..runtime.planning import MAX_NEW_TOKENS, STOP_STRINGS, MountedStore, check_compatible
-from ..server.scheduler import UpstreamError
+from ..runtime.interface import Answer, RowEvent
+from ..runtime.errors import RequestError, UpstreamError
+from ..runtime.planning import STOP_STRINGS, EngineSettings, MountedStore, QueryPlan, Request, check_compatible
 from .transfer import VllmPrompt, vllm_prompt
 
 STEP_WAIT_S = 0.05  # how long a step waits for the first delta (then the loop may admit or cancel)
@@ -35,9 +35,10 @@ class VllmUnavailable(UpstreamError):
 
 
 class VllmEngine:
-    def __init__(self, url: str, stores: dict[str, MiloStore], model="default", *, k: int = 6,
-                 token_budget: int | None = None, order: str = "score", max_new_tokens: int = MAX_NEW_TOKENS,
-                 timeout_s: float = 600.0):
+    def __init__(self, url: str, stores: dict[str, MiloStore], model="default",
+                 settings: EngineSettings = EngineSettings(), *, timeout_s: float = 600.0):
+        if settings.recompute:
+            raise ValueError("recompute is milo's own engine's: vLLM loads a stored prefix as it is")
         self.url = url.rstrip("/")
         self.client = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout_s, connect=10.0))
         try:
@@ -53,9 +54,9 @@ class VllmEngine:
         self.max_positions = min([served.get("max_model_len") or config.max_position_embeddings] +
                                  [s.meta["model"]["max_position_embeddings"] for s in stores.values()])
         cos, sin = config_rope_tables(config, self.max_positions)
-        self.stores = {name: MountedStore(name, store, self.tokenizer, cos, sin, "cpu", torch.float32)
-                       for name, store in stores.items()}
-        self.k, self.token_budget, self.order, self.max_new_tokens = k, token_budget, order, max_new_tokens
+        self.stores = {name: MountedStore(name, store, self.tokenizer, cos, sin, "cpu", torch.float32,
+                                          settings.aggregate) for name, store in stores.items()}
+        self.settings = settings
 
     def plan(self, store: str, request: Request) -> QueryPlan:
         """As `Engine.plan`: host-only, safe from any thread."""
@@ -63,12 +64,11 @@ class VllmEngine:
             raise KeyError(f"no store named {store!r} is mounted (mounted: {', '.join(self.stores)})")
         if request.recompute:
             raise RequestError("recompute is milo's own engine's: vLLM loads a stored prefix as it is")
-        return self.stores[store].plan(request, k=self.k, token_budget=self.token_budget, order=self.order,
-                                       max_new_tokens=self.max_new_tokens, max_positions=self.max_positions)
+        return self.stores[store].plan(request, self.settings, self.max_positions)
 
     def prompt(self, plan: QueryPlan) -> VllmPrompt:
         m = self.stores[plan.store]
-        return vllm_prompt(plan.store, m.store, plan.groups, plan.blocks, plan.query_ids, tuple(m.task.labels))
+        return vllm_prompt(plan.store, m.store, plan.groups, plan.blocks, plan.query_ids, tuple(m.queries.task.labels))
 
     def batch(self) -> "VllmBatch":
         return VllmBatch(self)
@@ -91,6 +91,7 @@ class VllmBatch:
         self.engine = engine
         self.rows: dict[int, _Row] = {}
         self.events: queue.Queue = queue.Queue()
+        self.fetch_stats: dict = {}  # vLLM's connector reads the blocks, not this process
 
     def __len__(self) -> int:
         return len(self.rows)  # a row leaves once it finished or was cancelled
@@ -135,7 +136,7 @@ class VllmBatch:
         prompt_tokens = usage.get("prompt_tokens", p.prompt_tokens)
         loaded = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
         answer = Answer(text=row.text.strip(), blocks=p.blocks, groups=p.groups, prefix_tokens=p.prefix_tokens,
-                        kv_bytes_full=p.kv_bytes_full, kv_bytes_stored=p.kv_bytes_stored,
+                        kv_bytes_full=p.placement.kv_bytes_full, kv_bytes_stored=p.placement.kv_bytes_stored,
                         seconds={"retrieve": p.retrieve_seconds, "vllm": time.perf_counter() - row.started},
                         completion_tokens=usage.get("completion_tokens", 0),
                         finish_reason="length" if reason == "length" else "stop",
@@ -150,7 +151,7 @@ class VllmBatch:
         try:
             body = e.prompt(p).body(e.model_name, max_tokens=p.max_new_tokens)
             body.update(stream=True, stream_options={"include_usage": True})
-            if not e.stores[p.store].task.labels:
+            if not e.stores[p.store].queries.task.labels:
                 body["stop"] = list(STOP_STRINGS + tuple(p.request.stop))
             with e.client.stream("POST", "/v1/completions", json=body) as response:
                 if response.status_code != 200:

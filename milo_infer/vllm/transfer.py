@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from milo_store import MiloStore
 
-from ..runtime.planning import Request, StoreQueries
+from ..runtime.planning import EngineSettings, Request, StoreQueries, check_context
 from ..runtime.prefix import prefix_token_ids
 
 KEY = "milo"  # this connector's entry in a request's kv_transfer_params
@@ -45,21 +45,25 @@ class VllmPrompt:
 
 
 class VllmPrompts:
-    """Turns queries into vLLM requests over one mounted store: retrieval and rendering as milo's own
-    engine does them (same groups, same order, same query ids), no model needed."""
+    """Turns queries into vLLM requests over one mounted store: retrieval, rendering and the context's
+    length checks as milo's own engine does them (same groups, same order, same query ids), no model
+    needed."""
 
-    def __init__(self, name: str, store: MiloStore, tokenizer, *, k: int = 6, order: str = "score",
-                 aggregate: str = "max"):
-        self.name, self.store, self.k, self.order = name, store, k, order
-        self.queries = StoreQueries(store, tokenizer, aggregate)
+    def __init__(self, name: str, store: MiloStore, tokenizer, settings: EngineSettings = EngineSettings()):
+        self.name, self.store, self.settings = name, store, settings
+        self.queries = StoreQueries(store, tokenizer, settings.aggregate)
 
     def prompt(self, request: Request, blocks: list[int] | None = None) -> VllmPrompt:
-        """``blocks`` overrides retrieval (exactness checks place chosen blocks)."""
-        k = request.k if request.k is not None else self.k
-        groups = self.queries.select(request.text, k, request.token_budget, self.order) if blocks is None else []
-        blocks = self.store.blocks_of(groups) if blocks is None else list(blocks)
-        return vllm_prompt(self.name, self.store, groups, blocks, self.queries.query_ids(request.text),
-                           tuple(self.queries.task.labels))
+        """``blocks`` overrides retrieval (exactness checks place chosen blocks); raises `RequestError`
+        where milo's engine would (the context past the model's positions, k below 1)."""
+        groups, blocks = self.queries.choose(request, self.settings, blocks)
+        query_ids = self.queries.query_ids(request.text)
+        prompt = vllm_prompt(self.name, self.store, groups, blocks, query_ids, tuple(self.queries.task.labels))
+        anchor = len(prefix_token_ids(self.store, []))
+        check_context(anchor, prompt.prefix_tokens, len(query_ids),
+                      self.queries.answer_budget(request, self.settings.max_new_tokens),
+                      self.store.meta["model"]["max_position_embeddings"])
+        return prompt
 
 
 def vllm_prompt(name: str, store: MiloStore, groups: list[int], blocks: list[int], query_ids: list[int],

@@ -1,4 +1,7 @@
-"""Stores of the shipped demo corpus built from one encoding, for tests that run them through the model."""
+"""Stores of the shipped demo corpus built from one encoding, for tests that run them through the model, and
+a damaged copy of a store."""
+import shutil
+
 import torch
 
 from milo_infer.build.builder import BuildConfig
@@ -24,3 +27,23 @@ def encoded_demo_stores(tmp_path_factory, loaded, configs: dict):
     for store in opened.values():
         store.close()
     torch.set_num_threads(before)
+
+
+def corrupted_block(store_dir, dest, span: int = 4096) -> int:
+    """A copy of the store whose factors hold ``span`` bytes of NaNs in the middle (all-ones bytes: NaN in fp16
+    and fp32, so K/V that, if ever loaded, make attention NaN); the block whose checksum that breaks."""
+    shutil.copytree(store_dir, dest)
+    chunk = dest / "factors" / "c" / "0"  # an identity store's factors: one uncompressed chunk
+    raw = bytearray(chunk.read_bytes())
+    middle = len(raw) // 2 // 2 * 2
+    raw[middle:middle + span] = b"\xff" * span
+    chunk.write_bytes(bytes(raw))
+    with MiloStore.open(dest, tier="disk") as store:
+        bad = []
+        for b in range(store.num_blocks):
+            try:
+                store.block(b)
+            except Exception:  # noqa: BLE001 - any refusal to read is what we look for
+                bad.append(b)
+    assert len(bad) == 1, f"expected one corrupted block, found {bad}"
+    return bad[0]

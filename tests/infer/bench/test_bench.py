@@ -14,6 +14,7 @@ from milo_infer.bench import synthetic_model, throughput, timed_session
 from milo_infer.bench.report import plot, render_markdown
 from milo_infer.cli import bench as cli
 from milo_infer.runtime.session import MiloSession
+from milo_infer.runtime.planning import EngineSettings
 from milo_kernels import reconstruct_layer
 from milo_store import Layout, MiloStore, factorize_block, pack_block
 from milo_store.layout import full_kv_bytes
@@ -77,7 +78,7 @@ def test_bytes_moved_are_the_retrieved_blocks_bytes_in_the_store(report, workloa
     loaded, paths, queries = workload
     for r in report["rows"]:
         with MiloStore.open(paths[throughput.store_of(r["method"])], tier="host") as store:
-            session = MiloSession(loaded, store, k=r["k"])
+            session = MiloSession(loaded, store, settings=EngineSettings(k=r["k"]))
             blocks = [session.select(q) for q in queries]
             size = lambda b: int(store.offsets[b + 1] - store.offsets[b]) * store.itemsize  # noqa: E731
             own = [sum(size(b) for b in chosen) for chosen in blocks]

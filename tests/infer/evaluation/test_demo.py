@@ -9,6 +9,7 @@ from milo_infer.evaluation.demo import Comparison, compare, render
 from milo_infer.tasks.corpus import DEMO_QUERIES
 from milo_infer.evaluation.methods import method_config
 from milo_infer.runtime.session import MiloSession
+from milo_infer.runtime.planning import EngineSettings
 
 MIB = 2**20
 
@@ -35,7 +36,7 @@ def stores(tmp_path_factory, default_model):
 def test_compare_answers_each_query_from_the_store_and_from_the_full_cache(stores, default_model):
     opened, _ = stores
     queries = load_corpus(DEMO_QUERIES)[:2]
-    sessions = {name: MiloSession(default_model, opened[name], k=1) for name in ("milo", "full")}
+    sessions = {name: MiloSession(default_model, opened[name], settings=EngineSettings(k=1)) for name in ("milo", "full")}
     rows = compare(sessions["milo"], sessions["full"], queries)
     for row, q in zip(rows, queries):
         alone = {name: s.answer(q.input) for name, s in sessions.items()}

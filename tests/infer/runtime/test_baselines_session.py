@@ -9,6 +9,7 @@ from tests.infer.demo_stores import encoded_demo_stores
 
 from milo_infer.evaluation.methods import method_config
 from milo_infer.runtime.session import MiloSession
+from milo_infer.runtime.planning import EngineSettings
 from milo_store import CompressionConfig
 
 QUERY = "I lost my card yesterday, what should I do?"
@@ -35,7 +36,7 @@ def test_groups_expand_to_the_same_demonstrations_in_the_same_order(stores, defa
     opened, _ = stores
     full, ex = opened["full"], opened["example-fullrank"]
     assert ex.num_blocks == 8 and ex.num_groups == full.num_blocks == 2
-    a, b = MiloSession(default_model, full, k=2), MiloSession(default_model, ex, k=2)
+    a, b = MiloSession(default_model, full, settings=EngineSettings(k=2)), MiloSession(default_model, ex, settings=EngineSettings(k=2))
     groups = a.select(QUERY)
     assert b.select(QUERY) == groups and full.blocks_of(groups) == groups
     ids_full, ids_ex = full.examples(), ex.examples()
@@ -56,6 +57,6 @@ def test_compressed_baselines_answer_within_their_measured_bytes(stores, default
         store = opened[name]
         acc = store.accounting()
         assert 0.4 < acc["ratio"] <= 0.5 + 1e-9, (name, acc)
-        answer = MiloSession(default_model, store, k=1).answer(QUERY)
+        answer = MiloSession(default_model, store, settings=EngineSettings(k=1)).answer(QUERY)
         assert len(answer.groups) == 1 and answer.blocks == store.blocks_of(answer.groups)
         assert 0 < answer.kv_bytes_stored < answer.kv_bytes_full

@@ -11,6 +11,7 @@ from milo_infer.cli import bench as bench_cli
 from milo_infer.runtime.engine import cache_keyword
 from milo_infer.runtime.session import MiloSession, default_device
 from milo_infer.runtime.timing import StageClock
+from milo_infer.runtime.planning import EngineSettings
 from milo_store import MiloStore
 
 
@@ -41,7 +42,7 @@ def test_a_model_that_ignores_the_cache_fails_loudly(tiny):
     """A transformers version that swallowed cache= would answer with no retrieved context at all."""
     loaded, paths = tiny
     with MiloStore.open(paths["milo-r0.5"]) as store:
-        session = MiloSession(loaded, store, k=2)
+        session = MiloSession(loaded, store, settings=EngineSettings(k=2))
         assert session.answer(synthetic_model.synthetic_queries(1, 3, 2)[0]).text  # the real model fills every layer
         model = loaded.model
         session.engine.model = lambda input_ids, cache, use_cache, **kw: model(input_ids=input_ids)  # drops the cache
@@ -64,8 +65,8 @@ def test_the_cache_goes_under_the_keyword_the_model_takes(tiny):
     loaded, paths = tiny
     query = synthetic_model.synthetic_queries(1, 3, 2)[0]
     with MiloStore.open(paths["milo-r0.5"]) as store:
-        expected = MiloSession(loaded, store, k=2).logits(query)
-        session = MiloSession(loaded, store, k=2)
+        expected = MiloSession(loaded, store, settings=EngineSettings(k=2)).logits(query)
+        session = MiloSession(loaded, store, settings=EngineSettings(k=2))
         session.engine.model = PastKeyValuesModel(loaded.model)
         session.engine.cache_kwarg = cache_keyword(session.engine.model)
         assert session.engine.cache_kwarg == "past_key_values" and cache_keyword(loaded.model) == "cache"
@@ -75,7 +76,7 @@ def test_the_cache_goes_under_the_keyword_the_model_takes(tiny):
 def test_answer_reports_every_stage_and_the_model_excludes_rebuild(tiny, monkeypatch):
     loaded, paths = tiny
     with MiloStore.open(paths["milo-r0.5"]) as store:
-        session = MiloSession(loaded, store, k=3)
+        session = MiloSession(loaded, store, settings=EngineSettings(k=3))
         seen = []
         rebuild = session.engine.rebuild
 

@@ -13,7 +13,10 @@ import pytest
 import torch
 
 from milo_infer.bench import synthetic_model
-from milo_infer.runtime.engine import Engine, Request, RequestError
+from milo_infer.runtime.engine import Engine
+from milo_infer.runtime.interface import RunningBatch, ServingEngine
+from milo_infer.runtime.errors import RequestError
+from milo_infer.runtime.planning import EngineSettings, Request
 from milo_infer.models import LoadedModel, model_identity
 from milo_store import MiloStore
 
@@ -63,13 +66,13 @@ def test_every_row_of_a_batch_has_the_logits_of_the_query_alone(setup):
 
 
 def free_form(engine):
-    engine.stores["s"].trie = None  # free-form greedy: every step's logits decide the next token
+    engine.stores["s"].queries.trie = None  # free-form greedy: every step's logits decide the next token
     return engine
 
 
 def test_batched_answers_and_tokens_equal_alone_for_labels_and_free_form(setup):
     loaded, store = setup
-    for engine in (Engine(loaded, {"s": store}), free_form(Engine(loaded, {"s": store}, max_new_tokens=6))):
+    for engine in (Engine(loaded, {"s": store}), free_form(Engine(loaded, {"s": store}, settings=EngineSettings(max_new_tokens=6)))):
         plans = [engine.plan("s", r) for r in REQUESTS]
         together = engine.answer(plans)
         alone = [engine.answer([engine.plan("s", r)])[0] for r in REQUESTS]
@@ -88,7 +91,7 @@ def run_to_end(batch, events, done):
 
 def test_rows_joining_and_leaving_a_running_batch_answer_as_alone(setup):
     loaded, store = setup
-    engine = free_form(Engine(loaded, {"s": store}, max_new_tokens=8))
+    engine = free_form(Engine(loaded, {"s": store}, settings=EngineSettings(max_new_tokens=8)))
     short = Request("topic4 stop early", k=1, max_new_tokens=2)
     plans = [engine.plan("s", r) for r in [REQUESTS[0], short, REQUESTS[2]]]
     batch, done, texts = engine.batch(), {}, {}
@@ -115,7 +118,7 @@ def test_rows_joining_and_leaving_a_running_batch_answer_as_alone(setup):
 
 def test_streamed_deltas_add_up_to_the_answer(setup):
     loaded, store = setup
-    engine = free_form(Engine(loaded, {"s": store}, max_new_tokens=6))
+    engine = free_form(Engine(loaded, {"s": store}, settings=EngineSettings(max_new_tokens=6)))
     plans = [engine.plan("s", r) for r in REQUESTS]
     batch, text, done = engine.batch(), {}, {}
     events = batch.admit(plans)
@@ -139,7 +142,7 @@ def test_a_block_several_rows_retrieved_is_fetched_once(setup):
     batch.admit(plans)
     stats = batch.fetch_stats
     assert stats["blocks"] == 4 and stats["unique_blocks"] == len(set(plans[0].blocks) | set(plans[1].blocks))
-    assert stats["bytes"] < stats["bytes_without_union"] == sum(p.kv_bytes_stored for p in plans)
+    assert stats["bytes"] < stats["bytes_without_union"] == sum(p.placement.kv_bytes_stored for p in plans)
     assert batch.peak_kv_bytes > 0
 
 
@@ -152,6 +155,35 @@ def test_a_context_beyond_the_models_positions_is_a_request_error(setup):
         engine.plan("s", Request("topic1", max_new_tokens=0))
     with pytest.raises(KeyError, match="no store named 'nope'"):
         engine.plan("nope", Request("topic1"))
+
+
+def test_engine_settings_name_every_bad_value():
+    with pytest.raises(ValueError) as err:
+        EngineSettings(k=0, order="random", aggregate="mean", recompute=-1, max_new_tokens=0, token_budget=0)
+    for problem in ("k must be at least 1", "max_new_tokens must be at least 1", "recompute must be at least 0",
+                    "token_budget must be at least 1", "order must be one of score, corpus",
+                    "aggregate must be one of max, sum-top-n"):
+        assert problem in str(err.value)
+
+
+def test_the_settings_are_what_a_request_defaults_to(setup):
+    loaded, store = setup
+    engine = Engine(loaded, {"s": store}, EngineSettings(k=1, max_new_tokens=3))
+    engine.stores["s"].queries.trie = None  # free-form: the budget comes from the settings
+    plan = engine.plan("s", Request("topic1 topic2"))
+    assert len(plan.groups) == 1 and plan.max_new_tokens == 3
+    asked = engine.plan("s", Request("topic1 topic2", k=2, max_new_tokens=5))
+    assert len(asked.groups) == 2 and asked.max_new_tokens == 5
+
+
+def test_every_engine_has_the_interface_the_server_drives(setup):
+    """milo's engine and the server's fake satisfy the protocols (the vLLM engine: tests/infer/vllm)."""
+    from tests.infer.server.fake_engine import FakeEngine
+
+    loaded, store = setup
+    for engine in (Engine(loaded, {"s": store}), FakeEngine()):
+        assert isinstance(engine, ServingEngine) and isinstance(engine.batch(), RunningBatch)
+    assert not isinstance(object(), ServingEngine)
 
 
 TRITON_CHECK = """

@@ -10,7 +10,9 @@ import torch
 from milo_infer.bench import synthetic_model
 from milo_infer.build.builder import BuildConfig, build_store
 from milo_infer.tasks.corpus import load_corpus, task_from_corpus
-from milo_infer.runtime.engine import Engine, Request, RequestError
+from milo_infer.runtime.engine import Engine
+from milo_infer.runtime.errors import RequestError
+from milo_infer.runtime.planning import EngineSettings, Request
 from milo_store import CompressionConfig, MiloStore
 
 from tests.infer.runtime.test_engine import ATOL, random_llama, random_qwen2
@@ -40,7 +42,7 @@ def test_a_prefill_plan_feeds_the_stored_ids_of_the_same_retrieval(setup):
         prefill = engine.plan("s", request)
         rebuilt = engine.plan("s", Request(request.text, k=request.k))
         assert prefill.groups == rebuilt.groups and rebuilt.blocks
-        assert prefill.blocks == [] and prefill.prefix_tokens == 0 and prefill.kv_bytes_stored == 0
+        assert prefill.blocks == [] and prefill.prefix_tokens == 0 and prefill.placement.kv_bytes_stored == 0
         expected = (store.meta["build"]["anchor_token_ids"]
                     + [int(t) for b in rebuilt.blocks for t in store.token_ids(b)] + rebuilt.query_ids)
         assert prefill.query_ids == expected
@@ -67,7 +69,7 @@ def test_prefill_answers_report_the_tokens_prefilled_and_time_to_first_token(set
         assert answer.prefill_tokens == len(p.query_ids) and answer.groups == p.groups
         assert answer.first_token_seconds > 0 and answer.kv_bytes_moved == 0
     stored = engine.answer([engine.plan("s", Request("refund", k=2))])[0]
-    assert stored.prefill_tokens == len(engine.stores["s"].query_ids("refund"))
+    assert stored.prefill_tokens == len(engine.stores["s"].queries.query_ids("refund"))
 
 
 def test_a_store_without_token_ids_cannot_be_prefilled(tmp_path):

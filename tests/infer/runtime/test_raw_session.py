@@ -7,6 +7,7 @@ import pytest
 
 from milo_infer.evaluation.methods import method_config
 from milo_infer.runtime.session import MiloSession
+from milo_infer.runtime.planning import EngineSettings
 from milo_store.format import FORMAT_VERSION
 from milo_store.layout import RAW_RANK
 
@@ -34,7 +35,7 @@ def test_raw_fp16_store_gives_the_full_stores_logits(stores, default_model):
     raw, full = opened["raw"], opened["full"]
     assert (raw.ranks == RAW_RANK).all() and raw.meta["format_version"] == FORMAT_VERSION
     assert raw.accounting()["ratio"] < full.accounting()["ratio"]  # no B = I
-    ref, ours = (MiloSession(default_model, s, k=2).logits(QUERY) for s in (full, raw))
+    ref, ours = (MiloSession(default_model, s, settings=EngineSettings(k=2)).logits(QUERY) for s in (full, raw))
     assert (ref - ours).abs().max() <= 1e-4 * ref.abs().max()
 
 
@@ -47,8 +48,8 @@ def test_quantized_raw_stores_answer_within_their_measured_bytes(stores, default
     acc = store.accounting()
     # raw INT8 is half the fp16 bytes plus each channel's scale and minimum (4d per ~60-token unit here)
     assert 0.5 < acc["ratio"] < 0.55 if method == "raw+int8" else acc["ratio"] <= 0.5
-    answer = MiloSession(default_model, store, k=2).answer(QUERY)
+    answer = MiloSession(default_model, store, settings=EngineSettings(k=2)).answer(QUERY)
     stored = sum(int(store.offsets[b + 1] - store.offsets[b]) for b in answer.blocks) * store.itemsize
     assert answer.kv_bytes_stored == stored < answer.kv_bytes_full
-    ref, ours = (MiloSession(default_model, s, k=2).logits(QUERY) for s in (opened["full"], store))
+    ref, ours = (MiloSession(default_model, s, settings=EngineSettings(k=2)).logits(QUERY) for s in (opened["full"], store))
     assert (ref - ours).abs().max() < 0.1 * ref.abs().max()  # quantization: close, not exact

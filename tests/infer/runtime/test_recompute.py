@@ -14,7 +14,9 @@ from transformers import DynamicCache
 
 from milo_infer.bench import synthetic_model
 from milo_infer.tasks.corpus import Demonstration, TaskSpec
-from milo_infer.runtime.engine import Batch, Engine, Request, RequestError
+from milo_infer.runtime.engine import Batch, Engine
+from milo_infer.runtime.errors import RequestError
+from milo_infer.runtime.planning import EngineSettings, Request
 from milo_infer.evaluation.evaluate import evaluate
 from milo_infer.runtime.timing import StageClock
 from milo_store import MiloStore
@@ -37,17 +39,17 @@ def test_recomputing_every_token_reproduces_prefill(setup):
     prefilled = engine.logits([engine.plan("s", r) for r in QUERIES])
     rebuilt = engine.logits([engine.plan("s", r) for r in STORED])
     for p, got, want, stale in zip(plans, engine.logits(plans), prefilled, rebuilt):
-        q = len(engine.stores["s"].query_ids(p.request.text))
-        assert len(p.recompute) == p.prefix_tokens - engine.stores["s"].anchor_len
+        q = len(engine.stores["s"].queries.query_ids(p.request.text))
+        assert len(p.recompute) == p.prefix_tokens - engine.stores["s"].prefix.anchor_len
         assert (stale - want[-q:]).abs().max() > 10 * ATOL  # the context blocks do make a difference
         assert (got[-q:] - want[-q:]).abs().max() <= ATOL
 
 
 def test_recomputing_no_token_is_the_plain_store_path(setup):
     loaded, store = setup
-    engine = Engine(loaded, {"s": store}, recompute=4)
+    engine = Engine(loaded, {"s": store}, settings=EngineSettings(recompute=4))
     plain = [engine.plan("s", Request(r.text, k=r.k, recompute=0)) for r in STORED]
-    assert all(len(p.recompute) == 0 and p.query_ids == engine.stores["s"].query_ids(p.request.text) for p in plain)
+    assert all(len(p.recompute) == 0 and p.query_ids == engine.stores["s"].queries.query_ids(p.request.text) for p in plain)
     default = Engine(loaded, {"s": store})
     for got, want in zip(engine.logits(plain), default.logits([default.plan("s", r) for r in STORED])):
         assert torch.equal(got, want)
@@ -103,13 +105,13 @@ def test_rows_recomputing_different_numbers_of_tokens_batch_as_alone(setup):
 
 def test_a_recompute_plan_feeds_each_blocks_first_tokens_at_their_positions(setup):
     loaded, store = setup
-    engine = Engine(loaded, {"s": store}, recompute=3)
+    engine = Engine(loaded, {"s": store}, settings=EngineSettings(recompute=3))
     for request in STORED:
         plain = engine.plan("s", Request(request.text, k=request.k, recompute=0))
         plan = engine.plan("s", request)
         heads = [store.token_ids(b)[:3].tolist() for b in plan.blocks]
         assert plan.query_ids == [t for h in heads for t in h] + plain.query_ids
-        assert plan.recompute.tolist() == [int(d) + j for d in plan.dst_rows for j in range(3)]
+        assert plan.recompute.tolist() == [int(d) + j for d in plan.placement.dst_rows for j in range(3)]
         assert plan.prompt_tokens == plain.prompt_tokens and plan.prefix_tokens == plain.prefix_tokens
         assert plan.positions.tolist() == plan.recompute.tolist() + list(range(plain.prefix_tokens,
                                                                                plain.prompt_tokens))
@@ -153,7 +155,7 @@ def test_the_cost_tool_answers_every_query_at_every_setting(setup):
     from recompute_cost import PREFILL, measure
 
     loaded, store = setup
-    engine = Engine(loaded, {"store": store}, k=2)
+    engine = Engine(loaded, {"store": store}, settings=EngineSettings(k=2))
     texts = [r.text for r in QUERIES]
     every = longest_block(store)
     result = measure(engine, texts, [0, 3, every, PREFILL])

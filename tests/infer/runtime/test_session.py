@@ -9,6 +9,7 @@ from milo_infer.build.builder import BuildConfig, build_store
 from milo_infer.tasks.corpus import load_corpus, task_from_corpus
 from milo_infer.models import LoadedModel, model_identity
 from milo_infer.runtime.session import MiloSession
+from milo_infer.runtime.planning import EngineSettings
 from milo_store import CompressionConfig, IncompatibleStoreError, MiloStore
 
 pytestmark = pytest.mark.slow
@@ -135,7 +136,7 @@ def test_store_for_another_model_is_refused(tmp_path, default_model):
 
 def test_answer_reports_blocks_bytes_and_stage_times(tmp_path, default_model):
     store = small_store(tmp_path, default_model, "s", n=12, block_size=4, w=1, codec="svd", dtype="float16", ratio=0.5)
-    answer = MiloSession(default_model, store, k=2).answer(QUERY)
+    answer = MiloSession(default_model, store, settings=EngineSettings(k=2)).answer(QUERY)
     assert answer.text in task_from_corpus(load_corpus(DEMO)).labels
     assert len(answer.blocks) == 2 and 0 < answer.kv_bytes_stored < answer.kv_bytes_full
     assert {"retrieve", "read", "reconstruct", "model"} <= set(answer.seconds)

@@ -1,4 +1,4 @@
-"""A test double of `milo_infer.runtime.engine.Engine` with its interface and no model, for the server's scheduler.
+"""A test double of `milo_infer.runtime.engine.Engine`, a `ServingEngine` with no model, for the server's scheduler.
 
 A query's answer is its own words upper-cased, one word per decode step (the first at admission),
 until ``max_new_tokens`` (finish "length", default 8) or a stop string (finish "stop"). A query
@@ -11,7 +11,10 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from milo_infer.runtime.engine import Answer, QueryPlan, RequestError, RowEvent
+from milo_infer.runtime.interface import Answer, RowEvent
+from milo_infer.runtime.errors import RequestError
+from milo_infer.runtime.planning import QueryPlan
+from milo_infer.runtime.prefix import BlockPlacement
 
 MAX_QUERY_WORDS = 40
 DEFAULT_MAX_NEW_TOKENS = 8
@@ -41,10 +44,11 @@ class FakeEngine:
         words = request.text.split()
         if len(words) > MAX_QUERY_WORDS:
             raise RequestError(f"the query alone ({len(words)} tokens) exceeds the model's positions")
-        return QueryPlan(store=store, request=request, groups=[1], blocks=[1, 0], query_ids=list(range(len(words))),
-                         prefix_tokens=10, dst_rows=np.array([2, 6]), segments=np.zeros((1, 0, 6), np.int64),
-                         max_new_tokens=request.max_new_tokens or DEFAULT_MAX_NEW_TOKENS, kv_bytes_full=400,
-                         kv_bytes_stored=100, retrieve_seconds=0.0)
+        placement = BlockPlacement(store=store, blocks=[1, 0], dst_rows=np.array([2, 6]),
+                                   segments=np.zeros((1, 0, 6), np.int64), prefix_tokens=10, kv_bytes_full=400,
+                                   kv_bytes_stored=100)
+        return QueryPlan(request=request, groups=[1], placement=placement, query_ids=list(range(len(words))),
+                         max_new_tokens=request.max_new_tokens or DEFAULT_MAX_NEW_TOKENS, retrieve_seconds=0.0)
 
     def batch(self) -> "FakeBatch":
         self.batches.append(FakeBatch(self))
@@ -100,7 +104,7 @@ class FakeBatch:
             return RowEvent(plan=plan, delta=delta, finished=False, finish_reason=None, answer=None)
         del self.rows[key]
         answer = Answer(text=" ".join(given), blocks=plan.blocks, groups=plan.groups, prefix_tokens=plan.prefix_tokens,
-                        kv_bytes_full=plan.kv_bytes_full, kv_bytes_stored=plan.kv_bytes_stored,
+                        kv_bytes_full=plan.placement.kv_bytes_full, kv_bytes_stored=plan.placement.kv_bytes_stored,
                         seconds={"model": 0.001}, completion_tokens=len(given), finish_reason=reason)
         return RowEvent(plan=plan, delta=delta, finished=True, finish_reason=reason, answer=answer)
 

@@ -9,7 +9,6 @@ the same store. The tests of the request check (`PrefixClaims`) need no vLLM.
 """
 import concurrent.futures
 import math
-import shutil
 
 import httpx
 import pytest
@@ -17,11 +16,15 @@ import torch
 
 from milo_infer.build.builder import BuildConfig, default_compression
 from milo_infer.tasks.datasets import DatasetUnavailable, load_dataset
-from milo_infer.runtime.engine import Engine, Request
+from milo_infer.runtime.engine import Engine
+from milo_infer.runtime.interface import RunningBatch, ServingEngine
+from milo_infer.runtime.errors import RequestError
+from milo_infer.runtime.planning import EngineSettings, Request
 from milo_infer.models import model_directory
 from milo_infer.build.shared_staging import encode_once
 from milo_infer.vllm.transfer import KEY, PrefixClaims, VllmPrompts, transfer_params
 from milo_store import MiloStore
+from tests.infer.demo_stores import corrupted_block
 from tests.infer.vllm.vllm_server import vllm_python, vllm_server
 
 SHOTS, BLOCK, CONTEXT, K = 64, 8, 2, 4  # 8 blocks of 8 demonstrations; 4 retrieved: ~850-token prompts
@@ -52,26 +55,6 @@ def stores(default_model, banking77, tmp_path_factory):
     for store in opened.values():
         store.close()
     torch.set_num_threads(threads)
-
-
-def corrupted_block(store_dir, dest) -> int:
-    """A copy of the store whose factors hold fp16 infinities in the middle (K/V that, if ever loaded,
-    turn attention into NaN); the block whose checksum that breaks."""
-    shutil.copytree(store_dir, dest)
-    chunk = dest / "factors" / "c" / "0"  # an identity store's factors: one uncompressed fp16 chunk
-    raw = bytearray(chunk.read_bytes())
-    middle = len(raw) // 2 // 2 * 2
-    raw[middle:middle + 4096] = b"\x00\x7c" * 2048
-    chunk.write_bytes(bytes(raw))
-    with MiloStore.open(dest, tier="disk") as store:
-        bad = []
-        for b in range(store.num_blocks):
-            try:
-                store.block(b)
-            except Exception:  # noqa: BLE001 - any refusal to read is what we look for
-                bad.append(b)
-    assert len(bad) == 1, f"expected one corrupted block, found {bad}"
-    return bad[0]
 
 
 @pytest.fixture(scope="module")
@@ -108,15 +91,15 @@ def model_name():
 @pytest.fixture(scope="module")
 def prompts(stores, default_model):
     return {name: VllmPrompts(name, stores["opened"].get(name) or MiloStore.open(stores["root"] / name, tier="disk"),
-                              default_model.tokenizer, k=K) for name in ("raw", "r05", "bad")}
+                              default_model.tokenizer, settings=EngineSettings(k=K)) for name in ("raw", "r05", "bad")}
 
 
 # -- the request check, no vLLM ------------------------------------------------------------------
 
 def test_prompt_is_the_prefill_plans_ids(stores, default_model, banking77):
     """The client sends exactly what milo's own prefill feeds the model: same retrieval, same ids."""
-    engine = Engine(default_model, {"raw": stores["opened"]["raw"]}, k=K)
-    client = VllmPrompts("raw", stores["opened"]["raw"], default_model.tokenizer, k=K)
+    engine = Engine(default_model, {"raw": stores["opened"]["raw"]}, settings=EngineSettings(k=K))
+    client = VllmPrompts("raw", stores["opened"]["raw"], default_model.tokenizer, settings=EngineSettings(k=K))
     for request in queries(banking77, 5):
         plan = engine.plan("raw", Request(text=request.text, prefill=True))
         prompt = client.prompt(request)
@@ -124,10 +107,22 @@ def test_prompt_is_the_prefill_plans_ids(stores, default_model, banking77):
         assert prompt.prefix_tokens == engine.plan("raw", request).prefix_tokens
 
 
+def test_prompts_refuse_what_milos_engine_refuses(stores, default_model):
+    """One planning path: the client's k default and length checks are the engine's."""
+    engine = Engine(default_model, {"raw": stores["opened"]["raw"]}, settings=EngineSettings(k=K))
+    client = VllmPrompts("raw", stores["opened"]["raw"], default_model.tokenizer, settings=EngineSettings(k=K))
+    for request in (Request("refund " * 9000), Request("refund", k=0), Request("refund", max_new_tokens=0)):
+        with pytest.raises(RequestError) as by_engine:
+            engine.plan("raw", request)
+        with pytest.raises(RequestError) as by_client:
+            client.prompt(request)
+        assert str(by_client.value) == str(by_engine.value)
+
+
 def test_claims_check_the_ids_never_the_names(stores, default_model, banking77):
     store = stores["opened"]["raw"]
     claims = PrefixClaims({"raw": store})
-    prompt = VllmPrompts("raw", store, default_model.tokenizer, k=K).prompt(queries(banking77, 1)[0])
+    prompt = VllmPrompts("raw", store, default_model.tokenizer, settings=EngineSettings(k=K)).prompt(queries(banking77, 1)[0])
     ids, blocks = prompt.prompt_token_ids, prompt.blocks
     claim, _ = claims.claim(prompt.kv_transfer_params, ids)
     assert claim.store == "raw" and claim.blocks == blocks and claim.prefix_tokens == prompt.prefix_tokens
@@ -174,7 +169,7 @@ def answers(server, prompts, stores, default_model, banking77, model_name):
         results = [complete(server, prompts[name].prompt(r).body(model_name)) for r in requests]
         assert all(cached(r) > 0 for r in results)
         out[f"vllm-{name}"] = [r["choices"][0]["text"].strip() for r in results]
-        engine = Engine(default_model, {name: stores["opened"][name]}, k=K)
+        engine = Engine(default_model, {name: stores["opened"][name]}, settings=EngineSettings(k=K))
         out[f"milo-{name}"] = [a.text for a in engine.answer([engine.plan(name, r) for r in requests])]
     return out
 
@@ -244,7 +239,8 @@ def test_milo_serve_over_vllm(server, stores, answers, banking77):
     from milo_infer.vllm.engine import VllmEngine
     from tests.infer.server.test_serve_app import serving
 
-    engine = VllmEngine(server, {"raw": stores["opened"]["raw"]}, k=K)
+    engine = VllmEngine(server, {"raw": stores["opened"]["raw"]}, settings=EngineSettings(k=K))
+    assert isinstance(engine, ServingEngine) and isinstance(engine.batch(), RunningBatch)
     with serving(engine, max_batch=4) as (base, _):
         client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=300)
         requests = queries(banking77, 4)
