@@ -7,122 +7,36 @@ staged spectrum and writes the store. The anchor's K/V is stored once, uncompres
 A query-aware store (``compression.query_aware``) also runs the model once over a calibration sample
 of the corpus for its channel weights (`channel_scales`); they are recomputed on resume, not staged.
 
-Several blocks can share one forward pass (``encode_batch``, `encode_blocks`), and several processes
-can share pass one (torchrun; `milo_infer.build.distributed`): each rank encodes a deterministic share of
-the batches into one staging directory, rank 0 alone runs pass two. Batches are fixed by the
+Several blocks can share one forward pass (``encode_batch``, `milo_infer.build.encoding`), and several
+processes can share pass one (torchrun; `milo_infer.build.distributed`): each rank encodes a deterministic
+share of the batches into one staging directory, rank 0 alone runs pass two. Batches are fixed by the
 arguments, not by the number of processes, so the store is byte-identical to a one-process build
 with the same per-process thread count.
 """
 import contextlib
-import hashlib
-import json
-import random
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from milo_store import CompressionConfig, Layout, MiloStore, Staging, factorize_block, text_index, write_store
+from milo_store import Layout, MiloStore, Staging, factorize_block, text_index, write_store
 from milo_store.allocation import BudgetError
 from milo_store.compress import check_budget, staging_codec
 from milo_store.urls import is_url, local_sidecar
 from milo_store.writer import StoreLock, check_target
 
+from ..models import LoadedModel, channel_scales
 from ..tasks.corpus import Demonstration, TaskSpec
+from .config import BuildConfig, BuildError, corpus_fingerprint
 from .distributed import World
-from ..models import LoadedModel, capture_kv, channel_scales
+from .encoding import encode_blocks, encoding_units, group_blocks, tokenize
 
 
 CALIBRATION_TOKENS = 2048  # query-aware stores' query statistics: the anchor and the first demonstrations, in block order
-
-
-class BuildError(ValueError):
-    """The build's input is unusable; raised before any long work starts."""
-
-
-AUTO_INT4_BELOW = 0.4  # Banking77, 3 seeds: int4 ahead at 0.25 and 0.35, int8 at 0.5 (int4 tops out at 0.34)
-# `milo build`'s allocation (docs/results.md, "Plain KV quantization"): from ratio 0.2 up, with INT8 or
-# INT4 factors, each unit is raw (in that quantization) or factored, whichever removes more error per
-# byte, over one store-wide budget for keys and values together (measured ahead at 0.5 and 0.25 on three
-# data sets); below, and for other dtypes, the paper's entropy allocation per (layer, head) (ahead at
-# 0.125 on Banking77).
-FRONTIER = {"policy": "frontier", "scope": "global", "kv_split": "shared"}
-FRONTIER_FROM = 0.2
-PAPER_ALLOCATION = {"policy": "entropy", "scope": "head", "kv_split": "separate"}
-
-
-def auto_dtype(ratio: float, codec: str = "svd") -> str:
-    """``--dtype auto``: int8 factors from ratio 0.4 up, int4 below; identity stores keep fp16, raw ones int8."""
-    if codec == "identity":
-        return "float16"
-    if codec == "raw":
-        return "int8"
-    return "int4" if ratio < AUTO_INT4_BELOW else "int8"
-
-
-def default_allocation(dtype: str, ratio: float) -> dict:
-    """The policy, scope and K/V split `milo build` uses with factors of ``dtype`` at ``ratio`` (a fresh dict)."""
-    return dict(FRONTIER if dtype in ("int8", "int4") and ratio >= FRONTIER_FROM else PAPER_ALLOCATION)
-
-
-def default_compression(ratio: float, seed: int = 0, *, codec: str = "svd", dtype: str | None = None,
-                        query_aware: bool = True, key_share: float = 0.5, **allocation) -> CompressionConfig:
-    """What `milo build` writes: with only the ratio given, its defaults (`milo eval --methods default`
-    measures them); every choice given (None: not given) overrides its default.
-
-    ``dtype`` defaults to `auto_dtype`; policy, scope and K/V split (``allocation``) to `default_allocation`
-    of that dtype for the svd codec, with separate budgets when ``key_share`` is not 0.5. Query-aware
-    weighting applies to the svd codec only. A raw store's ratio is its format's, so it records 1.0 (as
-    `milo eval`'s raw methods do).
-    """
-    dtype = dtype or auto_dtype(ratio, codec)
-    chosen = default_allocation(dtype, ratio) if codec == "svd" else {}
-    if key_share != 0.5:  # a key share needs separate budgets
-        chosen["kv_split"] = "separate"
-    chosen.update({name: value for name, value in allocation.items() if value is not None})
-    return CompressionConfig(ratio=1.0 if codec == "raw" else ratio, codec=codec, dtype=dtype, key_share=key_share,
-                             seed=seed, query_aware=query_aware and codec == "svd", **chosen)
-
-
-# Blocks per forward pass when no encode batch is given: 1 on a CPU, where batching did not pay
-# (docs/benchmarks.md); on a GPU CUDA_ENCODE_BATCH, a guess that no run has measured yet
-# (tools/gpu_bench.sh ends with batch 1 against 8).
-CUDA_ENCODE_BATCH = 8
-
-
-def default_encode_batch(device) -> int:
-    """The encode batch `milo build` uses on ``device`` when --encode-batch is not given."""
-    return CUDA_ENCODE_BATCH if torch.device(device).type == "cuda" else 1
-
-
-@dataclass
-class BuildConfig:
-    block_size: int = 32
-    context_blocks: int = 2
-    order: str = "random"  # or "corpus"
-    seed: int = 0
-    encode_batch: int = 1  # blocks per forward pass (encoding_units)
-    compression: CompressionConfig = field(default_factory=CompressionConfig)
-
-
-def group_blocks(n: int, block_size: int, order: str, seed: int) -> list[list[int]]:
-    """Demonstration indices per block: seeded shuffle or corpus order, the last block may be short."""
-    if order not in ("random", "corpus"):
-        raise BuildError(f"unknown block order {order!r}; expected 'random' or 'corpus'")
-    idx = list(range(n))
-    if order == "random":
-        random.Random(seed).shuffle(idx)
-    return [idx[i:i + block_size] for i in range(0, n, block_size)]
-
-
-def tokenize(tokenizer, task: TaskSpec, demos: list[Demonstration]) -> tuple[list[int], list[list[int]]]:
-    """Anchor ids (with the tokenizer's special prefix, if any) and each demonstration's ids alone."""
-    anchor = tokenizer(task.anchor, add_special_tokens=True).input_ids
-    return anchor, [tokenizer(task.render(d), add_special_tokens=False).input_ids for d in demos]
 
 
 def validate(demos, task: TaskSpec, config: BuildConfig, out: Path, force: bool, max_positions: int,
@@ -146,44 +60,6 @@ def validate(demos, task: TaskSpec, config: BuildConfig, out: Path, force: bool,
         if len(anchor_ids) + len(ids) > max_positions:
             raise BuildError(f"demonstration {d.id!r} is {len(ids)} tokens: with the anchor it exceeds the model's "
                              f"context of {max_positions}")
-
-
-def corpus_fingerprint(identity: dict, task: TaskSpec, demos, config: BuildConfig) -> dict:
-    """What pass one depends on: a staged block is reused only when all of it matches."""
-    text = hashlib.sha256(json.dumps([[d.id, d.input, d.output] for d in demos]).encode()).hexdigest()
-    return {"model": identity["config_hash"], "model_name": identity["name"], "task": asdict(task), "corpus": text,
-            "block_size": config.block_size, "context_blocks": config.context_blocks, "order": config.order,
-            "seed": config.seed, "codec": staging_codec(config.compression.codec)}
-
-
-def encoding_units(num_blocks: int, encode_batch: int) -> list[list[int]]:
-    """Blocks encoded together in one forward pass: runs of ``encode_batch`` in block order.
-
-    The runs depend only on the arguments, never on how many processes share them, so a block's
-    K/V are computed from the same padded batch on one rank or many (byte-identical stores).
-    """
-    return [list(range(i, min(i + encode_batch, num_blocks))) for i in range(0, num_blocks, encode_batch)]
-
-
-def encode_blocks(model, rows: list[tuple[list[int], int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Forward each row's ids in one batch; per row, its last ``captured`` tokens' pre-RoPE K and V,
-    each [L, H, T, d] fp32 on the model's device.
-
-    Rows are right-padded: under the causal mask a real token never attends to the padding after
-    it, so no padding mask is needed and its positions are 0..n-1 exactly as in a one-row pass.
-    Only the last position's logits are computed (the rest are never read).
-    """
-    longest = max(len(ids) for ids, _ in rows)
-    batch = torch.zeros(len(rows), longest, dtype=torch.long)  # token 0 pads; what follows a row is never read
-    for r, (ids, _) in enumerate(rows):
-        batch[r, :len(ids)] = torch.tensor(ids)
-    with capture_kv(model) as kv, torch.inference_mode():
-        model(input_ids=batch.to(model.device), use_cache=False, logits_to_keep=1)
-    out = []
-    for r, (ids, captured) in enumerate(rows):
-        span = slice(len(ids) - captured, len(ids))
-        out.append(tuple(torch.stack([x[r, span].transpose(0, 1) for x in xs]).float() for xs in (kv.keys, kv.values)))
-    return out
 
 
 class StagedProgress:

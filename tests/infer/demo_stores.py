@@ -1,7 +1,7 @@
 """Stores of the shipped demo corpus built from one encoding, for tests that run them through the model."""
 import torch
 
-from milo_infer.build.builder import BuildConfig
+from milo_infer.build.config import BuildConfig
 from milo_infer.tasks.corpus import load_corpus, task_from_corpus
 from milo_infer.build.shared_staging import encode_once
 from milo_store import MiloStore

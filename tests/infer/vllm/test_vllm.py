@@ -15,7 +15,7 @@ import httpx
 import pytest
 import torch
 
-from milo_infer.build.builder import BuildConfig, default_compression
+from milo_infer.build.config import BuildConfig, default_compression
 from milo_infer.tasks.datasets import DatasetUnavailable, load_dataset
 from milo_infer.runtime.engine import Engine, Request
 from milo_infer.models import model_directory
