@@ -37,7 +37,7 @@ from milo_kernels import reconstruct_layer
 from milo_store import CompressionConfig, MiloStore
 from ..runtime.prefetch import LayerPrefetcher
 
-from ..build.builder import BuildConfig, default_compression
+from ..build.config import BuildConfig, default_compression
 from ..tasks.corpus import Demonstration, TaskSpec
 from ..models import LoadedModel
 from ..build.shared_staging import encode_once

@@ -7,127 +7,123 @@ staged spectrum and writes the store. The anchor's K/V is stored once, uncompres
 A query-aware store (``compression.query_aware``) also runs the model once over a calibration sample
 of the corpus for its channel weights (`channel_scales`); they are recomputed on resume, not staged.
 
-Several blocks can share one forward pass (``encode_batch``, `encode_blocks`), and several processes
-can share pass one (torchrun; `milo_infer.build.distributed`): each rank encodes a deterministic share of
-the batches into one staging directory, rank 0 alone runs pass two. Batches are fixed by the
+Several blocks can share one forward pass (``encode_batch``, `milo_infer.build.encoding`), and several
+processes can share pass one (torchrun; `milo_infer.build.distributed`): each rank encodes a deterministic
+share of the batches into one staging directory, rank 0 alone runs pass two. Batches are fixed by the
 arguments, not by the number of processes, so the store is byte-identical to a one-process build
 with the same per-process thread count.
+
+`build_store` runs the steps in order: `plan_build` (every check, before any long work),
+`coordinate_ranks` (the lock, the staging, which rank encodes what), `encode_share` (pass one) and, on
+rank 0, `commit` (pass two). What a build is asked to do is `milo_infer.build.config`.
 """
 import contextlib
-import hashlib
-import json
-import random
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from milo_store import CompressionConfig, Layout, MiloStore, Staging, factorize_block, text_index, write_store
+from milo_store import Layout, MiloStore, Staging, factorize_block, text_index, write_store
 from milo_store.allocation import BudgetError
 from milo_store.compress import check_budget, staging_codec
 from milo_store.urls import is_url, local_sidecar
 from milo_store.writer import StoreLock, check_target
 
+from ..models import LoadedModel, channel_scales
 from ..tasks.corpus import Demonstration, TaskSpec
+from .config import BuildConfig, BuildError, corpus_fingerprint
 from .distributed import World
-from ..models import LoadedModel, capture_kv, channel_scales
+from .encoding import encode_blocks, encoding_units, group_blocks, tokenize
 
 
 CALIBRATION_TOKENS = 2048  # query-aware stores' query statistics: the anchor and the first demonstrations, in block order
 
 
-class BuildError(ValueError):
-    """The build's input is unusable; raised before any long work starts."""
-
-
-AUTO_INT4_BELOW = 0.4  # Banking77, 3 seeds: int4 ahead at 0.25 and 0.35, int8 at 0.5 (int4 tops out at 0.34)
-# `milo build`'s allocation (docs/results.md, "Plain KV quantization"): from ratio 0.2 up, with INT8 or
-# INT4 factors, each unit is raw (in that quantization) or factored, whichever removes more error per
-# byte, over one store-wide budget for keys and values together (measured ahead at 0.5 and 0.25 on three
-# data sets); below, and for other dtypes, the paper's entropy allocation per (layer, head) (ahead at
-# 0.125 on Banking77).
-FRONTIER = {"policy": "frontier", "scope": "global", "kv_split": "shared"}
-FRONTIER_FROM = 0.2
-PAPER_ALLOCATION = {"policy": "entropy", "scope": "head", "kv_split": "separate"}
-
-
-def auto_dtype(ratio: float, codec: str = "svd") -> str:
-    """``--dtype auto``: int8 factors from ratio 0.4 up, int4 below; identity stores keep fp16, raw ones int8."""
-    if codec == "identity":
-        return "float16"
-    if codec == "raw":
-        return "int8"
-    return "int4" if ratio < AUTO_INT4_BELOW else "int8"
-
-
-def default_allocation(dtype: str, ratio: float) -> dict:
-    """The policy, scope and K/V split `milo build` uses with factors of ``dtype`` at ``ratio`` (a fresh dict)."""
-    return dict(FRONTIER if dtype in ("int8", "int4") and ratio >= FRONTIER_FROM else PAPER_ALLOCATION)
-
-
-def default_compression(ratio: float, seed: int = 0, *, codec: str = "svd", dtype: str | None = None,
-                        query_aware: bool = True, key_share: float = 0.5, **allocation) -> CompressionConfig:
-    """What `milo build` writes: with only the ratio given, its defaults (`milo eval --methods default`
-    measures them); every choice given (None: not given) overrides its default.
-
-    ``dtype`` defaults to `auto_dtype`; policy, scope and K/V split (``allocation``) to `default_allocation`
-    of that dtype for the svd codec, with separate budgets when ``key_share`` is not 0.5. Query-aware
-    weighting applies to the svd codec only. A raw store's ratio is its format's, so it records 1.0 (as
-    `milo eval`'s raw methods do).
-    """
-    dtype = dtype or auto_dtype(ratio, codec)
-    chosen = default_allocation(dtype, ratio) if codec == "svd" else {}
-    if key_share != 0.5:  # a key share needs separate budgets
-        chosen["kv_split"] = "separate"
-    chosen.update({name: value for name, value in allocation.items() if value is not None})
-    return CompressionConfig(ratio=1.0 if codec == "raw" else ratio, codec=codec, dtype=dtype, key_share=key_share,
-                             seed=seed, query_aware=query_aware and codec == "svd", **chosen)
-
-
-# Blocks per forward pass when no encode batch is given: 1 on a CPU, where batching did not pay
-# (docs/benchmarks.md); on a GPU CUDA_ENCODE_BATCH, a guess that no run has measured yet
-# (tools/gpu_bench.sh ends with batch 1 against 8).
-CUDA_ENCODE_BATCH = 8
-
-
-def default_encode_batch(device) -> int:
-    """The encode batch `milo build` uses on ``device`` when --encode-batch is not given."""
-    return CUDA_ENCODE_BATCH if torch.device(device).type == "cuda" else 1
+@dataclass
+class BuildPlan:
+    """What every rank derives from the arguments once they have passed every check."""
+    anchor_ids: list[int]
+    demo_ids: list[list[int]]  # each demonstration's own ids
+    blocks: list[list[int]]  # demonstration indices per block (`group_blocks`)
+    block_ids: list[list[int]]  # each block's ids: its demonstrations' in order
+    layout: Layout
+    units: list[list[int]]  # blocks per forward pass (`encoding_units`)
+    fingerprint: dict  # what the staged blocks depend on (`corpus_fingerprint`)
 
 
 @dataclass
-class BuildConfig:
-    block_size: int = 32
-    context_blocks: int = 2
-    order: str = "random"  # or "corpus"
-    seed: int = 0
-    encode_batch: int = 1  # blocks per forward pass (encoding_units)
-    compression: CompressionConfig = field(default_factory=CompressionConfig)
+class RankShare:
+    """This rank's part of pass one, dealt out by `coordinate_ranks`."""
+    staging: Staging
+    lock: StoreLock | None  # rank 0's writer lock, held past the commit; None on the other ranks
+    todo: dict[int, int]  # tokens of every block still to encode, on any rank
+    mine: list[list[int]]  # the encoding units this rank encodes
 
 
-def group_blocks(n: int, block_size: int, order: str, seed: int) -> list[list[int]]:
-    """Demonstration indices per block: seeded shuffle or corpus order, the last block may be short."""
-    if order not in ("random", "corpus"):
-        raise BuildError(f"unknown block order {order!r}; expected 'random' or 'corpus'")
-    idx = list(range(n))
-    if order == "random":
-        random.Random(seed).shuffle(idx)
-    return [idx[i:i + block_size] for i in range(0, n, block_size)]
+def build_store(out, loaded: LoadedModel, demos: list[Demonstration], task: TaskSpec, config: BuildConfig, *,
+                force: bool = False, progress: bool = True, keep_staging: bool = False, staging_dir=None,
+                world: World | None = None) -> dict:
+    """Build (or resume building) the store at ``out``; returns the closing summary.
+
+    Under torchrun every rank calls this with its own ``world`` (`World.from_env`) and the same
+    arguments: each encodes its share of the blocks into ``staging_dir`` (default ``<out>.staging``, or
+    a local folder for a store URL; shared storage when ranks are on several machines), then rank 0 allocates and commits. Every
+    rank returns rank 0's summary.
+    """
+    out, world = (out if is_url(out) else Path(out)), world or World()
+    staging_dir = Path(staging_dir) if staging_dir else local_sidecar(out, "staging")
+    plan = plan_build(out, loaded, demos, task, config, force, world)
+    with coordinate_ranks(out, staging_dir, plan, config, world) as share:
+        ranks, pass_one_s = encode_share(loaded.model, plan, share, config, world, progress)
+        summary = None
+        with world.step():
+            if world.rank == 0:
+                t0 = time.perf_counter()
+                path = commit(out, loaded, demos, task, config, plan, share, force, progress)
+                if not keep_staging:  # under the lock: a build that starts now must not resume from it
+                    share.staging.remove()
+                summary = summarize(path, demos, plan, share, ranks, write_s=time.perf_counter() - t0,
+                                    pass_one_s=pass_one_s, processes=world.size)
+    return world.gather(summary)[0]
 
 
-def tokenize(tokenizer, task: TaskSpec, demos: list[Demonstration]) -> tuple[list[int], list[list[int]]]:
-    """Anchor ids (with the tokenizer's special prefix, if any) and each demonstration's ids alone."""
-    anchor = tokenizer(task.anchor, add_special_tokens=True).input_ids
-    return anchor, [tokenizer(task.render(d), add_special_tokens=False).input_ids for d in demos]
+def plan_build(out, loaded: LoadedModel, demos: list[Demonstration], task: TaskSpec, config: BuildConfig,
+               force: bool, world: World) -> BuildPlan:
+    """Tokenize and group the corpus, and fail on every rank at once if any check fails: the
+    arguments, the corpus, the longest encoding context, the byte budget, the number of processes."""
+    identity = loaded.identity
+    with world.step():
+        anchor_ids, demo_ids = tokenize(loaded.tokenizer, task, demos)
+        max_positions = identity["max_position_embeddings"]
+        validate(demos, task, config, out, force, max_positions, anchor_ids, demo_ids,
+                 check_out=world.rank == 0)
+        blocks = group_blocks(len(demos), config.block_size, config.order, config.seed)
+        block_ids = [[t for i in b for t in demo_ids[i]] for b in blocks]
+        w = config.context_blocks
+        longest = max(len(anchor_ids) + sum(len(x) for x in block_ids[max(0, i - w):i + 1]) for i in range(len(blocks)))
+        if longest > max_positions:
+            raise BuildError(f"an encoding context of {longest} tokens exceeds the model's {max_positions}; "
+                             f"use a smaller --block-size or fewer --context-blocks")
+        layout = Layout(identity["num_layers"], identity["num_kv_heads"], identity["head_dim"])
+        try:
+            check_budget(layout, [len(b) for b in block_ids], config.compression)
+        except BudgetError as e:
+            raise BuildError(str(e)) from None
+        units = encoding_units(len(blocks), config.encode_batch)
+        if world.size > len(units):
+            raise BuildError(f"{world.size} processes for {len(blocks)} blocks in {len(units)} encoding batch(es) "
+                             f"of --encode-batch {config.encode_batch}: use at most {len(units)} processes")
+    return BuildPlan(anchor_ids, demo_ids, blocks, block_ids, layout, units,
+                     corpus_fingerprint(identity, task, demos, config))
 
 
 def validate(demos, task: TaskSpec, config: BuildConfig, out: Path, force: bool, max_positions: int,
              anchor_ids, demo_ids, check_out: bool = True) -> None:
-    """Every check that can fail, before the first forward pass."""
+    """Every check of the arguments and the corpus that can fail, before the first forward pass."""
     if not demos:
         raise BuildError("the corpus is empty")
     if config.block_size < 1:
@@ -148,42 +144,34 @@ def validate(demos, task: TaskSpec, config: BuildConfig, out: Path, force: bool,
                              f"context of {max_positions}")
 
 
-def corpus_fingerprint(identity: dict, task: TaskSpec, demos, config: BuildConfig) -> dict:
-    """What pass one depends on: a staged block is reused only when all of it matches."""
-    text = hashlib.sha256(json.dumps([[d.id, d.input, d.output] for d in demos]).encode()).hexdigest()
-    return {"model": identity["config_hash"], "model_name": identity["name"], "task": asdict(task), "corpus": text,
-            "block_size": config.block_size, "context_blocks": config.context_blocks, "order": config.order,
-            "seed": config.seed, "codec": staging_codec(config.compression.codec)}
-
-
-def encoding_units(num_blocks: int, encode_batch: int) -> list[list[int]]:
-    """Blocks encoded together in one forward pass: runs of ``encode_batch`` in block order.
-
-    The runs depend only on the arguments, never on how many processes share them, so a block's
-    K/V are computed from the same padded batch on one rank or many (byte-identical stores).
-    """
-    return [list(range(i, min(i + encode_batch, num_blocks))) for i in range(0, num_blocks, encode_batch)]
-
-
-def encode_blocks(model, rows: list[tuple[list[int], int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Forward each row's ids in one batch; per row, its last ``captured`` tokens' pre-RoPE K and V,
-    each [L, H, T, d] fp32 on the model's device.
-
-    Rows are right-padded: under the causal mask a real token never attends to the padding after
-    it, so no padding mask is needed and its positions are 0..n-1 exactly as in a one-row pass.
-    Only the last position's logits are computed (the rest are never read).
-    """
-    longest = max(len(ids) for ids, _ in rows)
-    batch = torch.zeros(len(rows), longest, dtype=torch.long)  # token 0 pads; what follows a row is never read
-    for r, (ids, _) in enumerate(rows):
-        batch[r, :len(ids)] = torch.tensor(ids)
-    with capture_kv(model) as kv, torch.inference_mode():
-        model(input_ids=batch.to(model.device), use_cache=False, logits_to_keep=1)
-    out = []
-    for r, (ids, captured) in enumerate(rows):
-        span = slice(len(ids) - captured, len(ids))
-        out.append(tuple(torch.stack([x[r, span].transpose(0, 1) for x in xs]).float() for xs in (kv.keys, kv.values)))
-    return out
+@contextlib.contextmanager
+def coordinate_ranks(out, staging_dir: Path, plan: BuildPlan, config: BuildConfig, world: World):
+    """Yield this rank's `RankShare` once the ranks agree on the arguments, rank 0 holds the writer
+    lock (until the block exits) and has opened the staging, every rank has joined it, the staged
+    blocks' checksums are verified (each rank a share), and the units with a block missing are dealt
+    out: rank r encodes units r, r + N, ..."""
+    world.agree({**plan.fingerprint, **asdict(config.compression), "encode_batch": config.encode_batch})
+    with contextlib.ExitStack() as held:
+        lock = None
+        with world.step():  # a second build into this store fails on every rank here
+            if world.rank == 0:  # one build per path: rank 0 holds the writer lock until it has committed
+                lock = held.enter_context(StoreLock(out))
+                # under the lock: another fingerprint wipes the staging, never a running build's
+                staging = Staging(staging_dir, plan.fingerprint)
+        world.check_shared(staging_dir)
+        with world.step():
+            if world.rank != 0:
+                staging = Staging(staging_dir, plan.fingerprint, join=True)
+        # Resume only from staged blocks that pass their checksums; each rank checks a share.
+        staged = world.gather(staging.staged() if world.rank == 0 else None)[0]
+        with world.step():
+            bad = [i for i in staged[world.rank::world.size] if not staging.verify(i)]
+            for i in bad:
+                staging.discard(i)
+        done = set(staged) - {i for part in world.gather(bad) for i in part}
+        todo_units = [u for u in plan.units if not done.issuperset(u)]
+        yield RankShare(staging, lock, todo={i: len(plan.block_ids[i]) for u in todo_units for i in u},
+                        mine=todo_units[world.rank::world.size])
 
 
 class StagedProgress:
@@ -218,104 +206,30 @@ class StagedProgress:
         self.bar.close()
 
 
-def build_store(out, loaded: LoadedModel, demos: list[Demonstration], task: TaskSpec, config: BuildConfig, *,
-                force: bool = False, progress: bool = True, keep_staging: bool = False, staging_dir=None,
-                world: World | None = None) -> dict:
-    """Build (or resume building) the store at ``out``; returns the closing summary.
-
-    Under torchrun every rank calls this with its own ``world`` (`World.from_env`) and the same
-    arguments: each encodes its share of the blocks into ``staging_dir`` (default ``<out>.staging``, or
-    a local folder for a store URL; shared storage when ranks are on several machines), then rank 0 allocates and commits. Every
-    rank returns rank 0's summary.
-    """
-    out, world = (out if is_url(out) else Path(out)), world or World()
-    staging_dir = Path(staging_dir) if staging_dir else local_sidecar(out, "staging")
-    model, tok, identity = loaded.model, loaded.tokenizer, loaded.identity
-    with world.step():
-        anchor_ids, demo_ids = tokenize(tok, task, demos)
-        max_positions = identity["max_position_embeddings"]
-        validate(demos, task, config, out, force, max_positions, anchor_ids, demo_ids,
-                 check_out=world.rank == 0)
-        blocks = group_blocks(len(demos), config.block_size, config.order, config.seed)
-        block_ids = [[t for i in b for t in demo_ids[i]] for b in blocks]
-        w = config.context_blocks
-        longest = max(len(anchor_ids) + sum(len(x) for x in block_ids[max(0, i - w):i + 1]) for i in range(len(blocks)))
-        if longest > max_positions:
-            raise BuildError(f"an encoding context of {longest} tokens exceeds the model's {max_positions}; "
-                             f"use a smaller --block-size or fewer --context-blocks")
-        layout = Layout(identity["num_layers"], identity["num_kv_heads"], identity["head_dim"])
-        try:
-            check_budget(layout, [len(b) for b in block_ids], config.compression)
-        except BudgetError as e:
-            raise BuildError(str(e)) from None
-        units = encoding_units(len(blocks), config.encode_batch)
-        if world.size > len(units):
-            raise BuildError(f"{world.size} processes for {len(blocks)} blocks in {len(units)} encoding batch(es) "
-                             f"of --encode-batch {config.encode_batch}: use at most {len(units)} processes")
-    fingerprint = corpus_fingerprint(identity, task, demos, config)
-    world.agree({**fingerprint, **asdict(config.compression), "encode_batch": config.encode_batch})
+def encode_share(model, plan: BuildPlan, share: RankShare, config: BuildConfig, world: World,
+                 progress: bool) -> tuple[list[dict], float]:
+    """Pass one on this rank: each of its units through the model, each block factored at full rank and
+    staged; returns every rank's counts and times, and pass one's wall time."""
+    w, codec = config.context_blocks, staging_codec(config.compression.codec)
     encode_s = factorize_s = 0.0
-    with contextlib.ExitStack() as held:
-        with world.step():  # a second build into this store fails on every rank here
-            if world.rank == 0:  # one build per path: rank 0 holds the writer lock until it has committed
-                lock = held.enter_context(StoreLock(out))
-                # under the lock: another fingerprint wipes the staging, never a running build's
-                staging = Staging(staging_dir, fingerprint)
-        world.check_shared(staging_dir)
-        with world.step():
-            if world.rank != 0:
-                staging = Staging(staging_dir, fingerprint, join=True)
-        # Resume only from staged blocks that pass their checksums; each rank checks a share.
-        staged = world.gather(staging.staged() if world.rank == 0 else None)[0]
-        with world.step():
-            bad = [i for i in staged[world.rank::world.size] if not staging.verify(i)]
-            for i in bad:
-                staging.discard(i)
-        done = set(staged) - {i for part in world.gather(bad) for i in part}
-        todo_units = [u for u in units if not done.issuperset(u)]
-        todo = {i: len(block_ids[i]) for u in todo_units for i in u}
-        mine = todo_units[world.rank::world.size]
-        codec = staging_codec(config.compression.codec)
-        pass_one, cpu = time.perf_counter(), time.process_time()
-        with StagedProgress(staging, todo, progress and world.rank == 0):
-            for unit in mine:
-                t0 = time.perf_counter()
-                rows = [(anchor_ids + [t for b in block_ids[max(0, i - w):i] for t in b] + block_ids[i],
-                         len(block_ids[i])) for i in unit]
-                encoded = encode_blocks(model, rows)
-                t1 = time.perf_counter()
-                for i, (keys, values) in zip(unit, encoded):
-                    staging.put(i, factorize_block(keys, values, codec=codec))
-                encode_s += t1 - t0
-                factorize_s += time.perf_counter() - t1
-            mine_blocks = [i for u in mine for i in u]
-            ranks = world.gather({"rank": world.rank, "host": world.host, "device": str(world.device),
-                                  "blocks": len(mine_blocks), "tokens": sum(todo[i] for i in mine_blocks),
-                                  "encode_s": encode_s, "factorize_s": factorize_s,
-                                  "cpu_s": time.process_time() - cpu})  # < the wall time: a CPU shared with others
-        pass_one_s = time.perf_counter() - pass_one
-        summary = None
-        with world.step():
-            if world.rank == 0:
-                t0 = time.perf_counter()
-                path = commit(out, staging, loaded, anchor_ids, demos, task, config, blocks, demo_ids, block_ids,
-                              layout, force, lock, progress)
-                if not keep_staging:  # under the lock: a build that starts now must not resume from it
-                    staging.remove()
-                write_s = time.perf_counter() - t0
-                with MiloStore.open(path, tier="disk", verify=False) as store:
-                    acc = store.accounting()
-                summary = {"store": str(path), "blocks": len(blocks), "demonstrations": len(demos),
-                           "tokens": int(sum(len(b) for b in block_ids)), "blocks_encoded_now": len(todo),
-                           "tokens_encoded_now": sum(todo.values()),
-                           "full_fp16_bytes": acc["full_fp16_bytes"], "stored_bytes": acc["total_bytes"],
-                           "disk_bytes": acc["disk_bytes"], "ratio": acc["ratio"],
-                           # process-seconds over every rank; pass_one_s is the wall time of encoding + staging
-                           "encode_s": sum(r["encode_s"] for r in ranks),
-                           "factorize_s": sum(r["factorize_s"] for r in ranks),
-                           "write_s": write_s, "pass_one_s": pass_one_s, "processes": world.size,
-                           "ranks": ranks}
-    return world.gather(summary)[0]
+    pass_one, cpu = time.perf_counter(), time.process_time()
+    with StagedProgress(share.staging, share.todo, progress and world.rank == 0):
+        for unit in share.mine:
+            t0 = time.perf_counter()
+            rows = [(plan.anchor_ids + [t for b in plan.block_ids[max(0, i - w):i] for t in b] + plan.block_ids[i],
+                     len(plan.block_ids[i])) for i in unit]
+            encoded = encode_blocks(model, rows)
+            t1 = time.perf_counter()
+            for i, (keys, values) in zip(unit, encoded):
+                share.staging.put(i, factorize_block(keys, values, codec=codec))
+            encode_s += t1 - t0
+            factorize_s += time.perf_counter() - t1
+        mine_blocks = [i for u in share.mine for i in u]
+        ranks = world.gather({"rank": world.rank, "host": world.host, "device": str(world.device),
+                              "blocks": len(mine_blocks), "tokens": sum(share.todo[i] for i in mine_blocks),
+                              "encode_s": encode_s, "factorize_s": factorize_s,
+                              "cpu_s": time.process_time() - cpu})  # < the wall time: a CPU shared with others
+    return ranks, time.perf_counter() - pass_one
 
 
 class StageBars:
@@ -336,11 +250,11 @@ class StageBars:
             self.bar.close()
 
 
-def commit(out: Path, staging: Staging, loaded: LoadedModel, anchor_ids, demos, task, config: BuildConfig, blocks,
-           demo_ids, block_ids, layout: Layout, force: bool, lock, progress: bool) -> Path:
-    """Pass two, on one process: the anchor's K/V, the channel scales of a query-aware store,
+def commit(out: Path, loaded: LoadedModel, demos, task, config: BuildConfig, plan: BuildPlan, share: RankShare,
+           force: bool, progress: bool) -> Path:
+    """Pass two, on rank 0 under its lock: the anchor's K/V, the channel scales of a query-aware store,
     allocation over every staged spectrum, and the atomic write."""
-    model = loaded.model
+    model, layout, anchor_ids = loaded.model, plan.layout, plan.anchor_ids
     # An empty anchor (no instruction, no tokenizer prefix) has no K/V, and a model refuses zero tokens.
     anchor_kv = (torch.stack(encode_blocks(model, [(anchor_ids, len(anchor_ids))])[0], dim=1).cpu() if anchor_ids else
                  torch.zeros(layout.num_layers, 2, layout.num_kv_heads, 0, layout.head_dim))
@@ -348,23 +262,40 @@ def commit(out: Path, staging: Staging, loaded: LoadedModel, anchor_ids, demos, 
              "build": {"block_size": config.block_size, "context_blocks": config.context_blocks,
                        "order": config.order, "seed": config.seed, "anchor_token_ids": anchor_ids}}
     examples = {"input": [], "output": [], "id": [], "block": [], "tokens": []}
-    for b, members in enumerate(blocks):
+    for b, members in enumerate(plan.blocks):
         for i in members:
             examples["input"].append(demos[i].input)
             examples["output"].append(demos[i].output)
             examples["id"].append(demos[i].id)
             examples["block"].append(b)
-            examples["tokens"].append(len(demo_ids[i]))
+            examples["tokens"].append(len(plan.demo_ids[i]))
     channel_scale = None
     if config.compression.query_aware:
-        sample = (anchor_ids + [t for b in block_ids for t in b])[:min(CALIBRATION_TOKENS,
-                                                                       loaded.identity["max_position_embeddings"])]
+        sample = (anchor_ids + [t for b in plan.block_ids for t in b])[:min(CALIBRATION_TOKENS,
+                                                                            loaded.identity["max_position_embeddings"])]
         channel_scale = channel_scales(model, sample)
     bars = StageBars(progress)
     try:
-        return write_store(out, staging, len(blocks), layout, config.compression, attrs=attrs,
+        return write_store(out, share.staging, len(plan.blocks), layout, config.compression, attrs=attrs,
                            anchor_kv=anchor_kv, examples=examples, channel_scale=channel_scale,
-                           token_ids=np.concatenate([np.asarray(b, dtype=np.int32) for b in block_ids]),
-                           force=force, lock=lock, progress=bars)
+                           token_ids=np.concatenate([np.asarray(b, dtype=np.int32) for b in plan.block_ids]),
+                           force=force, lock=share.lock, progress=bars)
     finally:
         bars.close()
+
+
+def summarize(path: Path, demos, plan: BuildPlan, share: RankShare, ranks: list[dict], *, write_s: float,
+              pass_one_s: float, processes: int) -> dict:
+    """The closing summary: the store's sizes, what this run encoded, and where the time went."""
+    with MiloStore.open(path, tier="disk", verify=False) as store:
+        acc = store.accounting()
+    return {"store": str(path), "blocks": len(plan.blocks), "demonstrations": len(demos),
+            "tokens": int(sum(len(b) for b in plan.block_ids)), "blocks_encoded_now": len(share.todo),
+            "tokens_encoded_now": sum(share.todo.values()),
+            "full_fp16_bytes": acc["full_fp16_bytes"], "stored_bytes": acc["total_bytes"],
+            "disk_bytes": acc["disk_bytes"], "ratio": acc["ratio"],
+            # process-seconds over every rank; pass_one_s is the wall time of encoding + staging
+            "encode_s": sum(r["encode_s"] for r in ranks),
+            "factorize_s": sum(r["factorize_s"] for r in ranks),
+            "write_s": write_s, "pass_one_s": pass_one_s, "processes": processes,
+            "ranks": ranks}

@@ -18,7 +18,8 @@ from pathlib import Path
 from milo_store import CompressionConfig, MiloStore, Staging, StoreError, factorize_block
 from milo_store.compress import allocation_record, staging_codec
 
-from .builder import BuildConfig, build_store, corpus_fingerprint
+from .builder import build_store
+from .config import BuildConfig, corpus_fingerprint
 from ..tasks.corpus import Demonstration, TaskSpec
 from ..models import LoadedModel
 

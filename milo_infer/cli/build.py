@@ -29,7 +29,8 @@ from milo_store.format import TORCH_DTYPES
 from milo_store.urls import is_url, local_sidecar
 from milo_store.writer import check_target
 
-from ..build.builder import CUDA_ENCODE_BATCH, BuildConfig, build_store, default_compression, default_encode_batch
+from ..build.builder import build_store
+from ..build.config import CUDA_ENCODE_BATCH, BuildConfig, default_compression, default_encode_batch
 from ..tasks.corpus import load_corpus, task_from_corpus
 from ..tasks.datasets import DATASETS, load_dataset
 from ..build.distributed import World
@@ -90,7 +91,7 @@ def add_arguments(p):
 
 
 def compression_config(args) -> CompressionConfig:
-    """The store configuration the arguments ask for: `milo_infer.build.builder.default_compression` of them."""
+    """The store configuration the arguments ask for: `milo_infer.build.config.default_compression` of them."""
     try:
         return default_compression(args.ratio, args.seed, codec=args.codec,
                                    dtype=None if args.dtype == "auto" else args.dtype, query_aware=args.query_aware,

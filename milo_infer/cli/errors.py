@@ -5,7 +5,7 @@ from milo_store.allocation import BudgetError
 from milo_store.errors import StoreError
 from milo_store.staging import StagingError
 
-from ..build.builder import BuildError
+from ..build.config import BuildError
 from ..tasks.corpus import CorpusError
 from ..tasks.datasets import DatasetUnavailable
 from ..build.distributed import RankError

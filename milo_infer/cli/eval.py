@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..build.builder import BuildConfig
+from ..build.config import BuildConfig
 from ..tasks.corpus import load_corpus, task_from_corpus
 from ..tasks.datasets import DATASETS, load_dataset
 from ..evaluation.evaluate import EVAL_BATCH, agreement, evaluate

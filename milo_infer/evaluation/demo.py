@@ -19,7 +19,7 @@ from pathlib import Path
 from milo_store import MiloStore
 from milo_store.report import describe
 
-from ..build.builder import BuildConfig, default_compression
+from ..build.config import BuildConfig, default_compression
 from ..tasks.corpus import DEMO_CORPUS, DEMO_QUERIES, Demonstration, load_corpus, task_from_corpus
 from .methods import method_config
 from ..models import load_model

@@ -4,7 +4,7 @@ import shutil
 
 import torch
 
-from milo_infer.build.builder import BuildConfig
+from milo_infer.build.config import BuildConfig
 from milo_infer.tasks.corpus import load_corpus, task_from_corpus
 from milo_infer.build.shared_staging import encode_once
 from milo_store import MiloStore

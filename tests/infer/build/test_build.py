@@ -16,7 +16,8 @@ import zarr
 
 import milo_infer.build.builder
 import milo_infer.cli.build
-from milo_infer.build.builder import CUDA_ENCODE_BATCH, BuildConfig, BuildError, build_store, default_encode_batch
+from milo_infer.build.builder import build_store
+from milo_infer.build.config import CUDA_ENCODE_BATCH, BuildConfig, BuildError, default_encode_batch
 from milo_infer.cli.main import main
 from milo_infer.tasks.corpus import DEMO_CORPUS, Demonstration, task_from_corpus
 from milo_infer.models import ModelUnavailable, default_gguf_path, load_model

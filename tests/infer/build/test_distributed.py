@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from milo_infer.build.builder import encode_blocks
+from milo_infer.build.encoding import encode_blocks
 from milo_infer.tasks.corpus import DEMO_CORPUS
 from milo_infer.models import ModelUnavailable, default_gguf_path
 from milo_store import MiloStore, NotAStoreError

@@ -10,7 +10,7 @@ from argparse import Namespace
 import pytest
 import torch
 
-from milo_infer.build.builder import BuildConfig
+from milo_infer.build.config import BuildConfig
 from milo_infer.cli import CommandError
 from milo_infer.cli.eval import check
 from milo_infer.tasks.corpus import load_corpus, task_from_corpus

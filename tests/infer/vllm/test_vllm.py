@@ -14,7 +14,7 @@ import httpx
 import pytest
 import torch
 
-from milo_infer.build.builder import BuildConfig, default_compression
+from milo_infer.build.config import BuildConfig, default_compression
 from milo_infer.tasks.datasets import DatasetUnavailable, load_dataset
 from milo_infer.runtime.engine import Engine
 from milo_infer.runtime.interface import RunningBatch, ServingEngine

@@ -1,0 +1,56 @@
+"""The model's part of pass one: the corpus as token ids, grouped into blocks, the blocks grouped into
+forward passes (`encoding_units`), and one forward pass over a batch of blocks that keeps each block's
+own pre-RoPE K/V (`encode_blocks`)."""
+import random
+
+import torch
+
+from ..models import capture_kv
+from ..tasks.corpus import Demonstration, TaskSpec
+from .config import BuildError
+
+
+def group_blocks(n: int, block_size: int, order: str, seed: int) -> list[list[int]]:
+    """Demonstration indices per block: seeded shuffle or corpus order, the last block may be short."""
+    if order not in ("random", "corpus"):
+        raise BuildError(f"unknown block order {order!r}; expected 'random' or 'corpus'")
+    idx = list(range(n))
+    if order == "random":
+        random.Random(seed).shuffle(idx)
+    return [idx[i:i + block_size] for i in range(0, n, block_size)]
+
+
+def tokenize(tokenizer, task: TaskSpec, demos: list[Demonstration]) -> tuple[list[int], list[list[int]]]:
+    """Anchor ids (with the tokenizer's special prefix, if any) and each demonstration's ids alone."""
+    anchor = tokenizer(task.anchor, add_special_tokens=True).input_ids
+    return anchor, [tokenizer(task.render(d), add_special_tokens=False).input_ids for d in demos]
+
+
+def encoding_units(num_blocks: int, encode_batch: int) -> list[list[int]]:
+    """Blocks encoded together in one forward pass: runs of ``encode_batch`` in block order.
+
+    The runs depend only on the arguments, never on how many processes share them, so a block's
+    K/V are computed from the same padded batch on one rank or many (byte-identical stores).
+    """
+    return [list(range(i, min(i + encode_batch, num_blocks))) for i in range(0, num_blocks, encode_batch)]
+
+
+def encode_blocks(model, rows: list[tuple[list[int], int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Forward each row's ids in one batch; per row, its last ``captured`` tokens' pre-RoPE K and V,
+    each [L, H, T, d] fp32 on the model's device.
+
+    Rows are right-padded: under the causal mask a real token never attends to the padding after
+    it, so no padding mask is needed and its positions are 0..n-1 exactly as in a one-row pass.
+    Only the last position's logits are computed (the rest are never read).
+    """
+    longest = max(len(ids) for ids, _ in rows)
+    batch = torch.zeros(len(rows), longest, dtype=torch.long)  # token 0 pads; what follows a row is never read
+    for r, (ids, _) in enumerate(rows):
+        batch[r, :len(ids)] = torch.tensor(ids)
+    with capture_kv(model) as kv, torch.inference_mode():
+        model(input_ids=batch.to(model.device), use_cache=False, logits_to_keep=1)
+    out = []
+    for r, (ids, captured) in enumerate(rows):
+        span = slice(len(ids) - captured, len(ids))
+        out.append(tuple(torch.stack([x[r, span].transpose(0, 1) for x in xs]).float() for xs in (kv.keys, kv.values)))
+    return out
