@@ -238,6 +238,11 @@ class MiloStore:
         """Whether the store is read from an object store (a store URL)."""
         return is_url(self.path)
 
+    def block_bytes(self, ids) -> np.ndarray:
+        """Bytes of each of these blocks' packed factors (int64, one per id): what reading them moves."""
+        ids = np.asarray(ids, dtype=np.int64)
+        return (self.offsets[ids + 1] - self.offsets[ids]) * self.itemsize
+
     def block_layer_bounds(self, i: int) -> np.ndarray:
         """Offsets of each layer inside block i (int64 [L + 1]), relative to the block's start."""
         return self.layout.layer_offsets(self.ranks[i], int(self.block_tokens[i]))

@@ -81,7 +81,7 @@ class StorePrefix:
                                  for l in range(L)])
         else:
             segments = np.zeros((L, 0, 6), np.int64)
-        stored = int(sum(self.store.offsets[b + 1] - self.store.offsets[b] for b in blocks)) * self.store.itemsize
+        stored = int(self.store.block_bytes(blocks).sum())
         return BlockPlacement(dst_rows=dst, segments=segments, prefix_tokens=self.anchor_len + int(tokens.sum()),
                               kv_bytes_full=full_kv_bytes(self.layout, tokens), kv_bytes_stored=stored)
 
