@@ -53,7 +53,7 @@ class MiloStore:
         self.layout = Layout(lay["num_layers"], lay["num_kv_heads"], lay["head_dim"], quant)
         self.dtype = meta["factor_dtype"]
         self.torch_dtype = fmt.TORCH_DTYPES[self.dtype]
-        self.itemsize = torch.empty(0, dtype=self.torch_dtype).element_size()
+        self.itemsize = fmt.value_bytes(self.dtype)
         self._array_checksums = self._recorded_checksums()
         self._token_ids = None
         self.ranks = np.asarray(self._read_array(fmt.RANKS), dtype=np.int16)
