@@ -13,8 +13,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from milo_format import GROUP_TOKENS, QUANT_BITS
+
 FACTORS = {"fp16": "*fp16", "bf16": "*bf16", "fp32": "*fp32", "int8": "*u8", "int4": "*u8", "int2": "*u8"}
-BITS = {"int8": 8, "int4": 4, "int2": 2}
 OUTPUT = {"bf16": "*bf16", "fp32": "*fp32"}  # outputs follow the factors' dtype; quantized ones write fp16
 HEAD_DIMS = (64, 128, 256)
 # per compute capability: registers and shared memory per SM, the most a block may take, warps per SM
@@ -48,7 +49,6 @@ def compile_variant(v: Variant, cc: int) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from .lowbit import GROUP_TOKENS
     from .triton_kernel import kernel_for
 
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # triton 3.9's default, stated (silences its warning)
@@ -56,10 +56,10 @@ def compile_variant(v: Variant, cc: int) -> dict:
     config = launch_config(v)
     factor = FACTORS[v.dtype]
     out = OUTPUT.get(v.dtype, "*fp16")
-    args = dict(F=factor, F16="*fp16" if v.dtype in BITS else factor, TILES="*i64", K=out, V=out,
+    args = dict(F=factor, F16="*fp16" if v.dtype in QUANT_BITS else factor, TILES="*i64", K=out, V=out,
                 COS="*fp32", SIN="*fp32", D="i32")
     args |= {name: "i32" for name in kernel.arg_names if name.startswith("s")}
-    constants = dict(BITS=BITS.get(v.dtype, 0), GROUP=GROUP_TOKENS, INTERLEAVED=v.interleaved,
+    constants = dict(BITS=QUANT_BITS.get(v.dtype, 0), GROUP=GROUP_TOKENS, INTERLEAVED=v.interleaved,
                      IEEE_DOT=v.dtype == "fp32", BLOCK_T=config["block_t"], BLOCK_R=config["block_r"],
                      BLOCK_H=config["block_h"])
     signature = {name: args.get(name, "constexpr") for name in kernel.arg_names}

@@ -18,7 +18,8 @@ results differ from it by fp32 rounding only. Inputs are not validated here:
 """
 import torch
 
-from .naive import RAW_RANK, dequantize_int8_segment, int8_segment_bytes, raw_segment
+from milo_format import RAW_RANK, segment_size
+from .naive import dequantize_int8_segment, raw_segment
 
 
 def reconstruct_layer_cpu(factors, segments, out_k, out_v, cos, sin, *, interleaved=False) -> None:
@@ -49,7 +50,7 @@ def _product(factors, src: int, rank: int, tokens: int, d: int, out: torch.Tenso
         out.copy_(raw_segment(factors, src, tokens, d))
         return
     if factors.dtype == torch.uint8:
-        a, s, b = dequantize_int8_segment(factors[src:src + int8_segment_bytes(rank, tokens, d)], rank, tokens, d)
+        a, s, b = dequantize_int8_segment(factors[src:src + segment_size(rank, tokens, d, 8, 0)], rank, tokens, d)
         torch.mm(a, (b * s).t(), out=out)
         return
     s_at = src + tokens * rank

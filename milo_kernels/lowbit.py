@@ -8,42 +8,16 @@ becomes a floating raw segment, X [T, d], so those paths need nothing else.
 """
 import torch
 
-from .naive import RAW_RANK, float_segment_numel
+from milo_format import (GROUP_TOKENS, LOWBIT_HEADER, QUANT_BITS, RAW_RANK, lowbit_code_bytes, lowbit_rows,
+                         lowbit_scale_bytes, segment_size)
 
-BITS = {"int4": 4, "int2": 2}
-GROUP_TOKENS = 32  # must equal milo_store.layout.GROUP_TOKENS (checked by tests)
-
-
-def _padded_rows(tokens: int, per_byte: int) -> int:
-    """A's rows once padded so that every column fills an even number of bytes."""
-    return -(-tokens // (2 * per_byte)) * 2 * per_byte
-
-
-def lowbit_segment_bytes(rank, tokens, d: int, bits: int, kind):
-    """Size of one segment (docs/format.md); zero at rank zero. Takes ints or int64 tensors (elementwise).
-
-    Rank r > 0: Σ, B's scale and minimum and B's codes, r (6 + d) bytes, and A's r columns. Raw: A's d
-    columns alone."""
-    columns = rank + (rank == RAW_RANK) * (d - RAW_RANK)  # A's columns: d for a raw segment
-    a = _scale_bytes(columns, tokens, kind) + _code_bytes(columns, tokens, bits)
-    return a * (columns > 0) + rank * (6 + d) * (rank > 0)
-
-
-def _scale_bytes(columns, tokens, kind):
-    """Bytes of a low-bit A's fp16 scales and minima: a key's per column and group of GROUP_TOKENS
-    tokens, a value's per token."""
-    return 4 * columns * -(-tokens // GROUP_TOKENS) * (kind == 0) + 4 * tokens * (kind != 0)
-
-
-def _code_bytes(columns, tokens, bits: int):
-    per_byte = 8 // bits
-    return columns * _padded_rows(tokens, per_byte) // per_byte
+LOWBIT_BITS = {quant: bits for quant, bits in QUANT_BITS.items() if bits < 8}  # what this module expands
 
 
 def _dequantize_a(scales: torch.Tensor, packed: torch.Tensor, columns: int, tokens: int, bits: int, kind: int):
     """fp32 A [T, columns] from the bytes of its scales and minima and of its codes (column by column)."""
     T, per_byte = tokens, 8 // bits
-    rows = _padded_rows(T, per_byte)
+    rows = lowbit_rows(T, bits)
     params = scales.view(torch.float16).float()
     shifts = torch.arange(per_byte, dtype=torch.uint8, device=packed.device) * bits
     packed = packed.view(columns, rows // per_byte)
@@ -58,18 +32,19 @@ def _dequantize_a(scales: torch.Tensor, packed: torch.Tensor, columns: int, toke
 
 def dequantize_lowbit_segment(raw: torch.Tensor, rank: int, tokens: int, d: int, bits: int, kind: int):
     """fp32 A [T, r], Σ [r], B [d, r] of one segment, from its bytes (uint8, starting at its header)."""
-    r = rank
-    s, b_scale, b_min = raw[:6 * r].view(torch.float16).float().view(3, r)
-    at = 6 * r + _scale_bytes(r, tokens, kind)
+    r, header = rank, 2 * LOWBIT_HEADER * rank
+    s, b_scale, b_min = raw[:header].view(torch.float16).float().view(LOWBIT_HEADER, r)
+    at = header + lowbit_scale_bytes(r, tokens, kind)
     b = raw[at:at + d * r].view(d, r).float() * b_scale + b_min
-    a = _dequantize_a(raw[6 * r:at], raw[at + d * r:at + d * r + _code_bytes(r, tokens, bits)], r, tokens, bits, kind)
+    a_codes = raw[at + d * r:at + d * r + lowbit_code_bytes(r, tokens, bits)]
+    a = _dequantize_a(raw[header:at], a_codes, r, tokens, bits, kind)
     return a, s, b
 
 
 def dequantize_lowbit_raw(raw: torch.Tensor, tokens: int, d: int, bits: int, kind: int) -> torch.Tensor:
     """fp32 X [T, d] of one raw segment, from its bytes (uint8, starting at its scales)."""
-    at = _scale_bytes(d, tokens, kind)
-    return _dequantize_a(raw[:at], raw[at:at + _code_bytes(d, tokens, bits)], d, tokens, bits, kind)
+    at = lowbit_scale_bytes(d, tokens, kind)
+    return _dequantize_a(raw[:at], raw[at:at + lowbit_code_bytes(d, tokens, bits)], d, tokens, bits, kind)
 
 
 def dequantize_lowbit_layer(factors: torch.Tensor, segments: torch.Tensor, d: int,
@@ -79,17 +54,17 @@ def dequantize_lowbit_layer(factors: torch.Tensor, segments: torch.Tensor, d: in
     The new table keeps every row's rank, tokens, destination, head and kind; only src_offset moves
     to where the segment's A, Σ, B (a raw segment's X) now start in the floating buffer (docs/format.md).
     """
-    if quant not in BITS:
-        raise ValueError(f"unknown low-bit quantization {quant!r}; expected one of {tuple(BITS)}")
+    if quant not in LOWBIT_BITS:
+        raise ValueError(f"unknown low-bit quantization {quant!r}; expected one of {tuple(LOWBIT_BITS)}")
     if segments.dtype != torch.int64 or segments.dim() != 2 or segments.shape[1] != 6:
         raise ValueError(f"segments must be int64 [S, 6], got {segments.dtype} {tuple(segments.shape)}")
-    bits = BITS[quant]
+    bits = LOWBIT_BITS[quant]
     parts, table, at = [], segments.clone(), 0
     for i, (src, rank, tokens, _, _, kind) in enumerate(segments.tolist()):
         table[i, 0] = at
         if rank == 0:
             continue
-        end = src + lowbit_segment_bytes(rank, tokens, d, bits, kind)
+        end = src + segment_size(rank, tokens, d, bits, kind)
         if src < 0 or src % 2 or end > factors.numel():
             raise ValueError(f"segment {i} {segments[i].tolist()}: its {quant} bytes [{src}, {end}) are not an "
                              f"even-aligned range of the {factors.numel()} factor bytes")
@@ -99,6 +74,6 @@ def dequantize_lowbit_layer(factors: torch.Tensor, segments: torch.Tensor, d: in
         else:
             a, s, b = dequantize_lowbit_segment(raw, rank, tokens, d, bits, kind)
             parts += [a.reshape(-1), s, b.reshape(-1)]
-        at += float_segment_numel(rank, tokens, d)
+        at += segment_size(rank, tokens, d, 0, kind)
     flat = torch.cat(parts).half() if parts else torch.empty(0, dtype=torch.float16, device=factors.device)
     return flat, table

@@ -1,8 +1,7 @@
 """Plain-PyTorch references: short and obviously right. The oracle for tests and the CPU path."""
 import torch
 
-INT8_HEADER = 5  # fp16 vectors of length r before an INT8 segment's codes: Σ, A scale, A min, B scale, B min
-RAW_RANK = -1  # the rank of a raw segment, X itself (must equal milo_store.layout.RAW_RANK; checked by tests)
+from milo_format import INT8_HEADER, RAW_RANK, segment_size
 
 
 def rotate(x: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
@@ -18,18 +17,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     """Rotate x [..., T, d] by full-width tables cos, sin [T, d] (computed in fp32, returned in x's dtype)."""
     xf = x.float()
     return (xf * cos + rotate(xf, interleaved) * sin).to(x.dtype)
-
-
-def float_segment_numel(rank, tokens, d: int):
-    """Values of a floating segment: r (T + d + 1), or T d for a raw one. Ints or int64 tensors (elementwise)."""
-    return (rank == RAW_RANK) * tokens * d + (rank != RAW_RANK) * rank * (tokens + d + 1)
-
-
-def int8_segment_bytes(rank, tokens, d: int):
-    """Size of an INT8 segment (docs/format.md): r (T' + d + 10) bytes, T' = T rounded up to even; a raw
-    one is (T' + 4) d bytes (a scale and minimum per channel, then the codes). Ints or int64 tensors."""
-    padded = tokens + tokens % 2
-    return (rank == RAW_RANK) * (padded + 4) * d + (rank != RAW_RANK) * rank * (padded + d + 2 * INT8_HEADER)
 
 
 def raw_segment(factors: torch.Tensor, src: int, tokens: int, d: int) -> torch.Tensor:
@@ -71,7 +58,7 @@ def reconstruct_layer_naive(factors, segments, out_k, out_v, cos, sin, *, interl
             x = raw_segment(factors, src, tokens, d)
         else:
             if factors.dtype == torch.uint8:
-                raw = factors[src:src + int8_segment_bytes(rank, tokens, d)]
+                raw = factors[src:src + segment_size(rank, tokens, d, 8, kind)]
                 a, s, b = dequantize_int8_segment(raw, rank, tokens, d)
             else:
                 a_end, s_end = src + tokens * rank, src + tokens * rank + rank

@@ -14,13 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
+from milo_format import QUANT_BITS, RAW_RANK, segment_size
 from . import triton_kernel
-from .lowbit import BITS as LOWBIT_BITS, lowbit_segment_bytes
-from .naive import RAW_RANK, float_segment_numel, int8_segment_bytes
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FACTOR_DTYPES = FLOAT_DTYPES + (torch.uint8,)  # uint8: quantized segments (INT8, INT4, INT2)
-QUANT_BITS = {None: 8, "int8": 8, **LOWBIT_BITS}  # for uint8 factors; None reads as INT8 (older stores)
+UINT8_BITS = {None: QUANT_BITS["int8"], **QUANT_BITS}  # code width of uint8 factors; None reads as INT8 (older stores)
 SEGMENT_COLUMNS = ("src_offset", "rank", "tokens", "dst_row", "head", "kind")
 
 
@@ -100,14 +99,14 @@ def _plan(segs, d: int, bits: int, device, tiles: dict) -> list[Plan]:
             raise ValueError(f"{name} must be a power of two >= 16, got {size}")
     L, S = segs.shape[:2]
     flat = segs.reshape(-1, len(SEGMENT_COLUMNS))
-    src, rank, tokens, dst, head = (flat[:, i] for i in range(5))
+    src, rank, tokens, dst, head, kind = flat.unbind(1)
     n_tiles = (tokens + config["block_t"] - 1) // config["block_t"]
     owner = torch.repeat_interleave(torch.arange(len(flat)), n_tiles)
     first_tile = torch.cumsum(n_tiles, 0) - n_tiles
     t0 = (torch.arange(len(owner)) - first_tile[owner]) * config["block_t"]
     table = _upload(torch.cat([flat[owner], t0[:, None]], dim=1), device)
     per_layer = n_tiles.view(L, S).sum(1).tolist()
-    ends = (src + _segment_numel(flat, d, bits)).view(L, S)
+    ends = (src + segment_size(rank, tokens, d, bits, kind)).view(L, S)
     rows, heads = (dst + tokens).view(L, S), head.view(L, S)
     need = [(0, 0, 0)] * L if S == 0 else zip(ends.amax(1).tolist(), rows.amax(1).tolist(), (heads.amax(1) + 1).tolist())
     return [Plan(tiles=t, d=d, need_numel=n, need_rows=r, need_heads=h, bits=bits, **config)
@@ -116,9 +115,9 @@ def _plan(segs, d: int, bits: int, device, tiles: dict) -> list[Plan]:
 
 def factor_bits(factor_dtype, quant) -> int:
     """0 for floating factors, else the code width of the uint8 factors' quantization."""
-    if quant not in QUANT_BITS:
+    if quant not in UINT8_BITS:
         raise ValueError(f"unknown low-bit quantization {quant!r}; expected None, 'int8', 'int4' or 'int2'")
-    return QUANT_BITS[quant] if factor_dtype == torch.uint8 else 0
+    return UINT8_BITS[quant] if factor_dtype == torch.uint8 else 0
 
 
 def _upload(table, device):
@@ -163,7 +162,8 @@ def check_all(factors, segments, out_k, out_v, cos, sin, bits: int) -> torch.Ten
     n_heads, n_rows, d = out_k.shape
     src, rank, tokens, dst, head, kind = segs.unbind(1)
     _check_rules(segs, _structure_rules(segs, d, bits) + (
-        (src + _segment_numel(segs, d, bits) <= factors.numel(), f"reads past the end of factors ({factors.numel()})"),
+        (src + segment_size(rank, tokens, d, bits, kind) <= factors.numel(),
+         f"reads past the end of factors ({factors.numel()})"),
         (dst + tokens <= n_rows, f"rows fall outside the output's N={n_rows}"),
         (head < n_heads, f"head must be in [0, {n_heads})"),
     ))
@@ -190,16 +190,6 @@ def _check_rules(segs, rules) -> None:
         if not bool(ok.all()):
             i = int((~ok).nonzero()[0])
             raise ValueError(f"segment {i} {dict(zip(SEGMENT_COLUMNS, segs[i].tolist()))}: {message}")
-
-
-def _segment_numel(segs, d, bits):
-    """Elements each segment occupies: r (T + d + 1) values (T d raw), or its bytes when quantized (docs/format.md)."""
-    _, rank, tokens, _, _, kind = segs.unbind(1)
-    if bits == 8:
-        return int8_segment_bytes(rank, tokens, d)
-    if bits:
-        return lowbit_segment_bytes(rank, tokens, d, bits, kind)
-    return float_segment_numel(rank, tokens, d)
 
 
 def _check_disjoint(segs, layer=None) -> None:

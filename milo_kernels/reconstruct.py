@@ -14,9 +14,10 @@ import os
 
 import torch
 
+from milo_format import GROUP_TOKENS
 from . import triton_kernel
 from .cpu import reconstruct_layer_cpu
-from .lowbit import GROUP_TOKENS, dequantize_lowbit_layer
+from .lowbit import dequantize_lowbit_layer
 from .naive import reconstruct_layer_naive
 from .plan import Plan, check_all, check_tensors, factor_bits, plan_layer
 

@@ -15,7 +15,7 @@ import torch
 from .allocation import allocate_ranks
 from .baselines import BASELINES, ExampleSplit, GlobalProjection, WeightedBlocks
 from .codec import CODECS, BlockFactors, measured_losses, pack_block
-from .format import GROUP_BYTES, QUANTIZED, TORCH_DTYPES
+from .format import GROUP_BYTES, QUANTIZED, TORCH_DTYPES, value_bytes
 from .layout import RAW_RANK, Layout, full_kv_bytes
 from . import text_index
 from .staging import Staging
@@ -132,7 +132,7 @@ def check_budget(layout: Layout, tokens, config: CompressionConfig) -> None:
         return
     layout = quant_layout(layout, config.dtype)
     tokens = np.asarray(tokens, dtype=np.int64)
-    itemsize = torch.empty(0, dtype=TORCH_DTYPES[config.dtype]).element_size()
+    itemsize = value_bytes(config.dtype)
     silent = np.zeros((len(tokens), layout.num_layers, 2, layout.num_kv_heads, layout.head_dim))
     allocate_ranks(silent, tokens, layout, config.ratio, policy="entropy", scope=config.scope,
                    kv_split=config.kv_split, r_min=config.r_min, r_max=config.r_max, bytes_per_value=itemsize,
@@ -174,7 +174,7 @@ def _plan(source, layout: Layout, config: CompressionConfig,
     ratio = config.ratio
     if source.block_group is not None:  # the group index is not in allocation's index: take it off the budget
         ratio -= GROUP_BYTES * N / full_kv_bytes(layout, tokens)
-    itemsize = torch.empty(0, dtype=TORCH_DTYPES[config.dtype]).element_size()
+    itemsize = value_bytes(config.dtype)
     ranks = allocate_ranks(spectra, tokens, layout, ratio, policy=config.policy, scope=config.scope,
                            kv_split=config.kv_split, r_min=config.r_min, r_max=config.r_max, eps=config.eps,
                            seed=config.seed, bytes_per_value=itemsize, key_share=config.key_share, **measured)

@@ -31,6 +31,11 @@ TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32":
                 **{q: torch.uint8 for q in QUANTIZED}}
 
 
+def value_bytes(dtype: str) -> int:
+    """Bytes per value of the factor array of a store in ``dtype`` (a quantized store's values are bytes)."""
+    return np.dtype(NUMPY_DTYPES[dtype]).itemsize
+
+
 def store_version(ranks: np.ndarray) -> int:
     """The lowest format version that may hold these ranks: 1 unless a unit is raw (rank < 0)."""
     return RAW_FORMAT_VERSION if np.asarray(ranks).min(initial=0) < 0 else FACTORED_VERSION

@@ -13,20 +13,20 @@ scale and minimum) whenever the rank is above zero.
 
 A unit may instead be *raw* (rank ``RAW_RANK``): its K or V [T, d] itself in the factor dtype, or
 quantized as the A part of a rank-d segment whose Σ = 1 and B = I go unstored (``raw_size``).
+
+The sizes themselves, and RAW_RANK, GROUP_TOKENS and the bit widths, live in ``milo_format``, which
+the kernels read segments by too.
 """
 from dataclasses import dataclass
 
 import numpy as np
 
+import milo_format
+from milo_format import QUANT_BITS, RAW_RANK
+
 KINDS = ("key", "value")
 # Bytes per value of the index arrays that the accounting counts beside the factors.
 RANK_BYTES, TOKENS_BYTES, CHECKSUM_BYTES = 2, 4, 4
-# Bytes per rank unit of an INT8 segment beyond its T + d codes: Σ, and scale and minimum of the
-# A column and of the B column, each fp16.
-QUANT_UNIT_OVERHEAD = 10
-QUANT_BITS = {"int8": 8, "int4": 4, "int2": 2}
-GROUP_TOKENS = 32  # tokens per scale of a low-bit key factor column (KIVI's group size)
-RAW_RANK = -1  # the rank recorded for a raw unit (must equal milo_kernels.RAW_RANK; checked by tests)
 
 
 @dataclass(frozen=True)
@@ -44,28 +44,21 @@ class Layout:
     def quantized(self) -> bool:
         return self.quant is not None
 
+    @property
+    def bits(self) -> int:
+        """Code width of the quantized factors; 0 for floating ones (milo_format's sizes take it)."""
+        return QUANT_BITS[self.quant] if self.quantized else 0
+
     def unit_size(self, tokens, kind=0):
         """Storage elements one rank unit of a ``kind`` segment costs over ``tokens`` tokens (bytes when quantized).
 
         Every size is even when quantized, so each segment's fp16 header stays 2-byte aligned.
         """
-        tokens = np.asarray(tokens, dtype=np.int64)
-        if self.quant is None:
-            return tokens + self.head_dim + 1
-        if self.quant == "int8":  # A codes padded to an even row count
-            return tokens + tokens % 2 + self.head_dim + QUANT_UNIT_OVERHEAD
-        # Σ, B scale and min (fp16), B codes (uint8), A codes packed, rows padded to whole even bytes
-        per_byte = 8 // QUANT_BITS[self.quant]
-        rows = -(-tokens // (2 * per_byte)) * 2 * per_byte
-        groups = -(-tokens // GROUP_TOKENS)
-        return 6 + self.head_dim + rows // per_byte + np.where(np.asarray(kind) == 0, 4 * groups, 0)
+        return milo_format.unit_size(np.asarray(tokens, dtype=np.int64), self.head_dim, self.bits, np.asarray(kind))
 
     def fixed_size(self, tokens, kind=0):
         """Bytes a segment of rank > 0 costs beyond its rank units: a low-bit value's per-token scale and min."""
-        tokens, kind = np.asarray(tokens, dtype=np.int64), np.asarray(kind)
-        if self.quant in ("int4", "int2"):
-            return np.where(kind == 1, 4 * tokens, 0)
-        return np.zeros(np.broadcast_shapes(tokens.shape, kind.shape), dtype=np.int64)
+        return milo_format.fixed_size(np.asarray(tokens, dtype=np.int64), self.bits, np.asarray(kind))
 
     def raw_size(self, tokens, kind=0):
         """Elements (bytes when quantized) of a raw ``kind`` segment over ``tokens`` tokens (docs/format.md).
@@ -74,22 +67,13 @@ class Layout:
         INT4/INT2: a low-bit A of rank d without Σ and B: key scales per channel and group, 4d·G, or
         value scales per token, 4T, plus d columns of codes.
         """
-        tokens, d = np.asarray(tokens, dtype=np.int64), self.head_dim
-        if self.quant is None:
-            return tokens * d
-        if self.quant == "int8":
-            return 4 * d + (tokens + tokens % 2) * d
-        per_byte = 8 // QUANT_BITS[self.quant]
-        rows = -(-tokens // (2 * per_byte)) * 2 * per_byte
-        return d * rows // per_byte + np.where(np.asarray(kind) == 0, 4 * d * -(-tokens // GROUP_TOKENS), 4 * tokens)
+        return milo_format.raw_size(np.asarray(tokens, dtype=np.int64), self.head_dim, self.bits, np.asarray(kind))
 
     def _sizes(self, ranks: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         """Elements of each segment: ranks [..., 2, H] against tokens broadcast to ranks[..., None, None]."""
         r = np.asarray(ranks, dtype=np.int64)
         t = np.asarray(tokens, dtype=np.int64)[..., None, None]
-        kind = np.arange(2).reshape(2, 1)
-        low_rank = np.maximum(r, 0) * self.unit_size(t, kind) + (r > 0) * self.fixed_size(t, kind)
-        return np.where(r == RAW_RANK, self.raw_size(t, kind), low_rank)
+        return milo_format.segment_size(r, t, self.head_dim, self.bits, np.arange(2).reshape(2, 1))
 
     def ranks_in_range(self, ranks) -> bool:
         """Every rank is RAW_RANK or in [0, d]: what writer and reader both require (a projection's

@@ -9,7 +9,6 @@ import contextlib
 import shutil
 from pathlib import Path
 
-import numpy as np
 import torch
 import zarr
 
@@ -34,7 +33,7 @@ def push(local, url: str, *, force: bool = False, max_chunk_bytes: int = REMOTE_
             shutil.copytree(local, copy, ignore=lambda d, names: [fmt.FACTORS] if Path(d) == local else [])
             total = int(store.offsets[-1])
             np_dtype = fmt.NUMPY_DTYPES[store.dtype]
-            chunk = fmt.chunk_values(total, np.dtype(np_dtype).itemsize, max_chunk_bytes)
+            chunk = fmt.chunk_values(total, store.itemsize, max_chunk_bytes)
             factors = zarr.open_group(str(copy), mode="r+").create_array(
                 fmt.FACTORS, shape=(total,), dtype=np_dtype, chunks=(chunk,), compressors=None, fill_value=0,
                 config={"write_empty_chunks": True})

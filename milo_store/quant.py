@@ -13,8 +13,8 @@ starts aligned every header is 2-byte aligned, as a GPU kernel reading it in pla
 """
 import torch
 
+from milo_format import GROUP_TOKENS, QUANT_BITS, lowbit_rows
 from .format import TORCH_DTYPES
-from .layout import GROUP_TOKENS, QUANT_BITS
 
 
 def quantize(x: torch.Tensor, dim: int = 0, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -77,8 +77,7 @@ def _lowbit_columns(x: torch.Tensor, bits: int, kind: int) -> tuple[torch.Tensor
     GROUP_TOKENS tokens ([2, G, c]), a value per token ([2, T]); codes column by column, ``8 // bits``
     tokens per byte, each column padded to an even number of bytes."""
     T, c = x.shape
-    per_byte = 8 // bits
-    rows = -(-T // (2 * per_byte)) * 2 * per_byte
+    per_byte, rows = 8 // bits, lowbit_rows(T, bits)
     if kind == 0:
         codes, scale, low = quantize_token_groups(x, GROUP_TOKENS, bits)
     else:

@@ -64,11 +64,12 @@ def block_rows(store: MiloStore, offset: int = 0, limit: int = 0) -> list[dict]:
     start = min(offset, store.num_blocks)
     stop = store.num_blocks if limit == 0 else min(start + limit, store.num_blocks)
     per_block = demonstrations_per_block(store, start, stop)
+    nbytes = store.block_bytes(range(start, stop))
     rows = []
     for i in range(start, stop):
         rows.append({"block": i, "tokens": int(store.block_tokens[i]), "demonstrations": int(per_block[i - start]),
                      "key_rank": rank_summary(store.ranks[i, :, 0]), "value_rank": rank_summary(store.ranks[i, :, 1]),
-                     "bytes": int(store.offsets[i + 1] - store.offsets[i]) * store.itemsize})
+                     "bytes": int(nbytes[i - start])})
     return rows
 
 

@@ -53,7 +53,7 @@ class MiloStore:
         self.layout = Layout(lay["num_layers"], lay["num_kv_heads"], lay["head_dim"], quant)
         self.dtype = meta["factor_dtype"]
         self.torch_dtype = fmt.TORCH_DTYPES[self.dtype]
-        self.itemsize = torch.empty(0, dtype=self.torch_dtype).element_size()
+        self.itemsize = fmt.value_bytes(self.dtype)
         self._array_checksums = self._recorded_checksums()
         self._token_ids = None
         self.ranks = np.asarray(self._read_array(fmt.RANKS), dtype=np.int16)
@@ -237,6 +237,11 @@ class MiloStore:
     def remote(self) -> bool:
         """Whether the store is read from an object store (a store URL)."""
         return is_url(self.path)
+
+    def block_bytes(self, ids) -> np.ndarray:
+        """Bytes of each of these blocks' packed factors (int64, one per id): what reading them moves."""
+        ids = np.asarray(ids, dtype=np.int64)
+        return (self.offsets[ids + 1] - self.offsets[ids]) * self.itemsize
 
     def block_layer_bounds(self, i: int) -> np.ndarray:
         """Offsets of each layer inside block i (int64 [L + 1]), relative to the block's start."""

@@ -168,7 +168,7 @@ class StoreWriter:
                 self.tmp = Path(f"{self.path}.tmp-{os.getpid()}-{next(_counter)}")
             self.group = zarr.open_group(str(self.tmp), mode="w")
             total = int(self.offsets[-1])
-            self.chunk = fmt.chunk_values(total, np.dtype(fmt.NUMPY_DTYPES[dtype]).itemsize, max_chunk_bytes)
+            self.chunk = fmt.chunk_values(total, fmt.value_bytes(dtype), max_chunk_bytes)
             self.factors = self.group.create_array(
                 fmt.FACTORS, shape=(total,), dtype=fmt.NUMPY_DTYPES[dtype], chunks=(self.chunk,),
                 compressors=None, fill_value=0, config={"write_empty_chunks": True})

@@ -2,9 +2,10 @@
 functions, which would otherwise hide a circle):
 
 * no import circle between modules;
-* the flow is one-way, tools -> milo_infer -> {milo_store, milo_kernels}: milo_store and milo_kernels
-  import neither milo_infer nor tools, nor each other (the store knows nothing about kernels, the
-  kernels nothing about stores);
+* the flow is one-way, tools -> milo_infer -> {milo_store, milo_kernels} -> milo_format: milo_store
+  and milo_kernels import neither milo_infer nor tools, nor each other (the store knows nothing about
+  kernels, the kernels nothing about stores); both may import milo_format (the format's numeric
+  facts), which imports none of them;
 * no module imports another package's CLI modules (a CLI only parses and prints; what two packages
   share lives in a library module).
 """
@@ -14,8 +15,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("milo_store", "milo_kernels", "milo_infer", "tools")
+PACKAGES = ("milo_format", "milo_store", "milo_kernels", "milo_infer", "tools")
 FORBIDDEN = {  # package -> packages it must not import
+    "milo_format": {"milo_store", "milo_kernels", "milo_infer", "tools"},
     "milo_store": {"milo_infer", "tools", "milo_kernels"},
     "milo_kernels": {"milo_infer", "tools", "milo_store"},
     "milo_infer": {"tools"},
@@ -124,6 +126,13 @@ def write_tree(root: Path, files: dict[str, str]) -> Path:
     ({"milo_kernels/__init__.py": "", "milo_kernels/k.py": "import milo_store.layout\n",
       "milo_store/__init__.py": "", "milo_store/layout.py": ""},
      ["milo_kernels.k imports milo_store.layout: milo_kernels must not import milo_store"]),
+    ({"milo_format/__init__.py": "from milo_store.layout import Layout\n",
+      "milo_store/__init__.py": "", "milo_store/layout.py": ""},
+     ["milo_format imports milo_store.layout: milo_format must not import milo_store"]),
+    ({"milo_format/__init__.py": "", "milo_store/__init__.py": "",
+      "milo_store/layout.py": "from milo_format import RAW_RANK\n",
+      "milo_kernels/__init__.py": "", "milo_kernels/naive.py": "import milo_format\n"},
+     []),  # the store and the kernels share the format's facts through milo_format
     ({"milo_store/__init__.py": "", "milo_store/cli/__init__.py": "", "milo_store/cli/common.py": "",
       "milo_infer/__init__.py": "", "milo_infer/evaluation/demo.py": "from milo_store.cli.common import human_bytes\n",
       "tools/t.py": "from milo_store.cli import common\n"},

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from milo_format import segment_size  # noqa: E402
 from milo_kernels import RAW_RANK, reconstruct_layer, reconstruct_layer_naive  # noqa: E402
 from milo_kernels import plan as planning, reconstruct as rk, triton_kernel  # noqa: E402
 from milo_store.quant import pack_raw_segment, pack_segment  # noqa: E402
@@ -78,7 +79,7 @@ def build_layer(args, gen):
                 rank = min(d, max(1, round(target * (0.75 + 0.5 * float(torch.rand((), generator=gen))))))
                 if float(torch.rand((), generator=gen)) < args.raw_share:
                     rank = RAW_RANK
-                n = tokens * d if rank == RAW_RANK else rank * (tokens + d + 1)
+                n = segment_size(rank, tokens, d, 0, kind)
                 parts.append(torch.randn(n, generator=gen) * 0.1)
                 segments.append([offset, rank, tokens, row, head, kind])
                 offset += n

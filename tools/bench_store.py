@@ -68,7 +68,7 @@ def main():
               "disk (no verify)": MiloStore.open(path, tier="disk", verify=False)}
     ref = stores["disk"]
     queries = [rng.choice(ref.num_blocks, size=min(args.k, ref.num_blocks), replace=False) for _ in range(args.queries)]
-    nbytes = [sum(int(ref.offsets[i + 1] - ref.offsets[i]) * ref.itemsize for i in q) for q in queries]
+    nbytes = [int(ref.block_bytes(q).sum()) for q in queries]
     mean_bytes = statistics.mean(nbytes)
 
     def per_query(read_block):

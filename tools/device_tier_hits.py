@@ -51,7 +51,7 @@ def main():
     for path in args.stores:
         with MiloStore.open(path, tier="disk", verify=False) as store:
             ratio = store.accounting()["ratio"]
-            mean = float((store.offsets[1:] - store.offsets[:-1]).mean()) * store.itemsize / 2**20
+            mean = float(store.block_bytes(range(store.num_blocks)).mean()) / 2**20
             for mib in sizes:
                 limit = int(mib * 2**20)
                 ordered, mixed = stream_hits(store, in_order, args.k, limit), stream_hits(store, shuffled, args.k, limit)

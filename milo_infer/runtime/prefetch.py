@@ -66,8 +66,7 @@ class LayerPrefetcher:
         self.starts = np.concatenate((np.zeros((L, 1), np.int64), np.cumsum(sizes, axis=1)[:, :-1]), axis=1)
         self.layer_values = sizes.sum(axis=1)
         # bytes that cross from the store to the device: the blocks the device tier did not hold
-        fetched = set(missing)
-        self.bytes_moved = sum(int(b[-1]) for i, b in zip(self.block_ids, self.bounds) if i in fetched) * store.itemsize
+        self.bytes_moved = int(store.block_bytes(missing).sum())
         self.depth = max(1, depth)
         # factor bytes staged for the rebuild at once: depth + 1 layer buffers on CUDA, one gathered layer on CPU
         layers_held = self.depth + 1 if self.device.type == "cuda" else 1

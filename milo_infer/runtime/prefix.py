@@ -83,7 +83,7 @@ class StorePrefix:
                                  for l in range(L)])
         else:
             segments = np.zeros((L, 0, 6), np.int64)
-        stored = int(sum(self.store.offsets[b + 1] - self.store.offsets[b] for b in placed)) * self.store.itemsize
+        stored = int(self.store.block_bytes(placed).sum())
         return BlockPlacement(store=self.name, blocks=placed, dst_rows=dst[keep], segments=segments,
                               prefix_tokens=self.anchor_len + int(tokens.sum()),
                               kv_bytes_full=full_kv_bytes(self.layout, tokens[keep]), kv_bytes_stored=stored)

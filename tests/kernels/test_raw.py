@@ -15,9 +15,9 @@ from hypothesis import given, settings, strategies as st
 
 from lowrank_cases import (check_outputs, nan_buffers, quantized_layer, random_layer, rope_by_complex,
                            rope_tables, run_under_interpreter, target_mask)
-from milo_kernels import RAW_RANK, int8_segment_bytes, lowbit_segment_bytes, reconstruct_layer, reconstruct_layer_naive
+from milo_format import QUANT_BITS, segment_size
+from milo_kernels import RAW_RANK, reconstruct_layer, reconstruct_layer_naive
 from milo_store import Layout
-from milo_store.layout import RAW_RANK as STORE_RAW_RANK
 from milo_store.quant import pack_raw_segment, roundtrip
 
 CUDA = torch.cuda.is_available()
@@ -26,17 +26,6 @@ needs_triton = pytest.mark.skipif(not (CUDA or INTERPRET), reason="needs CUDA or
 DEVICE = "cuda" if CUDA else "cpu"
 TOP = {"int8": 255, "int4": 15, "int2": 3}
 FLOATING = {"fp16": torch.float16, "fp32": torch.float32}
-
-
-def test_raw_rank_agrees_between_writer_and_reader():
-    assert RAW_RANK == STORE_RAW_RANK
-
-
-def raw_bytes(quant, rank, tokens, d, kind):
-    """The kernels' size of a ``quant`` segment (ints or int64 tensors)."""
-    if quant == "int8":
-        return int8_segment_bytes(rank, tokens, d)
-    return lowbit_segment_bytes(rank, tokens, d, {"int4": 4, "int2": 2}[quant], kind)
 
 
 def group_bounds(x, quant, kind):
@@ -66,12 +55,13 @@ def test_raw_quantized_size_and_error(tokens, d, quant, kind, seed):
     its group's grid, plus the fp16 rounding of scale, minimum (and the INT4/INT2 fp16 expansion)."""
     x = torch.randn(tokens, d, generator=torch.Generator().manual_seed(seed)) * 3
     packed = pack_raw_segment(x, quant, kind)
-    size = raw_bytes(quant, RAW_RANK, tokens, d, kind)
+    bits = QUANT_BITS[quant]
+    size = segment_size(RAW_RANK, tokens, d, bits, kind)
     assert packed.numel() == size == int(Layout(1, 1, d, quant).raw_size(tokens, kind)) and size % 2 == 0
     ranks = torch.tensor([RAW_RANK, 0, 3, RAW_RANK])
-    elementwise = raw_bytes(quant, ranks, torch.full((4,), tokens), d, torch.tensor([kind, kind, kind, 1 - kind]))
-    assert elementwise.tolist() == [size, 0, raw_bytes(quant, 3, tokens, d, kind),
-                                    raw_bytes(quant, RAW_RANK, tokens, d, 1 - kind)]
+    elementwise = segment_size(ranks, torch.full((4,), tokens), d, bits, torch.tensor([kind, kind, kind, 1 - kind]))
+    assert elementwise.tolist() == [size, 0, segment_size(3, tokens, d, bits, kind),
+                                    segment_size(RAW_RANK, tokens, d, bits, 1 - kind)]
     out = nan_buffers(1, tokens, d, torch.float32)
     reconstruct_layer(packed, torch.tensor([[0, RAW_RANK, tokens, 0, 0, kind]]), *out, *identity_rope(tokens, d),
                       quant=quant)
@@ -184,7 +174,7 @@ def test_plans_count_raw_sizes():
     assert [p.need_numel for p in floating] == [max(5 * d, 50 + 2 * (3 + d + 1)), 20 + 7 * d]
     int4 = plan_layers(segments * torch.tensor([2, 1, 1, 1, 1, 1]), d, factor_dtype=torch.uint8, device="cpu",
                        quant="int4")
-    assert int4[1].need_numel == 40 + lowbit_segment_bytes(RAW_RANK, 7, d, 4, 0)
+    assert int4[1].need_numel == 40 + segment_size(RAW_RANK, 7, d, 4, 0)
     with pytest.raises(ValueError, match="or -1"):
         plan_layers(segments - torch.tensor([0, 1, 0, 0, 0, 0]), d, factor_dtype=torch.float16, device="cpu")
 

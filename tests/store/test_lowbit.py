@@ -4,21 +4,16 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from milo_kernels import dequantize_lowbit_segment, lowbit_segment_bytes
-from milo_kernels.lowbit import GROUP_TOKENS as KERNEL_GROUP
+from milo_format import GROUP_TOKENS, segment_size
+from milo_kernels import dequantize_lowbit_segment
 from milo_store import CompressionConfig, Layout, MiloStore
 from milo_store.allocation import BudgetError, allocate_ranks
 from milo_store.compress import check_budget, quant_layout
 from milo_store.layout import compressed_bytes
-from milo_store.layout import GROUP_TOKENS
 from milo_store.quant import pack_segment
 from milo_store.synthetic import build_synthetic_store
 
 BITS = {"int4": 4, "int2": 2}
-
-
-def test_group_size_agrees_between_writer_and_reader():
-    assert KERNEL_GROUP == GROUP_TOKENS
 
 
 @settings(max_examples=40, deadline=None)
@@ -34,7 +29,7 @@ def test_lowbit_segment_size_and_error_bound(T, d, r, quant, kind, seed):
     bits = BITS[quant]
     layout = Layout(1, 1, d, quant)
     size = int(r * layout.unit_size(T, kind) + (r > 0) * layout.fixed_size(T, kind))
-    assert raw.numel() == size == lowbit_segment_bytes(r, T, d, bits, kind)
+    assert raw.numel() == size == segment_size(r, T, d, bits, kind)
     assert raw.numel() % 2 == 0  # the next segment's fp16 header stays aligned
     if r == 0:
         return

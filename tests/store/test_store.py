@@ -41,6 +41,7 @@ def test_write_read_random_ragged_store_is_byte_exact(tmp_path_factory, N, L, H,
                 got = store.block(i)
                 assert got.dtype == tdtype and torch.equal(got.view(torch.uint8), b.view(torch.uint8))
                 assert store.block_layer_bounds(i)[-1] == b.numel()
+                assert store.block_bytes([i]).tolist() == [b.numel() * b.element_size()]
 
 
 def test_host_tier_block_is_a_zero_copy_view(small_store):
