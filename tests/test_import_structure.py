@@ -6,6 +6,10 @@ functions, which would otherwise hide a circle):
   and milo_kernels import neither milo_infer nor tools, nor each other (the store knows nothing about
   kernels, the kernels nothing about stores); both may import milo_format (the format's numeric
   facts), which imports none of them;
+* inside milo_infer, the rooms import one way (docs/design.md's map): `models` and `tasks` import no
+  other room; `runtime` and `build` only those two; `evaluation` and `bench` those and `runtime` and
+  `build`; `server` and `vllm` (milo's HTTP front and vLLM's connector, two front ends of `runtime`)
+  only `models`, `tasks` and `runtime`, never each other; `cli` any room;
 * no module imports another package's CLI modules (a CLI only parses and prints; what two packages
   share lives in a library module).
 """
@@ -22,6 +26,22 @@ FORBIDDEN = {  # package -> packages it must not import
     "milo_kernels": {"milo_infer", "tools", "milo_store"},
     "milo_infer": {"tools"},
 }
+LEAVES = {"models": set(), "tasks": set()}
+ROOMS = {  # milo_infer's room -> the rooms it may import; a room not named here (cli) may import any
+    **LEAVES,
+    "runtime": {"models", "tasks"},
+    "build": {"models", "tasks"},
+    "evaluation": {"models", "tasks", "runtime", "build"},
+    "bench": {"models", "tasks", "runtime", "build"},
+    "server": {"models", "tasks", "runtime"},
+    "vllm": {"models", "tasks", "runtime"},
+}
+
+
+def room(module: str) -> str | None:
+    """The milo_infer room a module is in (its first name under milo_infer), None outside milo_infer."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "milo_infer" and len(parts) > 1 else None
 
 
 def module_files(root: Path) -> dict[str, Path]:
@@ -99,6 +119,9 @@ def import_problems(root: Path) -> list[str]:
                 problems.append(f"{module} imports {target}: {top} must not import {other}")
             if is_cli(target) and other != top:
                 problems.append(f"{module} imports {target}: another package's CLI module")
+            mine, theirs = room(module), room(target)
+            if mine in ROOMS and theirs is not None and theirs != mine and theirs not in ROOMS[mine]:
+                problems.append(f"{module} imports {target}: the {mine} room must not import the {theirs} room")
     return problems
 
 
@@ -144,6 +167,30 @@ def write_tree(root: Path, files: dict[str, str]) -> Path:
 ])
 def test_each_rule_finds_what_it_names(tmp_path, files, expected):
     assert import_problems(write_tree(tmp_path, files)) == expected
+
+
+@pytest.mark.parametrize("files, expected", [
+    ({"milo_infer/__init__.py": "", "milo_infer/runtime/__init__.py": "", "milo_infer/build/__init__.py": "",
+      "milo_infer/runtime/engine.py": "from ..build import config\n", "milo_infer/build/config.py": ""},
+     ["milo_infer.runtime.engine imports milo_infer.build.config: the runtime room must not import the build room"]),
+    ({"milo_infer/__init__.py": "", "milo_infer/vllm/__init__.py": "", "milo_infer/server/__init__.py": "",
+      "milo_infer/vllm/engine.py": "from milo_infer.server.scheduler import UpstreamError\n",
+      "milo_infer/server/scheduler.py": ""},
+     ["milo_infer.vllm.engine imports milo_infer.server.scheduler: the vllm room must not import the server room"]),
+    ({"milo_infer/__init__.py": "", "milo_infer/tasks/__init__.py": "", "milo_infer/tasks/corpus.py": "",
+      "milo_infer/cli/__init__.py": "", "milo_infer/cli/main.py": "from ..tasks import corpus\n",
+      "milo_infer/evaluation/__init__.py": "", "milo_infer/evaluation/demo.py": "from ..tasks.corpus import x\n"},
+     []),  # cli imports any room; evaluation imports tasks
+])
+def test_each_room_rule_finds_what_it_names(tmp_path, files, expected):
+    assert import_problems(write_tree(tmp_path, files)) == expected
+
+
+def test_every_room_is_named_in_the_rules():
+    """A new room must say what it may import: milo_infer's subpackages are the rules' rooms (models is one
+    module, not a package) and cli."""
+    packages = {p.parent.name for p in (REPO / "milo_infer").glob("*/__init__.py")}
+    assert packages == {name for name in ROOMS if name != "models"} | {"cli"}
 
 
 def test_only_the_connector_imports_vllm():
