@@ -194,9 +194,9 @@ def run_queries(sessions: dict, queries: list[str]) -> dict:
             a = s.answer(q)
             acc[m]["wall"] += time.perf_counter() - t
             sec = a.seconds
-            acc[m]["assembly"].append(sec["read"] + sec["transfer"] + sec["reconstruct"])
+            acc[m]["assembly"].append(sec["read"] + sec["transfer"] + sec["rebuild"])
             acc[m]["fetch"].append(sec["read"])
-            acc[m]["rebuild"].append(sec["reconstruct"])
+            acc[m]["rebuild"].append(sec["rebuild"])
     out = {}
     for m, s in sessions.items():
         after = s.store.remote_stats()

@@ -95,7 +95,7 @@ def measure(sessions: dict[str, TimedSession], queries: list[str], k: int, batch
             sec = [a.seconds for a in answers]
             for stage, values in (("retrieve", [x["retrieve"] for x in sec]), ("read", [x["read"] for x in sec]),
                                   ("transfer", [x["transfer"] for x in sec]),
-                                  ("rebuild", [x["reconstruct"] for x in sec]),
+                                  ("rebuild", [x["rebuild"] for x in sec]),
                                   ("model", [x["model"] for x in sec])):
                 per_query[stage].append(sum(values) / n)
         answers, stats = runs[0][2], runs[0][3]

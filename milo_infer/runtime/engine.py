@@ -304,7 +304,7 @@ class Batch:
         last = logits[:, -1].float().cpu()
         admission = time.perf_counter() - t
         seconds = clock.read()
-        seconds["model"] = max(0.0, seconds.pop("forwards") - seconds.get("wait", 0.0) - seconds.get("reconstruct", 0.0))
+        seconds["model"] = max(0.0, seconds.pop("forwards") - seconds.get("wait", 0.0) - seconds.get("rebuild", 0.0))
         share = {stage: s / len(pairs) for stage, s in seconds.items()}
         rows = []
         for p, x in pairs:

@@ -156,7 +156,7 @@ class PrefixRebuild:
     def fill(self, layer: int, k_buf: torch.Tensor, v_buf: torch.Tensor) -> None:
         with self.clock.device_stage("wait"):
             factors = {name: pf.layer(layer)[0] for name, pf in self.fetched.items()}
-        with self.clock.device_stage("reconstruct"):
+        with self.clock.device_stage("rebuild"):
             for r, (row, (segments, kernel_plans)) in enumerate(zip(self.rows, self.tables)):
                 m = self.prefixes[row.store]
                 k_buf[r, :, :m.anchor_len] = m.anchor_k[layer]

@@ -71,8 +71,8 @@ class MiloSession:
         return self.engine.logits([self.plan(text, block_ids)])[0]
 
     def answer(self, text: str) -> Answer:
-        """The answer and its stage seconds: retrieve, read, transfer, wait, reconstruct, model (the
-        forwards without wait and reconstruct). On CUDA, transfer runs on a side stream, overlapped."""
+        """The answer and its stage seconds: retrieve, read, transfer, wait, rebuild, model (the
+        forwards without wait and rebuild). On CUDA, transfer runs on a side stream, overlapped."""
         return self.answer_batch([text])[0]
 
     def answer_batch(self, texts: list[str]) -> list[Answer]:

@@ -72,7 +72,7 @@ def test_full_rank_matches_identity_and_bytes_are_measured(built, default_model,
     assert milo["store_ratio"] <= 0.5 + 1e-3 < full["store_ratio"]
     assert milo["query_kv_bytes_stored"] < milo["query_kv_bytes_full"] == full["query_kv_bytes_full"]
     assert full["query_kv_bytes_stored"] > full["query_kv_bytes_full"]  # identity also stores Σ = 1 and B = I
-    assert {"retrieve", "reconstruct", "model"} <= set(full["seconds"])
+    assert {"retrieve", "rebuild", "model"} <= set(full["seconds"])
 
 
 @pytest.mark.slow

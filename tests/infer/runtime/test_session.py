@@ -140,7 +140,7 @@ def test_answer_reports_blocks_bytes_and_stage_times(tmp_path, default_model):
     answer = MiloSession(default_model, store, settings=EngineSettings(k=2)).answer(QUERY)
     assert answer.text in task_from_corpus(load_corpus(DEMO)).labels
     assert len(answer.blocks) == 2 and 0 < answer.kv_bytes_stored < answer.kv_bytes_full
-    assert {"retrieve", "read", "reconstruct", "model"} <= set(answer.seconds)
+    assert {"retrieve", "read", "rebuild", "model"} <= set(answer.seconds)
     assert np.isclose(answer.kv_bytes_stored / answer.kv_bytes_full, 0.5, atol=0.1)
 
 
