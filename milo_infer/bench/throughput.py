@@ -150,8 +150,8 @@ def link_bandwidth(store: MiloStore, device: torch.device, nbytes: int, repeat: 
     else:
         dst = torch.empty_like(src)
         out["memcpy"] = _median_time(lambda: dst.copy_(src), repeat, lambda: None)
-        store._read_range(0, n, dst)  # warm the page cache
-        out["preadv (page cache)"] = _median_time(lambda: store._read_range(0, n, dst), repeat, lambda: None)
+        store.read_range(0, n, dst)  # warm the page cache
+        out["preadv (page cache)"] = _median_time(lambda: store.read_range(0, n, dst), repeat, lambda: None)
     return {name: n * store.itemsize / s / 1e9 for name, s in out.items()}
 
 
