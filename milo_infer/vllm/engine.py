@@ -1,4 +1,4 @@
-"""`milo serve --engine vllm URL`: milo's HTTP front over a running vLLM server that has the milo connector.
+"""`milo serve --vllm URL`: milo's HTTP front over a running vLLM server that has the milo connector.
 
 `VllmEngine` has the face `milo serve`'s engine loop drives (``stores``, ``max_positions``, ``plan``,
 ``batch``), so the HTTP handlers, metrics and errors are the same as over milo's own engine. Planning
