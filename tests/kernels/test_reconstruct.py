@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lowrank_cases import random_layer, rope_by_complex, rope_tables, run_under_interpreter, target_mask
+from lowrank_cases import (check_outputs, nan_buffers, random_layer, rope_by_complex, rope_tables,
+                           run_under_interpreter, target_mask)
 from milo_kernels import kernel_backend, reconstruct as rk, reconstruct_layer, reconstruct_layer_naive
 
 REPO = Path(__file__).resolve().parents[2]
@@ -127,8 +128,14 @@ def test_invalid_inputs_are_rejected_with_a_clear_message(override, message):
 
 
 def test_same_rows_of_other_heads_and_kinds_do_not_overlap():
+    """Segments at the same rows of another head or kind are accepted, and each is written where it says."""
     segments = torch.tensor([[0, 2, 4, 1, 0, 0], [0, 2, 4, 1, 1, 0], [0, 2, 4, 1, 0, 1], [0, 1, 2, 5, 0, 0]])
-    reconstruct_layer(**valid_call(segments=segments))
+    factors = torch.randn(2 * (4 + 8 + 1), generator=torch.Generator().manual_seed(0))  # every segment reads from offset 0
+    call = valid_call(segments=segments, factors=factors)
+    got, want = nan_buffers(2, 10, 8, torch.float32), nan_buffers(2, 10, 8, torch.float32)
+    reconstruct_layer(**dict(call, out_k=got[0], out_v=got[1]))
+    reconstruct_layer_naive(**dict(call, out_k=want[0], out_v=want[1]))
+    check_outputs(got, want, target_mask(segments, 2, 10, 8), atol=1e-5, rtol=1e-5)
 
 
 def test_backend_choice(monkeypatch):
