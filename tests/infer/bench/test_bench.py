@@ -18,6 +18,7 @@ from milo_kernels import reconstruct_layer
 from milo_store import Layout, MiloStore, factorize_block, pack_block
 from milo_store.layout import full_kv_bytes
 from milo_store.synthetic import synthetic_block_kv
+from tests.infer.runtime.test_engine import expected_peak_kv_bytes
 
 REPO = Path(__file__).resolve().parents[3]
 COLUMNS = ["method", "ρ (bytes)", "k", "batch", "q/s", "tok/s", "retrieve ms", "read ms", "transfer ms",
@@ -95,7 +96,6 @@ def test_bytes_are_measured_and_compressed_stores_move_fewer(report):
         assert r["bytes_moved"] <= r["bytes_without_union"] and 0 < r["unique_block_share"] <= 1
         if r["batch"] == 1:
             assert r["bytes_moved"] == r["bytes_without_union"] and r["unique_block_share"] == 1
-        assert r["peak_kv_bytes"] > 0
         if r["method"].startswith("full"):
             # identity also moves Σ = 1, B = I
             assert r["ratio"] == 1.0 and r["bytes_without_union"] > r["bytes_full_kv"]
@@ -104,6 +104,17 @@ def test_bytes_are_measured_and_compressed_stores_move_fewer(report):
             assert r["ratio"] < 1.0 and r["bytes_without_union"] < 1.2 * target * r["bytes_full_kv"]
     c = report["crossover"]
     assert set(c) == {"milo-r0.5", "milo-r0.25"} and all(v["bytes_saved"] > 0 for v in c.values())
+
+
+def test_peak_kv_bytes_are_the_largest_batchs_cache_and_staged_factors(report, workload):
+    """A row's peak K/V bytes are those of its largest batch (queries answered ``batch`` at a time), exactly."""
+    loaded, paths, queries = workload
+    for r in report["rows"]:
+        with MiloStore.open(paths[throughput.store_of(r["method"])], tier="host") as store:
+            session = MiloSession(loaded, store, k=r["k"])
+            chunks = [queries[i:i + r["batch"]] for i in range(0, len(queries), r["batch"])]
+            peaks = [expected_peak_kv_bytes(session.engine, [session.plan(q) for q in chunk]) for chunk in chunks]
+        assert r["peak_kv_bytes"] == max(peaks)
 
 
 def test_full_copy_and_full_gemm_answer_alike(report):
