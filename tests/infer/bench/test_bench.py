@@ -94,7 +94,9 @@ def test_bytes_moved_are_the_retrieved_blocks_bytes_in_the_store(report, workloa
             full = [full_kv_bytes(store.layout, store.block_tokens[chosen]) for chosen in blocks]
             chunks = [blocks[i:i + r["batch"]] for i in range(0, len(blocks), r["batch"])]
             union = sum(size(b) for chunk in chunks for b in set().union(*chunk))  # a batch reads each block once
+            unique = sum(len(set().union(*chunk)) for chunk in chunks)
         assert all(len(chosen) == r["k"] for chosen in blocks)
+        assert r["unique_block_share"] == unique / (r["k"] * len(queries))
         assert r["bytes_without_union"] == statistics.mean(own) and r["bytes_full_kv"] == statistics.mean(full)
         assert abs(r["bytes_moved"] - union / len(queries)) <= 1  # each answer's share, rounded down
 
