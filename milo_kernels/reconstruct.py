@@ -2,14 +2,16 @@
 
 `reconstruct_layer` validates its inputs, then dispatches: CUDA tensors go to one Triton launch for the
 whole layer (`triton_kernel.py`, planned by `plan.py`), CPU tensors to the batched CPU path
-(`cpu.reconstruct_layer_cpu`). The environment variable MILO_KERNEL=reference|triton forces a backend:
-`reference` is the literal PyTorch oracle (`naive.reconstruct_layer_naive`) on any device; Triton on
-CPU tensors needs TRITON_INTERPRET=1. On CPU tensors INT8 is dequantized per segment by the CPU path
-and INT4/INT2 layers are expanded first (`lowbit.dequantize_lowbit_layer`).
+(`cpu.reconstruct_layer_cpu`). A caller may force a backend (``backend=``); otherwise the process's
+default holds, which the environment variable MILO_KERNEL=reference|triton sets, read once
+(`default_backend`). `reference` is the literal PyTorch oracle (`naive.reconstruct_layer_naive`) on
+any device; Triton on CPU tensors needs TRITON_INTERPRET=1. On CPU tensors INT8 is dequantized per
+segment by the CPU path and INT4/INT2 layers are expanded first (`lowbit.dequantize_lowbit_layer`).
 
 `launch` checks tensor metadata against the plan, never segment values, so it can also be captured in
 a CUDA graph.
 """
+import functools
 import os
 
 import torch
@@ -21,9 +23,11 @@ from .lowbit import dequantize_lowbit_layer
 from .naive import reconstruct_layer_naive
 from .plan import Plan, check_all, check_tensors, factor_bits, plan_layer
 
+BACKENDS = ("auto", "reference", "triton")  # "auto": Triton for CUDA tensors, the batched CPU path otherwise
+
 
 def reconstruct_layer(factors, segments, out_k, out_v, cos, sin, *, interleaved=False, quant=None,
-                      plan: "Plan | None" = None) -> None:
+                      plan: "Plan | None" = None, backend: str | None = None) -> None:
     """Write X = A diag(Σ) Bᵀ of every segment (X itself when raw, rank RAW_RANK) to out[head, dst_row:
     dst_row + tokens], keys rotated by RoPE.
 
@@ -31,10 +35,11 @@ def reconstruct_layer(factors, segments, out_k, out_v, cos, sin, *, interleaved=
     or int2; src_offset in bytes, even); segments: int64 [S, 6] (see SEGMENT_COLUMNS), best on the CPU
     (a device table is read back, a sync); out_k, out_v: [kv_heads, N, d]; cos, sin: fp32 [>= N, d].
     Only the segments' rows are written. ``plan``: these segments' plan from `plan_layers`, used by the
-    Triton backend instead of planning again (the other backends take the segments).
+    Triton backend instead of planning again (the other backends take the segments). ``backend``: one
+    of BACKENDS, for callers that must choose (a comparison of backends); None takes `default_backend`.
     """
     bits = factor_bits(factors.dtype, quant)
-    backend = kernel_backend(factors.device)
+    backend = kernel_backend(factors.device, backend)
     if backend in ("reference", "cpu"):
         segs = check_all(factors, segments, out_k, out_v, cos, sin, bits)
         if bits in (4, 2):  # the CPU and reference paths rebuild expanded fp16 factors
@@ -76,11 +81,22 @@ def launch(plan: Plan, factors, out_k, out_v, cos, sin, *, interleaved=False) ->
     )
 
 
-def kernel_backend(device) -> str:
-    """What rebuilds tensors on ``device``: "triton" (CUDA), "cpu", or what MILO_KERNEL forces."""
-    choice = os.environ.get("MILO_KERNEL", "").strip().lower() or "auto"
+def kernel_backend(device, backend: str | None = None) -> str:
+    """What rebuilds tensors on ``device``: "triton", "cpu" or "reference", as ``backend`` (one of BACKENDS;
+    None: `default_backend`) asks."""
+    choice = default_backend() if backend is None else backend
+    if choice not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {choice!r}")
     if choice == "auto":
         return "triton" if torch.device(device).type == "cuda" else "cpu"
-    if choice not in ("reference", "triton"):
+    return choice
+
+
+@functools.cache
+def default_backend() -> str:
+    """The backend MILO_KERNEL asks for ("reference" or "triton"; unset or empty: "auto"), read on first use
+    and kept, so that one process rebuilds every layer the same way."""
+    choice = os.environ.get("MILO_KERNEL", "").strip().lower() or "auto"
+    if choice not in BACKENDS:
         raise ValueError(f"MILO_KERNEL must be 'reference' or 'triton', got {choice!r}")
     return choice

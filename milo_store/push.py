@@ -40,7 +40,7 @@ def push(local, url: str, *, force: bool = False, max_chunk_bytes: int = REMOTE_
             buf = torch.empty(chunk, dtype=store.torch_dtype)
             for start in range(0, total, chunk):
                 stop = min(start + chunk, total)
-                store._read_range(start, stop, buf)
+                store.read_range(start, stop, buf)
                 factors[start:stop] = fmt.to_numpy(buf[:stop - start])
             return target.publish(copy, store.meta["format_version"])
 

@@ -181,9 +181,10 @@ class MiloStore:
             if stats is not None:
                 stats.add(call)
 
-    def _read_range(self, start: int, stop: int, out: torch.Tensor) -> None:
-        """Values [start, stop) of the flat factor array into ``out`` (CPU, contiguous), unchecked,
-        from the origin: the raw read path, as benchmarks time it."""
+    def read_range(self, start: int, stop: int, out: torch.Tensor) -> None:
+        """Values [start, stop) of the flat factor array into ``out`` (CPU, contiguous), straight from the
+        origin, unchecked and past every cache: what `push` copies a store with, and the raw read path
+        benchmarks time the tiers against. Blocks, checked, come from `blocks`."""
         self.origin.read_range(start * self.itemsize, memoryview(out.view(torch.uint8).numpy())[:(stop - start) * self.itemsize])
 
     def _load_host(self):

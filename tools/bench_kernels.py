@@ -118,12 +118,8 @@ def check_against_reference(layer, cos, sin, run, quant=None):
     """Poison the outputs with NaN, run(layer), and return the largest error against the reference; raises
     if an output stays non-finite or differs by more than fp16 staging allows."""
     want = {k: torch.full_like(layer[k], float("nan")) for k in ("out_k", "out_v")}
-    previous = os.environ.get("MILO_KERNEL")
-    os.environ["MILO_KERNEL"] = "reference"
-    try:
-        reconstruct_layer(layer["factors"], layer["segments"], want["out_k"], want["out_v"], cos, sin, quant=quant)
-    finally:
-        os.environ.pop("MILO_KERNEL") if previous is None else os.environ.update(MILO_KERNEL=previous)
+    reconstruct_layer(layer["factors"], layer["segments"], want["out_k"], want["out_v"], cos, sin, quant=quant,
+                      backend="reference")
     for k in want:
         layer[k].fill_(float("nan"))
     run(layer)
@@ -252,7 +248,6 @@ def main():
             config = {k: best[k] for k in SWEEP[0]}
     report["triton_config"] = config or "default"
     if triton_ok:
-        os.environ["MILO_KERNEL"] = "triton"
         plans = {id(L): planning.plan_layer(**L, cos=cos, sin=sin, **config) for L in layers}
 
         def launch(L):
@@ -261,7 +256,7 @@ def main():
         errors = report["max_abs_error_vs_reference"] = {args.dtype: check_against_reference(layers[0], cos, sin, launch)}
         for scope, ls in scopes.items():
             timing = time_it if gpu else time_slow
-            secs[f"triton_e2e/{scope}"] = timing(each(ls, lambda L: reconstruct_layer(**L, cos=cos, sin=sin)))
+            secs[f"triton_e2e/{scope}"] = timing(each(ls, lambda L: reconstruct_layer(**L, cos=cos, sin=sin, backend="triton")))
             secs[f"triton_planned/{scope}"] = timing(lambda ls=ls: planned_launches(ls, cos, sin))
             secs[f"triton/{scope}"] = timing(each(ls, launch))
             if gpu:

@@ -23,9 +23,7 @@ without downloads).
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import os
 import statistics
 import time
 from pathlib import Path
@@ -150,14 +148,14 @@ def link_bandwidth(store: MiloStore, device: torch.device, nbytes: int, repeat: 
     else:
         dst = torch.empty_like(src)
         out["memcpy"] = _median_time(lambda: dst.copy_(src), repeat, lambda: None)
-        store._read_range(0, n, dst)  # warm the page cache
-        out["preadv (page cache)"] = _median_time(lambda: store._read_range(0, n, dst), repeat, lambda: None)
+        store.read_range(0, n, dst)  # warm the page cache
+        out["preadv (page cache)"] = _median_time(lambda: store.read_range(0, n, dst), repeat, lambda: None)
     return {name: n * store.itemsize / s / 1e9 for name, s in out.items()}
 
 
 def kernel_speedup(session: TimedSession, block_ids: list[int], repeat: int = 3) -> dict[str, float]:
     """Seconds to rebuild every layer of one retrieval through `reconstruct_layer` (validation included):
-    MILO_KERNEL=reference (the literal oracle) vs the device's own path (batched CPU, or Triton)."""
+    the reference backend (the literal oracle) vs the device's own path (batched CPU, or Triton)."""
     store, layout, dev = session.store, session.layout, session.device
     prefetch = LayerPrefetcher(store, block_ids, dev)
     tokens = store.block_tokens[block_ids]
@@ -172,30 +170,16 @@ def kernel_speedup(session: TimedSession, block_ids: list[int], repeat: int = 3)
     out_v = torch.empty_like(out_k)
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
 
-    def run(fn):
+    def run(backend):
         for factors, segments in layers:
-            fn(factors, segments, out_k, out_v, engine.cos, engine.sin, interleaved=session.mounted.prefix.rope_interleaved,
-               quant=layout.quant)
+            reconstruct_layer(factors, segments, out_k, out_v, engine.cos, engine.sin,
+                              interleaved=session.mounted.prefix.rope_interleaved, quant=layout.quant, backend=backend)
 
     times = {}
-    for name, backend in (("reference", "reference"), ("kernel", "")):  # "" = the device's own kernel
-        with _env("MILO_KERNEL", backend):
-            run(reconstruct_layer)  # warm up (Triton compiles on first use)
-            times[name] = _median_time(lambda: run(reconstruct_layer), repeat, sync)
+    for name, backend in (("reference", "reference"), ("kernel", "auto")):  # "auto": the device's own kernel
+        run(backend)  # warm up (Triton compiles on first use)
+        times[name] = _median_time(lambda: run(backend), repeat, sync)
     return times
-
-
-@contextlib.contextmanager
-def _env(name: str, value: str):
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = old
 
 
 def run_bench(loaded: LoadedModel, store_paths: dict[str, Path], queries: list[str], *, ks=(2, 4, 8), batches=(1, 4),

@@ -9,9 +9,10 @@ Rows share the buffer's columns: every forward appends its tokens at the same co
 and which columns a row may attend to is the batch's ``valid`` mask [B, capacity] (a row's prefix
 takes columns [0, P_r); a shorter prefix leaves a masked gap). Keys carry their RoPE positions
 already (stored keys are rotated at rebuild, new ones by the model at explicit position ids), and
-attention does not care in which column a key sits, so rows of any prefix length, rows that join
-later (`merge`) and rows that leave (`select`) only move columns, never re-rotate. Buffers start at
-zero: a masked column is never read as NaN.
+attention does not care in which column a key sits, so rows of any prefix length are batched as they
+are, and rows that join a running batch or leave it (`BatchCache.regroup`: the kept rows, then the
+joining ones, copied into new buffers, each column where it was) are never re-rotated. Buffers start
+at zero: a masked column is never read as NaN.
 """
 from typing import Callable
 

@@ -1,28 +1,20 @@
-"""Greedy decoding loops, free and label-constrained, independent of the model.
+"""Greedy decoding, free and label-constrained, one row at a time, independent of the model.
 
-Both loops talk to the model only through ``step_fn(token_id | None) -> logits``:
-``step_fn(None)`` returns the logits for the first new position (the prompt
-has already been run), and ``step_fn(t)`` appends token ``t`` and returns the
-logits for the position after it. That keeps KV-cache handling in the caller
-and lets tests drive the loops with a fake model.
+A decoder (:class:`LabelDecoder`, :class:`GreedyDecoder`) takes the logits for the next position,
+``push(logits) -> token``, until ``done``; the batched engine keeps one per row of a batch, feeds
+each chosen token back to the model, and stops running a row once its decoder is done. Logits may be
+numpy arrays, lists or torch tensors on any device.
 
-Classification tasks use :func:`constrained_greedy` with a :class:`LabelTrie`:
-the answer is forced to be one of the label strings, so accuracy measures the
-model's choice rather than its formatting.
-
-Each loop is a driver over a per-row decoder (:class:`LabelDecoder`,
-:class:`GreedyDecoder`: ``push(logits) -> token`` until ``done``), which is
-what the batched engine keeps for every row of a batch.
+Classification tasks use :class:`LabelDecoder` over a :class:`LabelTrie`: the answer is forced to
+be one of the label strings, so accuracy measures the model's choice rather than its formatting.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-
-StepFn = Callable[[int | None], object]
 
 
 @dataclass(frozen=True)
@@ -46,7 +38,7 @@ def _as_logits(raw: object) -> np.ndarray:
     logits = np.asarray(raw, dtype=np.float64)
     if logits.ndim != 1:
         raise ValueError(
-            f"step_fn must return 1-D logits over the vocabulary, got shape {logits.shape}"
+            f"logits must be 1-D over the vocabulary, got shape {logits.shape}"
         )
     return logits
 
@@ -226,38 +218,3 @@ class GreedyDecoder:
 
     def result(self) -> Decoded:
         return Decoded(self._text, list(self.ids), self.stop)
-
-
-def _drive(step_fn: StepFn, decoder) -> Decoded:
-    """Run one decoder against a step function: the first logits, then one step per chosen token."""
-    logits = step_fn(None)
-    while True:
-        token = decoder.push(logits)
-        if decoder.done:
-            return decoder.result()
-        logits = step_fn(token)
-
-
-def constrained_greedy(
-    step_fn: StepFn, trie: LabelTrie, max_new_tokens: int | None = None
-) -> Decoded:
-    """Greedy decoding restricted to the labels in ``trie``; always returns one of them.
-
-    The model is never run past the terminator. ``max_new_tokens`` defaults to what the longest label
-    needs; a smaller value is refused rather than returning a cut-off label (`LabelDecoder` allows it).
-    """
-    if max_new_tokens is None:
-        max_new_tokens = trie.max_tokens
-    if max_new_tokens < trie.max_tokens:
-        raise ValueError(
-            f"max_new_tokens={max_new_tokens} cannot finish the longest label "
-            f"({trie.max_tokens} tokens with its terminator)"
-        )
-    return _drive(step_fn, LabelDecoder(trie))
-
-
-def greedy_until(
-    step_fn: StepFn, tokenizer, stop_strings: Sequence[str], max_new_tokens: int
-) -> Decoded:
-    """Plain greedy decoding until eos, a stop string, or ``max_new_tokens`` (`GreedyDecoder`)."""
-    return _drive(step_fn, GreedyDecoder(tokenizer, stop_strings, max_new_tokens))

@@ -81,8 +81,6 @@ def test_cpu_tensors_route_to_the_cpu_path_and_reference_forces_the_oracle(monke
     monkeypatch.setattr(rk, "reconstruct_layer_cpu", lambda *a, **k: called.append("cpu"))
     monkeypatch.setattr(rk, "reconstruct_layer_naive", lambda *a, **k: called.append("reference"))
     out = [torch.zeros(2, n_rows, 16) for _ in range(2)]
-    monkeypatch.delenv("MILO_KERNEL", raising=False)
-    reconstruct_layer(factors, segments, *out, cos, sin)
-    monkeypatch.setenv("MILO_KERNEL", "reference")
-    reconstruct_layer(factors, segments, *out, cos, sin)
+    reconstruct_layer(factors, segments, *out, cos, sin, backend="auto")
+    reconstruct_layer(factors, segments, *out, cos, sin, backend="reference")
     assert called == ["cpu", "reference"]

@@ -22,7 +22,6 @@ class Recorder:
 @pytest.fixture
 def meta_triton(monkeypatch):
     recorder = Recorder()
-    monkeypatch.setenv("MILO_KERNEL", "triton")
     monkeypatch.setattr(triton_kernel, "require_triton", lambda factors: None)
     monkeypatch.setattr(triton_kernel, "kernel", lambda: recorder)
     return recorder
@@ -51,7 +50,7 @@ def test_reconstruct_layer_reads_nothing_back_from_the_device(meta_triton, quant
         factors = torch.empty(raw.numel(), dtype=torch.uint8, device="meta")
     out_k, out_v = torch.empty(2, 1, n, d, dtype=torch.float16, device="meta")
     cos = sin = torch.empty(n, d, device="meta")
-    rk.reconstruct_layer(factors, segments, out_k, out_v, cos, sin, quant=quant)
+    rk.reconstruct_layer(factors, segments, out_k, out_v, cos, sin, quant=quant, backend="triton")
     (grid, args, kwargs), = meta_triton.calls
     tiles = args[2]
     assert tiles.device.type == "meta" and grid == (tiles.shape[0], d // 2 // kwargs["BLOCK_H"])
@@ -68,7 +67,7 @@ def test_planning_every_layer_at_once_reads_nothing_back(meta_triton):
     out_k, out_v = torch.empty(2, 1, n, d, dtype=torch.float16, device="meta")
     cos = sin = torch.empty(n, d, device="meta")
     for plan in plans:
-        rk.reconstruct_layer(factors, segments, out_k, out_v, cos, sin, quant="int4", plan=plan)
+        rk.reconstruct_layer(factors, segments, out_k, out_v, cos, sin, quant="int4", plan=plan, backend="triton")
     assert len(meta_triton.calls) == 2 and all(call[1][2].device.type == "meta" for call in meta_triton.calls)
     assert plans[0].need_rows == n and plans[0].need_numel == raw.numel() and plans[0].bits == 4
 
@@ -94,7 +93,7 @@ def test_a_device_segment_table_is_read_back(meta_triton):
     out_k, out_v = torch.empty(2, 1, n, 64, dtype=torch.float16, device="meta")
     cos = sin = torch.empty(n, 64, device="meta")
     with pytest.raises((NotImplementedError, RuntimeError)):
-        rk.reconstruct_layer(factors, segments.to("meta"), out_k, out_v, cos, sin, quant="int4")
+        rk.reconstruct_layer(factors, segments.to("meta"), out_k, out_v, cos, sin, quant="int4", backend="triton")
 
 
 def test_tile_table_goes_to_cuda_pinned_and_non_blocking(monkeypatch):

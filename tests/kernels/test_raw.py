@@ -72,17 +72,16 @@ def test_raw_quantized_size_and_error(tokens, d, quant, kind, seed):
     assert torch.allclose(out[kind][0], roundtrip(x, quant, kind), rtol=2 ** -10, atol=1e-6)
 
 
-@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("backend", ["auto", "reference"])  # on CPU tensors "auto" is the CPU path
 @pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
-def test_raw_fp16_comes_back_exactly(monkeypatch, backend, interleaved):
+def test_raw_fp16_comes_back_exactly(backend, interleaved):
     """A raw fp16 value is X bit for bit (signed zeros too); a raw key is RoPE(X) within fp32 rounding."""
-    monkeypatch.setenv("MILO_KERNEL", "" if backend == "cpu" else "reference")
-    got_v, got_k, x, want_k = raw_round_trip(interleaved, "cpu")
+    got_v, got_k, x, want_k = raw_round_trip(interleaved, "cpu", backend)
     assert torch.equal(got_v.view(torch.int16), x.view(torch.int16))
     torch.testing.assert_close(got_k.double(), want_k, atol=1e-5, rtol=1e-5)
 
 
-def raw_round_trip(interleaved, device, tokens=33, d=32, first=3):
+def raw_round_trip(interleaved, device, backend, tokens=33, d=32, first=3):
     """(value output fp16, key output fp32, X fp16, an independent RoPE of X) of one raw segment of X
     rebuilt as a value and as a key at rows [first, first + tokens), outputs NaN elsewhere."""
     x = torch.randn(tokens, d, generator=torch.Generator().manual_seed(7)).half()
@@ -94,7 +93,7 @@ def raw_round_trip(interleaved, device, tokens=33, d=32, first=3):
     for kind, dtype in ((1, torch.float16), (0, torch.float32)):
         out = nan_buffers(1, n, d, dtype, device)
         reconstruct_layer(factors, torch.tensor([[5, RAW_RANK, tokens, first, 0, kind]]), *out, cos, sin,
-                          interleaved=interleaved)
+                          interleaved=interleaved, backend=backend)
         outside = torch.cat((out[kind][0, :first], out[kind][0, rows.stop:], out[1 - kind].flatten(0, 1)))
         assert outside.isnan().all()
         got[kind] = out[kind][0, rows].cpu()
@@ -117,23 +116,23 @@ def mixed_layer(factor, kv_heads, d, block_tokens, seed):
     return factors, segments, n, quant
 
 
-def reference(factors, segments, kv_heads, n, d, interleaved, quant, monkeypatch):
+def reference(factors, segments, kv_heads, n, d, interleaved, quant):
     """The PyTorch oracle's output (INT4/INT2 expanded to fp16 factors first), fp32."""
-    monkeypatch.setenv("MILO_KERNEL", "reference")
     want = nan_buffers(kv_heads, n, d, torch.float32)
-    reconstruct_layer(factors, segments, *want, *rope_tables(n, d, interleaved), interleaved=interleaved, quant=quant)
+    reconstruct_layer(factors, segments, *want, *rope_tables(n, d, interleaved), interleaved=interleaved, quant=quant,
+                      backend="reference")
     return want
 
 
 @pytest.mark.parametrize("factor", ["fp32", "fp16", "int8", "int4", "int2"])
 @pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
-def test_cpu_path_matches_reference_on_mixed_layers(monkeypatch, factor, interleaved):
+def test_cpu_path_matches_reference_on_mixed_layers(factor, interleaved):
     kv_heads, d, block_tokens = 3, 32, [1, 31, 33, 65]
     factors, segments, n, quant = mixed_layer(factor, kv_heads, d, block_tokens, seed=11)
-    want = reference(factors, segments, kv_heads, n, d, interleaved, quant, monkeypatch)
-    monkeypatch.setenv("MILO_KERNEL", "")
+    want = reference(factors, segments, kv_heads, n, d, interleaved, quant)
     got = nan_buffers(kv_heads, n, d, torch.float32)
-    reconstruct_layer(factors, segments, *got, *rope_tables(n, d, interleaved), interleaved=interleaved, quant=quant)
+    reconstruct_layer(factors, segments, *got, *rope_tables(n, d, interleaved), interleaved=interleaved, quant=quant,
+                      backend="auto")
     check_outputs(got, want, target_mask(segments, kv_heads, n, d), atol=1e-5, rtol=1e-5)
 
 
@@ -145,21 +144,22 @@ def test_bf16_raw_segment_on_cpu():
 
 
 @pytest.mark.parametrize("quant", [None, "int8", "int4"])
-@pytest.mark.parametrize("backend", ["cpu", "reference"])
-def test_raw_rows_are_validated(monkeypatch, backend, quant):
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_raw_rows_are_validated(backend, quant):
     """Rank -2 is neither raw nor a rank; a raw segment's bytes must fit in the factors."""
-    monkeypatch.setenv("MILO_KERNEL", "" if backend == "cpu" else "reference")
     tokens, d = 5, 8
     x = torch.randn(tokens, d)
     factors = x.flatten() if quant is None else pack_raw_segment(x, quant, 0)
     out = nan_buffers(1, tokens, d, torch.float32)
     cos, sin = rope_tables(tokens, d, False)
-    reconstruct_layer(factors, torch.tensor([[0, RAW_RANK, tokens, 0, 0, 0]]), *out, cos, sin, quant=quant)
+    reconstruct_layer(factors, torch.tensor([[0, RAW_RANK, tokens, 0, 0, 0]]), *out, cos, sin, quant=quant,
+                      backend=backend)
     with pytest.raises(ValueError, match=r"rank must be in \[0, d=8\] or -1 \(raw\)"):
-        reconstruct_layer(factors, torch.tensor([[0, -2, tokens, 0, 0, 0]]), *out, cos, sin, quant=quant)
+        reconstruct_layer(factors, torch.tensor([[0, -2, tokens, 0, 0, 0]]), *out, cos, sin, quant=quant,
+                          backend=backend)
     with pytest.raises(ValueError, match="reads past the end of factors"):
         reconstruct_layer(factors[:-2].clone(), torch.tensor([[0, RAW_RANK, tokens, 0, 0, 0]]), *out, cos, sin,
-                          quant=quant)
+                          quant=quant, backend=backend)
 
 
 def test_plans_count_raw_sizes():
@@ -190,13 +190,13 @@ TILES = {False: {"block_t": 16, "block_r": 16, "block_h": 16}, True: {}}
 @needs_triton
 @pytest.mark.parametrize("factor", ["fp32", "fp16", "int8", "int4", "int2"])
 @pytest.mark.parametrize("interleaved", [False, True], ids=["half-small", "interleaved-default"])
-def test_triton_raw_mixed_layer_matches_reference(monkeypatch, factor, interleaved):
+def test_triton_raw_mixed_layer_matches_reference(factor, interleaved):
     from milo_kernels.plan import plan_layer
     from milo_kernels.reconstruct import launch
 
     kv_heads, d, block_tokens = MIXED
     factors, segments, n, quant = mixed_layer(factor, kv_heads, d, block_tokens, seed=12)
-    want = reference(factors, segments, kv_heads, n, d, interleaved, quant, monkeypatch)
+    want = reference(factors, segments, kv_heads, n, d, interleaved, quant)
     out_dtype = torch.float32 if factor == "fp32" else torch.float16
     got = nan_buffers(kv_heads, n, d, out_dtype, DEVICE)
     cos, sin = (t.to(DEVICE) for t in rope_tables(n, d, interleaved))
@@ -208,9 +208,8 @@ def test_triton_raw_mixed_layer_matches_reference(monkeypatch, factor, interleav
 
 @needs_triton
 @pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
-def test_triton_raw_fp16_comes_back_exactly(monkeypatch, interleaved):
-    monkeypatch.setenv("MILO_KERNEL", "triton")
-    got_v, got_k, x, want_k = raw_round_trip(interleaved, DEVICE)
+def test_triton_raw_fp16_comes_back_exactly(interleaved):
+    got_v, got_k, x, want_k = raw_round_trip(interleaved, DEVICE, "triton")
     assert torch.equal(got_v.view(torch.int16), x.view(torch.int16))
     torch.testing.assert_close(got_k.double(), want_k, atol=1e-5, rtol=1e-5)
 

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lowrank_cases import random_layer, rope_by_complex, rope_tables, run_under_interpreter, target_mask
-from milo_kernels import reconstruct_layer, reconstruct_layer_naive
+from lowrank_cases import (check_outputs, nan_buffers, random_layer, rope_by_complex, rope_tables,
+                           run_under_interpreter, target_mask)
+from milo_kernels import kernel_backend, reconstruct as rk, reconstruct_layer, reconstruct_layer_naive
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -127,20 +128,45 @@ def test_invalid_inputs_are_rejected_with_a_clear_message(override, message):
 
 
 def test_same_rows_of_other_heads_and_kinds_do_not_overlap():
+    """Segments at the same rows of another head or kind are accepted, and each is written where it says."""
     segments = torch.tensor([[0, 2, 4, 1, 0, 0], [0, 2, 4, 1, 1, 0], [0, 2, 4, 1, 0, 1], [0, 1, 2, 5, 0, 0]])
-    reconstruct_layer(**valid_call(segments=segments))
+    factors = torch.randn(2 * (4 + 8 + 1), generator=torch.Generator().manual_seed(0))  # every segment reads from offset 0
+    call = valid_call(segments=segments, factors=factors)
+    got, want = nan_buffers(2, 10, 8, torch.float32), nan_buffers(2, 10, 8, torch.float32)
+    reconstruct_layer(**dict(call, out_k=got[0], out_v=got[1]))
+    reconstruct_layer_naive(**dict(call, out_k=want[0], out_v=want[1]))
+    check_outputs(got, want, target_mask(segments, 2, 10, 8), atol=1e-5, rtol=1e-5)
 
 
 def test_backend_choice(monkeypatch):
-    monkeypatch.setenv("MILO_KERNEL", "fast")
-    with pytest.raises(ValueError, match="MILO_KERNEL"):
-        reconstruct_layer(**valid_call())
-    monkeypatch.setenv("MILO_KERNEL", "triton")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        reconstruct_layer(**valid_call(), backend="fast")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        reconstruct_layer(**valid_call(), backend="triton")
+    reconstruct_layer(**valid_call(), backend="reference")
+
+
+@pytest.fixture
+def unread_default(monkeypatch):
+    """A process that has not read MILO_KERNEL yet; it reads it afresh after the test, once restored."""
+    rk.default_backend.cache_clear()
+    yield monkeypatch
+    rk.default_backend.cache_clear()
+
+
+def test_milo_kernel_sets_the_default_once(unread_default):
+    unread_default.setenv("MILO_KERNEL", "fast")
+    with pytest.raises(ValueError, match="MILO_KERNEL must be"):
         reconstruct_layer(**valid_call())
-    monkeypatch.setenv("MILO_KERNEL", "reference")
-    reconstruct_layer(**valid_call())
+    unread_default.delenv("MILO_KERNEL")
+    assert (kernel_backend("cpu"), kernel_backend("cuda")) == ("cpu", "triton")
+    rk.default_backend.cache_clear()
+    unread_default.setenv("MILO_KERNEL", "reference")
+    assert (kernel_backend("cpu"), kernel_backend("cuda")) == ("reference", "reference")
+    unread_default.setenv("MILO_KERNEL", "triton")
+    assert kernel_backend("cpu") == "reference"  # read once: later changes to the environment switch nothing
+    assert kernel_backend("cpu", "auto") == "cpu"  # an explicit backend still wins
 
 
 def run_python(code, **env):
@@ -157,9 +183,8 @@ def test_import_and_reference_work_without_triton():
         "k, v = torch.zeros(2, 1, 3, 4)\n"
         "reconstruct_layer(torch.ones(8), torch.tensor([[0, 1, 3, 0, 0, 1]]), k, v, cos, sin)\n"
         "assert (v == 1).all(), v\n"
-        "import os; os.environ['MILO_KERNEL'] = 'triton'\n"
         "try:\n"
-        "    reconstruct_layer(torch.ones(8), torch.tensor([[0, 1, 3, 0, 0, 1]]), k, v, cos, sin)\n"
+        "    reconstruct_layer(torch.ones(8), torch.tensor([[0, 1, 3, 0, 0, 1]]), k, v, cos, sin, backend='triton')\n"
         "except RuntimeError as e:\n"
         "    assert 'needs the triton package' in str(e), e\n"
         "else:\n"

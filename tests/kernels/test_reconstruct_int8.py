@@ -81,33 +81,31 @@ def test_uint8_reference_matches_dequantize_layer(shape, interleaved):
 
 @pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_public_entry_takes_uint8_on_cpu(monkeypatch, shape, interleaved):
+def test_public_entry_takes_uint8_on_cpu(shape, interleaved):
     """The CPU path (Σ folded into B, RoPE per block) against the reference: fp32 rounding apart."""
-    monkeypatch.setenv("MILO_KERNEL", "")
     kv_heads, d, block_tokens = SHAPES[shape]
     raw, segments, n_rows = int8_layer(kv_heads, d, block_tokens, seed=2)
     cos, sin = rope_tables(n_rows, d, interleaved=interleaved)
     got = nan_buffers(kv_heads, n_rows, d, torch.float32)
-    reconstruct_layer(raw, segments, *got, cos, sin, interleaved=interleaved)
+    reconstruct_layer(raw, segments, *got, cos, sin, interleaved=interleaved, backend="auto")
     want = reference(raw, segments, kv_heads, n_rows, d, interleaved, torch.float32)
     check_outputs(got, want, target_mask(segments, kv_heads, n_rows, d), atol=1e-4, rtol=1e-4)
 
 
-def test_validation_uses_int8_segment_size(monkeypatch):
-    monkeypatch.setenv("MILO_KERNEL", "reference")
+def test_validation_uses_int8_segment_size():
     d, tokens, rank = 32, 5, 4
     cos, sin = rope_tables(tokens, d, interleaved=False)
     out = nan_buffers(1, tokens, d, torch.float32)
     seg = torch.tensor([[0, rank, tokens, 0, 0, 0]])
     raw = pack_segment(torch.randn(tokens, rank), torch.ones(rank), torch.randn(d, rank))
-    reconstruct_layer(raw, seg, *out, cos, sin)  # exactly r (T' + d + 10) bytes: fine
+    reconstruct_layer(raw, seg, *out, cos, sin, backend="reference")  # exactly r (T' + d + 10) bytes: fine
     with pytest.raises(ValueError, match="past the end"):  # the fp layout's r (T + d + 1) would pass
-        reconstruct_layer(raw[:rank * (tokens + d + 1)].clone(), seg, *out, cos, sin)
+        reconstruct_layer(raw[:rank * (tokens + d + 1)].clone(), seg, *out, cos, sin, backend="reference")
     with pytest.raises(ValueError, match="past the end"):
-        reconstruct_layer(raw[:-2].clone(), seg, *out, cos, sin)
+        reconstruct_layer(raw[:-2].clone(), seg, *out, cos, sin, backend="reference")
     with pytest.raises(ValueError, match="even"):
         reconstruct_layer(torch.cat((raw.new_zeros(1), raw, raw.new_zeros(1))), seg + torch.tensor([1, 0, 0, 0, 0, 0]),
-                          *out, cos, sin)
+                          *out, cos, sin, backend="reference")
 
 
 # -- (b) the fused Triton kernel against the uint8 reference -------------------------------------
@@ -132,17 +130,16 @@ def test_triton_int8_matches_reference(shape, interleaved, tiles):
 
 
 @needs_triton
-def test_triton_public_entry_and_plan_kind(monkeypatch):
+def test_triton_public_entry_and_plan_kind():
     from milo_kernels.plan import plan_layer
     from milo_kernels.reconstruct import launch
 
-    monkeypatch.setenv("MILO_KERNEL", "triton")
     kv_heads, d, block_tokens = SHAPES["gqa3-odd-even"]
     raw, segments, n_rows = int8_layer(kv_heads, d, block_tokens, seed=4)
     want = reference(raw, segments, kv_heads, n_rows, d, False)
     cos, sin = (t.to(DEVICE) for t in rope_tables(n_rows, d, False))
     got = nan_buffers(kv_heads, n_rows, d, torch.float32, DEVICE)
-    reconstruct_layer(raw.to(DEVICE), segments, *got, cos, sin)
+    reconstruct_layer(raw.to(DEVICE), segments, *got, cos, sin, backend="triton")
     check_outputs(got, want, target_mask(segments, kv_heads, n_rows, d), atol=2e-2, rtol=1e-2)
     plan = plan_layer(raw.to(DEVICE), segments, *got, cos, sin)
     as_fp16 = torch.zeros(raw.numel(), dtype=torch.float16, device=DEVICE)  # long enough, wrong kind

@@ -97,7 +97,7 @@ def lowbit_layer(kv_heads, d, block_tokens, quant, seed):
 @pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
 @pytest.mark.parametrize("quant", ["int4", "int2"])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_triton_lowbit_matches_reference(monkeypatch, shape, quant, interleaved, tiles):
+def test_triton_lowbit_matches_reference(shape, quant, interleaved, tiles):
     from milo_kernels.plan import plan_layer
     from milo_kernels.reconstruct import launch
 
@@ -105,8 +105,8 @@ def test_triton_lowbit_matches_reference(monkeypatch, shape, quant, interleaved,
     raw, segments, n_rows = lowbit_layer(kv_heads, d, block_tokens, quant, seed=5)
     cos, sin = rope_tables(n_rows, d, interleaved)
     want = nan_buffers(kv_heads, n_rows, d, torch.float32)
-    monkeypatch.setenv("MILO_KERNEL", "reference")  # expansion to fp16 factors + the PyTorch oracle
-    reconstruct_layer(raw, segments, *want, cos, sin, interleaved=interleaved, quant=quant)
+    # expansion to fp16 factors + the PyTorch oracle
+    reconstruct_layer(raw, segments, *want, cos, sin, interleaved=interleaved, quant=quant, backend="reference")
     got = nan_buffers(kv_heads, n_rows, d, torch.float16, DEVICE)
     cos, sin = cos.to(DEVICE), sin.to(DEVICE)
     plan = plan_layer(raw.to(DEVICE), segments, *got, cos, sin, quant=quant, **tiles)
@@ -122,22 +122,20 @@ def test_triton_lowbit_matches_reference(monkeypatch, shape, quant, interleaved,
 
 
 @needs_triton
-def test_triton_public_entry_takes_lowbit(monkeypatch):
-    monkeypatch.setenv("MILO_KERNEL", "triton")
+def test_triton_public_entry_takes_lowbit():
     kv_heads, d, block_tokens = SHAPES["d32-odd"]
     raw, segments, n_rows = lowbit_layer(kv_heads, d, block_tokens, "int4", seed=6)
     cos, sin = rope_tables(n_rows, d, False)
     got = nan_buffers(kv_heads, n_rows, d, torch.float32, DEVICE)
-    reconstruct_layer(raw.to(DEVICE), segments, *got, cos.to(DEVICE), sin.to(DEVICE), quant="int4")
-    monkeypatch.setenv("MILO_KERNEL", "reference")
+    reconstruct_layer(raw.to(DEVICE), segments, *got, cos.to(DEVICE), sin.to(DEVICE), quant="int4", backend="triton")
     want = nan_buffers(kv_heads, n_rows, d, torch.float32)
-    reconstruct_layer(raw, segments, *want, cos, sin, quant="int4")
+    reconstruct_layer(raw, segments, *want, cos, sin, quant="int4", backend="reference")
     mask = target_mask(segments, kv_heads, n_rows, d)
     for kind in (0, 1):
         torch.testing.assert_close(got[kind].cpu()[mask[kind]], want[kind][mask[kind]], atol=2e-2, rtol=1e-2)
-    monkeypatch.setenv("MILO_KERNEL", "triton")
     with pytest.raises(ValueError, match="past the end"):  # validated against the INT4 sizes
-        reconstruct_layer(raw[:-6].to(DEVICE), segments, *got, cos.to(DEVICE), sin.to(DEVICE), quant="int4")
+        reconstruct_layer(raw[:-6].to(DEVICE), segments, *got, cos.to(DEVICE), sin.to(DEVICE), quant="int4",
+                          backend="triton")
 
 
 @pytest.mark.skipif(INTERPRET or CUDA, reason="already interpreting in-process, or on a GPU")

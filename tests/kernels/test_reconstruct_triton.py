@@ -98,9 +98,8 @@ def test_kernel_writes_into_a_strided_view(interleaved):
 
 
 def test_public_entry_dispatches_to_triton(monkeypatch):
-    """`reconstruct_layer` under MILO_KERNEL=triton launches the Triton kernel once, on the planned grid, and
+    """`reconstruct_layer` with backend="triton" launches the Triton kernel once, on the planned grid, and
     neither other backend runs."""
-    monkeypatch.setenv("MILO_KERNEL", "triton")
     launches = []
     real_kernel = triton_kernel.kernel
 
@@ -121,7 +120,7 @@ def test_public_entry_dispatches_to_triton(monkeypatch):
     reconstruct_layer_naive(factors, segments, *want, cos, sin)
     got = [torch.full((kv_heads, n_rows, d), math.nan, dtype=torch.float16, device=DEVICE) for _ in range(2)]
     args = (factors.to(DEVICE), segments, *got, cos.to(DEVICE), sin.to(DEVICE))
-    reconstruct_layer(*args)
+    reconstruct_layer(*args, backend="triton")
     plan = plan_layer(*args)
     assert launches == [(len(plan.tiles), -(-(d // 2) // plan.block_h))]
     check([g.cpu() for g in got], want, target_mask(segments, kv_heads, n_rows, d), "fp16")

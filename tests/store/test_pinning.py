@@ -36,7 +36,7 @@ def cudart(monkeypatch):
 
 def test_close_unregisters_once_after_synchronising(small_store, cudart):
     store = MiloStore.open(small_store, tier="host", pin=True)
-    ptr = store._host.data_ptr()
+    ptr = store.block(0).data_ptr()  # the registered allocation starts with block 0
     store.close()
     store.close()
     assert cudart.calls == [("register", ptr), ("synchronize", None), ("unregister", ptr)]
@@ -44,7 +44,7 @@ def test_close_unregisters_once_after_synchronising(small_store, cudart):
 
 def test_a_store_dropped_without_close_is_unregistered(small_store, cudart):
     store = MiloStore.open(small_store, tier="host", pin=True)
-    ptr = store._host.data_ptr()
+    ptr = store.block(0).data_ptr()  # the registered allocation starts with block 0
     del store
     gc.collect()
     assert cudart.calls == [("register", ptr), ("synchronize", None), ("unregister", ptr)]

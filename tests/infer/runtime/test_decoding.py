@@ -5,7 +5,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from milo_infer.runtime.decoding import LabelTrie, constrained_greedy, greedy_until
+from milo_infer.runtime.decoding import GreedyDecoder, LabelDecoder, LabelTrie
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # " card" is a token-prefix of " card lost": both must stay reachable.
@@ -37,8 +37,9 @@ def newline(tok):
 
 
 class ScriptedModel:
-    """Fake step_fn: at step i the logits favour script[i] (by `margin`) over
-    a random background, and every token fed to it is recorded."""
+    """Fake model step: ``model(None)`` gives the first logits, ``model(token)`` feeds a token and gives
+    the next; at step i the logits favour script[i] (by `margin`) over a random background, and every
+    token fed to it is recorded."""
 
     def __init__(self, vocab, script, margin=1.0, seed=0):
         self.rng = np.random.default_rng(seed)
@@ -53,6 +54,17 @@ class ScriptedModel:
         if step < len(self.script):
             logits[self.script[step]] = logits.max() + self.margin
         return logits
+
+
+def decode(model, decoder):
+    """Drive a decoder the way the engine drives a row: the prompt's logits, then one model step per
+    chosen token until the decoder is done (the token that ends the answer is never fed)."""
+    logits = model(None)
+    while True:
+        token = decoder.push(logits)
+        if decoder.done:
+            return decoder.result()
+        logits = model(token)
 
 
 def test_allowed_follows_label_tokens(tok, trie):
@@ -74,10 +86,10 @@ def test_allowed_follows_label_tokens(tok, trie):
 
 
 @pytest.mark.parametrize("label", LABELS)
-def test_constrained_greedy_follows_a_model_that_wants_a_label(tok, trie, label):
+def test_label_decoder_follows_a_model_that_wants_a_label(tok, trie, label):
     script = label_ids(tok, label) + [newline(tok)]
     model = ScriptedModel(len(tok), script)
-    out = constrained_greedy(model, trie)
+    out = decode(model, LabelDecoder(trie))
     assert out.text == label and out.stop == "label"
     assert out.token_ids == script
     # Fed every label token, never the terminator (nothing runs past the answer).
@@ -86,29 +98,35 @@ def test_constrained_greedy_follows_a_model_that_wants_a_label(tok, trie, label)
 
 def test_terminator_decides_between_prefix_and_longer_label(tok, trie):
     card = label_ids(tok, "card")
-    assert constrained_greedy(ScriptedModel(len(tok), card + [tok.eos_token_id]), trie).text == "card"
+    assert decode(ScriptedModel(len(tok), card + [tok.eos_token_id]), LabelDecoder(trie)).text == "card"
     lost = label_ids(tok, "card lost")
-    assert constrained_greedy(ScriptedModel(len(tok), lost + [newline(tok)]), trie).text == "card lost"
+    assert decode(ScriptedModel(len(tok), lost + [newline(tok)]), LabelDecoder(trie)).text == "card lost"
 
 
 def test_off_label_tokens_are_masked_out(tok, trie):
     # The model strongly prefers free text; the mask still yields a label.
     script = tok.encode(" I think it is card lost", add_special_tokens=False)
-    out = constrained_greedy(ScriptedModel(len(tok), script, margin=100.0), trie)
+    out = decode(ScriptedModel(len(tok), script, margin=100.0), LabelDecoder(trie))
     assert out.text in LABELS
 
 
-def test_max_new_tokens_must_fit_the_longest_label(tok, trie):
-    longest = max(len(label_ids(tok, lab)) for lab in LABELS) + 1
-    assert trie.max_tokens == longest
-    with pytest.raises(ValueError, match="longest label"):
-        constrained_greedy(ScriptedModel(len(tok), []), trie, max_new_tokens=longest - 1)
+def test_a_limit_below_the_longest_label_stops_with_the_partial_label(tok, trie):
+    longest = max(LABELS, key=lambda lab: len(label_ids(tok, lab)))
+    script = label_ids(tok, longest) + [newline(tok)]
+    assert trie.max_tokens == len(script)  # the default limit finishes every label
+    model = ScriptedModel(len(tok), script)
+    out = decode(model, LabelDecoder(trie, tok, limit=len(script) - 2))
+    assert out.stop == "length" and out.token_ids == script[:-2]
+    assert out.text == tok.decode(script[:-2]).strip() and out.text not in LABELS
+    assert model.fed == script[:-3]
+    with pytest.raises(ValueError, match="at least 1"):
+        LabelDecoder(trie, tok, limit=0)
 
 
 def test_torch_logits_are_accepted(tok, trie):
     torch = pytest.importorskip("torch")
     model = ScriptedModel(len(tok), label_ids(tok, "top up") + [newline(tok)])
-    assert constrained_greedy(lambda t: torch.from_numpy(model(t)), trie).text == "top up"
+    assert decode(lambda t: torch.from_numpy(model(t)), LabelDecoder(trie)).text == "top up"
 
 
 @pytest.mark.parametrize(
@@ -133,7 +151,7 @@ logit_values = st.floats(allow_nan=True, allow_infinity=True, width=32)
     labels=st.lists(st.sampled_from(LABELS + ["pin", "pin blocked", "atm", "rate"]), min_size=1, unique=True),
     data=st.data(),
 )
-def test_constrained_greedy_always_returns_a_label(tok, labels, data):
+def test_label_decoder_always_returns_a_label(tok, labels, data):
     trie = LabelTrie(tok, labels)
     relevant = sorted({t for lab in labels for t in label_ids(tok, lab)} | trie.terminators)
 
@@ -142,60 +160,60 @@ def test_constrained_greedy_always_returns_a_label(tok, labels, data):
         logits[relevant] = data.draw(st.lists(logit_values, min_size=len(relevant), max_size=len(relevant)))
         return logits
 
-    out = constrained_greedy(step, trie)
+    out = decode(step, LabelDecoder(trie))
     assert out.text in labels
     assert out.token_ids[:-1] == label_ids(tok, out.text)
     assert out.token_ids[-1] in trie.terminators
 
 
-# --- greedy_until ---------------------------------------------------------
+# --- GreedyDecoder ---------------------------------------------------------
 
 
-def test_greedy_until_trims_at_a_stop_string_spanning_tokens(tok):
+def test_greedy_decoder_trims_at_a_stop_string_spanning_tokens(tok):
     script = tok.encode(" 42 apples\nQuestion: how many", add_special_tokens=False)
     model = ScriptedModel(len(tok), script)
-    out = greedy_until(model, tok, ["\nQuestion", "###"], max_new_tokens=50)
+    out = decode(model, GreedyDecoder(tok, ["\nQuestion", "###"], max_new_tokens=50))
     assert out.text == " 42 apples" and out.stop == "stop_string"
     assert tok.decode(out.token_ids).startswith(" 42 apples\nQuestion")
     assert len(out.token_ids) < len(script)
 
 
-def test_greedy_until_stops_at_eos_without_its_text(tok):
+def test_greedy_decoder_stops_at_eos_without_its_text(tok):
     script = tok.encode(" done", add_special_tokens=False) + [tok.eos_token_id]
-    out = greedy_until(ScriptedModel(len(tok), script), tok, ["\n"], max_new_tokens=50)
+    out = decode(ScriptedModel(len(tok), script), GreedyDecoder(tok, ["\n"], max_new_tokens=50))
     assert out.text == " done" and out.stop == "eos"
     assert out.token_ids == script
 
 
-def test_greedy_until_stops_at_the_length_limit(tok):
+def test_greedy_decoder_stops_at_the_length_limit(tok):
     script = tok.encode(" one two three four five six", add_special_tokens=False)
-    out = greedy_until(ScriptedModel(len(tok), script), tok, [], max_new_tokens=3)
+    out = decode(ScriptedModel(len(tok), script), GreedyDecoder(tok, [], max_new_tokens=3))
     assert out.token_ids == script[:3] and out.stop == "length"
     assert out.text == tok.decode(script[:3])
 
 
-def test_greedy_until_earliest_stop_string_wins(tok):
+def test_greedy_decoder_earliest_stop_string_wins(tok):
     script = tok.encode(" a; b. c", add_special_tokens=False)
-    out = greedy_until(ScriptedModel(len(tok), script), tok, [".", ";"], max_new_tokens=20)
+    out = decode(ScriptedModel(len(tok), script), GreedyDecoder(tok, [".", ";"], max_new_tokens=20))
     assert out.text == " a"
     # One token (" table") completes two stop strings at once: cut at the earlier.
     (table,) = tok.encode(" table", add_special_tokens=False)
-    out = greedy_until(ScriptedModel(len(tok), [table]), tok, ["le", "ab"], max_new_tokens=5)
+    out = decode(ScriptedModel(len(tok), [table]), GreedyDecoder(tok, ["le", "ab"], max_new_tokens=5))
     assert out.text == " t" and out.token_ids == [table]
 
 
-def test_greedy_until_ignores_nan_logits(tok):
+def test_greedy_decoder_ignores_nan_logits(tok):
     def step(token):
         logits = np.zeros(len(tok))
         logits[:10] = np.nan
         logits[tok.eos_token_id] = 1.0
         return logits
 
-    assert greedy_until(step, tok, [], max_new_tokens=5).token_ids == [tok.eos_token_id]
+    assert decode(step, GreedyDecoder(tok, [], max_new_tokens=5)).token_ids == [tok.eos_token_id]
 
 
-def test_greedy_until_argument_errors(tok):
+def test_greedy_decoder_argument_errors(tok):
     with pytest.raises(ValueError, match="max_new_tokens"):
-        greedy_until(ScriptedModel(len(tok), []), tok, [], max_new_tokens=0)
+        GreedyDecoder(tok, [], max_new_tokens=0)
     with pytest.raises(ValueError, match="empty"):
-        greedy_until(ScriptedModel(len(tok), []), tok, [""], max_new_tokens=5)
+        GreedyDecoder(tok, [""], max_new_tokens=5)

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -46,6 +47,27 @@ def setup(request, tmp_path_factory):
     store = MiloStore.open(paths["milo-r0.5"])
     yield loaded, store
     store.close()
+
+
+def expected_peak_kv_bytes(engine: Engine, plans) -> int:
+    """The most K/V bytes a batch of ``plans``, admitted together, holds as the engine allocates them: its cache
+    (K and V of every layer, row, KV head and column; the columns hold the longest prefix, the longest query
+    and the largest answer budget) plus, during the first forward, each store's union of blocks staged for
+    the rebuild (its largest layer of factors: once on a CPU, prefetch depth + 1 times on CUDA)."""
+    layout = engine.stores[plans[0].store].prefix.layout
+    columns = (max(p.prefix_tokens for p in plans) + max(len(p.query_ids) for p in plans)
+               + max(p.max_new_tokens for p in plans))
+    itemsize = torch.empty(0, dtype=engine.dtype).element_size()
+    cache = 2 * layout.num_layers * len(plans) * layout.num_kv_heads * columns * layout.head_dim * itemsize
+    layers_staged = engine.prefetch_depth + 1 if engine.device.type == "cuda" else 1
+    staged = 0
+    for name in {p.store for p in plans}:
+        store = engine.stores[name].store
+        union = dict.fromkeys(b for p in plans if p.store == name for b in p.blocks)
+        if union:
+            layer_values = sum(np.diff(store.block_layer_bounds(b)) for b in union)
+            staged += layers_staged * int(layer_values.max()) * store.itemsize
+    return cache + staged
 
 
 # rows of different k (block counts), shared blocks, and queries of different lengths
@@ -143,7 +165,7 @@ def test_a_block_several_rows_retrieved_is_fetched_once(setup):
     stats = batch.fetch_stats
     assert stats["blocks"] == 4 and stats["unique_blocks"] == len(set(plans[0].blocks) | set(plans[1].blocks))
     assert stats["bytes"] < stats["bytes_without_union"] == sum(p.placement.kv_bytes_stored for p in plans)
-    assert batch.peak_kv_bytes > 0
+    assert batch.peak_kv_bytes == expected_peak_kv_bytes(engine, plans)
 
 
 def test_a_context_beyond_the_models_positions_is_a_request_error(setup):
