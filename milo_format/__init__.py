@@ -9,7 +9,7 @@ The sizes take ints, numpy arrays or int64 torch tensors (elementwise arithmetic
 where they count bytes; ``kind`` is 0 for a key, 1 for a value.
 """
 RAW_RANK = -1  # the rank recorded for a raw unit: its K or V [T, d] itself
-GROUP_TOKENS = 32  # tokens per scale of a low-bit key factor column (KIVI's group size)
+SCALE_SPAN = 32  # tokens per scale of a low-bit key factor column (KIVI's group size; "group" means a retrieval group in milo)
 QUANT_BITS = {"int8": 8, "int4": 4, "int2": 2}  # code width of each quantization
 INT8_HEADER = 5  # fp16 vectors [r] before an INT8 segment's codes: Σ, A scale, A min, B scale, B min
 LOWBIT_HEADER = 3  # fp16 vectors [r] that open an INT4/INT2 segment: Σ, B scale, B min
@@ -22,9 +22,9 @@ def lowbit_rows(tokens, bits: int):
 
 
 def lowbit_scale_bytes(columns, tokens, kind):
-    """Bytes of a low-bit A's fp16 scales and minima: a key's per column and group of GROUP_TOKENS
+    """Bytes of a low-bit A's fp16 scales and minima: a key's per column and span of SCALE_SPAN
     tokens, a value's per token."""
-    return 4 * columns * -(-tokens // GROUP_TOKENS) * (kind == 0) + 4 * tokens * (kind != 0)
+    return 4 * columns * -(-tokens // SCALE_SPAN) * (kind == 0) + 4 * tokens * (kind != 0)
 
 
 def lowbit_code_bytes(columns, tokens, bits: int):

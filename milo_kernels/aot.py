@@ -13,7 +13,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from milo_format import GROUP_TOKENS, QUANT_BITS
+from milo_format import SCALE_SPAN, QUANT_BITS
 
 FACTORS = {"fp16": "*fp16", "bf16": "*bf16", "fp32": "*fp32", "int8": "*u8", "int4": "*u8", "int2": "*u8"}
 OUTPUT = {"bf16": "*bf16", "fp32": "*fp32"}  # outputs follow the factors' dtype; quantized ones write fp16
@@ -59,7 +59,7 @@ def compile_variant(v: Variant, cc: int) -> dict:
     args = dict(F=factor, F16="*fp16" if v.dtype in QUANT_BITS else factor, TILES="*i64", K=out, V=out,
                 COS="*fp32", SIN="*fp32", D="i32")
     args |= {name: "i32" for name in kernel.arg_names if name.startswith("s")}
-    constants = dict(BITS=QUANT_BITS.get(v.dtype, 0), GROUP=GROUP_TOKENS, INTERLEAVED=v.interleaved,
+    constants = dict(BITS=QUANT_BITS.get(v.dtype, 0), SPAN=SCALE_SPAN, INTERLEAVED=v.interleaved,
                      IEEE_DOT=v.dtype == "fp32", BLOCK_T=config["block_t"], BLOCK_R=config["block_r"],
                      BLOCK_H=config["block_h"])
     signature = {name: args.get(name, "constexpr") for name in kernel.arg_names}

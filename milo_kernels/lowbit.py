@@ -1,4 +1,4 @@
-"""INT4/INT2 segments (KIVI-style groups, docs/format.md) back to floating factors, in plain PyTorch.
+"""INT4/INT2 segments (KIVI-style scale spans, docs/format.md) back to floating factors, in plain PyTorch.
 
 The Triton kernel reads these segments in place (`reconstruct.py`); this expansion is the CPU and
 reference path: a low-bit layer becomes packed fp16 factors and a matching segment table, rebuilt by
@@ -8,7 +8,7 @@ becomes a floating raw segment, X [T, d], so those paths need nothing else.
 """
 import torch
 
-from milo_format import (GROUP_TOKENS, LOWBIT_HEADER, QUANT_BITS, RAW_RANK, lowbit_code_bytes, lowbit_rows,
+from milo_format import (SCALE_SPAN, LOWBIT_HEADER, QUANT_BITS, RAW_RANK, lowbit_code_bytes, lowbit_rows,
                          lowbit_scale_bytes, segment_size)
 
 LOWBIT_BITS = {quant: bits for quant, bits in QUANT_BITS.items() if bits < 8}  # what this module expands
@@ -22,9 +22,9 @@ def _dequantize_a(scales: torch.Tensor, packed: torch.Tensor, columns: int, toke
     shifts = torch.arange(per_byte, dtype=torch.uint8, device=packed.device) * bits
     packed = packed.view(columns, rows // per_byte)
     codes = ((packed.unsqueeze(-1) >> shifts) & (2 ** bits - 1)).reshape(columns, rows)[:, :T].T.float()
-    if kind == 0:  # one scale and minimum per column and group of GROUP_TOKENS tokens
-        groups = -(-T // GROUP_TOKENS)
-        a_scale, a_min = params.view(2, groups, columns)[:, torch.arange(T, device=packed.device) // GROUP_TOKENS]
+    if kind == 0:  # one scale and minimum per column and span of SCALE_SPAN tokens
+        spans = -(-T // SCALE_SPAN)
+        a_scale, a_min = params.view(2, spans, columns)[:, torch.arange(T, device=packed.device) // SCALE_SPAN]
     else:  # one per token
         a_scale, a_min = params.view(2, T, 1)
     return codes * a_scale + a_min

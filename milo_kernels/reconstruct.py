@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from milo_format import GROUP_TOKENS
+from milo_format import SCALE_SPAN
 from . import triton_kernel
 from .cpu import reconstruct_layer_cpu
 from .lowbit import dequantize_lowbit_layer
@@ -70,7 +70,7 @@ def launch(plan: Plan, factors, out_k, out_v, cos, sin, *, interleaved=False) ->
         factors, header, plan.tiles, out_k, out_v, cos, sin, d,
         *out_k.stride(), *out_v.stride(), *cos.stride(), *sin.stride(),
         BITS=plan.bits,
-        GROUP=GROUP_TOKENS,
+        SPAN=SCALE_SPAN,
         INTERLEAVED=bool(interleaved),
         IEEE_DOT=factors.dtype == torch.float32,
         BLOCK_T=plan.block_t,

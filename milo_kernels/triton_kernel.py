@@ -12,7 +12,7 @@ parts are read through an fp16 view of the same buffer at src / 2): the kernel r
 their scales in place and dequantizes a tile in registers (code * scale + min, Σ folded into A), then
 feeds fp16 tiles to the same fp32-accumulating dots; no floating copy of the factors is written.
 INT8 has one scale per factor column; INT4/INT2 unpack 2 or 4 tokens per byte of A, with a scale per
-(column, 32-token group) for keys and per token for values (the ``BITS`` constexpr: 0 floating, 8, 4, 2).
+(column, 32-token span) for keys and per token for values (the ``BITS`` constexpr: 0 floating, 8, 4, 2).
 
 Raw segments (rank RAW_RANK = -1: a unit's K or V itself, stored as the A of a rank-d segment whose
 Σ = 1 and B = I are not stored) go through the same launch: a tile whose rank is -1 loads X at the
@@ -52,22 +52,22 @@ def require_triton(factors) -> None:
 
 
 # Device helpers of the kernel, jitted with it by `kernel_for` (plain functions until then); BITS and
-# GROUP are the kernel's constexprs (a device function takes its caller's constexprs as constants).
+# SPAN are the kernel's constexprs (a device function takes its caller's constexprs as constants).
 
 
-def _scale_count(columns, tokens, key, BITS, GROUP):
+def _scale_count(columns, tokens, key, BITS, SPAN):
     """fp16 scales of an A with ``columns`` columns (as many minima follow them): none when floating,
-    one per column for INT8; INT4/INT2 one per (column, GROUP tokens) for keys, one per token for values."""
+    one per column for INT8; INT4/INT2 one per (column, SPAN tokens) for keys, one per token for values."""
     if BITS == 0:
         n = 0
     elif BITS == 8:
         n = columns
     else:
-        n = tl.where(key, (tokens + GROUP - 1) // GROUP * columns, tokens)
+        n = tl.where(key, (tokens + SPAN - 1) // SPAN * columns, tokens)
     return n
 
 
-def _load_a(CODES, SCALES, n_scales, t, c, t_ok, c_ok, columns, tokens, key, BITS, GROUP):
+def _load_a(CODES, SCALES, n_scales, t, c, t_ok, c_ok, columns, tokens, key, BITS, SPAN):
     """fp32 A[t, c], zero outside t_ok x c_ok, of an A [tokens, columns] (docs/format.md): floating
     values row-major at CODES; or codes dequantized in registers, code * scale + min, with the fp16
     scales at SCALES and the minima n_scales after them: INT8 codes row-major, INT4/INT2 codes column
@@ -82,7 +82,7 @@ def _load_a(CODES, SCALES, n_scales, t, c, t_ok, c_ok, columns, tokens, key, BIT
             code = tl.load(CODES + t[:, None] * columns + c[None, :], mask=mask, other=0).to(tl.float32)
         else:
             PER_BYTE = 8 // BITS
-            at = tl.where(key, t // GROUP * columns, t)[:, None] + tl.where(key, c, 0)[None, :]
+            at = tl.where(key, t // SPAN * columns, t)[:, None] + tl.where(key, c, 0)[None, :]
             scale = tl.load(SCALES + at, mask=mask, other=0.0).to(tl.float32)
             low = tl.load(SCALES + n_scales + at, mask=mask, other=0.0).to(tl.float32)
             column_bytes = (tokens + 2 * PER_BYTE - 1) // (2 * PER_BYTE) * 2
@@ -103,7 +103,7 @@ def kernel_for(interpret: bool):
 
     def reconstruct_kernel(F, F16, TILES, K, V, COS, SIN, D,
                            skh, skn, skd, svh, svn, svd, scn, scd, ssn, ssd,
-                           BITS: tl.constexpr, GROUP: tl.constexpr, INTERLEAVED: tl.constexpr, IEEE_DOT: tl.constexpr,
+                           BITS: tl.constexpr, SPAN: tl.constexpr, INTERLEAVED: tl.constexpr, IEEE_DOT: tl.constexpr,
                            BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
         tile = TILES + tl.program_id(0) * 7
         src = tl.load(tile)
@@ -129,12 +129,12 @@ def kernel_for(interpret: bool):
         hdr = F16 + src // 2
         key = kind == 0
         if rank < 0:  # raw (RAW_RANK): X itself, the A [tokens, d] of a rank-d segment without Σ and B = I
-            raw_scales = _scale_count(D, tokens, key, BITS, GROUP)
+            raw_scales = _scale_count(D, tokens, key, BITS, SPAN)
             raw_codes = F + src + 4 * raw_scales
-            acc1 = _load_a(raw_codes, hdr, raw_scales, t, c1, t_ok, h_ok, D, tokens, key, BITS, GROUP)
-            acc2 = _load_a(raw_codes, hdr, raw_scales, t, c2, t_ok, h_ok, D, tokens, key, BITS, GROUP)
+            acc1 = _load_a(raw_codes, hdr, raw_scales, t, c1, t_ok, h_ok, D, tokens, key, BITS, SPAN)
+            acc2 = _load_a(raw_codes, hdr, raw_scales, t, c2, t_ok, h_ok, D, tokens, key, BITS, SPAN)
         else:
-            n_scales = _scale_count(rank, tokens, key, BITS, GROUP)
+            n_scales = _scale_count(rank, tokens, key, BITS, SPAN)
             if BITS == 0:  # A [tokens, rank], Σ [rank], B [d, rank]
                 a_ptr = F + src
                 a_scale_ptr = hdr  # no scales: load_a reads the values as they are
@@ -162,7 +162,7 @@ def kernel_for(interpret: bool):
                 b1 = tl.load(b_ptr + c1[None, :] * rank + r[:, None], mask=b_mask, other=0)  # Bᵀ, first channels
                 b2 = tl.load(b_ptr + c2[None, :] * rank + r[:, None], mask=b_mask, other=0)  # Bᵀ, partners
                 # Σ fused into A's columns; quantized lanes past the rank have scale = min = 0, so stay 0
-                a = _load_a(a_ptr, a_scale_ptr, n_scales, t, r, t_ok, r_ok, rank, tokens, key, BITS, GROUP) * s[None, :]
+                a = _load_a(a_ptr, a_scale_ptr, n_scales, t, r, t_ok, r_ok, rank, tokens, key, BITS, SPAN) * s[None, :]
                 if BITS == 0:
                     a = a.to(F.dtype.element_ty)
                 else:  # dequantize B in registers too, then fp16 tiles for the dots

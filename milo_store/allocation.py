@@ -3,14 +3,14 @@
 Every (block, layer, kind, head) matrix is a *unit*; giving it one more rank costs T + d + 1 values
 (with quantized factors, the bytes of ``Layout.unit_size``; an INT4/INT2 value unit also pays its
 per-token scales, ``Layout.fixed_size``, with its first rank step).
-Within an allocation *group* (chosen by ``scope`` and ``kv_split``) every unit starts at r_min, and
-further rank increments are taken in order of a key until the group's budget is spent:
+Within an allocation *pool* (the units one budget is shared among, chosen by ``scope`` and ``kv_split``) every unit starts at r_min, and
+further rank increments are taken in order of a key until the pool's budget is spent:
 
 - ``entropy``: the paper's marginal gain log(1 + σ²/ε²) per rank unit. It is monotone in σ, so the
   order (and the allocation) does not depend on ε: it hands increments out by singular value;
 - ``energy``: σ² per value of cost, which minimises the summed squared (Eckart–Young) error per byte
   when blocks differ in length;
-- ``uniform``: lowest rank first, so all units of a group rise together;
+- ``uniform``: lowest rank first, so all units of a pool rise together;
 - ``random``: a seeded random order (ablation);
 - ``frontier``: per unit, its low-rank ladder *or its raw form* (the K or V itself, quantized like
   the factors: ``Layout.raw_size``), by measured squared error removed per byte. A rank step removes
@@ -24,7 +24,7 @@ further rank increments are taken in order of a key until the group's budget is 
 
 Every policy's keys never increase along a unit's ladder, so a sort by key takes each unit's
 increments in order (and its first step, with its scales, first).
-A group's budget is ratio × its fp16 full-KV bytes, less its share of the index bytes, so that the
+A pool's budget is ratio × its fp16 full-KV bytes, less its share of the index bytes, so that the
 whole compressed set, index included, lands at the target ratio.
 """
 import numpy as np
@@ -90,16 +90,16 @@ def allocate_ranks(spectra: np.ndarray, tokens: np.ndarray, layout: Layout, rati
     keep = [1, 3] if scope == "head" else [1] if scope == "layer" else []
     if kv_split == "separate":
         keep = sorted(keep + [2])
-    group_shape = [spectra.shape[a] for a in keep]
+    pool_shape = [spectra.shape[a] for a in keep]
     rng = np.random.default_rng(seed)
-    for g in np.ndindex(*group_shape):
+    for g in np.ndindex(*pool_shape):
         sel = [slice(None)] * 4
         for axis, i in zip(keep, g):
             sel[axis] = slice(i, i + 1)
         sel = tuple(sel)
-        sub = spectra[sel]  # [N', L', K', H', n] with group axes of size 1
-        group_tokens = int(np.broadcast_to(tokens.reshape(-1, 1, 1, 1), sub.shape[:4]).sum())
-        budget_values = spendable * (group_tokens * d * 2) / full / bytes_per_value
+        sub = spectra[sel]  # [N', L', K', H', n] with pool axes of size 1
+        pool_tokens = int(np.broadcast_to(tokens.reshape(-1, 1, 1, 1), sub.shape[:4]).sum())
+        budget_values = spendable * (pool_tokens * d * 2) / full / bytes_per_value
         if kv_split == "separate":
             kind = g[keep.index(2)]
             budget_values *= 2 * (key_share if kind == 0 else 1 - key_share)
@@ -107,7 +107,7 @@ def allocate_ranks(spectra: np.ndarray, tokens: np.ndarray, layout: Layout, rati
         where = ", ".join(names[a][i] if a == 2 else names[a].format(i) for a, i in zip(keep, g)) or "the store"
         try:
             raw = None if policy != "frontier" else (loss[sel], raw_cost[sel], raw_error[sel])
-            ranks[sel] = _allocate_group(sub, cost[sel], fixed[sel] / bytes_per_value,
+            ranks[sel] = _allocate_pool(sub, cost[sel], fixed[sel] / bytes_per_value,
                                          np.broadcast_to(cap.reshape(-1, 1, 1, 1), sub.shape[:4]),
                                          budget_values, policy, r_min, eps, rng, raw)
         except BudgetError as e:
@@ -117,8 +117,8 @@ def allocate_ranks(spectra: np.ndarray, tokens: np.ndarray, layout: Layout, rati
     return ranks.astype(np.int16)
 
 
-def _allocate_group(spectra, cost, first, cap, budget_values, policy, r_min, eps, rng, raw=None) -> np.ndarray:
-    """Greedy fill of one group: ranks shaped like cost, spending at most ``budget_values``.
+def _allocate_pool(spectra, cost, first, cap, budget_values, policy, r_min, eps, rng, raw=None) -> np.ndarray:
+    """Greedy fill of one pool: ranks shaped like cost, spending at most ``budget_values``.
 
     A unit's rank step costs ``cost``, and its first step ``first`` more (per-token scales). ``raw``
     (frontier only): (loss, raw cost, raw error) of each unit. Raises BudgetError(budget, need, note)

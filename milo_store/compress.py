@@ -124,7 +124,7 @@ def allocation_record(config: CompressionConfig | dict) -> dict:
 def check_budget(layout: Layout, tokens, config: CompressionConfig) -> None:
     """Raise BudgetError now if ``config.ratio`` cannot hold r_min everywhere (before any encoding).
 
-    It runs the allocator itself on empty spectra, so every group's budget (scope, K/V split, key
+    It runs the allocator itself on empty spectra, so every pool's budget (scope, K/V split, key
     share, per-token scales) is checked as pass two will check it. Exact for block-level codecs;
     example-svd's finer units are checked again when it allocates.
     """

@@ -7,14 +7,14 @@ row-major: r * (T + d + 1) values. Everything here derives from the ranks and to
 
 A quantized layout (``quant`` set) counts bytes instead, laid out by ``quant.py``: an ``int8``
 segment is r * (T' + d + 10) bytes with T' = T rounded up to even. ``int4`` and ``int2`` segments
-(KIVI-style groups: key factors per channel in groups of GROUP_TOKENS tokens, value factors per
+(KIVI-style: key factors per channel in spans of SCALE_SPAN tokens, value factors per
 token) cost ``unit_size`` bytes per rank unit plus, for values, a fixed ``fixed_size`` (each token's
 scale and minimum) whenever the rank is above zero.
 
 A unit may instead be *raw* (rank ``RAW_RANK``): its K or V [T, d] itself in the factor dtype, or
 quantized as the A part of a rank-d segment whose Σ = 1 and B = I go unstored (``raw_size``).
 
-The sizes themselves, and RAW_RANK, GROUP_TOKENS and the bit widths, live in ``milo_format``, which
+The sizes themselves, and RAW_RANK, SCALE_SPAN and the bit widths, live in ``milo_format``, which
 the kernels read segments by too.
 """
 from dataclasses import dataclass
@@ -64,7 +64,7 @@ class Layout:
         """Elements (bytes when quantized) of a raw ``kind`` segment over ``tokens`` tokens (docs/format.md).
 
         Floating: T·d values. INT8: a scale and minimum per channel, 4d, plus T'·d codes (T' even).
-        INT4/INT2: a low-bit A of rank d without Σ and B: key scales per channel and group, 4d·G, or
+        INT4/INT2: a low-bit A of rank d without Σ and B: key scales per channel and span, 4d·G, or
         value scales per token, 4T, plus d columns of codes.
         """
         return milo_format.raw_size(np.asarray(tokens, dtype=np.int64), self.head_dim, self.bits, np.asarray(kind))

@@ -1,9 +1,9 @@
-"""Quantized factors: INT8 with one scale and minimum per factor column (FlexGen-style, group =
-column), and KIVI-style INT4/INT2 with finer groups. The formats are specified in docs/format.md.
+"""Quantized factors: INT8 with one scale and minimum per factor column (FlexGen-style), and
+KIVI-style INT4/INT2 whose key scales each cover a span of tokens (KIVI's groups). The formats are specified in docs/format.md.
 
 INT8:
 
-A and B columns are unit vectors, so one group per column costs 8 bytes per rank unit and adds
+A and B columns are unit vectors, so one scale and minimum per column cost 8 bytes per rank unit and adds
 ~0.1% error where truncation adds 10-35% (docs/results.md); at equal bytes INT8 nearly doubles the
 rank. Readers dequantize in place: ``milo_kernels`` (reference and the fused Triton kernel).
 Segment of rank r over T tokens, d head dim (r * (T' + d + 10) bytes, T' = T rounded up to even):
@@ -13,7 +13,7 @@ starts aligned every header is 2-byte aligned, as a GPU kernel reading it in pla
 """
 import torch
 
-from milo_format import GROUP_TOKENS, QUANT_BITS, lowbit_rows
+from milo_format import SCALE_SPAN, QUANT_BITS, lowbit_rows
 from .format import TORCH_DTYPES
 
 
@@ -26,13 +26,13 @@ def quantize(x: torch.Tensor, dim: int = 0, bits: int = 8) -> tuple[torch.Tensor
     return codes, scale.squeeze(dim), lo.squeeze(dim)
 
 
-def quantize_token_groups(x: torch.Tensor, group: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Codes [T, r], scale and minimum [ceil(T / group), r] of each column of x [T, r] in groups of
-    ``group`` tokens (the last group padded by repeating the last row, which leaves its range alone)."""
+def quantize_token_spans(x: torch.Tensor, span: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes [T, r], scale and minimum [ceil(T / span), r] of each column of x [T, r] in spans of
+    ``span`` tokens (the last span padded by repeating the last row, which leaves its range alone)."""
     T, r = x.shape
-    groups = -(-T // group)
-    padded = torch.cat((x, x[-1:].expand(groups * group - T, r)))
-    codes, scale, low = quantize(padded.view(groups, group, r), 1, bits)
+    spans = -(-T // span)
+    padded = torch.cat((x, x[-1:].expand(spans * span - T, r)))
+    codes, scale, low = quantize(padded.view(spans, span, r), 1, bits)
     return codes.reshape(-1, r)[:T], scale, low
 
 
@@ -58,11 +58,11 @@ def pack_lowbit_segment(A: torch.Tensor, S: torch.Tensor, B: torch.Tensor, bits:
     """The bytes of one INT4/INT2 segment, KIVI-style: keys per channel, values per token.
 
     Layout (all little-endian): fp16 Σ, B scale, B min [r]; then A's fp16 scales and minima: for a
-    key [2, G, r] (one per column and group of GROUP_TOKENS tokens, G = ceil(T / GROUP_TOKENS)), for a
+    key [2, G, r] (one per column and span of SCALE_SPAN tokens, G = ceil(T / SCALE_SPAN)), for a
     value [2, T] (one per token, over its r columns); B codes uint8 [d, r]; A codes [r, T'] column by
     column, ``8 // bits`` consecutive tokens per byte (first token in the lowest bits), T' = T padded
     so each column fills an even number of bytes. Σ stays outside A, so A's columns are unit vectors
-    and share one range: the per-token groups of a value are not dominated by its largest direction.
+    and share one range: the per-token scales of a value are not dominated by its largest direction.
     """
     if A.shape[1] == 0:
         return torch.empty(0, dtype=torch.uint8)
@@ -73,13 +73,13 @@ def pack_lowbit_segment(A: torch.Tensor, S: torch.Tensor, B: torch.Tensor, bits:
 
 
 def _lowbit_columns(x: torch.Tensor, bits: int, kind: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp16 scales and minima, packed codes) of x [T, c] as bytes: a key per channel in groups of
-    GROUP_TOKENS tokens ([2, G, c]), a value per token ([2, T]); codes column by column, ``8 // bits``
+    """(fp16 scales and minima, packed codes) of x [T, c] as bytes: a key per channel in spans of
+    SCALE_SPAN tokens ([2, G, c]), a value per token ([2, T]); codes column by column, ``8 // bits``
     tokens per byte, each column padded to an even number of bytes."""
     T, c = x.shape
     per_byte, rows = 8 // bits, lowbit_rows(T, bits)
     if kind == 0:
-        codes, scale, low = quantize_token_groups(x, GROUP_TOKENS, bits)
+        codes, scale, low = quantize_token_spans(x, SCALE_SPAN, bits)
     else:
         codes, scale, low = quantize(x, 1, bits)
     codes = torch.cat((codes, codes.new_zeros(rows - T, c))).T.reshape(c, rows // per_byte, per_byte)
@@ -93,7 +93,7 @@ def pack_raw_segment(x: torch.Tensor, quant: str, kind: int) -> torch.Tensor:
 
     It is the A part of a rank-d segment whose Σ = 1 and B = I go unstored: INT8 keeps one scale and
     minimum per channel (fp16 [2, d]) then codes [T', d] (a zero last row when T is odd); INT4/INT2 keep
-    KIVI's groups (keys per channel in groups of GROUP_TOKENS tokens, values per token) as a low-bit A.
+    KIVI's grouping (keys per channel in spans of SCALE_SPAN tokens, values per token) as a low-bit A.
     """
     x = x.float()
     if quant == "int8":
@@ -106,16 +106,16 @@ def pack_raw_segment(x: torch.Tensor, quant: str, kind: int) -> torch.Tensor:
 
 def roundtrip(x: torch.Tensor, dtype: str, kind: int) -> torch.Tensor:
     """x [T, c] as a reader gets it back when stored as a ``dtype`` A part or raw segment of a ``kind`` unit:
-    cast for floating dtypes; INT8 per column; INT4/INT2 per column in token groups (keys) or per token."""
+    cast for floating dtypes; INT8 per column; INT4/INT2 per column in token spans (keys) or per token."""
     x = x.float()
     if dtype not in QUANT_BITS:
         return x.to(TORCH_DTYPES[dtype]).float()
     if dtype == "int8":
         return _dequantize(*quantize(x, 0, 8), 0)
     if kind == 0:
-        codes, scale, low = quantize_token_groups(x, GROUP_TOKENS, QUANT_BITS[dtype])
-        group = torch.arange(x.shape[0]) // GROUP_TOKENS
-        return codes.float() * scale[group].float() + low[group].float()
+        codes, scale, low = quantize_token_spans(x, SCALE_SPAN, QUANT_BITS[dtype])
+        span = torch.arange(x.shape[0]) // SCALE_SPAN
+        return codes.float() * scale[span].float() + low[span].float()
     return _dequantize(*quantize(x, 1, QUANT_BITS[dtype]), 1)
 
 

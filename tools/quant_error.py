@@ -11,25 +11,25 @@ import argparse
 import torch
 from safetensors.torch import load_file
 
-from milo_store.quant import quantize, quantize_token_groups
+from milo_store.quant import quantize, quantize_token_spans
 
-GROUPINGS = {  # name -> (bits, dim or None for per-column token groups, group tokens)
-    "int8, one group per column": (8, 0, None),
-    "int4, one group per column": (4, 0, None),
-    "int4, per column, groups of 128 tokens": (4, None, 128),
-    "int4, per column, groups of 32 tokens (keys)": (4, None, 32),
+GROUPINGS = {  # name -> (bits, dim or None for per-column token spans, span tokens)
+    "int8, one scale per column": (8, 0, None),
+    "int4, one scale per column": (4, 0, None),
+    "int4, per column, spans of 128 tokens": (4, None, 128),
+    "int4, per column, spans of 32 tokens (keys)": (4, None, 32),
     "int4, per token (values, KIVI)": (4, 1, None),
-    "int2, per column, groups of 32 tokens (keys)": (2, None, 32),
+    "int2, per column, spans of 32 tokens (keys)": (2, None, 32),
     "int2, per token (values, KIVI)": (2, 1, None),
 }
 
 
-def dequantized(a: torch.Tensor, bits: int, dim, group) -> torch.Tensor:
-    if group is None:
+def dequantized(a: torch.Tensor, bits: int, dim, span) -> torch.Tensor:
+    if span is None:
         codes, scale, low = quantize(a, dim, bits)
         return codes.float() * scale.float().unsqueeze(dim) + low.float().unsqueeze(dim)
-    codes, scale, low = quantize_token_groups(a, group, bits)
-    of_row = torch.arange(a.shape[0]) // group
+    codes, scale, low = quantize_token_spans(a, span, bits)
+    of_row = torch.arange(a.shape[0]) // span
     return codes.float() * scale.float()[of_row] + low.float()[of_row]
 
 
@@ -39,7 +39,7 @@ def errors(path: str, layers: list[int]) -> dict[str, tuple[float, float]]:
     Bq = dequantized(B.flatten(0, 2).transpose(0, 1).reshape(B.shape[-2], -1), 8, 0, None)  # per column
     Bq = Bq.reshape(B.shape[-2], *B.shape[:3], B.shape[-1]).permute(1, 2, 3, 0, 4)
     out = {}
-    for name, (bits, dim, group) in GROUPINGS.items():
+    for name, (bits, dim, span) in GROUPINGS.items():
         err = []
         for kind in (0, 1):
             num = den = 0.0
@@ -47,7 +47,7 @@ def errors(path: str, layers: list[int]) -> dict[str, tuple[float, float]]:
                 for h in range(A.shape[2]):
                     a, s, b = A[l, kind, h], S[l, kind, h], B[l, kind, h]
                     x = (a * s) @ b.T
-                    xq = (dequantized(a, bits, dim, group) * s) @ Bq[l, kind, h].T
+                    xq = (dequantized(a, bits, dim, span) * s) @ Bq[l, kind, h].T
                     num, den = num + float((x - xq).norm() ** 2), den + float(x.norm() ** 2)
             err.append((num / den) ** 0.5)
         out[name] = tuple(err)

@@ -1,10 +1,10 @@
-"""INT4/INT2 factors (KIVI-style groups): packing, sizes, error bounds, stores and reconstruction."""
+"""INT4/INT2 factors (KIVI-style scale spans): packing, sizes, error bounds, stores and reconstruction."""
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from milo_format import GROUP_TOKENS, segment_size
+from milo_format import SCALE_SPAN, segment_size
 from milo_kernels import dequantize_lowbit_segment
 from milo_store import CompressionConfig, Layout, MiloStore
 from milo_store.allocation import BudgetError, allocate_ranks
@@ -35,9 +35,9 @@ def test_lowbit_segment_size_and_error_bound(T, d, r, quant, kind, seed):
         return
     a, s, b = dequantize_lowbit_segment(raw, r, T, d, bits, kind)
     assert torch.equal(s, S.half().float())
-    # every element is within half a step of its group's grid, plus fp16 rounding of scale and minimum
-    if kind == 0:  # per column, groups of GROUP_TOKENS tokens
-        idx = torch.arange(T) // GROUP_TOKENS
+    # every element is within half a step of its span's grid, plus fp16 rounding of scale and minimum
+    if kind == 0:  # per column, spans of SCALE_SPAN tokens
+        idx = torch.arange(T) // SCALE_SPAN
         lo = torch.stack([A[idx == i].min(0).values for i in range(int(idx.max()) + 1)])[idx]
         hi = torch.stack([A[idx == i].max(0).values for i in range(int(idx.max()) + 1)])[idx]
     else:  # per token
@@ -72,9 +72,9 @@ def test_lowbit_r_min_that_does_not_fit_is_refused_before_writing(tmp_path):
 @given(st.sampled_from(["int8", "int4", "int2", "float16"]), st.sampled_from(["head", "layer", "global"]),
        st.sampled_from([0.3, 0.5, 0.7]), st.floats(0.01, 0.5), st.integers(0, 2),
        st.lists(st.integers(40, 900), min_size=1, max_size=4))
-def test_check_budget_agrees_with_the_allocation_of_every_group(dtype, scope, key_share, ratio, r_min, tokens):
+def test_check_budget_agrees_with_the_allocation_of_every_pool(dtype, scope, key_share, ratio, r_min, tokens):
     """check_budget (before encoding) refuses exactly what pass two would refuse, and what both accept
-    never exceeds the ratio: per-group budgets, the K/V share and per-token scales included."""
+    never exceeds the ratio: per-pool budgets, the K/V share and per-token scales included."""
     layout = Layout(2, 2, 64)
     config = CompressionConfig(ratio=ratio, dtype=dtype, scope=scope, key_share=key_share, r_min=r_min)
     spectra = np.random.default_rng(len(tokens)).random((len(tokens), 2, 2, 2, 64))[..., ::-1].cumsum(-1)[..., ::-1]

@@ -65,8 +65,8 @@ def test_quant_error_tool_orders_the_groupings_by_bits(tmp_path):
     f = factorize_block(k, v, codec="svd")
     save_file({"A": f.A.contiguous(), "S": f.S.contiguous(), "B": f.B.contiguous()}, tmp_path / "b.safetensors")
     e = errors(str(tmp_path / "b.safetensors"), [0, 1])
-    int8, int4, int4_32, int2_32 = (e[n] for n in ("int8, one group per column", "int4, one group per column",
-                                                    "int4, per column, groups of 32 tokens (keys)",
-                                                    "int2, per column, groups of 32 tokens (keys)"))
+    int8, int4, int4_32, int2_32 = (e[n] for n in ("int8, one scale per column", "int4, one scale per column",
+                                                    "int4, per column, spans of 32 tokens (keys)",
+                                                    "int2, per column, spans of 32 tokens (keys)"))
     for kind in (0, 1):
         assert int8[kind] < int4_32[kind] < int4[kind] and int4_32[kind] < int2_32[kind]
