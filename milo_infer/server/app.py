@@ -1,6 +1,7 @@
 """The HTTP layer: thin FastAPI handlers over one `EngineLoop`, speaking OpenAI's completions API.
 
-A handler reads and checks the body, makes the query's plan on a worker thread (retrieval and
+The handlers live on a module-level `router` and read the engine, its loop and the settings from
+``request.app.state``, which `create_app` fills (as vLLM's OpenAI server does). A handler reads and checks the body, makes the query's plan on a worker thread (retrieval and
 tokenising run on the host, never the model), queues it, and awaits its row's events, which the
 loop's thread hands over with ``call_soon_threadsafe`` into the request's own asyncio queue. Only
 the stores the server was started with are served: a ``model`` names one of them, never a path.
@@ -57,127 +58,149 @@ async def read_body(request: HTTPRequest, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+def require_key(request: HTTPRequest) -> None:
+    """The bearer key, when the server has one, compared in constant time."""
+    api_key = request.app.state.api_key
+    if api_key is None:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if not (scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())):
+        raise APIError(401, "a missing or wrong API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+
+
+router = APIRouter()
+"""Every route of the server; each reads what it needs from ``request.app.state`` (built by `create_app`)."""
+KEYED = [Depends(require_key)]  # every route but /health
+
+
+@router.get("/health")
+async def health(request: HTTPRequest):
+    loop = request.app.state.engine_loop
+    if loop.healthy:
+        return {"status": "ok"}
+    return JSONResponse({"status": "failed" if loop.failure else "draining"}, status_code=503)
+
+
+@router.get("/metrics", dependencies=KEYED)
+async def prometheus(request: HTTPRequest):
+    return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/v1/models", dependencies=KEYED)
+async def models(request: HTTPRequest):
+    state = request.app.state
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": state.started, "owned_by": "milo"}
+                                       for name in state.engine.stores]}
+
+
+@router.post("/v1/completions", dependencies=KEYED)
+async def completions(request: HTTPRequest):
+    return await answer(request, chat=False)
+
+
+@router.post("/v1/chat/completions", dependencies=KEYED)
+async def chat_completions(request: HTTPRequest):
+    return await answer(request, chat=True)
+
+
+async def answer(request: HTTPRequest, chat: bool):
+    """Check the body, plan on a worker thread, queue the plan, and answer from its row's events."""
+    state = request.app.state
+    engine, loop = state.engine, state.engine_loop
+    body = protocol.parse_json(await read_body(request, state.max_body_bytes))
+    parsed = protocol.parse_request(body, chat=chat, models=engine.stores, max_positions=engine.max_positions)
+    try:
+        plan = await run_in_threadpool(engine.plan, parsed.model, parsed.request)
+    except RequestError as e:
+        raise APIError(400, str(e), code="invalid_request") from None
+    events: asyncio.Queue = asyncio.Queue()
+    event_loop = asyncio.get_running_loop()
+
+    def deliver(item) -> None:  # on the engine loop's thread
+        try:
+            event_loop.call_soon_threadsafe(events.put_nowait, item)
+        except RuntimeError:  # the event loop has closed: nobody waits for this any more
+            pass
+
+    try:
+        ticket = loop.submit(plan, deliver)
+    except QueueFull as e:
+        raise APIError(503, f"the server is busy ({e}); retry later", kind="server_error", code="queue_full",
+                       headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+    except NotAccepting as e:
+        raise APIError(503, str(e), kind="server_error", code="unavailable") from None
+    if parsed.stream:
+        return StreamingResponse(stream(loop, parsed, plan, ticket, events), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    try:
+        event = await last_event(request, events)
+    except ClientGone:
+        return Response(status_code=499)
+    finally:
+        loop.cancel(ticket)  # a no-op for a finished row
+    return protocol.completion(parsed, plan, event.answer)
+
+
+async def last_event(request: HTTPRequest, events: asyncio.Queue):
+    """The row's finishing event, looking every DISCONNECT_POLL_S whether the client is still there."""
+    async def finishing():
+        while True:
+            item = await events.get()
+            if isinstance(item, Exception):
+                raise as_api_error(item)
+            if item.finished:
+                return item
+
+    waiter = asyncio.ensure_future(finishing())
+    while not (await asyncio.wait({waiter}, timeout=DISCONNECT_POLL_S))[0]:
+        if await request.is_disconnected():
+            waiter.cancel()
+            raise ClientGone
+    return waiter.result()
+
+
+async def stream(loop: EngineLoop, parsed: ParsedRequest, plan, ticket, events: asyncio.Queue):
+    """SSE frames of one row; a client that leaves cancels the generator, and so its row."""
+    writer = ChunkWriter(parsed)
+    try:
+        while True:
+            item = await events.get()
+            if isinstance(item, Exception):
+                yield writer.error(as_api_error(item))
+                break
+            if item.delta or item.finished or not writer.started:
+                yield writer.chunk(item.delta, item.finish_reason if item.finished else None)
+            if item.finished:
+                if parsed.include_usage:
+                    yield writer.usage_chunk(plan, item.answer)
+                break
+        yield writer.done()
+    finally:
+        loop.cancel(ticket)
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI):
+    loop = app.state.engine_loop
+    loop.start()
+    yield
+    await run_in_threadpool(loop.stop, STOP_TIMEOUT_S)
+
+
+async def api_error(request: HTTPRequest, error: APIError):
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
 def create_app(engine, *, api_key: str | None = None, max_batch: int = 16, batch_wait_ms: float = 5.0,
                max_queue: int = 256, max_body_bytes: int = MAX_BODY_BYTES, block_cache=None) -> FastAPI:
     """An app serving ``engine``'s mounted stores; its engine loop starts and stops with the app's lifespan.
     ``app.state.engine_loop.stop_accepting()`` starts draining (``/health`` answers 503 from then on)."""
-    metrics = ServerMetrics(block_cache)
-    loop = EngineLoop(engine, metrics, max_batch=max_batch, batch_wait_s=batch_wait_ms / 1000, max_queue=max_queue)
-    started = int(time.time())
-
-    @asynccontextmanager
-    async def lifespan(app):
-        loop.start()
-        yield
-        await run_in_threadpool(loop.stop, STOP_TIMEOUT_S)
-
-    def require_key(request: HTTPRequest) -> None:
-        if api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if not (scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())):
-            raise APIError(401, "a missing or wrong API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
-
     app = FastAPI(title="milo serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.engine_loop, app.state.metrics = loop, metrics
-    api = APIRouter(dependencies=[Depends(require_key)])
-
-    @app.exception_handler(APIError)
-    async def api_error(request, error: APIError):
-        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
-
-    @app.get("/health")
-    async def health():
-        if loop.healthy:
-            return {"status": "ok"}
-        return JSONResponse({"status": "failed" if loop.failure else "draining"}, status_code=503)
-
-    @api.get("/metrics")
-    async def prometheus():
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-    @api.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": started, "owned_by": "milo"}
-                                           for name in engine.stores]}
-
-    async def answer(request: HTTPRequest, chat: bool):
-        body = protocol.parse_json(await read_body(request, max_body_bytes))
-        parsed = protocol.parse_request(body, chat=chat, models=engine.stores, max_positions=engine.max_positions)
-        try:
-            plan = await run_in_threadpool(engine.plan, parsed.model, parsed.request)
-        except RequestError as e:
-            raise APIError(400, str(e), code="invalid_request") from None
-        events: asyncio.Queue = asyncio.Queue()
-        event_loop = asyncio.get_running_loop()
-
-        def deliver(item) -> None:  # on the engine loop's thread
-            try:
-                event_loop.call_soon_threadsafe(events.put_nowait, item)
-            except RuntimeError:  # the event loop has closed: nobody waits for this any more
-                pass
-
-        try:
-            ticket = loop.submit(plan, deliver)
-        except QueueFull as e:
-            raise APIError(503, f"the server is busy ({e}); retry later", kind="server_error", code="queue_full",
-                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
-        except NotAccepting as e:
-            raise APIError(503, str(e), kind="server_error", code="unavailable") from None
-        if parsed.stream:
-            return StreamingResponse(stream(parsed, plan, ticket, events), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        try:
-            event = await last_event(request, events)
-        except ClientGone:
-            return Response(status_code=499)
-        finally:
-            loop.cancel(ticket)  # a no-op for a finished row
-        return protocol.completion(parsed, plan, event.answer)
-
-    async def last_event(request: HTTPRequest, events: asyncio.Queue):
-        """The row's finishing event, looking every DISCONNECT_POLL_S whether the client is still there."""
-        async def finishing():
-            while True:
-                item = await events.get()
-                if isinstance(item, Exception):
-                    raise as_api_error(item)
-                if item.finished:
-                    return item
-
-        waiter = asyncio.ensure_future(finishing())
-        while not (await asyncio.wait({waiter}, timeout=DISCONNECT_POLL_S))[0]:
-            if await request.is_disconnected():
-                waiter.cancel()
-                raise ClientGone
-        return waiter.result()
-
-    async def stream(parsed: ParsedRequest, plan, ticket, events: asyncio.Queue):
-        """SSE frames of one row; a client that leaves cancels the generator, and so its row."""
-        writer = ChunkWriter(parsed)
-        try:
-            while True:
-                item = await events.get()
-                if isinstance(item, Exception):
-                    yield writer.error(as_api_error(item))
-                    break
-                if item.delta or item.finished or not writer.started:
-                    yield writer.chunk(item.delta, item.finish_reason if item.finished else None)
-                if item.finished:
-                    if parsed.include_usage:
-                        yield writer.usage_chunk(plan, item.answer)
-                    break
-            yield writer.done()
-        finally:
-            loop.cancel(ticket)
-
-    @api.post("/v1/completions")
-    async def completions(request: HTTPRequest):
-        return await answer(request, chat=False)
-
-    @api.post("/v1/chat/completions")
-    async def chat_completions(request: HTTPRequest):
-        return await answer(request, chat=True)
-
-    app.include_router(api)
+    state = app.state
+    state.engine, state.api_key, state.max_body_bytes, state.started = engine, api_key, max_body_bytes, int(time.time())
+    state.metrics = ServerMetrics(block_cache)
+    state.engine_loop = EngineLoop(engine, state.metrics, max_batch=max_batch, batch_wait_s=batch_wait_ms / 1000,
+                                   max_queue=max_queue)
+    app.include_router(router)
+    app.add_exception_handler(APIError, api_error)
     return app
