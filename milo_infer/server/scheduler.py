@@ -6,7 +6,14 @@ one decode step for every row. A finished row leaves the batch at once, so a wai
 at the next step and a short label answer is never held behind a long free-form one.
 
 Each request's ``deliver`` is called on the loop's thread with every `RowEvent` of its row, or with
-one exception that ends it (`EngineFailed`, `ShuttingDown`, an engine `RequestError`).
+one exception that ends it (`EngineFailed`, `ShuttingDown`, an engine `RequestError`): every
+submitted request that was not cancelled gets a finished event or an error, whatever fails when.
+
+What fails, fails as little as it can: an admission that raises fails the requests it was admitting
+(the running rows go on; if it left the batch broken, that batch's next step fails); a step that
+raises fails the rows of its batch, and the loop goes on with a fresh batch; only a loop that cannot
+go on (``engine.batch()`` raising) fails everything it holds, marks itself failed (``failure``) and
+takes no more requests, so that the server exits non-zero and a supervisor restarts it.
 """
 import logging
 import queue
@@ -31,7 +38,7 @@ class NotAccepting(Exception):
 
 
 class EngineFailed(RuntimeError):
-    """The engine raised while running a batch: every row in it, and every waiting request, ends with this."""
+    """The engine raised while admitting or running this request (the message names what it raised)."""
 
 
 class ShuttingDown(RuntimeError):
@@ -62,10 +69,12 @@ class EngineLoop:
         self.engine, self.metrics = engine, metrics
         self.max_batch, self.batch_wait_s = max_batch, batch_wait_s
         self.waiting: queue.Queue[Ticket] = queue.Queue(max_queue)
-        self.failure: str | None = None  # what the engine raised, once it has
+        self.failure: str | None = None  # why the loop could not go on, once it could not
         self._cancelled: queue.SimpleQueue[Ticket] = queue.SimpleQueue()
         self._running: dict[int, Ticket] = {}  # id(plan) -> ticket; the ticket keeps the plan (and its id) alive
         self._accepting = True
+        self._lock = threading.Lock()  # a submit's check and enqueue against the loop's closing: nothing is
+        self._closed = False  # queued once the loop has ended what it held
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="milo-engine-loop", daemon=True)
 
@@ -89,15 +98,16 @@ class EngineLoop:
 
     def submit(self, plan: QueryPlan, deliver: Callable[[object], None]) -> Ticket:
         """Queue a plan (from any thread); raises `QueueFull` or `NotAccepting`."""
-        if self.failure is not None:
-            raise NotAccepting(f"the engine failed: {self.failure}")
-        if not self._accepting:
-            raise NotAccepting("the server is shutting down")
         ticket = Ticket(plan, deliver)
-        try:
-            self.waiting.put_nowait(ticket)
-        except queue.Full:
-            raise QueueFull(f"all {self.waiting.maxsize} queue slots are taken") from None
+        with self._lock:
+            if self.failure is not None:
+                raise NotAccepting(f"the engine failed: {self.failure}")
+            if self._closed or not self._accepting:
+                raise NotAccepting("the server is shutting down")
+            try:
+                self.waiting.put_nowait(ticket)
+            except queue.Full:
+                raise QueueFull(f"all {self.waiting.maxsize} queue slots are taken") from None
         self.metrics.waiting.set(self.waiting.qsize())
         return ticket
 
@@ -108,25 +118,41 @@ class EngineLoop:
 
     # -- the loop's own thread ----------------------------------------------------------------------
     def _run(self) -> None:
+        ending: Exception = ShuttingDown("the server stopped before this request was answered")
         try:
             batch = self.engine.batch()
             while not self._stop.is_set():
-                self._drop_cancelled(batch)
-                tickets = self._take(self.max_batch - len(batch), idle=len(batch) == 0)
-                if tickets:
-                    self._admit(batch, tickets)
-                if len(batch):
-                    self.metrics.batch_size.observe(len(batch))
-                    self._deliver(batch.step())
-                self.metrics.running.set(len(self._running))
-                self.metrics.waiting.set(self.waiting.qsize())
-        except Exception as e:  # the engine is broken: nothing more can be answered
+                if not self._iterate(batch):
+                    batch = self.engine.batch()
+        except Exception as e:  # no batch can be made: nothing more can be answered
             self.failure = f"{type(e).__name__}: {e}"
-            log.exception("engine loop failed")
-            self._end_all(EngineFailed(self.failure))
-        else:
-            self._end_all(ShuttingDown("the server stopped before this request was answered"))
-        self.metrics.running.set(0)
+            log.exception("the engine loop cannot go on; every request it holds fails")
+            ending = EngineFailed(f"the engine failed: {self.failure}")
+        finally:
+            self._end_all(ending)
+            self.metrics.running.set(0)
+            self.metrics.waiting.set(0)
+
+    def _iterate(self, batch) -> bool:
+        """Drop cancelled rows, admit queued plans into the free slots, one decode step. False when the batch
+        raised: its rows were answered with the error, and the batch is done for."""
+        try:
+            self._drop_cancelled(batch)
+            tickets = self._take(self.max_batch - len(batch), idle=len(batch) == 0)
+            if tickets:
+                self._admit(batch, tickets)
+            if len(batch):
+                self.metrics.batch_size.observe(len(batch))
+                self._deliver(batch.step())
+            return True
+        except Exception as e:
+            log.exception("a batch of %d request(s) failed; they fail, the loop goes on with a new batch",
+                          len(self._running))
+            self._end_running(EngineFailed(f"the engine failed while running this request: {type(e).__name__}: {e}"))
+            return False
+        finally:
+            self.metrics.running.set(len(self._running))
+            self.metrics.waiting.set(self.waiting.qsize())
 
     def _take(self, free: int, *, idle: bool) -> list[Ticket]:
         """Up to ``free`` queued tickets, not cancelled; an idle loop blocks for the first, then gathers."""
@@ -153,6 +179,12 @@ class EngineLoop:
         except RequestError as e:  # the plans cannot be served; the batch itself is fine
             for t in tickets:
                 t.deliver(e)
+            return
+        except Exception as e:  # these plans broke their admission; the rows already running go on
+            log.exception("admitting %d request(s) failed; they fail, the batch goes on", len(tickets))
+            error = EngineFailed(f"the engine failed to admit this request: {type(e).__name__}: {e}")
+            for t in tickets:
+                t.deliver(error)
             return
         for t in tickets:
             self._running[id(t.plan)] = t
@@ -186,15 +218,23 @@ class EngineLoop:
             if self._running.pop(id(ticket.plan), None) is ticket:
                 batch.cancel(ticket.plan)
 
-    def _end_all(self, error: Exception) -> None:
-        """Tell every running and queued request that it ends with ``error``."""
+    def _end_running(self, error: Exception) -> None:
+        """Tell every running request that it ends with ``error``."""
         ended = list(self._running.values())
         self._running.clear()
+        for ticket in ended:
+            if not ticket.cancelled:
+                ticket.deliver(error)
+
+    def _end_all(self, error: Exception) -> None:
+        """Take no more requests, and tell every running and queued one that it ends with ``error``."""
+        with self._lock:
+            self._closed = True
+        self._end_running(error)
         while True:
             try:
-                ended.append(self.waiting.get_nowait())
+                ticket = self.waiting.get_nowait()
             except queue.Empty:
                 break
-        for ticket in ended:
             if not ticket.cancelled:
                 ticket.deliver(error)

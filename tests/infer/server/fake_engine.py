@@ -1,9 +1,11 @@
 """A test double of `milo_infer.runtime.engine.Engine` with its interface and no model, for the server's scheduler.
 
 A query's answer is its own words upper-cased, one word per decode step (the first at admission),
-until ``max_new_tokens`` (finish "length", default 8) or a stop string (finish "stop"). A query
-holding the word ``crash`` makes the batch raise at its next step. The batch records what the
-scheduler did to it: the size of every admission, the rows at every step, the cancelled plans.
+until ``max_new_tokens`` (finish "length", default 8) or a stop string (finish "stop"). Failures to
+order: a query holding the word ``crash`` makes the batch raise at its next step, one holding
+``choke`` makes its admission raise, and ``batch_limit`` makes ``batch()`` raise once that many
+batches were made. The batch records what the scheduler did to it: the size of every admission,
+the rows at every step, the cancelled plans.
 """
 import threading
 import time
@@ -30,9 +32,9 @@ def expected_answer(text: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, sto
 
 
 class FakeEngine:
-    def __init__(self, stores=("demo",), *, max_positions=2048, step_s=0.0):
+    def __init__(self, stores=("demo",), *, max_positions=2048, step_s=0.0, batch_limit=None):
         self.stores = {name: SimpleNamespace(name=name) for name in stores}
-        self.max_positions, self.step_s = max_positions, step_s
+        self.max_positions, self.step_s, self.batch_limit = max_positions, step_s, batch_limit
         self.batches: list[FakeBatch] = []
 
     def plan(self, store: str, request) -> QueryPlan:
@@ -47,6 +49,8 @@ class FakeEngine:
                          kv_bytes_stored=100, retrieve_seconds=0.0)
 
     def batch(self) -> "FakeBatch":
+        if self.batch_limit is not None and len(self.batches) >= self.batch_limit:
+            raise RuntimeError("no device memory left for a batch")
         self.batches.append(FakeBatch(self))
         return self.batches[-1]
 
@@ -68,6 +72,8 @@ class FakeBatch:
 
     def admit(self, plans):
         self._check_thread()
+        if any("choke" in p.request.text.split() for p in plans):
+            raise RuntimeError("the prefix rebuild fell over")
         self.admissions.append(len(plans))
         self.running_at_admission.append(len(self.rows))
         blocks = [b for p in plans for b in p.blocks]

@@ -5,57 +5,23 @@ query, so these tests hold the scheduler and the wire format to what they promis
 """
 import asyncio
 import json
-import socket
-import threading
 import time
-from contextlib import contextmanager
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
-from milo_infer.server.app import create_app
 from tests.infer.server.fake_engine import FakeEngine, expected_answer
+from tests.infer.server.serving import metric, serving
 
 KEY = "sk-test-key"
-
-
-@contextmanager
-def serving(engine, **options):
-    """A real server of ``create_app(engine, **options)`` on a free loopback port, stopped on exit."""
-    app = create_app(engine, **options)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}", app
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
-        assert not thread.is_alive()
-
-
-def metric(base: str, name: str, headers=None) -> float:
-    """One sample of the server's /metrics (``name`` with its labels, as Prometheus prints it)."""
-    text = httpx.get(f"{base}/metrics", headers=headers).text
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " ")]
-    assert len(values) == 1, f"{name} not in /metrics"
-    return values[0]
 
 
 @pytest.fixture(scope="module")
 def server():
     engine = FakeEngine(stores=("demo", "other"))
-    with serving(engine, max_batch=8, batch_wait_ms=20) as (base, app):
-        yield base, engine
+    with serving(engine, max_batch=8, batch_wait_ms=20) as served:
+        yield served.base, engine
 
 
 @pytest.fixture
@@ -159,7 +125,8 @@ BAD_INPUTS = [
 @pytest.mark.parametrize("path, body, status, param, words", BAD_INPUTS)
 def test_each_bad_input_is_a_4xx_in_openai_shape_naming_it(path, body, status, param, words):
     engine = FakeEngine()
-    with serving(engine, max_body_bytes=64_000) as (base, _):
+    with serving(engine, max_body_bytes=64_000) as served:
+        base = served.base
         raw = body if isinstance(body, bytes) else json.dumps(body).encode()
         r = httpx.post(base + path, content=raw, headers={"content-type": "application/json"})
         assert r.status_code == status, r.text
@@ -172,7 +139,8 @@ def test_each_bad_input_is_a_4xx_in_openai_shape_naming_it(path, body, status, p
 
 
 def test_api_key_guards_every_endpoint_but_health():
-    with serving(FakeEngine(), api_key=KEY) as (base, _):
+    with serving(FakeEngine(), api_key=KEY) as served:
+        base = served.base
         body = {"model": "demo", "prompt": "hi"}
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, {"Authorization": "Basic " + KEY}):
             for method, path in (("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
@@ -189,7 +157,8 @@ def test_api_key_guards_every_endpoint_but_health():
 def test_batches_form_and_answers_match_sequential_ones():
     engine = FakeEngine(step_s=0.005)
     queries = [f"query number {i} " + "word " * (i % 7) for i in range(48)]
-    with serving(engine, max_batch=8, batch_wait_ms=20) as (base, _):
+    with serving(engine, max_batch=8, batch_wait_ms=20) as served:
+        base = served.base
         async def ask_all():
             client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=20)
             limit = asyncio.Semaphore(16)
@@ -218,7 +187,8 @@ def test_batches_form_and_answers_match_sequential_ones():
 
 def test_a_short_answer_joins_and_leaves_while_a_long_one_runs():
     engine = FakeEngine(step_s=0.01)
-    with serving(engine, max_batch=4, batch_wait_ms=1) as (base, _):
+    with serving(engine, max_batch=4, batch_wait_ms=1) as served:
+        base = served.base
         client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=20)
         stream = client.completions.create(model="demo", prompt="long " * 30, max_tokens=30, stream=True)
         first = next(iter(stream))  # the long row is running
@@ -235,7 +205,8 @@ def test_a_short_answer_joins_and_leaves_while_a_long_one_runs():
 
 def test_a_full_queue_answers_503_with_retry_after():
     engine = FakeEngine(step_s=0.02)
-    with serving(engine, max_batch=1, max_queue=1, batch_wait_ms=0) as (base, _):
+    with serving(engine, max_batch=1, max_queue=1, batch_wait_ms=0) as served:
+        base = served.base
         async def burst():
             async with httpx.AsyncClient(timeout=20) as http:
                 return await asyncio.gather(*(http.post(base + "/v1/completions", json={
@@ -250,7 +221,8 @@ def test_a_full_queue_answers_503_with_retry_after():
 
 def test_a_client_leaving_mid_stream_cancels_its_row():
     engine = FakeEngine(step_s=0.02)
-    with serving(engine) as (base, _):
+    with serving(engine) as served:
+        base = served.base
         with httpx.stream("POST", base + "/v1/completions", timeout=10,
                           json={"model": "demo", "prompt": "w " * 30, "max_tokens": 30, "stream": True}) as r:
             lines = r.iter_lines()
@@ -265,7 +237,8 @@ def test_a_client_leaving_mid_stream_cancels_its_row():
 
 def test_a_client_leaving_a_non_streamed_request_cancels_its_row():
     engine = FakeEngine(step_s=0.02)
-    with serving(engine) as (base, _):
+    with serving(engine) as served:
+        base = served.base
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(base + "/v1/completions", json={"model": "demo", "prompt": "w " * 30, "max_tokens": 30},
                        timeout=0.2)
@@ -276,17 +249,9 @@ def test_a_client_leaving_a_non_streamed_request_cancels_its_row():
         assert "milo:request_success_total{" not in httpx.get(base + "/metrics").text  # nothing finished
 
 
-def test_an_engine_failure_fails_its_rows_and_health():
-    with serving(FakeEngine()) as (base, _):
-        r = httpx.post(base + "/v1/completions", json={"model": "demo", "prompt": "please crash now"}, timeout=10)
-        assert r.status_code == 500 and "the device fell over" in r.json()["error"]["message"]
-        assert httpx.get(base + "/health").status_code == 503
-        r = httpx.post(base + "/v1/completions", json={"model": "demo", "prompt": "hi"}, timeout=10)
-        assert r.status_code == 503 and "the engine failed" in r.json()["error"]["message"]
-
-
 def test_draining_refuses_new_requests_and_says_so_on_health():
-    with serving(FakeEngine()) as (base, app):
+    with serving(FakeEngine()) as served:
+        base, app = served.base, served.app
         app.state.engine_loop.stop_accepting()
         assert httpx.get(base + "/health").json() == {"status": "draining"}
         r = httpx.post(base + "/v1/completions", json={"model": "demo", "prompt": "hi"})
