@@ -32,12 +32,16 @@ class ClientGone(Exception):
     """The client of a non-streamed request disconnected while it waited."""
 
 
+def shutting_down(message: str) -> APIError:
+    return APIError(503, message, kind="server_error", code="shutting_down")
+
+
 def as_api_error(error: Exception) -> APIError:
     """The HTTP error of an exception the engine loop ended a request with."""
     if isinstance(error, RequestError):
         return APIError(400, str(error), code="invalid_request")
     if isinstance(error, ShuttingDown):
-        return APIError(503, str(error), kind="server_error", code="shutting_down")
+        return shutting_down(str(error))
     if isinstance(error, UpstreamError):
         return APIError(502, str(error), kind="server_error", code="upstream_failed")
     return APIError(500, str(error), kind="server_error", code="engine_failed")
@@ -104,7 +108,32 @@ async def chat_completions(request: HTTPRequest):
 
 
 async def answer(request: HTTPRequest, chat: bool):
-    """Check the body, plan on a worker thread, queue the plan, and answer from its row's events."""
+    """Check the body, plan on a worker thread, queue the plan, and answer from its row's events. A request
+    that came before the server started draining is ``preparing`` until queued, so that the drain waits
+    for it too."""
+    state = request.app.state
+    if state.engine_loop.draining:
+        raise shutting_down("the server is shutting down")
+    state.preparing += 1
+    try:
+        parsed, plan, ticket, events = await prepare(request, chat)
+    finally:
+        state.preparing -= 1
+    loop = state.engine_loop
+    if parsed.stream:
+        return StreamingResponse(stream(loop, parsed, plan, ticket, events), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    try:
+        event = await last_event(request, events)
+    except ClientGone:
+        return Response(status_code=499)
+    finally:
+        loop.cancel(ticket)  # a no-op for a finished row
+    return protocol.completion(parsed, plan, event.answer)
+
+
+async def prepare(request: HTTPRequest, chat: bool):
+    """The checked body, its plan, its ticket in the engine loop, and the queue its row's events come to."""
     state = request.app.state
     engine, loop = state.engine, state.engine_loop
     body = protocol.parse_json(await read_body(request, state.max_body_bytes))
@@ -128,17 +157,10 @@ async def answer(request: HTTPRequest, chat: bool):
         raise APIError(503, f"the server is busy ({e}); retry later", kind="server_error", code="queue_full",
                        headers={"Retry-After": str(RETRY_AFTER_S)}) from None
     except NotAccepting as e:
+        if loop.failure is None:
+            raise shutting_down(str(e)) from None
         raise APIError(503, str(e), kind="server_error", code="unavailable") from None
-    if parsed.stream:
-        return StreamingResponse(stream(loop, parsed, plan, ticket, events), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
-    try:
-        event = await last_event(request, events)
-    except ClientGone:
-        return Response(status_code=499)
-    finally:
-        loop.cancel(ticket)  # a no-op for a finished row
-    return protocol.completion(parsed, plan, event.answer)
+    return parsed, plan, ticket, events
 
 
 async def last_event(request: HTTPRequest, events: asyncio.Queue):
@@ -194,10 +216,11 @@ async def api_error(request: HTTPRequest, error: APIError):
 def create_app(engine, *, api_key: str | None = None, max_batch: int = 16, batch_wait_ms: float = 5.0,
                max_queue: int = 256, max_body_bytes: int = MAX_BODY_BYTES, block_cache=None) -> FastAPI:
     """An app serving ``engine``'s mounted stores; its engine loop starts and stops with the app's lifespan.
-    ``app.state.engine_loop.stop_accepting()`` starts draining (``/health`` answers 503 from then on)."""
+    ``app.state.engine_loop.drain()`` starts draining: ``/health`` and new requests answer 503 from then on."""
     app = FastAPI(title="milo serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     state = app.state
     state.engine, state.api_key, state.max_body_bytes, state.started = engine, api_key, max_body_bytes, int(time.time())
+    state.preparing = 0  # requests being read, checked or planned, not yet queued (on the event loop's thread)
     state.metrics = ServerMetrics(block_cache)
     state.engine_loop = EngineLoop(engine, state.metrics, max_batch=max_batch, batch_wait_s=batch_wait_ms / 1000,
                                    max_queue=max_queue)

@@ -34,7 +34,7 @@ class QueueFull(Exception):
 
 
 class NotAccepting(Exception):
-    """The loop is stopping or its engine failed: it takes no new requests."""
+    """The loop has ended (stopped, or failed for good): it takes no new requests."""
 
 
 class EngineFailed(RuntimeError):
@@ -72,26 +72,33 @@ class EngineLoop:
         self.failure: str | None = None  # why the loop could not go on, once it could not
         self._cancelled: queue.SimpleQueue[Ticket] = queue.SimpleQueue()
         self._running: dict[int, Ticket] = {}  # id(plan) -> ticket; the ticket keeps the plan (and its id) alive
-        self._accepting = True
+        self.draining = False  # /health answers 503; the app refuses new requests, those it holds go on
         self._lock = threading.Lock()  # a submit's check and enqueue against the loop's closing: nothing is
         self._closed = False  # queued once the loop has ended what it held
+        self._held = 0  # tickets submitted and not yet answered (or dropped, their client gone)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="milo-engine-loop", daemon=True)
 
     @property
     def healthy(self) -> bool:
-        return self.failure is None and self._accepting and self._thread.is_alive()
+        return self.failure is None and not self.draining and self._thread.is_alive()
+
+    @property
+    def idle(self) -> bool:
+        """Every request submitted so far has been answered (or its client left)."""
+        return self._held == 0
 
     def start(self) -> None:
         self._thread.start()
 
-    def stop_accepting(self) -> None:
-        """Draining: requests already queued or running go on; new ones get `NotAccepting`."""
-        self._accepting = False
+    def drain(self) -> None:
+        """Start draining: ``healthy`` turns false; what is queued or running goes on."""
+        self.draining = True
 
     def stop(self, timeout: float | None = None) -> None:
-        """End the loop; what is still queued or running gets `ShuttingDown`."""
-        self._accepting = False
+        """End the loop (after the step under way), waiting up to ``timeout`` for it: what is still queued or
+        running gets `ShuttingDown`, and later submits `NotAccepting`."""
+        self.draining = True
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
@@ -102,12 +109,13 @@ class EngineLoop:
         with self._lock:
             if self.failure is not None:
                 raise NotAccepting(f"the engine failed: {self.failure}")
-            if self._closed or not self._accepting:
+            if self._closed:
                 raise NotAccepting("the server is shutting down")
             try:
                 self.waiting.put_nowait(ticket)
             except queue.Full:
                 raise QueueFull(f"all {self.waiting.maxsize} queue slots are taken") from None
+            self._held += 1
         self.metrics.waiting.set(self.waiting.qsize())
         return ticket
 
@@ -171,20 +179,19 @@ class EngineLoop:
                 taken.append(self.waiting.get(timeout=remaining) if remaining > 0 else self.waiting.get_nowait())
             except queue.Empty:
                 break
-        return [t for t in taken if not t.cancelled]
+        kept = [t for t in taken if not t.cancelled]
+        self._release(len(taken) - len(kept))
+        return kept
 
     def _admit(self, batch, tickets: list[Ticket]) -> None:
         try:
             events = batch.admit([t.plan for t in tickets])
         except RequestError as e:  # the plans cannot be served; the batch itself is fine
-            for t in tickets:
-                t.deliver(e)
+            self._answer(tickets, e)
             return
         except Exception as e:  # these plans broke their admission; the rows already running go on
             log.exception("admitting %d request(s) failed; they fail, the batch goes on", len(tickets))
-            error = EngineFailed(f"the engine failed to admit this request: {type(e).__name__}: {e}")
-            for t in tickets:
-                t.deliver(error)
+            self._answer(tickets, EngineFailed(f"the engine failed to admit this request: {type(e).__name__}: {e}"))
             return
         for t in tickets:
             self._running[id(t.plan)] = t
@@ -199,7 +206,7 @@ class EngineLoop:
                 continue
             if event.error is not None:  # this row failed (in another engine); the batch goes on
                 del self._running[id(event.plan)]
-                ticket.deliver(event.error)
+                self._answer([ticket], event.error)
                 continue
             if not ticket.answered:
                 ticket.answered = True
@@ -207,7 +214,9 @@ class EngineLoop:
             if event.finished:
                 del self._running[id(event.plan)]
                 self.metrics.finished(event.answer, event.finish_reason, now - ticket.submitted)
-            ticket.deliver(event)
+                self._answer([ticket], event)
+            else:
+                ticket.deliver(event)
 
     def _drop_cancelled(self, batch) -> None:
         while True:
@@ -216,25 +225,35 @@ class EngineLoop:
             except queue.Empty:
                 return
             if self._running.pop(id(ticket.plan), None) is ticket:
+                self._release(1)
                 batch.cancel(ticket.plan)
+
+    def _answer(self, tickets: list[Ticket], last) -> None:
+        """The last thing these requests get (their finished event, or the error that ends them)."""
+        for ticket in tickets:
+            if not ticket.cancelled:
+                ticket.deliver(last)
+        self._release(len(tickets))
+
+    def _release(self, n: int) -> None:
+        with self._lock:
+            self._held -= n
 
     def _end_running(self, error: Exception) -> None:
         """Tell every running request that it ends with ``error``."""
         ended = list(self._running.values())
         self._running.clear()
-        for ticket in ended:
-            if not ticket.cancelled:
-                ticket.deliver(error)
+        self._answer(ended, error)
 
     def _end_all(self, error: Exception) -> None:
         """Take no more requests, and tell every running and queued one that it ends with ``error``."""
         with self._lock:
             self._closed = True
         self._end_running(error)
+        queued = []
         while True:
             try:
-                ticket = self.waiting.get_nowait()
+                queued.append(self.waiting.get_nowait())
             except queue.Empty:
                 break
-            if not ticket.cancelled:
-                ticket.deliver(error)
+        self._answer(queued, error)

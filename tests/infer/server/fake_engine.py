@@ -32,14 +32,15 @@ def expected_answer(text: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, sto
 
 
 class FakeEngine:
-    def __init__(self, stores=("demo",), *, max_positions=2048, step_s=0.0, batch_limit=None):
+    def __init__(self, stores=("demo",), *, max_positions=2048, plan_s=0.0, step_s=0.0, batch_limit=None):
         self.stores = {name: SimpleNamespace(name=name) for name in stores}
-        self.max_positions, self.step_s, self.batch_limit = max_positions, step_s, batch_limit
+        self.max_positions, self.plan_s, self.step_s, self.batch_limit = max_positions, plan_s, step_s, batch_limit
         self.batches: list[FakeBatch] = []
 
     def plan(self, store: str, request) -> QueryPlan:
         if store not in self.stores:
             raise KeyError(store)
+        time.sleep(self.plan_s)
         words = request.text.split()
         if len(words) > MAX_QUERY_WORDS:
             raise RequestError(f"the query alone ({len(words)} tokens) exceeds the model's positions")

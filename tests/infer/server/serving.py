@@ -22,12 +22,12 @@ class Served:
 
 
 @contextmanager
-def serving(engine, **options):
+def serving(engine, *, drain_s: float = 5.0, close_s: float = 5.0, **options):
     """`create_app(engine, **options)` under `DrainingServer` on a free loopback port, stopped on exit."""
     app = create_app(engine, **options)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = DrainingServer(app, uvicorn.Config(app, log_level="warning"))
+    server = DrainingServer(app, uvicorn.Config(app, log_level="warning"), drain_s=drain_s, close_s=close_s)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10

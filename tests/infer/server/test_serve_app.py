@@ -249,15 +249,6 @@ def test_a_client_leaving_a_non_streamed_request_cancels_its_row():
         assert "milo:request_success_total{" not in httpx.get(base + "/metrics").text  # nothing finished
 
 
-def test_draining_refuses_new_requests_and_says_so_on_health():
-    with serving(FakeEngine()) as served:
-        base, app = served.base, served.app
-        app.state.engine_loop.stop_accepting()
-        assert httpx.get(base + "/health").json() == {"status": "draining"}
-        r = httpx.post(base + "/v1/completions", json={"model": "demo", "prompt": "hi"})
-        assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
-
-
 def test_metrics_use_vllm_names_under_milo(server, client):
     client.completions.create(model="demo", prompt="count me")
     text = httpx.get(server[0] + "/metrics").text
