@@ -16,6 +16,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..runtime.engine import RequestError
 from . import MAX_BODY_BYTES, protocol
@@ -209,8 +210,32 @@ async def lifespan(app: FastAPI):
     await run_in_threadpool(loop.stop, STOP_TIMEOUT_S)
 
 
+def error_response(error: APIError) -> JSONResponse:
+    """``error`` in OpenAI's shape; a 4xx says ``x-should-retry: false`` (the openai client would retry a
+    408, 409 or 429 by itself): the same request can only fail again."""
+    headers = dict(error.headers)
+    if 400 <= error.status < 500:
+        headers["x-should-retry"] = "false"
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
 async def api_error(request: HTTPRequest, error: APIError):
-    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+    return error_response(error)
+
+
+async def http_error(request: HTTPRequest, error: StarletteHTTPException):
+    """Starlette's own errors (an unknown route, a method a route does not take) in OpenAI's shape."""
+    method, path = request.method, request.url.path
+    message, code = {404: (f"no route {method} {path}", "not_found"),
+                     405: (f"{method} is not allowed on {path}", "method_not_allowed")
+                     }.get(error.status_code, (str(error.detail), None))
+    return error_response(APIError(error.status_code, message, code=code, headers=error.headers))
+
+
+async def internal_error(request: HTTPRequest, error: Exception):
+    """A bug's 500, in OpenAI's shape (Starlette still raises it on, so uvicorn logs its traceback)."""
+    return error_response(APIError(500, f"the server failed on this request ({type(error).__name__}); its log has "
+                                        f"the details", kind="server_error", code="internal_error"))
 
 
 def create_app(engine, *, api_key: str | None = None, max_batch: int = 16, batch_wait_ms: float = 5.0,
@@ -226,4 +251,6 @@ def create_app(engine, *, api_key: str | None = None, max_batch: int = 16, batch
                                    max_queue=max_queue)
     app.include_router(router)
     app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(Exception, internal_error)
     return app

@@ -115,6 +115,7 @@ def test_answers_equal_the_sessions(client, built):
         assert r.choices[0].text == expected[query]
         assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens > 0
         assert r.model_extra["milo"]["blocks"] and r.model_extra["milo"]["kv_bytes_stored"] > 0
+        assert r.usage.prompt_tokens_details.cached_tokens == r.model_extra["milo"]["prefix_tokens"] > 0
         chat = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": query}])
         assert chat.choices[0].message.content == expected[query]
         streamed = client.completions.create(model="demo", prompt=query, stream=True)

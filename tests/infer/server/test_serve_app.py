@@ -34,6 +34,7 @@ def test_completion_through_the_openai_client(client):
     assert r.object == "text_completion" and r.model == "demo" and r.id.startswith("cmpl-")
     assert r.choices[0].text == "WHERE IS MY NEW CARD" and r.choices[0].finish_reason == "stop"
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (15, 5, 20)
+    assert r.usage.prompt_tokens_details.cached_tokens == 10  # the prefix the fake plan rebuilds from the store
     milo = r.model_extra["milo"]
     assert milo["groups"] == [1] and milo["blocks"] == [1, 0]
     assert (milo["kv_bytes_full"], milo["kv_bytes_stored"]) == (400, 100) and "model" in milo["seconds"]
@@ -58,10 +59,8 @@ def test_extra_body_recompute_reaches_the_engines_request():
     assert parse_request({**body, "recompute": None}, chat=False, models={"demo"}, max_positions=2048).request.recompute is None
 
 
-def test_chat_completion_answers_the_last_user_message(client):
-    r = client.chat.completions.create(model="other", messages=[
-        {"role": "system", "content": "be brief"}, {"role": "user", "content": "first question"},
-        {"role": "assistant", "content": "FIRST"}, {"role": "user", "content": "card never arrived"}])
+def test_chat_completion_answers_its_one_user_message(client):
+    r = client.chat.completions.create(model="other", messages=[{"role": "user", "content": "card never arrived"}])
     assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
     assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == "CARD NEVER ARRIVED"
     assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == 3
@@ -79,6 +78,7 @@ def test_streams_add_up_to_the_whole_answer(client):
     assert chat[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chat if c.choices) == whole
     assert chat[-1].choices == [] and chat[-1].usage.completion_tokens == len(whole.split())
+    assert chat[-1].usage.prompt_tokens_details.cached_tokens == 10
 
 
 def test_models_lists_the_mounted_stores(client):
@@ -119,6 +119,36 @@ BAD_INPUTS = [
     ("/v1/completions", {"model": "demo", "prompt": "x" * 70_000}, 413, None, "exceeds the server's limit"),
     ("/v1/chat/completions", {"model": "demo", "messages": []}, 400, "messages", "non-empty list"),
     ("/v1/chat/completions", {"model": "demo", "messages": [{"role": "system", "content": "x"}]}, 400, "messages", "user"),
+    ("/v1/chat/completions", {"model": "demo", "messages": [{"role": "system", "content": "be brief"},
+                                                            {"role": "user", "content": "hi"}]},
+     400, "messages", "a system message or earlier turns would be dropped"),
+    ("/v1/chat/completions", {"model": "demo", "messages": [{"role": "user", "content": "first"},
+                                                            {"role": "assistant", "content": "FIRST"},
+                                                            {"role": "user", "content": "second"}]},
+     400, "messages", "exactly one message"),
+    ("/v1/completions", b"[" * 30_000 + b"]" * 30_000, 400, None, "nests too deeply"),
+    ("/v1/completions", {"model": "demo", "prompt": "hi", "best_of": 3}, 400, "best_of", "best_of=1"),
+    ("/v1/completions", {"model": "demo", "prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty", "penalties"),
+    ("/v1/completions", {"model": "demo", "prompt": "hi", "frequency_penalty": -1}, 400, "frequency_penalty", "penalties"),
+    ("/v1/completions", {"model": "demo", "prompt": "hi", "logit_bias": {"50256": -100}}, 400, "logit_bias", "biases"),
+    ("/v1/completions", {"model": "demo", "prompt": "hi", "logprobs": 0}, 400, "logprobs", "log probabilities"),
+    ("/v1/completions", {"model": "demo", "prompt": "hi", "suffix": "!"}, 400, "suffix", "suffix"),
+    ("/v1/completions", {"model": "demo", "prompt": "hi", "stream_options": {"include_usage": True}}, 400,
+     "stream_options", "only allowed with stream"),
+    ("/v1/chat/completions", {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                              "top_logprobs": 2}, 400, "logprobs", "log probabilities"),
+    ("/v1/chat/completions", {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+     400, "top_logprobs", "log probabilities"),
+    ("/v1/chat/completions", {"model": "demo", "messages": [{"role": "user", "content": "hi"}],
+                              "response_format": {"type": "json_object"}}, 400, "response_format", "structured output"),
+    ("/v1/chat/completions", {"model": "demo", "messages": [{"role": "user", "content": "hi"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", "tool calling"),
+    ("/v1/chat/completions", {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"},
+     400, "tool_choice", "tool calling"),
+    ("/v1/chat/completions", {"model": "demo", "messages": [{"role": "user", "content": "hi"}],
+                              "modalities": ["text", "audio"]}, 400, "modalities", "only text"),
+    ("/v1/chat/completions", {"model": "demo", "messages": [{"role": "user", "content": "hi"}],
+                              "reasoning_effort": "high"}, 400, "reasoning_effort", "does not reason"),
 ]
 
 
@@ -133,9 +163,44 @@ def test_each_bad_input_is_a_4xx_in_openai_shape_naming_it(path, body, status, p
         error = r.json()["error"]
         assert set(error) == {"message", "type", "param", "code"} and error["param"] == param
         assert words in error["message"] and error["type"] == "invalid_request_error"
+        assert r.headers["x-should-retry"] == "false"
         assert httpx.get(base + "/health").status_code == 200  # still up
         assert httpx.post(base + path, json={"model": "demo", "prompt": "ok", "messages": [
             {"role": "user", "content": "ok"}]}).status_code == 200
+
+
+def test_fields_that_ask_for_nothing_are_accepted(client):
+    """Defaults and fields that change nothing (greedy decoding ignores a seed) are no reason to refuse."""
+    r = client.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": "card lost"}], temperature=0, top_p=1, n=1,
+        presence_penalty=0, frequency_penalty=0.0, logit_bias={}, logprobs=False, tools=[], tool_choice="none",
+        response_format={"type": "text"}, modalities=["text"], seed=7, user="someone", metadata={"team": "a"},
+        store=False, parallel_tool_calls=False, service_tier="auto")
+    assert r.choices[0].message.content == "CARD LOST"
+    r = client.completions.create(model="demo", prompt="card lost", echo=False, best_of=1, suffix=None, user="u")
+    assert r.choices[0].text == "CARD LOST"
+
+
+def test_unknown_routes_wrong_methods_and_bugs_answer_in_openai_shape(monkeypatch):
+    engine = FakeEngine()
+
+    def broken_plan(store, request):
+        raise ZeroDivisionError("a bug")
+
+    with serving(engine) as served:
+        for method, path, status, code in (("GET", "/v1/nothing", 404, "not_found"),
+                                           ("GET", "/v1/completions", 405, "method_not_allowed"),
+                                           ("POST", "/v1/models", 405, "method_not_allowed")):
+            r = httpx.request(method, served.base + path)
+            assert r.status_code == status and r.headers["x-should-retry"] == "false"
+            assert r.json()["error"]["code"] == code and path in r.json()["error"]["message"]
+        assert "GET" in httpx.post(served.base + "/v1/models").headers["allow"]
+        monkeypatch.setattr(engine, "plan", broken_plan)
+        r = httpx.post(served.base + "/v1/completions", json={"model": "demo", "prompt": "hi"})
+        assert r.status_code == 500 and "x-should-retry" not in r.headers
+        assert r.json()["error"] == {"message": "the server failed on this request (ZeroDivisionError); its log has "
+                                                "the details", "type": "server_error", "param": None,
+                                     "code": "internal_error"}
 
 
 def test_api_key_guards_every_endpoint_but_health():
