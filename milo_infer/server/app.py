@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..runtime.engine import RequestError
 from . import MAX_BODY_BYTES, protocol
 from .metrics import ServerMetrics
-from .protocol import APIError, ChunkWriter, ParsedRequest
+from .protocol import APIError, ChunkWriter, ParsedRequest, StreamedText
 from .scheduler import EngineLoop, NotAccepting, QueueFull, ShuttingDown, UpstreamError
 
 RETRY_AFTER_S = 1
@@ -184,15 +184,16 @@ async def last_event(request: HTTPRequest, events: asyncio.Queue):
 
 async def stream(loop: EngineLoop, parsed: ParsedRequest, plan, ticket, events: asyncio.Queue):
     """SSE frames of one row; a client that leaves cancels the generator, and so its row."""
-    writer = ChunkWriter(parsed)
+    writer, text = ChunkWriter(parsed), StreamedText()
     try:
         while True:
             item = await events.get()
             if isinstance(item, Exception):
                 yield writer.error(as_api_error(item))
                 break
-            if item.delta or item.finished or not writer.started:
-                yield writer.chunk(item.delta, item.finish_reason if item.finished else None)
+            delta = text.push(item.delta)
+            if delta or item.finished or not writer.started:
+                yield writer.chunk(delta, item.finish_reason if item.finished else None)
             if item.finished:
                 if parsed.include_usage:
                     yield writer.usage_chunk(plan, item.answer)

@@ -226,6 +226,23 @@ def completion(parsed: ParsedRequest, plan: QueryPlan, answer: Answer) -> dict:
             "usage": usage(plan, answer), "milo": milo_details(answer)}
 
 
+class StreamedText:
+    """What a stream sends of its answer, so that its deltas join to exactly the answer's text, which the
+    engine strips: leading whitespace is never sent, trailing whitespace waits until text follows it
+    (or is dropped at the end). The engine's deltas never end inside a multi-byte character."""
+
+    def __init__(self):
+        self.raw, self.sent = "", 0
+
+    def push(self, delta: str) -> str:
+        """The part of the answer to send now, given the engine's next ``delta`` (the stripped text so far
+        only grows: what was sent is never taken back)."""
+        self.raw += delta
+        text = self.raw.strip()
+        out, self.sent = text[self.sent:], len(text)
+        return out
+
+
 class ChunkWriter:
     """Server-Sent Events of one streamed response: ``data: {chunk}`` frames, then ``data: [DONE]``."""
 

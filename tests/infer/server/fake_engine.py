@@ -1,7 +1,9 @@
 """A test double of `milo_infer.runtime.engine.Engine` with its interface and no model, for the server's scheduler.
 
 A query's answer is its own words upper-cased, one word per decode step (the first at admission),
-until ``max_new_tokens`` (finish "length", default 8) or a stop string (finish "stop"). Failures to
+until ``max_new_tokens`` (finish "length", default 8) or a stop string (finish "stop"). Its deltas
+are spaced as a BPE model's: each word with a leading space, and a newline after the last one,
+which the answer's text, stripped as the engine's is, does not have. Failures to
 order: a query holding the word ``crash`` makes the batch raise at its next step, one holding
 ``choke`` makes its admission raise, and ``batch_limit`` makes ``batch()`` raise once that many
 batches were made. The batch records what the scheduler did to it: the size of every admission,
@@ -101,10 +103,11 @@ class FakeBatch:
         delta = ""
         if to_come:
             word = to_come.pop(0)
-            delta = word if not given else " " + word
+            delta = " " + word
             given.append(word)
         if to_come:
             return RowEvent(plan=plan, delta=delta, finished=False, finish_reason=None, answer=None)
+        delta += "\n"
         del self.rows[key]
         answer = Answer(text=" ".join(given), blocks=plan.blocks, groups=plan.groups, prefix_tokens=plan.prefix_tokens,
                         kv_bytes_full=plan.kv_bytes_full, kv_bytes_stored=plan.kv_bytes_stored,

@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 
+from milo_infer.server.protocol import StreamedText
 from tests.infer.server.fake_engine import FakeEngine, expected_answer
 from tests.infer.server.serving import metric, serving
 
@@ -79,6 +80,16 @@ def test_streams_add_up_to_the_whole_answer(client):
     assert "".join(c.choices[0].delta.content or "" for c in chat if c.choices) == whole
     assert chat[-1].choices == [] and chat[-1].usage.completion_tokens == len(whole.split())
     assert chat[-1].usage.prompt_tokens_details.cached_tokens == 10
+
+
+def test_streamed_text_never_sends_what_the_answer_strips():
+    """Deltas join to the stripped answer: leading whitespace never goes out, whitespace inside goes out with
+    the text after it, trailing whitespace never goes out."""
+    deltas = [" ", "\n", "Hello", " ", "\n", "world", " ", "\n\n"]
+    text = StreamedText()
+    sent = [text.push(d) for d in deltas]
+    assert sent == ["", "", "Hello", "", "", " \nworld", "", ""]
+    assert "".join(sent) == "".join(deltas).strip()
 
 
 def test_models_lists_the_mounted_stores(client):
