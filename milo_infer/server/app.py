@@ -8,6 +8,7 @@ the stores the server was started with are served: a ``model`` names one of them
 """
 import asyncio
 import hmac
+import threading
 import time
 from contextlib import asynccontextmanager
 
@@ -140,7 +141,7 @@ async def prepare(request: HTTPRequest, chat: bool):
     body = protocol.parse_json(await read_body(request, state.max_body_bytes))
     parsed = protocol.parse_request(body, chat=chat, models=engine.stores, max_positions=engine.max_positions)
     try:
-        plan = await run_in_threadpool(engine.plan, parsed.model, parsed.request)
+        plan = await run_in_threadpool(plan_query, state, parsed)
     except RequestError as e:
         raise APIError(400, str(e), code="invalid_request") from None
     events: asyncio.Queue = asyncio.Queue()
@@ -162,6 +163,15 @@ async def prepare(request: HTTPRequest, chat: bool):
             raise shutting_down(str(e)) from None
         raise APIError(503, str(e), kind="server_error", code="unavailable") from None
     return parsed, plan, ticket, events
+
+
+def plan_query(state, parsed: ParsedRequest):
+    """The request's plan, made on a worker thread, one at a time: planning encodes the query with the model's
+    one fast tokenizer, and tokenizers releases before 0.23.1 raise 'Already borrowed' when transformers
+    reconfigures it (truncation, padding) on one thread while another thread encodes. The engine loop only
+    decodes with it, which takes the GIL throughout, so serialising the planners is enough."""
+    with state.planning:
+        return state.engine.plan(parsed.model, parsed.request)
 
 
 async def last_event(request: HTTPRequest, events: asyncio.Queue):
@@ -247,6 +257,7 @@ def create_app(engine, *, api_key: str | None = None, max_batch: int = 16, batch
     state = app.state
     state.engine, state.api_key, state.max_body_bytes, state.started = engine, api_key, max_body_bytes, int(time.time())
     state.preparing = 0  # requests being read, checked or planned, not yet queued (on the event loop's thread)
+    state.planning = threading.Lock()  # one plan at a time (`plan_query`)
     state.metrics = ServerMetrics(block_cache)
     state.engine_loop = EngineLoop(engine, state.metrics, max_batch=max_batch, batch_wait_s=batch_wait_ms / 1000,
                                    max_queue=max_queue)
