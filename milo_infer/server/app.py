@@ -1,10 +1,12 @@
 """The HTTP layer: thin FastAPI handlers over one `EngineLoop`, speaking OpenAI's completions API.
 
 The handlers live on a module-level `router` and read the engine, its loop and the settings from
-``request.app.state``, which `create_app` fills (as vLLM's OpenAI server does). A handler reads and checks the body, makes the query's plan on a worker thread (retrieval and
-tokenising run on the host, never the model), queues it, and awaits its row's events, which the
-loop's thread hands over with ``call_soon_threadsafe`` into the request's own asyncio queue. Only
-the stores the server was started with are served: a ``model`` names one of them, never a path.
+``request.app.state``, which `create_app` fills (as vLLM's OpenAI server does). A handler reads and
+checks the body, makes the query's plan on a worker thread (retrieval and tokenising run on the host,
+never the model), queues it, and awaits its row's events, which the loop's thread hands over with
+``call_soon_threadsafe`` into the request's own asyncio queue. Only the stores the server was
+started with are served: a ``model`` names one of them, never a path. Every error, the framework's
+own included, answers in OpenAI's error shape.
 """
 import asyncio
 import hmac

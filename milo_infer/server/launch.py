@@ -63,7 +63,7 @@ class DrainingServer(uvicorn.Server):
 
     async def on_tick(self, counter: int) -> bool:
         loop = self.engine_loop
-        if loop.failure is not None and not self.exit_code:  # it answered everything it held
+        if loop.failure is not None and not self.exit_code:  # it answers all it holds; uvicorn waits for those
             log.error("exiting with status 1, so that a supervisor restarts the server: the engine loop failed (%s)",
                       loop.failure)
             self.exit_code = 1

@@ -146,8 +146,8 @@ def _check_honoured(body: dict) -> None:
     for name, asks_nothing, why in UNHONOURED:
         value = body.get(name)
         if not asks_nothing(value):
-            shown = repr(value) if len(repr(value)) <= 60 else type(value).__name__
-            raise invalid(name, f"{why}, got {shown}")
+            scalar = isinstance(value, (str, int, float)) and len(repr(value)) <= 60
+            raise invalid(name, f"{why}, got {value!r}" if scalar else f"{why}, got a {type(value).__name__}")
 
 
 def _only_user_message(body: dict) -> str:

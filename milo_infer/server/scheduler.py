@@ -70,9 +70,9 @@ class EngineLoop:
         self.max_batch, self.batch_wait_s = max_batch, batch_wait_s
         self.waiting: queue.Queue[Ticket] = queue.Queue(max_queue)
         self.failure: str | None = None  # why the loop could not go on, once it could not
+        self.draining = False  # /health answers 503; the app refuses new requests, those it holds go on
         self._cancelled: queue.SimpleQueue[Ticket] = queue.SimpleQueue()
         self._running: dict[int, Ticket] = {}  # id(plan) -> ticket; the ticket keeps the plan (and its id) alive
-        self.draining = False  # /health answers 503; the app refuses new requests, those it holds go on
         self._lock = threading.Lock()  # a submit's check and enqueue against the loop's closing: nothing is
         self._closed = False  # queued once the loop has ended what it held
         self._held = 0  # tickets submitted and not yet answered (or dropped, their client gone)
