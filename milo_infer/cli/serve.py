@@ -1,7 +1,8 @@
 """Serve mounted stores over an OpenAI-compatible HTTP API (completions, chat completions, models, metrics).
 
 Loads the model once, mounts every store once (each must match the model), and runs until SIGTERM
-or Ctrl-C, which drain: no new requests, in-flight ones finish within --drain-s, exit 0.
+or Ctrl-C, which drain: no new requests, in-flight ones finish within --drain-s, exit 0 (1 when the
+engine loop failed for good).
 """
 import os
 
@@ -80,5 +81,4 @@ def run(args) -> int:
         engine = Engine(loaded, stores, settings, device=device, device_cache_bytes=args.device_cache)
     app = create_app(engine, api_key=args.api_key or None, max_batch=args.max_batch, batch_wait_ms=args.batch_wait_ms,
                      max_queue=args.max_queue, max_body_bytes=args.max_body_bytes, block_cache=options["block_cache"])
-    serve(app, host=args.host, port=args.port, drain_s=args.drain_s)
-    return 0
+    return serve(app, host=args.host, port=args.port, drain_s=args.drain_s)

@@ -51,6 +51,13 @@ def _argmax(logits: np.ndarray) -> int:
     return int(np.argmax(np.where(np.isnan(logits), -np.inf, logits)))
 
 
+def _complete(text: str) -> str:
+    """``text`` less a trailing U+FFFD: while decoding goes on, that is a character whose bytes byte-level BPE
+    split across tokens and whose other bytes are still to come (its first bytes alone decode to U+FFFD);
+    once they have come, it decodes to the character."""
+    return text.rstrip("\ufffd")
+
+
 def _single_token(tokenizer, text: str) -> int | None:
     ids = tokenizer.encode(text, add_special_tokens=False)
     return ids[0] if len(ids) == 1 else None
@@ -165,7 +172,10 @@ class LabelDecoder:
         label = self.trie.label(self.ids)
         if label is not None and self.stop == "label":
             return label
-        return self.tokenizer.decode(self.ids, skip_special_tokens=True).strip() if self.tokenizer else ""
+        if self.tokenizer is None:
+            return ""
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True).strip()
+        return text if self.done else _complete(text)
 
     def result(self) -> Decoded:
         return Decoded(text=self.text(), token_ids=list(self.ids), stop=self.stop)
@@ -176,8 +186,8 @@ class GreedyDecoder:
 
     The text is cut just before the earliest stop string found, since stop strings mark where the
     answer ends (e.g. the start of the next demonstration), not part of it; eos is never part of it.
-    ``text()`` while decoding holds back any tail that could still become a stop string, so text
-    streamed from it is never taken back.
+    ``text()`` while decoding holds back any tail that could still become a stop string, and a character
+    whose bytes have not all come, so text streamed from it is never taken back.
     """
 
     def __init__(self, tokenizer, stop_strings: Sequence[str], max_new_tokens: int) -> None:
@@ -213,8 +223,9 @@ class GreedyDecoder:
     def text(self) -> str:
         if self.done:
             return self._text
-        held = max((n for s in self.stop_strings for n in range(1, len(s)) if self._text.endswith(s[:n])), default=0)
-        return self._text[: len(self._text) - held]
+        text = _complete(self._text)
+        held = max((n for s in self.stop_strings for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+        return text[: len(text) - held]
 
     def result(self) -> Decoded:
         return Decoded(self._text, list(self.ids), self.stop)

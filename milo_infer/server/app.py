@@ -1,12 +1,16 @@
 """The HTTP layer: thin FastAPI handlers over one `EngineLoop`, speaking OpenAI's completions API.
 
-A handler reads and checks the body, makes the query's plan on a worker thread (retrieval and
-tokenising run on the host, never the model), queues it, and awaits its row's events, which the
-loop's thread hands over with ``call_soon_threadsafe`` into the request's own asyncio queue. Only
-the stores the server was started with are served: a ``model`` names one of them, never a path.
+The handlers live on a module-level `router` and read the engine, its loop and the settings from
+``request.app.state``, which `create_app` fills (as vLLM's OpenAI server does). A handler reads and
+checks the body, makes the query's plan on a worker thread (retrieval and tokenising run on the host,
+never the model), queues it, and awaits its row's events, which the loop's thread hands over with
+``call_soon_threadsafe`` into the request's own asyncio queue. Only the stores the server was
+started with are served: a ``model`` names one of them, never a path. Every error, the framework's
+own included, answers in OpenAI's error shape.
 """
 import asyncio
 import hmac
+import threading
 import time
 from contextlib import asynccontextmanager
 
@@ -15,11 +19,12 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..runtime.errors import RequestError, UpstreamError
 from . import MAX_BODY_BYTES, protocol
 from .metrics import ServerMetrics
-from .protocol import APIError, ChunkWriter, ParsedRequest
+from .protocol import APIError, ChunkWriter, ParsedRequest, StreamedText
 from .scheduler import EngineLoop, NotAccepting, QueueFull, ShuttingDown
 
 RETRY_AFTER_S = 1
@@ -31,12 +36,16 @@ class ClientGone(Exception):
     """The client of a non-streamed request disconnected while it waited."""
 
 
+def shutting_down(message: str) -> APIError:
+    return APIError(503, message, kind="server_error", code="shutting_down")
+
+
 def as_api_error(error: Exception) -> APIError:
     """The HTTP error of an exception the engine loop ended a request with."""
     if isinstance(error, RequestError):
         return APIError(400, str(error), code="invalid_request")
     if isinstance(error, ShuttingDown):
-        return APIError(503, str(error), kind="server_error", code="shutting_down")
+        return shutting_down(str(error))
     if isinstance(error, UpstreamError):
         return APIError(502, str(error), kind="server_error", code="upstream_failed")
     return APIError(500, str(error), kind="server_error", code="engine_failed")
@@ -57,127 +66,205 @@ async def read_body(request: HTTPRequest, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+def require_key(request: HTTPRequest) -> None:
+    """The bearer key, when the server has one, compared in constant time."""
+    api_key = request.app.state.api_key
+    if api_key is None:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if not (scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())):
+        raise APIError(401, "a missing or wrong API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+
+
+router = APIRouter()
+"""Every route of the server; each reads what it needs from ``request.app.state`` (built by `create_app`)."""
+KEYED = [Depends(require_key)]  # every route but /health
+
+
+@router.get("/health")
+async def health(request: HTTPRequest):
+    loop = request.app.state.engine_loop
+    if loop.healthy:
+        return {"status": "ok"}
+    return JSONResponse({"status": "failed" if loop.failure else "draining"}, status_code=503)
+
+
+@router.get("/metrics", dependencies=KEYED)
+async def prometheus(request: HTTPRequest):
+    return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/v1/models", dependencies=KEYED)
+async def models(request: HTTPRequest):
+    state = request.app.state
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": state.started, "owned_by": "milo"}
+                                       for name in state.engine.stores]}
+
+
+@router.post("/v1/completions", dependencies=KEYED)
+async def completions(request: HTTPRequest):
+    return await answer(request, chat=False)
+
+
+@router.post("/v1/chat/completions", dependencies=KEYED)
+async def chat_completions(request: HTTPRequest):
+    return await answer(request, chat=True)
+
+
+async def answer(request: HTTPRequest, chat: bool):
+    """Check the body, plan on a worker thread, queue the plan, and answer from its row's events. A request
+    that came before the server started draining is ``preparing`` until queued, so that the drain waits
+    for it too."""
+    state = request.app.state
+    if state.engine_loop.draining:
+        raise shutting_down("the server is shutting down")
+    state.preparing += 1
+    try:
+        parsed, plan, ticket, events = await prepare(request, chat)
+    finally:
+        state.preparing -= 1
+    loop = state.engine_loop
+    if parsed.stream:
+        return StreamingResponse(stream(loop, parsed, plan, ticket, events), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    try:
+        event = await last_event(request, events)
+    except ClientGone:
+        return Response(status_code=499)
+    finally:
+        loop.cancel(ticket)  # a no-op for a finished row
+    return protocol.completion(parsed, plan, event.answer)
+
+
+async def prepare(request: HTTPRequest, chat: bool):
+    """The checked body, its plan, its ticket in the engine loop, and the queue its row's events come to."""
+    state = request.app.state
+    engine, loop = state.engine, state.engine_loop
+    body = protocol.parse_json(await read_body(request, state.max_body_bytes))
+    parsed = protocol.parse_request(body, chat=chat, models=engine.stores, max_positions=engine.max_positions)
+    try:
+        plan = await run_in_threadpool(plan_query, state, parsed)
+    except RequestError as e:
+        raise APIError(400, str(e), code="invalid_request") from None
+    events: asyncio.Queue = asyncio.Queue()
+    event_loop = asyncio.get_running_loop()
+
+    def deliver(item) -> None:  # on the engine loop's thread
+        try:
+            event_loop.call_soon_threadsafe(events.put_nowait, item)
+        except RuntimeError:  # the event loop has closed: nobody waits for this any more
+            pass
+
+    try:
+        ticket = loop.submit(plan, deliver)
+    except QueueFull as e:
+        raise APIError(503, f"the server is busy ({e}); retry later", kind="server_error", code="queue_full",
+                       headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+    except NotAccepting as e:
+        if loop.failure is None:
+            raise shutting_down(str(e)) from None
+        raise APIError(503, str(e), kind="server_error", code="unavailable") from None
+    return parsed, plan, ticket, events
+
+
+def plan_query(state, parsed: ParsedRequest):
+    """The request's plan, made on a worker thread, one at a time: planning encodes the query with the model's
+    one fast tokenizer, and tokenizers releases before 0.23.1 raise 'Already borrowed' when transformers
+    reconfigures it (truncation, padding) on one thread while another thread encodes. The engine loop only
+    decodes with it, which takes the GIL throughout, so serialising the planners is enough."""
+    with state.planning:
+        return state.engine.plan(parsed.model, parsed.request)
+
+
+async def last_event(request: HTTPRequest, events: asyncio.Queue):
+    """The row's finishing event, looking every DISCONNECT_POLL_S whether the client is still there."""
+    async def finishing():
+        while True:
+            item = await events.get()
+            if isinstance(item, Exception):
+                raise as_api_error(item)
+            if item.finished:
+                return item
+
+    waiter = asyncio.ensure_future(finishing())
+    while not (await asyncio.wait({waiter}, timeout=DISCONNECT_POLL_S))[0]:
+        if await request.is_disconnected():
+            waiter.cancel()
+            raise ClientGone
+    return waiter.result()
+
+
+async def stream(loop: EngineLoop, parsed: ParsedRequest, plan, ticket, events: asyncio.Queue):
+    """SSE frames of one row; a client that leaves cancels the generator, and so its row."""
+    writer, text = ChunkWriter(parsed), StreamedText()
+    try:
+        while True:
+            item = await events.get()
+            if isinstance(item, Exception):
+                yield writer.error(as_api_error(item))
+                break
+            delta = text.push(item.delta)
+            if delta or item.finished or not writer.started:
+                yield writer.chunk(delta, item.finish_reason if item.finished else None)
+            if item.finished:
+                if parsed.include_usage:
+                    yield writer.usage_chunk(plan, item.answer)
+                break
+        yield writer.done()
+    finally:
+        loop.cancel(ticket)
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI):
+    loop = app.state.engine_loop
+    loop.start()
+    yield
+    await run_in_threadpool(loop.stop, STOP_TIMEOUT_S)
+
+
+def error_response(error: APIError) -> JSONResponse:
+    """``error`` in OpenAI's shape; a 4xx says ``x-should-retry: false`` (the openai client would retry a
+    408, 409 or 429 by itself): the same request can only fail again."""
+    headers = dict(error.headers)
+    if 400 <= error.status < 500:
+        headers["x-should-retry"] = "false"
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+async def api_error(request: HTTPRequest, error: APIError):
+    return error_response(error)
+
+
+async def http_error(request: HTTPRequest, error: StarletteHTTPException):
+    """Starlette's own errors (an unknown route, a method a route does not take) in OpenAI's shape."""
+    method, path = request.method, request.url.path
+    message, code = {404: (f"no route {method} {path}", "not_found"),
+                     405: (f"{method} is not allowed on {path}", "method_not_allowed")
+                     }.get(error.status_code, (str(error.detail), None))
+    return error_response(APIError(error.status_code, message, code=code, headers=error.headers))
+
+
+async def internal_error(request: HTTPRequest, error: Exception):
+    """A bug's 500, in OpenAI's shape (Starlette still raises it on, so uvicorn logs its traceback)."""
+    return error_response(APIError(500, f"the server failed on this request ({type(error).__name__}); its log has "
+                                        f"the details", kind="server_error", code="internal_error"))
+
+
 def create_app(engine, *, api_key: str | None = None, max_batch: int = 16, batch_wait_ms: float = 5.0,
                max_queue: int = 256, max_body_bytes: int = MAX_BODY_BYTES, block_cache=None) -> FastAPI:
     """An app serving ``engine``'s mounted stores; its engine loop starts and stops with the app's lifespan.
-    ``app.state.engine_loop.stop_accepting()`` starts draining (``/health`` answers 503 from then on)."""
-    metrics = ServerMetrics(block_cache)
-    loop = EngineLoop(engine, metrics, max_batch=max_batch, batch_wait_s=batch_wait_ms / 1000, max_queue=max_queue)
-    started = int(time.time())
-
-    @asynccontextmanager
-    async def lifespan(app):
-        loop.start()
-        yield
-        await run_in_threadpool(loop.stop, STOP_TIMEOUT_S)
-
-    def require_key(request: HTTPRequest) -> None:
-        if api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if not (scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())):
-            raise APIError(401, "a missing or wrong API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
-
+    ``app.state.engine_loop.drain()`` starts draining: ``/health`` and new requests answer 503 from then on."""
     app = FastAPI(title="milo serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.engine_loop, app.state.metrics = loop, metrics
-    api = APIRouter(dependencies=[Depends(require_key)])
-
-    @app.exception_handler(APIError)
-    async def api_error(request, error: APIError):
-        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
-
-    @app.get("/health")
-    async def health():
-        if loop.healthy:
-            return {"status": "ok"}
-        return JSONResponse({"status": "failed" if loop.failure else "draining"}, status_code=503)
-
-    @api.get("/metrics")
-    async def prometheus():
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-    @api.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": started, "owned_by": "milo"}
-                                           for name in engine.stores]}
-
-    async def answer(request: HTTPRequest, chat: bool):
-        body = protocol.parse_json(await read_body(request, max_body_bytes))
-        parsed = protocol.parse_request(body, chat=chat, models=engine.stores, max_positions=engine.max_positions)
-        try:
-            plan = await run_in_threadpool(engine.plan, parsed.model, parsed.request)
-        except RequestError as e:
-            raise APIError(400, str(e), code="invalid_request") from None
-        events: asyncio.Queue = asyncio.Queue()
-        event_loop = asyncio.get_running_loop()
-
-        def deliver(item) -> None:  # on the engine loop's thread
-            try:
-                event_loop.call_soon_threadsafe(events.put_nowait, item)
-            except RuntimeError:  # the event loop has closed: nobody waits for this any more
-                pass
-
-        try:
-            ticket = loop.submit(plan, deliver)
-        except QueueFull as e:
-            raise APIError(503, f"the server is busy ({e}); retry later", kind="server_error", code="queue_full",
-                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
-        except NotAccepting as e:
-            raise APIError(503, str(e), kind="server_error", code="unavailable") from None
-        if parsed.stream:
-            return StreamingResponse(stream(parsed, plan, ticket, events), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        try:
-            event = await last_event(request, events)
-        except ClientGone:
-            return Response(status_code=499)
-        finally:
-            loop.cancel(ticket)  # a no-op for a finished row
-        return protocol.completion(parsed, plan, event.answer)
-
-    async def last_event(request: HTTPRequest, events: asyncio.Queue):
-        """The row's finishing event, looking every DISCONNECT_POLL_S whether the client is still there."""
-        async def finishing():
-            while True:
-                item = await events.get()
-                if isinstance(item, Exception):
-                    raise as_api_error(item)
-                if item.finished:
-                    return item
-
-        waiter = asyncio.ensure_future(finishing())
-        while not (await asyncio.wait({waiter}, timeout=DISCONNECT_POLL_S))[0]:
-            if await request.is_disconnected():
-                waiter.cancel()
-                raise ClientGone
-        return waiter.result()
-
-    async def stream(parsed: ParsedRequest, plan, ticket, events: asyncio.Queue):
-        """SSE frames of one row; a client that leaves cancels the generator, and so its row."""
-        writer = ChunkWriter(parsed)
-        try:
-            while True:
-                item = await events.get()
-                if isinstance(item, Exception):
-                    yield writer.error(as_api_error(item))
-                    break
-                if item.delta or item.finished or not writer.started:
-                    yield writer.chunk(item.delta, item.finish_reason if item.finished else None)
-                if item.finished:
-                    if parsed.include_usage:
-                        yield writer.usage_chunk(plan, item.answer)
-                    break
-            yield writer.done()
-        finally:
-            loop.cancel(ticket)
-
-    @api.post("/v1/completions")
-    async def completions(request: HTTPRequest):
-        return await answer(request, chat=False)
-
-    @api.post("/v1/chat/completions")
-    async def chat_completions(request: HTTPRequest):
-        return await answer(request, chat=True)
-
-    app.include_router(api)
+    state = app.state
+    state.engine, state.api_key, state.max_body_bytes, state.started = engine, api_key, max_body_bytes, int(time.time())
+    state.preparing = 0  # requests being read, checked or planned, not yet queued (on the event loop's thread)
+    state.planning = threading.Lock()  # one plan at a time (`plan_query`)
+    state.metrics = ServerMetrics(block_cache)
+    state.engine_loop = EngineLoop(engine, state.metrics, max_batch=max_batch, batch_wait_s=batch_wait_ms / 1000,
+                                   max_queue=max_queue)
+    app.include_router(router)
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(Exception, internal_error)
     return app

@@ -1,15 +1,19 @@
 """The OpenAI-compatible wire format: request bodies checked into engine `Request`s, answers shaped back.
 
 Bodies are plain JSON checked field by field (not a pydantic model), so that every bad input is
-one `APIError` in OpenAI's error shape naming the field. Only greedy decoding exists: a
-temperature other than 0 (or a top_p below 1) is refused rather than silently ignored. Fields the
-server has no use for (``user``, ``presence_penalty``, ...) are accepted and ignored, as clients
-send them.
+one `APIError` in OpenAI's error shape naming the field. The API is honest: a field of OpenAI's
+completions or chat schema that would change the answer and that milo does not honour (sampling,
+penalties, logprobs, tools, structured output, ...) is a 400 naming it unless its value asks for
+nothing (``temperature: 0``, ``tools: []``); fields that change nothing (``user``, ``seed``: decoding
+is greedy, ``metadata``, ...) are accepted and ignored, as clients send them. A chat is one user
+message: milo answers one query against the demonstrations it retrieves, so a system message or
+earlier turns, which it would drop, are refused.
 """
 import json
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Callable
 
 from ..runtime.interface import Answer
 from ..runtime.planning import QueryPlan, Request
@@ -50,6 +54,8 @@ def parse_json(raw: bytes) -> dict:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise APIError(400, "the body's JSON nests too deeply", code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, f"the body must be a JSON object, not {type(body).__name__}", code="invalid_json")
     return body
@@ -95,31 +101,65 @@ def _stop(body: dict) -> tuple[str, ...]:
     return tuple(stop)
 
 
-def _check_sampling(body: dict) -> None:
-    """Only what greedy decoding can honour: n 1, temperature 0, top_p 1, no echo, no logprobs."""
-    if body.get("n") not in (None, 1):
-        raise invalid("n", f"only n=1 is supported, got {body['n']!r}")
-    temperature = body.get("temperature")
-    if temperature not in (None, 0):
-        raise invalid("temperature", f"only greedy decoding (temperature 0) is supported, got {temperature!r}")
-    if body.get("top_p") not in (None, 1):
-        raise invalid("top_p", f"only greedy decoding (top_p 1) is supported, got {body['top_p']!r}")
-    if body.get("echo") not in (None, False):
-        raise invalid("echo", "echoing the prompt is not supported")
-    if body.get("logprobs") not in (None, False, 0):
-        raise invalid("logprobs", "log probabilities are not supported")
+def _is(target) -> Callable[[object], bool]:
+    """Whether a field's value is absent or the number ``target`` (a bool is no number here)."""
+    return lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v == target)
 
 
-def _last_user_message(body: dict) -> str:
+def _empty(value) -> bool:
+    return value is None or value in ("", [], {})
+
+
+def _off(value) -> bool:
+    return value is None or value is False
+
+
+# Fields of OpenAI's completions and chat schemas that would change the answer and that milo does not
+# honour: (name, whether a value asks for nothing, why it is refused otherwise).
+UNHONOURED: tuple[tuple[str, Callable[[object], bool], str], ...] = (
+    ("n", _is(1), "only n=1 is supported"),
+    ("best_of", _is(1), "only best_of=1 is supported"),
+    ("temperature", _is(0), "only greedy decoding (temperature 0) is supported"),
+    ("top_p", _is(1), "only greedy decoding (top_p 1) is supported"),
+    ("presence_penalty", _is(0), "penalties are not supported (greedy decoding only)"),
+    ("frequency_penalty", _is(0), "penalties are not supported (greedy decoding only)"),
+    ("logit_bias", _empty, "logit biases are not supported"),
+    ("logprobs", _off, "log probabilities are not supported"),
+    ("top_logprobs", _is(0), "log probabilities are not supported"),
+    ("echo", _off, "echoing the prompt is not supported"),
+    ("suffix", _empty, "a suffix (insertion) is not supported"),
+    ("response_format", lambda v: v is None or v == {"type": "text"},
+     "structured output is not supported: answers are plain text"),
+    ("tools", _empty, "tool calling is not supported"),
+    ("tool_choice", lambda v: v in (None, "none"), "tool calling is not supported"),
+    ("functions", _empty, "function calling is not supported"),
+    ("function_call", lambda v: v in (None, "none"), "function calling is not supported"),
+    ("modalities", lambda v: v is None or v == ["text"], "only text output is supported"),
+    ("audio", _empty, "audio output is not supported"),
+    ("reasoning_effort", _empty, "the model does not reason: reasoning_effort cannot be honoured"),
+    ("verbosity", _empty, "answers are not shaped by verbosity"),
+    ("web_search_options", _empty, "web search is not supported"),
+)
+
+
+def _check_honoured(body: dict) -> None:
+    """A 400 naming the first field that asks for what milo would not do."""
+    for name, asks_nothing, why in UNHONOURED:
+        value = body.get(name)
+        if not asks_nothing(value):
+            scalar = isinstance(value, (str, int, float)) and len(repr(value)) <= 60
+            raise invalid(name, f"{why}, got {value!r}" if scalar else f"{why}, got a {type(value).__name__}")
+
+
+def _only_user_message(body: dict) -> str:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid("messages", "must be a non-empty list of {role, content} objects")
-    if not all(isinstance(m, dict) for m in messages):
-        raise invalid("messages", "every message must be an object with a role and content")
-    users = [m for m in messages if m.get("role") == "user"]
-    if not users:
-        raise invalid("messages", "no message has the role 'user': the last user message is the query")
-    return _text(users[-1].get("content"), "messages")
+    if len(messages) > 1 or not isinstance(messages[0], dict) or messages[0].get("role") != "user":
+        raise invalid("messages", "must be exactly one message, the user's query: milo answers one query against "
+                                  "the demonstrations it retrieves, so a system message or earlier turns would be "
+                                  "dropped, not honoured")
+    return _text(messages[0].get("content"), "messages")
 
 
 def parse_request(body: dict, *, chat: bool, models, max_positions: int) -> ParsedRequest:
@@ -130,13 +170,16 @@ def parse_request(body: dict, *, chat: bool, models, max_positions: int) -> Pars
     if model not in models:
         raise APIError(404, f"model {model!r} is not mounted here; mounted: {', '.join(sorted(models))}",
                        param="model", code="model_not_found")
-    _check_sampling(body)
-    text = _last_user_message(body) if chat else _text(body.get("prompt"), "prompt")
+    _check_honoured(body)
+    text = _only_user_message(body) if chat else _text(body.get("prompt"), "prompt")
     length = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise invalid("stream", f"must be true or false, got {stream!r}")
-    options = body.get("stream_options") or {}
+    options = body.get("stream_options")
+    if options is not None and not stream:
+        raise invalid("stream_options", "is only allowed with stream: true")
+    options = options or {}
     if not isinstance(options, dict):
         raise invalid("stream_options", "must be an object")
     request = Request(text=text, k=_optional_int(body, "k", low=1), token_budget=_optional_int(body, "token_budget", low=1),
@@ -152,8 +195,11 @@ def new_id(chat: bool) -> str:
 
 
 def usage(plan: QueryPlan, answer: Answer) -> dict:
+    """OpenAI's usage; the cached prompt tokens are those whose K/V came from the store: the rebuilt prefix,
+    less the tokens of it the model computed again (recompute)."""
     return {"prompt_tokens": plan.prompt_tokens, "completion_tokens": answer.completion_tokens,
-            "total_tokens": plan.prompt_tokens + answer.completion_tokens}
+            "total_tokens": plan.prompt_tokens + answer.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": plan.prefix_tokens - len(plan.recompute)}}
 
 
 def milo_details(answer: Answer) -> dict:
@@ -179,6 +225,23 @@ def completion(parsed: ParsedRequest, plan: QueryPlan, answer: Answer) -> dict:
             "created": int(time.time()), "model": parsed.model,
             "choices": [_choice(parsed.chat, answer.text, answer.finish_reason, chunk=False)],
             "usage": usage(plan, answer), "milo": milo_details(answer)}
+
+
+class StreamedText:
+    """What a stream sends of its answer, so that its deltas join to exactly the answer's text, which the
+    engine strips: leading whitespace is never sent, trailing whitespace waits until text follows it
+    (or is dropped at the end). The engine's deltas never end inside a multi-byte character."""
+
+    def __init__(self):
+        self.raw, self.sent = "", 0
+
+    def push(self, delta: str) -> str:
+        """The part of the answer to send now, given the engine's next ``delta`` (the stripped text so far
+        only grows: what was sent is never taken back)."""
+        self.raw += delta
+        text = self.raw.strip()
+        out, self.sent = text[self.sent:], len(text)
+        return out
 
 
 class ChunkWriter:

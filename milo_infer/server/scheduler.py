@@ -6,7 +6,14 @@ one decode step for every row. A finished row leaves the batch at once, so a wai
 at the next step and a short label answer is never held behind a long free-form one.
 
 Each request's ``deliver`` is called on the loop's thread with every `RowEvent` of its row, or with
-one exception that ends it (`EngineFailed`, `ShuttingDown`, an engine `RequestError`).
+one exception that ends it (`EngineFailed`, `ShuttingDown`, an engine `RequestError`): every
+submitted request that was not cancelled gets a finished event or an error, whatever fails when.
+
+What fails, fails as little as it can: an admission that raises fails the requests it was admitting
+(the running rows go on; if it left the batch broken, that batch's next step fails); a step that
+raises fails the rows of its batch, and the loop goes on with a fresh batch; only a loop that cannot
+go on (``engine.batch()`` raising) fails everything it holds, marks itself failed (``failure``) and
+takes no more requests, so that the server exits non-zero and a supervisor restarts it.
 """
 import logging
 import queue
@@ -29,11 +36,11 @@ class QueueFull(Exception):
 
 
 class NotAccepting(Exception):
-    """The loop is stopping or its engine failed: it takes no new requests."""
+    """The loop has ended (stopped, or failed for good): it takes no new requests."""
 
 
 class EngineFailed(RuntimeError):
-    """The engine raised while running a batch: every row in it, and every waiting request, ends with this."""
+    """The engine raised while admitting or running this request (the message names what it raised)."""
 
 
 class ShuttingDown(RuntimeError):
@@ -60,42 +67,53 @@ class EngineLoop:
         self.engine, self.metrics = engine, metrics
         self.max_batch, self.batch_wait_s = max_batch, batch_wait_s
         self.waiting: queue.Queue[Ticket] = queue.Queue(max_queue)
-        self.failure: str | None = None  # what the engine raised, once it has
+        self.failure: str | None = None  # why the loop could not go on, once it could not
+        self.draining = False  # /health answers 503; the app refuses new requests, those it holds go on
         self._cancelled: queue.SimpleQueue[Ticket] = queue.SimpleQueue()
         self._running: dict[int, Ticket] = {}  # id(plan) -> ticket; the ticket keeps the plan (and its id) alive
-        self._accepting = True
+        self._lock = threading.Lock()  # a submit's check and enqueue against the loop's closing: nothing is
+        self._closed = False  # queued once the loop has ended what it held
+        self._held = 0  # tickets submitted and not yet answered (or dropped, their client gone)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="milo-engine-loop", daemon=True)
 
     @property
     def healthy(self) -> bool:
-        return self.failure is None and self._accepting and self._thread.is_alive()
+        return self.failure is None and not self.draining and self._thread.is_alive()
+
+    @property
+    def idle(self) -> bool:
+        """Every request submitted so far has been answered (or its client left)."""
+        return self._held == 0
 
     def start(self) -> None:
         self._thread.start()
 
-    def stop_accepting(self) -> None:
-        """Draining: requests already queued or running go on; new ones get `NotAccepting`."""
-        self._accepting = False
+    def drain(self) -> None:
+        """Start draining: ``healthy`` turns false; what is queued or running goes on."""
+        self.draining = True
 
     def stop(self, timeout: float | None = None) -> None:
-        """End the loop; what is still queued or running gets `ShuttingDown`."""
-        self._accepting = False
+        """End the loop (after the step under way), waiting up to ``timeout`` for it: what is still queued or
+        running gets `ShuttingDown`, and later submits `NotAccepting`."""
+        self.draining = True
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
 
     def submit(self, plan: QueryPlan, deliver: Callable[[object], None]) -> Ticket:
         """Queue a plan (from any thread); raises `QueueFull` or `NotAccepting`."""
-        if self.failure is not None:
-            raise NotAccepting(f"the engine failed: {self.failure}")
-        if not self._accepting:
-            raise NotAccepting("the server is shutting down")
         ticket = Ticket(plan, deliver)
-        try:
-            self.waiting.put_nowait(ticket)
-        except queue.Full:
-            raise QueueFull(f"all {self.waiting.maxsize} queue slots are taken") from None
+        with self._lock:
+            if self.failure is not None:
+                raise NotAccepting(f"the engine failed: {self.failure}")
+            if self._closed:
+                raise NotAccepting("the server is shutting down")
+            try:
+                self.waiting.put_nowait(ticket)
+            except queue.Full:
+                raise QueueFull(f"all {self.waiting.maxsize} queue slots are taken") from None
+            self._held += 1
         self.metrics.waiting.set(self.waiting.qsize())
         return ticket
 
@@ -106,25 +124,41 @@ class EngineLoop:
 
     # -- the loop's own thread ----------------------------------------------------------------------
     def _run(self) -> None:
+        ending: Exception = ShuttingDown("the server stopped before this request was answered")
         try:
             batch = self.engine.batch()
             while not self._stop.is_set():
-                self._drop_cancelled(batch)
-                tickets = self._take(self.max_batch - len(batch), idle=len(batch) == 0)
-                if tickets:
-                    self._admit(batch, tickets)
-                if len(batch):
-                    self.metrics.batch_size.observe(len(batch))
-                    self._deliver(batch.step())
-                self.metrics.running.set(len(self._running))
-                self.metrics.waiting.set(self.waiting.qsize())
-        except Exception as e:  # the engine is broken: nothing more can be answered
+                if not self._iterate(batch):
+                    batch = self.engine.batch()
+        except Exception as e:  # no batch can be made: nothing more can be answered
             self.failure = f"{type(e).__name__}: {e}"
-            log.exception("engine loop failed")
-            self._end_all(EngineFailed(self.failure))
-        else:
-            self._end_all(ShuttingDown("the server stopped before this request was answered"))
-        self.metrics.running.set(0)
+            log.exception("the engine loop cannot go on; every request it holds fails")
+            ending = EngineFailed(f"the engine failed: {self.failure}")
+        finally:
+            self._end_all(ending)
+            self.metrics.running.set(0)
+            self.metrics.waiting.set(0)
+
+    def _iterate(self, batch) -> bool:
+        """Drop cancelled rows, admit queued plans into the free slots, one decode step. False when the batch
+        raised: its rows were answered with the error, and the batch is done for."""
+        try:
+            self._drop_cancelled(batch)
+            tickets = self._take(self.max_batch - len(batch), idle=len(batch) == 0)
+            if tickets:
+                self._admit(batch, tickets)
+            if len(batch):
+                self.metrics.batch_size.observe(len(batch))
+                self._deliver(batch.step())
+            return True
+        except Exception as e:
+            log.exception("a batch of %d request(s) failed; they fail, the loop goes on with a new batch",
+                          len(self._running))
+            self._end_running(EngineFailed(f"the engine failed while running this request: {type(e).__name__}: {e}"))
+            return False
+        finally:
+            self.metrics.running.set(len(self._running))
+            self.metrics.waiting.set(self.waiting.qsize())
 
     def _take(self, free: int, *, idle: bool) -> list[Ticket]:
         """Up to ``free`` queued tickets, not cancelled; an idle loop blocks for the first, then gathers."""
@@ -143,14 +177,19 @@ class EngineLoop:
                 taken.append(self.waiting.get(timeout=remaining) if remaining > 0 else self.waiting.get_nowait())
             except queue.Empty:
                 break
-        return [t for t in taken if not t.cancelled]
+        kept = [t for t in taken if not t.cancelled]
+        self._release(len(taken) - len(kept))
+        return kept
 
     def _admit(self, batch, tickets: list[Ticket]) -> None:
         try:
             events = batch.admit([t.plan for t in tickets])
         except RequestError as e:  # the plans cannot be served; the batch itself is fine
-            for t in tickets:
-                t.deliver(e)
+            self._answer(tickets, e)
+            return
+        except Exception as e:  # these plans broke their admission; the rows already running go on
+            log.exception("admitting %d request(s) failed; they fail, the batch goes on", len(tickets))
+            self._answer(tickets, EngineFailed(f"the engine failed to admit this request: {type(e).__name__}: {e}"))
             return
         for t in tickets:
             self._running[id(t.plan)] = t
@@ -165,7 +204,7 @@ class EngineLoop:
                 continue
             if event.error is not None:  # this row failed (in another engine); the batch goes on
                 del self._running[id(event.plan)]
-                ticket.deliver(event.error)
+                self._answer([ticket], event.error)
                 continue
             if not ticket.answered:
                 ticket.answered = True
@@ -173,7 +212,9 @@ class EngineLoop:
             if event.finished:
                 del self._running[id(event.plan)]
                 self.metrics.finished(event.answer, event.finish_reason, now - ticket.submitted)
-            ticket.deliver(event)
+                self._answer([ticket], event)
+            else:
+                ticket.deliver(event)
 
     def _drop_cancelled(self, batch) -> None:
         while True:
@@ -182,17 +223,35 @@ class EngineLoop:
             except queue.Empty:
                 return
             if self._running.pop(id(ticket.plan), None) is ticket:
+                self._release(1)
                 batch.cancel(ticket.plan)
 
-    def _end_all(self, error: Exception) -> None:
-        """Tell every running and queued request that it ends with ``error``."""
+    def _answer(self, tickets: list[Ticket], last) -> None:
+        """The last thing these requests get (their finished event, or the error that ends them)."""
+        for ticket in tickets:
+            if not ticket.cancelled:
+                ticket.deliver(last)
+        self._release(len(tickets))
+
+    def _release(self, n: int) -> None:
+        with self._lock:
+            self._held -= n
+
+    def _end_running(self, error: Exception) -> None:
+        """Tell every running request that it ends with ``error``."""
         ended = list(self._running.values())
         self._running.clear()
+        self._answer(ended, error)
+
+    def _end_all(self, error: Exception) -> None:
+        """Take no more requests, and tell every running and queued one that it ends with ``error``."""
+        with self._lock:
+            self._closed = True
+        self._end_running(error)
+        queued = []
         while True:
             try:
-                ended.append(self.waiting.get_nowait())
+                queued.append(self.waiting.get_nowait())
             except queue.Empty:
                 break
-        for ticket in ended:
-            if not ticket.cancelled:
-                ticket.deliver(error)
+        self._answer(queued, error)

@@ -5,6 +5,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from milo_infer.bench.synthetic_model import byte_tokenizer
 from milo_infer.runtime.decoding import GreedyDecoder, LabelDecoder, LabelTrie
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -217,3 +218,28 @@ def test_greedy_decoder_argument_errors(tok):
         GreedyDecoder(tok, [], max_new_tokens=0)
     with pytest.raises(ValueError, match="empty"):
         GreedyDecoder(tok, [""], max_new_tokens=5)
+
+
+
+# --- text while decoding (what the engine streams) -------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["greedy", "label"])
+def test_text_while_decoding_never_ends_inside_a_multi_byte_character(kind):
+    """Byte-level BPE can split a character's bytes across tokens, and its first bytes alone decode to U+FFFD:
+    text() holds them back until the character is whole, so each text() extends the one before (the engine
+    streams their differences) and no character is lost or shown as U+FFFD."""
+    tok = byte_tokenizer()  # one token per byte: every multi-byte character is split
+    answer = "né 中🙂!"
+    if kind == "greedy":
+        decoder, ids = GreedyDecoder(tok, ["\n\n"], 64), tok.encode(answer, add_special_tokens=False)
+    else:
+        decoder, ids = LabelDecoder(LabelTrie(tok, [answer, "other"]), tok), label_ids(tok, answer) + [newline(tok)]
+    texts = []
+    for token in ids:
+        logits = np.zeros(len(tok))
+        logits[token] = 1.0
+        decoder.push(logits)
+        texts.append(decoder.text())
+    assert all(later.startswith(earlier) for earlier, later in zip(texts, texts[1:])), texts
+    assert "\ufffd" not in "".join(texts) and texts[-1] == answer

@@ -1,9 +1,13 @@
 """A test double of `milo_infer.runtime.engine.Engine`, a `ServingEngine` with no model, for the server's scheduler.
 
 A query's answer is its own words upper-cased, one word per decode step (the first at admission),
-until ``max_new_tokens`` (finish "length", default 8) or a stop string (finish "stop"). A query
-holding the word ``crash`` makes the batch raise at its next step. The batch records what the
-scheduler did to it: the size of every admission, the rows at every step, the cancelled plans.
+until ``max_new_tokens`` (finish "length", default 8) or a stop string (finish "stop"). Its deltas
+are spaced as a BPE model's: each word with a leading space, and a newline after the last one,
+which the answer's text, stripped as the engine's is, does not have. Failures to
+order: a query holding the word ``crash`` makes the batch raise at its next step, one holding
+``choke`` makes its admission raise, and ``batch_limit`` makes ``batch()`` raise once that many
+batches were made. The batch records what the scheduler did to it: the size of every admission,
+the rows at every step, the cancelled plans.
 """
 import threading
 import time
@@ -33,14 +37,15 @@ def expected_answer(text: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, sto
 
 
 class FakeEngine:
-    def __init__(self, stores=("demo",), *, max_positions=2048, step_s=0.0):
+    def __init__(self, stores=("demo",), *, max_positions=2048, plan_s=0.0, step_s=0.0, batch_limit=None):
         self.stores = {name: SimpleNamespace(name=name) for name in stores}
-        self.max_positions, self.step_s = max_positions, step_s
+        self.max_positions, self.plan_s, self.step_s, self.batch_limit = max_positions, plan_s, step_s, batch_limit
         self.batches: list[FakeBatch] = []
 
     def plan(self, store: str, request) -> QueryPlan:
         if store not in self.stores:
             raise KeyError(store)
+        time.sleep(self.plan_s)
         words = request.text.split()
         if len(words) > MAX_QUERY_WORDS:
             raise RequestError(f"the query alone ({len(words)} tokens) exceeds the model's positions")
@@ -51,6 +56,8 @@ class FakeEngine:
                          max_new_tokens=request.max_new_tokens or DEFAULT_MAX_NEW_TOKENS, retrieve_seconds=0.0)
 
     def batch(self) -> "FakeBatch":
+        if self.batch_limit is not None and len(self.batches) >= self.batch_limit:
+            raise RuntimeError("no device memory left for a batch")
         self.batches.append(FakeBatch(self))
         return self.batches[-1]
 
@@ -72,6 +79,8 @@ class FakeBatch:
 
     def admit(self, plans):
         self._check_thread()
+        if any("choke" in p.request.text.split() for p in plans):
+            raise RuntimeError("the prefix rebuild fell over")
         self.admissions.append(len(plans))
         self.running_at_admission.append(len(self.rows))
         blocks = [b for p in plans for b in p.blocks]
@@ -98,10 +107,11 @@ class FakeBatch:
         delta = ""
         if to_come:
             word = to_come.pop(0)
-            delta = word if not given else " " + word
+            delta = " " + word
             given.append(word)
         if to_come:
             return RowEvent(plan=plan, delta=delta, finished=False, finish_reason=None, answer=None)
+        delta += "\n"
         del self.rows[key]
         answer = Answer(text=" ".join(given), blocks=plan.blocks, groups=plan.groups, prefix_tokens=plan.prefix_tokens,
                         kv_bytes_full=plan.placement.kv_bytes_full, kv_bytes_stored=plan.placement.kv_bytes_stored,

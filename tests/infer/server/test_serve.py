@@ -115,10 +115,11 @@ def test_answers_equal_the_sessions(client, built):
         assert r.choices[0].text == expected[query]
         assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens > 0
         assert r.model_extra["milo"]["blocks"] and r.model_extra["milo"]["kv_bytes_stored"] > 0
+        assert r.usage.prompt_tokens_details.cached_tokens == r.model_extra["milo"]["prefix_tokens"] > 0
         chat = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": query}])
         assert chat.choices[0].message.content == expected[query]
         streamed = client.completions.create(model="demo", prompt=query, stream=True)
-        assert "".join(c.choices[0].text for c in streamed).strip() == expected[query]
+        assert "".join(c.choices[0].text for c in streamed) == expected[query]  # exactly, unstripped
     assert [m.id for m in client.models.list()] == ["demo"]
 
 
@@ -188,17 +189,41 @@ def test_sigterm_under_load_finishes_in_flight_requests_and_exits_0(built, tmp_p
                     await asyncio.sleep(0.02)
                 served.process.send_signal(signal.SIGTERM)
                 await asyncio.sleep(0.3)
-                try:
-                    late = (await http.post("/v1/completions", json={"model": "demo", "prompt": "hi"})).status_code
-                except httpx.TransportError:
-                    late = "refused"
-                return await asyncio.gather(*in_flight), late
+                health = (await http.get("/health")).status_code
+                late = await http.post("/v1/completions", json={"model": "demo", "prompt": "hi"})
+                return await asyncio.gather(*in_flight), health, late
 
-        responses, late = asyncio.run(asyncio.wait_for(load_then_term(), 150))
+        responses, health, late = asyncio.run(asyncio.wait_for(load_then_term(), 150))
         assert [r.status_code for r in responses] == [200] * 12
         assert [r.json()["choices"][0]["text"] for r in responses] == [expected[q] for q in QUERIES[:12]]
-        assert late in (503, "refused")
+        assert health == 503 and late.status_code == 503 and late.json()["error"]["code"] == "shutting_down"
         assert served.process.wait(60) == 0, served.output()[-2000:]
+        assert "Traceback" not in served.output()
+
+
+def test_a_drain_that_runs_out_ends_what_is_left_with_errors_not_cut_sockets(built, tmp_path):
+    with milo_serve(tmp_path, [built[0]], "--max-batch", "2", "--drain-s", "0") as served:
+        async def load_then_term():
+            async with httpx.AsyncClient(base_url=served.base, timeout=120) as http:
+                async def streamed(query):
+                    async with http.stream("POST", "/v1/completions", json={
+                            "model": "demo", "prompt": query, "stream": True}) as r:
+                        return [line async for line in r.aiter_lines() if line]
+                posted = [asyncio.ensure_future(http.post("/v1/completions", json={"model": "demo", "prompt": q}))
+                          for q in QUERIES[:4]]
+                streams = [asyncio.ensure_future(streamed(q)) for q in QUERIES[4:6]]
+                while metric(served.base, "milo:num_requests_running") == 0:
+                    await asyncio.sleep(0.02)
+                served.process.send_signal(signal.SIGTERM)
+                return await asyncio.gather(*posted), await asyncio.gather(*streams)
+
+        posted, streams = asyncio.run(asyncio.wait_for(load_then_term(), 150))
+        assert served.process.wait(60) == 0, served.output()[-2000:]
+    codes = [r.status_code for r in posted]
+    assert set(codes) <= {200, 503} and 503 in codes, codes
+    assert all(r.json()["error"]["code"] == "shutting_down" for r in posted if r.status_code == 503)
+    assert all(lines[-1] == "data: [DONE]" for lines in streams)  # every stream ended, with or without an error
+    assert "Traceback" not in served.output()
 
 
 def test_refuses_to_start_naming_the_store_that_does_not_match_the_model(built, tmp_path):

@@ -5,57 +5,24 @@ query, so these tests hold the scheduler and the wire format to what they promis
 """
 import asyncio
 import json
-import socket
-import threading
 import time
-from contextlib import contextmanager
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
-from milo_infer.server.app import create_app
+from milo_infer.server.protocol import StreamedText
 from tests.infer.server.fake_engine import FakeEngine, expected_answer
+from tests.infer.server.serving import metric, serving
 
 KEY = "sk-test-key"
-
-
-@contextmanager
-def serving(engine, **options):
-    """A real server of ``create_app(engine, **options)`` on a free loopback port, stopped on exit."""
-    app = create_app(engine, **options)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}", app
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
-        assert not thread.is_alive()
-
-
-def metric(base: str, name: str, headers=None) -> float:
-    """One sample of the server's /metrics (``name`` with its labels, as Prometheus prints it)."""
-    text = httpx.get(f"{base}/metrics", headers=headers).text
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " ")]
-    assert len(values) == 1, f"{name} not in /metrics"
-    return values[0]
 
 
 @pytest.fixture(scope="module")
 def server():
     engine = FakeEngine(stores=("demo", "other"))
-    with serving(engine, max_batch=8, batch_wait_ms=20) as (base, app):
-        yield base, engine
+    with serving(engine, max_batch=8, batch_wait_ms=20) as served:
+        yield served.base, engine
 
 
 @pytest.fixture
@@ -68,6 +35,7 @@ def test_completion_through_the_openai_client(client):
     assert r.object == "text_completion" and r.model == "demo" and r.id.startswith("cmpl-")
     assert r.choices[0].text == "WHERE IS MY NEW CARD" and r.choices[0].finish_reason == "stop"
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (15, 5, 20)
+    assert r.usage.prompt_tokens_details.cached_tokens == 10  # the prefix the fake plan rebuilds from the store
     milo = r.model_extra["milo"]
     assert milo["groups"] == [1] and milo["blocks"] == [1, 0]
     assert (milo["kv_bytes_full"], milo["kv_bytes_stored"]) == (400, 100) and "model" in milo["seconds"]
@@ -92,10 +60,8 @@ def test_extra_body_recompute_reaches_the_engines_request():
     assert parse_request({**body, "recompute": None}, chat=False, models={"demo"}, max_positions=2048).request.recompute is None
 
 
-def test_chat_completion_answers_the_last_user_message(client):
-    r = client.chat.completions.create(model="other", messages=[
-        {"role": "system", "content": "be brief"}, {"role": "user", "content": "first question"},
-        {"role": "assistant", "content": "FIRST"}, {"role": "user", "content": "card never arrived"}])
+def test_chat_completion_answers_its_one_user_message(client):
+    r = client.chat.completions.create(model="other", messages=[{"role": "user", "content": "card never arrived"}])
     assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
     assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == "CARD NEVER ARRIVED"
     assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == 3
@@ -113,6 +79,17 @@ def test_streams_add_up_to_the_whole_answer(client):
     assert chat[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chat if c.choices) == whole
     assert chat[-1].choices == [] and chat[-1].usage.completion_tokens == len(whole.split())
+    assert chat[-1].usage.prompt_tokens_details.cached_tokens == 10
+
+
+def test_streamed_text_never_sends_what_the_answer_strips():
+    """Deltas join to the stripped answer: leading whitespace never goes out, whitespace inside goes out with
+    the text after it, trailing whitespace never goes out."""
+    deltas = [" ", "\n", "Hello", " ", "\n", "world", " ", "\n\n"]
+    text = StreamedText()
+    sent = [text.push(d) for d in deltas]
+    assert sent == ["", "", "Hello", "", "", " \nworld", "", ""]
+    assert "".join(sent) == "".join(deltas).strip()
 
 
 def test_models_lists_the_mounted_stores(client):
@@ -153,26 +130,93 @@ BAD_INPUTS = [
     ("/v1/completions", {"model": "demo", "prompt": "x" * 70_000}, 413, None, "exceeds the server's limit"),
     ("/v1/chat/completions", {"model": "demo", "messages": []}, 400, "messages", "non-empty list"),
     ("/v1/chat/completions", {"model": "demo", "messages": [{"role": "system", "content": "x"}]}, 400, "messages", "user"),
+    ("/v1/chat/completions", {"model": "demo", "messages": [{"role": "system", "content": "be brief"},
+                                                            {"role": "user", "content": "hi"}]},
+     400, "messages", "a system message or earlier turns would be dropped"),
+    ("/v1/chat/completions", {"model": "demo", "messages": [{"role": "user", "content": "first"},
+                                                            {"role": "assistant", "content": "FIRST"},
+                                                            {"role": "user", "content": "second"}]},
+     400, "messages", "exactly one message"),
+    ("/v1/completions", b"[" * 30_000 + b"]" * 30_000, 400, None, "nests too deeply"),
+    ("/v1/completions", {"model": "demo", "prompt": "hi", "best_of": 3}, 400, "best_of", "best_of=1"),
+    ("/v1/completions", {"model": "demo", "prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty", "penalties"),
+    ("/v1/completions", {"model": "demo", "prompt": "hi", "frequency_penalty": -1}, 400, "frequency_penalty", "penalties"),
+    ("/v1/completions", {"model": "demo", "prompt": "hi", "logit_bias": {"50256": -100}}, 400, "logit_bias", "biases"),
+    ("/v1/completions", {"model": "demo", "prompt": "hi", "logprobs": 0}, 400, "logprobs", "log probabilities"),
+    ("/v1/completions", {"model": "demo", "prompt": "hi", "suffix": "!"}, 400, "suffix", "suffix"),
+    ("/v1/completions", {"model": "demo", "prompt": "hi", "stream_options": {"include_usage": True}}, 400,
+     "stream_options", "only allowed with stream"),
+    ("/v1/chat/completions", {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                              "top_logprobs": 2}, 400, "logprobs", "log probabilities"),
+    ("/v1/chat/completions", {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+     400, "top_logprobs", "log probabilities"),
+    ("/v1/chat/completions", {"model": "demo", "messages": [{"role": "user", "content": "hi"}],
+                              "response_format": {"type": "json_object"}}, 400, "response_format", "structured output"),
+    ("/v1/chat/completions", {"model": "demo", "messages": [{"role": "user", "content": "hi"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", "tool calling"),
+    ("/v1/chat/completions", {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"},
+     400, "tool_choice", "tool calling"),
+    ("/v1/chat/completions", {"model": "demo", "messages": [{"role": "user", "content": "hi"}],
+                              "modalities": ["text", "audio"]}, 400, "modalities", "only text"),
+    ("/v1/chat/completions", {"model": "demo", "messages": [{"role": "user", "content": "hi"}],
+                              "reasoning_effort": "high"}, 400, "reasoning_effort", "does not reason"),
 ]
 
 
 @pytest.mark.parametrize("path, body, status, param, words", BAD_INPUTS)
 def test_each_bad_input_is_a_4xx_in_openai_shape_naming_it(path, body, status, param, words):
     engine = FakeEngine()
-    with serving(engine, max_body_bytes=64_000) as (base, _):
+    with serving(engine, max_body_bytes=64_000) as served:
+        base = served.base
         raw = body if isinstance(body, bytes) else json.dumps(body).encode()
         r = httpx.post(base + path, content=raw, headers={"content-type": "application/json"})
         assert r.status_code == status, r.text
         error = r.json()["error"]
         assert set(error) == {"message", "type", "param", "code"} and error["param"] == param
         assert words in error["message"] and error["type"] == "invalid_request_error"
+        assert r.headers["x-should-retry"] == "false"
         assert httpx.get(base + "/health").status_code == 200  # still up
         assert httpx.post(base + path, json={"model": "demo", "prompt": "ok", "messages": [
             {"role": "user", "content": "ok"}]}).status_code == 200
 
 
+def test_fields_that_ask_for_nothing_are_accepted(client):
+    """Defaults and fields that change nothing (greedy decoding ignores a seed) are no reason to refuse."""
+    r = client.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": "card lost"}], temperature=0, top_p=1, n=1,
+        presence_penalty=0, frequency_penalty=0.0, logit_bias={}, logprobs=False, tools=[], tool_choice="none",
+        response_format={"type": "text"}, modalities=["text"], seed=7, user="someone", metadata={"team": "a"},
+        store=False, parallel_tool_calls=False, service_tier="auto")
+    assert r.choices[0].message.content == "CARD LOST"
+    r = client.completions.create(model="demo", prompt="card lost", echo=False, best_of=1, suffix=None, user="u")
+    assert r.choices[0].text == "CARD LOST"
+
+
+def test_unknown_routes_wrong_methods_and_bugs_answer_in_openai_shape(monkeypatch):
+    engine = FakeEngine()
+
+    def broken_plan(store, request):
+        raise ZeroDivisionError("a bug")
+
+    with serving(engine) as served:
+        for method, path, status, code in (("GET", "/v1/nothing", 404, "not_found"),
+                                           ("GET", "/v1/completions", 405, "method_not_allowed"),
+                                           ("POST", "/v1/models", 405, "method_not_allowed")):
+            r = httpx.request(method, served.base + path)
+            assert r.status_code == status and r.headers["x-should-retry"] == "false"
+            assert r.json()["error"]["code"] == code and path in r.json()["error"]["message"]
+        assert "GET" in httpx.post(served.base + "/v1/models").headers["allow"]
+        monkeypatch.setattr(engine, "plan", broken_plan)
+        r = httpx.post(served.base + "/v1/completions", json={"model": "demo", "prompt": "hi"})
+        assert r.status_code == 500 and "x-should-retry" not in r.headers
+        assert r.json()["error"] == {"message": "the server failed on this request (ZeroDivisionError); its log has "
+                                                "the details", "type": "server_error", "param": None,
+                                     "code": "internal_error"}
+
+
 def test_api_key_guards_every_endpoint_but_health():
-    with serving(FakeEngine(), api_key=KEY) as (base, _):
+    with serving(FakeEngine(), api_key=KEY) as served:
+        base = served.base
         body = {"model": "demo", "prompt": "hi"}
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, {"Authorization": "Basic " + KEY}):
             for method, path in (("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
@@ -189,7 +233,8 @@ def test_api_key_guards_every_endpoint_but_health():
 def test_batches_form_and_answers_match_sequential_ones():
     engine = FakeEngine(step_s=0.005)
     queries = [f"query number {i} " + "word " * (i % 7) for i in range(48)]
-    with serving(engine, max_batch=8, batch_wait_ms=20) as (base, _):
+    with serving(engine, max_batch=8, batch_wait_ms=20) as served:
+        base = served.base
         async def ask_all():
             client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=20)
             limit = asyncio.Semaphore(16)
@@ -218,7 +263,8 @@ def test_batches_form_and_answers_match_sequential_ones():
 
 def test_a_short_answer_joins_and_leaves_while_a_long_one_runs():
     engine = FakeEngine(step_s=0.01)
-    with serving(engine, max_batch=4, batch_wait_ms=1) as (base, _):
+    with serving(engine, max_batch=4, batch_wait_ms=1) as served:
+        base = served.base
         client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=20)
         stream = client.completions.create(model="demo", prompt="long " * 30, max_tokens=30, stream=True)
         first = next(iter(stream))  # the long row is running
@@ -235,7 +281,8 @@ def test_a_short_answer_joins_and_leaves_while_a_long_one_runs():
 
 def test_a_full_queue_answers_503_with_retry_after():
     engine = FakeEngine(step_s=0.02)
-    with serving(engine, max_batch=1, max_queue=1, batch_wait_ms=0) as (base, _):
+    with serving(engine, max_batch=1, max_queue=1, batch_wait_ms=0) as served:
+        base = served.base
         async def burst():
             async with httpx.AsyncClient(timeout=20) as http:
                 return await asyncio.gather(*(http.post(base + "/v1/completions", json={
@@ -250,7 +297,8 @@ def test_a_full_queue_answers_503_with_retry_after():
 
 def test_a_client_leaving_mid_stream_cancels_its_row():
     engine = FakeEngine(step_s=0.02)
-    with serving(engine) as (base, _):
+    with serving(engine) as served:
+        base = served.base
         with httpx.stream("POST", base + "/v1/completions", timeout=10,
                           json={"model": "demo", "prompt": "w " * 30, "max_tokens": 30, "stream": True}) as r:
             lines = r.iter_lines()
@@ -265,7 +313,8 @@ def test_a_client_leaving_mid_stream_cancels_its_row():
 
 def test_a_client_leaving_a_non_streamed_request_cancels_its_row():
     engine = FakeEngine(step_s=0.02)
-    with serving(engine) as (base, _):
+    with serving(engine) as served:
+        base = served.base
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(base + "/v1/completions", json={"model": "demo", "prompt": "w " * 30, "max_tokens": 30},
                        timeout=0.2)
@@ -274,23 +323,6 @@ def test_a_client_leaving_a_non_streamed_request_cancels_its_row():
             assert time.monotonic() < deadline, "the row was not cancelled"
             time.sleep(0.02)
         assert "milo:request_success_total{" not in httpx.get(base + "/metrics").text  # nothing finished
-
-
-def test_an_engine_failure_fails_its_rows_and_health():
-    with serving(FakeEngine()) as (base, _):
-        r = httpx.post(base + "/v1/completions", json={"model": "demo", "prompt": "please crash now"}, timeout=10)
-        assert r.status_code == 500 and "the device fell over" in r.json()["error"]["message"]
-        assert httpx.get(base + "/health").status_code == 503
-        r = httpx.post(base + "/v1/completions", json={"model": "demo", "prompt": "hi"}, timeout=10)
-        assert r.status_code == 503 and "the engine failed" in r.json()["error"]["message"]
-
-
-def test_draining_refuses_new_requests_and_says_so_on_health():
-    with serving(FakeEngine()) as (base, app):
-        app.state.engine_loop.stop_accepting()
-        assert httpx.get(base + "/health").json() == {"status": "draining"}
-        r = httpx.post(base + "/v1/completions", json={"model": "demo", "prompt": "hi"})
-        assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
 
 
 def test_metrics_use_vllm_names_under_milo(server, client):

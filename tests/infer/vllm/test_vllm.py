@@ -237,11 +237,12 @@ def test_milo_serve_over_vllm(server, stores, answers, banking77):
     import openai
 
     from milo_infer.vllm.engine import VllmEngine
-    from tests.infer.server.test_serve_app import serving
+    from tests.infer.server.serving import serving
 
     engine = VllmEngine(server, {"raw": stores["opened"]["raw"]}, settings=EngineSettings(k=K))
     assert isinstance(engine, ServingEngine) and isinstance(engine.batch(), RunningBatch)
-    with serving(engine, max_batch=4) as (base, _):
+    with serving(engine, max_batch=4) as served:
+        base = served.base
         client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=300)
         requests = queries(banking77, 4)
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
