@@ -11,6 +11,7 @@ import torch
 from milo_store.blockcache import parse_size
 
 from ..server import MAX_BODY_BYTES
+from ..runtime.engine import LOAD_ERROR_POLICIES
 from ..runtime.planning import EngineSettings
 from ..runtime.session import place_model
 from . import CommandError, add_tier_arguments, at_least, checked_device, load_model_arg, mount_options
@@ -38,6 +39,10 @@ def add_arguments(p):
     p.add_argument("--recompute", type=int, default=0, metavar="N",
                    help="tokens at the start of each retrieved block the model computes again in the query's context, "
                         "unless a request says (closer to plain prompting, N×k more tokens per query; default 0)")
+    p.add_argument("--on-load-error", choices=LOAD_ERROR_POLICIES, default=None,
+                   help="a block that cannot be read (fails its checksum, or a read failed after retries): the model "
+                        "computes it from the token ids the store keeps ('recompute', the default), or the requests "
+                        "that need it fail with a 500 naming it ('fail'); other requests never notice")
     p.add_argument("--max-batch", type=int, default=16, help="rows in the running batch at most (default 16)")
     p.add_argument("--batch-wait-ms", type=float, default=5.0, help="how long an idle loop gathers a batch (default 5)")
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests at most; beyond, 503 (default 256)")
@@ -65,6 +70,9 @@ def run(args) -> int:
     if args.vllm:
         if args.recompute:
             raise CommandError("--recompute is milo's own engine's: vLLM loads a stored prefix as it is")
+        if args.on_load_error:
+            raise CommandError("--on-load-error is milo's own engine's: vLLM's policy is set where it starts "
+                               "(python -m milo_infer.vllm.launch ... --load-failure recompute|fail)")
         from ..vllm.engine import VllmEngine, VllmUnavailable
 
         # only metadata, token ids and the BM25 index are read here: vLLM's connector reads the factors
@@ -78,7 +86,8 @@ def run(args) -> int:
         stores = mount_stores(args.store, **options)
         loaded = load_model_arg(args.model)
         device = place_model(loaded, device)
-        engine = Engine(loaded, stores, settings, device=device, device_cache_bytes=args.device_cache)
+        engine = Engine(loaded, stores, settings, device=device, device_cache_bytes=args.device_cache,
+                        on_load_error=args.on_load_error or "recompute")
     app = create_app(engine, api_key=args.api_key or None, max_batch=args.max_batch, batch_wait_ms=args.batch_wait_ms,
                      max_queue=args.max_queue, max_body_bytes=args.max_body_bytes, block_cache=options["block_cache"])
     return serve(app, host=args.host, port=args.port, drain_s=args.drain_s)

@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..runtime.errors import RequestError, UpstreamError
+from ..runtime.errors import AdmissionOutOfMemory, BlockLoadError, RequestError, UpstreamError
 from . import MAX_BODY_BYTES, protocol
 from .metrics import ServerMetrics
 from .protocol import APIError, ChunkWriter, ParsedRequest, StreamedText
@@ -48,6 +48,11 @@ def as_api_error(error: Exception) -> APIError:
         return shutting_down(str(error))
     if isinstance(error, UpstreamError):
         return APIError(502, str(error), kind="server_error", code="upstream_failed")
+    if isinstance(error, AdmissionOutOfMemory):
+        return APIError(503, str(error), kind="server_error", code="out_of_memory",
+                        headers={"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(error, BlockLoadError):
+        return APIError(500, str(error), kind="server_error", code="block_unreadable")
     return APIError(500, str(error), kind="server_error", code="engine_failed")
 
 
