@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from loopback_proxy import LoopbackProxy  # noqa: E402
 
 from milo_infer.bench import throughput  # noqa: E402
-from milo_infer.bench.timed_session import TimedSession  # noqa: E402
+from milo_infer.bench.throughput import TimedSession  # noqa: E402
 from milo_infer.tasks.datasets import load_dataset  # noqa: E402
 from milo_infer.models import load_model  # noqa: E402
 from milo_infer.runtime.planning import EngineSettings  # noqa: E402

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .timed_session import STAGES
+from .throughput import STAGES
 
 
 def render_markdown(report: dict) -> str:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from milo_infer.bench import synthetic_model, throughput, timed_session
+from milo_infer.bench import synthetic_model, throughput
 from milo_infer.bench.report import plot, render_markdown
 from milo_infer.cli import bench as cli
 from milo_infer.runtime.session import MiloSession
@@ -60,7 +60,7 @@ def test_every_method_k_and_batch_is_measured(report):
     for r in rows:
         assert r["qps"] > 0 and r["transfer_gbps"] > 0
         assert r["tokens_per_query"] == 5  # " cNN" + newline, label-constrained
-        assert set(r["ms"]) == set(timed_session.STAGES) and all(v >= 0 for v in r["ms"].values())
+        assert set(r["ms"]) == set(throughput.STAGES) and all(v >= 0 for v in r["ms"].values())
         assert r["ms"]["model"] > 0
         assert sum(v for stage, v in r["ms"].items() if stage not in overlapping) <= 1e3 / r["qps"]
     assert set(report["link_gbps"]) == ({"H2D pinned", "H2D pageable"} if cuda else {"memcpy", "preadv (page cache)"})
@@ -145,7 +145,7 @@ def test_copy_identity_layer_equals_the_kernel_on_an_identity_block():
     angles = torch.arange(12.0)[:, None] * torch.rand(16)
     cos, sin = angles.cos(), angles.sin()
     outs = []
-    for fn in (reconstruct_layer, timed_session.copy_identity_layer):
+    for fn in (reconstruct_layer, throughput.copy_identity_layer):
         out = [torch.full((2, 12, 16), math.nan) for _ in range(2)]
         fn(factors, segments, *out, cos, sin)
         outs.append(out)
