@@ -27,14 +27,15 @@ import milo_store.format as fmt, milo_store.remote as remote, milo_store.writer 
 from milo_store import CompressionConfig
 from milo_store.synthetic import update_synthetic_store
 
-def stop_at(owner, name, after=0):
+def stop_at(owner, name, after=0, done=False):
     original, calls = getattr(owner, name), [0]
     def stopped(*a, **k):
         calls[0] += 1
+        result = original(*a, **k) if done else None
         if calls[0] > after:
             print("READY", flush=True)
             time.sleep(60)
-        return original(*a, **k)
+        return result if done else original(*a, **k)
     setattr(owner, name, stopped)
 
 fmt.MAX_CHUNK_BYTES = 512
@@ -50,7 +51,7 @@ elif point == "link":
 elif point == "exchange":
     stop_at(w, "_exchange")
 elif point == "replaced":  # the exchange done, the old store not yet removed
-    stop_at(w.shutil, "rmtree")
+    stop_at(w, "_exchange", done=True)
 elif point == "upload":
     stop_at(remote.obstore, "put", after=3)
 elif point == "copy":
@@ -87,13 +88,15 @@ def test_a_killed_update_of_a_directory_leaves_the_previous_version(tmp_path, mo
     before = answers(path, tmp_path / "c")
     kill_update(path, point)
     after = answers(path, tmp_path / "c")
-    if point == "replaced":  # killed after the atomic exchange: the new version is in place
+    if point == "replaced":  # killed after the atomic exchange: the update is done, its tmp holds the old store
         assert len(after[0]) == 5 and all(torch.equal(after[0][i], before[0][b]) for i, b in enumerate((0, 1, 3)))
+        assert list(tmp_path.glob("store.tmp-*"))
+        update_synthetic_store(path, [0, 1, 2, 3], [], CONFIG)  # the next writer clears it
     else:
         assert same(after, before)
-    update_synthetic_store(path, [0, 1, 3], [25, 14], CONFIG, seed=9)  # the rerun completes
-    done = answers(path, tmp_path / "c")
-    assert len(done[0]) == 5 and all(torch.equal(done[0][i], before[0][b]) for i, b in enumerate((0, 1, 3)))
+        update_synthetic_store(path, [0, 1, 3], [25, 14], CONFIG, seed=9)  # the rerun completes
+        done = answers(path, tmp_path / "c")
+        assert len(done[0]) == 5 and all(torch.equal(done[0][i], before[0][b]) for i, b in enumerate((0, 1, 3)))
     assert not list(tmp_path.glob("store.tmp-*")) and not list(tmp_path.glob("store.old-*"))
 
 
