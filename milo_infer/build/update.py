@@ -161,9 +161,12 @@ def stored_config(store: MiloStore, encode_batch: int) -> BuildConfig:
                          "`milo build`, and cannot be updated")
     if encode_batch < 1:
         raise BuildError(f"encode batch must be at least 1; got {encode_batch}")
+    try:
+        compression = CompressionConfig(**allocation_record(store.meta.get("allocation")))
+    except (TypeError, ValueError) as e:
+        raise BuildError(f"{store.path}: the store's allocation record cannot be read back ({e})") from None
     return BuildConfig(block_size=build["block_size"], context_blocks=build["context_blocks"], order=build["order"],
-                       seed=build["seed"], encode_batch=encode_batch,
-                       compression=CompressionConfig(**allocation_record(store.meta["allocation"])))
+                       seed=build["seed"], encode_batch=encode_batch, compression=compression)
 
 
 def check_model(store: MiloStore, loaded: LoadedModel, task: TaskSpec) -> None:

@@ -233,3 +233,24 @@ def test_a_second_update_while_one_runs_is_refused_and_the_first_commits(tiny, t
     assert first["added"] == 1 and len(blocks(store)) == 3
     with MiloStore.open(store) as s:
         assert "d0" in s.examples()["id"] and "d5" in s.examples()["id"]
+
+
+@pytest.mark.slow
+def test_the_default_model_appends_as_a_rebuild(tmp_path, default_model):
+    """The real model: appending to a corpus-order identity store equals rebuilding it, answers included."""
+    from milo_infer.tasks.corpus import DEMO_CORPUS, DEMO_QUERIES, load_corpus
+
+    demos = load_corpus(DEMO_CORPUS)[:12]
+    task = task_from_corpus(demos)
+    base = BuildConfig(block_size=4, context_blocks=1, order="corpus", compression=IDENTITY)
+    build_store(tmp_path / "s", default_model, demos[:6], task, base, progress=False)
+    summary = update_store(tmp_path / "s", default_model, demos[6:], progress=False)
+    assert (summary["blocks_kept"], summary["blocks_encoded_now"]) == (1, 2)
+    build_store(tmp_path / "r", default_model, demos, task, base, progress=False)
+    assert contents(tmp_path / "s") == contents(tmp_path / "r")
+    queries = [json.loads(line)["input"] for line in DEMO_QUERIES.read_text().splitlines()[:4]]
+    answers = []
+    for path in (tmp_path / "s", tmp_path / "r"):
+        with MiloStore.open(path) as store:
+            answers.append([a.text for a in MiloSession(default_model, store, EngineSettings(k=2)).answer_batch(queries)])
+    assert answers[0] == answers[1]
