@@ -26,7 +26,7 @@ from . import format as fmt, text_index
 from .errors import StoreError
 from .remote import VERSIONS, MetadataStore
 from .store import MiloStore
-from .urls import is_url, local_sidecar, open_object_store
+from .urls import local_sidecar, open_object_store
 
 GC_HINT = "milo-store gc URL --only-current --older-than 0 removes it"
 

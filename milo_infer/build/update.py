@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from milo_store import CompressionConfig, MiloStore
 from milo_store.blockcache import BlockCache

@@ -3,7 +3,6 @@ server-side, the base version checked, a lost race leaving nothing, gc of the pr
 `milo-store verify --absent`."""
 import os
 import shutil
-import threading
 
 import numpy as np
 import obstore
@@ -13,14 +12,13 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import milo_store.format as fmt
 import milo_store.remote
-from milo_store import CompressionConfig, Layout, MiloStore, StoreError
+from milo_store import CompressionConfig, MiloStore
 from milo_store.blockcache import BlockCache
 from milo_store.cli.main import main as store_cli
 from milo_store.errors import LostRaceError, StoreLockedError
 from milo_store.remote import RemoteTarget, gc
 from milo_store.synthetic import build_synthetic_store, update_synthetic_store
-from milo_store.urls import open_object_store
-from milo_store.writer import StoreLock
+from milo_store.writer import StoreLock, StoreWriter
 
 from .conftest import LAYOUT, TOKENS
 from .test_remote import _manifest, _versions
@@ -103,7 +101,6 @@ def test_an_update_refuses_a_store_that_changed_since_it_was_read(tmp_path, s3_u
         update_synthetic_store(location, [0, 1], [20], CONFIG, seed=2)  # another writer, first
         before = blocks_of(location)
         with stale, pytest.raises(LostRaceError, match="changed since it was read"):
-            from milo_store.writer import StoreWriter
             StoreWriter(location, stale.layout, stale.ranks, stale.block_tokens, dtype=stale.dtype, previous=stale)
         assert [torch.equal(a, b) for a, b in zip(before, blocks_of(location))] == [True] * 3
     assert len(_versions(s3_url)) == 2
