@@ -6,6 +6,11 @@ import os
 import sys
 
 
+def id_list(values: list[str] | None) -> list[str]:
+    """Demonstration ids given as one or more comma-separated lists (``--absent a,b --absent c``), in order, once each."""
+    return list(dict.fromkeys(i.strip() for v in values or () for i in v.split(",") if i.strip()))
+
+
 def print_json(obj) -> None:
     print(json.dumps(obj, indent=2, sort_keys=True))
 

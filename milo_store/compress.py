@@ -19,6 +19,7 @@ from .format import GROUP_BYTES, QUANTIZED, TORCH_DTYPES, value_bytes
 from .layout import RAW_RANK, Layout, full_kv_bytes
 from . import text_index
 from .staging import Staging
+from .store import MiloStore
 from .text_index import build_text_index
 from .writer import StoreWriter
 
@@ -146,24 +147,26 @@ def plan_ranks(staging: Staging, num_blocks: int, layout: Layout, config: Compre
                  quant_layout(layout, config.dtype), config)
 
 
-def _plan(source, layout: Layout, config: CompressionConfig,
-          read: Callable[[int], None] = lambda done: None) -> tuple[np.ndarray, np.ndarray]:
-    """Ranks and tokens per block; ``read(n)`` after the n-th staged block is read."""
-    N, d = source.num_blocks, layout.head_dim
+def _plan(source, layout: Layout, config: CompressionConfig, read: Callable[[int], None] = lambda done: None,
+          blocks: list[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Ranks and tokens of ``blocks`` (default: every block of the source), allocated together;
+    ``read(n)`` after the n-th staged block is read."""
+    blocks = list(range(source.num_blocks)) if blocks is None else blocks
+    N, d = len(blocks), layout.head_dim
     tokens = np.zeros(N, dtype=np.int64)
     full = np.zeros(N, dtype=np.int64)  # columns each block's factors hold: its full rank
     spectra = np.zeros((N, layout.num_layers, 2, layout.num_kv_heads, d))
     measured = {}  # frontier: what quantizing each direction and each raw form loses, measured per block
     if config.policy == "frontier":
         measured = {"loss": np.zeros_like(spectra), "raw_error": np.zeros(spectra.shape[:4])}
-    for i in range(N):
+    for i, b in enumerate(blocks):
         if measured:
-            f = source.factors(i)
+            f = source.factors(b)
             tokens[i], s = f.tokens, f.S
             loss, raw_error = measured_losses(f, config.dtype, source.scale)
             measured["loss"][i, ..., :s.shape[-1]], measured["raw_error"][i] = loss.numpy(), raw_error.numpy()
         else:
-            tokens[i], s = source.spectrum(i)
+            tokens[i], s = source.spectrum(b)
         full[i] = s.shape[-1]
         spectra[i, ..., :full[i]] = s.double().numpy()
         read(i + 1)
@@ -181,10 +184,23 @@ def _plan(source, layout: Layout, config: CompressionConfig,
     return ranks, tokens
 
 
+READ_AHEAD_BYTES = 64 << 20  # kept blocks read from the previous version at once (one round of GETs from a URL)
+
+
+def _read_ahead(previous: MiloStore, reused: dict[int, int], first: int) -> dict[int, torch.Tensor]:
+    """The kept blocks from ``first`` on, while they run on, up to READ_AHEAD_BYTES, read in one batch."""
+    run, size = [], 0
+    while first + len(run) in reused and (not run or size < READ_AHEAD_BYTES):
+        run.append(first + len(run))
+        size += int(previous.block_bytes([reused[run[-1]]])[0])
+    return dict(zip(run, previous.blocks([reused[i] for i in run])))
+
+
 def write_store(path, staging: Staging, num_blocks: int, layout: Layout, config: CompressionConfig, *,
                 attrs: dict | None = None, anchor_kv: torch.Tensor | None = None, examples: dict | None = None,
                 token_ids: np.ndarray | None = None, channel_scale: torch.Tensor | None = None, force: bool = False,
-                lock=None, progress: Callable[[str, int, int], None] | None = None) -> Path:
+                lock=None, progress: Callable[[str, int, int], None] | None = None,
+                previous: MiloStore | None = None, reused: dict[int, int] | None = None) -> Path:
     """Allocate and commit the store at ``path`` from ``num_blocks`` staged blocks.
 
     ``progress(stage, done, total)`` is told how far each stage is: ``allocating`` (every staged
@@ -195,17 +211,46 @@ def write_store(path, staging: Staging, num_blocks: int, layout: Layout, config:
     demonstration) and, for ``example-svd``, ``tokens`` (each one's token count).
     In such a store a demonstration's ``block`` is its own store block and ``block_group`` names the
     staged one. ``channel_scale`` is a query-aware store's (see `pass_two_source`).
+
+    An update names the store version it replaces (``previous``, the one at ``path``) and ``reused``
+    {block: block of the previous version whose bytes it keeps}: those blocks keep their ranks and
+    bytes, and only the others, staged under their own index, are allocated (together, at
+    ``config.ratio``: the kept ones' ranks cannot change without changing their bytes) and packed.
+    Leading blocks that keep their index share the previous version's factor chunks
+    (`StoreWriter.reuse_leading`). The demonstrations' index is built anew: every BM25 weight depends
+    on the whole corpus.
     """
     layout = quant_layout(layout, config.dtype)
+    reused = dict(reused or {})
+    if reused and (previous is None or config.codec in BASELINES):
+        raise ValueError("reused blocks come from a previous version of a store of block-level codec "
+                         f"(not {', '.join(BASELINES)}, whose blocks depend on the whole corpus)")
     source = pass_two_source(staging, num_blocks, config, examples, channel_scale)
+    encoded = [i for i in range(source.num_blocks) if i not in reused]
     progress = progress or (lambda stage, done, total: None)
-    ranks, tokens = _plan(source, layout, config, lambda done: progress("allocating", done, source.num_blocks + 1))
-    progress("allocating", source.num_blocks + 1, source.num_blocks + 1)
+    ranks = np.zeros((source.num_blocks, layout.num_layers, 2, layout.num_kv_heads), dtype=np.int16)
+    tokens = np.zeros(source.num_blocks, dtype=np.int64)
+    if encoded:
+        ranks[encoded], tokens[encoded] = _plan(source, layout, config,
+                                                lambda done: progress("allocating", done, len(encoded) + 1), encoded)
+    for i, j in reused.items():
+        ranks[i], tokens[i] = previous.ranks[j], previous.block_tokens[j]
+    progress("allocating", len(encoded) + 1, len(encoded) + 1)
     attrs = {**(attrs or {}), "codec": config.codec, "allocation": allocation_record(config)}
     with StoreWriter(path, layout, ranks, tokens, dtype=config.dtype, attrs=attrs, force=force,
-                     lock=lock, block_group=source.block_group) as w:
+                     lock=lock, block_group=source.block_group, previous=previous) as w:
+        leading = next((i for i in range(source.num_blocks) if reused.get(i) != i), source.num_blocks)
+        if previous is not None:
+            w.reuse_leading(leading)
+        ahead: dict[int, torch.Tensor] = {}
         for i in range(source.num_blocks):
-            w.write_block(pack_block(source.factors(i), ranks[i], config.dtype))
+            if i < leading:
+                w.keep_block()
+            elif i in reused:
+                ahead = ahead or _read_ahead(previous, reused, i)
+                w.write_block(ahead.pop(i))
+            else:
+                w.write_block(pack_block(source.factors(i), ranks[i], config.dtype))
             progress("writing", i + 1, source.num_blocks + 1)
         if anchor_kv is not None:
             w.write_anchor(anchor_kv)

@@ -21,6 +21,10 @@ class StoreLockedError(StoreError):
     """Another writer holds the store's lock."""
 
 
+class LostRaceError(StoreError):
+    """Another writer changed the store first (a store URL's manifest): this writer's version was not published."""
+
+
 class IncompatibleStoreError(StoreError):
     """The store was built for another model than the one it is mounted for."""
 

@@ -3,10 +3,12 @@
 At a store URL, ``manifest.json`` names the current version; a version's objects (the same Zarr
 group a local store holds) live under ``v/<version>/`` and never change once written. A writer
 uploads a whole version first and publishes the manifest last, create-only when there was none and
-if-match on the manifest it saw otherwise (``--force``): of two racing writers exactly one wins, and a
-writer killed at any point leaves the previous manifest, hence the previous version, in place.
-Readers read the manifest once and pin its version for the life of the mount. ``gc`` removes the
-versions no manifest names (docs/format.md, "Stores in object storage").
+if-match on the manifest it saw otherwise (``--force``, ``milo update``): of two racing writers exactly
+one wins (the loser removes the version it uploaded), and a writer killed at any point leaves the
+previous manifest, hence the previous version, in place. An update copies the factor chunks it keeps
+unchanged from the version it replaces, server-side. Readers read the manifest once and pin its
+version for the life of the mount. ``gc`` removes the versions no manifest names (docs/format.md,
+"Stores in object storage").
 """
 import hashlib
 import json
@@ -22,7 +24,7 @@ import zarr
 import zarr.storage
 
 from . import format as fmt
-from .errors import FormatVersionError, NotAStoreError, StoreCorruptedError, StoreError
+from .errors import FormatVersionError, LostRaceError, NotAStoreError, StoreCorruptedError, StoreError
 from .sources import ObjectChunks, one_line
 from .urls import check_url, open_object_store, remote_timeout
 
@@ -127,8 +129,7 @@ def cache_key(url: str, version: str) -> str:
 
 
 def mount(url: str):
-    """(URL, zarr group, milo attributes, origin factory, block cache key) of the version the manifest
-    names now."""
+    """(URL, zarr group, milo attributes, origin factory, version id) of the version the manifest names now."""
     url = check_url(url)
     store = open_object_store(url)
     manifest = read_manifest(url, store)
@@ -153,7 +154,7 @@ def mount(url: str):
         except Exception as e:
             raise remote_error(url, e) from None
 
-    return url, group, meta, make_origin, cache_key(url, manifest.version)
+    return url, group, meta, make_origin, manifest.version
 
 
 def new_version_id() -> str:
@@ -162,14 +163,22 @@ def new_version_id() -> str:
 
 
 class RemoteTarget:
-    """The object-store end of a ``StoreWriter``: checks the URL when the writer starts, publishes at commit."""
+    """The object-store end of a ``StoreWriter``: checks the URL when the writer starts, publishes at commit.
 
-    def __init__(self, url: str, force: bool):
+    ``replaces`` (an update) names the version the writer read: the manifest must still name it, and
+    ``publish`` may copy objects from it.
+    """
+
+    def __init__(self, url: str, force: bool, replaces: str | None = None):
         self.url = check_url(url)
         self.store = open_object_store(self.url)
         self.previous = read_manifest(self.url, self.store)
         if self.previous is not None and not force:
             raise StoreError(f"{self.url} already holds a store; pass force=True (--force) to replace it")
+        if replaces is not None and (self.previous is None or self.previous.version != replaces):
+            now = self.previous.version if self.previous else "none"
+            raise LostRaceError(f"{self.url}: the store changed since it was read (version {replaces} was read, "
+                                f"the manifest now names {now}); nothing was written, run the update again")
         if self.previous is None:  # fail now, not after the build, on a bucket we cannot write
             try:
                 probe = f"{VERSIONS}/.probe-{secrets.token_hex(6)}"
@@ -178,17 +187,24 @@ class RemoteTarget:
             except Exception as e:
                 raise remote_error(self.url, e) from None
 
-    def publish(self, local_dir: Path, format_version: int) -> str:
-        """Upload the finished local store as a new version, then publish its manifest (conditional)."""
+    def publish(self, local_dir: Path, format_version: int, copies: list[str] = ()) -> str:
+        """Upload the finished local store as a new version, copy ``copies`` (paths inside a version)
+        from the version it replaces server-side, then publish its manifest (conditional)."""
         version = new_version_id()
         files = [p for p in Path(local_dir).rglob("*") if p.is_file()]
+        if copies and self.previous is None:
+            raise StoreError(f"{self.url}: nothing to copy from: no version is published here")
 
         def upload(p: Path):
             obstore.put(self.store, f"{VERSIONS}/{version}/{p.relative_to(local_dir).as_posix()}", p)
 
+        def copy(path: str):
+            obstore.copy(self.store, f"{VERSIONS}/{self.previous.version}/{path}", f"{VERSIONS}/{version}/{path}")
+
         try:
             with ThreadPoolExecutor(UPLOAD_CONCURRENCY) as pool:
                 list(pool.map(upload, files))
+                list(pool.map(copy, copies))
         except Exception as e:
             raise remote_error(self.url, e) from None
         body = json.dumps({"milo_manifest": MANIFEST_FORMAT, "format_version": format_version, "version": version,
@@ -203,15 +219,26 @@ class RemoteTarget:
         try:
             obstore.put(self.store, MANIFEST, body, mode=mode)
         except (obstore.exceptions.AlreadyExistsError, obstore.exceptions.PreconditionError):
-            raise StoreError(f"{self.url}: another writer published a store here first; this build lost the race "
-                             f"(its version {version} is left for `milo-store gc`)") from None
+            self._remove_version(version)
+            raise LostRaceError(f"{self.url}: another writer published a store here first; this writer lost the race "
+                                f"and removed the version it had uploaded") from None
         except Exception as e:
             raise remote_error(self.url, e) from None
         return self.url
 
+    def _remove_version(self, version: str) -> None:
+        """Delete what this writer uploaded: a lost race leaves nothing behind (gc collects it if this fails too)."""
+        try:
+            paths = [o["path"] for batch in obstore.list(self.store, prefix=f"{VERSIONS}/{version}/") for o in batch]
+            if paths:
+                obstore.delete(self.store, paths)
+        except Exception:  # the race is what the caller must hear about; gc removes an orphaned version later
+            pass
 
-def gc(url: str, older_than: float = 3600.0, dry_run: bool = False) -> dict:
-    """Delete the objects of versions the manifest names neither as current nor previous.
+
+def gc(url: str, older_than: float = 3600.0, dry_run: bool = False, keep_previous: bool = True) -> dict:
+    """Delete the objects of versions the manifest names neither as current nor previous (nor as
+    previous either, with ``keep_previous=False``: what makes an update's removals final).
 
     A version with any object younger than ``older_than`` seconds is kept: it may be a writer's
     upload in progress. Objects outside ``v/`` other than the manifest are not milo's and are left.
@@ -221,7 +248,7 @@ def gc(url: str, older_than: float = 3600.0, dry_run: bool = False) -> dict:
     url = check_url(url)
     store = open_object_store(url)
     manifest = read_manifest(url, store)
-    keep = {manifest.version, manifest.previous} if manifest else set()
+    keep = {manifest.version, manifest.previous if keep_previous else None} - {None} if manifest else set()
     try:
         objects = [o for batch in obstore.list(store, prefix=f"{VERSIONS}/") for o in batch]
     except Exception as e:

@@ -46,8 +46,9 @@ class MiloStore:
     """A mounted store. Use ``MiloStore.open(path, tier=...)``."""
 
     def __init__(self, path, group, meta: dict, tier: str, verify: bool, memory_cache_bytes: int, pin: bool | None,
-                 make_origin, block_cache: tuple[BlockCache, str] | None):
+                 make_origin, block_cache: tuple[BlockCache, str] | None, version: str | None = None):
         self.path, self.group, self.meta, self.tier, self.verify = path, group, meta, tier, verify
+        self.version = version  # a store URL's pinned version (what an update replaces); None for a directory
         lay = meta["layout"]
         quant = lay.get("quant", "int8" if lay.get("quantized") else None)  # "quantized": stores before int4/int2
         self.layout = Layout(lay["num_layers"], lay["num_kv_heads"], lay["head_dim"], quant)
@@ -97,18 +98,18 @@ class MiloStore:
         if memory_cache_bytes < 0:
             raise ValueError(f"memory_cache_bytes must be at least 0; got {memory_cache_bytes}")
         if is_url(path):
-            path, group, meta, make_origin, cache_key = remote.mount(path)
-            cache = (block_cache if block_cache is not None else BlockCache(), cache_key)
+            path, group, meta, make_origin, version = remote.mount(path)
+            cache = (block_cache if block_cache is not None else BlockCache(), remote.cache_key(path, version))
         else:
             path, group, meta = cls._open_local(Path(path))
             make_origin = lambda chunk_bytes, num_chunks, checksums: ChunkFiles(path, chunk_bytes, num_chunks, checksums)  # noqa: E731
-            cache = None
+            cache, version = None, None
         if not isinstance(meta, dict):
             raise NotAStoreError(f"{path}: a zarr group but not a milo store (no '{fmt.ATTRS_KEY}' attributes)")
         if problem := fmt.version_problem(meta.get("format_version")):
             raise FormatVersionError(f"{path}: {problem}")
         try:
-            return cls(path, group, meta, tier, verify, memory_cache_bytes, pin, make_origin, cache)
+            return cls(path, group, meta, tier, verify, memory_cache_bytes, pin, make_origin, cache, version)
         except (KeyError, ValueError, FileNotFoundError) as e:
             raise StoreCorruptedError(f"{path}: broken store structure ({type(e).__name__}: {e})") from e
 

@@ -13,7 +13,9 @@ from .codec import factorize_block
 from .compress import CompressionConfig, staging_codec, write_store
 from .layout import Layout
 from .staging import Staging
+from .store import MiloStore
 from .urls import local_sidecar
+from .writer import StoreLock
 
 
 def synthetic_block_kv(layout: Layout, tokens: int, generator: torch.Generator,
@@ -57,6 +59,40 @@ def build_synthetic_store(path, layout: Layout, block_tokens, config: Compressio
     out = write_store(path, staging, n, layout, config, attrs={"model": {"name": "synthetic"}},
                       anchor_kv=anchor, examples=examples, force=force)
     staging.remove()
+    return out
+
+
+def update_synthetic_store(path, keep, new_tokens, config: CompressionConfig | None = None, *, seed: int = 0,
+                           block_cache=None):
+    """A new version of the synthetic store at ``path`` through the real update path (`write_store` with
+    ``previous``): its blocks ``keep``, in that order and byte for byte, then new synthetic blocks of
+    ``new_tokens`` tokens, each with one demonstration of its own. As a real update, it holds the
+    writer lock before it reads the store, and keeps it to the commit."""
+    config = config or CompressionConfig()
+    with StoreLock(path) as lock, MiloStore.open(path, tier="disk", block_cache=block_cache) as previous:
+        old = previous.examples()
+        layout = Layout(previous.layout.num_layers, previous.layout.num_kv_heads, previous.layout.head_dim)
+        g = torch.Generator().manual_seed(seed)
+        staging = Staging(local_sidecar(path, "staging"), {"synthetic-update": seed, "keep": list(keep),
+                                                           "tokens": list(map(int, new_tokens)), "layout": str(layout)})
+        for k, t in enumerate(new_tokens):
+            staging.put(len(keep) + k, factorize_block(*synthetic_block_kv(layout, int(t), g),
+                                                       codec=staging_codec(config.codec)))
+        examples = {"input": [], "output": [], "id": [], "block": []}
+        for i, b in enumerate(keep):  # the kept blocks' demonstrations, in their new block order
+            for e in (e for e, block in enumerate(old["block"]) if block == b):
+                for name in ("input", "output", "id"):
+                    examples[name].append(old[name][e])
+                examples["block"].append(i)
+        for k in range(len(new_tokens)):
+            examples["input"].append(f"synthetic demonstration added {seed} {k}")
+            examples["output"].append("x")
+            examples["id"].append(f"added-{seed}-{k}")
+            examples["block"].append(len(keep) + k)
+        out = write_store(path, staging, len(keep) + len(new_tokens), layout, config, attrs={"model": {"name": "synthetic"}},
+                          anchor_kv=previous.anchor_kv(), examples=examples, previous=previous, lock=lock,
+                          reused={i: b for i, b in enumerate(keep)})
+        staging.remove()
     return out
 
 

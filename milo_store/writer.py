@@ -1,8 +1,10 @@
 """Atomic store writer: a store appears at its path only once it is complete.
 
 Everything is written under ``<path>.tmp-<pid>-<n>``; commit writes the group attributes (the last
-piece the reader needs), fsyncs, and renames the directory into place. A writer killed at any point
-leaves at most a temporary directory that never opens as a store and that the next writer removes.
+piece the reader needs), fsyncs, and renames the directory into place (over a store already there:
+an atomic exchange of the two directories where the file system has one, so the path holds a whole
+store at every instant). A writer killed at any point leaves at most a temporary directory that never
+opens as a store, or holds the replaced store, and that the next writer removes.
 An exclusive ``flock`` on ``<path>.lock`` refuses a second concurrent writer; the kernel drops the
 lock when the holder dies, so a killed build never blocks the next one, and the holder removes the
 file when it releases the lock (``StoreLock``).
@@ -12,7 +14,14 @@ temporary directory), and commit hands it to ``remote.RemoteTarget``, which uplo
 version and publishes the manifest with a conditional write. The lock is then a file under the
 local cache directory, keyed by the URL: it orders the writers of one machine; the conditional
 write orders writers across machines.
+
+An update (``previous``: the store version at the path that the new one replaces) keeps the previous
+version's chunk size, and its leading factor chunks whose bytes do not change are the previous
+version's own: hard links of its chunk files, or server-side copies of its chunk objects
+(``reuse_leading``), so bytes that stay are neither read nor written again.
 """
+import ctypes
+import errno
 import fcntl
 import itertools
 import os
@@ -26,9 +35,10 @@ import zarr
 
 from . import format as fmt
 from .checksum import crc32c
-from .errors import StoreError, StoreLockedError
+from .errors import LostRaceError, StoreError, StoreLockedError
 from .layout import RAW_RANK, Layout
 from .remote import REMOTE_CHUNK_BYTES, RemoteTarget, read_manifest
+from .store import MiloStore
 from .urls import check_url, is_url, local_sidecar, open_object_store
 
 _counter = itertools.count()
@@ -128,13 +138,16 @@ class StoreWriter:
     created at its exact size and filled chunk by chunk without padding between blocks.
     ``block_group`` [N] (optional) makes store blocks finer than retrieval groups: group g is the
     contiguous run of blocks labelled g (docs/format.md).
+    ``previous`` makes the writer an update of that store version, which must still be the one at
+    ``path`` (a URL's manifest must still name it): the new version keeps its chunk size and may share
+    its leading chunks (``reuse_leading``, ``keep_block``).
     """
 
     def __init__(self, path, layout: Layout, ranks: np.ndarray, block_tokens: np.ndarray, *,
                  dtype: str = "float16", attrs: dict | None = None, force: bool = False,
                  max_chunk_bytes: int | None = None, lock: StoreLock | None = None,
-                 block_group: np.ndarray | None = None):
-        self.remote = None
+                 block_group: np.ndarray | None = None, previous: MiloStore | None = None):
+        self.remote, self.previous, self.reused_chunks = None, previous, 0
         self.path = check_url(path) if is_url(path) else Path(path)
         if max_chunk_bytes is None:
             max_chunk_bytes = REMOTE_CHUNK_BYTES if is_url(path) else fmt.MAX_CHUNK_BYTES
@@ -152,6 +165,9 @@ class StoreWriter:
             raise ValueError(f"factor dtype {dtype} does not match a layout with quant={layout.quant}")
         if block_group is not None and (problem := fmt.check_block_group(block_group, len(self.block_tokens))):
             raise ValueError(problem)
+        if previous is not None and (previous.dtype, previous.layout) != (dtype, layout):
+            raise ValueError(f"an update keeps the store's factors: {dtype} {layout} differs from the previous "
+                             f"version's {previous.dtype} {previous.layout}")
         self.block_group = None if block_group is None else np.asarray(block_group, dtype=np.int32)
         self.attrs = dict(attrs or {})
         self.offsets = layout.block_offsets(self.ranks, self.block_tokens)
@@ -160,15 +176,19 @@ class StoreWriter:
         self.lock = StoreLock(self.path).__enter__() if lock is None else lock
         try:
             if is_url(path):
-                self.remote = RemoteTarget(self.path, force)
+                self.remote = RemoteTarget(self.path, force or previous is not None,
+                                           replaces=previous.version if previous is not None else None)
                 self.tmp = fresh_upload_dir(self.path)
             else:
                 self._remove_stale_temps()
-                check_target(self.path, force)
+                check_target(self.path, force or previous is not None)
+                if previous is not None:
+                    self._check_replaces(previous)
                 self.tmp = Path(f"{self.path}.tmp-{os.getpid()}-{next(_counter)}")
             self.group = zarr.open_group(str(self.tmp), mode="w")
             total = int(self.offsets[-1])
-            self.chunk = fmt.chunk_values(total, fmt.value_bytes(dtype), max_chunk_bytes)
+            self.chunk = (previous.chunk if previous is not None else
+                          fmt.chunk_values(total, fmt.value_bytes(dtype), max_chunk_bytes))
             self.factors = self.group.create_array(
                 fmt.FACTORS, shape=(total,), dtype=fmt.NUMPY_DTYPES[dtype], chunks=(self.chunk,),
                 compressors=None, fill_value=0, config={"write_empty_chunks": True})
@@ -193,6 +213,44 @@ class StoreWriter:
             else:
                 shutil.rmtree(old, ignore_errors=True)
 
+    def _check_replaces(self, previous: MiloStore) -> None:
+        """The store at the path must be the version the update read (its attributes name every array's
+        checksum, so another store's differ)."""
+        if Path(previous.path).resolve() != self.path.resolve():
+            raise ValueError(f"an update of {self.path} was given the store at {previous.path} as its previous version")
+        try:
+            now = zarr.open_group(str(self.path), mode="r").attrs.get(fmt.ATTRS_KEY)
+        except Exception:
+            now = None
+        if now != previous.meta:
+            raise LostRaceError(f"{self.path}: the store changed since it was read; nothing was written, "
+                                "run the update again")
+
+    def reuse_leading(self, blocks: int) -> int:
+        """The first ``blocks`` blocks are the previous version's, unchanged and at the same offsets: share
+        the factor chunks they fill whole. Returns how many chunks the new version takes as they are."""
+        prev = self.previous
+        if prev is None or self.next_block:
+            raise StoreError("reuse_leading: only an update, before its first block, shares chunks")
+        if blocks > prev.num_blocks or not (np.array_equal(self.ranks[:blocks], prev.ranks[:blocks])
+                                            and np.array_equal(self.block_tokens[:blocks], prev.block_tokens[:blocks])):
+            raise ValueError(f"the first {blocks} blocks are not the previous version's (ranks or token counts differ)")
+        self.reused_chunks = int(self.offsets[blocks]) // self.chunk
+        self.buffer_start = self.reused_chunks * self.chunk
+        return self.reused_chunks
+
+    def keep_block(self) -> None:
+        """The next block is the previous version's block of the same index (within `reuse_leading`'s blocks):
+        its checksum is the previous one's, and only what it has outside the shared chunks is written."""
+        i = self.next_block
+        if self.previous is None or i >= self.previous.num_blocks or self.offsets[i] != self.previous.offsets[i]:
+            raise StoreError(f"block {i} is not a block `reuse_leading` shared")
+        if self.offsets[i + 1] <= self.buffer_start:  # wholly in shared chunks: nothing to read or write
+            self.checksums[i] = self.previous.checksums[i]
+            self.next_block += 1
+        else:
+            self.write_block(self.previous.block(i))
+
     def _create_checked(self, name: str, data: np.ndarray, **kwargs) -> None:
         """Write a whole metadata array and record the CRC32C of its values (fmt.ARRAY_CHECKSUMS)."""
         self.group.create_array(name, data=data, **kwargs)
@@ -209,6 +267,10 @@ class StoreWriter:
         data = fmt.to_numpy(packed)
         self.checksums[i] = crc32c(data)
         pos = int(self.offsets[i])
+        if pos < self.buffer_start:  # its start lies in chunks shared with the previous version
+            if self.checksums[i] != self.previous.checksums[i]:
+                raise ValueError(f"block {i} overlaps the chunks shared with the previous version but its bytes differ")
+            data, pos = data[self.buffer_start - pos:], self.buffer_start
         while len(data):
             at = pos - self.buffer_start
             n = min(len(data), self.chunk - at)
@@ -286,11 +348,18 @@ class StoreWriter:
                 "layout": {"num_layers": self.layout.num_layers, "num_kv_heads": self.layout.num_kv_heads,
                            "head_dim": self.layout.head_dim, "quant": self.layout.quant,
                            "quantized": self.layout.quant == "int8"}}  # what readers before INT4 look for
+            shared = [fmt.factor_chunk_path(Path(), c).as_posix() for c in range(self.reused_chunks)]
             if self.remote is not None:
-                url = self.remote.publish(self.tmp, version)
+                url = self.remote.publish(self.tmp, version, copies=shared)
                 shutil.rmtree(self.tmp, ignore_errors=True)
                 return url
+            for name in shared:
+                _link_or_copy(self.path / name, self.tmp / name)
             _fsync_tree(self.tmp)
+            if self.path.exists() and _exchange(self.tmp, self.path):  # the tmp name now holds the old store
+                _fsync_dir(self.path.parent)
+                shutil.rmtree(self.tmp)
+                return self.path
             old = None
             if self.path.exists():
                 old = Path(f"{self.path}.old-{os.getpid()}")
@@ -318,6 +387,35 @@ class StoreWriter:
     def __exit__(self, exc_type, *exc):
         if exc_type is not None or self.lock is not None:
             self.abort()
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    """A hard link of a chunk file the new version shares (the same bytes, never written again), or a
+    copy where the file system has no links to give."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copyfile(source, target)
+
+
+_RENAME_EXCHANGE, _AT_FDCWD = 2, -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two directories atomically (Linux renameat2 RENAME_EXCHANGE): readers of ``b`` see the old
+    or the new store, never no store. False where the system or file system cannot (then two renames)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
 
 
 def _fsync_dir(path: Path):

@@ -95,30 +95,38 @@ def plan_build(out, loaded: LoadedModel, demos: list[Demonstration], task: TaskS
                force: bool, world: World) -> BuildPlan:
     """Tokenize and group the corpus, and fail on every rank at once if any check fails: the
     arguments, the corpus, the longest encoding context, the byte budget, the number of processes."""
-    identity = loaded.identity
     with world.step():
         anchor_ids, demo_ids = tokenize(loaded.tokenizer, task, demos)
-        max_positions = identity["max_position_embeddings"]
-        validate(demos, task, config, out, force, max_positions, anchor_ids, demo_ids,
+        validate(demos, task, config, out, force, loaded.identity["max_position_embeddings"], anchor_ids, demo_ids,
                  check_out=world.rank == 0)
         blocks = group_blocks(len(demos), config.block_size, config.order, config.seed)
-        block_ids = [[t for i in b for t in demo_ids[i]] for b in blocks]
-        w = config.context_blocks
-        longest = max(len(anchor_ids) + sum(len(x) for x in block_ids[max(0, i - w):i + 1]) for i in range(len(blocks)))
-        if longest > max_positions:
-            raise BuildError(f"an encoding context of {longest} tokens exceeds the model's {max_positions}; "
-                             f"use a smaller --block-size or fewer --context-blocks")
-        layout = Layout(identity["num_layers"], identity["num_kv_heads"], identity["head_dim"])
+        plan = plan_blocks(loaded.identity, anchor_ids, demo_ids, blocks, range(len(blocks)), config,
+                           corpus_fingerprint(loaded.identity, task, demos, config))
+        if world.size > len(plan.units):
+            raise BuildError(f"{world.size} processes for {len(blocks)} blocks in {len(plan.units)} encoding batch(es) "
+                             f"of --encode-batch {config.encode_batch}: use at most {len(plan.units)} processes")
+    return plan
+
+
+def plan_blocks(identity: dict, anchor_ids: list[int], demo_ids: list[list[int]], blocks: list[list[int]], encode,
+                config: BuildConfig, fingerprint: dict) -> BuildPlan:
+    """The plan to encode the blocks ``encode`` of this layout (a build: all of them; an update: those whose
+    encoding changes), once their checks pass: no encoding context longer than the model's, and a byte
+    budget that holds rank r_min for the blocks allocated together (those encoded)."""
+    block_ids = [[t for i in b for t in demo_ids[i]] for b in blocks]
+    w, encode = config.context_blocks, list(encode)
+    longest = max((len(anchor_ids) + sum(len(x) for x in block_ids[max(0, i - w):i + 1]) for i in encode), default=0)
+    if longest > identity["max_position_embeddings"]:
+        raise BuildError(f"an encoding context of {longest} tokens exceeds the model's "
+                         f"{identity['max_position_embeddings']}; use a smaller --block-size or fewer --context-blocks")
+    layout = Layout(identity["num_layers"], identity["num_kv_heads"], identity["head_dim"])
+    if encode:
         try:
-            check_budget(layout, [len(b) for b in block_ids], config.compression)
+            check_budget(layout, [len(block_ids[i]) for i in encode], config.compression)
         except BudgetError as e:
             raise BuildError(str(e)) from None
-        units = encoding_units(len(blocks), config.encode_batch)
-        if world.size > len(units):
-            raise BuildError(f"{world.size} processes for {len(blocks)} blocks in {len(units)} encoding batch(es) "
-                             f"of --encode-batch {config.encode_batch}: use at most {len(units)} processes")
-    return BuildPlan(anchor_ids, demo_ids, blocks, block_ids, layout, units,
-                     corpus_fingerprint(identity, task, demos, config))
+    return BuildPlan(anchor_ids, demo_ids, blocks, block_ids, layout, encoding_units(encode, config.encode_batch),
+                     fingerprint)
 
 
 def validate(demos, task: TaskSpec, config: BuildConfig, out: Path, force: bool, max_positions: int,
@@ -145,17 +153,18 @@ def validate(demos, task: TaskSpec, config: BuildConfig, out: Path, force: bool,
 
 
 @contextlib.contextmanager
-def coordinate_ranks(out, staging_dir: Path, plan: BuildPlan, config: BuildConfig, world: World):
+def coordinate_ranks(out, staging_dir: Path, plan: BuildPlan, config: BuildConfig, world: World,
+                     lock: StoreLock | None = None):
     """Yield this rank's `RankShare` once the ranks agree on the arguments, rank 0 holds the writer
-    lock (until the block exits) and has opened the staging, every rank has joined it, the staged
-    blocks' checksums are verified (each rank a share), and the units with a block missing are dealt
-    out: rank r encodes units r, r + N, ..."""
+    lock (until the block exits; ``lock``: one it holds already, as an update does from before it reads
+    the store) and has opened the staging, every rank has joined it, the staged blocks' checksums are
+    verified (each rank a share), and the units with a block missing are dealt out: rank r encodes
+    units r, r + N, ..."""
     world.agree({**plan.fingerprint, **asdict(config.compression), "encode_batch": config.encode_batch})
     with contextlib.ExitStack() as held:
-        lock = None
         with world.step():  # a second build into this store fails on every rank here
             if world.rank == 0:  # one build per path: rank 0 holds the writer lock until it has committed
-                lock = held.enter_context(StoreLock(out))
+                lock = lock or held.enter_context(StoreLock(out))
                 # under the lock: another fingerprint wipes the staging, never a running build's
                 staging = Staging(staging_dir, plan.fingerprint)
         world.check_shared(staging_dir)
@@ -251,13 +260,12 @@ class StageBars:
 
 
 def commit(out: Path, loaded: LoadedModel, demos, task, config: BuildConfig, plan: BuildPlan, share: RankShare,
-           force: bool, progress: bool) -> Path:
+           force: bool, progress: bool, previous: MiloStore | None = None, reused: dict[int, int] | None = None) -> Path:
     """Pass two, on rank 0 under its lock: the anchor's K/V, the channel scales of a query-aware store,
-    allocation over every staged spectrum, and the atomic write."""
+    allocation over every staged spectrum, and the atomic write. An update gives the ``previous`` version
+    and the blocks whose bytes it keeps (``reused``: block -> previous block); its anchor is the previous one."""
     model, layout, anchor_ids = loaded.model, plan.layout, plan.anchor_ids
-    # An empty anchor (no instruction, no tokenizer prefix) has no K/V, and a model refuses zero tokens.
-    anchor_kv = (torch.stack(encode_blocks(model, [(anchor_ids, len(anchor_ids))])[0], dim=1).cpu() if anchor_ids else
-                 torch.zeros(layout.num_layers, 2, layout.num_kv_heads, 0, layout.head_dim))
+    anchor_kv = previous.anchor_kv() if previous is not None else encode_anchor(model, anchor_ids, layout)
     attrs = {"model": loaded.identity, "task": asdict(task),
              "build": {"block_size": config.block_size, "context_blocks": config.context_blocks,
                        "order": config.order, "seed": config.seed, "anchor_token_ids": anchor_ids}}
@@ -279,9 +287,17 @@ def commit(out: Path, loaded: LoadedModel, demos, task, config: BuildConfig, pla
         return write_store(out, share.staging, len(plan.blocks), layout, config.compression, attrs=attrs,
                            anchor_kv=anchor_kv, examples=examples, channel_scale=channel_scale,
                            token_ids=np.concatenate([np.asarray(b, dtype=np.int32) for b in plan.block_ids]),
-                           force=force, lock=share.lock, progress=bars)
+                           force=force, lock=share.lock, progress=bars, previous=previous, reused=reused)
     finally:
         bars.close()
+
+
+def encode_anchor(model, anchor_ids: list[int], layout: Layout) -> torch.Tensor:
+    """The anchor's K/V [L, 2, H, T, d] on the CPU. An empty anchor (no instruction, no tokenizer prefix)
+    has none, and a model refuses zero tokens."""
+    if not anchor_ids:
+        return torch.zeros(layout.num_layers, 2, layout.num_kv_heads, 0, layout.head_dim)
+    return torch.stack(encode_blocks(model, [(anchor_ids, len(anchor_ids))])[0], dim=1).cpu()
 
 
 def summarize(path: Path, demos, plan: BuildPlan, share: RankShare, ranks: list[dict], *, write_s: float,

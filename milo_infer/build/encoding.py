@@ -26,13 +26,15 @@ def tokenize(tokenizer, task: TaskSpec, demos: list[Demonstration]) -> tuple[lis
     return anchor, [tokenizer(task.render(d), add_special_tokens=False).input_ids for d in demos]
 
 
-def encoding_units(num_blocks: int, encode_batch: int) -> list[list[int]]:
-    """Blocks encoded together in one forward pass: runs of ``encode_batch`` in block order.
+def encoding_units(blocks, encode_batch: int) -> list[list[int]]:
+    """Blocks encoded together in one forward pass: runs of ``encode_batch`` of ``blocks`` (the blocks
+    to encode, in block order: ``range(n)`` for a build).
 
     The runs depend only on the arguments, never on how many processes share them, so a block's
     K/V are computed from the same padded batch on one rank or many (byte-identical stores).
     """
-    return [list(range(i, min(i + encode_batch, num_blocks))) for i in range(0, num_blocks, encode_batch)]
+    blocks = list(blocks)
+    return [blocks[i:i + encode_batch] for i in range(0, len(blocks), encode_batch)]
 
 
 def encode_blocks(model, rows: list[tuple[list[int], int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
