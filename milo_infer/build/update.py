@@ -33,8 +33,7 @@ from milo_store.errors import LostRaceError, NotAStoreError
 from milo_store.urls import is_url, local_sidecar
 from milo_store.writer import StoreLock
 
-from ..models import LoadedModel
-from ..runtime.planning import check_compatible
+from ..models import LoadedModel, check_compatible
 from ..tasks.corpus import Demonstration, TaskSpec
 from .builder import BuildPlan, commit, coordinate_ranks, encode_anchor, encode_share, plan_blocks, summarize
 from .config import BuildConfig, BuildError

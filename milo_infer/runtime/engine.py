@@ -30,13 +30,13 @@ import transformers
 
 from milo_store import MiloStore
 
-from ..models import LoadedModel, rope_tables
+from ..models import LoadedModel, check_compatible, rope_tables
 from .cache import BatchCache
 from .decoding import GreedyDecoder, LabelDecoder
 from .device_tier import DeviceTier
 from .errors import AdmissionOutOfMemory, BlockLoadError, RowFailed
 from .interface import Answer, RowEvent
-from .planning import STOP_STRINGS, EngineSettings, MountedStore, QueryPlan, Request, check_compatible
+from .planning import STOP_STRINGS, EngineSettings, MountedStore, QueryPlan, Request
 from .prefetch import TransferPool
 from .prefix import UNREADABLE, PrefixRebuild, rebuild_layer
 from .timing import StageClock

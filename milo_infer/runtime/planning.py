@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from milo_store import IncompatibleStoreError, MiloStore
+from milo_store import MiloStore
 
 from ..tasks.corpus import TaskSpec
 from .decoding import LabelTrie
@@ -40,7 +40,6 @@ from .errors import BlockLoadError, RequestError
 from .prefix import BlockPlacement, StorePrefix, prefix_token_ids
 from .retrieval import order_blocks, store_retriever
 
-IDENTITY_FIELDS = ("config_hash", "num_layers", "num_kv_heads", "head_dim", "rope")
 MAX_NEW_TOKENS = 64  # longest free-form answer by default (labels are bounded by their own trie)
 STOP_STRINGS = ("\n\n", "\nInput:", "\nQuery:")  # where a free-form answer ends: the next demonstration
 
@@ -121,15 +120,6 @@ class QueryPlan:
         """int64 [len(query_ids)]: the RoPE position of every token the forward feeds."""
         query = self.prefix_tokens + np.arange(len(self.query_ids) - len(self.recompute), dtype=np.int64)
         return np.concatenate([self.recompute, query])
-
-
-def check_compatible(store: MiloStore, identity: dict) -> None:
-    """Refuse a store whose K/V another model (shape, RoPE, config) produced."""
-    stored = store.meta.get("model") or {}
-    wrong = [f"{k}: store {stored.get(k)!r} vs model {identity.get(k)!r}" for k in IDENTITY_FIELDS
-             if stored.get(k) != identity.get(k)]
-    if wrong:
-        raise IncompatibleStoreError(f"{store.path} was built for another model ({stored.get('name')}): " + "; ".join(wrong))
 
 
 class StoreQueries:

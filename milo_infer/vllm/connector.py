@@ -33,8 +33,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from milo_store import MiloStore, StoreError
 from milo_store.blockcache import BlockCache
 
-from ..models import config_identity, config_rope_tables
-from ..runtime.planning import check_compatible
+from ..models import check_compatible, config_identity, config_rope_tables
 from ..runtime.prefix import BlockPlacement, PrefixRebuild, StorePrefix
 from .transfer import Claim, PrefixClaims
 

@@ -21,10 +21,10 @@ from transformers import AutoConfig, AutoTokenizer
 
 from milo_store import MiloStore
 
-from ..models import config_identity, config_rope_tables, model_directory
+from ..models import check_compatible, config_identity, config_rope_tables, model_directory
 from ..runtime.interface import Answer, RowEvent
 from ..runtime.errors import RequestError, UpstreamError
-from ..runtime.planning import STOP_STRINGS, EngineSettings, MountedStore, QueryPlan, Request, check_compatible
+from ..runtime.planning import STOP_STRINGS, EngineSettings, MountedStore, QueryPlan, Request
 from .transfer import VllmPrompt, vllm_prompt
 
 STEP_WAIT_S = 0.05  # how long a step waits for the first delta (then the loop may admit or cancel)
