@@ -89,5 +89,5 @@ def run(args) -> int:
         engine = Engine(loaded, stores, settings, device=device, device_cache_bytes=args.device_cache,
                         on_load_error=args.on_load_error or "recompute")
     app = create_app(engine, api_key=args.api_key or None, max_batch=args.max_batch, batch_wait_ms=args.batch_wait_ms,
-                     max_queue=args.max_queue, max_body_bytes=args.max_body_bytes, block_cache=options["block_cache"])
+                     max_queue=args.max_queue, max_body_bytes=args.max_body_bytes)
     return serve(app, host=args.host, port=args.port, drain_s=args.drain_s)
