@@ -187,6 +187,8 @@ class EngineLoop:
                 taken.append(self.waiting.get(timeout=remaining) if remaining > 0 else self.waiting.get_nowait())
             except queue.Empty:
                 break
+        if taken:  # not only after the step: a waiting gauge left at 1 through a long step would be wrong
+            self._report_waiting()
         kept = [t for t in taken if not t.cancelled]
         for t in taken:
             if t.cancelled:
