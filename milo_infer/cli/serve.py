@@ -28,6 +28,9 @@ def add_arguments(p):
                    help="answer through the vLLM server at URL instead of milo's own engine: it must run the milo "
                         "connector over the same stores under the same names (docs/design.md, 'vLLM'); milo "
                         "retrieves and builds each prompt, vLLM batches, loads the prefix from the store and decodes")
+    p.add_argument("--vllm-api-key", default=os.environ.get("VLLM_API_KEY"),
+                   help="with --vllm: the key vLLM was started with (its --api-key), sent as 'Authorization: Bearer "
+                        "KEY' (default $VLLM_API_KEY)")
     p.add_argument("--device", default=None, help="compute device (default: cuda if available, else cpu)")
     p.add_argument("--threads", type=int, metavar="N",
                    help="torch CPU threads; 1 is many times faster on a CPU shared with other jobs (default: torch's)")
@@ -78,7 +81,7 @@ def run(args) -> int:
         # only metadata, token ids and the BM25 index are read here: vLLM's connector reads the factors
         stores = mount_stores(args.store, **{**options, "tier": "disk"})
         try:
-            engine = VllmEngine(args.vllm, stores, args.model, settings=settings)
+            engine = VllmEngine(args.vllm, stores, args.model, settings=settings, api_key=args.vllm_api_key or None)
         except VllmUnavailable as e:
             raise CommandError(str(e)) from None
     else:
