@@ -29,7 +29,7 @@ def wait_until(condition, what: str, timeout_s: float = 5.0) -> None:
 
 
 def test_a_drain_lets_requests_in_flight_finish_and_refuses_new_ones():
-    engine = FakeEngine(step_s=0.05)
+    engine = FakeEngine(step_s=0.2)  # 1.6 s a row: time for the second to be planned and join on a loaded machine
     words = "one two three four five six seven eight"
     with serving(engine, drain_s=30, batch_wait_ms=1) as served:
         with httpx.stream("POST", served.base + "/v1/completions", timeout=10,
