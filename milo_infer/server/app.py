@@ -142,8 +142,8 @@ async def answer(request: HTTPRequest, chat: bool):
         state.preparing -= 1
     loop = state.engine_loop
     if parsed.stream:
-        return StreamingResponse(stream(loop, state.metrics, parsed, plan, ticket, events), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(stream(loop, state.metrics, parsed, plan, ticket, events),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     try:
         event = await last_event(request, events)
     except ClientGone:
@@ -268,8 +268,8 @@ async def http_error(request: HTTPRequest, error: StarletteHTTPException):
 
 async def internal_error(request: HTTPRequest, error: Exception):
     """A bug's 500, in OpenAI's shape (Starlette still raises it on, so uvicorn logs its traceback)."""
-    return error_response(request, APIError(500, f"the server failed on this request ({type(error).__name__}); its log has "
-                                        f"the details", kind="server_error", code="internal_error"))
+    return error_response(request, APIError(500, f"the server failed on this request ({type(error).__name__}); its "
+                                                 f"log has the details", kind="server_error", code="internal_error"))
 
 
 def create_app(engine, *, api_key: str | None = None, max_batch: int = 16, batch_wait_ms: float = 5.0,

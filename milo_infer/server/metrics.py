@@ -55,8 +55,8 @@ class ServerMetrics:
                                       "(shared blocks once, device-tier hits none)", registry=r)
         self.kv_bytes_stored = Counter("milo:kv_bytes_stored", "Factor bytes of admitted rows, each row counted alone",
                                        M, registry=r)
-        self.unique_block_share = Gauge("milo:unique_block_share", "Unique blocks over requested blocks, last admission",
-                                        registry=r)
+        self.unique_block_share = Gauge("milo:unique_block_share",
+                                        "Unique blocks over requested blocks, last admission", registry=r)
         self.blocks_read = Counter("milo:blocks_read", "Blocks admissions read (shared blocks once), by the tier each "
                                    "was found in", ["tier"], registry=r)
         self.object_store_bytes = Counter("milo:object_store_bytes", "Bytes fetched from store URLs' object stores",

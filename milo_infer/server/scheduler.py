@@ -128,9 +128,9 @@ class EngineLoop:
         self._cancelled.put(ticket)
 
     def _report_waiting(self) -> None:
+        """The waiting gauge, counted and set under the queue's lock (from any thread: the last set is never stale)."""
         with self.waiting.mutex:
-            stores = Counter(t.plan.store for t in self.waiting.queue)
-        self.metrics.set_waiting(stores)
+            self.metrics.set_waiting(Counter(t.plan.store for t in self.waiting.queue))
 
     # -- the loop's own thread ----------------------------------------------------------------------
     def _run(self) -> None:

@@ -8,8 +8,9 @@ blocks in ``kv_transfer_params``, so vLLM batches, schedules and loads the prefi
 itself. A `VllmBatch` is the set of requests in flight: ``step`` hands back the deltas that arrived.
 
 Whatever goes wrong with one vLLM request ends that request, never silently and never by hanging: vLLM
-unreachable, a status other than 200, a mid-stream error frame or a frame that is not JSON end it with
-`VllmUnavailable` (a 502); anything else its streaming thread raises, with `RowFailed` (a 500).
+unreachable, a status other than 200, a mid-stream error frame, a finish_reason "error", a frame that is
+not JSON or a stream ended before ``[DONE]`` end it with `VllmUnavailable` (a 502); anything else its
+streaming thread raises, with `RowFailed` (a 500).
 ``upstream_problem`` (asked by ``/health``) says whether vLLM answers its own ``/health`` now.
 """
 from __future__ import annotations

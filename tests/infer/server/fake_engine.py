@@ -7,7 +7,8 @@ which the answer's text, stripped as the engine's is, does not have. Failures to
 order: a query holding the word ``crash`` makes the batch raise at its next step, one holding
 ``choke`` makes its admission raise, and ``batch_limit`` makes ``batch()`` raise once that many
 batches were made; one holding ``damaged`` finds block 0 unreadable and computes it. An admission
-finds one block in the device tier and reads the rest from disk. The batch records what the scheduler did to it: the size of every admission,
+finds one block in the device tier and reads the rest from disk. The batch records what the scheduler
+did to it: the size of every admission,
 the rows at every step, the cancelled plans.
 """
 import threading
