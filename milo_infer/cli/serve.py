@@ -28,6 +28,9 @@ def add_arguments(p):
                    help="answer through the vLLM server at URL instead of milo's own engine: it must run the milo "
                         "connector over the same stores under the same names (docs/design.md, 'vLLM'); milo "
                         "retrieves and builds each prompt, vLLM batches, loads the prefix from the store and decodes")
+    p.add_argument("--vllm-api-key", default=os.environ.get("VLLM_API_KEY"),
+                   help="with --vllm: the key vLLM was started with (its --api-key), sent as 'Authorization: Bearer "
+                        "KEY' (default $VLLM_API_KEY)")
     p.add_argument("--device", default=None, help="compute device (default: cuda if available, else cpu)")
     p.add_argument("--threads", type=int, metavar="N",
                    help="torch CPU threads; 1 is many times faster on a CPU shared with other jobs (default: torch's)")
@@ -78,7 +81,7 @@ def run(args) -> int:
         # only metadata, token ids and the BM25 index are read here: vLLM's connector reads the factors
         stores = mount_stores(args.store, **{**options, "tier": "disk"})
         try:
-            engine = VllmEngine(args.vllm, stores, args.model, settings=settings)
+            engine = VllmEngine(args.vllm, stores, args.model, settings=settings, api_key=args.vllm_api_key or None)
         except VllmUnavailable as e:
             raise CommandError(str(e)) from None
     else:
@@ -89,5 +92,5 @@ def run(args) -> int:
         engine = Engine(loaded, stores, settings, device=device, device_cache_bytes=args.device_cache,
                         on_load_error=args.on_load_error or "recompute")
     app = create_app(engine, api_key=args.api_key or None, max_batch=args.max_batch, batch_wait_ms=args.batch_wait_ms,
-                     max_queue=args.max_queue, max_body_bytes=args.max_body_bytes, block_cache=options["block_cache"])
+                     max_queue=args.max_queue, max_body_bytes=args.max_body_bytes)
     return serve(app, host=args.host, port=args.port, drain_s=args.drain_s)

@@ -135,6 +135,13 @@ class PrefixRebuild:
             "rows": len(rows), "blocks": sum(len(row.blocks) for row in rows),
             "unique_blocks": sum(len(u) for u in unions.values()),
             "device_hits": sum(pf.tier_hits for pf in self.fetched.values()),
+            "memory_hits": sum(pf.read_stats.memory_hits  # the host tier's blocks are views, not counted there
+                               + (len(pf.block_ids) - pf.tier_hits) * (pf.store.tier == "host")
+                               for pf in self.fetched.values()),
+            "block_cache_hits": sum(pf.read_stats.block_cache_hits for pf in self.fetched.values()),
+            "object_store_reads": sum(pf.read_stats.block_cache_misses for pf in self.fetched.values()),
+            "remote_bytes": sum(pf.read_stats.remote_bytes for pf in self.fetched.values()),
+            "remote_gets": sum(pf.read_stats.remote_gets for pf in self.fetched.values()),
             "buffer_bytes": sum(pf.buffer_bytes for pf in self.fetched.values()),
             "bytes": sum(pf.bytes_moved for pf in self.fetched.values())}
         self.tables = []

@@ -56,6 +56,10 @@ def as_api_error(error: Exception) -> APIError:
     return APIError(500, str(error), kind="server_error", code="engine_failed")
 
 
+def count_error(metrics: ServerMetrics, error: APIError) -> None:
+    metrics.errors.labels(error.code or str(error.status)).inc()
+
+
 async def read_body(request: HTTPRequest, limit: int) -> bytes:
     """The body, refused (413) as soon as it is known to exceed ``limit`` bytes."""
     too_large = APIError(413, f"the body exceeds the server's limit of {limit} bytes", code="body_too_large")
@@ -88,10 +92,17 @@ KEYED = [Depends(require_key)]  # every route but /health
 
 @router.get("/health")
 async def health(request: HTTPRequest):
-    loop = request.app.state.engine_loop
-    if loop.healthy:
-        return {"status": "ok"}
-    return JSONResponse({"status": "failed" if loop.failure else "draining"}, status_code=503)
+    """200 ``ok``; 503 ``failed`` (the engine loop cannot go on), ``draining``, or ``degraded`` with a
+    ``detail`` when the engine forwards to a server that does not answer (``upstream_problem``, vLLM's)."""
+    state = request.app.state
+    loop = state.engine_loop
+    if not loop.healthy:
+        return JSONResponse({"status": "failed" if loop.failure else "draining"}, status_code=503)
+    upstream_problem = getattr(state.engine, "upstream_problem", None)
+    problem = await run_in_threadpool(upstream_problem) if upstream_problem else None
+    if problem:
+        return JSONResponse({"status": "degraded", "detail": problem}, status_code=503)
+    return {"status": "ok"}
 
 
 @router.get("/metrics", dependencies=KEYED)
@@ -120,18 +131,19 @@ async def answer(request: HTTPRequest, chat: bool):
     """Check the body, plan on a worker thread, queue the plan, and answer from its row's events. A request
     that came before the server started draining is ``preparing`` until queued, so that the drain waits
     for it too."""
+    arrived = time.monotonic()
     state = request.app.state
     if state.engine_loop.draining:
         raise shutting_down("the server is shutting down")
     state.preparing += 1
     try:
-        parsed, plan, ticket, events = await prepare(request, chat)
+        parsed, plan, ticket, events = await prepare(request, chat, arrived)
     finally:
         state.preparing -= 1
     loop = state.engine_loop
     if parsed.stream:
-        return StreamingResponse(stream(loop, parsed, plan, ticket, events), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(stream(loop, state.metrics, parsed, plan, ticket, events),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     try:
         event = await last_event(request, events)
     except ClientGone:
@@ -141,7 +153,7 @@ async def answer(request: HTTPRequest, chat: bool):
     return protocol.completion(parsed, plan, event.answer)
 
 
-async def prepare(request: HTTPRequest, chat: bool):
+async def prepare(request: HTTPRequest, chat: bool, arrived: float):
     """The checked body, its plan, its ticket in the engine loop, and the queue its row's events come to."""
     state = request.app.state
     engine, loop = state.engine, state.engine_loop
@@ -161,7 +173,7 @@ async def prepare(request: HTTPRequest, chat: bool):
             pass
 
     try:
-        ticket = loop.submit(plan, deliver)
+        ticket = loop.submit(plan, deliver, arrived)
     except QueueFull as e:
         raise APIError(503, f"the server is busy ({e}); retry later", kind="server_error", code="queue_full",
                        headers={"Retry-After": str(RETRY_AFTER_S)}) from None
@@ -199,14 +211,17 @@ async def last_event(request: HTTPRequest, events: asyncio.Queue):
     return waiter.result()
 
 
-async def stream(loop: EngineLoop, parsed: ParsedRequest, plan, ticket, events: asyncio.Queue):
+async def stream(loop: EngineLoop, metrics: ServerMetrics, parsed: ParsedRequest, plan, ticket,
+                 events: asyncio.Queue):
     """SSE frames of one row; a client that leaves cancels the generator, and so its row."""
     writer, text = ChunkWriter(parsed), StreamedText()
     try:
         while True:
             item = await events.get()
             if isinstance(item, Exception):
-                yield writer.error(as_api_error(item))
+                error = as_api_error(item)
+                count_error(metrics, error)
+                yield writer.error(error)
                 break
             delta = text.push(item.delta)
             if delta or item.finished or not writer.started:
@@ -228,9 +243,10 @@ async def lifespan(app: FastAPI):
     await run_in_threadpool(loop.stop, STOP_TIMEOUT_S)
 
 
-def error_response(error: APIError) -> JSONResponse:
-    """``error`` in OpenAI's shape; a 4xx says ``x-should-retry: false`` (the openai client would retry a
-    408, 409 or 429 by itself): the same request can only fail again."""
+def error_response(request: HTTPRequest, error: APIError) -> JSONResponse:
+    """``error`` in OpenAI's shape, counted by its code; a 4xx says ``x-should-retry: false`` (the openai client
+    would retry a 408, 409 or 429 by itself): the same request can only fail again."""
+    count_error(request.app.state.metrics, error)
     headers = dict(error.headers)
     if 400 <= error.status < 500:
         headers["x-should-retry"] = "false"
@@ -238,7 +254,7 @@ def error_response(error: APIError) -> JSONResponse:
 
 
 async def api_error(request: HTTPRequest, error: APIError):
-    return error_response(error)
+    return error_response(request, error)
 
 
 async def http_error(request: HTTPRequest, error: StarletteHTTPException):
@@ -247,17 +263,17 @@ async def http_error(request: HTTPRequest, error: StarletteHTTPException):
     message, code = {404: (f"no route {method} {path}", "not_found"),
                      405: (f"{method} is not allowed on {path}", "method_not_allowed")
                      }.get(error.status_code, (str(error.detail), None))
-    return error_response(APIError(error.status_code, message, code=code, headers=error.headers))
+    return error_response(request, APIError(error.status_code, message, code=code, headers=error.headers))
 
 
 async def internal_error(request: HTTPRequest, error: Exception):
     """A bug's 500, in OpenAI's shape (Starlette still raises it on, so uvicorn logs its traceback)."""
-    return error_response(APIError(500, f"the server failed on this request ({type(error).__name__}); its log has "
-                                        f"the details", kind="server_error", code="internal_error"))
+    return error_response(request, APIError(500, f"the server failed on this request ({type(error).__name__}); its "
+                                                 f"log has the details", kind="server_error", code="internal_error"))
 
 
 def create_app(engine, *, api_key: str | None = None, max_batch: int = 16, batch_wait_ms: float = 5.0,
-               max_queue: int = 256, max_body_bytes: int = MAX_BODY_BYTES, block_cache=None) -> FastAPI:
+               max_queue: int = 256, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """An app serving ``engine``'s mounted stores; its engine loop starts and stops with the app's lifespan.
     ``app.state.engine_loop.drain()`` starts draining: ``/health`` and new requests answer 503 from then on."""
     app = FastAPI(title="milo serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
@@ -265,7 +281,7 @@ def create_app(engine, *, api_key: str | None = None, max_batch: int = 16, batch
     state.engine, state.api_key, state.max_body_bytes, state.started = engine, api_key, max_body_bytes, int(time.time())
     state.preparing = 0  # requests being read, checked or planned, not yet queued (on the event loop's thread)
     state.planning = threading.Lock()  # one plan at a time (`plan_query`)
-    state.metrics = ServerMetrics(block_cache)
+    state.metrics = ServerMetrics(engine.stores)
     state.engine_loop = EngineLoop(engine, state.metrics, max_batch=max_batch, batch_wait_s=batch_wait_ms / 1000,
                                    max_queue=max_queue)
     app.include_router(router)

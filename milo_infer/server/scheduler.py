@@ -19,6 +19,7 @@ import logging
 import queue
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -53,8 +54,10 @@ class Ticket:
 
     plan: QueryPlan
     deliver: Callable[[object], None]
+    arrived: float  # when its HTTP request came (time.monotonic), before it was read, planned and queued
     submitted: float = field(default_factory=time.monotonic)
     answered: bool = False  # its first event was delivered
+    last_event: float = 0.0  # when its latest event came (time.monotonic)
     cancelled: bool = False
 
 
@@ -76,6 +79,7 @@ class EngineLoop:
         self._held = 0  # tickets submitted and not yet answered (or dropped, their client gone)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="milo-engine-loop", daemon=True)
+        self._counted_fetch_stats: dict | None = None  # the batch's fetch_stats the metrics last counted
 
     @property
     def healthy(self) -> bool:
@@ -101,9 +105,10 @@ class EngineLoop:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
-    def submit(self, plan: QueryPlan, deliver: Callable[[object], None]) -> Ticket:
-        """Queue a plan (from any thread); raises `QueueFull` or `NotAccepting`."""
-        ticket = Ticket(plan, deliver)
+    def submit(self, plan: QueryPlan, deliver: Callable[[object], None], arrived: float | None = None) -> Ticket:
+        """Queue a plan (from any thread) whose request came at ``arrived`` (time.monotonic; default now), from
+        when its latencies are measured; raises `QueueFull` or `NotAccepting`."""
+        ticket = Ticket(plan, deliver, time.monotonic() if arrived is None else arrived)
         with self._lock:
             if self.failure is not None:
                 raise NotAccepting(f"the engine failed: {self.failure}")
@@ -114,13 +119,18 @@ class EngineLoop:
             except queue.Full:
                 raise QueueFull(f"all {self.waiting.maxsize} queue slots are taken") from None
             self._held += 1
-        self.metrics.waiting.set(self.waiting.qsize())
+        self._report_waiting()
         return ticket
 
     def cancel(self, ticket: Ticket) -> None:
         """The client left (from any thread): its row leaves the batch at the next iteration."""
         ticket.cancelled = True
         self._cancelled.put(ticket)
+
+    def _report_waiting(self) -> None:
+        """The waiting gauge, counted and set under the queue's lock (from any thread: the last set is never stale)."""
+        with self.waiting.mutex:
+            self.metrics.set_waiting(Counter(t.plan.store for t in self.waiting.queue))
 
     # -- the loop's own thread ----------------------------------------------------------------------
     def _run(self) -> None:
@@ -136,8 +146,8 @@ class EngineLoop:
             ending = EngineFailed(f"the engine failed: {self.failure}")
         finally:
             self._end_all(ending)
-            self.metrics.running.set(0)
-            self.metrics.waiting.set(0)
+            self.metrics.set_running(Counter())
+            self.metrics.set_waiting(Counter())
 
     def _iterate(self, batch) -> bool:
         """Drop cancelled rows, admit queued plans into the free slots, one decode step. False when the batch
@@ -157,8 +167,8 @@ class EngineLoop:
             self._end_running(EngineFailed(f"the engine failed while running this request: {type(e).__name__}: {e}"))
             return False
         finally:
-            self.metrics.running.set(len(self._running))
-            self.metrics.waiting.set(self.waiting.qsize())
+            self.metrics.set_running(Counter(t.plan.store for t in self._running.values()))
+            self._report_waiting()
 
     def _take(self, free: int, *, idle: bool) -> list[Ticket]:
         """Up to ``free`` queued tickets, not cancelled; an idle loop blocks for the first, then gathers."""
@@ -177,11 +187,17 @@ class EngineLoop:
                 taken.append(self.waiting.get(timeout=remaining) if remaining > 0 else self.waiting.get_nowait())
             except queue.Empty:
                 break
+        if taken:  # not only after the step: a waiting gauge left at 1 through a long step would be wrong
+            self._report_waiting()
         kept = [t for t in taken if not t.cancelled]
+        for t in taken:
+            if t.cancelled:
+                self.metrics.aborted.labels(t.plan.store).inc()
         self._release(len(taken) - len(kept))
         return kept
 
     def _admit(self, batch, tickets: list[Ticket]) -> None:
+        now = time.monotonic()
         try:
             events = batch.admit([t.plan for t in tickets])
         except RequestError as e:  # the plans cannot be served; the batch itself is fine
@@ -193,7 +209,10 @@ class EngineLoop:
             return
         for t in tickets:
             self._running[id(t.plan)] = t
-        self.metrics.admitted([t.plan for t in tickets], batch.fetch_stats)
+        # an admission whose every row failed before reading leaves the last admission's fetch_stats in place
+        fetch_stats = batch.fetch_stats if batch.fetch_stats is not self._counted_fetch_stats else {}
+        self._counted_fetch_stats = batch.fetch_stats
+        self.metrics.admitted([t.plan for t in tickets], fetch_stats, [now - t.submitted for t in tickets])
         self._deliver(events)
 
     def _deliver(self, events: list[RowEvent]) -> None:
@@ -206,12 +225,16 @@ class EngineLoop:
                 del self._running[id(event.plan)]
                 self._answer([ticket], event.error)
                 continue
+            store = ticket.plan.store
             if not ticket.answered:
                 ticket.answered = True
-                self.metrics.ttft.observe(now - ticket.submitted)
+                self.metrics.ttft.labels(store).observe(now - ticket.arrived)
+            elif event.delta:
+                self.metrics.inter_token.labels(store).observe(now - ticket.last_event)
+            ticket.last_event = now
             if event.finished:
                 del self._running[id(event.plan)]
-                self.metrics.finished(event.answer, event.finish_reason, now - ticket.submitted)
+                self.metrics.finished(store, event.answer, event.finish_reason, now - ticket.arrived)
                 self._answer([ticket], event)
             else:
                 ticket.deliver(event)
@@ -223,6 +246,7 @@ class EngineLoop:
             except queue.Empty:
                 return
             if self._running.pop(id(ticket.plan), None) is ticket:
+                self.metrics.aborted.labels(ticket.plan.store).inc()
                 self._release(1)
                 batch.cancel(ticket.plan)
 

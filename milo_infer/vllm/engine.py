@@ -6,10 +6,17 @@ stays here (BM25 retrieval, the same groups and ids as milo's engine); each admi
 streamed vLLM completion whose prompt is [anchor][blocks][query] as token ids, with the store and
 blocks in ``kv_transfer_params``, so vLLM batches, schedules and loads the prefix from the store
 itself. A `VllmBatch` is the set of requests in flight: ``step`` hands back the deltas that arrived.
+
+Whatever goes wrong with one vLLM request ends that request, never silently and never by hanging: vLLM
+unreachable, a status other than 200, a mid-stream error frame, a finish_reason "error", a frame that is
+not JSON or a stream ended before ``[DONE]`` end it with `VllmUnavailable` (a 502); anything else its
+streaming thread raises, with `RowFailed` (a 500).
+``upstream_problem`` (asked by ``/health``) says whether vLLM answers its own ``/health`` now.
 """
 from __future__ import annotations
 
 import json
+import logging
 import queue
 import threading
 import time
@@ -23,11 +30,13 @@ from milo_store import MiloStore
 
 from ..models import check_compatible, config_identity, config_rope_tables, model_directory
 from ..runtime.interface import Answer, RowEvent
-from ..runtime.errors import RequestError, UpstreamError
+from ..runtime.errors import RequestError, RowFailed, UpstreamError
 from ..runtime.planning import STOP_STRINGS, EngineSettings, MountedStore, QueryPlan, Request
 from .transfer import VllmPrompt, vllm_prompt
 
 STEP_WAIT_S = 0.05  # how long a step waits for the first delta (then the loop may admit or cancel)
+HEALTH_TIMEOUT_S = 2.0  # how long ``upstream_problem`` waits for vLLM's /health
+log = logging.getLogger("milo.serve")
 
 
 class VllmUnavailable(UpstreamError):
@@ -36,16 +45,22 @@ class VllmUnavailable(UpstreamError):
 
 class VllmEngine:
     def __init__(self, url: str, stores: dict[str, MiloStore], model="default",
-                 settings: EngineSettings = EngineSettings(), *, timeout_s: float = 600.0):
+                 settings: EngineSettings = EngineSettings(), *, api_key: str | None = None, timeout_s: float = 600.0):
+        """``api_key``: sent to vLLM as 'Authorization: Bearer KEY' (vLLM's --api-key)."""
         if settings.recompute:
             raise ValueError("recompute is milo's own engine's: vLLM loads a stored prefix as it is")
         self.url = url.rstrip("/")
-        self.client = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout_s, connect=10.0))
+        self.client = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout_s, connect=10.0),
+                                   headers={"Authorization": f"Bearer {api_key}"} if api_key else None)
         try:
             served = self.client.get("/v1/models").raise_for_status().json()["data"][0]
         except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
             raise VllmUnavailable(f"no vLLM server answers at {self.url}/v1/models ({e})") from None
         self.model_name = served["id"]
+        self.mount(served, stores, model, settings)
+
+    def mount(self, served: dict, stores: dict[str, MiloStore], model, settings: EngineSettings) -> None:
+        """Load the tokenizer and mount the stores for planning (``served``: vLLM's /v1/models entry)."""
         directory = model_directory(model)
         config = AutoConfig.from_pretrained(directory)
         self.tokenizer = AutoTokenizer.from_pretrained(directory)
@@ -69,6 +84,21 @@ class VllmEngine:
     def prompt(self, plan: QueryPlan) -> VllmPrompt:
         m = self.stores[plan.store]
         return vllm_prompt(plan.store, m.store, plan.groups, plan.blocks, plan.query_ids, tuple(m.queries.task.labels))
+
+    def request_body(self, plan: QueryPlan) -> dict:
+        """The completions request vLLM answers ``plan`` with (not yet streamed)."""
+        body = self.prompt(plan).body(self.model_name, max_tokens=plan.max_new_tokens)
+        if not self.stores[plan.store].queries.task.labels:
+            body["stop"] = list(STOP_STRINGS + tuple(plan.request.stop))
+        return body
+
+    def upstream_problem(self) -> str | None:
+        """Why vLLM cannot answer now (its /health does not answer 200), or None; for milo's /health."""
+        try:
+            status = self.client.get("/health", timeout=HEALTH_TIMEOUT_S).status_code
+        except httpx.HTTPError as e:
+            return f"vLLM at {self.url} does not answer ({type(e).__name__}: {e})"
+        return None if status == 200 else f"vLLM at {self.url}/health answered {status}"
 
     def batch(self) -> "VllmBatch":
         return VllmBatch(self)
@@ -147,12 +177,10 @@ class VllmBatch:
     def _stream(self, row: _Row) -> None:
         """One plan's streamed completion; every delta, the end, or the error goes to the queue."""
         e, p = self.engine, row.plan
-        reason = None
+        reason, done = None, False
         try:
-            body = e.prompt(p).body(e.model_name, max_tokens=p.max_new_tokens)
+            body = e.request_body(p)
             body.update(stream=True, stream_options={"include_usage": True})
-            if not e.stores[p.store].queries.task.labels:
-                body["stop"] = list(STOP_STRINGS + tuple(p.request.stop))
             with e.client.stream("POST", "/v1/completions", json=body) as response:
                 if response.status_code != 200:
                     response.read()
@@ -160,9 +188,10 @@ class VllmBatch:
                 for line in response.iter_lines():
                     if row.cancelled:
                         return
-                    if not line.startswith("data: ") or line == "data: [DONE]":
+                    done = done or line == "data: [DONE]"
+                    if not line.startswith("data: ") or done:
                         continue
-                    chunk = json.loads(line[6:])
+                    chunk = self._frame(line[6:])
                     if chunk.get("usage"):
                         row.usage = chunk["usage"]
                     for choice in chunk.get("choices") or []:
@@ -170,10 +199,33 @@ class VllmBatch:
                             row.first_token_seconds = time.perf_counter() - row.started
                         row.text += choice.get("text") or ""
                         reason = choice.get("finish_reason") or reason
+                        if reason == "error":
+                            raise VllmUnavailable(f"vLLM at {e.url} ended the answer with finish_reason 'error'")
                         if choice.get("text"):
                             self.events.put((row, choice["text"], None, None))
+            if not done:
+                raise VllmUnavailable(f"vLLM at {e.url} ended the stream before its [DONE]: the answer is cut short")
             self.events.put((row, "", reason or "stop", None))
         except httpx.HTTPError as err:
             self.events.put((row, "", None, VllmUnavailable(f"vLLM at {e.url} failed mid-request ({err})")))
-        except (VllmUnavailable, ValueError) as err:
+        except VllmUnavailable as err:
             self.events.put((row, "", None, err))
+        except Exception as err:  # a bug, or an answer milo cannot read: this request ends, the others go on
+            log.exception("streaming a request from vLLM at %s failed", e.url)
+            failure = RowFailed(f"reading vLLM's answer failed: {type(err).__name__}: {err}")
+            failure.__cause__ = err
+            self.events.put((row, "", None, failure))
+
+    def _frame(self, data: str) -> dict:
+        """One SSE frame's JSON; vLLM's mid-stream error frame (``{"error": {...}}``) raises `VllmUnavailable`."""
+        try:
+            chunk = json.loads(data)
+        except ValueError:
+            raise VllmUnavailable(f"vLLM at {self.engine.url} sent a frame that is not JSON: {data[:200]!r}") from None
+        if not isinstance(chunk, dict):
+            raise VllmUnavailable(f"vLLM at {self.engine.url} sent a frame that is not an object: {data[:200]!r}")
+        if "error" in chunk or chunk.get("object") == "error":
+            error = chunk.get("error", chunk)
+            message = error.get("message", error) if isinstance(error, dict) else error
+            raise VllmUnavailable(f"vLLM at {self.engine.url} failed mid-stream: {message}")
+        return chunk

@@ -6,7 +6,9 @@ are spaced as a BPE model's: each word with a leading space, and a newline after
 which the answer's text, stripped as the engine's is, does not have. Failures to
 order: a query holding the word ``crash`` makes the batch raise at its next step, one holding
 ``choke`` makes its admission raise, and ``batch_limit`` makes ``batch()`` raise once that many
-batches were made. The batch records what the scheduler did to it: the size of every admission,
+batches were made; one holding ``damaged`` finds block 0 unreadable and computes it. An admission
+finds one block in the device tier and reads the rest from disk. The batch records what the scheduler
+did to it: the size of every admission,
 the rows at every step, the cancelled plans.
 """
 import threading
@@ -34,6 +36,10 @@ def expected_answer(text: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, sto
             return " ".join(words), "length"
         words.append(word)
     return " ".join(words), "stop"
+
+
+def damaged(plan: QueryPlan) -> bool:
+    return "damaged" in plan.request.text.split()
 
 
 class FakeEngine:
@@ -85,7 +91,8 @@ class FakeBatch:
         self.running_at_admission.append(len(self.rows))
         blocks = [b for p in plans for b in p.blocks]
         self.fetch_stats = {"blocks": len(blocks), "unique_blocks": len(set(blocks)), "bytes": 100 * len(set(blocks)),
-                            "bytes_without_union": 100 * len(blocks), "device_hits": 1}
+                            "bytes_without_union": 100 * len(blocks), "device_hits": 1,
+                            "unreadable_blocks": int(any(damaged(p) for p in plans))}
         events = []
         for plan in plans:
             answer, reason = expected_answer(plan.request.text, plan.max_new_tokens, plan.request.stop)
@@ -115,7 +122,8 @@ class FakeBatch:
         del self.rows[key]
         answer = Answer(text=" ".join(given), blocks=plan.blocks, groups=plan.groups, prefix_tokens=plan.prefix_tokens,
                         kv_bytes_full=plan.placement.kv_bytes_full, kv_bytes_stored=plan.placement.kv_bytes_stored,
-                        seconds={"model": 0.001}, completion_tokens=len(given), finish_reason=reason)
+                        seconds={"model": 0.001}, completion_tokens=len(given), finish_reason=reason,
+                        recomputed_blocks=[0] if damaged(plan) else [])
         return RowEvent(plan=plan, delta=delta, finished=True, finish_reason=reason, answer=answer)
 
     def cancel(self, plan):

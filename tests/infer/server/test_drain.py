@@ -12,6 +12,8 @@ from tests.infer.server.fake_engine import FakeEngine, expected_answer
 from tests.infer.server.serving import metric, serving
 from tests.infer.server.test_failures import error_of, post, sse, streamed_text
 
+RUNNING = 'milo:num_requests_running{model_name="demo"}'
+
 
 def in_background(base: str, prompt: str, **body) -> tuple[threading.Thread, list]:
     """A non-streamed request on a thread of its own; its response lands in the list."""
@@ -29,7 +31,7 @@ def wait_until(condition, what: str, timeout_s: float = 5.0) -> None:
 
 
 def test_a_drain_lets_requests_in_flight_finish_and_refuses_new_ones():
-    engine = FakeEngine(step_s=0.05)
+    engine = FakeEngine(step_s=0.2)  # 1.6 s a row: time for the second to be planned and join on a loaded machine
     words = "one two three four five six seven eight"
     with serving(engine, drain_s=30, batch_wait_ms=1) as served:
         with httpx.stream("POST", served.base + "/v1/completions", timeout=10,
@@ -37,7 +39,7 @@ def test_a_drain_lets_requests_in_flight_finish_and_refuses_new_ones():
             lines = streaming.iter_lines()
             first = next(lines)
             thread, answered = in_background(served.base, words)
-            wait_until(lambda: metric(served.base, "milo:num_requests_running") == 2, "both rows running")
+            wait_until(lambda: metric(served.base, RUNNING) == 2, "both rows running")
             started = time.monotonic()
             served.server.handle_exit(signal.SIGTERM, None)
             health = httpx.get(served.base + "/health")
@@ -75,7 +77,7 @@ def test_requests_unanswered_when_the_drain_ends_get_an_error_not_a_cut_socket(c
             lines = streaming.iter_lines()
             first = next(lines)
             thread, answered = in_background(served.base, long, max_tokens=30)
-            wait_until(lambda: metric(served.base, "milo:num_requests_running") == 2, "both rows running")
+            wait_until(lambda: metric(served.base, RUNNING) == 2, "both rows running")
             served.server.handle_exit(signal.SIGTERM, None)
             frames = sse([first, *lines])
         thread.join(10)

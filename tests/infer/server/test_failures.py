@@ -94,7 +94,7 @@ def test_a_loop_that_cannot_make_a_batch_answers_all_it_holds_and_ends_the_serve
             behind = threading.Thread(target=lambda: queued.append(post(served.base, "behind it")))
             behind.start()
             deadline = time.monotonic() + 5
-            while metric(served.base, "milo:num_requests_waiting") != 1:
+            while metric(served.base, 'milo:num_requests_waiting{model_name="demo"}') != 1:
                 assert time.monotonic() < deadline, "the second request was not queued"
                 time.sleep(0.01)
             frames = sse([first, *lines])

@@ -49,7 +49,7 @@ def engine(tmp_path_factory, default_model):
 
 @pytest.mark.parametrize("tokenizer", ["as installed", "before tokenizers 0.23.1"])
 def test_planning_from_32_threads_at_once_never_raises(engine, tokenizer, monkeypatch):
-    store = engine.stores["demo"]
+    store = engine.stores["demo"].queries  # the tokenizer a plan encodes with
     if tokenizer != "as installed":
         monkeypatch.setattr(store, "tokenizer", OneEncoderAtATime(store.tokenizer))
     state = create_app(engine).state
@@ -78,4 +78,5 @@ def test_planning_from_32_threads_at_once_never_raises(engine, tokenizer, monkey
         t.join(60)
     assert not errors, errors[:3]
     assert [p.query_ids for p in plans] == [p.query_ids for p in alone]
-    assert all(np.array_equal(p.dst_rows, q.dst_rows) and p.blocks == q.blocks for p, q in zip(plans, alone))
+    assert all(np.array_equal(p.placement.dst_rows, q.placement.dst_rows) and p.blocks == q.blocks
+               for p, q in zip(plans, alone))

@@ -164,7 +164,7 @@ def test_load_every_request_answered_as_sequentially_and_batched(server, built):
     answers = asyncio.run(asyncio.wait_for(load(), 150))
     assert answers == [expected[q] for q in queries]
     assert metric(server.base, 'milo:batch_size_bucket{le="1.0"}') < metric(server.base, "milo:batch_size_count")
-    assert metric(server.base, "milo:num_requests_running") == 0
+    assert metric(server.base, 'milo:num_requests_running{model_name="demo"}') == 0
 
 
 def test_a_client_leaving_mid_stream_frees_its_row(server):
@@ -172,7 +172,7 @@ def test_a_client_leaving_mid_stream_frees_its_row(server):
                       json={"model": "demo", "prompt": QUERIES[1], "stream": True}) as r:
         assert next(r.iter_lines()).startswith("data: ")
     deadline = time.monotonic() + 30
-    while metric(server.base, "milo:num_requests_running") != 0:
+    while metric(server.base, 'milo:num_requests_running{model_name="demo"}') != 0:
         assert time.monotonic() < deadline, "the row stayed in the batch"
         time.sleep(0.1)
     assert httpx.get(server.base + "/health").status_code == 200
@@ -185,7 +185,7 @@ def test_sigterm_under_load_finishes_in_flight_requests_and_exits_0(built, tmp_p
             async with httpx.AsyncClient(base_url=served.base, timeout=120) as http:
                 in_flight = [asyncio.ensure_future(http.post("/v1/completions", json={"model": "demo", "prompt": q}))
                              for q in QUERIES[:12]]
-                while metric(served.base, "milo:num_requests_running") == 0:
+                while metric(served.base, 'milo:num_requests_running{model_name="demo"}') == 0:
                     await asyncio.sleep(0.02)
                 served.process.send_signal(signal.SIGTERM)
                 await asyncio.sleep(0.3)
@@ -212,7 +212,7 @@ def test_a_drain_that_runs_out_ends_what_is_left_with_errors_not_cut_sockets(bui
                 posted = [asyncio.ensure_future(http.post("/v1/completions", json={"model": "demo", "prompt": q}))
                           for q in QUERIES[:4]]
                 streams = [asyncio.ensure_future(streamed(q)) for q in QUERIES[4:6]]
-                while metric(served.base, "milo:num_requests_running") == 0:
+                while metric(served.base, 'milo:num_requests_running{model_name="demo"}') == 0:
                     await asyncio.sleep(0.02)
                 served.process.send_signal(signal.SIGTERM)
                 return await asyncio.gather(*posted), await asyncio.gather(*streams)

@@ -251,12 +251,13 @@ def test_batches_form_and_answers_match_sequential_ones():
         assert answers == [expected_answer(q, 6)[0] for q in queries]
         expected = [expected_answer(q, 6) for q in queries]
         for reason in ("length", "stop"):
-            assert metric(base, f'milo:request_success_total{{finished_reason="{reason}"}}') == sum(
+            assert metric(base, f'milo:request_success_total{{finished_reason="{reason}",model_name="demo"}}') == sum(
                 r == reason for _, r in expected)
-        assert metric(base, "milo:generation_tokens_total") == sum(len(a.split()) for a, _ in expected)
+        generated = metric(base, 'milo:generation_tokens_total{model_name="demo"}')
+        assert generated == sum(len(a.split()) for a, _ in expected)
         assert metric(base, "milo:batch_size_count") > 0
         assert metric(base, 'milo:batch_size_bucket{le="1.0"}') < metric(base, "milo:batch_size_count")  # batches > 1
-        assert metric(base, "milo:num_requests_running") == 0
+        assert metric(base, 'milo:num_requests_running{model_name="demo"}') == 0
     batch = engine.batches[0]
     assert max(batch.step_rows) <= 8 and max(batch.admissions) > 1
 
@@ -303,9 +304,9 @@ def test_a_client_leaving_mid_stream_cancels_its_row():
                           json={"model": "demo", "prompt": "w " * 30, "max_tokens": 30, "stream": True}) as r:
             lines = r.iter_lines()
             assert next(lines).startswith("data: ")
-            assert metric(base, "milo:num_requests_running") == 1
+            assert metric(base, 'milo:num_requests_running{model_name="demo"}') == 1
         deadline = time.monotonic() + 5
-        while metric(base, "milo:num_requests_running") != 0:
+        while metric(base, 'milo:num_requests_running{model_name="demo"}') != 0:
             assert time.monotonic() < deadline, "the row was not cancelled"
             time.sleep(0.02)
         assert len(engine.batches[0].cancelled) == 1 and len(engine.batches[0]) == 0
@@ -330,8 +331,13 @@ def test_metrics_use_vllm_names_under_milo(server, client):
     text = httpx.get(server[0] + "/metrics").text
     for name in ("milo:num_requests_running", "milo:num_requests_waiting", "milo:request_success_total",
                  "milo:prompt_tokens_total", "milo:generation_tokens_total", "milo:e2e_request_latency_seconds_bucket",
-                 "milo:time_to_first_token_seconds_bucket", "milo:batch_size_bucket", "milo:kv_bytes_moved_total",
-                 "milo:kv_bytes_stored_total", "milo:unique_block_share", "milo:block_cache_hits_total"):
+                 "milo:time_to_first_token_seconds_bucket", "milo:request_queue_time_seconds_bucket",
+                 "milo:inter_token_latency_seconds_bucket", "milo:batch_size_bucket", "milo:kv_bytes_moved_total",
+                 "milo:kv_bytes_stored_total", "milo:unique_block_share", "milo:blocks_read_total",
+                 "milo:object_store_bytes_total", "milo:object_store_gets_total", "milo:unreadable_blocks_total",
+                 "milo:recomputed_blocks_total", "milo:request_aborted_total", "process_cpu_seconds_total",
+                 "python_info"):
         assert f"\n{name}" in text, name
+    for store in ("demo", "other"):  # vLLM's label, naming the store
+        assert f'milo:num_requests_running{{model_name="{store}"}}' in text
     assert metric(server[0], "milo:unique_block_share") == 1.0  # the fake plans ask blocks [1, 0]
-    assert metric(server[0], "milo:device_cache_hits_total") == metric(server[0], "milo:kv_bytes_moved_total") / 200

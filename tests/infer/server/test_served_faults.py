@@ -12,7 +12,7 @@ from milo_infer.runtime.planning import EngineSettings, Request
 from milo_store import MiloStore
 
 from tests.infer.runtime.test_faults import stores  # noqa: F401  (the fixture: a clean and a damaged store)
-from tests.infer.server.serving import serving
+from tests.infer.server.serving import metric, serving
 
 QUERIES = ["my card is gone", "refund please", "where is my money", "I lost my card", "my payment was declined",
            "can I change my pin", "how long does a transfer take", "my card is not working"]
@@ -38,7 +38,16 @@ def test_a_damaged_block_stays_with_the_requests_that_need_it(stores, policy):  
         with concurrent.futures.ThreadPoolExecutor(16) as pool:
             replies = list(pool.map(lambda job: ask(served.base, *job), jobs))
         health = httpx.get(f"{served.base}/health", timeout=10)
+        per_bad_request = ('milo:recomputed_blocks_total{model_name="bad"}' if policy == "recompute" else
+                           'milo:request_errors_total{code="block_unreadable"}')  # one damaged block in each
+        counted = {name: metric(served.base, name) for name in (
+            per_bad_request, 'milo:recomputed_blocks_total{model_name="good"}', "milo:unreadable_blocks_total",
+            'milo:blocks_read_total{tier="disk"}', 'milo:blocks_read_total{tier="memory"}')}
     assert health.status_code == 200
+    assert counted[per_bad_request] == len(QUERIES) and counted['milo:recomputed_blocks_total{model_name="good"}'] == 0
+    if policy == "recompute":  # every admission holding a bad row found the damaged block unreadable
+        assert counted["milo:unreadable_blocks_total"] >= 1
+    assert counted['milo:blocks_read_total{tier="disk"}'] > 0 and counted['milo:blocks_read_total{tier="memory"}'] == 0
     for (model, text), reply in zip(jobs, replies):
         if model == "good":
             assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == alone[text]
