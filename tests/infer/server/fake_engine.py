@@ -43,9 +43,11 @@ def damaged(plan: QueryPlan) -> bool:
 
 
 class FakeEngine:
-    def __init__(self, stores=("demo",), *, max_positions=2048, plan_s=0.0, step_s=0.0, batch_limit=None):
+    def __init__(self, stores=("demo",), *, max_positions=2048, plan_s=0.0, step_s=0.0, batch_limit=None,
+                 crash_gate: threading.Event | None = None):
         self.stores = {name: SimpleNamespace(name=name) for name in stores}
         self.max_positions, self.plan_s, self.step_s, self.batch_limit = max_positions, plan_s, step_s, batch_limit
+        self.crash_gate = crash_gate  # when given, a crashing step first waits for it (a test's "now")
         self.batches: list[FakeBatch] = []
 
     def plan(self, store: str, request) -> QueryPlan:
@@ -106,6 +108,8 @@ class FakeBatch:
             time.sleep(self.engine.step_s)
         self.step_rows.append(len(self.rows))
         if any("crash" in row[0].request.text.split() for row in self.rows.values()):
+            if self.engine.crash_gate is not None:
+                self.engine.crash_gate.wait(10)
             raise RuntimeError("the device fell over")
         return [self._advance(key) for key in list(self.rows)]
 

@@ -84,7 +84,8 @@ def test_a_step_that_raises_fails_its_batch_and_the_loop_goes_on_with_a_new_one(
 
 
 def test_a_loop_that_cannot_make_a_batch_answers_all_it_holds_and_ends_the_server_with_1():
-    engine = FakeEngine(step_s=0.3, batch_limit=1)  # a slow step: time to queue a request behind the crash
+    queued_now = threading.Event()
+    engine = FakeEngine(batch_limit=1, crash_gate=queued_now)  # the crash waits until a request queues behind it
     with serving(engine, max_batch=1, batch_wait_ms=1) as served:
         queued = []
         with httpx.stream("POST", served.base + "/v1/completions", timeout=10,
@@ -97,6 +98,7 @@ def test_a_loop_that_cannot_make_a_batch_answers_all_it_holds_and_ends_the_serve
             while metric(served.base, 'milo:num_requests_waiting{model_name="demo"}') != 1:
                 assert time.monotonic() < deadline, "the second request was not queued"
                 time.sleep(0.01)
+            queued_now.set()
             frames = sse([first, *lines])
         behind.join(10)
         served.thread.join(10)
