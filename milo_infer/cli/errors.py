@@ -10,7 +10,8 @@ from ..tasks.corpus import CorpusError
 from ..tasks.datasets import DatasetUnavailable
 from ..build.distributed import RankError
 from ..models import ModelUnavailable, UnsupportedModelError
+from ..runtime.errors import BlockLoadError
 from . import CommandError
 
 INPUT_ERRORS = (CommandError, BuildError, BudgetError, CorpusError, DatasetUnavailable, ModelUnavailable,
-                UnsupportedModelError, StoreError, StagingError, RankError)
+                UnsupportedModelError, StoreError, StagingError, RankError, BlockLoadError)

@@ -51,13 +51,14 @@ class Engine:
     plans, or keep a running ``batch()``. ``settings`` are what requests default to; ``rebuild`` replaces the
     kernels' reconstruction (the benchmark's full-KV copy); ``device_cache_bytes`` keeps that many bytes of
     blocks' factors on the device (`DeviceTier`). ``on_load_error``: a block that cannot be read (checksum,
-    a read that failed after its retries) is computed by the model from the token ids the store keeps for
-    it ("recompute"), or ends the rows that need it with a `BlockLoadError` ("fail"); other rows never
-    notice either way."""
+    a read that failed after its retries) ends the rows that need it with a `BlockLoadError` ("fail", the
+    default: an evaluation or a one-off query reports a damaged store rather than answer around it), or is
+    computed by the model from the token ids the store keeps for it ("recompute", `milo serve`'s default);
+    other rows never notice either way."""
 
     def __init__(self, loaded: LoadedModel, stores: dict[str, MiloStore], settings: EngineSettings = EngineSettings(),
                  *, device=None, prefetch_depth: int = 2, rebuild: Rebuild = rebuild_layer,
-                 device_cache_bytes: int = 0, on_load_error: str = "recompute"):
+                 device_cache_bytes: int = 0, on_load_error: str = "fail"):
         if on_load_error not in LOAD_ERROR_POLICIES:
             raise ValueError(f"on_load_error must be one of {', '.join(LOAD_ERROR_POLICIES)}, got {on_load_error!r}")
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
@@ -196,7 +197,7 @@ class Batch:
             try:
                 if bad and e.on_load_error == "fail":
                     b, err = next(iter(bad.items()))
-                    raise BlockLoadError(f"store {p.store!r}: block {b} cannot be read ({err})")
+                    raise BlockLoadError(f"store {p.store!r}: block {b} cannot be read ({err})") from err
                 pairs.append((p, e.stores[p.store].without_blocks(p, set(bad)) if bad else p))
             except BlockLoadError as err:
                 failed.append(RowEvent(p, "", True, "error", error=err))

@@ -40,7 +40,7 @@ def plans_for(engine: Engine, bad: int):
 
 def test_an_unreadable_block_is_computed_by_the_model_and_the_other_rows_load(stores):
     loaded, clean, damaged, bad = stores
-    engine, reference = Engine(loaded, {"s": damaged}), Engine(loaded, {"s": clean})
+    engine, reference = Engine(loaded, {"s": damaged}, on_load_error="recompute"), Engine(loaded, {"s": clean})
     needs, other = plans_for(engine, bad)
     assert bad in needs.blocks and bad not in other.blocks
     got = engine.logits([needs, other])
@@ -57,7 +57,7 @@ def test_an_unreadable_block_is_computed_by_the_model_and_the_other_rows_load(st
 
 def test_recompute_reaches_the_answer_and_is_logged_once_per_block(stores, caplog):
     loaded, _, damaged, bad = stores
-    engine = Engine(loaded, {"s": damaged})
+    engine = Engine(loaded, {"s": damaged}, on_load_error="recompute")
     with caplog.at_level(logging.ERROR, logger="milo.engine"):
         for _ in range(2):
             needs, other = plans_for(engine, bad)
@@ -72,7 +72,7 @@ def test_recompute_reaches_the_answer_and_is_logged_once_per_block(stores, caplo
 
 def test_under_fail_only_the_rows_needing_the_block_fail(stores):
     loaded, clean, damaged, bad = stores
-    engine = Engine(loaded, {"s": damaged}, on_load_error="fail")
+    engine = Engine(loaded, {"s": damaged})  # the default: fail
     needs, other = plans_for(engine, bad)
     batch = engine.batch()
     events = batch.admit([needs, other])
