@@ -60,10 +60,12 @@ class EngineSettings:
     max_new_tokens: int = MAX_NEW_TOKENS  # a free-form answer's budget
     aggregate: str = "max"  # a group's score from its demonstrations' (AGGREGATES)
     recompute: int = 0  # first tokens of each retrieved block the model computes again
+    prefill_chunk: int = 512  # prompt tokens one step feeds at most (running rows wait no longer than that)
 
     def __post_init__(self):
         problems = [f"{name} must be at least {least}, got {value}" for name, value, least in
-                    (("k", self.k, 1), ("max_new_tokens", self.max_new_tokens, 1), ("recompute", self.recompute, 0))
+                    (("k", self.k, 1), ("max_new_tokens", self.max_new_tokens, 1), ("recompute", self.recompute, 0),
+                                          ("prefill_chunk", self.prefill_chunk, 1))
                     if value < least]
         if self.token_budget is not None and self.token_budget < 1:
             problems.append(f"token_budget must be at least 1, got {self.token_budget}")
