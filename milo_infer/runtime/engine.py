@@ -446,12 +446,12 @@ class Batch:
         return RowEvent(p, delta, True, reason, answer)
 
     def _free_finished(self) -> None:
-        """Finished and cancelled rows give their slots back (nothing else moves)."""
-        for row in self.rows:
-            if row.finished:
-                self.free.append(row.slot)
-        self.rows = [row for row in self.rows if not row.finished]
+        """Finished and cancelled rows give their slots back (nothing else moves), except a row whose admission
+        is still to be rebuilt: that rebuild writes every one of its rows' slots, so the slot waits for it."""
         self.admissions = [a for a in self.admissions if any(not row.finished for row in a.rows)]
+        leaving = [row for row in self.rows if row.finished and row.admission not in self.admissions]
+        self.free += [row.slot for row in leaving]
+        self.rows = [row for row in self.rows if row not in leaving]
 
 
 def cache_keyword(model) -> str:

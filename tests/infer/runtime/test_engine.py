@@ -177,6 +177,22 @@ def test_a_joining_row_takes_a_free_slot_and_no_running_row_moves(setup):
         assert done[id(p)].answer.text == engine.answer([engine.plan("s", p.request)])[0].text
 
 
+def test_a_row_cancelled_before_its_rebuild_keeps_its_slot_until_then(setup):
+    """Its admission's rebuild still writes its slot: a row seated there before would be overwritten."""
+    loaded, store = setup
+    engine = free_form(Engine(loaded, {"s": store}, settings=EngineSettings(max_new_tokens=4), max_rows=2))
+    plans = [engine.plan("s", r) for r in REQUESTS[:3]]
+    batch, done = engine.batch(), {}
+    events = batch.admit(plans[:2])
+    batch.cancel(plans[1])
+    events += batch.admit(plans[2:])
+    assert batch.waiting == plans[2:] and len(batch) == 2
+    run_to_end(batch, events, done)
+    assert id(plans[1]) not in done
+    for p in (plans[0], plans[2]):
+        assert done[id(p)].answer.text == engine.answer([engine.plan("s", p.request)])[0].text
+
+
 def test_streamed_deltas_add_up_to_the_answer(setup):
     loaded, store = setup
     engine = free_form(Engine(loaded, {"s": store}, settings=EngineSettings(max_new_tokens=6)))
