@@ -74,6 +74,7 @@ class SlotLayer(CacheLayerMixin):
         return self.k_buf.shape[2], 0
 
     def get_seq_length(self) -> int:
+        """Rows have lengths of their own: the engine always passes every token's position."""
         return 0
 
     def get_max_length(self) -> int:

@@ -14,7 +14,7 @@ same demonstrations in the same order.
 
 A prefill request (``Request(prefill=True)``, the `prefill` method of `milo eval`) retrieves the same
 groups and plans no prefix at all: its "query" is the token ids the store's anchor and retrieved
-blocks were encoded from, then the query's, so the engine's one prefill forward computes every K/V
+blocks were encoded from, then the query's, so the engine's prefill of it computes every K/V
 itself (no store read, no rebuild). The ids are the stored ones rather than a tokenization of the
 joined text, so the only difference from the `full` store is attention across blocks.
 
@@ -94,7 +94,7 @@ class QueryPlan:
     groups: list[int]  # retrieved groups, in context order
     placement: BlockPlacement  # the store, its blocks to rebuild in context order (none for a prefill request),
     # where each goes and every layer's segment table
-    query_ids: list[int]  # what the prefill forward feeds: recomputed tokens' ids, then the query's (a prefill
+    query_ids: list[int]  # what its prefill feeds: recomputed tokens' ids, then the query's (a prefill
     # request: anchor, blocks and query)
     max_new_tokens: int  # the answer's budget
     retrieve_seconds: float

@@ -193,6 +193,25 @@ def test_a_row_cancelled_before_its_rebuild_keeps_its_slot_until_then(setup):
         assert done[id(p)].answer.text == engine.answer([engine.plan("s", p.request)])[0].text
 
 
+def test_the_slot_attention_is_selected_only_inside_the_engines_forwards(setup):
+    """Other users of the same model object keep their attention implementation, even after a forward fails."""
+    loaded, store = setup
+    engine = Engine(loaded, {"s": store})
+    before = loaded.model.config._attn_implementation
+    seen = []
+    model = engine.model
+    engine.model = lambda **kw: seen.append(loaded.model.config._attn_implementation) or model(**kw)
+    engine.answer([engine.plan("s", REQUESTS[0])])
+    assert set(seen) == {"milo_slots"} and loaded.model.config._attn_implementation == before
+
+    def broken(**kw):
+        raise RuntimeError("a test's failing forward")
+    engine.model = broken
+    with pytest.raises(RuntimeError, match="failing forward"):
+        engine.answer([engine.plan("s", REQUESTS[0])])
+    assert loaded.model.config._attn_implementation == before
+
+
 def test_streamed_deltas_add_up_to_the_answer(setup):
     loaded, store = setup
     engine = free_form(Engine(loaded, {"s": store}, settings=EngineSettings(max_new_tokens=6)))
