@@ -1,107 +1,115 @@
-"""A transformers cache for a batch of rows whose prefixes (anchor + retrieved blocks) are rebuilt from stores.
+"""The slot K/V cache: every row of a running batch owns a slot, and nothing ever moves between slots.
 
-gpt-fast style: each layer owns preallocated K/V buffers [B, H, capacity, d] and one ``update``. The
-first ``update`` of a layer fills every row's prefix by calling ``fill(layer, k, v)`` (reconstruction
-through ``milo_kernels.reconstruct_layer``), so the prefix of layer l+1 is rebuilt only when the model
-gets there, while the prefetcher already moves its factors.
-
-Rows share the buffer's columns: every forward appends its tokens at the same columns for all rows,
-and which columns a row may attend to is the batch's ``valid`` mask [B, capacity] (a row's prefix
-takes columns [0, P_r); a shorter prefix leaves a masked gap). Keys carry their RoPE positions
-already (stored keys are rotated at rebuild, new ones by the model at explicit position ids), and
-attention does not care in which column a key sits, so rows of any prefix length are batched as they
-are, and rows that join a running batch or leave it (`BatchCache.regroup`: the kept rows, then the
-joining ones, copied into new buffers, each column where it was) are never re-rotated. Buffers start
-at zero: a masked column is never read as NaN.
+gpt-fast style, vLLM-scheduler spirit: each layer's K/V buffers [slots, H, capacity, d] are allocated once
+per batch (``torch.empty``: on a CPU, pages never written cost no memory; nothing is zero-filled). In a
+slot, a token's column is its RoPE position, so a row's prefix rebuilt at positions [0, P) lands in columns
+[0, P) (`PrefixRebuild.fill` writes straight into the row's slot), a recomputed prefix token overwrites its
+own rebuilt column with its fresh K/V, and the query and answer follow at their positions. A forward
+feeds a `Pack`: every row's new tokens concatenated into one sequence; ``update`` first runs the fills of
+rows joining in this forward, then scatters each new token's K/V into (its row's slot, its position), and
+`slot_attention` attends each row's tokens to that row's columns only. A row that joins or leaves touches
+its own slot only: no other row's K/V is copied.
 """
+from __future__ import annotations
+
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-Fill = Callable[[int, torch.Tensor, torch.Tensor], None]
+Fill = Callable[..., None]  # fill(layer, k_buf, v_buf, slots): rebuild prefixes into those slots
+ATTENTION = "milo_slots"
 
 
-class BatchLayer(CacheLayerMixin):
+@dataclass
+class Segment:
+    """One row's tokens in a pack: ``start:stop`` of the packed sequence, its slot, the columns [0, keys) it
+    reads, and the bool mask [tokens, keys] it needs (None: every column, i.e. one token at the end)."""
+    slot: int
+    start: int
+    stop: int
+    keys: int
+    mask: torch.Tensor | None
+
+
+@dataclass
+class Pack:
+    """What one forward feeds: each row's segment, every token's (slot, column), and the prefixes to rebuild
+    (fill, their slots) before the first write of each layer."""
+    segments: list[Segment]
+    slots: torch.Tensor  # int64 [T]
+    columns: torch.Tensor  # int64 [T]
+    fills: list[tuple[Fill, list[int]]] = field(default_factory=list)
+
+
+class SlotLayer(CacheLayerMixin):
     is_sliding = False
 
-    def __init__(self, index: int, rows: int, capacity: int, shape: tuple[int, int], dtype, device, fill: Fill | None):
+    def __init__(self, index: int, cache: "SlotCache", slots: int, capacity: int, shape, dtype, device):
         super().__init__()
         H, d = shape
-        self.index, self.fill, self.length = index, fill, 0
-        self.dtype, self.device = dtype, device
-        self.k_buf = torch.zeros(rows, H, capacity, d, dtype=dtype, device=device)
-        self.v_buf = torch.zeros_like(self.k_buf)
-        self.is_initialized = fill is None
-
-    def lazy_initialization(self, key_states, value_states) -> None:
-        self.fill(self.index, self.k_buf, self.v_buf)
+        self.index, self.cache = index, cache
+        self.k_buf = torch.empty(slots, H, capacity, d, dtype=dtype, device=device)
+        self.v_buf = torch.empty_like(self.k_buf)
         self.is_initialized = True
 
+    def lazy_initialization(self, key_states, value_states) -> None:
+        pass
+
     def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        n = key_states.shape[-2]
-        if self.length + n > self.k_buf.shape[2]:
-            raise RuntimeError(f"cache capacity {self.k_buf.shape[2]} exceeded: a row outgrew its answer budget")
-        self.k_buf[:, :, self.length:self.length + n] = key_states
-        self.v_buf[:, :, self.length:self.length + n] = value_states
-        self.length += n
-        self.keys, self.values = self.k_buf[:, :, :self.length], self.v_buf[:, :, :self.length]
-        return self.keys, self.values
+        """Rebuild the joining rows' prefixes of this layer, write the new tokens' K/V at (slot, position), and
+        hand the whole buffers to `slot_attention` (which reads each row's own columns)."""
+        pack = self.cache.pack
+        for fill, slots in pack.fills:
+            fill(self.index, self.k_buf, self.v_buf, slots)
+        self.k_buf[pack.slots, :, pack.columns] = key_states[0].transpose(0, 1)
+        self.v_buf[pack.slots, :, pack.columns] = value_states[0].transpose(0, 1)
+        self.cache.updated += 1
+        return self.k_buf, self.v_buf
 
     def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
-        return self.length + query_length, 0
+        return self.k_buf.shape[2], 0
 
     def get_seq_length(self) -> int:
-        return self.length
+        """Rows have lengths of their own: the engine always passes every token's position."""
+        return 0
 
     def get_max_length(self) -> int:
         return self.k_buf.shape[2]
 
 
-class BatchCache(Cache):
-    """One BatchLayer per model layer; ``length`` columns are in use, ``start`` of them are the prefix region
-    that the first forward's ``fill`` writes (the model appends after it)."""
+class SlotCache(Cache):
+    """One SlotLayer per model layer; ``pack`` is the forward in flight, ``updated`` counts the layers it wrote
+    (a model that ignored the cache writes none)."""
 
-    def __init__(self, num_layers: int, rows: int, start: int, capacity: int, shape, dtype, device, fill: Fill | None):
-        super().__init__(layers=[BatchLayer(l, rows, capacity, shape, dtype, device, fill) for l in range(num_layers)])
-        for layer in self.layers:
-            layer.length = start
-
-    @property
-    def rows(self) -> int:
-        return self.layers[0].k_buf.shape[0]
+    def __init__(self, num_layers: int, slots: int, capacity: int, shape, dtype, device):
+        super().__init__(layers=[SlotLayer(l, self, slots, capacity, shape, dtype, device) for l in range(num_layers)])
+        self.pack: Pack | None = None
+        self.updated = 0
 
     @property
-    def length(self) -> int:
-        return self.layers[0].length
+    def column_bytes(self) -> int:
+        """Bytes one column of one slot takes, K and V of every layer."""
+        k = self.layers[0].k_buf
+        return 2 * len(self.layers) * k.shape[1] * k.shape[3] * k.element_size()
 
-    def bytes(self) -> int:
-        """Bytes of K/V buffers this cache holds."""
-        return sum(2 * l.k_buf.numel() * l.k_buf.element_size() for l in self.layers)
 
-    def regroup(self, keep: torch.Tensor, other: "BatchCache | None", capacity: int) -> None:
-        """Keep rows ``keep`` (indices, in order), then append ``other``'s rows; every layer gets new buffers of
-        ``capacity`` columns holding each kept row's first ``length`` columns (a copy: rows leave or join
-        between steps, never within one)."""
-        length = max(self.length, other.length if other is not None else 0)
-        if capacity < length:
-            raise ValueError(f"capacity {capacity} is below the {length} columns in use")
-        for l, layer in enumerate(self.layers):
-            # the kept rows' columns in use only: gathering whole buffers would copy their unused capacity too
-            n = layer.length
-            parts = [(layer.k_buf[:, :, :n].index_select(0, keep), layer.v_buf[:, :, :n].index_select(0, keep))]
-            if other is not None:
-                o = other.layers[l]
-                parts.append((o.k_buf[:, :, :o.length], o.v_buf[:, :, :o.length]))
-            rows = sum(k.shape[0] for k, _ in parts)
-            H, d = layer.k_buf.shape[1], layer.k_buf.shape[3]
-            k_buf = torch.zeros(rows, H, capacity, d, dtype=layer.dtype, device=layer.device)
-            v_buf = torch.zeros_like(k_buf)
-            at = 0
-            for k, v in parts:
-                k_buf[at:at + k.shape[0], :, :k.shape[2]] = k
-                v_buf[at:at + k.shape[0], :, :k.shape[2]] = v
-                at += k.shape[0]
-            layer.k_buf, layer.v_buf, layer.length = k_buf, v_buf, length
+def slot_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, milo_pack=None, **kwargs):
+    """Each row's tokens attend to its own slot's columns [0, keys): SDPA with native GQA (no repeated KV
+    heads), a bool mask only where a row feeds several tokens. A forward without a milo pack (the model
+    called by someone else while this implementation is selected) is plain SDPA."""
+    if milo_pack is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
+    out = torch.empty_like(query)
+    for s in milo_pack.segments:
+        out[:, :, s.start:s.stop] = torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, s.start:s.stop], key[s.slot:s.slot + 1, :, :s.keys], value[s.slot:s.slot + 1, :, :s.keys],
+            attn_mask=s.mask, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTENTION, slot_attention)

@@ -1,28 +1,29 @@
 """Batched execution: many queries per forward, each row with its own retrieved blocks (FlexGen-style).
 
-A batch takes `QueryPlan`s (``milo_infer.runtime.planning``). For each store it fetches the union of its rows'
-blocks once (a block several rows retrieved crosses the link once per batch), streams those factors a
-layer ahead (`LayerPrefetcher`), and rebuilds each row's [anchor][blocks] at that row's own positions
-into one `BatchCache` (keys are pre-RoPE in the store, so one fetched block serves rows that place it
-at different positions). Rows' queries are left-padded into one prefill forward, with explicit
-position ids and a 4-D mask built from the cache's per-row column mask (a row that recomputes tokens
-of its prefix feeds them first, at their own positions, and its rebuilt columns of them are masked
-out for good; in that first forward a token sees only the prefix columns before its own position);
-then every row decodes one token per forward, each with its own stopping (`LabelDecoder`,
-`GreedyDecoder`), and a finished row leaves the batch. A running `Batch` also admits new rows between steps (continuous batching): they
-are rebuilt and prefilled as a small batch of their own and merged into the running cache.
+A batch takes `QueryPlan`s (``milo_infer.runtime.planning``) and seats each in a slot of its `SlotCache`
+(``milo_infer.runtime.cache``; plans beyond the free slots wait). For each admission it fetches the union of
+its rows' blocks once per store (a block several rows retrieved crosses the link once), and the first
+forward that feeds any of its rows streams those factors a layer ahead (`LayerPrefetcher`) and rebuilds
+each row's [anchor][blocks] straight into that row's slot, at its own positions (keys are pre-RoPE in the
+store, so one fetched block serves rows that place it at different positions). Every step is one forward
+over a packed sequence: each running row's last token and the next chunk of the rows being prefilled (a
+row that recomputes tokens of its prefix feeds them first, at their own positions, then its query), at
+most ``EngineSettings.prefill_chunk`` prompt tokens in all; a row decodes its first token after its last
+chunk, then one per step, each with its own stopping (`LabelDecoder`, `GreedyDecoder`), and a finished or
+cancelled row frees its slot at once. No join or leave copies another row's K/V.
 
 Nothing per query is written on a long-lived object: a batch's stage seconds and fetch statistics
 live on the batch and its rows; each row's ``Answer.seconds`` is its share of the stages it was part
-of (its own retrieval, an equal share of its admission's read/rebuild/prefill and of every decode
-step it took part in), so the seconds of a run's answers add up to the run.
+of (its own retrieval, an equal share of its admission's read/transfer/wait/rebuild and of the model time
+of every forward it took part in), so the seconds of a run's answers add up to the run.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -31,7 +32,7 @@ import transformers
 from milo_store import MiloStore
 
 from ..models import LoadedModel, check_compatible, rope_tables
-from .cache import BatchCache
+from .cache import ATTENTION, Pack, Segment, SlotCache
 from .decoding import GreedyDecoder, LabelDecoder
 from .device_tier import DeviceTier
 from .errors import AdmissionOutOfMemory, BlockLoadError, RowFailed
@@ -54,14 +55,18 @@ class Engine:
     a read that failed after its retries) ends the rows that need it with a `BlockLoadError` ("fail", the
     default: an evaluation or a one-off query reports a damaged store rather than answer around it), or is
     computed by the model from the token ids the store keeps for it ("recompute", `milo serve`'s default);
-    other rows never notice either way."""
+    other rows never notice either way. ``max_rows``: the slots of a batch's cache (rows answered at once;
+    more wait)."""
 
     def __init__(self, loaded: LoadedModel, stores: dict[str, MiloStore], settings: EngineSettings = EngineSettings(),
                  *, device=None, prefetch_depth: int = 2, rebuild: Rebuild = rebuild_layer,
-                 device_cache_bytes: int = 0, on_load_error: str = "fail"):
+                 device_cache_bytes: int = 0, on_load_error: str = "fail", max_rows: int = 16):
         if on_load_error not in LOAD_ERROR_POLICIES:
             raise ValueError(f"on_load_error must be one of {', '.join(LOAD_ERROR_POLICIES)}, got {on_load_error!r}")
-        self.model, self.tokenizer = loaded.model, loaded.tokenizer
+        if max_rows < 1:
+            raise ValueError(f"max_rows must be at least 1, got {max_rows}")
+        self.model, self.tokenizer, self.max_rows = loaded.model, loaded.tokenizer, max_rows
+        self.model_config = loaded.model.config  # the model's own, even when a wrapper replaces ``model``
         self.cache_kwarg = cache_keyword(self.model)
         model_device = next(self.model.parameters()).device
         self.device = torch.device(device) if device is not None else model_device
@@ -98,6 +103,17 @@ class Engine:
     def batch(self) -> "Batch":
         return Batch(self)
 
+    @contextlib.contextmanager
+    def slot_attention(self):
+        """The model attends through the slot cache (`milo_infer.runtime.cache.slot_attention`) for the forwards
+        inside only: other users of the same model object keep their attention implementation."""
+        before = self.model_config._attn_implementation
+        self.model_config._attn_implementation = ATTENTION
+        try:
+            yield
+        finally:
+            self.model_config._attn_implementation = before
+
     @torch.inference_mode()
     def answer(self, plans: list[QueryPlan], stats: dict | None = None) -> list[Answer]:
         """Answer these plans as one batch, to completion; answers in the plans' order (a row that ends with an
@@ -129,19 +145,20 @@ class Engine:
     @torch.inference_mode()
     def logits(self, plans: list[QueryPlan]) -> list[torch.Tensor]:
         """Each plan's query logits [T_query, vocab] (fp32) from one batched prefill, for exactness checks."""
-        return Batch(self).prefill_logits(plans)
+        return Batch(self, keep_all=True).prefill_logits(plans)
 
 
 @dataclass(eq=False)
 class Row:
-    plan: QueryPlan
+    plan: QueryPlan  # as submitted
+    executed: QueryPlan  # as run: unreadable blocks computed instead (`MountedStore.without_blocks`)
     decoder: LabelDecoder | GreedyDecoder
-    next_position: int  # RoPE position of the next token fed
+    slot: int
+    admission: "Admission"
     seconds: dict
-    moved: int = 0  # its share of the bytes its admission moved
+    fed: int = 0  # tokens of executed.query_ids fed so far
+    next_position: int = 0  # RoPE position (and slot column) of the next decoded token fed
     first_token_seconds: float = 0.0
-    prefill_tokens: int = 0  # tokens its admission's forward computed for it
-    recomputed_blocks: list[int] = field(default_factory=list)  # unreadable blocks the model computed instead
     last_token: int = -1
     sent: int = 0  # characters of text already given out as deltas
     cancelled: bool = False
@@ -150,25 +167,48 @@ class Row:
     def finished(self) -> bool:
         return self.decoder.done or self.cancelled
 
+    @property
+    def prefilling(self) -> bool:
+        return self.fed < len(self.executed.query_ids)
+
+
+@dataclass(eq=False)
+class Admission:
+    """Rows seated together: their blocks were read as one union, and their prefixes are rebuilt into their
+    slots by the first forward that feeds any of them."""
+    rebuild: PrefixRebuild
+    rows: list[Row]
+    clock: StageClock
+    started: float
+    filled: bool = False
+
 
 class Batch:
-    """A running batch, used from one thread. ``admit`` adds rows (rebuild + prefill), ``step`` decodes one
-    token for every row; a finished or cancelled row leaves. ``fetch_stats`` describes the last admission,
-    ``peak_kv_bytes`` the most K/V it held at once: the cache's buffers, and while prefixes are rebuilt
-    the factors staged for it (the transfer buffers on CUDA, a layer of gathered factors on CPU)."""
+    """A running batch, used from one thread, over a `SlotCache` of ``engine.max_rows`` slots. ``admit`` seats
+    rows in free slots and reads their blocks (plans beyond the free slots wait, oldest first); ``step`` runs
+    one forward that feeds every running row's next token and the next chunk (at most
+    ``settings.prefill_chunk`` tokens in all) of the rows being prefilled, rebuilding the prefixes of rows
+    fed for the first time; a finished or cancelled row frees its slot at once. ``fetch_stats`` describes the
+    last admission, ``peak_kv_bytes`` the most K/V it held at once: the slot columns its seated rows reserve
+    (each row's context and answer budget; the buffers' untouched columns are not counted) and, in a forward
+    that rebuilds prefixes, the factors staged for it (the transfer buffers on CUDA, a layer of gathered
+    factors on CPU). ``keep_all`` keeps the logits of every fed query token (``query_logits``)."""
 
-    def __init__(self, engine: Engine):
-        self.engine = engine
-        self.rows: list[Row] = []
-        self.cache: BatchCache | None = None
-        self.valid: torch.Tensor | None = None  # bool [rows, capacity]: columns each row attends to
+    def __init__(self, engine: Engine, keep_all: bool = False):
+        self.engine, self.keep_all = engine, keep_all
+        self.rows: list[Row] = []  # rows holding a slot
+        self.waiting: list[QueryPlan] = []  # plans admitted while every slot was taken
+        self.free = list(range(engine.max_rows))
+        self.cache: SlotCache | None = None
+        self.admissions: list[Admission] = []  # not yet rebuilt
         self.fetch_stats: dict = {}
         self.unreadable_blocks = 0  # blocks the last admission could not read
         self.peak_kv_bytes = 0
+        self.query_logits: dict[int, torch.Tensor] = {}  # id(plan) -> [T_query, vocab] fp32, with keep_all
 
     def __len__(self) -> int:
-        """Rows still decoding (finished rows may still hold their place until the batch is compacted)."""
-        return sum(not row.finished for row in self.rows)
+        """Rows not finished, including those still waiting for a slot or for their prefill."""
+        return len(self.waiting) + sum(not row.finished for row in self.rows)
 
     # -- admission -----------------------------------------------------------------------------
     def _fetch(self, plans: list[QueryPlan], clock: StageClock) -> PrefixRebuild:
@@ -183,6 +223,7 @@ class Batch:
         unreadable ones; a row needing one recomputes it (`MountedStore.without_blocks`) or fails with
         `BlockLoadError`, as the engine's ``on_load_error`` says; the other rows load as planned."""
         e = self.engine
+        self.unreadable_blocks = 0
         try:
             return [(p, p) for p in plans], self._fetch(plans, clock), []
         except UNREADABLE:
@@ -204,162 +245,184 @@ class Batch:
         self.unreadable_blocks = sum(len(bad) for bad in unreadable.values())
         return pairs, (self._fetch([x for _, x in pairs], clock) if pairs else None), failed
 
-    def _rebuilt(self, plans: list[QueryPlan], rebuild: PrefixRebuild) -> tuple[BatchCache, torch.Tensor, int, int]:
-        """A cache for these plans whose first forward rebuilds every row's prefix (``rebuild``), its column
-        mask, and the column where the queries start and end."""
-        e = self.engine
-        self.fetch_stats = {**rebuild.fetch_stats, "unreadable_blocks": self.unreadable_blocks,
-                            "bytes_without_union": sum(p.placement.kv_bytes_stored for p in plans)}
-        prefix_end = max(p.prefix_tokens for p in plans)
-        query_len = max(len(p.query_ids) for p in plans)
-        start, end = prefix_end, prefix_end + query_len
-        capacity = end + max(p.max_new_tokens for p in plans)
-        layout = e.prefixes[plans[0].store].layout
-        cache = BatchCache(layout.num_layers, len(plans), start, capacity, (layout.num_kv_heads, layout.head_dim),
-                           e.dtype, e.device, rebuild.fill)
-        valid = torch.zeros(len(plans), capacity, dtype=torch.bool)
-        for r, p in enumerate(plans):
-            valid[r, :p.prefix_tokens] = True
-            valid[r, torch.from_numpy(p.recompute)] = False  # stale: their fresh K/V come in the query's columns
-            valid[r, end - len(p.query_ids):end] = True
-        return cache, valid.to(e.device), start, end
-
-    def _forward(self, cache: BatchCache, ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
-                 keep_all: bool = False) -> torch.Tensor:
-        """One model call over ``ids`` [B, q] at ``positions`` with ``cache``; a query token attends to the
-        valid columns before the new ones and causally among the new ones. In the first forward the columns
-        before the new ones are the rebuilt prefixes, whose column is their position: a token attends only to
-        those before its own position (a no-op for the query; a recomputed prefix token sees what precedes
-        it in the context, never what follows). Returns logits [B, q or 1, V]."""
-        e = self.engine
-        first = not cache.layers[0].is_initialized
-        n, q = cache.length, ids.shape[1]
-        new = torch.arange(q, device=e.device)
-        allowed = valid[:, None, :n + q].expand(-1, q, -1).clone()
-        allowed[:, :, n:] &= new[None, None, :] <= new[None, :, None]
-        if first:
-            allowed[:, :, :n] &= torch.arange(n, device=e.device)[None, None, :] < positions[:, :, None]
-        mask = torch.zeros(allowed.shape, dtype=e.dtype, device=e.device)
-        mask.masked_fill_(~allowed, torch.finfo(e.dtype).min)
-        out = e.model(input_ids=ids, position_ids=positions, attention_mask=mask[:, None], use_cache=True,
-                      logits_to_keep=0 if keep_all else 1, **{e.cache_kwarg: cache})
-        if first and not all(layer.is_initialized for layer in cache.layers):
-            raise RuntimeError(f"the model did not use the milo cache (transformers {transformers.__version__} "
-                               f"ignored {e.cache_kwarg}=): the answer would have no retrieved context")
-        held = cache.bytes() + (self.cache.bytes() if self.cache is not None and self.cache is not cache else 0)
-        self.peak_kv_bytes = max(self.peak_kv_bytes, held + (self.fetch_stats["buffer_bytes"] if first else 0))
-        return out.logits
-
-    def _prefill(self, plans: list[QueryPlan], keep_all: bool, clock: StageClock,
-                 rebuild: PrefixRebuild | None = None):
-        cache, valid, start, end = self._rebuilt(plans, rebuild or self._fetch(plans, clock))
-        e = self.engine
-        ids = torch.full((len(plans), end - start), e.pad_id, dtype=torch.long)
-        positions = torch.zeros_like(ids)
-        for r, p in enumerate(plans):
-            q = len(p.query_ids)
-            ids[r, end - start - q:] = torch.tensor(p.query_ids)
-            positions[r] = p.prefix_tokens  # padding: masked for every row, position immaterial
-            positions[r, end - start - q:] = torch.from_numpy(p.positions)
-        with clock.device_stage("forwards"):
-            logits = self._forward(cache, ids.to(e.device), positions.to(e.device), valid, keep_all)
-        return cache, valid, logits
-
-    def prefill_logits(self, plans: list[QueryPlan]) -> list[torch.Tensor]:
-        """Each plan's logits over what its forward fed (recomputed tokens, then the query), through the same
-        reads as an admission; a row that cannot run raises its error."""
-        clock = StageClock(self.engine.device)
-        pairs, rebuild, failed = self._readable(plans, clock)
-        if failed:
-            raise failed[0].error
-        executed = [x for _, x in pairs]
-        _, _, logits = self._prefill(executed, True, clock, rebuild)
-        return [logits[r, logits.shape[1] - len(x.query_ids):].float() for r, x in enumerate(executed)]
-
     @torch.inference_mode()
     def admit(self, plans: list[QueryPlan]) -> list[RowEvent]:
-        """Add rows: rebuild their prefixes and prefill their queries in one forward; each new row's first event,
-        or the error that ended it (a block that could not be read, no device memory even alone). An
-        admission the device has no memory for is tried again in halves; the batch is unchanged by one that
-        fails."""
-        if not plans:
+        """Seat rows in free slots and read their blocks (their prefixes are rebuilt and their queries prefilled
+        by the next steps); plans beyond the free slots wait for one. Returns the error events of rows that
+        cannot run (a block that could not be read)."""
+        self.waiting += plans
+        return self._seat()
+
+    def _seat(self) -> list[RowEvent]:
+        """Give free slots to waiting plans, oldest first, and read their blocks as one union."""
+        n = min(len(self.free), len(self.waiting))
+        if not n:
             return []
         e = self.engine
-        clock = StageClock(e.device)
-        t = time.perf_counter()
+        plans, self.waiting = self.waiting[:n], self.waiting[n:]
+        clock, started = StageClock(e.device), time.perf_counter()
         pairs, rebuild, events = self._readable(plans, clock)
         if not pairs:
             return events
-        executed = [x for _, x in pairs]
-        try:
-            cache, valid, logits = self._prefill(executed, False, clock, rebuild)
-        except torch.OutOfMemoryError:
-            del rebuild
-            submitted = [p for p, _ in pairs]
-            if len(submitted) == 1:
-                error = AdmissionOutOfMemory(f"the device ({e.device}) has no memory for this request's "
-                                             f"{submitted[0].prompt_tokens}-token context now")
-                return events + [RowEvent(submitted[0], "", True, "error", error=error)]
-            half = len(submitted) // 2
-            return events + self.admit(submitted[:half]) + self.admit(submitted[half:])
-        last = logits[:, -1].float().cpu()
-        admission = time.perf_counter() - t
-        seconds = clock.read()
-        seconds["model"] = max(0.0, seconds.pop("forwards") - seconds.get("wait", 0.0) - seconds.get("rebuild", 0.0))
-        share = {stage: s / len(pairs) for stage, s in seconds.items()}
-        rows = []
+        self.fetch_stats = {**rebuild.fetch_stats, "unreadable_blocks": self.unreadable_blocks,
+                            "bytes_without_union": sum(x.placement.kv_bytes_stored for _, x in pairs)}
+        if self.cache is None:
+            layout = e.prefixes[plans[0].store].layout
+            self.cache = SlotCache(layout.num_layers, e.max_rows, e.max_positions,
+                                   (layout.num_kv_heads, layout.head_dim), e.dtype, e.device)
+        admission = Admission(rebuild, [], clock, started)
         for p, x in pairs:
             trie = e.stores[p.store].queries.trie
             decoder = (LabelDecoder(trie, e.tokenizer, p.max_new_tokens) if trie is not None else
                        GreedyDecoder(e.tokenizer, STOP_STRINGS + tuple(p.request.stop), p.max_new_tokens))
-            rows.append(Row(p, decoder, p.prompt_tokens, {"retrieve": p.retrieve_seconds, **share},
-                            moved=self.fetch_stats["bytes"] // len(pairs),
-                            first_token_seconds=p.retrieve_seconds + admission, prefill_tokens=len(x.query_ids),
-                            recomputed_blocks=[b for b in p.blocks if b not in x.blocks]))
-        if self.cache is None:
-            self.cache, self.valid = cache, valid
-        else:  # the running rows' cache is copied anyway: finished rows leave now
-            alive = [r for r, row in enumerate(self.rows) if not row.finished]
-            self._regroup(torch.tensor(alive, dtype=torch.long), cache, valid, rows)
-            self.rows = [self.rows[r] for r in alive]
-        self.rows += rows
-        events += [self._advance(row, last[r]) for r, row in enumerate(rows)]
-        self._drop_finished()
+            admission.rows.append(Row(p, x, decoder, self.free.pop(0), admission, {"retrieve": p.retrieve_seconds},
+                                      next_position=x.prompt_tokens))
+        self.rows += admission.rows
+        self.admissions.append(admission)
         return events
 
-    # -- decoding ------------------------------------------------------------------------------
+    # -- the step ------------------------------------------------------------------------------
     def cancel(self, plan: QueryPlan) -> None:
-        """The row of ``plan`` leaves before the next forward (a client that went away)."""
+        """The row of ``plan`` leaves now, freeing its slot (a client that went away)."""
+        self.waiting = [p for p in self.waiting if p is not plan]
         for row in self.rows:
             if row.plan is plan:
                 row.cancelled = True
-        self._drop_finished()
+        self._free_finished()
+
+    def _pack(self, held: set) -> tuple[Pack, list[tuple[Row, int, int]]]:
+        """This forward's tokens: each running row's last token, then rows being prefilled, oldest first, while
+        the prefill chunk lasts. Returns the pack and (row, tokens fed, where they start in it)."""
+        e = self.engine
+        budget, at = e.settings.prefill_chunk, 0
+        segments, slots, columns, fed = [], [], [], []
+        for row in self.rows:
+            if row.finished or row in held:
+                continue
+            if row.prefilling:
+                n = min(budget, len(row.executed.query_ids) - row.fed)
+                if not n:
+                    continue
+                budget -= n
+                positions = torch.from_numpy(row.executed.positions[row.fed:row.fed + n])
+            else:
+                n, positions = 1, torch.tensor([row.next_position])
+            keys = int(positions[-1]) + 1
+            # a token sees the columns up to its own position: the prefix before it (recomputed columns already
+            # hold their fresh K/V when it comes) and the row's tokens fed before it
+            mask = None if n == 1 else (torch.arange(keys)[None, :] <= positions[:, None]).to(e.device)
+            segments.append(Segment(row.slot, at, at + n, keys, mask))
+            slots += [row.slot] * n
+            columns.append(positions)
+            fed.append((row, n, at))
+            at += n
+        pack = Pack(segments, torch.tensor(slots, dtype=torch.long, device=e.device),
+                    torch.cat(columns).to(e.device) if columns else torch.zeros(0, dtype=torch.long))
+        return pack, fed
+
+    def _forward(self, pack: Pack, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
+                 joining: list[Row]) -> torch.Tensor:
+        """One model call over the packed ``ids`` [1, T] at ``positions`` through the slot cache, rebuilding the
+        prefixes of ``joining`` rows' admissions first; logits [K, V] at the ``keep`` indices."""
+        e = self.engine
+        todo = list(dict.fromkeys(row.admission for row in joining if not row.admission.filled))
+        pack.fills = [(a.rebuild.fill, [row.slot for row in a.rows]) for a in todo]
+        held = sum(r.executed.prompt_tokens + r.executed.max_new_tokens for r in self.rows)
+        staged = sum(a.rebuild.fetch_stats["buffer_bytes"] for a in todo)
+        self.peak_kv_bytes = max(self.peak_kv_bytes, held * self.cache.column_bytes + staged)
+        self.cache.pack, self.cache.updated = pack, 0
+        try:
+            with e.slot_attention():
+                out = e.model(input_ids=ids, position_ids=positions, use_cache=True, logits_to_keep=keep,
+                              milo_pack=pack, **{e.cache_kwarg: self.cache})
+        finally:
+            self.cache.pack = None
+        if self.cache.updated != len(self.cache.layers):
+            raise RuntimeError(f"the model did not use the milo cache (transformers {transformers.__version__} "
+                               f"ignored {e.cache_kwarg}=): the answer would have no retrieved context")
+        for a in todo:
+            a.filled = True
+        return out.logits[0]
 
     @torch.inference_mode()
     def step(self) -> list[RowEvent]:
-        """One decode forward for every row still decoding: one event each. A finished row that still holds
-        its place is fed padding and gets no event."""
-        if not len(self):
-            return []
+        """One forward: every running row's next token and the next prefill chunk; an event for each row that
+        chose a token (or ended). Rows joining in it whose rebuild the device has no memory for are put off
+        to a later step in halves; one that fails alone ends with `AdmissionOutOfMemory`."""
+        events = self._seat()
         e = self.engine
-        t = time.perf_counter()
-        n = self.cache.length
-        if n + 1 > self.valid.shape[1]:  # a merged row can outlive the capacity its batch was made with
-            self._regroup(torch.arange(len(self.rows)), None, None, [])
-        self.valid[:, n] = True
-        ids = torch.tensor([[e.pad_id if row.finished else row.last_token] for row in self.rows], device=e.device)
-        positions = torch.tensor([[row.next_position] for row in self.rows], device=e.device)
-        logits = self._forward(self.cache, ids, positions, self.valid)[:, -1].float().cpu()
-        share = (time.perf_counter() - t) / len(self)
-        events = []
-        for r, row in enumerate(self.rows):
-            if row.finished:
-                continue
-            row.seconds["model"] = row.seconds.get("model", 0.0) + share
-            row.next_position += 1
-            events.append(self._advance(row, logits[r]))
-        self._drop_finished()
+        held: set = set()
+        while True:
+            pack, fed = self._pack(held)
+            if not fed:
+                self._free_finished()
+                return events
+            ids = torch.tensor([t for row, n, _ in fed for t in self._feed(row, n)], device=e.device)[None]
+            positions = pack.columns[None]
+            keep, kept = [], []
+            for row, n, at in fed:
+                ends = not row.prefilling or row.fed + n == len(row.executed.query_ids)
+                rows_keep = (list(range(at, at + n)) if self.keep_all and row.prefilling else [at + n - 1] if ends else [])
+                kept.append((len(keep), len(rows_keep), ends))
+                keep += rows_keep
+            joining = [row for row, _, _ in fed if row.fed == 0]
+            t = time.perf_counter()
+            try:
+                logits = self._forward(pack, ids, positions, torch.tensor(keep, dtype=torch.long, device=e.device),
+                                       joining).float().cpu()
+                break
+            except torch.OutOfMemoryError:
+                if not joining:
+                    raise
+                if len(joining) == 1:
+                    row = joining[0]
+                    row.cancelled = True
+                    error = AdmissionOutOfMemory(f"the device ({e.device}) has no memory for this request's "
+                                                 f"{row.plan.prompt_tokens}-token context now")
+                    events.append(RowEvent(row.plan, "", True, "error", error=error))
+                else:
+                    held |= set(joining[len(joining) // 2:])
+        now = time.perf_counter()
+        rebuilt = [a for a in dict.fromkeys(row.admission for row, _, _ in fed) if a.filled and a in self.admissions]
+        prefix_seconds = 0.0
+        for a in rebuilt:  # the admission's read, transfer, wait and rebuild, shared by its rows
+            self.admissions.remove(a)
+            seconds = a.clock.read()
+            prefix_seconds += seconds.get("wait", 0.0) + seconds.get("rebuild", 0.0)
+            for row in a.rows:
+                for stage, s in seconds.items():
+                    row.seconds[stage] = row.seconds.get(stage, 0.0) + s / len(a.rows)
+        model_share = max(0.0, now - t - prefix_seconds) / len(fed)
+        for (row, n, _), (first, count, ends) in zip(fed, kept):
+            row.seconds["model"] = row.seconds.get("model", 0.0) + model_share
+            if not row.prefilling:
+                row.next_position += 1
+            else:
+                if self.keep_all:
+                    self.query_logits.setdefault(id(row.plan), []).append(logits[first:first + count])
+                row.fed += n
+                if ends:
+                    row.first_token_seconds = row.plan.retrieve_seconds + now - row.admission.started
+            if ends:
+                events.append(self._advance(row, logits[first + count - 1]))
+        self._free_finished()
         return events
+
+    @staticmethod
+    def _feed(row: Row, n: int) -> list[int]:
+        return row.executed.query_ids[row.fed:row.fed + n] if row.prefilling else [row.last_token]
+
+    def prefill_logits(self, plans: list[QueryPlan]) -> list[torch.Tensor]:
+        """Each plan's logits over what its forward fed (recomputed tokens, then the query), through the same
+        reads and steps as an admission; a row that cannot run raises its error."""
+        failed = self.admit(plans)
+        if failed:
+            raise failed[0].error
+        while self.waiting or any(row.prefilling for row in self.rows):
+            for event in self.step():
+                if event.error is not None:
+                    raise event.error
+        return [torch.cat(self.query_logits[id(p)]) for p in plans]
 
     def _advance(self, row: Row, logits: torch.Tensor) -> RowEvent:
         """The row's next token and its event; a row whose own work raises ends alone, with `RowFailed`."""
@@ -374,46 +437,23 @@ class Batch:
         delta, row.sent = text[row.sent:], len(text)
         if not row.decoder.done:
             return RowEvent(row.plan, delta, False)
-        p, reason = row.plan, "length" if row.decoder.stop == "length" else "stop"
+        p, x, reason = row.plan, row.executed, "length" if row.decoder.stop == "length" else "stop"
         answer = Answer(text=row.decoder.result().text.strip(), blocks=p.blocks, groups=p.groups,
                         prefix_tokens=p.prefix_tokens, kv_bytes_full=p.placement.kv_bytes_full,
-                        kv_bytes_stored=p.placement.kv_bytes_stored, seconds=dict(row.seconds), kv_bytes_moved=row.moved,
+                        kv_bytes_stored=p.placement.kv_bytes_stored, seconds=dict(row.seconds),
+                        kv_bytes_moved=row.admission.rebuild.fetch_stats["bytes"] // len(row.admission.rows),
                         completion_tokens=len(row.decoder.ids), finish_reason=reason,
-                        first_token_seconds=row.first_token_seconds, prefill_tokens=row.prefill_tokens,
-                        recomputed_blocks=row.recomputed_blocks)
+                        first_token_seconds=row.first_token_seconds, prefill_tokens=len(x.query_ids),
+                        recomputed_blocks=[b for b in p.blocks if b not in x.blocks])
         return RowEvent(p, delta, True, reason, answer)
 
-    def _drop_finished(self) -> None:
-        """Compact the batch once at least half its rows have finished (or all have): until then a finished
-        row costs one padded token per step, while compacting copies every remaining row's cache, so rows
-        that finish a step apart (labels) are dropped together and the copies stay few."""
-        keep = [r for r, row in enumerate(self.rows) if not row.finished]
-        if 2 * (len(self.rows) - len(keep)) < len(self.rows):
-            return
-        if keep:
-            self._regroup(torch.tensor(keep, dtype=torch.long), None, None, [])
-        else:
-            self.cache = self.valid = None
-        self.rows = [self.rows[r] for r in keep]
-
-    def _regroup(self, keep: torch.Tensor, other: BatchCache | None, other_valid: torch.Tensor | None,
-                 joining: list[Row]) -> None:
-        """Rebuild the cache's buffers for rows ``keep`` then ``other``'s rows, sized for every remaining
-        row's budget (a copy, once per change of the batch's rows)."""
-        kept = [self.rows[i] for i in keep.tolist()]
-        length = max(self.cache.length, other.length if other is not None else 0)
-        # columns are shared: only rows still decoding decide how many more steps the batch takes
-        room = max((row.plan.max_new_tokens - len(row.decoder.ids) for row in kept + joining if not row.finished),
-                   default=0)
-        capacity = length + room + 1
-        keep_dev = keep.to(self.engine.device)
-        self.cache.regroup(keep_dev, other, capacity)
-        valid = torch.zeros(len(kept) + len(joining), capacity, dtype=torch.bool, device=self.engine.device)
-        old = self.valid.index_select(0, keep_dev)
-        valid[:len(kept), :min(old.shape[1], capacity)] = old[:, :capacity]
-        if other_valid is not None:
-            valid[len(kept):, :min(other_valid.shape[1], capacity)] = other_valid[:, :capacity]
-        self.valid = valid
+    def _free_finished(self) -> None:
+        """Finished and cancelled rows give their slots back (nothing else moves), except a row whose admission
+        is still to be rebuilt: that rebuild writes every one of its rows' slots, so the slot waits for it."""
+        self.admissions = [a for a in self.admissions if any(not row.finished for row in a.rows)]
+        leaving = [row for row in self.rows if row.finished and row.admission not in self.admissions]
+        self.free += [row.slot for row in leaving]
+        self.rows = [row for row in self.rows if row not in leaving]
 
 
 def cache_keyword(model) -> str:

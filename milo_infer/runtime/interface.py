@@ -27,7 +27,7 @@ class Answer:
     completion_tokens: int = 0
     finish_reason: str = "stop"  # "stop" (label closed, stop string, eos) or "length"
     first_token_seconds: float = 0.0  # retrieval + its admission's wall time (every row of it waits for the whole)
-    prefill_tokens: int = 0  # tokens the model computed in its admission's forward
+    prefill_tokens: int = 0  # prompt tokens the model computed for it (its prefill chunks)
     recomputed_blocks: list[int] = field(default_factory=list)  # blocks that could not be read, computed by the model
 
 

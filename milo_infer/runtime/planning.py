@@ -14,7 +14,7 @@ same demonstrations in the same order.
 
 A prefill request (``Request(prefill=True)``, the `prefill` method of `milo eval`) retrieves the same
 groups and plans no prefix at all: its "query" is the token ids the store's anchor and retrieved
-blocks were encoded from, then the query's, so the engine's one prefill forward computes every K/V
+blocks were encoded from, then the query's, so the engine's prefill of it computes every K/V
 itself (no store read, no rebuild). The ids are the stored ones rather than a tokenization of the
 joined text, so the only difference from the `full` store is attention across blocks.
 
@@ -59,10 +59,12 @@ class EngineSettings:
     max_new_tokens: int = MAX_NEW_TOKENS  # a free-form answer's budget
     aggregate: str = "max"  # a group's score from its demonstrations' (AGGREGATES)
     recompute: int = 0  # first tokens of each retrieved block the model computes again
+    prefill_chunk: int = 512  # prompt tokens one step feeds at most (running rows wait no longer than that)
 
     def __post_init__(self):
         problems = [f"{name} must be at least {least}, got {value}" for name, value, least in
-                    (("k", self.k, 1), ("max_new_tokens", self.max_new_tokens, 1), ("recompute", self.recompute, 0))
+                    (("k", self.k, 1), ("max_new_tokens", self.max_new_tokens, 1), ("recompute", self.recompute, 0),
+                                          ("prefill_chunk", self.prefill_chunk, 1))
                     if value < least]
         if self.token_budget is not None and self.token_budget < 1:
             problems.append(f"token_budget must be at least 1, got {self.token_budget}")
@@ -91,7 +93,7 @@ class QueryPlan:
     groups: list[int]  # retrieved groups, in context order
     placement: BlockPlacement  # the store, its blocks to rebuild in context order (none for a prefill request),
     # where each goes and every layer's segment table
-    query_ids: list[int]  # what the prefill forward feeds: recomputed tokens' ids, then the query's (a prefill
+    query_ids: list[int]  # what its prefill feeds: recomputed tokens' ids, then the query's (a prefill
     # request: anchor, blocks and query)
     max_new_tokens: int  # the answer's budget
     retrieve_seconds: float

@@ -108,7 +108,8 @@ class StorePrefix:
 class PrefixRebuild:
     """Every row's [anchor][blocks] (one `BlockPlacement` per row), one layer at a time: ``fill(layer, k, v)``
     writes row r's prefix into
-    ``k[r, :, :P_r]`` and ``v[r, :, :P_r]`` ([rows, H, T, d] buffers). The blocks are read when it is made
+    ``k[r, :, :P_r]`` and ``v[r, :, :P_r]`` ([rows, H, T, d] buffers), or into ``k[slots[r]]`` where ``slots``
+    says which buffer row each placement owns (the engine's slot cache). The blocks are read when it is made
     (a block that fails its checksum raises `StoreCorruptedError` here, before anything is written).
     ``fetch_stats`` says what the fetch read and moved; ``clock`` (optional) times its stages."""
 
@@ -160,11 +161,12 @@ class PrefixRebuild:
                             else [None] * prefix.layout.num_layers)
             self.tables.append((segments, kernel_plans))
 
-    def fill(self, layer: int, k_buf: torch.Tensor, v_buf: torch.Tensor) -> None:
+    def fill(self, layer: int, k_buf: torch.Tensor, v_buf: torch.Tensor, slots: list[int] | None = None) -> None:
         with self.clock.device_stage("wait"):
             factors = {name: pf.layer(layer)[0] for name, pf in self.fetched.items()}
         with self.clock.device_stage("rebuild"):
             for r, (row, (segments, kernel_plans)) in enumerate(zip(self.rows, self.tables)):
+                r = slots[r] if slots is not None else r
                 m = self.prefixes[row.store]
                 k_buf[r, :, :m.anchor_len] = m.anchor_k[layer]
                 v_buf[r, :, :m.anchor_len] = m.anchor_v[layer]

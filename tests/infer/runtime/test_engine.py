@@ -50,15 +50,14 @@ def setup(request, tmp_path_factory):
 
 
 def expected_peak_kv_bytes(engine: Engine, plans) -> int:
-    """The most K/V bytes a batch of ``plans``, admitted together, holds as the engine allocates them: its cache
-    (K and V of every layer, row, KV head and column; the columns hold the longest prefix, the longest query
-    and the largest answer budget) plus, during the first forward, each store's union of blocks staged for
-    the rebuild (its largest layer of factors: once on a CPU, prefetch depth + 1 times on CUDA)."""
+    """The most K/V bytes a batch of ``plans``, admitted together, holds: the slot columns its rows reserve (K and
+    V of every layer and KV head for each row's prompt and answer budget) plus, in the forward that rebuilds
+    their prefixes, each store's union of blocks staged for the rebuild (its largest layer of factors: once
+    on a CPU, prefetch depth + 1 times on CUDA)."""
     layout = engine.stores[plans[0].store].prefix.layout
-    columns = (max(p.prefix_tokens for p in plans) + max(len(p.query_ids) for p in plans)
-               + max(p.max_new_tokens for p in plans))
+    columns = sum(p.prompt_tokens + p.max_new_tokens for p in plans)
     itemsize = torch.empty(0, dtype=engine.dtype).element_size()
-    cache = 2 * layout.num_layers * len(plans) * layout.num_kv_heads * columns * layout.head_dim * itemsize
+    cache = 2 * layout.num_layers * layout.num_kv_heads * columns * layout.head_dim * itemsize
     layers_staged = engine.prefetch_depth + 1 if engine.device.type == "cuda" else 1
     staged = 0
     for name in {p.store for p in plans}:
@@ -138,6 +137,81 @@ def test_rows_joining_and_leaving_a_running_batch_answer_as_alone(setup):
     assert done[id(plans[1])].finish_reason == "length" and done[id(plans[1])].answer.completion_tokens == 2
 
 
+def test_chunked_prefill_mixed_with_running_rows_answers_as_alone(setup):
+    """A prefill chunk of 3 tokens: every query is fed over several steps, in the same forwards as the running
+    rows' decode tokens, and rows join one step apart."""
+    loaded, store = setup
+    chunked = free_form(Engine(loaded, {"s": store}, settings=EngineSettings(max_new_tokens=6, prefill_chunk=3)))
+    whole = free_form(Engine(loaded, {"s": store}, settings=EngineSettings(max_new_tokens=6)))
+    plans = [chunked.plan("s", r) for r in REQUESTS]
+    assert all(len(p.query_ids) > 3 for p in plans)
+    for p, got in zip(plans, chunked.logits(plans)):
+        assert (got - whole.logits([whole.plan("s", p.request)])[0]).abs().max() <= ATOL
+    batch, done = chunked.batch(), {}
+    events = batch.admit(plans[:1])
+    for p in plans[1:]:
+        events += batch.step() + batch.admit([p])
+    run_to_end(batch, events, done)
+    for p in plans:
+        assert done[id(p)].answer.text == whole.answer([whole.plan("s", p.request)])[0].text
+
+
+def test_a_joining_row_takes_a_free_slot_and_no_running_row_moves(setup):
+    """Two slots: a third row waits for one; joins and leaves never touch the running row's slot or buffers."""
+    loaded, store = setup
+    engine = free_form(Engine(loaded, {"s": store}, settings=EngineSettings(max_new_tokens=8), max_rows=2))
+    plans = [engine.plan("s", r) for r in REQUESTS[:3]]
+    batch, done = engine.batch(), {}
+    events = batch.admit(plans[:1]) + batch.step()
+    running = batch.rows[0]
+    columns = running.next_position
+    kept = [(layer.k_buf.data_ptr(), layer.k_buf[running.slot, :, :columns].clone()) for layer in batch.cache.layers]
+    events += batch.admit(plans[1:])
+    assert len(batch) == 3 and len(batch.rows) == 2 and batch.waiting == plans[2:]
+    assert batch.rows[1].slot != running.slot
+    events += batch.step()
+    for layer, (pointer, k) in zip(batch.cache.layers, kept):
+        assert layer.k_buf.data_ptr() == pointer and torch.equal(layer.k_buf[running.slot, :, :columns], k)
+    run_to_end(batch, events, done)
+    for p in plans:
+        assert done[id(p)].answer.text == engine.answer([engine.plan("s", p.request)])[0].text
+
+
+def test_a_row_cancelled_before_its_rebuild_keeps_its_slot_until_then(setup):
+    """Its admission's rebuild still writes its slot: a row seated there before would be overwritten."""
+    loaded, store = setup
+    engine = free_form(Engine(loaded, {"s": store}, settings=EngineSettings(max_new_tokens=4), max_rows=2))
+    plans = [engine.plan("s", r) for r in REQUESTS[:3]]
+    batch, done = engine.batch(), {}
+    events = batch.admit(plans[:2])
+    batch.cancel(plans[1])
+    events += batch.admit(plans[2:])
+    assert batch.waiting == plans[2:] and len(batch) == 2
+    run_to_end(batch, events, done)
+    assert id(plans[1]) not in done
+    for p in (plans[0], plans[2]):
+        assert done[id(p)].answer.text == engine.answer([engine.plan("s", p.request)])[0].text
+
+
+def test_the_slot_attention_is_selected_only_inside_the_engines_forwards(setup):
+    """Other users of the same model object keep their attention implementation, even after a forward fails."""
+    loaded, store = setup
+    engine = Engine(loaded, {"s": store})
+    before = loaded.model.config._attn_implementation
+    seen = []
+    model = engine.model
+    engine.model = lambda **kw: seen.append(loaded.model.config._attn_implementation) or model(**kw)
+    engine.answer([engine.plan("s", REQUESTS[0])])
+    assert set(seen) == {"milo_slots"} and loaded.model.config._attn_implementation == before
+
+    def broken(**kw):
+        raise RuntimeError("a test's failing forward")
+    engine.model = broken
+    with pytest.raises(RuntimeError, match="failing forward"):
+        engine.answer([engine.plan("s", REQUESTS[0])])
+    assert loaded.model.config._attn_implementation == before
+
+
 def test_streamed_deltas_add_up_to_the_answer(setup):
     loaded, store = setup
     engine = free_form(Engine(loaded, {"s": store}, settings=EngineSettings(max_new_tokens=6)))
@@ -162,6 +236,7 @@ def test_a_block_several_rows_retrieved_is_fetched_once(setup):
     assert set(plans[0].blocks) & set(plans[1].blocks)
     batch = engine.batch()
     batch.admit(plans)
+    batch.step()  # the forward that rebuilds their prefixes
     stats = batch.fetch_stats
     assert stats["blocks"] == 4 and stats["unique_blocks"] == len(set(plans[0].blocks) | set(plans[1].blocks))
     assert stats["bytes"] < stats["bytes_without_union"] == sum(p.placement.kv_bytes_stored for p in plans)
@@ -245,6 +320,7 @@ def test_the_device_tier_serves_blocks_again_without_reading_them(setup):
     tiered = Engine(loaded, {"s": store}, device_cache_bytes=1 << 30)
     first = tiered.batch()
     first.admit([tiered.plan("s", Request("topic1 topic2", k=2))])
+    first.step()  # its rebuild puts the blocks in the tier
     assert first.fetch_stats["device_hits"] == 0 and first.fetch_stats["bytes"] > 0
     again = tiered.batch()
     plans = [tiered.plan("s", Request("topic2 topic1", k=2)), tiered.plan("s", Request("topic1 topic3", k=2))]

@@ -112,18 +112,21 @@ def test_a_decoder_that_raises_ends_its_row_alone(stores):
         raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "a test's broken decoder")
 
     batch.rows[0].decoder.push = broken
-    text, ended = {id(e.plan): e.delta for e in events}, {}
+    text, ended = {}, {}
     while len(batch):
-        for e in batch.step():
+        for e in events + batch.step():
             if e.error is not None:
                 ended[id(e.plan)] = e.error
             else:
-                text[id(e.plan)] += e.delta
+                text[id(e.plan)] = text.get(id(e.plan), "") + e.delta
+        events = []
     assert list(ended) == [id(plans[0])] and isinstance(ended[id(plans[0])], RowFailed)
     assert "UnicodeDecodeError" in str(ended[id(plans[0])]) and text[id(plans[1])].strip() == alone[1]
 
 
-def test_an_admission_without_memory_is_retried_in_halves_and_fails_only_what_cannot_fit(stores, monkeypatch):
+def test_an_admission_without_memory_is_put_off_in_halves_and_fails_only_what_cannot_fit(stores, monkeypatch):
+    """Rows whose first forward the device has no memory for: half of them wait for a later step, again and
+    again; a row that cannot join even alone ends with `AdmissionOutOfMemory`, the others answer as alone."""
     loaded, clean, _, _ = stores
     engine = Engine(loaded, {"s": clean})
     texts = ["my card is gone", "refund please", "where is my money", "a very long query that cannot fit"]
@@ -131,19 +134,24 @@ def test_an_admission_without_memory_is_retried_in_halves_and_fails_only_what_ca
     alone = [engine.answer([p])[0].text for p in plans]
     forward, tried = Batch._forward, []
 
-    def tight(self, cache, ids, positions, valid, keep_all=False):
-        first = not cache.layers[0].is_initialized
-        if first:
-            tried.append(ids.shape[0])
-        if first and (ids.shape[0] > 1 or ids.shape[1] == len(plans[3].query_ids)):
+    def tight(self, pack, ids, positions, keep, joining):
+        if joining:
+            tried.append(len(joining))
+        if len(joining) > 1 or any(row.plan is plans[3] for row in joining):
             raise torch.OutOfMemoryError("a test's device is full")
-        return forward(self, cache, ids, positions, valid, keep_all)
+        return forward(self, pack, ids, positions, keep, joining)
 
     monkeypatch.setattr(Batch, "_forward", tight)
     batch = engine.batch()
     events = batch.admit(plans)
-    assert tried == [4, 2, 1, 1, 2, 1, 1]
-    errors = {id(e.plan): e.error for e in events if e.error is not None}
+    text, errors = {}, {}
+    while len(batch):
+        for e in events:
+            if e.error is not None:
+                errors[id(e.plan)] = e.error
+            else:
+                text[id(e.plan)] = text.get(id(e.plan), "") + e.delta
+        events = batch.step()
+    assert tried == [4, 2, 1, 3, 1, 2, 1, 1]
     assert list(errors) == [id(plans[3])] and isinstance(errors[id(plans[3])], AdmissionOutOfMemory)
-    text = run_to_end(batch, events)
     assert [text[id(p)].strip() for p in plans[:3]] == alone[:3]

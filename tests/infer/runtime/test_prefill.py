@@ -1,6 +1,6 @@
 """The true-prefill baseline: the same retrieval as a store's, the model prefilling the stored token ids.
 
-Through the batched engine (left-padded rows of different lengths, explicit positions, a 4-D mask) a
+Through the batched engine (rows of different lengths packed into one forward, explicit positions) a
 prefill row must have the logits of a plain forward over its [anchor][blocks][query] ids (fp32, random
 tiny Qwen2 and Llama models); tests/infer/runtime/test_session.py holds it to `full` with the default model.
 """
@@ -54,7 +54,7 @@ def test_prefill_rows_of_a_batch_equal_plain_forwards(setup):
     loaded, store = setup
     engine = Engine(loaded, {"s": store})
     plans = [engine.plan("s", r) for r in QUERIES]
-    assert len({len(p.query_ids) for p in plans}) == len(plans)  # left padding differs per row
+    assert len({len(p.query_ids) for p in plans}) == len(plans)  # rows of different lengths
     for p, got in zip(plans, engine.logits(plans)):
         with torch.inference_mode():
             plain = loaded.model(input_ids=torch.tensor([p.query_ids])).logits[0].float()

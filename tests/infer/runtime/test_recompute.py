@@ -14,11 +14,10 @@ from transformers import DynamicCache
 
 from milo_infer.bench import synthetic_model
 from milo_infer.tasks.corpus import Demonstration, TaskSpec
-from milo_infer.runtime.engine import Batch, Engine
+from milo_infer.runtime.engine import Engine
 from milo_infer.runtime.errors import RequestError
 from milo_infer.runtime.planning import EngineSettings, Request
 from milo_infer.evaluation.evaluate import evaluate
-from milo_infer.runtime.timing import StageClock
 from milo_store import MiloStore
 
 from tests.infer.runtime.test_engine import ATOL, random_qwen2
@@ -59,9 +58,12 @@ def token_by_token(engine: Engine, request: Request, n: int) -> torch.Tensor:
     """The query's logits when the prefix's rebuilt K/V go into a DynamicCache position by position and each
     block's first n tokens are instead fed to the model one at a time (each attending to all before it)."""
     plain = engine.plan("s", Request(request.text, k=request.k, recompute=0))
-    cache, _, _ = Batch(engine)._prefill([plain], False, StageClock(engine.device))
-    rebuilt = [(layer.k_buf[:1, :, :plain.prefix_tokens], layer.v_buf[:1, :, :plain.prefix_tokens])
-               for layer in cache.layers]
+    batch = engine.batch()
+    batch.admit([plain])
+    batch.step()  # rebuilds the prefix into the row's slot, columns [0, P)
+    slot = batch.rows[0].slot
+    rebuilt = [(layer.k_buf[slot:slot + 1, :, :plain.prefix_tokens], layer.v_buf[slot:slot + 1, :, :plain.prefix_tokens])
+               for layer in batch.cache.layers]
     recomputed = engine.plan("s", Request(request.text, k=request.k, recompute=n))
     again = dict(zip(recomputed.recompute.tolist(), recomputed.query_ids))
     reference = DynamicCache(config=engine.model.config)
@@ -91,16 +93,18 @@ def test_recomputing_the_first_tokens_equals_feeding_them_one_at_a_time(setup, n
         assert (got - want).abs().max() <= ATOL
 
 
-def test_rows_recomputing_different_numbers_of_tokens_batch_as_alone(setup):
+@pytest.mark.parametrize("chunk", [512, 4])
+def test_rows_recomputing_different_numbers_of_tokens_batch_as_alone(setup, chunk):
+    """Also fed 4 tokens a step: a recomputed token's fresh K/V are in its column before any later chunk reads it."""
     loaded, store = setup
-    engine = Engine(loaded, {"s": store})
+    engine, whole = Engine(loaded, {"s": store}, settings=EngineSettings(prefill_chunk=chunk)), Engine(loaded, {"s": store})
     requests = [Request(r.text, k=r.k, recompute=n) for r, n in zip(STORED, (3, 0, 17))] + [QUERIES[0]]
     plans = [engine.plan("s", r) for r in requests]
     for p, got in zip(plans, engine.logits(plans)):
-        alone = engine.logits([engine.plan("s", p.request)])[0]
+        alone = whole.logits([whole.plan("s", p.request)])[0]
         assert got.shape == alone.shape and (got - alone).abs().max() <= ATOL
     together = engine.answer(plans)
-    assert [a.text for a in together] == [engine.answer([engine.plan("s", r)])[0].text for r in requests]
+    assert [a.text for a in together] == [whole.answer([whole.plan("s", r)])[0].text for r in requests]
 
 
 def test_a_recompute_plan_feeds_each_blocks_first_tokens_at_their_positions(setup):

@@ -1,0 +1,137 @@
+"""The engine's own cost against its floor, and what one admission into a running batch costs, in one run.
+
+Floor: for each query, the store's rebuilt prefix K/V already in a transformers ``DynamicCache``, then a
+plain forward over the query and greedy decoding of the same tokens (the model's own attention, nothing of
+milo's): what answering costs once the context is there. Engine: ``Engine.answer([plan])`` at batch 1
+(its rebuild and its forwards), and the model seconds it reports. Admission: the wall time from ``admit``
+to the query's first token, and to its answer, when it joins a batch of ``--running`` rows that are
+decoding, against the same query alone, beside what one step of those rows costs without it. Rounds are interleaved; medians. Run:
+
+    HF_HUB_OFFLINE=1 PYTHONPATH=$PWD .venv/bin/python tools/bench_engine.py STORE --threads 1
+"""
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from milo_infer.models import load_model  # noqa: E402
+from milo_infer.runtime.decoding import LabelDecoder  # noqa: E402
+from milo_infer.runtime.engine import Engine  # noqa: E402
+from milo_infer.runtime.planning import EngineSettings, Request  # noqa: E402
+from milo_infer.runtime.prefix import PrefixRebuild  # noqa: E402
+from milo_infer.tasks.corpus import load_corpus  # noqa: E402
+from milo_store import MiloStore  # noqa: E402
+
+DEMO = ROOT / "milo_infer/tasks/data/demo_corpus.jsonl"
+RUNNING_TEXTS = ["where is my new card", "I was charged twice", "how do I top up", "my transfer failed",
+                 "change my pin", "cancel my order", "what is the exchange rate"]
+
+
+def prefix_cache(engine: Engine, plan) -> DynamicCache:
+    """The plan's rebuilt [anchor][blocks] K/V, layer by layer, in a fresh DynamicCache."""
+    layout = engine.stores[plan.store].prefix.layout
+    rebuild = PrefixRebuild(engine.prefixes, [plan.placement], engine.cos, engine.sin, engine.device)
+    cache = DynamicCache(config=engine.model.config)
+    shape = (1, layout.num_kv_heads, plan.prefix_tokens, layout.head_dim)
+    for layer in range(layout.num_layers):
+        k, v = torch.empty(shape, dtype=engine.dtype), torch.empty(shape, dtype=engine.dtype)
+        rebuild.fill(layer, k, v)
+        cache.update(k, v, layer)
+    return cache
+
+
+@torch.inference_mode()
+def floor(engine: Engine, plan) -> tuple[float, str]:
+    """Seconds of a plain forward over the query and greedy label decoding, the prefix K/V already cached."""
+    cache = prefix_cache(engine, plan)
+    decoder = LabelDecoder(engine.stores[plan.store].queries.trie, engine.tokenizer, plan.max_new_tokens)
+    t = time.perf_counter()
+    ids, positions = torch.tensor([plan.query_ids]), torch.from_numpy(plan.positions)[None]
+    while True:
+        logits = engine.model(input_ids=ids, position_ids=positions, use_cache=True, logits_to_keep=1,
+                              **{engine.cache_kwarg: cache}).logits[0, -1]
+        token = decoder.push(logits)
+        if decoder.done:
+            return time.perf_counter() - t, decoder.result().text
+        ids, positions = torch.tensor([[token]]), positions[:, -1:] + 1
+
+
+def first_token_and_answer(batch, plan) -> tuple[float, float]:
+    """Seconds from admitting ``plan`` into ``batch`` to its first token and to its answer."""
+    t = time.perf_counter()
+    events, first = batch.admit([plan]), None
+    while True:
+        for e in events:
+            if e.plan is plan:
+                first = first if first is not None else time.perf_counter() - t
+                if e.finished:
+                    return first, time.perf_counter() - t
+        events = batch.step()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("store")
+    ap.add_argument("--k", type=int, default=6)
+    ap.add_argument("--queries", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--running", type=int, default=7, help="rows decoding when the query joins")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    loaded = load_model("default")
+    with MiloStore.open(args.store) as store:
+        engine = Engine(loaded, {"s": store}, EngineSettings(k=args.k))
+        runner = Engine(loaded, {"s": store}, EngineSettings(k=args.k, max_new_tokens=64))
+        runner.stores["s"].queries.trie = None  # the running rows decode free-form, long enough to be running
+        texts = [d.input for d in load_corpus(DEMO)[-args.queries:]]
+        rows = {name: [] for name in ("floor", "engine", "engine_model", "alone_first", "joined_first",
+                                      "alone_answer", "joined_answer", "running_step", "running_at_join")}
+        agree = 0
+        for _ in range(args.rounds):
+            for text in texts:
+                plan = engine.plan("s", Request(text))
+                seconds, text_floor = floor(engine, plan)
+                rows["floor"].append(seconds)
+                t = time.perf_counter()
+                answer = engine.answer([engine.plan("s", Request(text))])[0]
+                rows["engine"].append(time.perf_counter() - t)
+                rows["engine_model"].append(answer.seconds["model"])
+                agree += answer.text == text_floor
+                first, whole = first_token_and_answer(engine.batch(), engine.plan("s", Request(text)))
+                rows["alone_first"].append(first)
+                rows["alone_answer"].append(whole)
+                batch = runner.batch()
+                batch.admit([runner.plan("s", Request(r)) for r in RUNNING_TEXTS[:args.running]])
+                batch.step()  # their prefill
+                t = time.perf_counter()
+                batch.step()
+                rows["running_step"].append(time.perf_counter() - t)
+                rows["running_at_join"].append(len(batch))
+                first, whole = first_token_and_answer(batch, engine.plan("s", Request(text)))
+                rows["joined_first"].append(first)
+                rows["joined_answer"].append(whole)
+        med = {name: statistics.median(v) for name, v in rows.items()}
+    print(f"store {args.store}, k {args.k}, {args.queries} queries x {args.rounds} rounds, "
+          f"{args.threads} thread(s); medians (s)")
+    print("| floor | engine b=1 | engine ratio | engine model s | model ratio | alone first token | "
+          "joined first token | ratio | running rows' step | alone answer | joined answer | ratio | rows running at join |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print(f"| {med['floor']:.3f} | {med['engine']:.3f} | {med['engine'] / med['floor']:.2f} | "
+          f"{med['engine_model']:.3f} | {med['engine_model'] / med['floor']:.2f} | {med['alone_first']:.3f} | "
+          f"{med['joined_first']:.3f} | {med['joined_first'] / med['alone_first']:.2f} | {med['running_step']:.3f} | "
+          f"{med['alone_answer']:.3f} | {med['joined_answer']:.3f} | "
+          f"{med['joined_answer'] / med['alone_answer']:.2f} | {med['running_at_join']:.0f} |")
+    print(f"answers equal to the floor's: {agree} of {args.queries * args.rounds}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
