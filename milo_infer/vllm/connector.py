@@ -14,7 +14,10 @@ store's, exactly as milo's own engine would rebuild them); every other request i
 vLLM. Worker side: each step's claimed requests are rebuilt together (`PrefixRebuild`: each store's
 union of their blocks fetched once, then one layer at a time), keys rotated at the request's own
 positions (vLLM's paged cache holds keys after RoPE), and written through the attention backend's own
-cache update, never by slicing its (backend-packed) cache tensor. A request whose blocks cannot be read
+cache update, never by slicing its (backend-packed) cache tensor. Under tensor or pipeline parallelism
+each worker rebuilds only what its cache holds (a `KVShare`: its pipeline stage's layers, its
+tensor-parallel rank's KV heads), reading whole blocks (each block's checksum covers the whole block).
+A request whose blocks cannot be read
 (a checksum fails, a remote read fails) is reported as a load error, so vLLM recomputes it or fails it
 (``kv_load_failure_policy``); nothing it would have loaded is written, and other requests load as usual.
 """
@@ -26,6 +29,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                                 KVConnectorRole)
+from vllm.distributed.parallel_state import (get_pp_group, get_tensor_model_parallel_rank,
+                                             get_tensor_model_parallel_world_size)
+from vllm.distributed.utils import get_pp_indices
 from vllm.logger import init_logger
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -35,8 +41,8 @@ from milo_store.blockcache import BlockCache
 
 from ..models import config_identity, config_rope_tables
 from ..runtime.planning import check_compatible
-from ..runtime.prefix import BlockPlacement, PrefixRebuild, StorePrefix
-from .transfer import Claim, PrefixClaims
+from ..runtime.prefix import BlockPlacement, KVShare, PrefixRebuild, StorePrefix
+from .transfer import Claim, PrefixClaims, tensor_parallel_heads
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -154,7 +160,7 @@ class MiloConnector(KVConnectorBase_V1):
 
     # -- worker side -------------------------------------------------------------------------------
     def _mount(self) -> None:
-        """The stores' anchors and RoPE tables on the worker's device, once."""
+        """The stores' anchors and RoPE tables on the worker's device, and this worker's share, once."""
         model_config = self._vllm_config.model_config
         device = torch.device(self._vllm_config.device_config.device)
         longest = min(s.meta["model"]["max_position_embeddings"] for s in self.stores.values())
@@ -162,6 +168,24 @@ class MiloConnector(KVConnectorBase_V1):
         self.device, self.dtype = device, model_config.dtype
         self._prefixes = {name: StorePrefix(name, store, self.cos, self.sin, device, self.dtype)
                           for name, store in self.stores.items()}
+        self.share = self._worker_share()
+
+    def _worker_share(self) -> KVShare:
+        """The layers and KV heads this worker's cache holds: its pipeline stage's layers (vLLM's own split)
+        and its tensor-parallel rank's heads."""
+        layout = next(iter(self._prefixes.values())).layout  # stores of one model share K/V shapes
+        pp = get_pp_group()
+        self.tp_rank, self.pp_rank = get_tensor_model_parallel_rank(), pp.rank_in_group
+        share = KVShare(range(*get_pp_indices(layout.num_layers, self.pp_rank, pp.world_size)),
+                        tensor_parallel_heads(layout.num_kv_heads, get_tensor_model_parallel_world_size(), self.tp_rank))
+        model_config, parallel = self._vllm_config.model_config, self._vllm_config.parallel_config
+        if len(share.heads) != model_config.get_num_kv_heads(parallel):
+            raise RuntimeError(f"MiloConnector: rank {self.tp_rank} would rebuild {len(share.heads)} KV heads, "
+                               f"vLLM's cache holds {model_config.get_num_kv_heads(parallel)}")
+        logger.info("MiloConnector (worker tp %d, pp %d): layers %d..%d, KV heads %d..%d of %d", self.tp_rank,
+                    self.pp_rank, share.layers.start, share.layers.stop - 1, share.heads.start, share.heads.stop - 1,
+                    layout.num_kv_heads)
+        return share
 
     def _rows(self, loads: list[Load]) -> list[BlockPlacement]:
         return [self._prefixes[load.claim.store].place(load.claim.blocks) for load in loads]
@@ -176,31 +200,33 @@ class MiloConnector(KVConnectorBase_V1):
             self._mount()
         loads = meta.loads
         try:
-            rebuild = PrefixRebuild(self._prefixes, self._rows(loads), self.cos, self.sin, self.device)
+            rebuild = self._rebuild_of(loads)
         except UNREADABLE:  # find the requests whose blocks fail; the others still load
             readable = []
             for load in loads:
                 try:
-                    PrefixRebuild(self._prefixes, self._rows([load]), self.cos, self.sin, self.device)
+                    self._rebuild_of([load])
                     readable.append(load)
                 except UNREADABLE as err:
                     logger.error("request %s: its prefix from store %r is not loaded (%s)", load.req_id,
                                  load.claim.store, err)
                     self._load_errors.update(load.block_ids)
             loads = readable
-            rebuild = PrefixRebuild(self._prefixes, self._rows(loads), self.cos, self.sin, self.device) \
-                if loads else None
+            rebuild = self._rebuild_of(loads) if loads else None
         self._rebuild, self._loads = rebuild, loads
         self._slots = [torch.tensor(load.slots, dtype=torch.long, device=self.device) for load in loads]
         if rebuild is not None:
-            rows = rebuild.rows
-            layout = self._prefixes[rows[0].store].layout  # stores of one model share K/V shapes
-            longest = max(row.prefix_tokens for row in rows)
-            self._buffers = tuple(torch.zeros(len(rows), layout.num_kv_heads, longest, layout.head_dim,
+            longest = max(row.prefix_tokens for row in rebuild.rows)
+            head_dim = self._prefixes[loads[0].claim.store].layout.head_dim
+            self._buffers = tuple(torch.zeros(len(loads), len(self.share.heads), longest, head_dim,
                                               dtype=self.dtype, device=self.device)
                                   for _ in range(2))
             logger.debug("loading %d tokens for %d requests from the store",
                          sum(load.end - load.start for load in loads), len(loads))
+
+    def _rebuild_of(self, loads: list[Load]) -> PrefixRebuild:
+        """These loads' blocks read (raises what an unreadable block raises), to rebuild this worker's share."""
+        return PrefixRebuild(self._prefixes, self._rows(loads), self.cos, self.sin, self.device, share=self.share)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._rebuild is None:
