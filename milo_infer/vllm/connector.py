@@ -20,6 +20,11 @@ tensor-parallel rank's KV heads), reading whole blocks (each block's checksum co
 A request whose blocks cannot be read
 (a checksum fails, a remote read fails) is reported as a load error, so vLLM recomputes it or fails it
 (``kv_load_failure_policy``); nothing it would have loaded is written, and other requests load as usual.
+
+Loads are synchronous: a request's load is claimed, scheduled and written within one vLLM step, so
+none is ever pending when vLLM preempts a request (vLLM's ``handle_preemptions`` hook, which lets
+connectors with asynchronous transfers finish them before a preempted request's blocks are reused, has
+nothing to do here); a preempted request that resumes is claimed again and loaded into its new blocks.
 """
 from __future__ import annotations
 
@@ -141,16 +146,20 @@ class MiloConnector(KVConnectorBase_V1):
         for i, req_id in enumerate(cached.req_ids):  # a preempted request resumes with all its blocks anew
             if req_id in cached.resumed_req_ids and cached.new_block_ids[i] is not None:
                 blocks_of[req_id] = cached.new_block_ids[i][0]
-        for req_id in list(self._to_load):
+        for req_id in self._to_load:
             if req_id not in blocks_of:
+                logger.warning("request %s was claimed but not scheduled: its prefix is not loaded", req_id)
                 continue
-            claim, start, end = self._claimed.pop(req_id)
-            self._to_load.discard(req_id)
+            claim, start, end = self._claimed[req_id]
             vllm_blocks = blocks_of[req_id]
             slots = [vllm_blocks[p // self.block_size] * self.block_size + p % self.block_size
                      for p in range(start, end)]
             used = vllm_blocks[start // self.block_size:(end - 1) // self.block_size + 1]
             meta.loads.append(Load(req_id, claim, start, end, slots, list(used)))
+        # a claim lives for the one schedule() that made it: none is left pending for a later step, so a
+        # preempted request's blocks are never loaded late, and a resumed one is claimed anew
+        self._claimed.clear()
+        self._to_load.clear()
         return meta
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict | None]:
