@@ -25,6 +25,8 @@ Loads are synchronous: a request's load is claimed, scheduled and written within
 none is ever pending when vLLM preempts a request (vLLM's ``handle_preemptions`` hook, which lets
 connectors with asynchronous transfers finish them before a preempted request's blocks are reused, has
 nothing to do here); a preempted request that resumes is claimed again and loaded into its new blocks.
+Each worker reports what its loads cost (`MiloConnectorStats`), which vLLM adds up over the workers,
+logs, and exports on its Prometheus ``/metrics`` (`MiloPromMetrics`: ``vllm:milo_*``).
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                                 KVConnectorRole)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.distributed.parallel_state import (get_pp_group, get_tensor_model_parallel_rank,
                                              get_tensor_model_parallel_world_size)
 from vllm.distributed.utils import get_pp_indices
@@ -47,10 +50,12 @@ from milo_store.blockcache import BlockCache
 from ..models import config_identity, config_rope_tables
 from ..runtime.planning import check_compatible
 from ..runtime.prefix import BlockPlacement, KVShare, PrefixRebuild, StorePrefix
+from ..runtime.timing import StageClock
 from .transfer import Claim, PrefixClaims, tensor_parallel_heads
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -75,6 +80,72 @@ class Load:
 @dataclass
 class MiloConnectorMetadata(KVConnectorMetadata):
     loads: list[Load] = field(default_factory=list)
+
+
+COUNTS = ("loads", "tokens_loaded", "load_errors", "blocks_read", "bytes_read")  # summed, per worker
+SECONDS = ("read_seconds", "rebuild_seconds")
+
+
+@dataclass
+class MiloConnectorStats(KVConnectorStats):
+    """What the workers' loads cost since vLLM last collected them, per worker (``"tp<i>-pp<j>"``: its tier,
+    rank and sums): requests loaded and their tokens, requests whose blocks could not be read, store blocks
+    and bytes read (each step's union of blocks once per worker; whole blocks, whatever the worker's
+    share), seconds reading them and rebuilding (staging, reconstruction, the write into vLLM's cache)."""
+
+    def __post_init__(self):
+        if not self.data:
+            self.reset()
+
+    def reset(self):
+        self.data = {}
+
+    def is_empty(self) -> bool:
+        return not self.data
+
+    def add(self, worker: str, tier: str, tp_rank: int, pp_rank: int, **values) -> None:
+        entry = self.data.setdefault(worker, {"tier": tier, "tp_rank": tp_rank, "pp_rank": pp_rank,
+                                              **{k: 0 for k in COUNTS + SECONDS}})
+        for key, value in values.items():
+            entry[key] += value
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for worker, entry in other.data.items():
+            self.add(worker, entry["tier"], entry["tp_rank"], entry["pp_rank"],
+                     **{k: entry[k] for k in COUNTS + SECONDS})
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        """Sums over the workers, for vLLM's periodic log line."""
+        out = {k: sum(e[k] for e in self.data.values()) for k in COUNTS}
+        out.update({k: round(sum(e[k] for e in self.data.values()), 3) for k in SECONDS})
+        return out
+
+
+class MiloPromMetrics(KVConnectorPromMetrics):
+    """``vllm:milo_<count>`` counters (``_total`` in the exposition), labelled by tier and worker rank."""
+
+    def __init__(self, vllm_config: "VllmConfig", metric_types: dict[type["PromMetric"], type["PromMetricT"]],
+                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        help_of = {"loads": "Requests whose store prefix a worker loaded",
+                   "tokens_loaded": "Prefix tokens loaded from milo stores, per worker",
+                   "load_errors": "Requests whose store blocks a worker could not read",
+                   "blocks_read": "Store blocks read by the milo connector (each step's union once)",
+                   "bytes_read": "Store factor bytes read by the milo connector",
+                   "read_seconds": "Seconds reading store blocks",
+                   "rebuild_seconds": "Seconds rebuilding K/V from factors and writing them into vLLM's cache"}
+        names = labelnames + ["tier", "tp_rank", "pp_rank"]
+        self.counters = {key: self._counter_cls(name=f"vllm:milo_{key}", documentation=text, labelnames=names)
+                         for key, text in help_of.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
+        for entry in transfer_stats_data.values():
+            labels = [*self.per_engine_labelvalues[engine_idx], entry["tier"], str(entry["tp_rank"]),
+                      str(entry["pp_rank"])]
+            for key, counter in self.counters.items():
+                if entry[key]:
+                    counter.labels(*labels).inc(entry[key])
 
 
 def open_stores(extra: dict, metadata_only: bool) -> dict[str, MiloStore]:
@@ -114,6 +185,7 @@ class MiloConnector(KVConnectorBase_V1):
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
         self._load_errors: set[int] = set()
         self._forward_context = None
+        self._stats = MiloConnectorStats()
         logger.info("MiloConnector (%s): stores %s", role.name.lower(),
                     ", ".join(f"{n} ({s.num_blocks} blocks)" for n, s in self.stores.items()))
 
@@ -220,6 +292,7 @@ class MiloConnector(KVConnectorBase_V1):
                     logger.error("request %s: its prefix from store %r is not loaded (%s)", load.req_id,
                                  load.claim.store, err)
                     self._load_errors.update(load.block_ids)
+                    self._count(load_errors=1)
             loads = readable
             rebuild = self._rebuild_of(loads) if loads else None
         self._rebuild, self._loads = rebuild, loads
@@ -235,7 +308,12 @@ class MiloConnector(KVConnectorBase_V1):
 
     def _rebuild_of(self, loads: list[Load]) -> PrefixRebuild:
         """These loads' blocks read (raises what an unreadable block raises), to rebuild this worker's share."""
-        return PrefixRebuild(self._prefixes, self._rows(loads), self.cos, self.sin, self.device, share=self.share)
+        return PrefixRebuild(self._prefixes, self._rows(loads), self.cos, self.sin, self.device,
+                             share=self.share, clock=StageClock(self.device))
+
+    def _count(self, **values) -> None:
+        tier = next(iter(self.stores.values())).tier  # one tier for every store (kv_connector_extra_config)
+        self._stats.add(f"tp{self.tp_rank}-pp{self.pp_rank}", tier, self.tp_rank, self.pp_rank, **values)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._rebuild is None:
@@ -243,16 +321,42 @@ class MiloConnector(KVConnectorBase_V1):
         layer = self._forward_context.no_compile_layers[layer_name]
         k_buf, v_buf = self._buffers
         self._rebuild.fill(extract_layer_index(layer_name), k_buf, v_buf)
-        for r, (load, slots) in enumerate(zip(self._loads, self._slots)):
-            keys = k_buf[r, :, load.start:load.end].transpose(0, 1).contiguous()  # [T, H, d]
-            values = v_buf[r, :, load.start:load.end].transpose(0, 1).contiguous()
-            layer.impl.do_kv_cache_update(layer, keys, values, layer.kv_cache, slots)
+        with self._rebuild.clock.device_stage("write"):
+            for r, (load, slots) in enumerate(zip(self._loads, self._slots)):
+                keys = k_buf[r, :, load.start:load.end].transpose(0, 1).contiguous()  # [T, H, d]
+                values = v_buf[r, :, load.start:load.end].transpose(0, 1).contiguous()
+                layer.impl.do_kv_cache_update(layer, keys, values, layer.kv_cache, slots)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
         return  # a consumer: the store is written by `milo build`, never by vLLM
 
     def wait_for_save(self):
-        return
+        """The end of a step (vLLM calls it after every forward): count this step's loads and let their
+        buffers go."""
+        rebuild, self._rebuild, self._buffers, self._slots = self._rebuild, None, None, []
+        if rebuild is None:
+            return
+        seconds = rebuild.clock.read()
+        self._count(loads=len(self._loads), tokens_loaded=sum(load.end - load.start for load in self._loads),
+                    blocks_read=rebuild.fetch_stats["unique_blocks"], bytes_read=rebuild.fetch_stats["bytes"],
+                    read_seconds=seconds.get("read", 0.0),
+                    rebuild_seconds=sum(seconds.get(stage, 0.0) for stage in ("wait", "reconstruct", "write")))
+        self._loads = []
+
+    def get_kv_connector_stats(self) -> MiloConnectorStats | None:
+        if self._stats.is_empty():
+            return None
+        stats, self._stats = self._stats, MiloConnectorStats()
+        return stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> MiloConnectorStats:
+        return MiloConnectorStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict[type["PromMetric"], type["PromMetricT"]],
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> MiloPromMetrics:
+        return MiloPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
