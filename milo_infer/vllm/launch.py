@@ -21,7 +21,7 @@ import sys
 import threading
 from pathlib import PurePosixPath
 
-from milo_store import MiloStore
+from milo_store import Layout, MiloStore
 
 from ..models import model_directory
 from .transfer import connector_config
@@ -79,11 +79,11 @@ def free_memory_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def cpu_kv_cache_bytes(model: dict, max_model_len: int, workers: int, free_bytes: int) -> int:
+def cpu_kv_cache_bytes(layout: Layout, max_model_len: int, workers: int, free_bytes: int) -> int:
     """KV cache bytes for each CPU worker: ``KV_CACHE_SEQUENCES`` sequences of ``max_model_len`` tokens of the
     stores' model (every layer and head: a worker holding a share needs less), within
     ``KV_CACHE_SHARE_OF_FREE`` of the free memory shared by the ``workers``."""
-    per_token = model["num_layers"] * 2 * model["num_kv_heads"] * model["head_dim"] * KV_BYTES_PER_VALUE
+    per_token = layout.num_layers * 2 * layout.num_kv_heads * layout.head_dim * KV_BYTES_PER_VALUE
     wanted = KV_CACHE_SEQUENCES * max_model_len * per_token
     return max(1 << 20, min(wanted, int(free_bytes * KV_CACHE_SHARE_OF_FREE) // workers))
 
@@ -113,12 +113,10 @@ def defaults(stores: list[str], vllm_args: list[str], env: dict, cpu: bool) -> t
                * int(flag_value(vllm_args, "--pipeline-parallel-size", "-pp") or 1))
     args, extra_env = [], {}
     if not env.get(KV_CACHE_ENV) and all(flag_value(vllm_args, flag) is None for flag in KV_CACHE_FLAGS):
-        models = []
-        for path in stores:
-            with MiloStore.open(path, tier="disk") as store:
-                models.append(store.meta["model"])
-        longest = int(flag_value(vllm_args, "--max-model-len") or min(m["max_position_embeddings"] for m in models))
-        args = ["--kv-cache-memory-bytes", str(cpu_kv_cache_bytes(models[0], longest, workers, free_memory_bytes()))]
+        with MiloStore.open(stores[0], tier="disk") as store:  # stores served together are of one model
+            layout, positions = store.layout, store.meta["model"]["max_position_embeddings"]
+        longest = int(flag_value(vllm_args, "--max-model-len") or positions)
+        args = ["--kv-cache-memory-bytes", str(cpu_kv_cache_bytes(layout, longest, workers, free_memory_bytes()))]
     if workers > numa_nodes() and not env.get(THREADS_ENV):
         extra_env[THREADS_ENV] = cpu_binding(workers, sorted(os.sched_getaffinity(0)))
     return args, extra_env
@@ -177,8 +175,8 @@ def run(cmd: list[str], env: dict[str, str]) -> int:
             pass
 
     child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, preexec_fn=die_with_parent)
-    signal.signal(signal.SIGTERM, lambda *_: child.send_signal(signal.SIGTERM))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches vLLM itself (same group)
+    handlers = {signal.SIGTERM: signal.signal(signal.SIGTERM, lambda *_: child.send_signal(signal.SIGTERM)),
+                signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN)}  # a terminal's Ctrl-C reaches vLLM too
 
     def relay(source, sink):
         for raw in iter(source.readline, b""):
@@ -196,6 +194,8 @@ def run(cmd: list[str], env: dict[str, str]) -> int:
     code = child.wait()
     for t in threads:
         t.join()
+    for signum, handler in handlers.items():
+        signal.signal(signum, handler)
     if code != 0 and not serving.is_set():
         print(f"milo launch: {refusal(list(tail))}", file=sys.stderr)
     return code
