@@ -115,7 +115,8 @@ def defaults(stores: list[str], vllm_args: list[str], env: dict, cpu: bool) -> t
     if not env.get(KV_CACHE_ENV) and all(flag_value(vllm_args, flag) is None for flag in KV_CACHE_FLAGS):
         with MiloStore.open(stores[0], tier="disk") as store:  # stores served together are of one model
             layout, positions = store.layout, store.meta["model"]["max_position_embeddings"]
-        longest = int(flag_value(vllm_args, "--max-model-len") or positions)
+        given = flag_value(vllm_args, "--max-model-len") or ""
+        longest = int(given) if given.isdigit() else positions  # "4k", "auto": no longer than the model's
         args = ["--kv-cache-memory-bytes", str(cpu_kv_cache_bytes(layout, longest, workers, free_memory_bytes()))]
     if workers > numa_nodes() and not env.get(THREADS_ENV):
         extra_env[THREADS_ENV] = cpu_binding(workers, sorted(os.sched_getaffinity(0)))

@@ -38,6 +38,7 @@ def test_cpu_defaults_size_the_cache_and_bind_workers_unless_the_user_did(store,
     args, env = launch.defaults([store], ["--max-model-len=512", "-tp", "2"], {}, cpu=True)
     assert args[1] == str(launch.cpu_kv_cache_bytes(layout, 512, 2, 64 * GiB))
     assert set(env) == {launch.THREADS_ENV} and env[launch.THREADS_ENV].count("|") == 1
+    assert launch.defaults([store], ["--max-model-len", "1k"], {}, cpu=True)[0] == launch.defaults([store], [], {}, cpu=True)[0]
     for user_args, user_env in ((["--kv-cache-memory-bytes", "1000000"], {}), (["--gpu-memory-utilization=0.5"], {}),
                                 ([], {launch.KV_CACHE_ENV: "2"})):
         assert launch.defaults([store], user_args, user_env, cpu=True)[0] == []
