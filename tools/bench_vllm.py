@@ -9,7 +9,9 @@ token ids. For each test query (the same retrieval for every store: they must co
   of answers equal to plain vLLM's (and to milo's own engine's, where ``--milo-predictions`` gives
   `milo eval` prediction files of the same stores and queries);
 * at concurrency 1 and ``--concurrency``: time to first token (a 1-token request's latency) and
-  queries per second, with the store and without.
+  queries per second, with the store and without;
+* what each vLLM worker loaded, read from the stores and spent rebuilding (the connector's counters on
+  vLLM's /metrics), so runs at different ``--tensor-parallel-size`` / ``--pipeline-parallel-size`` compare.
 
     .venv/bin/python tools/bench_vllm.py --dataset banking77 --n-queries 100 --k 6 \\
         --store full=DIR --store r0.5=DIR --store r0.25=DIR --out results.json
@@ -18,6 +20,7 @@ import argparse
 import concurrent.futures
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -44,7 +47,7 @@ def start(stores: dict[str, str], port: int, log: Path, vllm_args: list[str]) ->
     args = ["--host", "127.0.0.1", "--port", str(port), "--no-enable-prefix-caching",
             "--enable-prompt-tokens-details", *vllm_args]
     python = os.environ.get("MILO_VLLM_PYTHON") or str(Path(__file__).resolve().parents[1] / ".venv-vllm/bin/python")
-    cmd = launch.command(list(stores.values()), vllm_args=tuple(args), python=python)
+    cmd = launch.launcher_command(list(stores.values()), python, vllm_args=tuple(args))  # the launcher's defaults
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "HF_HUB_OFFLINE": "1"}
     process = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
     deadline = time.monotonic() + 900
@@ -60,6 +63,16 @@ def start(stores: dict[str, str], port: int, log: Path, vllm_args: list[str]) ->
             process.terminate()
             raise SystemExit(f"vLLM did not start in 900 s; see {log}")
         time.sleep(2)
+
+
+def worker_reads(url: str) -> dict:
+    """The connector's counters on vLLM's /metrics, per worker: what each loaded, read and rebuilt."""
+    out = {}
+    text = httpx.get(f"{url}/metrics").text
+    for name, labels, value in re.findall(r"^vllm:milo_(\w+)_total\{([^}]*)\} (\S+)$", text, re.M):
+        found = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+        out.setdefault(f"tp{found['tp_rank']}-pp{found['pp_rank']}", {})[name] = float(value)
+    return out
 
 
 def complete(url: str, body: dict) -> tuple[dict, float]:
@@ -129,6 +142,7 @@ def main() -> None:
                                                     "qps": len(bodies) / wall}
                 print(name, c, results["timing"][f"{name} c{c}"], flush=True)
                 out.write_text(json.dumps(results, indent=1))
+        results["workers"] = worker_reads(url)
     finally:
         os.killpg(process.pid, 15)
         process.wait(60)
@@ -149,7 +163,8 @@ def main() -> None:
         summary[name] = row
     results["summary"] = summary
     out.write_text(json.dumps(results, indent=1))
-    print(json.dumps({"summary": summary, "timing": results["timing"], "tokens": results["tokens"]}, indent=1))
+    print(json.dumps({"summary": summary, "timing": results["timing"], "tokens": results["tokens"],
+                      "workers": results.get("workers")}, indent=1))
 
 
 if __name__ == "__main__":

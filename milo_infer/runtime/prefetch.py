@@ -46,13 +46,16 @@ class TransferPool:
 
 
 class LayerPrefetcher:
-    """``layer(l)`` -> (flat factors of layer l for the selected blocks, start of each block in it).
-    ``read_stats``: what reading the blocks the device tier did not hold cost (remote bytes, GETs,
-    seconds; cache hits)."""
+    """``layer(l)`` -> (flat factors of layer l for the selected blocks, start of each block in it), for l in
+    ``layers`` (default: all), in that order. ``read_stats``: what reading the blocks the device tier did not
+    hold cost (remote bytes, GETs, seconds; cache hits)."""
 
     def __init__(self, store: MiloStore, block_ids: list[int], device, depth: int = 2, tier: DeviceTier | None = None,
-                 pool: TransferPool | None = None):
+                 pool: TransferPool | None = None, layers: range | None = None):
         self.store, self.block_ids, self.device = store, list(block_ids), torch.device(device)
+        self.layers = layers if layers is not None else range(store.layout.num_layers)
+        if tier is not None and len(self.layers) != store.layout.num_layers:
+            raise ValueError("a device tier keeps whole blocks: stage every layer to fill it")
         self.tier, self._joining = tier, {}
         resident = {i: tier.get((str(store.path), i)) for i in self.block_ids} if tier is not None else {}
         missing = [i for i in self.block_ids if resident.get(i) is None]
@@ -70,7 +73,8 @@ class LayerPrefetcher:
         self.depth = max(1, depth)
         # factor bytes staged for the rebuild at once: depth + 1 layer buffers on CUDA, one gathered layer on CPU
         layers_held = self.depth + 1 if self.device.type == "cuda" else 1
-        self.buffer_bytes = layers_held * int(self.layer_values.max(initial=0)) * store.itemsize
+        staged = self.layer_values[self.layers.start:self.layers.stop]
+        self.buffer_bytes = layers_held * int(staged.max(initial=0)) * store.itemsize
         self.cuda = self.device.type == "cuda"
         self._seconds, self._copies = 0.0, []  # CPU: wall time of layer(); CUDA: (start, end) events per copy
         if self.cuda:
@@ -82,7 +86,7 @@ class LayerPrefetcher:
             resident.update({i: dev for i, (_, dev) in self._joining.items()})
         self.blocks = [resident[i] if i in resident else read[i] for i in self.block_ids]
         if self.cuda:
-            cap = int(self.layer_values.max(initial=0))
+            cap = int(staged.max(initial=0))
             if pool is not None:
                 self.stream, self.buffers = pool.stream, pool.buffers(self.depth + 1, cap, store.torch_dtype)
             else:
@@ -92,7 +96,7 @@ class LayerPrefetcher:
             for _, dev in self._joining.values():
                 dev.record_stream(self.stream)  # written on the side stream, like the buffers
             self.events = {}
-            for l in range(min(self.depth, L)):
+            for l in self.layers[:self.depth]:
                 self._issue(l)
 
     def _issue(self, l: int) -> None:
@@ -128,10 +132,10 @@ class LayerPrefetcher:
             if l not in self.events:
                 self._issue(l)
             torch.cuda.current_stream(self.device).wait_event(self.events.pop(l))
-            if l + self.depth < len(self.layer_values):
+            if l + self.depth in self.layers:
                 self._issue(l + self.depth)
             out = self.buffers[l % len(self.buffers)][:n], self.starts[l]
-        if l == len(self.layer_values) - 1:  # every layer's copies are ordered before the compute stream now
+        if l == self.layers[-1]:  # every layer's copies are ordered before the compute stream now
             for i, (_, dev) in self._joining.items():
                 self.tier.put((str(self.store.path), i), dev)
             self._joining = {}

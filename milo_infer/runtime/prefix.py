@@ -7,6 +7,9 @@ holds one; the vLLM connector makes its own), fetches each store's
 union of their blocks once (a block several rows use crosses the link once), streams those factors a
 layer ahead, and rebuilds any layer of every row's prefix, keys rotated at that row's positions,
 into buffers the caller owns. It knows nothing of models or of how the rows' tokens are attended to.
+A `KVShare` limits it to the layers and KV heads one worker's cache holds (a pipeline stage, a
+tensor-parallel rank): only those layers are staged and only those heads rebuilt. Blocks are still read
+whole, since each block's CRC32C covers the whole block (docs/design.md, "vLLM").
 """
 from __future__ import annotations
 
@@ -41,6 +44,25 @@ class BlockPlacement:
     prefix_tokens: int  # anchor + blocks
     kv_bytes_full: int  # fp16 K/V of the blocks
     kv_bytes_stored: int  # the factor bytes the blocks take in the store
+
+
+@dataclass(frozen=True)
+class KVShare:
+    """The layers and KV heads of a store's layout that one cache holds, in the store's numbering: what a
+    `PrefixRebuild` stages and rebuilds. Its buffers hold ``len(heads)`` heads, head ``heads[0]`` first."""
+    layers: range
+    heads: range
+
+    @classmethod
+    def whole(cls, layout) -> "KVShare":
+        return cls(range(layout.num_layers), range(layout.num_kv_heads))
+
+    def check(self, layout) -> None:
+        if not (self.layers and self.heads and self.layers.step == 1 and self.heads.step == 1
+                and 0 <= self.layers.start and self.layers.stop <= layout.num_layers
+                and 0 <= self.heads.start and self.heads.stop <= layout.num_kv_heads):
+            raise ValueError(f"{self} is not a run of the layout's {layout.num_layers} layers and "
+                             f"{layout.num_kv_heads} KV heads")
 
 
 def prefix_token_ids(store: MiloStore, blocks: list[int]) -> list[int] | None:
@@ -111,12 +133,17 @@ class PrefixRebuild:
     ``k[r, :, :P_r]`` and ``v[r, :, :P_r]`` ([rows, H, T, d] buffers), or into ``k[slots[r]]`` where ``slots``
     says which buffer row each placement owns (the engine's slot cache). The blocks are read when it is made
     (a block that fails its checksum raises `StoreCorruptedError` here, before anything is written).
+    ``share`` (default: every layer and head) is the part a worker's cache holds: ``fill`` takes only its
+    layers and writes only its heads (H = ``len(share.heads)``); only its layers are staged.
     ``fetch_stats`` says what the fetch read and moved; ``clock`` (optional) times its stages."""
 
     def __init__(self, prefixes: dict[str, StorePrefix], rows: list[BlockPlacement], cos: torch.Tensor, sin: torch.Tensor, device,
                  *, depth: int = 2, tier: DeviceTier | None = None, pools: dict[str, TransferPool] | None = None,
-                 rebuild=rebuild_layer, clock: StageClock | None = None):
+                 rebuild=rebuild_layer, clock: StageClock | None = None, share: KVShare | None = None):
         self.prefixes, self.rows, self.cos, self.sin, self.rebuild = prefixes, rows, cos, sin, rebuild
+        layout = next(iter(prefixes.values())).layout  # stores mounted together are of one model
+        self.share = share or KVShare.whole(layout)
+        self.share.check(layout)
         self.clock = clock or StageClock(device)
         pools = pools or {}
         by_store: dict[str, list[int]] = {}
@@ -126,7 +153,7 @@ class PrefixRebuild:
         unions = {name: list(dict.fromkeys(blocks)) for name, blocks in by_store.items()}
         with self.clock.host("read"):
             self.fetched = {name: LayerPrefetcher(prefixes[name].store, ids, device, depth=depth, tier=tier,
-                                                  pool=pools.get(name))
+                                                  pool=pools.get(name), layers=self.share.layers)
                             for name, ids in unions.items() if ids}  # prefill rows read nothing
         for pf in self.fetched.values():
             self.clock.defer("transfer", pf.transfer_seconds)
@@ -146,6 +173,7 @@ class PrefixRebuild:
             "buffer_bytes": sum(pf.buffer_bytes for pf in self.fetched.values()),
             "bytes": sum(pf.bytes_moved for pf in self.fetched.values())}
         self.tables = []
+        layers, heads = self.share.layers, self.share.heads
         for row in rows:
             prefix = prefixes[row.store]
             seg = row.segments.copy()
@@ -153,24 +181,31 @@ class PrefixRebuild:
                 where = {b: i for i, b in enumerate(unions[row.store])}
                 at = [where[b] for b in row.blocks]
                 seg[:, :, 0] += np.repeat(self.fetched[row.store].starts[:, at], 2 * prefix.layout.num_kv_heads, axis=1)
+            # this share's heads (every layer orders its segments alike), numbered from the buffers' first
+            head = seg[0, :, 4]
+            seg = seg[:, (head >= heads.start) & (head < heads.stop)]
+            seg[:, :, 4] -= heads.start
             segments = torch.from_numpy(seg)
             store = prefix.store
-            kernel_plans = (plan_layers(segments, prefix.layout.head_dim, factor_dtype=store.torch_dtype,
-                                        device=device, quant=prefix.layout.quant)
-                            if kernel_backend(torch.device(device)) == "triton" and row.blocks
-                            else [None] * prefix.layout.num_layers)
+            kernel_plans = (dict(zip(layers, plan_layers(segments[layers.start:layers.stop], prefix.layout.head_dim,
+                                                         factor_dtype=store.torch_dtype, device=device,
+                                                         quant=prefix.layout.quant)))
+                            if kernel_backend(torch.device(device)) == "triton" and row.blocks else {})
             self.tables.append((segments, kernel_plans))
 
     def fill(self, layer: int, k_buf: torch.Tensor, v_buf: torch.Tensor, slots: list[int] | None = None) -> None:
+        if layer not in self.share.layers:
+            raise ValueError(f"layer {layer} is not in this rebuild's layers {self.share.layers}")
+        heads = slice(self.share.heads.start, self.share.heads.stop)
         with self.clock.device_stage("wait"):
             factors = {name: pf.layer(layer)[0] for name, pf in self.fetched.items()}
         with self.clock.device_stage("rebuild"):
             for r, (row, (segments, kernel_plans)) in enumerate(zip(self.rows, self.tables)):
                 r = slots[r] if slots is not None else r
                 m = self.prefixes[row.store]
-                k_buf[r, :, :m.anchor_len] = m.anchor_k[layer]
-                v_buf[r, :, :m.anchor_len] = m.anchor_v[layer]
+                k_buf[r, :, :m.anchor_len] = m.anchor_k[layer, heads]
+                v_buf[r, :, :m.anchor_len] = m.anchor_v[layer, heads]
                 if row.blocks:
                     self.rebuild(factors[row.store], segments[layer], k_buf[r, :, :row.prefix_tokens],
                                  v_buf[r, :, :row.prefix_tokens], self.cos, self.sin, interleaved=m.rope_interleaved,
-                                 quant=m.layout.quant, plan=kernel_plans[layer])
+                                 quant=m.layout.quant, plan=kernel_plans.get(layer))

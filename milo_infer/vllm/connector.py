@@ -14,9 +14,19 @@ store's, exactly as milo's own engine would rebuild them); every other request i
 vLLM. Worker side: each step's claimed requests are rebuilt together (`PrefixRebuild`: each store's
 union of their blocks fetched once, then one layer at a time), keys rotated at the request's own
 positions (vLLM's paged cache holds keys after RoPE), and written through the attention backend's own
-cache update, never by slicing its (backend-packed) cache tensor. A request whose blocks cannot be read
+cache update, never by slicing its (backend-packed) cache tensor. Under tensor or pipeline parallelism
+each worker rebuilds only what its cache holds (a `KVShare`: its pipeline stage's layers, its
+tensor-parallel rank's KV heads), reading whole blocks (each block's checksum covers the whole block).
+A request whose blocks cannot be read
 (a checksum fails, a remote read fails) is reported as a load error, so vLLM recomputes it or fails it
 (``kv_load_failure_policy``); nothing it would have loaded is written, and other requests load as usual.
+
+Loads are synchronous: a request's load is claimed, scheduled and written within one vLLM step, so
+none is ever pending when vLLM preempts a request (vLLM's ``handle_preemptions`` hook, which lets
+connectors with asynchronous transfers finish them before a preempted request's blocks are reused, has
+nothing to do here); a preempted request that resumes is claimed again and loaded into its new blocks.
+Each worker reports what its loads cost (`MiloConnectorStats`), which vLLM adds up over the workers,
+logs, and exports on its Prometheus ``/metrics`` (`MiloPromMetrics`: ``vllm:milo_*``).
 """
 from __future__ import annotations
 
@@ -26,6 +36,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                                 KVConnectorRole)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+from vllm.distributed.parallel_state import (get_pp_group, get_tensor_model_parallel_rank,
+                                             get_tensor_model_parallel_world_size)
+from vllm.distributed.utils import get_pp_indices
 from vllm.logger import init_logger
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -34,11 +48,13 @@ from milo_store import MiloStore, StoreError
 from milo_store.blockcache import BlockCache
 
 from ..models import check_compatible, config_identity, config_rope_tables
-from ..runtime.prefix import BlockPlacement, PrefixRebuild, StorePrefix
-from .transfer import Claim, PrefixClaims
+from ..runtime.prefix import BlockPlacement, KVShare, PrefixRebuild, StorePrefix
+from ..runtime.timing import StageClock
+from .transfer import Claim, PrefixClaims, tensor_parallel_heads
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -63,6 +79,72 @@ class Load:
 @dataclass
 class MiloConnectorMetadata(KVConnectorMetadata):
     loads: list[Load] = field(default_factory=list)
+
+
+COUNTS = ("loads", "tokens_loaded", "load_errors", "blocks_read", "bytes_read")  # summed, per worker
+SECONDS = ("read_seconds", "rebuild_seconds")
+
+
+@dataclass
+class MiloConnectorStats(KVConnectorStats):
+    """What the workers' loads cost since vLLM last collected them, per worker (``"tp<i>-pp<j>"``: its tier,
+    rank and sums): requests loaded and their tokens, requests whose blocks could not be read, store blocks
+    and bytes read (each step's union of blocks once per worker; whole blocks, whatever the worker's
+    share), seconds reading them and rebuilding (staging, reconstruction, the write into vLLM's cache)."""
+
+    def __post_init__(self):
+        if not self.data:
+            self.reset()
+
+    def reset(self):
+        self.data = {}
+
+    def is_empty(self) -> bool:
+        return not self.data
+
+    def add(self, worker: str, tier: str, tp_rank: int, pp_rank: int, **values) -> None:
+        entry = self.data.setdefault(worker, {"tier": tier, "tp_rank": tp_rank, "pp_rank": pp_rank,
+                                              **{k: 0 for k in COUNTS + SECONDS}})
+        for key, value in values.items():
+            entry[key] += value
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for worker, entry in other.data.items():
+            self.add(worker, entry["tier"], entry["tp_rank"], entry["pp_rank"],
+                     **{k: entry[k] for k in COUNTS + SECONDS})
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        """Sums over the workers, for vLLM's periodic log line."""
+        out = {k: sum(e[k] for e in self.data.values()) for k in COUNTS}
+        out.update({k: round(sum(e[k] for e in self.data.values()), 3) for k in SECONDS})
+        return out
+
+
+class MiloPromMetrics(KVConnectorPromMetrics):
+    """``vllm:milo_<count>`` counters (``_total`` in the exposition), labelled by tier and worker rank."""
+
+    def __init__(self, vllm_config: "VllmConfig", metric_types: dict[type["PromMetric"], type["PromMetricT"]],
+                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        help_of = {"loads": "Requests whose store prefix a worker loaded",
+                   "tokens_loaded": "Prefix tokens loaded from milo stores, per worker",
+                   "load_errors": "Requests whose store blocks a worker could not read",
+                   "blocks_read": "Store blocks read by the milo connector (each step's union once)",
+                   "bytes_read": "Store factor bytes read by the milo connector",
+                   "read_seconds": "Seconds reading store blocks",
+                   "rebuild_seconds": "Seconds rebuilding K/V from factors and writing them into vLLM's cache"}
+        names = labelnames + ["tier", "tp_rank", "pp_rank"]
+        self.counters = {key: self._counter_cls(name=f"vllm:milo_{key}", documentation=text, labelnames=names)
+                         for key, text in help_of.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
+        for entry in transfer_stats_data.values():
+            labels = [*self.per_engine_labelvalues[engine_idx], entry["tier"], str(entry["tp_rank"]),
+                      str(entry["pp_rank"])]
+            for key, counter in self.counters.items():
+                if entry[key]:
+                    counter.labels(*labels).inc(entry[key])
 
 
 def open_stores(extra: dict, metadata_only: bool) -> dict[str, MiloStore]:
@@ -102,6 +184,7 @@ class MiloConnector(KVConnectorBase_V1):
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
         self._load_errors: set[int] = set()
         self._forward_context = None
+        self._stats = MiloConnectorStats()
         logger.info("MiloConnector (%s): stores %s", role.name.lower(),
                     ", ".join(f"{n} ({s.num_blocks} blocks)" for n, s in self.stores.items()))
 
@@ -134,16 +217,20 @@ class MiloConnector(KVConnectorBase_V1):
         for i, req_id in enumerate(cached.req_ids):  # a preempted request resumes with all its blocks anew
             if req_id in cached.resumed_req_ids and cached.new_block_ids[i] is not None:
                 blocks_of[req_id] = cached.new_block_ids[i][0]
-        for req_id in list(self._to_load):
+        for req_id in self._to_load:
             if req_id not in blocks_of:
+                logger.warning("request %s was claimed but not scheduled: its prefix is not loaded", req_id)
                 continue
-            claim, start, end = self._claimed.pop(req_id)
-            self._to_load.discard(req_id)
+            claim, start, end = self._claimed[req_id]
             vllm_blocks = blocks_of[req_id]
             slots = [vllm_blocks[p // self.block_size] * self.block_size + p % self.block_size
                      for p in range(start, end)]
             used = vllm_blocks[start // self.block_size:(end - 1) // self.block_size + 1]
             meta.loads.append(Load(req_id, claim, start, end, slots, list(used)))
+        # a claim lives for the one schedule() that made it: none is left pending for a later step, so a
+        # preempted request's blocks are never loaded late, and a resumed one is claimed anew
+        self._claimed.clear()
+        self._to_load.clear()
         return meta
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict | None]:
@@ -153,7 +240,7 @@ class MiloConnector(KVConnectorBase_V1):
 
     # -- worker side -------------------------------------------------------------------------------
     def _mount(self) -> None:
-        """The stores' anchors and RoPE tables on the worker's device, once."""
+        """The stores' anchors and RoPE tables on the worker's device, and this worker's share, once."""
         model_config = self._vllm_config.model_config
         device = torch.device(self._vllm_config.device_config.device)
         longest = min(s.meta["model"]["max_position_embeddings"] for s in self.stores.values())
@@ -161,6 +248,24 @@ class MiloConnector(KVConnectorBase_V1):
         self.device, self.dtype = device, model_config.dtype
         self._prefixes = {name: StorePrefix(name, store, self.cos, self.sin, device, self.dtype)
                           for name, store in self.stores.items()}
+        self.share = self._worker_share()
+
+    def _worker_share(self) -> KVShare:
+        """The layers and KV heads this worker's cache holds: its pipeline stage's layers (vLLM's own split)
+        and its tensor-parallel rank's heads."""
+        layout = next(iter(self._prefixes.values())).layout  # stores of one model share K/V shapes
+        pp = get_pp_group()
+        self.tp_rank, self.pp_rank = get_tensor_model_parallel_rank(), pp.rank_in_group
+        share = KVShare(range(*get_pp_indices(layout.num_layers, self.pp_rank, pp.world_size)),
+                        tensor_parallel_heads(layout.num_kv_heads, get_tensor_model_parallel_world_size(), self.tp_rank))
+        model_config, parallel = self._vllm_config.model_config, self._vllm_config.parallel_config
+        if len(share.heads) != model_config.get_num_kv_heads(parallel):
+            raise RuntimeError(f"MiloConnector: rank {self.tp_rank} would rebuild {len(share.heads)} KV heads, "
+                               f"vLLM's cache holds {model_config.get_num_kv_heads(parallel)}")
+        logger.info("MiloConnector (worker tp %d, pp %d): layers %d..%d, KV heads %d..%d of %d", self.tp_rank,
+                    self.pp_rank, share.layers.start, share.layers.stop - 1, share.heads.start, share.heads.stop - 1,
+                    layout.num_kv_heads)
+        return share
 
     def _rows(self, loads: list[Load]) -> list[BlockPlacement]:
         return [self._prefixes[load.claim.store].place(load.claim.blocks) for load in loads]
@@ -175,31 +280,39 @@ class MiloConnector(KVConnectorBase_V1):
             self._mount()
         loads = meta.loads
         try:
-            rebuild = PrefixRebuild(self._prefixes, self._rows(loads), self.cos, self.sin, self.device)
+            rebuild = self._rebuild_of(loads)
         except UNREADABLE:  # find the requests whose blocks fail; the others still load
             readable = []
             for load in loads:
                 try:
-                    PrefixRebuild(self._prefixes, self._rows([load]), self.cos, self.sin, self.device)
+                    self._rebuild_of([load])
                     readable.append(load)
                 except UNREADABLE as err:
                     logger.error("request %s: its prefix from store %r is not loaded (%s)", load.req_id,
                                  load.claim.store, err)
                     self._load_errors.update(load.block_ids)
+                    self._count(load_errors=1)
             loads = readable
-            rebuild = PrefixRebuild(self._prefixes, self._rows(loads), self.cos, self.sin, self.device) \
-                if loads else None
+            rebuild = self._rebuild_of(loads) if loads else None
         self._rebuild, self._loads = rebuild, loads
         self._slots = [torch.tensor(load.slots, dtype=torch.long, device=self.device) for load in loads]
         if rebuild is not None:
-            rows = rebuild.rows
-            layout = self._prefixes[rows[0].store].layout  # stores of one model share K/V shapes
-            longest = max(row.prefix_tokens for row in rows)
-            self._buffers = tuple(torch.zeros(len(rows), layout.num_kv_heads, longest, layout.head_dim,
+            longest = max(row.prefix_tokens for row in rebuild.rows)
+            head_dim = self._prefixes[loads[0].claim.store].layout.head_dim
+            self._buffers = tuple(torch.zeros(len(loads), len(self.share.heads), longest, head_dim,
                                               dtype=self.dtype, device=self.device)
                                   for _ in range(2))
             logger.debug("loading %d tokens for %d requests from the store",
                          sum(load.end - load.start for load in loads), len(loads))
+
+    def _rebuild_of(self, loads: list[Load]) -> PrefixRebuild:
+        """These loads' blocks read (raises what an unreadable block raises), to rebuild this worker's share."""
+        return PrefixRebuild(self._prefixes, self._rows(loads), self.cos, self.sin, self.device,
+                             share=self.share, clock=StageClock(self.device))
+
+    def _count(self, **values) -> None:
+        tier = next(iter(self.stores.values())).tier  # one tier for every store (kv_connector_extra_config)
+        self._stats.add(f"tp{self.tp_rank}-pp{self.pp_rank}", tier, self.tp_rank, self.pp_rank, **values)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._rebuild is None:
@@ -207,16 +320,42 @@ class MiloConnector(KVConnectorBase_V1):
         layer = self._forward_context.no_compile_layers[layer_name]
         k_buf, v_buf = self._buffers
         self._rebuild.fill(extract_layer_index(layer_name), k_buf, v_buf)
-        for r, (load, slots) in enumerate(zip(self._loads, self._slots)):
-            keys = k_buf[r, :, load.start:load.end].transpose(0, 1).contiguous()  # [T, H, d]
-            values = v_buf[r, :, load.start:load.end].transpose(0, 1).contiguous()
-            layer.impl.do_kv_cache_update(layer, keys, values, layer.kv_cache, slots)
+        with self._rebuild.clock.device_stage("write"):
+            for r, (load, slots) in enumerate(zip(self._loads, self._slots)):
+                keys = k_buf[r, :, load.start:load.end].transpose(0, 1).contiguous()  # [T, H, d]
+                values = v_buf[r, :, load.start:load.end].transpose(0, 1).contiguous()
+                layer.impl.do_kv_cache_update(layer, keys, values, layer.kv_cache, slots)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
         return  # a consumer: the store is written by `milo build`, never by vLLM
 
     def wait_for_save(self):
-        return
+        """The end of a step (vLLM calls it after every forward): count this step's loads and let their
+        buffers go."""
+        rebuild, self._rebuild, self._buffers, self._slots = self._rebuild, None, None, []
+        if rebuild is None:
+            return
+        seconds = rebuild.clock.read()
+        self._count(loads=len(self._loads), tokens_loaded=sum(load.end - load.start for load in self._loads),
+                    blocks_read=rebuild.fetch_stats["unique_blocks"], bytes_read=rebuild.fetch_stats["bytes"],
+                    read_seconds=seconds.get("read", 0.0),
+                    rebuild_seconds=sum(seconds.get(stage, 0.0) for stage in ("wait", "reconstruct", "write")))
+        self._loads = []
+
+    def get_kv_connector_stats(self) -> MiloConnectorStats | None:
+        if self._stats.is_empty():
+            return None
+        stats, self._stats = self._stats, MiloConnectorStats()
+        return stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> MiloConnectorStats:
+        return MiloConnectorStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict[type["PromMetric"], type["PromMetricT"]],
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> MiloPromMetrics:
+        return MiloPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -1,7 +1,9 @@
 """A real vLLM OpenAI server on loopback with the milo connector, for the tests that need one.
 
 vLLM lives in its own venv (`tools/setup_vllm.sh`: ``.venv-vllm``, or ``$MILO_VLLM_PYTHON``); where there
-is none, `vllm_python` skips with the reason. The server imports milo from this checkout.
+is none, `vllm_python` skips with the reason. The server imports milo from this checkout, and is started
+as a newcomer starts it (`milo_infer.vllm.launch`), so it runs with the launcher's defaults (the CPU KV
+cache's size).
 """
 import os
 import signal
@@ -34,18 +36,21 @@ def free_port() -> int:
 
 
 @contextmanager
-def vllm_server(stores: list, log_path, *, tier: str = "host", max_model_len: int = 4096):
-    """Yields the base URL of vLLM with the connector over ``stores`` (named by basename) and the default
-    model in fp32 (so the only rounding between a loaded prefix and vLLM's own is the store's fp16);
-    the process group is stopped afterwards, whatever happened. Prefix caching is off, so a request
-    without the store is a true prefill even after one with it."""
+def vllm_server(stores: list, log_path, *, tier: str = "host", max_model_len: int = 4096, model: str = "default",
+                eager: bool = True, vllm_args: tuple[str, ...] = (), env: dict | None = None):
+    """Yields the base URL of vLLM with the connector over ``stores`` (named by basename) and ``model`` in
+    fp32 (so the only rounding between a loaded prefix and vLLM's own is the store's), eager unless told
+    (no compilation: a faster start); ``vllm_args`` and ``env`` add to vLLM's flags and environment. The process group is stopped afterwards, whatever
+    happened. Prefix caching is off, so a request without the store is a true prefill even after one
+    with it."""
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+           "DO_NOT_TRACK": "1", **(env or {})}
+    env.pop(launch.KV_CACHE_ENV, None)  # the launcher sizes the KV cache, as it does for a newcomer
     vllm_args = ("--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len",
                  str(max_model_len), "--no-enable-prefix-caching",
-                 "--enable-prompt-tokens-details", "--enforce-eager")
-    command = launch.command([str(s) for s in stores], tier=tier, vllm_args=vllm_args, python=vllm_python())
+                 "--enable-prompt-tokens-details", *(("--enforce-eager",) if eager else ()), *vllm_args)
+    command = launch.launcher_command(stores, vllm_python(), model=model, tier=tier, vllm_args=vllm_args)
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
