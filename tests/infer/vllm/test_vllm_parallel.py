@@ -53,6 +53,7 @@ def model_dir(tmp_path_factory):
 
     from milo_infer.models import _converted_gguf, default_gguf_path
 
+    vllm_python()  # skip before anything is built where vLLM is not installed
     try:
         tokenizer = AutoTokenizer.from_pretrained(_converted_gguf(default_gguf_path()))
     except ModelUnavailable as exc:
@@ -75,7 +76,6 @@ def built(model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module", params=list(MODES))
 def server(request, built, model_dir, tmp_path_factory):
-    vllm_python()  # skip before anything starts where vLLM is not installed
     _, paths, _ = built
     log = tmp_path_factory.mktemp(f"vllm-{request.param}") / "vllm.log"
     eager = request.param != "pp2"
