@@ -12,6 +12,7 @@ its own slot only: no other row's K/V is copied.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -51,7 +52,9 @@ class SlotLayer(CacheLayerMixin):
     def __init__(self, index: int, cache: "SlotCache", slots: int, capacity: int, shape, dtype, device):
         super().__init__()
         H, d = shape
-        self.index, self.cache = index, cache
+        # a proxy, not a reference: a cycle would keep every slot's buffers (gigabytes) alive after the batch
+        # ends, until the garbage collector next ran
+        self.index, self.cache = index, weakref.proxy(cache)
         self.k_buf = torch.empty(slots, H, capacity, d, dtype=dtype, device=device)
         self.v_buf = torch.empty_like(self.k_buf)
         self.is_initialized = True

@@ -177,6 +177,25 @@ def test_a_joining_row_takes_a_free_slot_and_no_running_row_moves(setup):
         assert done[id(p)].answer.text == engine.answer([engine.plan("s", p.request)])[0].text
 
 
+def test_a_finished_batch_frees_its_cache_without_the_garbage_collector(setup):
+    """The slot buffers go with the batch: a reference cycle would keep gigabytes per batch until the
+    collector ran (an evaluation answering batch after batch ran out of memory so)."""
+    import gc
+    import weakref
+
+    loaded, store = setup
+    engine = Engine(loaded, {"s": store}, settings=EngineSettings(max_new_tokens=4), max_rows=2)
+    batch, done = engine.batch(), {}
+    run_to_end(batch, batch.admit([engine.plan("s", REQUESTS[0])]), done)
+    buffers = [weakref.ref(layer.k_buf) for layer in batch.cache.layers]
+    gc.disable()
+    try:
+        del batch
+        assert all(b() is None for b in buffers)
+    finally:
+        gc.enable()
+
+
 def test_a_row_cancelled_before_its_rebuild_keeps_its_slot_until_then(setup):
     """Its admission's rebuild still writes its slot: a row seated there before would be overwritten."""
     loaded, store = setup
