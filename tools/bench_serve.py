@@ -4,7 +4,7 @@ For each store, a `milo serve` subprocess on loopback answers ``--requests`` que
 ``--concurrency`` (the openai async client, streaming, so time to first token is measured where the
 client sees it): queries/s, p50/p99 latency, p50 time to first token, and the mean batch size from
 the server's own ``milo:batch_size`` histogram. Beside each level, the in-process engine answers the
-same queries in batches of that size (``Engine.answer``, no HTTP, no queue): the server's overhead
+same queries in batches of that size through one running batch (no HTTP, no queue): the server's overhead
 is 1 - server q/s / engine q/s. ``--memory-requests`` more requests then trace the server's
 resident memory (VmRSS) before and after each quarter of them. Prints a markdown table; ``--out``
 also writes JSON. Run:
@@ -42,14 +42,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(store: str, args) -> tuple[subprocess.Popen, str]:
+def start_server(store: str, args, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)
     process = subprocess.Popen([sys.executable, "-m", "milo_infer.cli.main", "serve", store, "--port", str(port),
                                 "--max-batch", str(args.max_batch), "--batch-wait-ms", str(args.batch_wait_ms),
-                                "--model", args.model, "--k", str(args.k)],
+                                "--model", args.model, "--k", str(args.k), *extra],
                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
@@ -106,14 +106,20 @@ async def load(base: str, model: str, queries: list[str], concurrency: int) -> d
             "p99_s": float(np.percentile(latency, 99)), "ttft_p50_s": float(np.percentile(first, 50))}
 
 
-def engine_qps(engine, name: str, queries: list[str], batch: int) -> float:
-    """Queries/s of the in-process engine answering ``queries`` in batches of ``batch``."""
+def engine_qps(engine, name: str, queries: list[str], size: int) -> float:
+    """Queries/s of the in-process engine answering ``queries`` in batches of ``size``, through one running batch
+    as the server's loop keeps (its slot buffers allocated once)."""
     from milo_infer.runtime.planning import Request
 
     plans = [engine.plan(name, Request(q)) for q in queries]
+    batch = engine.batch()
     start = time.perf_counter()
-    for i in range(0, len(plans), batch):
-        engine.answer(plans[i:i + batch])
+    for i in range(0, len(plans), size):
+        events = batch.admit(plans[i:i + size])
+        while len(batch):
+            events += batch.step()
+        if failed := [e.error for e in events if e.error is not None]:
+            raise failed[0]
     return len(plans) / (time.perf_counter() - start)
 
 
@@ -124,7 +130,7 @@ def bench_store(store: str, queries: list[str], loaded, args) -> dict:
     model = store_name(store)
     process, base = start_server(store, args)
     mounted = MiloStore.open(store)
-    engine = Engine(loaded, {model: mounted}, settings=EngineSettings(k=args.k))
+    engine = Engine(loaded, {model: mounted}, settings=EngineSettings(k=args.k), max_rows=args.max_batch)
     rows = []
     try:
         asyncio.run(load(base, model, queries[:8], 4))  # warm-up
@@ -175,7 +181,7 @@ def main():
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 64])
     ap.add_argument("--requests", type=int, default=256, help="requests per concurrency level")
     ap.add_argument("--memory-requests", type=int, default=2000, help="requests of the memory run (0: skip)")
-    ap.add_argument("--max-batch", type=int, default=64)
+    ap.add_argument("--max-batch", type=int, default=16, help="the server's --max-batch and the engine's rows (default 16, as milo serve)")
     ap.add_argument("--batch-wait-ms", type=float, default=5.0, help="the server's gathering window (default 5)")
     ap.add_argument("--k", type=int, default=6)
     ap.add_argument("--model", default="default")

@@ -2,12 +2,14 @@
 
 Loads the model once, mounts every store once (each must match the model), and runs until SIGTERM
 or Ctrl-C, which drain: no new requests, in-flight ones finish within --drain-s, exit 0 (1 when the
-engine loop failed for good).
+engine loop failed for good). A store's new version (`milo update`) is swapped in while it runs
+(--reload-interval, POST /admin/reload).
 """
 import os
 
 import torch
 
+from milo_store import MiloStore
 from milo_store.blockcache import parse_size
 
 from ..server import MAX_BODY_BYTES
@@ -15,6 +17,9 @@ from ..runtime.engine import LOAD_ERROR_POLICIES
 from ..runtime.planning import EngineSettings
 from ..runtime.session import place_model
 from . import CommandError, add_tier_arguments, at_least, checked_device, load_model_arg, mount_options
+
+
+DEFAULT_RELOAD_S = 30.0  # a manifest GET or an attributes read per store: cheap enough to look often
 
 
 def add_arguments(p):
@@ -50,20 +55,23 @@ def add_arguments(p):
     p.add_argument("--batch-wait-ms", type=float, default=5.0, help="how long an idle loop gathers a batch (default 5)")
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests at most; beyond, 503 (default 256)")
     p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES, help=f"request body limit (default {MAX_BODY_BYTES})")
+    p.add_argument("--reload-interval", type=float, default=None, metavar="S",
+                   help="how often to look for a store's new version (milo update, a rebuild) and swap it in without "
+                        "failing a request; 0: only on POST /admin/reload (default 30; not with --vllm)")
     p.add_argument("--drain-s", type=float, default=30.0, help="on SIGTERM, how long in-flight requests may finish")
 
 
 def run(args) -> int:
     at_least(args, 1, "k", "token_budget", "max_batch", "max_queue", "max_body_bytes", "threads")
     at_least(args, 0, "recompute")
-    if args.batch_wait_ms < 0 or args.drain_s < 0:
-        raise CommandError("--batch-wait-ms and --drain-s cannot be negative")
+    if args.batch_wait_ms < 0 or args.drain_s < 0 or (args.reload_interval or 0) < 0:
+        raise CommandError("--batch-wait-ms, --drain-s and --reload-interval cannot be negative")
     if not 0 <= args.port <= 65535:
         raise CommandError(f"--port must be between 0 and 65535; got {args.port}")
     try:  # the serve extra: not needed by the other commands, so imported here
         from ..runtime.engine import Engine
         from ..server.app import create_app
-        from ..server.launch import mount_stores, serve
+        from ..server.launch import mount_stores, serve, store_locations
     except ImportError as e:
         raise CommandError(f"milo serve needs the serve extra (pip install 'milo-kv[serve]'): {e}") from None
     if args.threads is not None:
@@ -76,6 +84,9 @@ def run(args) -> int:
         if args.on_load_error:
             raise CommandError("--on-load-error is milo's own engine's: vLLM's policy is set where it starts "
                                "(python -m milo_infer.vllm.launch ... --load-failure recompute|fail)")
+        if args.reload_interval:
+            raise CommandError("--reload-interval is milo's own engine's: vLLM's connector keeps the store versions "
+                               "it mounted at its start (restart vLLM, then milo serve, to serve a new version)")
         from ..vllm.engine import VllmEngine, VllmUnavailable
 
         # only metadata, token ids and the BM25 index are read here: vLLM's connector reads the factors
@@ -90,7 +101,10 @@ def run(args) -> int:
         loaded = load_model_arg(args.model)
         device = place_model(loaded, device)
         engine = Engine(loaded, stores, settings, device=device, device_cache_bytes=args.device_cache,
-                        on_load_error=args.on_load_error or "recompute")
+                        on_load_error=args.on_load_error or "recompute", max_rows=args.max_batch)
+    swap = {} if args.vllm else {
+        "locations": store_locations(args.store), "open_store": lambda location: MiloStore.open(location, **options),
+        "reload_interval_s": DEFAULT_RELOAD_S if args.reload_interval is None else args.reload_interval}
     app = create_app(engine, api_key=args.api_key or None, max_batch=args.max_batch, batch_wait_ms=args.batch_wait_ms,
-                     max_queue=args.max_queue, max_body_bytes=args.max_body_bytes)
+                     max_queue=args.max_queue, max_body_bytes=args.max_body_bytes, **swap)
     return serve(app, host=args.host, port=args.port, drain_s=args.drain_s)
