@@ -1,4 +1,6 @@
 """The on-disk format: names, version, and the checks both writer and reader rely on (docs/format.md)."""
+import hashlib
+import json
 import math
 from pathlib import Path
 
@@ -57,6 +59,13 @@ def version_problem(version) -> str | None:
     if version in READABLE_VERSIONS:
         return None
     return f"store format version {version!r}; this milo reads versions {', '.join(map(str, READABLE_VERSIONS))}"
+
+
+def attributes_version(meta: dict) -> str:
+    """A directory store's version: a digest of its attributes, which name every array's checksum, so two
+    versions (an update, a rebuild) differ and a store left alone keeps its version."""
+    canonical = json.dumps(meta, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
 def anchor_dtype(factor_dtype: str) -> str:

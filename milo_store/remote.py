@@ -128,6 +128,15 @@ def cache_key(url: str, version: str) -> str:
     return f"{hashlib.sha256(url.encode()).hexdigest()[:16]}-{version}"
 
 
+def current_version(url: str) -> str:
+    """The version the manifest names now."""
+    url = check_url(url)
+    manifest = read_manifest(url, open_object_store(url))
+    if manifest is None:
+        raise NotAStoreError(f"{url}: no milo store here (no {MANIFEST})")
+    return manifest.version
+
+
 def mount(url: str):
     """(URL, zarr group, milo attributes, origin factory, version id) of the version the manifest names now."""
     url = check_url(url)

@@ -48,7 +48,8 @@ class MiloStore:
     def __init__(self, path, group, meta: dict, tier: str, verify: bool, memory_cache_bytes: int, pin: bool | None,
                  make_origin, block_cache: tuple[BlockCache, str] | None, version: str | None = None):
         self.path, self.group, self.meta, self.tier, self.verify = path, group, meta, tier, verify
-        self.version = version  # a store URL's pinned version (what an update replaces); None for a directory
+        # the version this mount pinned: a store URL's manifest version, a directory's attributes digest
+        self.version = version if version is not None else fmt.attributes_version(meta)
         lay = meta["layout"]
         quant = lay.get("quant", "int8" if lay.get("quantized") else None)  # "quantized": stores before int4/int2
         self.layout = Layout(lay["num_layers"], lay["num_kv_heads"], lay["head_dim"], quant)
@@ -112,6 +113,14 @@ class MiloStore:
             return cls(path, group, meta, tier, verify, memory_cache_bytes, pin, make_origin, cache, version)
         except (KeyError, ValueError, FileNotFoundError) as e:
             raise StoreCorruptedError(f"{path}: broken store structure ({type(e).__name__}: {e})") from e
+
+    @staticmethod
+    def current_version(path) -> str:
+        """The version a mount of ``path`` would pin now, read cheaply (one manifest GET for a URL, the
+        attributes for a directory): a server polls it to notice an update."""
+        if is_url(path):
+            return remote.current_version(path)
+        return fmt.attributes_version(MiloStore._open_local(Path(path))[2])
 
     @staticmethod
     def _open_local(path: Path):
