@@ -103,9 +103,11 @@ def test_commit_refuses_overwrite_and_force_replaces_while_readers_stay_pinned(t
     old = MiloStore.open(s3_url, tier="disk", block_cache=BlockCache(tmp_path / "c"))
     old_blocks = _blocks(old)
     first = _manifest(s3_url)["version"]
+    assert old.version == MiloStore.current_version(s3_url) == first
     build_synthetic_store(s3_url, LAYOUT, TOKENS, CONFIG, seed=2, force=True)
     m = _manifest(s3_url)
     assert m["previous"] == first and m["version"] != first
+    assert MiloStore.current_version(s3_url) == m["version"] and old.version == first  # the mount stays pinned
     with MiloStore.open(s3_url, tier="disk", block_cache=BlockCache(tmp_path / "c")) as new:
         assert not all(torch.equal(x, y) for x, y in zip(old_blocks, _blocks(new)))
     assert all(torch.equal(x, y) for x, y in zip(old_blocks, [old.block(i) for i in range(old.num_blocks)]))  # pinned

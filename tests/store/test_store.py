@@ -72,8 +72,12 @@ def test_anchor_and_examples_roundtrip(small_store):
 def test_existing_store_needs_force_and_non_store_is_never_overwritten(tmp_path, small_store):
     with pytest.raises(StoreError, match="force"):
         build_synthetic_store(small_store, LAYOUT, TOKENS)
+    with MiloStore.open(small_store) as first:
+        assert MiloStore.current_version(small_store) == first.version
     build_synthetic_store(small_store, LAYOUT, TOKENS[:2], force=True)
-    assert MiloStore.open(small_store).num_blocks == 2
+    with MiloStore.open(small_store) as replaced:
+        assert replaced.num_blocks == 2
+        assert MiloStore.current_version(small_store) == replaced.version != first.version
     other = tmp_path / "mine"
     other.mkdir()
     (other / "precious.txt").write_text("keep me")
