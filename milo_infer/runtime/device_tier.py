@@ -2,7 +2,8 @@
 
 A block that a later batch retrieves again then skips the store's read and the host-to-device link. At
 ratio ρ the same device bytes hold about 1/ρ as many blocks as a cache of full K/V would. One tier
-serves every store a process mounts (keys name the store); safe for concurrent callers.
+serves every store a process mounts (keys name the store and its version: a block id of one version is
+another block in the next); safe for concurrent callers.
 """
 import threading
 from collections import OrderedDict

@@ -23,13 +23,14 @@ import contextlib
 import inspect
 import logging
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import transformers
 
-from milo_store import MiloStore
+from milo_store import IncompatibleStoreError, MiloStore
 
 from ..models import LoadedModel, check_compatible, rope_tables
 from .cache import ATTENTION, Pack, Segment, SlotCache
@@ -80,25 +81,48 @@ class Engine:
         self.dtype = next(self.model.parameters()).dtype
         self.settings, self.prefetch_depth, self.rebuild = settings, prefetch_depth, rebuild
         self.on_load_error = on_load_error
-        self.unreadable_logged: set[tuple[str, int]] = set()  # each unreadable block is logged once
+        self.unreadable_logged: set[tuple[str, str, int]] = set()  # each unreadable block is logged once
         for store in stores.values():
             check_compatible(store, loaded.identity)
         self.max_positions = min(s.meta["model"]["max_position_embeddings"] for s in stores.values())
         self.cos, self.sin = rope_tables(self.model, self.max_positions, device=self.device)
-        self.stores = {name: MountedStore(name, store, self.tokenizer, self.cos, self.sin, self.device, self.dtype,
-                                          settings.aggregate) for name, store in stores.items()}
-        self.prefixes = {name: m.prefix for name, m in self.stores.items()}
+        self.identity = loaded.identity
+        self.stores = {name: self.mount(name, store) for name, store in stores.items()}
         self.device_tier = DeviceTier(device_cache_bytes, self.device) if device_cache_bytes else None
         # one side stream and buffer set per store: a batch may stream from several stores at once
         self.transfers = {name: TransferPool(self.device) for name in stores} if self.device.type == "cuda" else {}
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else self.tokenizer.eos_token_id or 0)
 
+    def mount(self, name: str, store: MiloStore) -> MountedStore:
+        check_compatible(store, self.identity)
+        return MountedStore(name, store, self.tokenizer, self.cos, self.sin, self.device, self.dtype,
+                            self.settings.aggregate)
+
+    def swap(self, name: str, store: MiloStore) -> MountedStore:
+        """Answer new plans for ``name`` from ``store`` (a newer version of it, already opened) from now on;
+        returns the version it replaces. Safe from any thread while the engine runs: a plan made before
+        is still answered from the version it was planned against (`QueryPlan.mount`), and once no plan
+        holds the old version any more its store is closed (logged). Raises what mounting raises (a
+        store of another model: `IncompatibleStoreError`); the old version then keeps serving."""
+        if name not in self.stores:
+            raise KeyError(f"no store named {name!r} is mounted (mounted: {', '.join(self.stores)})")
+        positions = store.meta["model"]["max_position_embeddings"]
+        if positions < self.max_positions:
+            raise IncompatibleStoreError(f"{store.path}: its model has {positions} positions, the engine was "
+                                         f"started for {self.max_positions}")
+        new = self.mount(name, store)
+        old = self.stores[name]
+        self.stores = {**self.stores, name: new}  # one rebinding: a planner sees the old dict or the new one
+        weakref.finalize(old, release_version, old.store, name, old.version)
+        return old
+
     def plan(self, store: str, request: Request, block_ids: list[int] | None = None) -> QueryPlan:
         """Host-only and read-only: safe from any thread. Raises KeyError for an unknown store."""
-        if store not in self.stores:
+        mounted = self.stores.get(store)
+        if mounted is None:
             raise KeyError(f"no store named {store!r} is mounted (mounted: {', '.join(self.stores)})")
-        return self.stores[store].plan(request, self.settings, self.max_positions, block_ids)
+        return mounted.plan(request, self.settings, self.max_positions, block_ids)
 
     def batch(self) -> "Batch":
         return Batch(self)
@@ -136,9 +160,9 @@ class Engine:
             stats["peak_kv_bytes"] = max(stats.get("peak_kv_bytes", 0), batch.peak_kv_bytes)
         return [done[id(p)] for p in plans]
 
-    def report_unreadable(self, store: str, block: int, error: Exception) -> None:
-        if (store, block) not in self.unreadable_logged:
-            self.unreadable_logged.add((store, block))
+    def report_unreadable(self, store: str, version: str, block: int, error: Exception) -> None:
+        if (store, version, block) not in self.unreadable_logged:
+            self.unreadable_logged.add((store, version, block))
             log.error("store %r: block %d cannot be read (%s); rows that need it are %s", store, block, error,
                       "answered by computing it" if self.on_load_error == "recompute" else "failed")
 
@@ -146,6 +170,12 @@ class Engine:
     def logits(self, plans: list[QueryPlan]) -> list[torch.Tensor]:
         """Each plan's query logits [T_query, vocab] (fp32) from one batched prefill, for exactness checks."""
         return Batch(self, keep_all=True).prefill_logits(plans)
+
+
+def release_version(store: MiloStore, name: str, version: str) -> None:
+    """Close a replaced version once nothing holds its `MountedStore` (no plan, no row)."""
+    store.close()
+    log.info("store %r: version %s released (no request uses it any more)", name, version)
 
 
 @dataclass(eq=False)
@@ -214,7 +244,7 @@ class Batch:
     def _fetch(self, plans: list[QueryPlan], clock: StageClock) -> PrefixRebuild:
         """Read these plans' blocks: the union of each store's once (raises what an unreadable block raises)."""
         e = self.engine
-        return PrefixRebuild(e.prefixes, [p.placement for p in plans], e.cos, e.sin, e.device, depth=e.prefetch_depth,
+        return PrefixRebuild([p.placement for p in plans], e.cos, e.sin, e.device, depth=e.prefetch_depth,
                              tier=e.device_tier, pools=e.transfers, rebuild=e.rebuild, clock=clock)
 
     def _readable(self, plans: list[QueryPlan], clock: StageClock):
@@ -228,18 +258,20 @@ class Batch:
             return [(p, p) for p in plans], self._fetch(plans, clock), []
         except UNREADABLE:
             pass
-        unreadable = {name: e.prefixes[name].unreadable([b for p in plans if p.store == name for b in p.blocks])
-                      for name in dict.fromkeys(p.store for p in plans)}
+        wanted: dict[MountedStore, list[int]] = {}  # each mounted version's blocks
+        for p in plans:
+            wanted.setdefault(p.mount, []).extend(p.blocks)
+        unreadable = {mounted: mounted.prefix.unreadable(blocks) for mounted, blocks in wanted.items()}
         pairs, failed = [], []
         for p in plans:
-            bad = {b: err for b, err in unreadable[p.store].items() if b in p.blocks}
+            bad = {b: err for b, err in unreadable[p.mount].items() if b in p.blocks}
             for b, err in bad.items():
-                e.report_unreadable(p.store, b, err)
+                e.report_unreadable(p.store, p.mount.version, b, err)
             try:
                 if bad and e.on_load_error == "fail":
                     b, err = next(iter(bad.items()))
                     raise BlockLoadError(f"store {p.store!r}: block {b} cannot be read ({err})") from err
-                pairs.append((p, e.stores[p.store].without_blocks(p, set(bad)) if bad else p))
+                pairs.append((p, p.mount.without_blocks(p, set(bad)) if bad else p))
             except BlockLoadError as err:
                 failed.append(RowEvent(p, "", True, "error", error=err))
         self.unreadable_blocks = sum(len(bad) for bad in unreadable.values())
@@ -267,12 +299,12 @@ class Batch:
         self.fetch_stats = {**rebuild.fetch_stats, "unreadable_blocks": self.unreadable_blocks,
                             "bytes_without_union": sum(x.placement.kv_bytes_stored for _, x in pairs)}
         if self.cache is None:
-            layout = e.prefixes[plans[0].store].layout
+            layout = plans[0].mount.store.layout
             self.cache = SlotCache(layout.num_layers, e.max_rows, e.max_positions,
                                    (layout.num_kv_heads, layout.head_dim), e.dtype, e.device)
         admission = Admission(rebuild, [], clock, started)
         for p, x in pairs:
-            trie = e.stores[p.store].queries.trie
+            trie = p.mount.queries.trie
             decoder = (LabelDecoder(trie, e.tokenizer, p.max_new_tokens) if trie is not None else
                        GreedyDecoder(e.tokenizer, STOP_STRINGS + tuple(p.request.stop), p.max_new_tokens))
             admission.rows.append(Row(p, x, decoder, self.free.pop(0), admission, {"retrieve": p.retrieve_seconds},

@@ -60,8 +60,9 @@ class RunningBatch(Protocol):
 
 @runtime_checkable
 class ServingEngine(Protocol):
-    """The mounted stores by name, the longest context any of them allows, planning (raises `RequestError`
-    for a request no batch can serve, KeyError for an unknown store) and a new running batch."""
+    """The mounted stores by name (each with the ``version`` that answers new requests), the longest context
+    any of them allows, planning (raises `RequestError` for a request no batch can serve, KeyError for an
+    unknown store) and a new running batch."""
 
     stores: Mapping[str, object]
     max_positions: int

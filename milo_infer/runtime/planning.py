@@ -99,6 +99,8 @@ class QueryPlan:
     retrieve_seconds: float
     recompute: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # int64 [m]: context positions
     # of the rebuilt tokens computed again, ascending; their ids open query_ids
+    mount: "MountedStore | None" = None  # the store version it was planned against, which answers it (a server
+    # that mounts a newer version meanwhile still answers this plan from this one); None: a test's fake plan
 
     @property
     def store(self) -> str:
@@ -189,6 +191,10 @@ class MountedStore:
         self.prefix = StorePrefix(name, store, cos, sin, device, dtype)
         self.queries = StoreQueries(store, tokenizer, aggregate)
 
+    @property
+    def version(self) -> str:
+        return self.store.version
+
     def plan(self, request: Request, settings: EngineSettings, max_positions: int,
              block_ids: list[int] | None = None) -> QueryPlan:
         """Plan one query; ``block_ids`` overrides retrieval (exactness checks place chosen blocks)."""
@@ -206,7 +212,7 @@ class MountedStore:
             return self.prefill_plan(request, groups, blocks, query_ids, budget, seconds)
         positions, ids = self.recompute_tokens(blocks, placed.dst_rows, recompute)
         return QueryPlan(request=request, groups=groups, placement=placed, query_ids=ids + query_ids,
-                         max_new_tokens=budget, retrieve_seconds=seconds, recompute=positions)
+                         max_new_tokens=budget, retrieve_seconds=seconds, recompute=positions, mount=self)
 
     def without_blocks(self, plan: QueryPlan, unread: set[int]) -> QueryPlan:
         """``plan`` with the blocks of ``unread`` computed by the model from the token ids the store keeps for
@@ -248,4 +254,4 @@ class MountedStore:
             raise RequestError(f"{self.store.path} keeps no token ids for its anchor or blocks: prefill needs a "
                                f"store `milo build` wrote")
         return QueryPlan(request=request, groups=groups, placement=self.prefix.nothing_placed(),
-                         query_ids=prefix + query_ids, max_new_tokens=budget, retrieve_seconds=seconds)
+                         query_ids=prefix + query_ids, max_new_tokens=budget, retrieve_seconds=seconds, mount=self)

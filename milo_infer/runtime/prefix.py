@@ -2,18 +2,19 @@
 
 A `StorePrefix` is a store's anchor K/V, rotated once onto the device (the anchor always sits at
 positions 0..Ta-1), and the placement of any blocks after it (`BlockPlacement`: each block's first
-row and every layer's segment table). A `PrefixRebuild` takes one placement per row (a `QueryPlan`
-holds one; the vLLM connector makes its own), fetches each store's
-union of their blocks once (a block several rows use crosses the link once), streams those factors a
-layer ahead, and rebuilds any layer of every row's prefix, keys rotated at that row's positions,
-into buffers the caller owns. It knows nothing of models or of how the rows' tokens are attended to.
+row and every layer's segment table, and the `StorePrefix` it was made by, so that a placement made
+against one version of a store is rebuilt from that version even after a newer one is mounted). A
+`PrefixRebuild` takes one placement per row (a `QueryPlan` holds one; the vLLM connector makes its
+own), fetches each mounted store's union of their blocks once (a block several rows use crosses the
+link once), streams those factors a layer ahead, and rebuilds any layer of every row's prefix, keys
+rotated at that row's positions, into buffers the caller owns. It knows nothing of models or of how the rows' tokens are attended to.
 A `KVShare` limits it to the layers and KV heads one worker's cache holds (a pipeline stage, a
 tensor-parallel rank): only those layers are staged and only those heads rebuilt. Blocks are still read
 whole, since each block's CRC32C covers the whole block (docs/design.md, "vLLM").
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -44,6 +45,8 @@ class BlockPlacement:
     prefix_tokens: int  # anchor + blocks
     kv_bytes_full: int  # fp16 K/V of the blocks
     kv_bytes_stored: int  # the factor bytes the blocks take in the store
+    prefix: "StorePrefix | None" = field(default=None, compare=False, repr=False)  # the mounted version that
+    # placed them, which rebuilds them (None: a placement with no store behind it, as a test's fake engine makes)
 
 
 @dataclass(frozen=True)
@@ -108,7 +111,8 @@ class StorePrefix:
         stored = int(self.store.block_bytes(placed).sum())
         return BlockPlacement(store=self.name, blocks=placed, dst_rows=dst[keep], segments=segments,
                               prefix_tokens=self.anchor_len + int(tokens.sum()),
-                              kv_bytes_full=full_kv_bytes(self.layout, tokens[keep]), kv_bytes_stored=stored)
+                              kv_bytes_full=full_kv_bytes(self.layout, tokens[keep]), kv_bytes_stored=stored,
+                              prefix=self)
 
     def unreadable(self, blocks: list[int]) -> dict[int, Exception]:
         """Which of ``blocks`` cannot be read, each read alone, with what reading it raised."""
@@ -124,7 +128,7 @@ class StorePrefix:
         """No prefix at all, not even the anchor: a row whose model computes every token (prefill)."""
         return BlockPlacement(store=self.name, blocks=[], dst_rows=np.zeros(0, np.int64),
                               segments=np.zeros((self.layout.num_layers, 0, 6), np.int64), prefix_tokens=0,
-                              kv_bytes_full=0, kv_bytes_stored=0)
+                              kv_bytes_full=0, kv_bytes_stored=0, prefix=self)
 
 
 class PrefixRebuild:
@@ -137,24 +141,30 @@ class PrefixRebuild:
     layers and writes only its heads (H = ``len(share.heads)``); only its layers are staged.
     ``fetch_stats`` says what the fetch read and moved; ``clock`` (optional) times its stages."""
 
-    def __init__(self, prefixes: dict[str, StorePrefix], rows: list[BlockPlacement], cos: torch.Tensor, sin: torch.Tensor, device,
+    def __init__(self, rows: list[BlockPlacement], cos: torch.Tensor, sin: torch.Tensor, device,
                  *, depth: int = 2, tier: DeviceTier | None = None, pools: dict[str, TransferPool] | None = None,
                  rebuild=rebuild_layer, clock: StageClock | None = None, share: KVShare | None = None):
-        self.prefixes, self.rows, self.cos, self.sin, self.rebuild = prefixes, rows, cos, sin, rebuild
-        layout = next(iter(prefixes.values())).layout  # stores mounted together are of one model
+        if not rows:
+            raise ValueError("a rebuild needs at least one row")
+        self.rows, self.cos, self.sin, self.rebuild = rows, cos, sin, rebuild
+        layout = rows[0].prefix.layout  # stores mounted together are of one model
         self.share = share or KVShare.whole(layout)
         self.share.check(layout)
         self.clock = clock or StageClock(device)
         pools = pools or {}
-        by_store: dict[str, list[int]] = {}
+        unions: dict[StorePrefix, list[int]] = {}  # each mounted version's blocks, once each
         for row in rows:
-            by_store.setdefault(row.store, [])
-            by_store[row.store] += row.blocks
-        unions = {name: list(dict.fromkeys(blocks)) for name, blocks in by_store.items()}
+            unions.setdefault(row.prefix, []).extend(row.blocks)
+        unions = {prefix: list(dict.fromkeys(blocks)) for prefix, blocks in unions.items()}
+        pooled: set[str] = set()  # a store's transfer pool serves one of its versions per fetch; another stages its own
+        self.fetched: dict[StorePrefix, LayerPrefetcher] = {}
         with self.clock.host("read"):
-            self.fetched = {name: LayerPrefetcher(prefixes[name].store, ids, device, depth=depth, tier=tier,
-                                                  pool=pools.get(name), layers=self.share.layers)
-                            for name, ids in unions.items() if ids}  # prefill rows read nothing
+            for prefix, ids in unions.items():
+                if ids:  # prefill rows read nothing
+                    pool = pools.get(prefix.name) if prefix.name not in pooled else None
+                    pooled.add(prefix.name)
+                    self.fetched[prefix] = LayerPrefetcher(prefix.store, ids, device, depth=depth, tier=tier, pool=pool,
+                                                           layers=self.share.layers)
         for pf in self.fetched.values():
             self.clock.defer("transfer", pf.transfer_seconds)
             if pf.store.remote:  # this fetch's own block cache misses of a store URL
@@ -175,12 +185,12 @@ class PrefixRebuild:
         self.tables = []
         layers, heads = self.share.layers, self.share.heads
         for row in rows:
-            prefix = prefixes[row.store]
+            prefix = row.prefix
             seg = row.segments.copy()
             if row.blocks:
-                where = {b: i for i, b in enumerate(unions[row.store])}
+                where = {b: i for i, b in enumerate(unions[prefix])}
                 at = [where[b] for b in row.blocks]
-                seg[:, :, 0] += np.repeat(self.fetched[row.store].starts[:, at], 2 * prefix.layout.num_kv_heads, axis=1)
+                seg[:, :, 0] += np.repeat(self.fetched[prefix].starts[:, at], 2 * prefix.layout.num_kv_heads, axis=1)
             # this share's heads (every layer orders its segments alike), numbered from the buffers' first
             head = seg[0, :, 4]
             seg = seg[:, (head >= heads.start) & (head < heads.stop)]
@@ -198,14 +208,14 @@ class PrefixRebuild:
             raise ValueError(f"layer {layer} is not in this rebuild's layers {self.share.layers}")
         heads = slice(self.share.heads.start, self.share.heads.stop)
         with self.clock.device_stage("wait"):
-            factors = {name: pf.layer(layer)[0] for name, pf in self.fetched.items()}
+            factors = {prefix: pf.layer(layer)[0] for prefix, pf in self.fetched.items()}
         with self.clock.device_stage("rebuild"):
             for r, (row, (segments, kernel_plans)) in enumerate(zip(self.rows, self.tables)):
                 r = slots[r] if slots is not None else r
-                m = self.prefixes[row.store]
+                m = row.prefix
                 k_buf[r, :, :m.anchor_len] = m.anchor_k[layer, heads]
                 v_buf[r, :, :m.anchor_len] = m.anchor_v[layer, heads]
                 if row.blocks:
-                    self.rebuild(factors[row.store], segments[layer], k_buf[r, :, :row.prefix_tokens],
+                    self.rebuild(factors[m], segments[layer], k_buf[r, :, :row.prefix_tokens],
                                  v_buf[r, :, :row.prefix_tokens], self.cos, self.sin, interleaved=m.rope_interleaved,
                                  quant=m.layout.quant, plan=kernel_plans.get(layer))

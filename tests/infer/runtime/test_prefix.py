@@ -28,7 +28,7 @@ def rebuilt(store: MiloStore, cos, sin, share: KVShare | None) -> tuple[torch.Te
     """Every row's prefix, [rows, layers, heads, T, d] for K and V, as far as ``share`` reaches."""
     prefix = StorePrefix("s", store, cos, sin, "cpu", torch.float32)
     rows = [prefix.place(blocks) for blocks in ROWS]
-    rebuild = PrefixRebuild({"s": prefix}, rows, cos, sin, "cpu", share=share)
+    rebuild = PrefixRebuild(rows, cos, sin, "cpu", share=share)
     layers, heads = rebuild.share.layers, rebuild.share.heads
     T = max(row.prefix_tokens for row in rows)
     k = torch.zeros(len(rows), len(layers), len(heads), T, store.layout.head_dim)
@@ -54,10 +54,10 @@ def test_a_share_refuses_layers_and_heads_it_does_not_hold(built):
     paths, cos, sin = built
     with MiloStore.open(paths["full"]) as store:
         prefix = StorePrefix("s", store, cos, sin, "cpu", torch.float32)
-        rebuild = PrefixRebuild({"s": prefix}, [prefix.place([0])], cos, sin, "cpu", share=KVShare(range(1, 2), range(0, 1)))
+        rebuild = PrefixRebuild([prefix.place([0])], cos, sin, "cpu", share=KVShare(range(1, 2), range(0, 1)))
         k = torch.zeros(1, 1, rebuild.rows[0].prefix_tokens, store.layout.head_dim)
         with pytest.raises(ValueError, match="not in this rebuild's layers"):
             rebuild.fill(0, k, k.clone())
         for share in (KVShare(range(0, 3), range(0, 1)), KVShare(range(0, 1), range(1, 3)), KVShare(range(0, 0), range(0, 1))):
             with pytest.raises(ValueError, match="is not a run of the layout"):
-                PrefixRebuild({"s": prefix}, [prefix.place([0])], cos, sin, "cpu", share=share)
+                PrefixRebuild([prefix.place([0])], cos, sin, "cpu", share=share)
