@@ -25,6 +25,7 @@ from ..runtime.errors import AdmissionOutOfMemory, BlockLoadError, RequestError,
 from . import MAX_BODY_BYTES, protocol
 from .metrics import ServerMetrics
 from .protocol import APIError, ChunkWriter, ParsedRequest, StreamedText
+from .reload import StoreReloader
 from .scheduler import EngineLoop, NotAccepting, QueueFull, ShuttingDown
 
 RETRY_AFTER_S = 1
@@ -112,9 +113,37 @@ async def prometheus(request: HTTPRequest):
 
 @router.get("/v1/models", dependencies=KEYED)
 async def models(request: HTTPRequest):
+    """OpenAI's model list, one entry per store, with the store version that answers new requests."""
     state = request.app.state
-    return {"object": "list", "data": [{"id": name, "object": "model", "created": state.started, "owned_by": "milo"}
-                                       for name in state.engine.stores]}
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": state.started, "owned_by": "milo",
+                                        "version": mounted.version} for name, mounted in state.engine.stores.items()]}
+
+
+@router.post("/admin/reload", dependencies=KEYED)
+async def reload_stores(request: HTTPRequest):
+    """Swap in the stores' new versions now (the body may name one: ``{"model": name}``): 200 with each store's
+    version (and the one it replaced), or 500 ``reload_failed`` naming every store whose new version could
+    not be mounted, which keep serving their old one."""
+    state = request.app.state
+    if state.reloader is None:
+        raise APIError(400, "this server answers through vLLM, whose connector keeps the store versions it mounted "
+                            "at its start: restart vLLM, then milo serve, to serve a new version", code="unsupported")
+    raw = await read_body(request, state.max_body_bytes)
+    body = protocol.parse_json(raw) if raw.strip() else {}
+    if unknown := sorted(set(body) - {"model"}):
+        raise protocol.invalid(unknown[0], "is not a field of /admin/reload (it takes only 'model')")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise protocol.invalid("model", f"must be a store's name, got {model!r}")
+    if model is not None and model not in state.engine.stores:
+        raise APIError(404, f"model {model!r} is not mounted here; mounted: {', '.join(sorted(state.engine.stores))}",
+                       param="model", code="model_not_found")
+    looked = await run_in_threadpool(state.reloader.reload, [model] if model else None)
+    failed = [r for r in looked if r.error]
+    if failed:
+        raise APIError(500, "; ".join(f"store {r.store!r}: {r.error}" for r in failed), kind="server_error",
+                       code="reload_failed")
+    return {"object": "list", "data": [{"id": r.store, "version": r.version, "previous": r.previous} for r in looked]}
 
 
 @router.post("/v1/completions", dependencies=KEYED)
@@ -237,9 +266,13 @@ async def stream(loop: EngineLoop, metrics: ServerMetrics, parsed: ParsedRequest
 
 @asynccontextmanager
 async def lifespan(app: FastAPI):
-    loop = app.state.engine_loop
+    loop, reloader = app.state.engine_loop, app.state.reloader
     loop.start()
+    if reloader is not None:
+        reloader.start()
     yield
+    if reloader is not None:
+        await run_in_threadpool(reloader.stop)
     await run_in_threadpool(loop.stop, STOP_TIMEOUT_S)
 
 
@@ -273,15 +306,21 @@ async def internal_error(request: HTTPRequest, error: Exception):
 
 
 def create_app(engine, *, api_key: str | None = None, max_batch: int = 16, batch_wait_ms: float = 5.0,
-               max_queue: int = 256, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+               max_queue: int = 256, max_body_bytes: int = MAX_BODY_BYTES, locations: dict[str, str] | None = None,
+               open_store=None, reload_interval_s: float = 0.0) -> FastAPI:
     """An app serving ``engine``'s mounted stores; its engine loop starts and stops with the app's lifespan.
-    ``app.state.engine_loop.drain()`` starts draining: ``/health`` and new requests answer 503 from then on."""
+    ``app.state.engine_loop.drain()`` starts draining: ``/health`` and new requests answer 503 from then on.
+    With ``locations`` (each store's directory or URL, by name) and ``open_store`` (opens one), the stores
+    are hot-swapped to their new versions (`reload.StoreReloader`): every ``reload_interval_s`` seconds
+    (0: never by itself) and on ``POST /admin/reload``; without, that endpoint answers 400."""
     app = FastAPI(title="milo serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     state = app.state
     state.engine, state.api_key, state.max_body_bytes, state.started = engine, api_key, max_body_bytes, int(time.time())
     state.preparing = 0  # requests being read, checked or planned, not yet queued (on the event loop's thread)
     state.planning = threading.Lock()  # one plan at a time (`plan_query`)
     state.metrics = ServerMetrics(engine.stores)
+    state.reloader = (StoreReloader(engine, locations, open_store, state.metrics, reload_interval_s)
+                      if locations is not None else None)
     state.engine_loop = EngineLoop(engine, state.metrics, max_batch=max_batch, batch_wait_s=batch_wait_ms / 1000,
                                    max_queue=max_queue)
     app.include_router(router)

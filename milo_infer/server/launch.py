@@ -17,16 +17,21 @@ def store_name(location: str) -> str:
     return PurePosixPath(str(location).rstrip("/")).name
 
 
-def mount_stores(locations: list[str], **options) -> dict[str, MiloStore]:
-    """Every store opened once (``options``: `MiloStore.open`'s keywords), by name; two stores of one name are
-    refused (a client could not tell them apart)."""
+def store_locations(locations: list[str]) -> dict[str, str]:
+    """Each store's location by the name clients use; two stores of one name are refused (a client could not
+    tell them apart)."""
     names = [store_name(loc) for loc in locations]
     clash = sorted({n for n in names if names.count(n) > 1})
     if clash:
         raise StoreError(f"two stores share the name {clash[0]!r} (the basename clients ask for): rename one")
+    return dict(zip(names, locations))
+
+
+def mount_stores(locations: list[str], **options) -> dict[str, MiloStore]:
+    """Every store opened once (``options``: `MiloStore.open`'s keywords), by name (`store_locations`)."""
     stores: dict[str, MiloStore] = {}
     try:
-        for name, location in zip(names, locations):
+        for name, location in store_locations(locations).items():
             stores[name] = MiloStore.open(location, **options)
     except BaseException:
         for store in stores.values():

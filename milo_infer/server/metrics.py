@@ -68,6 +68,8 @@ class ServerMetrics:
         self.recomputed_blocks = Counter("milo:recomputed_blocks", "Unreadable blocks the model computed for a row", M,
                                          registry=r)
         self.aborted = Counter("milo:request_aborted", "Requests whose client left before the answer", M, registry=r)
+        self.reloads = Counter("milo:store_reloads", "New store versions found: swapped in, or failed to mount (the "
+                               "old version kept serving)", M + ["result"], registry=r)
         self.errors = Counter("milo:request_errors", "Requests answered with an error, by its code", ["code"],
                               registry=r)
         ProcessCollector(registry=r)
@@ -77,6 +79,8 @@ class ServerMetrics:
             for metric in (self.running, self.waiting, self.prompt_tokens, self.generation_tokens, self.kv_bytes_stored,
                            self.recomputed_blocks, self.aborted):
                 metric.labels(store)
+            for result in ("swapped", "failed"):
+                self.reloads.labels(store, result)
         for tier in TIERS:
             self.blocks_read.labels(tier)
 

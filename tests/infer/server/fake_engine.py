@@ -45,7 +45,7 @@ def damaged(plan: QueryPlan) -> bool:
 class FakeEngine:
     def __init__(self, stores=("demo",), *, max_positions=2048, plan_s=0.0, step_s=0.0, batch_limit=None,
                  crash_gate: threading.Event | None = None):
-        self.stores = {name: SimpleNamespace(name=name) for name in stores}
+        self.stores = {name: SimpleNamespace(name=name, version="fake") for name in stores}
         self.max_positions, self.plan_s, self.step_s, self.batch_limit = max_positions, plan_s, step_s, batch_limit
         self.crash_gate = crash_gate  # when given, a crashing step first waits for it (a test's "now")
         self.batches: list[FakeBatch] = []
