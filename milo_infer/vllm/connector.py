@@ -50,7 +50,7 @@ from milo_store.blockcache import BlockCache
 from ..models import check_compatible, config_identity, config_rope_tables
 from ..runtime.prefix import BlockPlacement, KVShare, PrefixRebuild, StorePrefix
 from ..runtime.timing import StageClock
-from .transfer import Claim, PrefixClaims, tensor_parallel_heads
+from .transfer import Load, LoadSchedule, PrefixClaims, tensor_parallel_heads
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -63,17 +63,6 @@ if TYPE_CHECKING:
 
 UNREADABLE = (StoreError, OSError)  # a block failing its checksum; a read that failed after its retries
 logger = init_logger(f"vllm.{__name__}")  # vLLM configures handlers for its own namespace only
-
-
-@dataclass
-class Load:
-    """One request's prefix tokens [start, end) to load into vLLM's cache slots."""
-    req_id: str
-    claim: Claim  # the store and blocks, checked against the prompt
-    start: int
-    end: int
-    slots: list[int]  # one per token in [start, end)
-    block_ids: list[int]  # the vLLM blocks those slots are in (reported on a load error)
 
 
 @dataclass
@@ -173,9 +162,7 @@ class MiloConnector(KVConnectorBase_V1):
         for store in self.stores.values():
             check_compatible(store, identity)
         # scheduler side
-        self.claims = PrefixClaims(self.stores)
-        self._claimed: dict[str, tuple[Claim, int, int]] = {}  # req_id -> (claim, start, end) awaiting blocks
-        self._to_load: set[str] = set()
+        self.schedule = LoadSchedule(PrefixClaims(self.stores), self.block_size)
         # worker side
         self._prefixes: dict[str, StorePrefix] | None = None
         self._rebuild: PrefixRebuild | None = None
@@ -190,52 +177,25 @@ class MiloConnector(KVConnectorBase_V1):
 
     # -- scheduler side ----------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
-        prompt = list(request.prompt_token_ids or [])
-        claim, why = self.claims.claim(request.kv_transfer_params, prompt)
-        if claim is None:
-            if request.kv_transfer_params:
-                logger.warning("request %s is served without the store: %s", request.request_id, why)
-            return 0, False
-        # the whole prefix, as milo's engine rebuilds it (vLLM takes a sub-block tail), but never the
-        # prompt's last token: vLLM computes that one to sample from
-        end = min(claim.prefix_tokens, len(prompt) - 1)
-        if end <= num_computed_tokens:
-            return 0, False
-        self._claimed[request.request_id] = (claim, num_computed_tokens, end)
-        return end - num_computed_tokens, False
+        tokens, why = self.schedule.claim(request.request_id, request.kv_transfer_params,
+                                          list(request.prompt_token_ids or []), num_computed_tokens)
+        if why and request.kv_transfer_params:
+            logger.warning("request %s is served without the store: %s", request.request_id, why)
+        return tokens, False
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
-        if num_external_tokens > 0 and request.request_id in self._claimed:
-            self._to_load.add(request.request_id)
-        else:
-            self._claimed.pop(request.request_id, None)
+        self.schedule.allocated(request.request_id, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        meta = MiloConnectorMetadata()
         blocks_of = {new.req_id: new.block_ids[0] for new in scheduler_output.scheduled_new_reqs}
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):  # a preempted request resumes with all its blocks anew
             if req_id in cached.resumed_req_ids and cached.new_block_ids[i] is not None:
                 blocks_of[req_id] = cached.new_block_ids[i][0]
-        for req_id in self._to_load:
-            if req_id not in blocks_of:
-                logger.warning("request %s was claimed but not scheduled: its prefix is not loaded", req_id)
-                continue
-            claim, start, end = self._claimed[req_id]
-            vllm_blocks = blocks_of[req_id]
-            slots = [vllm_blocks[p // self.block_size] * self.block_size + p % self.block_size
-                     for p in range(start, end)]
-            used = vllm_blocks[start // self.block_size:(end - 1) // self.block_size + 1]
-            meta.loads.append(Load(req_id, claim, start, end, slots, list(used)))
-        # a claim lives for the one schedule() that made it: none is left pending for a later step, so a
-        # preempted request's blocks are never loaded late, and a resumed one is claimed anew
-        self._claimed.clear()
-        self._to_load.clear()
-        return meta
+        return MiloConnectorMetadata(loads=self.schedule.loads(blocks_of))
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict | None]:
-        self._claimed.pop(request.request_id, None)
-        self._to_load.discard(request.request_id)
+        self.schedule.finished(request.request_id)
         return False, None
 
     # -- worker side -------------------------------------------------------------------------------
@@ -268,7 +228,16 @@ class MiloConnector(KVConnectorBase_V1):
         return share
 
     def _rows(self, loads: list[Load]) -> list[BlockPlacement]:
-        return [self._prefixes[load.claim.store].place(load.claim.blocks) for load in loads]
+        """The loads' placements; a claim checked against another version than this worker's mount (the store
+        was updated between their starts) is unreadable here, as a damaged block is."""
+        rows = []
+        for load in loads:
+            prefix = self._prefixes[load.claim.store]
+            if prefix.store.version != load.claim.version:
+                raise StoreError(f"store {load.claim.store!r}: the scheduler checked version {load.claim.version}, "
+                                 f"this worker mounted {prefix.store.version}")
+            rows.append(prefix.place(load.claim.blocks))
+        return rows
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -307,7 +276,7 @@ class MiloConnector(KVConnectorBase_V1):
 
     def _rebuild_of(self, loads: list[Load]) -> PrefixRebuild:
         """These loads' blocks read (raises what an unreadable block raises), to rebuild this worker's share."""
-        return PrefixRebuild(self._prefixes, self._rows(loads), self.cos, self.sin, self.device,
+        return PrefixRebuild(self._rows(loads), self.cos, self.sin, self.device,
                              share=self.share, clock=StageClock(self.device))
 
     def _count(self, **values) -> None:

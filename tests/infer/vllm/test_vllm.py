@@ -126,11 +126,14 @@ def test_claims_check_the_ids_never_the_names(stores, default_model, banking77):
     ids, blocks = prompt.prompt_token_ids, prompt.blocks
     claim, _ = claims.claim(prompt.kv_transfer_params, ids)
     assert claim.store == "raw" and claim.blocks == blocks and claim.prefix_tokens == prompt.prefix_tokens
+    assert claim.version == store.version == prompt.kv_transfer_params[KEY]["version"]
     swapped = transfer_params("raw", blocks[::-1])
     refused = {
         "no params": (None, ids),
         "other connector's params": ({"other": 1}, ids),
         "malformed": ({KEY: {"store": "raw", "blocks": "0,1"}}, ids),
+        "a version that is not a string": ({KEY: {"store": "raw", "blocks": blocks, "version": 3}}, ids),
+        "blocks of another version of the store": (transfer_params("raw", blocks, "0123456789abcdef"), ids),
         "unknown store": (transfer_params("nope", blocks), ids),
         "block out of range": (transfer_params("raw", [store.num_blocks]), ids),
         "blocks in another order": (swapped, ids),
