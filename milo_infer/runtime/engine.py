@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -86,7 +87,7 @@ class Engine:
             check_compatible(store, loaded.identity)
         self.max_positions = min(s.meta["model"]["max_position_embeddings"] for s in stores.values())
         self.cos, self.sin = rope_tables(self.model, self.max_positions, device=self.device)
-        self.identity = loaded.identity
+        self.identity, self.swapping = loaded.identity, threading.Lock()
         self.stores = {name: self.mount(name, store) for name, store in stores.items()}
         self.device_tier = DeviceTier(device_cache_bytes, self.device) if device_cache_bytes else None
         # one side stream and buffer set per store: a batch may stream from several stores at once
@@ -95,7 +96,12 @@ class Engine:
         self.pad_id = int(pad if pad is not None else self.tokenizer.eos_token_id or 0)
 
     def mount(self, name: str, store: MiloStore) -> MountedStore:
+        """``store`` ready to answer from. Its token ids (what unreadable blocks and recompute are computed
+        from) are read now: a directory's path holds the next version once an update commits, and this
+        mount must never read that one's."""
         check_compatible(store, self.identity)
+        if store.num_blocks:
+            store.token_ids(0)
         return MountedStore(name, store, self.tokenizer, self.cos, self.sin, self.device, self.dtype,
                             self.settings.aggregate)
 
@@ -112,8 +118,9 @@ class Engine:
             raise IncompatibleStoreError(f"{store.path}: its model has {positions} positions, the engine was "
                                          f"started for {self.max_positions}")
         new = self.mount(name, store)
-        old = self.stores[name]
-        self.stores = {**self.stores, name: new}  # one rebinding: a planner sees the old dict or the new one
+        with self.swapping:
+            old = self.stores[name]
+            self.stores = {**self.stores, name: new}  # one rebinding: a planner sees the old dict or the new one
         weakref.finalize(old, release_version, old.store, name, old.version)
         return old
 
@@ -205,12 +212,20 @@ class Row:
 @dataclass(eq=False)
 class Admission:
     """Rows seated together: their blocks were read as one union, and their prefixes are rebuilt into their
-    slots by the first forward that feeds any of them."""
-    rebuild: PrefixRebuild
+    slots by the first forward that feeds any of them. Once rebuilt (or given up) it lets go of its rows and
+    its rebuild (`settle`): its rows still point at it, and a cycle would keep them, their plans (an old store
+    version among them) and the staged factors alive until the garbage collector ran."""
+    rebuild: PrefixRebuild | None
     rows: list[Row]
     clock: StageClock
     started: float
     filled: bool = False
+    bytes_moved_each: int = 0  # each row's share of the bytes its fetch moved
+
+    def settle(self) -> None:
+        if self.rows:
+            self.bytes_moved_each = self.rebuild.fetch_stats["bytes"] // len(self.rows)
+        self.rows, self.rebuild = [], None
 
 
 class Batch:
@@ -424,6 +439,7 @@ class Batch:
             for row in a.rows:
                 for stage, s in seconds.items():
                     row.seconds[stage] = row.seconds.get(stage, 0.0) + s / len(a.rows)
+            a.settle()
         model_share = max(0.0, now - t - prefix_seconds) / len(fed)
         for (row, n, _), (first, count, ends) in zip(fed, kept):
             row.seconds["model"] = row.seconds.get("model", 0.0) + model_share
@@ -473,7 +489,7 @@ class Batch:
         answer = Answer(text=row.decoder.result().text.strip(), blocks=p.blocks, groups=p.groups,
                         prefix_tokens=p.prefix_tokens, kv_bytes_full=p.placement.kv_bytes_full,
                         kv_bytes_stored=p.placement.kv_bytes_stored, seconds=dict(row.seconds),
-                        kv_bytes_moved=row.admission.rebuild.fetch_stats["bytes"] // len(row.admission.rows),
+                        kv_bytes_moved=row.admission.bytes_moved_each,
                         completion_tokens=len(row.decoder.ids), finish_reason=reason,
                         first_token_seconds=row.first_token_seconds, prefill_tokens=len(x.query_ids),
                         recomputed_blocks=[b for b in p.blocks if b not in x.blocks])
@@ -482,7 +498,10 @@ class Batch:
     def _free_finished(self) -> None:
         """Finished and cancelled rows give their slots back (nothing else moves), except a row whose admission
         is still to be rebuilt: that rebuild writes every one of its rows' slots, so the slot waits for it."""
-        self.admissions = [a for a in self.admissions if any(not row.finished for row in a.rows)]
+        given_up = [a for a in self.admissions if all(row.finished for row in a.rows)]  # every row cancelled
+        for a in given_up:
+            self.admissions.remove(a)
+            a.settle()
         leaving = [row for row in self.rows if row.finished and row.admission not in self.admissions]
         self.free += [row.slot for row in leaving]
         self.rows = [row for row in self.rows if row not in leaving]

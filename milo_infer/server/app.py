@@ -126,8 +126,9 @@ async def reload_stores(request: HTTPRequest):
     not be mounted, which keep serving their old one."""
     state = request.app.state
     if state.reloader is None:
-        raise APIError(400, "this server answers through vLLM, whose connector keeps the store versions it mounted "
-                            "at its start: restart vLLM, then milo serve, to serve a new version", code="unsupported")
+        raise APIError(400, "this server does not swap store versions (over vLLM, the connector keeps the versions it "
+                            "mounted at its start: restart vLLM, then milo serve, to serve a new version)",
+                       code="unsupported")
     raw = await read_body(request, state.max_body_bytes)
     body = protocol.parse_json(raw) if raw.strip() else {}
     if unknown := sorted(set(body) - {"model"}):
@@ -319,7 +320,7 @@ def create_app(engine, *, api_key: str | None = None, max_batch: int = 16, batch
     state.preparing = 0  # requests being read, checked or planned, not yet queued (on the event loop's thread)
     state.planning = threading.Lock()  # one plan at a time (`plan_query`)
     state.metrics = ServerMetrics(engine.stores)
-    state.reloader = (StoreReloader(engine, locations, open_store, state.metrics, reload_interval_s)
+    state.reloader = (StoreReloader(engine, locations, open_store, state.metrics, reload_interval_s, state.planning)
                       if locations is not None else None)
     state.engine_loop = EngineLoop(engine, state.metrics, max_batch=max_batch, batch_wait_s=batch_wait_ms / 1000,
                                    max_queue=max_queue)

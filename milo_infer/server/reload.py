@@ -6,8 +6,11 @@ whenever ``POST /admin/reload`` asks. A store whose version changed (`milo updat
 opened with the server's mount options beside the version serving, and `Engine.swap` sends new
 requests to it; requests planned before finish on the version they were planned against, which is
 closed once none holds it. A version that cannot be opened or mounted is logged and reported, the old
-one keeps serving, and the poll does not try that version again (a reload asked for does).
+one keeps serving, and the poll does not try that version again (a reload asked for does). A location
+whose version cannot be read (a link down) is logged once until it can be read again.
 """
+from __future__ import annotations
+
 import logging
 import threading
 from dataclasses import dataclass
@@ -18,6 +21,7 @@ from milo_store import MiloStore
 from .metrics import ServerMetrics
 
 log = logging.getLogger("milo.serve")
+STOP_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -32,16 +36,19 @@ class Reloaded:
 
 class StoreReloader:
     """Swaps ``engine``'s stores (named as in ``locations``) to the versions their locations hold;
-    ``open_store(location)`` opens one with the server's mount options."""
+    ``open_store(location)`` opens one with the server's mount options; ``planning`` is the lock the
+    server's planners hold while they use the tokenizer."""
 
     def __init__(self, engine, locations: dict[str, str], open_store: Callable[[str], MiloStore],
-                 metrics: ServerMetrics, interval_s: float = 0.0):
+                 metrics: ServerMetrics, interval_s: float = 0.0, planning: threading.Lock | None = None):
         if interval_s < 0:
             raise ValueError(f"interval_s cannot be negative, got {interval_s}")
         if set(locations) != set(engine.stores):
             raise ValueError(f"locations name {sorted(locations)}, the engine mounts {sorted(engine.stores)}")
         self.engine, self.locations, self.open_store = engine, dict(locations), open_store
         self.metrics, self.interval_s = metrics, interval_s
+        # mounting encodes the labels with the model's tokenizer: held as the server's planners hold it
+        self.planning = planning or threading.Lock()
         self._lock = threading.Lock()  # one look at a time: a poll and an asked reload never mount twice
         self._failed: dict[str, tuple[str, str]] = {}  # store -> (version, why) of the last that failed to mount
         self._stop = threading.Event()
@@ -52,10 +59,11 @@ class StoreReloader:
         if self.interval_s > 0:
             self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        """Stop polling; a look under way (mounting a large store) is not waited for past ``timeout``."""
         self._stop.set()
         if self._thread.is_alive():
-            self._thread.join()
+            self._thread.join(timeout)
 
     def reload(self, names: list[str] | None = None, *, retry_failed: bool = True) -> list[Reloaded]:
         """Look at ``names`` (default: every store) now and swap in the new versions found."""
@@ -71,14 +79,16 @@ class StoreReloader:
             return self._failure(name, serving, None, f"its version cannot be read at {location} ({type(e).__name__}: "
                                                       f"{e}); version {serving} keeps serving")
         if found == serving:
+            self._failed.pop(name, None)
             return Reloaded(name, serving)
         failed = self._failed.get(name)
-        if failed is not None and failed[0] == found and not retry_failed:
+        if failed is not None and failed[0] == found and not retry_failed:  # a poll: counted once already
             return Reloaded(name, serving, error=failed[1])
         try:
             store = self.open_store(location)
             try:
-                self.engine.swap(name, store)
+                with self.planning:
+                    self.engine.swap(name, store)
             except BaseException:
                 store.close()
                 raise
@@ -92,10 +102,10 @@ class StoreReloader:
         return Reloaded(name, store.version, previous=serving)
 
     def _failure(self, name: str, serving: str, found: str | None, why: str) -> Reloaded:
-        if found is None or self._failed.get(name, (None,))[0] != found:
-            log.error("store %r: %s", name, why)  # once per version, not at every poll
-        if found is not None:
-            self._failed[name] = (found, why)
+        """``found``: the version that failed to mount, None when none could be read."""
+        if name not in self._failed or self._failed[name][0] != found:
+            log.error("store %r: %s", name, why)  # once per version (or per unreadable spell), not every poll
+        self._failed[name] = (found, why)
         self.metrics.reloads.labels(name, "failed").inc()
         return Reloaded(name, serving, error=why)
 

@@ -20,7 +20,6 @@ from milo_infer.runtime.planning import EngineSettings, Request
 from milo_infer.server.app import create_app
 from milo_infer.server.metrics import ServerMetrics
 from milo_infer.server.reload import StoreReloader
-from milo_infer.server.scheduler import EngineLoop
 from milo_store import IncompatibleStoreError, MiloStore
 
 from ..build.test_build import tiny, tiny_model_dir, tokenizer  # noqa: F401 (fixtures)
@@ -60,56 +59,42 @@ def reference_answers(loaded, path) -> dict[str, tuple]:
         return {q: seen(a) for q, a in zip(QUERIES, engine.answer([engine.plan("banking", Request(q)) for q in QUERIES]))}
 
 
-def answers_through(loop: EngineLoop, plans) -> list:
-    """Submit ``plans`` to a running engine loop; a function that waits for their last events."""
-    done = [threading.Event() for _ in plans]
-    last = [None] * len(plans)
-
-    def deliver_to(i):
-        def deliver(event):
-            if isinstance(event, Exception) or event.finished:
-                last[i] = event
-                done[i].set()
-        return deliver
-
-    for i, plan in enumerate(plans):
-        loop.submit(plan, deliver_to(i))
-
-    def wait():
-        assert all(d.wait(120) for d in done), "an answer never came"
-        return last
-    return wait
-
-
 def test_requests_planned_before_a_swap_finish_on_their_version(tiny, versions, caplog):
+    """Plans made before and after a swap, admitted together: one batch reads and rebuilds from both versions,
+    each answer is its version's alone, and the old version is released with the last plan that held it
+    (no cycle left for the garbage collector)."""
     live, first, second = versions
     want_old, want_new = reference_answers(tiny, first), reference_answers(tiny, second)
     assert want_old != want_new  # the versions answer differently: a mixed answer would show
-    engine = Engine(tiny, {"banking": MiloStore.open(live)}, SETTINGS, max_rows=2)
+    engine = Engine(tiny, {"banking": MiloStore.open(live)}, SETTINGS, max_rows=8)
     metrics = ServerMetrics(engine.stores)
     reloader = StoreReloader(engine, {"banking": str(live)}, MiloStore.open, metrics)
-    loop = EngineLoop(engine, metrics, max_batch=2)
     old_plans = [engine.plan("banking", Request(q)) for q in QUERIES]
     v1 = engine.stores["banking"].version
     publish(second, live)
     caplog.set_level("INFO", logger="milo")
-    loop.start()
-    try:
-        wait_old = answers_through(loop, old_plans)  # queued behind 2 slots: most are admitted after the swap
-        [looked] = reloader.reload()
-        assert looked.previous == v1 and looked.version == engine.stores["banking"].version != v1
-        new_plans = [engine.plan("banking", Request(q)) for q in QUERIES]
-        wait_new = answers_through(loop, new_plans)
-        old, new = wait_old(), wait_new()
-    finally:
-        loop.stop(10)
-    assert [seen(e.answer) for e in old] == [want_old[q] for q in QUERIES]
-    assert [seen(e.answer) for e in new] == [want_new[q] for q in QUERIES]
+    [looked] = reloader.reload()
+    assert looked.previous == v1 and looked.version == engine.stores["banking"].version != v1
+    new_plans = [engine.plan("banking", Request(q)) for q in QUERIES]
     assert {p.mount.version for p in old_plans} == {v1} and {p.mount.version for p in new_plans} == {looked.version}
+    batch, finished = engine.batch(), {}
+    events = batch.admit(old_plans + new_plans)
+    [admission] = batch.admissions
+    assert set(admission.rebuild.fetched) == {old_plans[0].placement.prefix, new_plans[0].placement.prefix}
+    while True:
+        finished.update({id(e.plan): seen(e.answer) for e in events if e.finished})
+        if not len(batch):
+            break
+        events = batch.step()
+    assert [finished[id(p)] for p in old_plans] == [want_old[q] for q in QUERIES]
+    assert [finished[id(p)] for p in new_plans] == [want_new[q] for q in QUERIES]
     retired = weakref.ref(old_plans[0].mount)
-    del old_plans, old, wait_old
-    gc.collect()
-    assert retired() is None, "the old version is still held after its last request"
+    gc.disable()
+    try:
+        del old_plans, events, admission
+        assert retired() is None, "the old version is still held after its last request"
+    finally:
+        gc.enable()
     assert f"version {v1} released" in caplog.text
     assert metrics.reloads.labels("banking", "swapped")._value.get() == 1
 
@@ -207,7 +192,7 @@ def test_the_poll_swaps_a_new_version_in_by_itself(tiny, versions):
     assert engine.stores["banking"].version == MiloStore.current_version(live) != v1
 
 
-def test_a_server_over_vllm_refuses_a_reload():
+def test_a_server_without_store_locations_refuses_a_reload():  # as milo serve --vllm is made
     from .fake_engine import FakeEngine
 
     with TestClient(create_app(FakeEngine())) as client:
