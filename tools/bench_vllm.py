@@ -91,8 +91,13 @@ def main() -> None:
     p.add_argument("--k", type=int, default=6)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--timing-queries", type=int, default=16, help="queries per TTFT/qps measurement")
+    p.add_argument("--timing-max-tokens", type=int, default=1,
+                   help="tokens a timed request may answer (1: time to first token; 16: whole label answers, as "
+                        "milo serve gives them, for queries/s beside tools/bench_serve.py)")
     p.add_argument("--milo-predictions", action="append", default=[], metavar="NAME=JSONL",
                    help="milo eval's predictions for store NAME (same queries), to compare with")
+    p.add_argument("--no-prefill", action="store_true",
+                   help="skip plain vLLM prefill (no agreement with it): only the stores, e.g. for queries/s")
     p.add_argument("--port", type=int, default=8011)
     p.add_argument("--out", required=True)
     p.add_argument("vllm_args", nargs="*", help="after --: vLLM's own flags")
@@ -111,13 +116,14 @@ def main() -> None:
     process = start(stores, args.port, out.with_suffix(".vllm.log"), args.vllm_args)
     results = {"dataset": args.dataset, "k": args.k, "n_queries": len(test), "date": time.strftime("%Y-%m-%d"),
                "answers": {}, "tokens": {}, "timing": {}}
+    methods = [*clients] if args.no_prefill else ["prefill", *clients]
     try:
         prompts = [first.prompt(Request(text=q.input)) for q in test]
         for name, client in clients.items():  # one build: every store retrieves the same blocks
             assert [client.prompt(Request(text=q.input)).blocks for q in test[:5]] == [x.blocks for x in prompts[:5]]
         results["tokens"] = {"prompt": statistics.mean(len(x.prompt_token_ids) for x in prompts),
                              "prefix": statistics.mean(x.prefix_tokens for x in prompts)}
-        for name in ["prefill", *clients]:
+        for name in methods:
             texts, loaded = [], []
             for q, prompt in zip(test, prompts):
                 body = (prompt if name == "prefill" else clients[name].prompt(Request(text=q.input))).body(
@@ -130,15 +136,16 @@ def main() -> None:
             print(name, "done", flush=True)
             out.write_text(json.dumps(results, indent=1))
         for c in (1, args.concurrency):
-            for name in ["prefill", *clients]:
+            for name in methods:
                 bodies = [(x if name == "prefill" else clients[name].prompt(Request(text=q.input))).body(
-                    model, max_tokens=1, use_store=name != "prefill") for q, x in zip(test, prompts)]
+                    model, max_tokens=args.timing_max_tokens, use_store=name != "prefill") for q, x in zip(test, prompts)]
                 bodies = bodies[:args.timing_queries]
                 t = time.perf_counter()
                 with concurrent.futures.ThreadPoolExecutor(c) as pool:
                     latencies = [s for _, s in pool.map(lambda b: complete(url, b), bodies)]
                 wall = time.perf_counter() - t
-                results["timing"][f"{name} c{c}"] = {"ttft_mean_s": statistics.mean(latencies),
+                latency = "ttft_mean_s" if args.timing_max_tokens == 1 else "latency_mean_s"
+                results["timing"][f"{name} c{c}"] = {latency: statistics.mean(latencies),
                                                     "qps": len(bodies) / wall}
                 print(name, c, results["timing"][f"{name} c{c}"], flush=True)
                 out.write_text(json.dumps(results, indent=1))
@@ -155,8 +162,9 @@ def main() -> None:
         milo[name] = [by_id.get(q.id) for q in test]
     summary = {}
     for name, texts in answers.items():
-        row = {"accuracy": sum(is_correct(t, r, task.answer_kind) for t, r in zip(texts, references)) / len(texts),
-               "agree_prefill": sum(t == u for t, u in zip(texts, answers["prefill"])) / len(texts)}
+        row = {"accuracy": sum(is_correct(t, r, task.answer_kind) for t, r in zip(texts, references)) / len(texts)}
+        if "prefill" in answers:
+            row["agree_prefill"] = sum(t == u for t, u in zip(texts, answers["prefill"])) / len(texts)
         if name in milo:
             pairs = [(t, m) for t, m in zip(texts, milo[name]) if m is not None]
             row["agree_milo"] = sum(t == m for t, m in pairs) / len(pairs) if pairs else None
