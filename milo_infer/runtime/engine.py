@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 import transformers
 
-from milo_store import IncompatibleStoreError, MiloStore
+from milo_store import IncompatibleStoreError, MiloStore, StoreError
 
 from ..models import LoadedModel, check_compatible, rope_tables
 from .cache import ATTENTION, Pack, Segment, SlotCache
@@ -101,7 +101,11 @@ class Engine:
         mount must never read that one's."""
         check_compatible(store, self.identity)
         if store.num_blocks:
-            store.token_ids(0)
+            try:
+                store.token_ids(0)
+            except StoreError as e:  # damaged: a query that needs none still answers; one that does fails then
+                log.warning("store %r: its token ids cannot be read (%s): no block of it can be computed instead "
+                            "of read", name, e)
         return MountedStore(name, store, self.tokenizer, self.cos, self.sin, self.device, self.dtype,
                             self.settings.aggregate)
 
