@@ -1,10 +1,41 @@
-"""Fixtures shared by the store and infer tests: an S3 endpoint on loopback."""
+"""Fixtures shared by the store and infer tests: an S3 endpoint on loopback. And the count of test files a
+session collected against those on disk (`test_collection.py`): a folder pytest skips by name (``build``,
+``dist``, ``venv``, ...) would otherwise hide its tests without a word."""
 import logging
 import os
 import urllib.request
 import uuid
+from pathlib import Path
 
 import pytest
+
+TESTS = Path(__file__).resolve().parent
+COLLECTED_FILES: set[Path] = set()  # the test modules this session reached
+
+
+def test_files_on_disk() -> set[Path]:
+    return {p for p in TESTS.rglob("test_*.py") if "__pycache__" not in p.parts}
+
+
+def pytest_collectreport(report):
+    """Every test module the session reached, also one skipped as a whole (vLLM's where vLLM is absent)."""
+    path = Path(str(report.fspath)).resolve()
+    if "::" not in report.nodeid and path.name.startswith("test_") and path.suffix == ".py":
+        COLLECTED_FILES.add(path)
+
+
+def missing_test_files() -> list[str]:
+    """Test files on disk this session did not collect, relative to the repository."""
+    return sorted(str(p.relative_to(TESTS.parent)) for p in test_files_on_disk() - COLLECTED_FILES)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """One line in every full run (and in CI's log): how many test files it collected of those on disk."""
+    if config.args_source != pytest.Config.ArgsSource.TESTPATHS:
+        return
+    missing = missing_test_files()
+    line = f"test files: {len(test_files_on_disk()) - len(missing)} collected of {len(test_files_on_disk())} on disk"
+    terminalreporter.write_line(line + (f"; not collected: {', '.join(missing)}" if missing else ""))
 
 
 @pytest.fixture(scope="session")

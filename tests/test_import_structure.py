@@ -7,8 +7,8 @@ functions, which would otherwise hide a circle):
   kernels, the kernels nothing about stores); both may import milo_format (the format's numeric
   facts), which imports none of them;
 * inside milo_infer, the rooms import one way (docs/design.md's map): `models` and `tasks` import no
-  other room; `runtime` and `build` only those two; `evaluation` and `bench` those and `runtime` and
-  `build`; `server` and `vllm` (milo's HTTP front and vLLM's connector, two front ends of `runtime`)
+  other room; `runtime` and `building` only those two; `evaluation` and `bench` those and `runtime` and
+  `building`; `server` and `vllm` (milo's HTTP front and vLLM's connector, two front ends of `runtime`)
   only `models`, `tasks` and `runtime`, never each other; `cli` any room;
 * no module imports another package's CLI modules (a CLI only parses and prints; what two packages
   share lives in a library module).
@@ -30,9 +30,9 @@ LEAVES = {"models": set(), "tasks": set()}
 ROOMS = {  # milo_infer's room -> the rooms it may import; a room not named here (cli) may import any
     **LEAVES,
     "runtime": {"models", "tasks"},
-    "build": {"models", "tasks"},
-    "evaluation": {"models", "tasks", "runtime", "build"},
-    "bench": {"models", "tasks", "runtime", "build"},
+    "building": {"models", "tasks"},
+    "evaluation": {"models", "tasks", "runtime", "building"},
+    "bench": {"models", "tasks", "runtime", "building"},
     "server": {"models", "tasks", "runtime"},
     "vllm": {"models", "tasks", "runtime"},
 }
@@ -170,9 +170,9 @@ def test_each_rule_finds_what_it_names(tmp_path, files, expected):
 
 
 @pytest.mark.parametrize("files, expected", [
-    ({"milo_infer/__init__.py": "", "milo_infer/runtime/__init__.py": "", "milo_infer/build/__init__.py": "",
-      "milo_infer/runtime/engine.py": "from ..build import config\n", "milo_infer/build/config.py": ""},
-     ["milo_infer.runtime.engine imports milo_infer.build.config: the runtime room must not import the build room"]),
+    ({"milo_infer/__init__.py": "", "milo_infer/runtime/__init__.py": "", "milo_infer/building/__init__.py": "",
+      "milo_infer/runtime/engine.py": "from ..building import config\n", "milo_infer/building/config.py": ""},
+     ["milo_infer.runtime.engine imports milo_infer.building.config: the runtime room must not import the building room"]),
     ({"milo_infer/__init__.py": "", "milo_infer/vllm/__init__.py": "", "milo_infer/server/__init__.py": "",
       "milo_infer/vllm/engine.py": "from milo_infer.server.scheduler import UpstreamError\n",
       "milo_infer/server/scheduler.py": ""},

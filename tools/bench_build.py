@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from milo_infer.build.builder import build_store
-from milo_infer.build.config import BuildConfig
+from milo_infer.building.builder import build_store
+from milo_infer.building.config import BuildConfig
 from milo_infer.tasks.datasets import load_dataset
 from milo_infer.models import load_model
 from milo_store import CompressionConfig, MiloStore, Staging, plan_ranks

@@ -26,9 +26,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from milo_infer.build.builder import build_store  # noqa: E402
-from milo_infer.build.config import BuildConfig  # noqa: E402
-from milo_infer.build.update import update_store  # noqa: E402
+from milo_infer.building.builder import build_store  # noqa: E402
+from milo_infer.building.config import BuildConfig  # noqa: E402
+from milo_infer.building.update import update_store  # noqa: E402
 from milo_infer.models import load_model  # noqa: E402
 from milo_infer.runtime.engine import Engine  # noqa: E402
 from milo_infer.runtime.planning import EngineSettings, Request  # noqa: E402

@@ -37,8 +37,8 @@ from milo_kernels import reconstruct_layer
 from milo_kernels.cpu import rope
 from milo_store import CompressionConfig, MiloStore
 
-from ..build.config import BuildConfig, default_compression
-from ..build.shared_staging import encode_once
+from ..building.config import BuildConfig, default_compression
+from ..building.shared_staging import encode_once
 from ..models import LoadedModel
 from ..runtime.prefetch import LayerPrefetcher
 from ..runtime.session import MiloSession

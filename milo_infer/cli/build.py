@@ -2,14 +2,14 @@
 
 Every argument, the corpus and the output path are checked before the model is loaded, so a typo
 costs a second, not a model load. The build itself (tokenising, one forward pass per block with a
-progress bar, rank allocation, the atomic write) is `milo_infer.build.builder.build_store`. A build that is
+progress bar, rank allocation, the atomic write) is `milo_infer.building.builder.build_store`. A build that is
 killed or interrupted keeps its finished blocks in ``<out>.staging``: rerunning the same command
 resumes from them.
 
 Under torchrun (``torchrun --nproc-per-node N -m milo_infer.cli.main build ...``) every process
 runs this command: each encodes a share of the blocks on its own device into one staging directory
 (``--staging``, on storage every rank shares), rank 0 allocates and commits, and every rank exits
-with the first failing rank's error (`milo_infer.build.distributed`).
+with the first failing rank's error (`milo_infer.building.distributed`).
 """
 import argparse
 import dataclasses
@@ -29,11 +29,11 @@ from milo_store.format import TORCH_DTYPES
 from milo_store.urls import is_url, local_sidecar
 from milo_store.writer import check_target
 
-from ..build.builder import build_store
-from ..build.config import CUDA_ENCODE_BATCH, BuildConfig, default_compression, default_encode_batch
+from ..building.builder import build_store
+from ..building.config import CUDA_ENCODE_BATCH, BuildConfig, default_compression, default_encode_batch
 from ..tasks.corpus import load_corpus, task_from_corpus
 from ..tasks.datasets import DATASETS, load_dataset
-from ..build.distributed import World
+from ..building.distributed import World
 from . import CommandError, at_least, load_model_arg
 
 _ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
@@ -91,7 +91,7 @@ def add_arguments(p):
 
 
 def compression_config(args) -> CompressionConfig:
-    """The store configuration the arguments ask for: `milo_infer.build.config.default_compression` of them."""
+    """The store configuration the arguments ask for: `milo_infer.building.config.default_compression` of them."""
     try:
         return default_compression(args.ratio, args.seed, codec=args.codec,
                                    dtype=None if args.dtype == "auto" else args.dtype, query_aware=args.query_aware,

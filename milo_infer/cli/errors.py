@@ -5,10 +5,10 @@ from milo_store.allocation import BudgetError
 from milo_store.errors import StoreError
 from milo_store.staging import StagingError
 
-from ..build.config import BuildError
+from ..building.config import BuildError
 from ..tasks.corpus import CorpusError
 from ..tasks.datasets import DatasetUnavailable
-from ..build.distributed import RankError
+from ..building.distributed import RankError
 from ..models import ModelUnavailable, UnsupportedModelError
 from ..runtime.errors import BlockLoadError
 from . import CommandError

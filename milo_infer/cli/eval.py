@@ -1,7 +1,7 @@
 """Compare storage methods on held-out queries: accuracy and measured KV bytes, as a results table.
 
 For each data set, seed and block size: the first --shots training demonstrations become one store
-per method and ratio (the model encodes them once per codec; see `milo_infer.build.shared_staging.encode_once`),
+per method and ratio (the model encodes them once per codec; see `milo_infer.building.shared_staging.encode_once`),
 then the first --test test items are answered from each store. --ratio and --block-size take
 comma-separated lists, for accuracy-against-ratio and -block-size curves (tools/plot_results.py).
 Everything lands under --out: the stores, one predictions JSONL per run (rerunning the same command
@@ -22,13 +22,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..build.config import BuildConfig
+from ..building.config import BuildConfig
 from ..tasks.corpus import load_corpus, task_from_corpus
 from ..tasks.datasets import DATASETS, load_dataset
 from ..evaluation.evaluate import EVAL_BATCH, agreement, evaluate
 from ..evaluation.methods import (BASES, DEFAULT, EXAMPLES, MODIFIERS, PREFILL, QUANTS, method_config, recompute_name,
                                   resolve, split_recompute, store_name)
-from ..build.shared_staging import encode_once
+from ..building.shared_staging import encode_once
 from ..evaluation.tables import write_tables
 from ..runtime.planning import MAX_NEW_TOKENS
 from . import CommandError, at_least, load_model_arg

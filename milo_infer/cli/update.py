@@ -2,7 +2,7 @@
 
 The store (a directory or URL) keeps its task, block size, context blocks and compression; the model
 must be the one that built it. The demonstration file, the ids and every check that needs no model run
-before the model loads. The update itself is `milo_infer.build.update.update_store`: a new version,
+before the model loads. The update itself is `milo_infer.building.update.update_store`: a new version,
 committed like a build (a killed update leaves the previous version in place; rerunning the same command
 resumes from the blocks it staged).
 """
@@ -17,8 +17,8 @@ from milo_store.commandline import id_list, print_json
 from milo_store.report import human_bytes
 from milo_store.urls import is_url, local_sidecar
 
-from ..build.distributed import World
-from ..build.update import check_request, update_store
+from ..building.distributed import World
+from ..building.update import check_request, update_store
 from ..tasks.corpus import load_corpus
 from . import CommandError, at_least, load_model_arg
 

@@ -19,13 +19,13 @@ from pathlib import Path
 from milo_store import MiloStore
 from milo_store.report import describe
 
-from ..build.config import BuildConfig, default_compression
+from ..building.config import BuildConfig, default_compression
 from ..tasks.corpus import DEMO_CORPUS, DEMO_QUERIES, Demonstration, load_corpus, task_from_corpus
 from .methods import method_config
 from ..models import load_model
 from ..tasks.scoring import is_correct
 from ..runtime.session import MiloSession
-from ..build.shared_staging import encode_once
+from ..building.shared_staging import encode_once
 from ..runtime.planning import EngineSettings
 
 

@@ -18,7 +18,7 @@ import re
 
 from milo_store import CompressionConfig
 
-from ..build.config import PAPER_ALLOCATION, default_compression
+from ..building.config import PAPER_ALLOCATION, default_compression
 
 # A method name is a base, a quantization, then modifiers: ``base(+quant)?(-modifier)*``, e.g.
 # ``milo``, ``milo-energy``, ``milo+int8-ks0.3``, ``full+kivi``. Each part sets CompressionConfig

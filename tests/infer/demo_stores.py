@@ -4,9 +4,9 @@ import shutil
 
 import torch
 
-from milo_infer.build.config import BuildConfig
+from milo_infer.building.config import BuildConfig
 from milo_infer.tasks.corpus import load_corpus, task_from_corpus
-from milo_infer.build.shared_staging import encode_once
+from milo_infer.building.shared_staging import encode_once
 from milo_store import MiloStore
 
 DEMO = "milo_infer/tasks/data/demo_corpus.jsonl"

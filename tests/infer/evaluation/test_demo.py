@@ -3,7 +3,7 @@ expected labels second."""
 import pytest
 
 from tests.infer.demo_stores import encoded_demo_stores
-from milo_infer.build.config import default_compression
+from milo_infer.building.config import default_compression
 from milo_infer.tasks.corpus import load_corpus
 from milo_infer.evaluation.demo import Comparison, compare, render
 from milo_infer.tasks.corpus import DEMO_QUERIES

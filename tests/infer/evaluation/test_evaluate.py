@@ -10,14 +10,14 @@ from argparse import Namespace
 import pytest
 import torch
 
-from milo_infer.build.config import BuildConfig
+from milo_infer.building.config import BuildConfig
 from milo_infer.cli import CommandError
 from milo_infer.cli.eval import check
 from milo_infer.tasks.corpus import load_corpus, task_from_corpus
 from milo_infer.cli.build import add_arguments as build_arguments, compression_config
 from milo_infer.evaluation.evaluate import agreement, evaluate
 from milo_infer.evaluation.methods import default_method, fixed_ratio, method_config, resolve, split_recompute, store_name
-from milo_infer.build.shared_staging import encode_once
+from milo_infer.building.shared_staging import encode_once
 from milo_infer.evaluation.tables import write_tables
 
 DEMO = "milo_infer/tasks/data/demo_corpus.jsonl"

@@ -5,7 +5,7 @@ import logging
 import pytest
 import torch
 
-from milo_infer.build.builder import BuildConfig, build_store
+from milo_infer.building.builder import BuildConfig, build_store
 from milo_infer.runtime.engine import Batch, Engine
 from milo_infer.runtime.errors import AdmissionOutOfMemory, BlockLoadError, RowFailed
 from milo_infer.runtime.planning import Request

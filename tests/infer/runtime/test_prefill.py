@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from milo_infer.bench import synthetic_model
-from milo_infer.build.builder import build_store
-from milo_infer.build.config import BuildConfig
+from milo_infer.building.builder import build_store
+from milo_infer.building.config import BuildConfig
 from milo_infer.tasks.corpus import load_corpus, task_from_corpus
 from milo_infer.runtime.engine import Engine
 from milo_infer.runtime.errors import RequestError

@@ -5,8 +5,8 @@ import torch
 from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from milo_infer.build.builder import build_store
-from milo_infer.build.config import BuildConfig
+from milo_infer.building.builder import build_store
+from milo_infer.building.config import BuildConfig
 from milo_infer.tasks.corpus import load_corpus, task_from_corpus
 from milo_infer.models import LoadedModel, model_identity
 from milo_infer.runtime.session import MiloSession

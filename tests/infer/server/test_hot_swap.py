@@ -14,7 +14,7 @@ import weakref
 import pytest
 from fastapi.testclient import TestClient
 
-from milo_infer.build.update import update_store
+from milo_infer.building.update import update_store
 from milo_infer.runtime.engine import Engine
 from milo_infer.runtime.planning import EngineSettings, Request
 from milo_infer.server.app import create_app
@@ -22,8 +22,8 @@ from milo_infer.server.metrics import ServerMetrics
 from milo_infer.server.reload import StoreReloader
 from milo_store import IncompatibleStoreError, MiloStore
 
-from ..build.test_build import tiny, tiny_model_dir, tokenizer  # noqa: F401 (fixtures)
-from ..build.test_update import build, demo
+from ..building.test_build import tiny, tiny_model_dir, tokenizer  # noqa: F401 (fixtures)
+from ..building.test_update import build, demo
 
 SETTINGS = EngineSettings(k=2, max_new_tokens=4)  # the tiny model has 128 positions
 QUERIES = ["customer message number 3", "message number 12 about my account", "number 7", "my account number 20"]

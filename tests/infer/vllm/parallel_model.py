@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from milo_infer.build.config import BuildConfig, default_compression
-from milo_infer.build.shared_staging import encode_once
+from milo_infer.building.config import BuildConfig, default_compression
+from milo_infer.building.shared_staging import encode_once
 from milo_infer.models import LoadedModel, load_model
 from milo_infer.tasks.corpus import Demonstration, TaskSpec
 

@@ -14,14 +14,14 @@ import httpx
 import pytest
 import torch
 
-from milo_infer.build.config import BuildConfig, default_compression
+from milo_infer.building.config import BuildConfig, default_compression
 from milo_infer.tasks.datasets import DatasetUnavailable, load_dataset
 from milo_infer.runtime.engine import Engine
 from milo_infer.runtime.interface import RunningBatch, ServingEngine
 from milo_infer.runtime.errors import RequestError
 from milo_infer.runtime.planning import EngineSettings, Request
 from milo_infer.models import model_directory
-from milo_infer.build.shared_staging import encode_once
+from milo_infer.building.shared_staging import encode_once
 from milo_infer.vllm.transfer import KEY, PrefixClaims, VllmPrompts, transfer_params
 from milo_store import MiloStore
 from tests.infer.demo_stores import corrupted_block

@@ -14,11 +14,11 @@ import pytest
 import torch
 import zarr
 
-import milo_infer.build.builder
+import milo_infer.building.builder
 import milo_infer.cli
-from milo_infer.build.builder import build_store
-from milo_infer.build.config import BuildConfig, BuildError, default_compression
-from milo_infer.build.update import update_store
+from milo_infer.building.builder import build_store
+from milo_infer.building.config import BuildConfig, BuildError, default_compression
+from milo_infer.building.update import update_store
 from milo_infer.cli.main import main
 from milo_infer.models import load_model
 from milo_infer.runtime.planning import EngineSettings
@@ -144,7 +144,7 @@ def test_a_killed_update_resumes_from_what_it_staged(tiny, tmp_path, monkeypatch
     store = build(tiny, tmp_path / "s", [demo(i) for i in range(4)])
     whole = build(tiny, tmp_path / "w", [demo(i) for i in range(4)])
     update_store(whole, tiny, [demo(i) for i in range(4, 10)], progress=False)
-    real, calls = milo_infer.build.builder.encode_blocks, []
+    real, calls = milo_infer.building.builder.encode_blocks, []
 
     def interrupt_second_block(*a, **k):  # the first call encodes the anchor (the model check)
         calls.append(1)
@@ -152,12 +152,12 @@ def test_a_killed_update_resumes_from_what_it_staged(tiny, tmp_path, monkeypatch
             raise KeyboardInterrupt
         return real(*a, **k)
 
-    monkeypatch.setattr(milo_infer.build.builder, "encode_blocks", interrupt_second_block)
+    monkeypatch.setattr(milo_infer.building.builder, "encode_blocks", interrupt_second_block)
     before = snapshot(store)
     with pytest.raises(KeyboardInterrupt):
         update_store(store, tiny, [demo(i) for i in range(4, 10)], progress=False)
     assert snapshot(store) == before  # the previous version, untouched
-    monkeypatch.setattr(milo_infer.build.builder, "encode_blocks", real)
+    monkeypatch.setattr(milo_infer.building.builder, "encode_blocks", real)
     summary = update_store(store, tiny, [demo(i) for i in range(4, 10)], progress=False)
     assert summary["blocks_encoded_now"] == 2  # of 3: one was staged before the interrupt
     assert contents(store) == contents(whole)
@@ -212,14 +212,14 @@ def test_bad_rows_and_ids_are_named_before_the_model_loads_and_change_nothing(ti
 def test_a_second_update_while_one_runs_is_refused_and_the_first_commits(tiny, tmp_path, monkeypatch):
     store = build(tiny, tmp_path / "s", [demo(i) for i in range(4)])
     encoding, go_on = threading.Event(), threading.Event()
-    real = milo_infer.build.builder.encode_blocks
+    real = milo_infer.building.builder.encode_blocks
 
     def held(*a, **k):
         encoding.set()
         go_on.wait(60)
         return real(*a, **k)
 
-    monkeypatch.setattr(milo_infer.build.builder, "encode_blocks", held)
+    monkeypatch.setattr(milo_infer.building.builder, "encode_blocks", held)
     first = {}
     thread = threading.Thread(target=lambda: first.update(update_store(store, tiny, [demo(5)], progress=False)))
     thread.start()

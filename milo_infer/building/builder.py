@@ -7,15 +7,15 @@ staged spectrum and writes the store. The anchor's K/V is stored once, uncompres
 A query-aware store (``compression.query_aware``) also runs the model once over a calibration sample
 of the corpus for its channel weights (`channel_scales`); they are recomputed on resume, not staged.
 
-Several blocks can share one forward pass (``encode_batch``, `milo_infer.build.encoding`), and several
-processes can share pass one (torchrun; `milo_infer.build.distributed`): each rank encodes a deterministic
+Several blocks can share one forward pass (``encode_batch``, `milo_infer.building.encoding`), and several
+processes can share pass one (torchrun; `milo_infer.building.distributed`): each rank encodes a deterministic
 share of the batches into one staging directory, rank 0 alone runs pass two. Batches are fixed by the
 arguments, not by the number of processes, so the store is byte-identical to a one-process build
 with the same per-process thread count.
 
 `build_store` runs the steps in order: `plan_build` (every check, before any long work),
 `coordinate_ranks` (the lock, the staging, which rank encodes what), `encode_share` (pass one) and, on
-rank 0, `commit` (pass two). What a build is asked to do is `milo_infer.build.config`.
+rank 0, `commit` (pass two). What a build is asked to do is `milo_infer.building.config`.
 """
 import contextlib
 import threading

@@ -15,7 +15,7 @@ the previous version's bytes (and ranks). The layout (docs/design.md, "Update"):
 
 The store's task (template, anchor, labels), block size, context blocks, order and compression are the
 previous version's; the model must be the one that built it. The steps are build's
-(`milo_infer.build.builder`): `plan_update` (every check, under the writer lock, before any encoding),
+(`milo_infer.building.builder`): `plan_update` (every check, under the writer lock, before any encoding),
 then `coordinate_ranks`, `encode_share` and `commit` with the previous version and the blocks it keeps.
 """
 import hashlib

@@ -14,10 +14,10 @@ import pytest
 import torch
 import zarr
 
-import milo_infer.build.builder
+import milo_infer.building.builder
 import milo_infer.cli.build
-from milo_infer.build.builder import build_store
-from milo_infer.build.config import CUDA_ENCODE_BATCH, BuildConfig, BuildError, default_encode_batch
+from milo_infer.building.builder import build_store
+from milo_infer.building.config import CUDA_ENCODE_BATCH, BuildConfig, BuildError, default_encode_batch
 from milo_infer.cli.main import main
 from milo_infer.tasks.corpus import DEMO_CORPUS, Demonstration, task_from_corpus
 from milo_infer.models import ModelUnavailable, default_gguf_path, load_model
@@ -232,7 +232,7 @@ def test_interrupted_build_resumes_to_the_same_store(tiny_model_dir, tmp_path, m
     whole = build_json(capsys, *args, "--out", tmp_path / "whole")
     assert whole["blocks"] == 6 and whole["blocks_encoded_now"] == 6
 
-    real, calls = milo_infer.build.builder.encode_blocks, []
+    real, calls = milo_infer.building.builder.encode_blocks, []
 
     def interrupt_third(*a, **k):
         calls.append(1)
@@ -240,14 +240,14 @@ def test_interrupted_build_resumes_to_the_same_store(tiny_model_dir, tmp_path, m
             raise KeyboardInterrupt
         return real(*a, **k)
 
-    monkeypatch.setattr(milo_infer.build.builder, "encode_blocks", interrupt_third)
+    monkeypatch.setattr(milo_infer.building.builder, "encode_blocks", interrupt_third)
     out = tmp_path / "resumed"
     assert main(["build", *map(str, args), "--out", str(out)]) == 130
     err = capsys.readouterr().err
     assert f"interrupted with 2 block(s) staged in {out}.staging; rerun the same command to resume" in err
     with pytest.raises(NotAStoreError):
         MiloStore.open(out)
-    monkeypatch.setattr(milo_infer.build.builder, "encode_blocks", real)
+    monkeypatch.setattr(milo_infer.building.builder, "encode_blocks", real)
 
     resumed = build_json(capsys, *args, "--out", out)
     assert resumed["blocks_encoded_now"] == 6 - 2
@@ -319,8 +319,8 @@ def test_query_aware_builds_verified_stores_within_the_ratio(tiny, tmp_path, mon
     demos = [Demonstration(f"customer message number {i} about my account", ("refund", "card lost")[i % 2], str(i))
              for i in range(12)]
     task = task_from_corpus(demos)
-    samples, real = [], milo_infer.build.builder.channel_scales
-    monkeypatch.setattr(milo_infer.build.builder, "channel_scales", lambda model, ids: samples.append(ids) or real(model, ids))
+    samples, real = [], milo_infer.building.builder.channel_scales
+    monkeypatch.setattr(milo_infer.building.builder, "channel_scales", lambda model, ids: samples.append(ids) or real(model, ids))
     stores = {}
     for codec, aware in (("example-svd", False), ("example-svd", True), ("svd", False), ("svd", True)):
         config = BuildConfig(block_size=3, context_blocks=1,
@@ -365,7 +365,7 @@ def test_key_share_out_of_range_is_a_clear_error(tmp_path, capsys):
 
 
 def test_infeasible_ratio_is_refused_before_encoding(tiny_model_dir, tmp_path, capsys, monkeypatch):
-    import milo_infer.build.builder as build_module
+    import milo_infer.building.builder as build_module
 
     def never(*args, **kwargs):
         raise AssertionError("encoded a block before refusing the ratio")

@@ -19,13 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from milo_infer.build.encoding import encode_blocks
+from milo_infer.building.encoding import encode_blocks
 from milo_infer.tasks.corpus import DEMO_CORPUS
 from milo_infer.models import ModelUnavailable, default_gguf_path
 from milo_store import MiloStore, NotAStoreError
 from milo_store.writer import StoreLock
 
-from tests.infer.build.test_build import snapshot, tiny_model_dir, tokenizer, write_corpus  # noqa: F401 (fixtures)
+from tests.infer.building.test_build import snapshot, tiny_model_dir, tokenizer, write_corpus  # noqa: F401 (fixtures)
 
 ROOT = Path(__file__).resolve().parents[3]
 # 6 blocks of 2 demonstrations, each encoded after one previous block: a few seconds per process.
@@ -194,7 +194,7 @@ def test_batched_encoding_equals_one_block_at_a_time(default_model):
 
 def test_more_processes_than_gpus_is_a_clear_error(monkeypatch):
     """torchrun --nproc-per-node 2 on a one-GPU machine: rank 1 says what to do, not 'invalid device ordinal'."""
-    from milo_infer.build.distributed import RankError, World
+    from milo_infer.building.distributed import RankError, World
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
