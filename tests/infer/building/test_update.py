@@ -12,7 +12,6 @@ import threading
 import numpy as np
 import pytest
 import torch
-import zarr
 
 import milo_infer.building.builder
 import milo_infer.cli
@@ -25,9 +24,8 @@ from milo_infer.runtime.planning import EngineSettings
 from milo_infer.runtime.session import MiloSession
 from milo_infer.tasks.corpus import Demonstration, task_from_corpus
 from milo_store import CompressionConfig, IncompatibleStoreError, MiloStore, StoreLockedError
-from milo_store import format as fmt
 from milo_store.cli.main import main as store_main
-from milo_store.text_index import ARRAYS
+from milo_store.synthetic import store_contents
 
 from .test_build import no_model, snapshot, tiny, tiny_model_dir, tokenizer  # noqa: F401 (fixtures)
 
@@ -52,13 +50,7 @@ def build(loaded, path, demos, compression=IDENTITY):
     return path
 
 
-def contents(path) -> dict:
-    """What a reader sees, chunking aside: every array's values and the attributes."""
-    g = zarr.open_group(str(path), mode="r")
-    names = [fmt.FACTORS, fmt.RANKS, fmt.TOKENS, fmt.CHECKSUMS, fmt.ANCHOR, fmt.TOKEN_IDS,
-             *(f"{fmt.EXAMPLES}/{k}" for k in ("input", "output", "id", "block")),
-             *(f"{fmt.INDEXES}/bm25/{a}" for a in ARRAYS)]
-    return {**{n: np.asarray(g[n][...]).tolist() for n in names}, "attrs": dict(g.attrs)}
+contents = store_contents  # what a reader sees, where the bytes lie aside
 
 
 def blocks(path) -> list[torch.Tensor]:
