@@ -20,6 +20,7 @@ from milo_store.synthetic import build_synthetic_store
 from milo_store.urls import open_object_store
 
 from .conftest import LAYOUT, TOKENS
+from .format3 import format3_copy
 
 CONFIG = CompressionConfig(ratio=0.5)
 
@@ -193,6 +194,13 @@ def test_cli_on_a_url(tmp_path, s3_url, capsys):
 
 def test_push_rechunks_and_keeps_every_byte(tmp_path, s3_url, capsys):
     local = build_synthetic_store(tmp_path / "local", LAYOUT, TOKENS, CONFIG, seed=8)
+    older = format3_copy(local, tmp_path / "v3")  # a format-3 store is pushed as format 4
+    assert store_cli(["push", str(older), s3_url + "-from-3"]) == 0
+    capsys.readouterr()
+    with MiloStore.open(local, tier="disk") as a, MiloStore.open(s3_url + "-from-3", tier="disk",
+                                                                 block_cache=BlockCache(tmp_path / "c3")) as b:
+        assert b.format_version == FORMAT_VERSION and all(torch.equal(x, y) for x, y in zip(_blocks(a), _blocks(b)))
+        assert b.examples() == a.examples() and b.verify_all() == []
     assert store_cli(["push", str(local), s3_url, "--chunk-size", "2K"]) == 0
     assert capsys.readouterr().out.strip() == s3_url
     with MiloStore.open(local, tier="disk") as a, MiloStore.open(s3_url, tier="disk", block_cache=BlockCache(tmp_path / "c")) as b:

@@ -218,3 +218,70 @@ def test_verify_absent_on_a_directory(tmp_path, capsys):
     shutil.copytree(old_index, path / fmt.INDEXES)
     assert store_cli(["verify", str(path), "--absent", "2"]) == 1
     assert "vocabulary is not the one of the store's demonstrations" in capsys.readouterr().out
+
+
+def test_a_purge_leaves_no_byte_of_the_purged_blocks_in_the_version(tmp_path, monkeypatch):
+    """A purged block's chunk is not referenced (its other blocks are written again), nor is a chunk holding
+    dead bytes once anything is purged (they may be an earlier encoding of a purged block): no byte of the
+    purged block's K/V, nor of the dead ones, is in any file of the new version."""
+    tokens = [20, 21, 22, 23, 24, 25]
+    path = tmp_path / "store"
+    build_synthetic_store(path, LAYOUT, tokens, CONFIG, seed=1)
+    with MiloStore.open(path, tier="disk") as s:
+        sizes = s.block_bytes(range(s.num_blocks))
+    monkeypatch.setattr(fmt, "MAX_CHUNK_BYTES", int(max(sizes[0::2] + sizes[1::2])))  # two blocks a chunk
+    build_synthetic_store(path, LAYOUT, tokens, CONFIG, seed=1, force=True)
+    with MiloStore.open(path, tier="disk") as s:
+        assert [chunk_of(s, b) for b in range(6)] == [chunk_of(s, b - b % 2) for b in range(6)] and len(s.placement.ids) > 3
+    update_synthetic_store(path, [0, 1, 2, 3, 4], [26], CONFIG, seed=2, purge=set())  # block 5's bytes stay, dead
+    old = blocks_of(path)
+    with MiloStore.open(path, tier="disk") as s:
+        keys = [s.block_key(b) for b in range(s.num_blocks)]
+        assert s.accounting()["dead_bytes"] == int(sizes[5]) and len({chunk_of(s, b) for b in (0, 2, 4)}) == 3
+    dead = bytes(open(path / fmt.chunk_key(keys[4][1]), "rb").read()[keys[4][2] + keys[4][3]:])
+    update_synthetic_store(path, [0, 1, 3, 4, 5], [], CONFIG, seed=3, purge={2})  # block 2 must leave
+    with MiloStore.open(path, tier="disk") as s:
+        assert s.verify_all() == [] and s.accounting()["dead_bytes"] == 0
+        got = [s.block(i).clone() for i in range(s.num_blocks)]
+        assert all(torch.equal(g, old[b]) for g, b in zip(got, [0, 1, 3, 4, 5]))
+        assert [s.block_key(i) == keys[b] for i, b in enumerate([0, 1, 3, 4, 5])] == [True, True, False, False, True]
+    files = b"".join(f.read_bytes() for f in path.rglob("*") if f.is_file())
+    purged = old[2].view(torch.uint8).numpy().tobytes()
+    assert purged not in files and dead not in files and len(dead) == sizes[5]
+
+
+def test_gc_never_removes_a_chunk_a_kept_version_references(tmp_path, s3_url, monkeypatch, capsys):
+    """gc keeps every chunk the current and previous versions reference, so mounts of either read on; a version
+    two updates old goes with the chunks only it referenced; a chunk no version references is what
+    `verify --absent` names and gc collects."""
+    monkeypatch.setattr(fmt, "MAX_CHUNK_BYTES", 1)  # a chunk per block
+    monkeypatch.setenv("MILO_CACHE", str(tmp_path / "cache"))
+    build_synthetic_store(s3_url, LAYOUT, TOKENS, CONFIG, seed=1)
+    store = open_object_store(s3_url)
+    first = MiloStore.open(s3_url, tier="disk", block_cache=BlockCache(tmp_path / "c1", 0))
+    want_first = [first.block(i).clone() for i in range(first.num_blocks)]
+    update_synthetic_store(s3_url, [0, 1, 3], [30], CONFIG, seed=2)
+    second = MiloStore.open(s3_url, tier="disk", block_cache=BlockCache(tmp_path / "c2", 0))
+    assert gc(s3_url, older_than=0)["removed_chunks"] == 0
+    with first:  # the previous version: every chunk of it is kept
+        assert all(torch.equal(first.block(i), b) for i, b in enumerate(want_first)) and first.examples()["id"]
+    update_synthetic_store(s3_url, [0, 2, 3], [], CONFIG, seed=3)
+    report = gc(s3_url, older_than=0)
+    first_only = version_chunks_of(first) - version_chunks_of(second) - current_chunks(s3_url)
+    assert report["removed_versions"] == [first.version] and report["removed_chunks"] == len(first_only) > 0
+    with second:  # now the previous version: still whole
+        assert second.verify_all() == []
+    obstore.put(store, "chunks/0123456789abcdef", b"a killed writer's upload")
+    assert store_cli(["verify", s3_url, "--absent", "nobody"]) == 1
+    assert "chunks/0123456789abcdef is referenced by no version" in capsys.readouterr().out
+    assert gc(s3_url, older_than=0)["removed_chunks"] == 1
+    assert store_cli(["verify", s3_url, "--absent", "nobody"]) == 0
+
+
+def version_chunks_of(store: MiloStore) -> set[str]:
+    return set(store.placement.ids)
+
+
+def current_chunks(url) -> set[str]:
+    with MiloStore.open(url, tier="disk", block_cache=BlockCache(limit_bytes=0)) as s:
+        return set(s.placement.ids)
