@@ -18,8 +18,9 @@ COPIED_AT_ONCE = 64 << 20  # bytes of blocks read from the local store per batch
 FORMAT_KEYS = ("format_version", "factor_dtype", fmt.ARRAY_CHECKSUMS, "layout")  # what the writer records itself
 
 
-def push(local, url: str, *, force: bool = False, max_chunk_bytes: int = fmt.MAX_CHUNK_BYTES) -> str:
-    """Check the local store, then publish a copy of it at ``url``; returns the URL."""
+def push(local, url: str, *, force: bool = False, max_chunk_bytes: int | None = None) -> str:
+    """Check the local store, then publish a copy of it at ``url`` (chunks of at most ``max_chunk_bytes``,
+    default `format.MAX_CHUNK_BYTES`); returns the URL."""
     if not is_url(url):
         raise StoreError(f"{url}: not a store URL (s3://bucket/prefix, gs://, az://, file://)")
     with StoreLock(url) as lock, MiloStore.open(local, tier="disk") as store:
