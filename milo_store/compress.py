@@ -269,47 +269,24 @@ def write_text(w: StoreWriter, examples: dict, example_block, token_ids, block_t
     """The version's text: its demonstrations (in block order), token ids and BM25 postings in segments
     (the previous version's where their blocks are all kept with the same text, new ones elsewhere), and the
     corpus-wide vocabulary of the BM25 index."""
-    n = len(block_tokens)
-    order = np.argsort(np.asarray(example_block, dtype=np.int64), kind="stable")
-    demos = {k: [examples[k][e] for e in order] for k in ("input", "output", "id")} if len(order) else \
-        {k: [] for k in ("input", "output", "id")}
-    block_starts = np.searchsorted(np.asarray(example_block, dtype=np.int64)[order], np.arange(n + 1))
-    token_starts = np.concatenate(([0], np.cumsum(block_tokens)))
-    if token_ids is not None and len(token_ids) != token_starts[-1]:
-        raise ValueError(f"expected {int(token_starts[-1])} token ids, got {len(token_ids)}")
-
-    def text_of(first: int, count: int) -> tuple:
-        a, z = int(block_starts[first]), int(block_starts[first + count])
-        ids = None if token_ids is None else np.asarray(token_ids[token_starts[first]:token_starts[first + count]])
-        return tuple(demos[k][a:z] for k in ("input", "output", "id")), ids
-
-    kept = lambda k: None  # noqa: E731
-    previous_segments = []
+    text = segments.VersionText(examples, example_block, token_ids, block_tokens)
+    previous_blocks, kept_at = [], lambda k: None  # noqa: E731
     if previous is not None and previous.segmented:
-        previous_segments = [(first, count) for _, first, count, _, _ in previous.segment_table.tolist()]
+        previous_blocks = previous.segment_table[:, 2].tolist()
         new_of = {j: i for i, j in reused.items()}
 
-        def kept(k: int):
-            first, count = previous_segments[k]
+        def kept_at(k: int) -> int | None:
+            _, first, count, _, _ = previous.segment_table[k].tolist()
             at = new_of.get(first)
             if at is None or any(reused.get(at + t) != first + t for t in range(count)):
                 return None
-            seg = previous.segment(k)
-            (inputs, outputs, ids), tokens_now = text_of(at, count)
-            same_tokens = (tokens_now is None) == (not seg.has("token_ids")) and (
-                tokens_now is None or np.array_equal(seg.array("token_ids"), tokens_now))
-            same = same_tokens and [seg.strings(x) for x in ("input", "output", "id")] == [inputs, outputs, ids]
-            return at if same and np.array_equal(seg.array("block_starts"), block_starts[at:at + count + 1] - block_starts[at]) else None
+            return at if text.holds(previous.segment(k), at, count) else None
 
-    for item in segments.plan([count for _, count in previous_segments], kept, np.diff(block_starts).tolist()):
+    for item in segments.plan(previous_blocks, kept_at, np.diff(text.block_starts).tolist()):
         if item[0] == "keep":
             w.keep_segment(item[1])
         else:
-            _, first, count = item
-            (inputs, outputs, ids), tokens_now = text_of(first, count)
-            w.write_segment(count, segments.segment_arrays(inputs, outputs, ids,
-                                                           block_starts[first:first + count + 1] - block_starts[first],
-                                                           tokens_now))
-    if demos["input"]:  # the retrieval index's corpus-wide part, built here rather than at every mount
-        arrays, attrs = text_index.vocabulary(demos["input"])
+            w.write_segment(item[2], text.segment_arrays(item[1], item[2]))
+    if text.demos["input"]:  # the retrieval index's corpus-wide part, built here rather than at every mount
+        arrays, attrs = text_index.vocabulary(text.demos["input"])
         w.write_index(text_index.NAME, arrays, attrs)

@@ -122,6 +122,41 @@ class Segment:
         return found
 
 
+class VersionText:
+    """A version's demonstrations in block order (``example_block``: each one's block, in any order), its
+    blocks' ``token_ids`` (concatenated; None: the store keeps none), and what a segment of its blocks holds."""
+
+    def __init__(self, examples: dict, example_block, token_ids, block_tokens):
+        order = np.argsort(np.asarray(example_block, dtype=np.int64), kind="stable")
+        self.demos = {k: [examples[k][e] for e in order.tolist()] for k in STRINGS}
+        blocks = np.asarray(example_block, dtype=np.int64)[order]
+        self.block_starts = np.searchsorted(blocks, np.arange(len(block_tokens) + 1))
+        self.token_starts = np.concatenate(([0], np.cumsum(block_tokens))).astype(np.int64)
+        if token_ids is not None and len(token_ids) != self.token_starts[-1]:
+            raise ValueError(f"expected {int(self.token_starts[-1])} token ids, got {len(token_ids)}")
+        self.token_ids = token_ids
+
+    def _slices(self, first: int, count: int):
+        a, z = int(self.block_starts[first]), int(self.block_starts[first + count])
+        tokens = None if self.token_ids is None else np.asarray(
+            self.token_ids[self.token_starts[first]:self.token_starts[first + count]])
+        return [self.demos[k][a:z] for k in STRINGS], self.block_starts[first:first + count + 1] - a, tokens
+
+    def segment_arrays(self, first: int, count: int) -> dict:
+        """The arrays of a segment of blocks [first, first + count)."""
+        strings, starts, tokens = self._slices(first, count)
+        return segment_arrays(*strings, starts, tokens)
+
+    def holds(self, seg: "Segment", first: int, count: int) -> bool:
+        """Whether ``seg`` holds exactly the text of blocks [first, first + count): its demonstrations, blocks
+        and token ids (a kept segment must)."""
+        strings, starts, tokens = self._slices(first, count)
+        if seg.has("token_ids") != (tokens is not None) or (tokens is not None and
+                                                              not np.array_equal(seg.array("token_ids"), tokens)):
+            return False
+        return np.array_equal(seg.array("block_starts"), starts) and [seg.strings(k) for k in STRINGS] == strings
+
+
 def plan(previous_blocks: list[int], kept_at, demos_per_block: list[int]) -> list[tuple]:
     """The new version's segments, as ``("keep", k)`` (the previous version's segment k, whose blocks are
     all unchanged) and ``("new", first block, blocks)``, in block order.

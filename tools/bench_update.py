@@ -55,6 +55,7 @@ from milo_store.sources import ReadStats  # noqa: E402
 
 CHANGES = ("add1", "add10", "remove1-block", "remove1-spread")
 BYTES_SLACK = TIME_SLACK = 0.05  # of the store's bytes / of the rebuild's time
+FORMAT3_URL_CHUNK_BYTES = 8 << 20  # format 3 cut a URL's factor array in equal chunks of at most this
 
 
 def inodes(path: Path) -> set[int]:
@@ -120,6 +121,36 @@ def fetched_after_swap(url: str, cache: BlockCache) -> ReadStats:
     with MiloStore.open(url, tier="disk", block_cache=cache) as s:
         s.blocks(list(range(s.num_blocks)), stats)
     return stats
+
+
+def gets_per_query(store_path, k: int = 6, queries: int = 200, seed: int = 0) -> dict:
+    """Range GETs a query of k random blocks makes, counted from where its blocks lie: in this store's chunks
+    (format 4), and in the equal 8 MiB chunks format 3 kept the same blocks in back to back (computed from the
+    layout, not measured: no format-3 store is written). GETs are per chunk object, touching ranges merged."""
+    import numpy as np
+
+    from milo_store.chunks import EqualChunks
+    from milo_store.sources import COALESCE_GAP, requests
+
+    with MiloStore.open(store_path, tier="disk") as s:
+        sizes = s.block_bytes(range(s.num_blocks))
+        starts = s.offsets * s.itemsize
+        total = int(starts[-1])
+        per = FORMAT3_URL_CHUNK_BYTES // s.itemsize * s.itemsize
+        num = -(-total // per)
+        chunk = -(-total // num)  # equal chunks, as format 3 cut a URL's factor array
+        layouts = {"format 4": s.placement, "format 3": EqualChunks("", chunk, num, sizes, ("", ""))}
+        rng = np.random.default_rng(seed)
+        counts = {name: [] for name in layouts}
+        for _ in range(queries):
+            ids = rng.choice(s.num_blocks, size=min(k, s.num_blocks), replace=False)
+            for name, placement in layouts.items():
+                per_chunk = {}
+                for b in ids.tolist():
+                    for c, a, z, _ in placement.pieces(int(starts[b]), int(starts[b + 1])):
+                        per_chunk.setdefault(c, []).append((a, z))
+                counts[name].append(sum(len(requests(r, COALESCE_GAP)) for r in per_chunk.values()))
+    return {name: float(np.mean(c)) for name, c in counts.items()}
 
 
 def run_change(name, add, remove, where, args, loaded, task, base_demos, work, base_location) -> dict:
@@ -253,8 +284,11 @@ def main(argv=None):
             moto.terminate()
             moto.wait()
     print(report(rows))
+    gets = gets_per_query(args.work / "base")
+    print(f"\nrange GETs per query of 6 random blocks (200 queries): {gets['format 4']:.2f} in this store's chunks, "
+          f"{gets['format 3']:.2f} in format 3's equal 8 MiB chunks (computed from the layout)")
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+        args.json.write_text(json.dumps({"rows": rows, "gets_per_query": gets}, indent=1))
     return rows
 
 

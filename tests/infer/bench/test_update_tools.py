@@ -31,8 +31,12 @@ def test_bench_update_measures_each_change_in_a_directory_and_at_a_url(tiny_mode
         assert goals["size"][2] and goals["bytes"][1] == r["encoded_bytes"] + 0.05 * r["rebuild_bytes"], (r, goals)
         if r["where"] == "url":
             assert r["fetched_blocks"] == r["update_blocks"] and goals["fetched"][2]
-    table = capsys.readouterr().out.strip().splitlines()
+    out = capsys.readouterr().out
+    table = [line for line in out.splitlines() if line.startswith("|")]
     assert len(table) == len(rows) + 2 and all(line.count("|") == 12 for line in table)
+    gets = bench_update.gets_per_query(tmp_path / "w" / "base", k=2, queries=20)
+    assert gets["format 4"] == 2 and 1 <= gets["format 3"] <= 2  # a chunk per block; format 3: one chunk in all
+    assert "range GETs per query" in out
 
 
 def test_update_control_answers_from_every_store_it_compares(tiny_model_dir, tmp_path):
