@@ -6,7 +6,6 @@ tools/bench_scale.py call directly.
 """
 import numpy as np
 
-from . import format as fmt, text_index
 from .layout import RAW_RANK
 from .store import MiloStore
 

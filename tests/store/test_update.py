@@ -5,7 +5,6 @@ import json
 import os
 import shutil
 
-import numpy as np
 import obstore
 import pytest
 import torch

@@ -4,8 +4,6 @@ builds, updates and answers every store it compares."""
 import sys
 from pathlib import Path
 
-import pytest
-
 from milo_store import format as fmt
 
 from ..building.test_build import tiny_model_dir, tokenizer, write_corpus  # noqa: F401 (fixtures)
