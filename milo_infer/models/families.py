@@ -32,6 +32,8 @@ class Attention:
     nope: str | None = None  # a config list whose falsy entries are the layers without RoPE (SmolLM3's no_rope_layers)
     window: bool = False  # its attention applies config.sliding_window to every layer (else only layer_types say)
     interleaved: bool = False  # RoPE turns channel pairs (2i, 2i + 1) (Cohere), not rotate-half's (j, j + d/2)
+    regroup_tables: bool = False  # its rotary module makes rotate-half tables, which its attention re-lays for
+    # interleaved pairs (Helium)
     identity: tuple[str, ...] = ()  # config fields beyond the common ones that change its K/V (hashed into the
     # store's config_hash; none for llama, qwen2 and mistral, whose stores predate this field)
 
@@ -68,7 +70,7 @@ FAMILIES: dict[str, Attention] = {
     "smollm3": replace(PLAIN, nope="no_rope_layers", identity=("no_rope_layers",)),
     "cohere": Attention(keys=("k_norm", "k_proj"), queries=("q_norm", "q_proj"), interleaved=True,
                         identity=("layer_norm_eps", "logit_scale", "use_qk_norm")),
-    "helium": PLAIN,
+    "helium": Attention(interleaved=True, regroup_tables=True),
 }
 
 HYBRID_LINEAR = ("hybrid linear attention: its linear-attention layers keep a recurrent state, not per-token K/V "

@@ -38,16 +38,19 @@ def config_layer_rope_tables(config, n_rows: int, device=None) -> RopeTables:
 
 
 def _per_layer(config, cos, sin) -> RopeTables:
-    return RopeTables(cos, sin, config.num_hidden_layers, attention_of(config).nope_layers(config))
+    spec = attention_of(config)
+    if spec.regroup_tables:  # [f_0 .. f_{d/2-1}, f_0 .. f_{d/2-1}] -> [f_0, f_0, f_1, f_1, ...]
+        cos, sin = (t[:, :t.shape[1] // 2].repeat_interleave(2, dim=1) for t in (cos, sin))
+    return RopeTables(cos, sin, config.num_hidden_layers, spec.nope_layers(config))
 
 
 def rope_tables(model, n_rows: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 ``(cos, sin)``, each ``[n_rows, head_dim]``, for positions ``0..n_rows-1``.
 
     They come from the model's own rotary module, so scaled variants (linear, yarn, llama3) and any
-    attention scaling folded into cos/sin match the model exactly. The layout is the family's (rotate-half
-    but for Cohere's interleaved pairs): use them with ``milo_kernels.naive.apply_rope(x, cos, sin,
-    interleaved)``.
+    attention scaling folded into cos/sin match the model exactly. They are laid out as that module makes
+    them (rotate-half's, Cohere's interleaved); `RopeTables` holds them as the family's attention applies
+    them, for ``milo_kernels.naive.apply_rope(x, cos, sin, interleaved)``.
     """
     rotary = getattr(model, "model", model).rotary_emb
     return _rotary_tables(rotary, n_rows, torch.device(device) if device is not None else rotary.inv_freq.device)
