@@ -20,11 +20,11 @@ def at_least(args, minimum: int, *flags: str) -> None:
             raise CommandError(f"--{flag.replace('_', '-')} must be at least {minimum}; got {value}")
 
 
-def load_model_arg(spec: str):
-    """`load_model` of --model; what a bad one raises (no such path, not a model folder, an unsupported
-    model) becomes a CommandError naming the flag."""
+def load_model_arg(spec: str, **options):
+    """`load_model` of --model (``options``: its keywords); what a bad one raises (no such path, not a model
+    folder, an unsupported model) becomes a CommandError naming the flag."""
     try:
-        return load_model(spec)
+        return load_model(spec, **options)
     except (OSError, ValueError) as e:
         raise CommandError(f"--model: {e}") from None
 

@@ -100,6 +100,13 @@ class Conformance:
     def passed(self) -> bool:
         return not self.failures()
 
+    def as_dict(self) -> dict:
+        """JSON-ready: each layer's relative deviations, the logits', the tolerances and the verdict."""
+        return {"model": self.model, "model_type": self.model_type, "dtype": str(self.dtype).removeprefix("torch."),
+                "blocks": self.blocks, "tolerance": self.tolerance, "passed": self.passed, "failures": self.failures(),
+                "layers": [{name: dev.relative for name, dev in layer.items()} for layer in self.layers],
+                "logits": self.logits.relative if self.logits is not None else None}
+
 
 def check_conformance(loaded: LoadedModel, demos: list[Demonstration], task: TaskSpec, query: str, *,
                       block_size: int = 2, context_blocks: int = 1, workdir=None) -> Conformance:
