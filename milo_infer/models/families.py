@@ -34,6 +34,8 @@ class Attention:
     interleaved: bool = False  # RoPE turns channel pairs (2i, 2i + 1) (Cohere), not rotate-half's (j, j + d/2)
     regroup_tables: bool = False  # its rotary module makes rotate-half tables, which its attention re-lays for
     # interleaved pairs (Helium)
+    partial: bool = False  # only the first rotary_dim channels rotate (GLM: interleaved pairs, which keep the
+    # kernels' pairing: the channels after them take identity tables); rotate-half partial rotary is refused
     identity: tuple[str, ...] = ()  # config fields beyond the common ones that change its K/V (hashed into the
     # store's config_hash; none for llama, qwen2 and mistral, whose stores predate this field)
 
@@ -71,6 +73,8 @@ FAMILIES: dict[str, Attention] = {
     "cohere": Attention(keys=("k_norm", "k_proj"), queries=("q_norm", "q_proj"), interleaved=True,
                         identity=("layer_norm_eps", "logit_scale", "use_qk_norm")),
     "helium": Attention(interleaved=True, regroup_tables=True),
+    "glm": Attention(interleaved=True, regroup_tables=True, partial=True),  # GLM-4-9B (rotary over half the head)
+    "glm4": Attention(interleaved=True, regroup_tables=True, partial=True),  # GLM-4-0414
 }
 
 HYBRID_LINEAR = ("hybrid linear attention: its linear-attention layers keep a recurrent state, not per-token K/V "
@@ -79,8 +83,8 @@ SLIDING_HYBRID = ("sliding-window layers beside full-attention ones: a placed bl
                   "window the model sees (milo attends every layer in full)")
 MLA = ("multi-head latent attention (MLA): its cache holds a compressed latent and one shared RoPE key per token, "
        "not per-head K/V before RoPE")
-PARTIAL = ("partial rotary embedding (only the first channels of each head rotate): milo's kernels pair every "
-           "channel for RoPE")
+PARTIAL = ("partial rotary embedding with rotate-half pairs (j, j + rotary_dim/2) over the first channels: milo's "
+           "kernels pair (j, j + d/2)")
 REFUSED: dict[str, str] = {
     "qwen3_next": HYBRID_LINEAR, "qwen3_5": HYBRID_LINEAR, "qwen3_5_text": HYBRID_LINEAR, "qwen3_5_moe": HYBRID_LINEAR,
     "qwen3_5_moe_text": HYBRID_LINEAR, "falcon_h1": HYBRID_LINEAR, "jamba": HYBRID_LINEAR,
@@ -89,7 +93,7 @@ REFUSED: dict[str, str] = {
     "ministral": "sliding-window attention in every layer: milo attends every layer in full",
     "deepseek_v2": MLA, "deepseek_v3": MLA,
     "hunyuan_v1_dense": "its key norm follows RoPE, so a cached key is not a rotation of a stored one",
-    "glm": PARTIAL, "glm4": PARTIAL, "stablelm": PARTIAL, "nemotron": PARTIAL, "phi": PARTIAL,
+    "stablelm": PARTIAL, "nemotron": PARTIAL, "phi": PARTIAL,
 }
 
 
@@ -128,8 +132,8 @@ def check_supported(config) -> None:
                 "dynamic/longrope rescale with the sequence length, so stored keys could not be re-rotated"
             )
         factor = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
-        if factor != 1.0 and model_type not in REFUSED:
-            problems.append(f"partial rotary embedding (partial_rotary_factor={factor}) is not supported")
+        if factor != 1.0 and model_type not in REFUSED and not (spec is not None and spec.partial):
+            problems.append(f"partial rotary embedding (partial_rotary_factor={factor}) is not supported: {PARTIAL}")
     heads = getattr(config, "num_attention_heads", None)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     if heads and kv_heads and heads % kv_heads:

@@ -51,6 +51,8 @@ def config_identity(config, dtype) -> dict:
     }
     if nope := spec.nope_layers(config):
         record["nope_layers"] = nope  # stored as computed, never rotated
+    if (factor := rope.get("partial_rotary_factor", 1.0)) != 1.0:
+        record["rotary_dim"] = int(head_dim(config) * factor)  # the channels RoPE turns; the rest are kept
     return {
         "name": Path(str(config.name_or_path)).name or config.model_type,
         "model_type": config.model_type,

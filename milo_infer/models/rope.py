@@ -10,7 +10,7 @@ import importlib
 
 import torch
 
-from .families import attention_of
+from .families import attention_of, head_dim
 
 
 class RopeTables:
@@ -39,8 +39,14 @@ def config_layer_rope_tables(config, n_rows: int, device=None) -> RopeTables:
 
 def _per_layer(config, cos, sin) -> RopeTables:
     spec = attention_of(config)
-    if spec.regroup_tables:  # [f_0 .. f_{d/2-1}, f_0 .. f_{d/2-1}] -> [f_0, f_0, f_1, f_1, ...]
+    if spec.regroup_tables:  # [f_0 .. f_{r/2-1}, f_0 .. f_{r/2-1}] -> [f_0, f_0, f_1, f_1, ...]
         cos, sin = (t[:, :t.shape[1] // 2].repeat_interleave(2, dim=1) for t in (cos, sin))
+    d = head_dim(config)
+    if cos.shape[1] != d:  # partial rotary: the channels past rotary_dim are kept as they are
+        if not spec.partial or cos.shape[1] > d:
+            raise ValueError(f"{config.model_type}: rotary tables of {cos.shape[1]} channels for heads of {d}")
+        cos = torch.cat((cos, cos.new_ones(cos.shape[0], d - cos.shape[1])), dim=1)
+        sin = torch.cat((sin, sin.new_zeros(sin.shape[0], d - sin.shape[1])), dim=1)
     return RopeTables(cos, sin, config.num_hidden_layers, spec.nope_layers(config))
 
 

@@ -38,7 +38,9 @@ TINY = {
     "granitemoe": ("GraniteMoeConfig", dict(attention_multiplier=0.6, num_local_experts=4, num_experts_per_tok=2)),
     "smollm3": ("SmolLM3Config", dict(num_hidden_layers=4, no_rope_layer_interval=2)),  # layers 1 and 3 NoPE
     "cohere": ("CohereConfig", dict(use_qk_norm=True)),  # interleaved RoPE, LayerNorm per head
-    "helium": ("HeliumConfig", dict(head_dim=16)),
+    "helium": ("HeliumConfig", dict(head_dim=16)),  # interleaved pairs on re-laid rotate-half tables
+    "glm": ("GlmConfig", dict(head_dim=16)),  # rotary over half the head, interleaved
+    "glm4": ("Glm4Config", dict(head_dim=16)),
 }
 
 TASK = TaskSpec(name="topics", template="Message: {input}\nTopic: {output}\n", anchor="Name each message's topic.",

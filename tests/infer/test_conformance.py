@@ -71,6 +71,7 @@ WRONG = {  # family -> a description that misreads it, and the check that must s
     "cohere": (dict(interleaved=False), "capture keys"),  # rotate-half instead of interleaved pairs
     "helium": (dict(regroup_tables=False), "reposition keys"),  # the rotary module's tables as they come
     "qwen3_moe": (dict(queries=("q_proj",)), "query_scales"),  # q_norm dropped
+    "glm4": (dict(interleaved=False), "capture keys"),  # its partial rotary's pairs taken as rotate-half's
 }
 
 
@@ -82,10 +83,10 @@ def test_a_wrong_description_fails_its_check(family, tmp_path, monkeypatch):
     assert not r.passed and any(check in failure for failure in r.failures()), r.failures()
 
 
-def test_a_nope_layer_is_stored_as_computed_and_named_in_the_identity():
-    loaded = families.tiny_model("smollm3")
-    assert loaded.identity["rope"]["nope_layers"] == [1, 3]
-    assert "nope_layers" not in families.tiny_model("llama").identity["rope"]
+def test_nope_layers_and_a_partial_rotary_are_named_in_the_identity():
+    assert families.tiny_model("smollm3").identity["rope"]["nope_layers"] == [1, 3]
+    assert families.tiny_model("glm4").identity["rope"]["rotary_dim"] == 8  # half of head_dim 16
+    assert families.tiny_model("llama").identity["rope"].keys() == {"layout", "theta", "scaling"}
 
 
 # the identity of every store built before families had descriptions: config_hash and rope record as main wrote them
