@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from milo_infer.evaluation.conformance import check_conformance
-from milo_infer.models import FAMILIES, REFUSED, UnsupportedModelError, check_supported, config_identity
+from milo_infer.models import (FAMILIES, REFUSED, UnsupportedModelError, check_supported, config_identity,
+                               config_layer_rope_tables, layer_rope_tables)
 from tests.infer import families
 
 QUERY = "my card was charged twice"
@@ -62,6 +63,16 @@ def test_blocks_at_new_positions_equal_the_models_computation_there(report):
 def test_query_weights_read_the_queries_attention_receives(report):
     family, r = report
     assert max(layer["query_scales"].relative for layer in r.layers) <= 1e-5, family
+
+
+@pytest.mark.parametrize("family", list(families.TINY))
+def test_the_config_alone_gives_the_models_tables_and_identity(family):
+    """What the vLLM connector, which has the config and not the HF model, rotates with and checks stores by."""
+    loaded = families.tiny_model(family)
+    ours, models = config_layer_rope_tables(loaded.model.config, 300), layer_rope_tables(loaded.model, 300)
+    for layer in range(loaded.model.config.num_hidden_layers):
+        assert all(torch.equal(a, b) for a, b in zip(ours.layer(layer), models.layer(layer)))
+    assert config_identity(loaded.model.config, torch.float32) == loaded.identity
 
 
 WRONG = {  # family -> a description that misreads it, and the check that must say so
