@@ -39,6 +39,10 @@ class Attention:
     identity: tuple[str, ...] = ()  # config fields beyond the common ones that change its K/V (hashed into the
     # store's config_hash; none for llama, qwen2 and mistral, whose stores predate this field)
 
+    def __post_init__(self):
+        if self.partial and not self.interleaved:
+            raise ValueError("partial rotary keeps the kernels' pairing only with interleaved pairs")
+
     def nope_layers(self, config) -> list[int]:
         """The layers whose keys are cached as computed, not rotated."""
         if self.nope is None:
@@ -66,7 +70,7 @@ FAMILIES: dict[str, Attention] = {
     "phimoe": replace(WINDOWED, identity=("num_local_experts", "num_experts_per_tok", "input_jitter_noise")),
     "gemma": PLAIN,  # head_dim 256
     "olmo2": QK_NORM,
-    "olmoe": replace(QK_NORM, identity=("num_experts", "num_experts_per_tok", "clip_qkv")),
+    "olmoe": replace(QK_NORM, window=True, identity=("num_experts", "num_experts_per_tok", "clip_qkv")),
     "granite": replace(PLAIN, identity=GRANITE),  # attention_multiplier is the attention's scale
     "granitemoe": replace(PLAIN, identity=GRANITE + ("num_local_experts", "num_experts_per_tok")),
     "smollm3": replace(PLAIN, nope="no_rope_layers", identity=("no_rope_layers",)),

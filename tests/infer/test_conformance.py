@@ -82,7 +82,7 @@ WRONG = {  # family -> a description that misreads it, and the check that must s
     "cohere": (dict(interleaved=False), "capture keys"),  # rotate-half instead of interleaved pairs
     "helium": (dict(regroup_tables=False), "reposition keys"),  # the rotary module's tables as they come
     "qwen3_moe": (dict(queries=("q_proj",)), "query_scales"),  # q_norm dropped
-    "glm4": (dict(interleaved=False), "capture keys"),  # its partial rotary's pairs taken as rotate-half's
+    "glm4": (dict(regroup_tables=False), "capture keys"),  # its partial rotary tables as the rotary module makes them
 }
 
 
