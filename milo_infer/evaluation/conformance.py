@@ -6,7 +6,8 @@ engine's rebuild (the kernels, the family's RoPE tables):
 
 * capture: each block rebuilt at the positions it was encoded at, [anchor][w previous blocks][block]:
   its keys and values must be what the model itself writes into its cache for those tokens in that row;
-* re-positioning: the blocks placed as a query's prefix in another order, each at new positions: their
+* re-positioning: the blocks placed as a query's prefix in reverse order (the first block always moves, by
+  every other block's tokens; the others wherever their new neighbours' lengths differ from their context's): their
   rebuilt keys and values must be what the model computes for the same tokens at those positions from
   the same context (their encoding row fed at shifted positions; RoPE makes attention depend on
   relative positions only, so only the rotation differs);
@@ -147,7 +148,7 @@ def _check(loaded: LoadedModel, store: MiloStore, query: str, w: int) -> Conform
             record("capture", [x[:, :, span] for x in ours], [x[:, :, span] for x in theirs], kind)
             record("capture", [x[:, :, :len(anchor)] for x in ours], [x[:, :, :len(anchor)] for x in theirs], kind)
 
-    order = list(range(n))[::-1]  # every block at new positions: a query's prefix in another order
+    order = list(range(n))[::-1]  # a query's prefix in another order: blocks at other positions than encoded
     k, v = rebuilt(engine, order)
     at = len(anchor)
     for b in order:
