@@ -5,7 +5,6 @@ or Ctrl-C, which drain: no new requests, in-flight ones finish within --drain-s,
 engine loop failed for good). A store's new version (`milo update`) is swapped in while it runs
 (--reload-interval, POST /admin/reload).
 """
-import argparse
 import os
 
 import torch
@@ -16,10 +15,9 @@ from milo_store.blockcache import parse_size
 from ..server import MAX_BODY_BYTES
 from ..runtime.attention import ATTENTIONS
 from ..runtime.engine import LOAD_ERROR_POLICIES
-from ..runtime.pages import parse_kv_memory
 from ..runtime.planning import EngineSettings
 from ..runtime.session import place_model
-from . import CommandError, add_tier_arguments, at_least, checked_device, load_model_arg, mount_options
+from . import CommandError, add_tier_arguments, at_least, checked_device, kv_memory, load_model_arg, mount_options
 
 
 DEFAULT_RELOAD_S = 30.0  # a manifest GET or an attributes read per store: cheap enough to look often
@@ -31,7 +29,9 @@ def add_arguments(p):
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--api-key", default=os.environ.get("MILO_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health (default $MILO_API_KEY)")
-    p.add_argument("--model", default="default", help="model path or 'default' (must match every store)")
+    p.add_argument("--model", default="default",
+                   help="model path, 'default', or synthetic:SHAPE (random weights, for load tests of stores "
+                        "`milo bench --synthetic SHAPE` built); it must match every store")
     p.add_argument("--vllm", metavar="URL", default=None,
                    help="answer through the vLLM server at URL instead of milo's own engine: it must run the milo "
                         "connector over the same stores under the same names (docs/design.md, 'vLLM'); milo "
@@ -69,13 +69,6 @@ def add_arguments(p):
                    help="how often to look for a store's new version (milo update, a rebuild) and swap it in without "
                         "failing a request; 0: only on POST /admin/reload (default 30; not with --vllm)")
     p.add_argument("--drain-s", type=float, default=30.0, help="on SIGTERM, how long in-flight requests may finish")
-
-
-def kv_memory(text: str) -> int | float:
-    try:
-        return parse_kv_memory(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def run(args) -> int:
@@ -118,7 +111,7 @@ def run(args) -> int:
     else:
         device = checked_device(args.device)
         stores = mount_stores(args.store, **options)
-        loaded = load_model_arg(args.model)
+        loaded = load_model_arg(args.model, device)
         device = place_model(loaded, device)
         try:
             engine = Engine(loaded, stores, settings, device=device, device_cache_bytes=args.device_cache,

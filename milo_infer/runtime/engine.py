@@ -182,7 +182,8 @@ class Engine:
     def answer(self, plans: list[QueryPlan], stats: dict | None = None) -> list[Answer]:
         """Answer these plans as one batch, to completion; answers in the plans' order (a row that ends with an
         error raises it). ``stats`` (a dict the caller owns) gains the batch's fetch statistics, summed, and its
-        peak K/V bytes (what its rows needed) and the most its pages took (what it allocated), maxed."""
+        peak K/V bytes (its rows' columns and the staged factors), the most its rows' columns took and the most its
+        pages took (what it allocated), maxed, and its forwards (``steps``), summed."""
         batch = self.batch()
         done = {}
         events = batch.admit(plans)
@@ -200,6 +201,8 @@ class Engine:
                 stats[name] = stats.get(name, 0) + value
             stats["peak_kv_bytes"] = max(stats.get("peak_kv_bytes", 0), batch.peak_kv_bytes)
             stats["kv_bytes_allocated"] = max(stats.get("kv_bytes_allocated", 0), batch.kv_bytes_allocated)
+            stats["kv_bytes_needed"] = max(stats.get("kv_bytes_needed", 0), batch.kv_bytes_needed)
+            stats["steps"] = stats.get("steps", 0) + batch.steps
         return [done[id(p)] for p in plans]
 
     def report_unreadable(self, store: str, version: str, block: int, error: Exception) -> None:
@@ -278,9 +281,10 @@ class Batch:
     finished or cancelled row gives its pages back at once. ``fetch_stats`` describes the last admission,
     ``peak_kv_bytes`` the most K/V it needed at once: the columns its seated rows need (each row's context and
     answer budget) and, in a forward that rebuilds prefixes, the factors staged for it (the transfer buffers on
-    CUDA, a layer of gathered factors on CPU); ``kv_bytes_allocated`` the most its pools took (those columns
-    rounded up to pages, and pages no row holds now until the pools go). ``keep_all`` keeps the logits of
-    every fed query token (``query_logits``)."""
+    CUDA, a layer of gathered factors on CPU), ``kv_bytes_needed`` the columns alone; ``kv_bytes_allocated`` the
+    most its pools took (those columns rounded up to pages, and pages no row holds now until the pools go);
+    ``steps`` counts its forwards.
+    ``keep_all`` keeps the logits of every fed query token (``query_logits``)."""
 
     def __init__(self, engine: Engine, keep_all: bool = False):
         self.engine, self.keep_all = engine, keep_all
@@ -293,6 +297,8 @@ class Batch:
         self.unreadable_blocks = 0  # blocks the last admission could not read
         self.peak_kv_bytes = 0
         self.kv_bytes_allocated = 0
+        self.kv_bytes_needed = 0
+        self.steps = 0
         self.query_logits: dict[int, torch.Tensor] = {}  # id(plan) -> [T_query, vocab] fp32, with keep_all
 
     def __len__(self) -> int:
@@ -434,7 +440,9 @@ class Batch:
         pack.fills = [PrefixFill(a.rebuild, [(row.pages, row.executed.prefix_tokens) for row in a.rows]) for a in todo]
         held = sum(r.executed.prompt_tokens + r.executed.max_new_tokens for r in self.rows)
         staged = sum(a.rebuild.fetch_stats["buffer_bytes"] for a in todo)
-        self.peak_kv_bytes = max(self.peak_kv_bytes, held * e.page_bytes // PAGE_TOKENS + staged)
+        needed = held * e.page_bytes // PAGE_TOKENS
+        self.kv_bytes_needed = max(self.kv_bytes_needed, needed)
+        self.peak_kv_bytes = max(self.peak_kv_bytes, needed + staged)
         self.cache.pack, self.cache.updated = pack, 0
         try:
             with e.paged_attention():
@@ -442,6 +450,7 @@ class Batch:
                               milo_pack=pack, **{e.cache_kwarg: self.cache})
         finally:
             self.cache.pack = None
+        self.steps += 1
         if self.cache.updated != len(self.cache.layers):
             raise RuntimeError(f"the model did not use the milo cache (transformers {transformers.__version__} "
                                f"ignored {e.cache_kwarg}=): the answer would have no retrieved context")
