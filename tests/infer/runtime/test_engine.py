@@ -390,22 +390,23 @@ def test_milo_eval_predicts_the_same_in_batches_as_one_at_a_time(setup, tmp_path
 
 
 def test_a_row_on_scattered_pages_answers_as_alone(setup):
-    """Rows leaving leave free pages in two runs, neither long enough: the next row gets pages that are not
-    consecutive, so its prefix is rebuilt into a scratch and scattered to them, and attention gathers them."""
+    """Rows leaving leave free pages that are not consecutive: the next row's prefix spans two of them, so it is
+    rebuilt into a scratch and scattered to them, and attention gathers the row's columns."""
     from milo_infer.runtime.engine import Batch
-    from milo_infer.runtime.pages import run_start
+    from milo_infer.runtime.pages import PAGE_TOKENS, run_start
 
     loaded, store = setup
     engine = Engine(loaded, {"s": store})
-    first = [engine.plan("s", r) for r in (REQUESTS[2], REQUESTS[1], REQUESTS[0])]  # 2, 1 and 2 pages
-    late = engine.plan("s", Request("topic0 topic1 topic2 topic3 and a question " + "x" * 100, k=4))  # 3 pages
+    first = [engine.plan("s", r) for r in (REQUESTS[1], REQUESTS[0], REQUESTS[1])]  # 1, 2 and 1 pages
+    late = engine.plan("s", REQUESTS[3])
+    assert PAGE_TOKENS < late.prefix_tokens and late.prompt_tokens + late.max_new_tokens <= 2 * PAGE_TOKENS
     batch = Batch(engine, keep_all=True)
     batch.admit(first)
     batch.step()
-    assert [row.pages for row in batch.rows] == [[0, 1], [2], [3, 4]]
+    assert [row.pages for row in batch.rows] == [[0], [1, 2], [3]]
     batch.cancel(first[0])
     batch.cancel(first[2])
     got = batch.prefill_logits([late])[0]
     row = next(r for r in batch.rows if r.plan is late)
-    assert row.pages == [0, 1, 3] and run_start(row.pages) is None
+    assert row.pages == [0, 3] and run_start(row.pages) is None
     assert (got - engine.logits([engine.plan("s", late.request)])[0]).abs().max() <= ATOL
