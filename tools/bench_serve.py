@@ -53,7 +53,8 @@ def start_server(store: str, args, extra: tuple[str, ...] = ()) -> tuple[subproc
                                 "--max-batch", str(args.max_batch), "--batch-wait-ms", str(args.batch_wait_ms),
                                 "--model", args.model, "--k", str(args.k), *extra,
                                 *(("--device", args.device) if args.device else ()),
-                                *(("--kv-cache-memory", args.kv_cache_memory) if args.kv_cache_memory else ())],
+                                *(("--kv-cache-memory", args.kv_cache_memory) if args.kv_cache_memory else ()),
+                                "--attention", args.attention],
                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
@@ -135,6 +136,7 @@ def bench_store(store: str, queries: list[str], loaded, args) -> dict:
     process, base = start_server(store, args)
     mounted = MiloStore.open(store)
     engine = Engine(loaded, {model: mounted}, settings=EngineSettings(k=args.k), max_rows=args.max_batch,
+                    attention=args.attention,
                     **({"kv_cache_memory": parse_kv_memory(args.kv_cache_memory)} if args.kv_cache_memory else {}))
     rows = []
     try:
@@ -194,6 +196,7 @@ def main():
                                                          "and synthetic queries")
     ap.add_argument("--device", default=None, help="the server's and the in-process engine's device")
     ap.add_argument("--kv-cache-memory", default=None, help="the server's --kv-cache-memory")
+    ap.add_argument("--attention", default="auto", help="the server's and the engine's --attention")
     ap.add_argument("--threads", type=int, default=0, help="torch threads of the server (0: torch's choice)")
     ap.add_argument("--out", default=None, help="also write the results here as JSON")
     args = ap.parse_args()

@@ -10,6 +10,7 @@
 # /tmp/gpu_bench), stores in a temp dir; extra arguments go to the throughput run.
 #
 #   --device cpu   the same pipeline at tiny shapes on the CPU, in about a minute (tests/infer/bench runs it)
+#   ATTENTION=rows  the per-row SDPA loop instead of FlexAttention (the GPU's default) in both runs
 #
 # Packages the device image lacks travel as wheels in .whl (tools/gpu_wheels.py fetches them where pip
 # works); where the python cannot import them and .whl is there, they are installed into /tmp/site first. Without CUDA (and without --device cpu)
@@ -49,9 +50,9 @@ status=0
 echo "== throughput on $("$PY" -c "import torch; print(torch.cuda.get_device_name() if '$DEVICE' == 'cuda' else 'cpu')")"
 timeout "$BENCH_S" "$PY" -m milo_infer.cli.bench --synthetic "$SHAPE" --device "$DEVICE" --shots "$SHOTS" \
   --block-size "$BLOCK" --demo-tokens "$TOKENS" --stores "$STORES" --k 8 --batch "$BATCHES" --n-queries "$QUERIES" \
-  --rounds "$ROUNDS" --out "$REPORTS/throughput" "${EXTRA[@]}" "$@" || status=$?
+  --rounds "$ROUNDS" --attention "${ATTENTION:-auto}" --out "$REPORTS/throughput" "${EXTRA[@]}" "$@" || status=$?
 echo "== serve: milo serve over the rho 0.5 and the full store, $CLIENTS streaming clients (tools/bench_serve.py)"
 timeout "$SERVE_S" "$PY" tools/bench_serve.py "$STORES/milo-r0.5" "$STORES/full" --synthetic "$SHAPE" --device "$DEVICE" \
-  --k 8 --max-batch 64 --concurrency "$CLIENTS" --requests "$REQUESTS" --memory-requests 0 \
+  --k 8 --max-batch 64 --concurrency "$CLIENTS" --requests "$REQUESTS" --memory-requests 0 --attention "${ATTENTION:-auto}" \
   --out "$REPORTS/serve.json" "${SERVE_EXTRA[@]}" || status=$?
 exit "$status"

@@ -242,19 +242,20 @@ def largest_batch(session: TimedSession, query: str, k: int) -> int:
 
 def run_bench(loaded: LoadedModel, store_paths: dict[str, Path], queries: list[str], *, ks=(2, 4, 8), batches=(1, 4),
               rounds: int = 3, ratios=(0.5, 0.25), tier: str = "host", device=None, max_batch: int = 256,
-              kv_cache_memory: int | float | None = None, progress=print) -> dict:
+              kv_cache_memory: int | float | None = None, attention: str = "auto", progress=print) -> dict:
     """Every (k, batch) × method, the transfer path's raw bandwidth and the kernel's speedup; one report. A batch
     of ``"max"`` is the most rows of the largest k that fit the KV budget (at most ``max_batch``); a batch
-    larger than the queries answers them over again. ``kv_cache_memory`` is the engines' KV budget (`Engine`)."""
+    larger than the queries answers them over again. ``kv_cache_memory`` and ``attention`` are the engines'
+    (`Engine`)."""
     stores = {name: MiloStore.open(path, tier=tier) for name, path in store_paths.items()}
     try:
         ks = sorted({min(k, stores["full"].num_blocks) for k in ks})
-        probe = TimedSession(loaded, stores["full"], device=device, kv_cache_memory=kv_cache_memory)
+        probe = TimedSession(loaded, stores["full"], device=device, kv_cache_memory=kv_cache_memory, attention=attention)
         fits = min(max_batch, largest_batch(probe, queries[0], max(ks)))
         del probe
         batches = list(dict.fromkeys(fits if b == "max" else b for b in batches))
         sessions = {m: TimedSession(loaded, stores[store_of(m)], device=device, copy_identity=m == "full",
-                                    max_rows=max(batches), kv_cache_memory=kv_cache_memory)
+                                    max_rows=max(batches), kv_cache_memory=kv_cache_memory, attention=attention)
                     for m in method_names(ratios)}
         first = next(iter(sessions.values()))
         dev = first.device

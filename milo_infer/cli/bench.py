@@ -22,6 +22,7 @@ from ..bench import synthetic_model, throughput
 from ..bench.report import plot, render_markdown
 from ..tasks.corpus import DEMO_CORPUS, DEMO_QUERIES, load_corpus, task_from_corpus
 from ..tasks.datasets import load_dataset
+from ..runtime.attention import ATTENTIONS
 from ..runtime.devices import usable_device
 from ..runtime.session import place_model
 from . import CommandError, at_least, kv_memory, load_model_arg
@@ -49,6 +50,7 @@ def add_arguments(p):
     p.add_argument("--tier", choices=("host", "disk", "cached"), default="host", help="where factors are read from")
     p.add_argument("--kv-cache-memory", type=kv_memory, default=None, metavar="SIZE",
                    help="the engines' KV budget: bytes (8G) or a share of free device memory (0.5); as milo serve")
+    p.add_argument("--attention", choices=ATTENTIONS, default="auto", help="as milo serve (default auto)")
     p.add_argument("--device", default=None, help="compute device (default: cuda if available, else cpu)")
     p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's)")
     p.add_argument("--out", required=True, metavar="DIR", help="folder for the reports (and the stores)")
@@ -123,7 +125,7 @@ def run(args) -> int:
     out.mkdir(parents=True, exist_ok=True)  # before the long work, so a bad --out fails at once
     loaded, paths, queries = setup(args, ratios)
     report = throughput.run_bench(loaded, paths, queries, ks=ks, batches=batches, rounds=args.rounds, ratios=ratios,
-                             tier=args.tier, kv_cache_memory=args.kv_cache_memory,
+                             tier=args.tier, kv_cache_memory=args.kv_cache_memory, attention=args.attention,
                              progress=lambda line: print(line, file=sys.stderr))
     report["command"] = "milo bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:])
     report["seconds"] = time.perf_counter() - started
