@@ -61,8 +61,8 @@ def sdpa_rows(query, key, value, pack: Pack, scaling) -> torch.Tensor:
             at = slice(s.run * PAGE_TOKENS, s.run * PAGE_TOKENS + s.keys)
             k, v = key[:, :, at], value[:, :, at]
         else:
-            where = (s.pages[:pages_for(s.keys), None] * PAGE_TOKENS
-                     + torch.arange(PAGE_TOKENS, device=s.pages.device)).flatten()[:s.keys]
+            where = (s.device_pages[:pages_for(s.keys), None] * PAGE_TOKENS
+                     + torch.arange(PAGE_TOKENS, device=s.device_pages.device)).flatten()[:s.keys]
             k, v = key[:, :, where], value[:, :, where]
         out[:, :, s.start:s.stop] = torch.nn.functional.scaled_dot_product_attention(
             query[:, :, s.start:s.stop], k, v, attn_mask=s.mask, scale=scaling, enable_gqa=True)
@@ -93,7 +93,7 @@ def flex_layout(pack: Pack, pool_pages: int, device) -> dict:
         n = s.stop - s.start
         index[r, :n] = torch.arange(s.start, s.stop)
         positions[r, :n] = s.positions.to(torch.int32)
-        pages = s.pages.cpu()
+        pages = torch.tensor(s.pages)
         owner[pages] = r
         logical[pages] = torch.arange(len(pages), dtype=torch.int32)
         tables[r, :len(pages)] = pages.to(torch.int32)

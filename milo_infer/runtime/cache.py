@@ -30,7 +30,8 @@ class Segment:
     """One row's tokens in a pack: ``start:stop`` of the packed sequence, its pages (``run``: the first one when
     they are consecutive, else None), the columns [0, keys) it reads, its tokens' positions and the bool mask
     [tokens, keys] it needs (None: every column, i.e. one token at the end)."""
-    pages: torch.Tensor  # int64 [n], on the device
+    pages: list[int]
+    device_pages: torch.Tensor  # int64 [n]: the same, on the device
     run: int | None
     start: int
     stop: int

@@ -422,8 +422,8 @@ class Batch:
             # a token sees the columns up to its own position: the prefix before it (recomputed columns already
             # hold their fresh K/V when it comes) and the row's tokens fed before it
             mask = None if n == 1 else (torch.arange(keys)[None, :] <= positions[:, None]).to(e.device)
-            segments.append(Segment(row.pages_on_device(e.device), run_start(row.pages), at, at + n, keys, positions,
-                                    mask))
+            segments.append(Segment(row.pages, row.pages_on_device(e.device), run_start(row.pages), at, at + n, keys,
+                                    positions, mask))
             columns.append(pool_columns(row.pages, positions))
             fed.append((row, n, at))
             at += n

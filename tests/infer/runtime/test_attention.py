@@ -34,7 +34,7 @@ def rows_case(seed: int):
         assert pages_for(keys) == len(pages)
         n = len(positions)
         mask = None if n == 1 else torch.arange(keys)[None, :] <= positions[:, None]
-        segments.append(Segment(torch.tensor(pages), run_start(pages), at, at + n, keys, positions, mask))
+        segments.append(Segment(pages, torch.tensor(pages), run_start(pages), at, at + n, keys, positions, mask))
         at += n
     query = torch.randn(1, Hq, at, d, generator=g)
     return query, k, v, Pack(segments, torch.cat([pool_columns(p, pos) for p, pos in rows]), attention="flex"), rows
