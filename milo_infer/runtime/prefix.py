@@ -136,9 +136,8 @@ class StorePrefix:
 
 class PrefixRebuild:
     """Every row's [anchor][blocks] (one `BlockPlacement` per row), one layer at a time: ``fill(layer, k, v)``
-    writes row r's prefix into
-    ``k[r, :, :P_r]`` and ``v[r, :, :P_r]`` ([rows, H, T, d] buffers), or into ``k[slots[r]]`` where ``slots``
-    says which buffer row each placement owns (the engine's slot cache). The blocks are read when it is made
+    writes row r's prefix into ``k[r][:, :P_r]`` and ``v[r][:, :P_r]``: rows of [rows, H, T, d] buffers (the vLLM
+    connector's), or one [H, ≥P_r, d] destination per row (the engine's pages). The blocks are read when it is made
     (a block that fails its checksum raises `StoreCorruptedError` here, before anything is written).
     ``share`` (default: every layer and head) is the part a worker's cache holds: ``fill`` takes only its
     layers and writes only its heads (H = ``len(share.heads)``); only its layers are staged. ``rope`` holds each
@@ -207,7 +206,7 @@ class PrefixRebuild:
                             if kernel_backend(torch.device(device)) == "triton" and row.blocks else {})
             self.tables.append((segments, kernel_plans))
 
-    def fill(self, layer: int, k_buf: torch.Tensor, v_buf: torch.Tensor, slots: list[int] | None = None) -> None:
+    def fill(self, layer: int, k_buf, v_buf) -> None:
         if layer not in self.share.layers:
             raise ValueError(f"layer {layer} is not in this rebuild's layers {self.share.layers}")
         heads = slice(self.share.heads.start, self.share.heads.stop)
@@ -215,12 +214,13 @@ class PrefixRebuild:
         with self.clock.device_stage("wait"):
             factors = {prefix: pf.layer(layer)[0] for prefix, pf in self.fetched.items()}
         with self.clock.device_stage("rebuild"):
-            for r, (row, (segments, kernel_plans)) in enumerate(zip(self.rows, self.tables)):
-                r = slots[r] if slots is not None else r
+            for row, (segments, kernel_plans), k, v in zip(self.rows, self.tables, k_buf, v_buf):
+                if not row.prefix_tokens:  # a prefill row: no prefix, not even the anchor
+                    continue
                 m = row.prefix
-                k_buf[r, :, :m.anchor_len] = m.anchor_k[layer, heads]
-                v_buf[r, :, :m.anchor_len] = m.anchor_v[layer, heads]
+                k[:, :m.anchor_len] = m.anchor_k[layer, heads]
+                v[:, :m.anchor_len] = m.anchor_v[layer, heads]
                 if row.blocks:
-                    self.rebuild(factors[m], segments[layer], k_buf[r, :, :row.prefix_tokens],
-                                 v_buf[r, :, :row.prefix_tokens], cos, sin, interleaved=m.rope_interleaved,
-                                 quant=m.layout.quant, plan=kernel_plans.get(layer))
+                    self.rebuild(factors[m], segments[layer], k[:, :row.prefix_tokens], v[:, :row.prefix_tokens],
+                                 cos, sin, interleaved=m.rope_interleaved, quant=m.layout.quant,
+                                 plan=kernel_plans.get(layer))
