@@ -4,8 +4,10 @@ A page is ``PAGE_TOKENS`` consecutive columns of every layer's K/V pool (`milo_i
 need is known when it is planned (its prompt tokens plus its answer budget), so it is given every page it
 will ever write when it is seated and keeps them until it leaves: a running row never runs out, and
 nothing is preempted. Rows that do not fit wait, oldest first. The pool holds only the pages rows were
-given (it grows when a row needs pages no row gave back, and is dropped when no row holds any), so what a
-batch allocates follows what its rows need, rounded to a page each, never the model's positions.
+given (it grows when a row needs pages no row gave back, by an eighth more when rows already hold pages,
+since growing copies the pools; it is dropped when no row holds any), so what a batch allocates follows
+what its rows need, rounded to a page each (within 9/8 of the most they held at once), never the model's
+positions.
 
 The budget is bytes, or a share of the memory free on the device once the weights are loaded and the
 device cache (``--device-cache``) is counted; by default ``DEFAULT_SHARE`` of it.
@@ -67,6 +69,9 @@ def kv_budget_bytes(spec: int | float | None, device: torch.device, reserved: in
     return int(share * max(0, free_memory_bytes(device) - reserved))
 
 
+GROWTH_HEADROOM = 8  # a pool that grows while rows hold pages takes an eighth of its size more, within the limit
+
+
 class PageAllocator:
     """Which pages of a pool rows hold, at most ``limit`` pages in use. ``take`` grows the pool (``capacity``)
     only by the pages the free ones lack, and gives a run of consecutive pages where a free run is long
@@ -96,6 +101,12 @@ class PageAllocator:
         taken = self.free[start:start + n] if start is not None else self.free[:n]
         self.free = self.free[:start] + self.free[start + n:] if start is not None else self.free[n:]
         return taken
+
+    def grow(self, pages: int) -> None:
+        """``pages`` more free pages, within the limit: the headroom a running pool takes when it grows."""
+        pages = max(0, min(pages, self.limit - self.capacity))
+        self.free += range(self.capacity, self.capacity + pages)
+        self.capacity += pages
 
     def give(self, pages: list[int]) -> None:
         for p in pages:

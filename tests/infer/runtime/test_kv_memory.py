@@ -13,7 +13,7 @@ from milo_infer.bench import synthetic_model
 from milo_infer.models import LoadedModel, model_identity
 from milo_infer.runtime.engine import Engine
 from milo_infer.runtime.errors import RequestError
-from milo_infer.runtime.pages import PAGE_TOKENS, PageAllocator, kv_budget_bytes, parse_kv_memory
+from milo_infer.runtime.pages import GROWTH_HEADROOM, PAGE_TOKENS, PageAllocator, kv_budget_bytes, parse_kv_memory
 from milo_infer.runtime.planning import EngineSettings, Request
 from milo_store import MiloStore
 
@@ -76,7 +76,7 @@ def test_the_kv_buffers_of_16_long_rows_take_their_need_rounded_to_a_page(long_c
     assert max(seen) == batch.kv_bytes_allocated and seen[-1] == 0  # the pools go with the last row
 
 
-def test_rows_joining_one_by_one_grow_the_pools_no_further_than_their_need(long_context):
+def test_rows_joining_one_by_one_grow_the_pools_within_an_eighth_of_their_need(long_context):
     loaded, store = long_context
     engine = Engine(loaded, {"s": store}, EngineSettings(k=K))
     plans = [engine.plan("s", Request(q)) for q in long_queries()]
@@ -85,7 +85,9 @@ def test_rows_joining_one_by_one_grow_the_pools_no_further_than_their_need(long_
         events += batch.admit([p])
         seen.append(kv_buffer_bytes(batch.cache))
         events += batch.step()
-    assert seen == sorted(seen) and seen[-1] <= rows_need(engine, plans)[1]
+    rounded = rows_need(engine, plans)[1]
+    # a pool that grows while rows hold pages takes an eighth more (GROWTH_HEADROOM), so a longer row copies nothing
+    assert seen == sorted(seen) and seen[-1] <= rounded + rounded // GROWTH_HEADROOM
     while len(batch):
         events += batch.step()
     assert all(e.error is None for e in events) and sum(e.finished for e in events) == ROWS
@@ -140,7 +142,7 @@ def test_pages_are_consecutive_where_a_free_run_allows_and_never_over_the_limit(
     @settings(max_examples=200, deadline=None)
     @given(st.lists(st.tuples(st.booleans(), st.integers(1, 6)), max_size=40))
     def check(ops):
-        pages, held = PageAllocator(limit=16), []
+        pages, held, peak = PageAllocator(limit=16), [], 0
         for take, n in ops:
             if take and pages.fits(n):
                 free = set(pages.free)
@@ -153,6 +155,8 @@ def test_pages_are_consecutive_where_a_free_run_allows_and_never_over_the_limit(
             elif held:
                 pages.give(held.pop(0))
             assert pages.in_use == sum(map(len, held)) <= pages.limit
+            peak = max(peak, pages.in_use)
+            assert pages.capacity <= peak  # take grows by what the free pages lack, no more
             assert pages.capacity <= pages.limit and (pages.capacity == 0) == (not held)
             assert sorted(pages.free) == pages.free and set(pages.free).isdisjoint(p for h in held for p in h)
     check()
