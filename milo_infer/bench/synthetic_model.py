@@ -50,6 +50,13 @@ def random_model(shape: str, device="cpu", dtype=torch.float32) -> LoadedModel:
     return LoadedModel(model=model, tokenizer=byte_tokenizer(), identity=model_identity(model))
 
 
+def device_model(shape: str, device=None) -> LoadedModel:
+    """`random_model` on ``device`` (default the CPU) in the dtype a benchmark runs there: bf16 on a GPU, fp32 on
+    a CPU. What `milo bench --synthetic SHAPE` builds its stores for and `--model synthetic:SHAPE` serves."""
+    device = torch.device(device or "cpu")
+    return random_model(shape, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+
+
 def synthetic_stores(root, loaded: LoadedModel, *, demos: int, block_size: int, demo_tokens: int, ratios,
                      seed: int = 0) -> dict[str, Path]:
     """Every method's store over the same synthetic K/V, with the attrs a session checks (model, task).

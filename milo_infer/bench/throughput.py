@@ -40,6 +40,7 @@ from milo_store import CompressionConfig, MiloStore
 from ..building.config import BuildConfig, default_compression
 from ..building.shared_staging import encode_once
 from ..models import LoadedModel
+from ..runtime.pages import pages_for
 from ..runtime.prefetch import LayerPrefetcher
 from ..runtime.session import MiloSession
 from ..tasks.corpus import Demonstration, TaskSpec
@@ -114,28 +115,34 @@ def real_stores(root, loaded: LoadedModel, demos: list[Demonstration], task: Tas
 
 def measure(sessions: dict[str, TimedSession], queries: list[str], k: int, batch: int, rounds: int) -> list[dict]:
     """One row per method: medians over ``rounds`` of the same queries answered ``batch`` at a time (real
-    batches: one forward per step for all rows), methods interleaved."""
+    batches: one forward per step for all rows), methods interleaved. Besides the per-query stage times, the
+    same stages per forward (``ms_per_step``), the KV bytes the batches' pools allocated beside what their rows
+    needed, and on CUDA the device memory allocated at most while the method ran."""
     samples = {name: [] for name in sessions}
     chunks = [queries[i:i + batch] for i in range(0, len(queries), batch)]
+    device_peak = {name: 0 for name in sessions}
     for _ in range(rounds):
         for name, s in sessions.items():
             s.k = k
+            if s.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(s.device)
             answers, stats, t = [], {}, time.perf_counter()
             for chunk in chunks:
                 answers += s.engine.answer([s.plan(q) for q in chunk], stats)
             wall = time.perf_counter() - t
+            if s.device.type == "cuda":
+                device_peak[name] = max(device_peak[name], torch.cuda.max_memory_allocated(s.device))
             samples[name].append((wall, sum(a.completion_tokens for a in answers), answers, stats))
     rows = []
     for name, runs in samples.items():
         n = len(queries)
         per_query = {stage: [] for stage in STAGES}
-        for _, _, answers, _ in runs:
-            sec = [a.seconds for a in answers]
-            for stage, values in (("retrieve", [x["retrieve"] for x in sec]), ("read", [x["read"] for x in sec]),
-                                  ("transfer", [x["transfer"] for x in sec]),
-                                  ("rebuild", [x["rebuild"] for x in sec]),
-                                  ("model", [x["model"] for x in sec])):
-                per_query[stage].append(sum(values) / n)
+        per_step = {stage: [] for stage in STAGES}
+        for _, _, answers, stats in runs:
+            for stage in STAGES:
+                total = sum(a.seconds[stage] for a in answers)
+                per_query[stage].append(total / n)
+                per_step[stage].append(total / stats["steps"])
         answers, stats = runs[0][2], runs[0][3]
         moved = statistics.mean(a.kv_bytes_moved for a in answers)
         transfer = statistics.median(per_query["transfer"])
@@ -147,7 +154,11 @@ def measure(sessions: dict[str, TimedSession], queries: list[str], k: int, batch
             "ms": {stage: 1e3 * statistics.median(v) for stage, v in per_query.items()},
             "bytes_moved": moved, "bytes_without_union": statistics.mean(a.kv_bytes_stored for a in answers),
             "unique_block_share": stats["unique_blocks"] / stats["blocks"] if stats["blocks"] else 1.0,
-            "peak_kv_bytes": stats["peak_kv_bytes"],
+            "peak_kv_bytes": stats["peak_kv_bytes"], "kv_bytes_needed": stats["kv_bytes_needed"],
+            "kv_bytes_allocated": stats["kv_bytes_allocated"],
+            "steps": statistics.median(r[3]["steps"] for r in runs),
+            "ms_per_step": {stage: 1e3 * statistics.median(v) for stage, v in per_step.items()},
+            "device_peak_bytes": device_peak[name] or None,
             "bytes_full_kv": statistics.mean(a.kv_bytes_full for a in answers),
             "transfer_gbps": moved / transfer / 1e9 if transfer > 0 else float("nan"),
             "answers": [a.text for a in answers],
@@ -211,8 +222,8 @@ def kernel_speedup(session: TimedSession, block_ids: list[int], repeat: int = 3)
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
 
     def run(backend):
-        for factors, segments in layers:
-            reconstruct_layer(factors, segments, out_k, out_v, engine.cos, engine.sin,
+        for l, (factors, segments) in enumerate(layers):
+            reconstruct_layer(factors, segments, out_k, out_v, *engine.rope.layer(l),
                               interleaved=session.mounted.prefix.rope_interleaved, quant=layout.quant, backend=backend)
 
     times = {}
@@ -222,23 +233,40 @@ def kernel_speedup(session: TimedSession, block_ids: list[int], repeat: int = 3)
     return times
 
 
+def largest_batch(session: TimedSession, query: str, k: int) -> int:
+    """The most rows like ``query``'s plan at ``k`` that the engine's KV budget seats at once."""
+    session.k = k
+    plan = session.plan(query)
+    return max(1, session.engine.kv_pages // pages_for(plan.prompt_tokens + plan.max_new_tokens))
+
+
 def run_bench(loaded: LoadedModel, store_paths: dict[str, Path], queries: list[str], *, ks=(2, 4, 8), batches=(1, 4),
-              rounds: int = 3, ratios=(0.5, 0.25), tier: str = "host", device=None, progress=print) -> dict:
-    """Every (k, batch) × method, the transfer path's raw bandwidth and the kernel's speedup; one report."""
+              rounds: int = 3, ratios=(0.5, 0.25), tier: str = "host", device=None, max_batch: int = 256,
+              kv_cache_memory: int | float | None = None, attention: str = "auto", progress=print) -> dict:
+    """Every (k, batch) × method, the transfer path's raw bandwidth and the kernel's speedup; one report. A batch
+    of ``"max"`` is the most rows of the largest k that fit the KV budget (at most ``max_batch``); a batch
+    larger than the queries answers them over again. ``kv_cache_memory`` and ``attention`` are the engines'
+    (`Engine`)."""
     stores = {name: MiloStore.open(path, tier=tier) for name, path in store_paths.items()}
     try:
-        sessions = {m: TimedSession(loaded, stores[store_of(m)], device=device, copy_identity=m == "full")
+        ks = sorted({min(k, stores["full"].num_blocks) for k in ks})
+        probe = TimedSession(loaded, stores["full"], device=device, kv_cache_memory=kv_cache_memory, attention=attention)
+        fits = min(max_batch, largest_batch(probe, queries[0], max(ks)))
+        del probe
+        batches = list(dict.fromkeys(fits if b == "max" else b for b in batches))
+        sessions = {m: TimedSession(loaded, stores[store_of(m)], device=device, copy_identity=m == "full",
+                                    max_rows=max(batches), kv_cache_memory=kv_cache_memory, attention=attention)
                     for m in method_names(ratios)}
         first = next(iter(sessions.values()))
         dev = first.device
-        ks = sorted({min(k, first.store.num_blocks) for k in ks})
         for s in sessions.values():  # warm up: first-touch allocations, lazy imports, kernel compilation
             s.k = max(ks)
             s.answer(queries[0])
         rows = []
         for k in ks:
             for b in batches:
-                rows += measure(sessions, queries, k, b, rounds)
+                asked = [queries[i % len(queries)] for i in range(max(b, len(queries)))]
+                rows += measure(sessions, asked, k, b, rounds)
                 progress(f"bench: k={k} batch={b} done")
         top = [r for r in rows if r["k"] == max(ks) and r["batch"] == batches[0]]
         full_bytes = next(r["bytes_full_kv"] for r in top if r["method"] == "full")
@@ -251,7 +279,8 @@ def run_bench(loaded: LoadedModel, store_paths: dict[str, Path], queries: list[s
                 "model": loaded.identity["name"], "layout": dataclasses.asdict(shape),
                 "store_blocks": first.store.num_blocks, "block_tokens": first.store.block_tokens.tolist(),
                 "tier": tier, "rounds": rounds, "threads": torch.get_num_threads(), "ratios": list(ratios),
-                "crossover": crossover(top)}
+                "largest_batch": fits, "kv_budget_bytes": first.engine.kv_budget,
+                "attention": first.engine.attention, "crossover": crossover(top)}
     finally:
         for s in stores.values():
             s.close()

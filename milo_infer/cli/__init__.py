@@ -1,11 +1,16 @@
 """`milo`: build stores from demonstrations, query them, evaluate, benchmark and serve them. One
 subcommand per module; what they share is here: the input error, the numeric flag checks, loading
---model, checking --device, and the flags that say how a store is mounted."""
+--model, checking --device, the KV budget, and the flags that say how a store is mounted."""
+import argparse
+
 from milo_store.blockcache import BlockCache, parse_size
 from milo_store.sources import MemoryCache
 
 from ..runtime.devices import usable_device
+from ..runtime.pages import parse_kv_memory
 from ..models import load_model
+
+SYNTHETIC = "synthetic:"  # --model synthetic:SHAPE: random weights of a named shape (milo_infer.bench.synthetic_model)
 
 
 class CommandError(Exception):
@@ -21,13 +26,31 @@ def at_least(args, minimum: int, *flags: str) -> None:
             raise CommandError(f"--{flag.replace('_', '-')} must be at least {minimum}; got {value}")
 
 
-def load_model_arg(spec: str):
-    """`load_model` of --model; what a bad one raises (no such path, not a model folder, an unsupported
-    model) becomes a CommandError naming the flag."""
+def load_model_arg(spec: str, device=None, **options):
+    """`load_model` of --model (``options``: its keywords); what a bad one raises (no such path, not a model
+    folder, an unsupported model) becomes a CommandError naming the flag. ``synthetic:SHAPE`` is a Qwen2 of
+    that shape with random weights and the byte-level tokenizer (what `milo bench --synthetic` builds its
+    stores for), made on ``device`` in bf16 on a GPU, fp32 on a CPU: load tests of a model size without its
+    files."""
+    if str(spec).startswith(SYNTHETIC):
+        from ..bench import synthetic_model
+
+        shape = str(spec).removeprefix(SYNTHETIC)
+        if shape not in synthetic_model.SHAPES:
+            raise CommandError(f"--model {spec}: no such shape (shapes: {', '.join(sorted(synthetic_model.SHAPES))})")
+        return synthetic_model.device_model(shape, device)
     try:
-        return load_model(spec)
+        return load_model(spec, **options)
     except (OSError, ValueError) as e:
         raise CommandError(f"--model: {e}") from None
+
+
+def kv_memory(text: str) -> int | float:
+    """--kv-cache-memory: bytes or a share of free memory (`parse_kv_memory`), an argparse error otherwise."""
+    try:
+        return parse_kv_memory(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def checked_device(name: str | None):

@@ -22,9 +22,10 @@ from ..bench import synthetic_model, throughput
 from ..bench.report import plot, render_markdown
 from ..tasks.corpus import DEMO_CORPUS, DEMO_QUERIES, load_corpus, task_from_corpus
 from ..tasks.datasets import load_dataset
+from ..runtime.attention import ATTENTIONS
 from ..runtime.devices import usable_device
 from ..runtime.session import place_model
-from . import CommandError, at_least, load_model_arg
+from . import CommandError, at_least, kv_memory, load_model_arg
 from .errors import INPUT_ERRORS
 
 
@@ -39,12 +40,17 @@ def add_arguments(p):
     p.add_argument("--model", default="default", metavar="PATH", help="'default', an HF directory or a .gguf")
     p.add_argument("--ratios", default="0.5,0.25", metavar="R", help="ρ of the MILO stores (default 0.5,0.25)")
     p.add_argument("--k", default="2,4,8", metavar="K", help="blocks retrieved per query, a sweep (default 2,4,8)")
-    p.add_argument("--batch", default="1,4", metavar="B", help="queries per answer_batch call, a sweep (default 1,4)")
+    p.add_argument("--batch", default="1,4", metavar="B",
+                   help="queries per batch, a sweep; 'max': the most rows of the largest k the KV budget seats at once "
+                        "(default 1,4)")
     p.add_argument("--n-queries", type=int, default=4, help="queries answered per method, k and batch (default 4)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved repetitions; figures are medians (default 3)")
     p.add_argument("--block-size", type=int, default=32, help="demonstrations per block (default 32)")
     p.add_argument("--demo-tokens", type=int, default=20, help="tokens per synthetic demonstration (default 20)")
     p.add_argument("--tier", choices=("host", "disk", "cached"), default="host", help="where factors are read from")
+    p.add_argument("--kv-cache-memory", type=kv_memory, default=None, metavar="SIZE",
+                   help="the engines' KV budget: bytes (8G) or a share of free device memory (0.5); as milo serve")
+    p.add_argument("--attention", choices=ATTENTIONS, default="auto", help="as milo serve (default auto)")
     p.add_argument("--device", default=None, help="compute device (default: cuda if available, else cpu)")
     p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's)")
     p.add_argument("--out", required=True, metavar="DIR", help="folder for the reports (and the stores)")
@@ -60,6 +66,13 @@ def _ints(text: str, flag: str) -> list[int]:
     if not values or min(values) < 1:
         raise CommandError(f"{flag}: expected integers >= 1, got {text!r}")
     return values
+
+
+def _batches(text: str) -> list:
+    """--batch: integers, and 'max' for the largest batch that fits."""
+    sizes = [b.strip() for b in text.split(",") if b.strip()]
+    numbers = _ints(",".join(b for b in sizes if b != "max"), "--batch") if set(sizes) - {"max"} else []
+    return numbers + ["max"] * ("max" in sizes) if sizes else _ints(text, "--batch")
 
 
 def _ratios(text: str) -> list[float]:
@@ -80,8 +93,7 @@ def setup(args, ratios):
     except ValueError as e:
         raise CommandError(f"--device {args.device}: {e}") from None
     if args.synthetic:
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        loaded = synthetic_model.random_model(args.synthetic, device, dtype)
+        loaded = synthetic_model.device_model(args.synthetic, device)
         paths = synthetic_model.synthetic_stores(out, loaded, demos=args.shots, block_size=args.block_size,
                                        demo_tokens=args.demo_tokens, ratios=ratios)
         n_blocks = -(-args.shots // args.block_size)
@@ -105,7 +117,7 @@ def setup(args, ratios):
 
 def run(args) -> int:
     started = time.perf_counter()
-    ratios, ks, batches = _ratios(args.ratios), _ints(args.k, "--k"), _ints(args.batch, "--batch")
+    ratios, ks, batches = _ratios(args.ratios), _ints(args.k, "--k"), _batches(args.batch)
     at_least(args, 1, "n_queries", "rounds", "shots", "block_size", "demo_tokens", "threads")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -113,7 +125,8 @@ def run(args) -> int:
     out.mkdir(parents=True, exist_ok=True)  # before the long work, so a bad --out fails at once
     loaded, paths, queries = setup(args, ratios)
     report = throughput.run_bench(loaded, paths, queries, ks=ks, batches=batches, rounds=args.rounds, ratios=ratios,
-                             tier=args.tier, progress=lambda line: print(line, file=sys.stderr))
+                             tier=args.tier, kv_cache_memory=args.kv_cache_memory, attention=args.attention,
+                             progress=lambda line: print(line, file=sys.stderr))
     report["command"] = "milo bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:])
     report["seconds"] = time.perf_counter() - started
     md = render_markdown(report)

@@ -13,10 +13,11 @@ from milo_store import MiloStore
 from milo_store.blockcache import parse_size
 
 from ..server import MAX_BODY_BYTES
+from ..runtime.attention import ATTENTIONS
 from ..runtime.engine import LOAD_ERROR_POLICIES
 from ..runtime.planning import EngineSettings
 from ..runtime.session import place_model
-from . import CommandError, add_tier_arguments, at_least, checked_device, load_model_arg, mount_options
+from . import CommandError, add_tier_arguments, at_least, checked_device, kv_memory, load_model_arg, mount_options
 
 
 DEFAULT_RELOAD_S = 30.0  # a manifest GET or an attributes read per store: cheap enough to look often
@@ -28,7 +29,9 @@ def add_arguments(p):
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--api-key", default=os.environ.get("MILO_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health (default $MILO_API_KEY)")
-    p.add_argument("--model", default="default", help="model path or 'default' (must match every store)")
+    p.add_argument("--model", default="default",
+                   help="model path, 'default', or synthetic:SHAPE (random weights, for load tests of stores "
+                        "`milo bench --synthetic SHAPE` built); it must match every store")
     p.add_argument("--vllm", metavar="URL", default=None,
                    help="answer through the vLLM server at URL instead of milo's own engine: it must run the milo "
                         "connector over the same stores under the same names (docs/design.md, 'vLLM'); milo "
@@ -42,6 +45,13 @@ def add_arguments(p):
     add_tier_arguments(p)
     p.add_argument("--device-cache", type=parse_size, default=0,
                    help="device memory kept for blocks' factors across requests, e.g. 2G (default 0: none)")
+    p.add_argument("--kv-cache-memory", type=kv_memory, default=None, metavar="SIZE",
+                   help="memory for the running rows' K/V: bytes (8G) or a share of the device memory free once the "
+                        "model is loaded, less --device-cache (0.5); a row waits until its pages fit, a request that "
+                        "cannot fit alone is a 400 (default 0.9 of it on a GPU, 0.5 on a CPU)")
+    p.add_argument("--attention", choices=ATTENTIONS, default="auto",
+                   help="flex: one FlexAttention call per layer for every row; rows: one SDPA call per row "
+                        "(default auto: flex on a GPU, rows on a CPU)")
     p.add_argument("--k", type=int, default=6, help="groups to retrieve per query unless a request says (default 6)")
     p.add_argument("--token-budget", type=int, default=None, help="default cap on retrieved tokens")
     p.add_argument("--recompute", type=int, default=0, metavar="N",
@@ -84,6 +94,9 @@ def run(args) -> int:
         if args.on_load_error:
             raise CommandError("--on-load-error is milo's own engine's: vLLM's policy is set where it starts "
                                "(python -m milo_infer.vllm.launch ... --load-failure recompute|fail)")
+        if args.kv_cache_memory is not None or args.attention != "auto":
+            raise CommandError("--kv-cache-memory and --attention are milo's own engine's: vLLM sizes its KV cache "
+                               "where it starts (--kv-cache-memory-bytes, --gpu-memory-utilization)")
         if args.reload_interval:
             raise CommandError("--reload-interval is milo's own engine's: vLLM's connector keeps the store versions "
                                "it mounted at its start (restart vLLM, then milo serve, to serve a new version)")
@@ -98,10 +111,14 @@ def run(args) -> int:
     else:
         device = checked_device(args.device)
         stores = mount_stores(args.store, **options)
-        loaded = load_model_arg(args.model)
+        loaded = load_model_arg(args.model, device)
         device = place_model(loaded, device)
-        engine = Engine(loaded, stores, settings, device=device, device_cache_bytes=args.device_cache,
-                        on_load_error=args.on_load_error or "recompute", max_rows=args.max_batch)
+        try:
+            engine = Engine(loaded, stores, settings, device=device, device_cache_bytes=args.device_cache,
+                            on_load_error=args.on_load_error or "recompute", max_rows=args.max_batch,
+                            kv_cache_memory=args.kv_cache_memory, attention=args.attention)
+        except ValueError as e:  # a setting the engine cannot run with (a KV budget too small for one page)
+            raise CommandError(str(e)) from None
     swap = {} if args.vllm else {
         "locations": store_locations(args.store), "open_store": lambda location: MiloStore.open(location, **options),
         "reload_interval_s": DEFAULT_RELOAD_S if args.reload_interval is None else args.reload_interval}

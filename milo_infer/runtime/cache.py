@@ -1,118 +1,172 @@
-"""The slot K/V cache: every row of a running batch owns a slot, and nothing ever moves between slots.
+"""The paged K/V cache: every row of a running batch holds pages of one pool per layer, and nothing ever moves.
 
-gpt-fast style, vLLM-scheduler spirit: each layer's K/V buffers [slots, H, capacity, d] are allocated once
-per batch (``torch.empty``: on a CPU, pages never written cost no memory; nothing is zero-filled). In a
-slot, a token's column is its RoPE position, so a row's prefix rebuilt at positions [0, P) lands in columns
-[0, P) (`PrefixRebuild.fill` writes straight into the row's slot), a recomputed prefix token overwrites its
-own rebuilt column with its fresh K/V, and the query and answer follow at their positions. A forward
-feeds a `Pack`: every row's new tokens concatenated into one sequence; ``update`` first runs the fills of
-rows joining in this forward, then scatters each new token's K/V into (its row's slot, its position), and
-`slot_attention` attends each row's tokens to that row's columns only. A row that joins or leaves touches
-its own slot only: no other row's K/V is copied.
+Each layer's K and V pools are [H, pages × PAGE_TOKENS, d] (head-major, so one row's pages are a column
+range of every head when they are consecutive). A row's page table maps its columns to the pool's: column
+c (its RoPE position) lives at ``pages[c // PAGE_TOKENS] * PAGE_TOKENS + c % PAGE_TOKENS``. The pools hold only
+the pages rows were given (`milo_infer.runtime.pages`): they grow at an admission that needs pages no row gave
+back (layer by layer, so the copy needs one layer's room more, not a second pool) and go when no row holds
+any. New pages are zero-filled: attention over a row's last page reads columns not written yet, masked,
+and a masked 0 × NaN would still be NaN.
+
+A forward feeds a `Pack`: every row's new tokens concatenated into one sequence; ``update`` first runs the
+prefix fills of rows joining in this forward (`PrefixFill`: the rebuild writes a row's prefix straight into its
+pages when they are consecutive, else into a scratch of one layer that is then scattered to them), then
+scatters each new token's K/V to its pool column, and the attention (`milo_infer.runtime.attention`) reads
+each row's columns only. A row that joins or leaves touches its own pages only.
 """
 from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
-from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-Fill = Callable[..., None]  # fill(layer, k_buf, v_buf, slots): rebuild prefixes into those slots
-ATTENTION = "milo_slots"
+from .pages import PAGE_TOKENS, pages_for, run_start
 
 
 @dataclass
 class Segment:
-    """One row's tokens in a pack: ``start:stop`` of the packed sequence, its slot, the columns [0, keys) it
-    reads, and the bool mask [tokens, keys] it needs (None: every column, i.e. one token at the end)."""
-    slot: int
+    """One row's tokens in a pack: ``start:stop`` of the packed sequence, its pages (``run``: the first one when
+    they are consecutive, else None), the columns [0, keys) it reads, its tokens' positions and the bool mask
+    [tokens, keys] it needs (None: every column, i.e. one token at the end)."""
+    pages: list[int]
+    device_pages: torch.Tensor  # int64 [n]: the same, on the device
+    run: int | None
     start: int
     stop: int
     keys: int
+    positions: torch.Tensor  # int64 [tokens], on the host
     mask: torch.Tensor | None
 
 
 @dataclass
+class PrefixFill:
+    """An admission's prefixes to rebuild: its `PrefixRebuild` and, in its rows' order, each row's pages and
+    prefix length."""
+    rebuild: object  # PrefixRebuild: fill(layer, k_dsts, v_dsts)
+    rows: list[tuple[list[int], int]]
+
+
+@dataclass
 class Pack:
-    """What one forward feeds: each row's segment, every token's (slot, column), and the prefixes to rebuild
-    (fill, their slots) before the first write of each layer."""
+    """What one forward feeds: each row's segment, every token's pool column, the prefixes to rebuild before
+    the first write of each layer, and the attention to run (``attention``: "flex" or "rows"). ``scratch`` holds
+    what the attention derives once per forward and shares across layers (the flex block mask)."""
     segments: list[Segment]
-    slots: torch.Tensor  # int64 [T]
-    columns: torch.Tensor  # int64 [T]
-    fills: list[tuple[Fill, list[int]]] = field(default_factory=list)
+    columns: torch.Tensor  # int64 [T]: pool columns
+    attention: str = "rows"
+    fills: list[PrefixFill] = field(default_factory=list)
+    scratch: dict = field(default_factory=dict)
 
 
-class SlotLayer(CacheLayerMixin):
+def pool_columns(pages: list[int], positions: torch.Tensor) -> torch.Tensor:
+    """Where a row's columns ``positions`` live in the pool."""
+    table = torch.tensor(pages, dtype=torch.long)
+    return table[positions // PAGE_TOKENS] * PAGE_TOKENS + positions % PAGE_TOKENS
+
+
+class PagedLayer(CacheLayerMixin):
     is_sliding = False
 
-    def __init__(self, index: int, cache: "SlotCache", slots: int, capacity: int, shape, dtype, device):
+    def __init__(self, index: int, cache: "PagedCache", shape, dtype, device):
         super().__init__()
         H, d = shape
-        # a proxy, not a reference: a cycle would keep every slot's buffers (gigabytes) alive after the batch
-        # ends, until the garbage collector next ran
+        # a proxy, not a reference: a cycle would keep the pools (gigabytes) alive after the batch ends, until the
+        # garbage collector next ran
         self.index, self.cache = index, weakref.proxy(cache)
-        self.k_buf = torch.empty(slots, H, capacity, d, dtype=dtype, device=device)
-        self.v_buf = torch.empty_like(self.k_buf)
+        self.k_pool = torch.zeros(H, 0, d, dtype=dtype, device=device)
+        self.v_pool = torch.zeros_like(self.k_pool)
         self.is_initialized = True
 
     def lazy_initialization(self, key_states, value_states) -> None:
         pass
 
+    def resize(self, columns: int) -> None:
+        """Hold ``columns`` columns: the existing ones kept (when it grows), the new ones zero."""
+        for name in ("k_pool", "v_pool"):
+            old = getattr(self, name)
+            H, have, d = old.shape
+            if columns == have:
+                continue
+            setattr(self, name, None)  # the old pool goes as soon as it is copied
+            new = torch.empty(H, columns, d, dtype=old.dtype, device=old.device)
+            kept = min(have, columns)
+            new[:, :kept] = old[:, :kept]
+            new[:, kept:].zero_()
+            del old
+            setattr(self, name, new)
+
+    def fill(self, prefixes: PrefixFill) -> None:
+        """Rebuild this layer of an admission's prefixes into their rows' pages."""
+        ks, vs, scattered = [], [], []
+        for pages, length in prefixes.rows:
+            start = run_start(pages[:pages_for(length)])
+            if start is not None:  # in place
+                at = slice(start * PAGE_TOKENS, start * PAGE_TOKENS + length)
+                ks.append(self.k_pool[:, at])
+                vs.append(self.v_pool[:, at])
+            else:
+                k = torch.empty(self.k_pool.shape[0], length, self.k_pool.shape[2], dtype=self.k_pool.dtype,
+                                device=self.k_pool.device)
+                ks.append(k)
+                vs.append(torch.empty_like(k))
+                scattered.append((pool_columns(pages, torch.arange(length)).to(k.device), k, vs[-1]))
+        prefixes.rebuild.fill(self.index, ks, vs)
+        for columns, k, v in scattered:
+            self.k_pool[:, columns] = k
+            self.v_pool[:, columns] = v
+
     def update(self, key_states, value_states, *args, **kwargs):
-        """Rebuild the joining rows' prefixes of this layer, write the new tokens' K/V at (slot, position), and
-        hand the whole buffers to `slot_attention` (which reads each row's own columns)."""
+        """Rebuild the joining rows' prefixes of this layer, write the new tokens' K/V to their pool columns, and
+        hand the whole pools to the attention (which reads each row's own columns)."""
         pack = self.cache.pack
-        for fill, slots in pack.fills:
-            fill(self.index, self.k_buf, self.v_buf, slots)
-        self.k_buf[pack.slots, :, pack.columns] = key_states[0].transpose(0, 1)
-        self.v_buf[pack.slots, :, pack.columns] = value_states[0].transpose(0, 1)
+        for prefixes in pack.fills:
+            self.fill(prefixes)
+        self.k_pool[:, pack.columns] = key_states[0]
+        self.v_pool[:, pack.columns] = value_states[0]
         self.cache.updated += 1
-        return self.k_buf, self.v_buf
+        return self.k_pool[None], self.v_pool[None]
 
     def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
-        return self.k_buf.shape[2], 0
+        return self.k_pool.shape[1], 0
 
     def get_seq_length(self) -> int:
         """Rows have lengths of their own: the engine always passes every token's position."""
         return 0
 
     def get_max_length(self) -> int:
-        return self.k_buf.shape[2]
+        return self.k_pool.shape[1]
 
 
-class SlotCache(Cache):
-    """One SlotLayer per model layer; ``pack`` is the forward in flight, ``updated`` counts the layers it wrote
+class PagedCache(Cache):
+    """One PagedLayer per model layer; ``pack`` is the forward in flight, ``updated`` counts the layers it wrote
     (a model that ignored the cache writes none)."""
 
-    def __init__(self, num_layers: int, slots: int, capacity: int, shape, dtype, device):
-        super().__init__(layers=[SlotLayer(l, self, slots, capacity, shape, dtype, device) for l in range(num_layers)])
+    def __init__(self, num_layers: int, shape, dtype, device):
+        super().__init__(layers=[PagedLayer(l, self, shape, dtype, device) for l in range(num_layers)])
         self.pack: Pack | None = None
         self.updated = 0
 
     @property
-    def column_bytes(self) -> int:
-        """Bytes one column of one slot takes, K and V of every layer."""
-        k = self.layers[0].k_buf
-        return 2 * len(self.layers) * k.shape[1] * k.shape[3] * k.element_size()
+    def pages(self) -> int:
+        return self.layers[0].k_pool.shape[1] // PAGE_TOKENS
+
+    def resize(self, pages: int) -> None:
+        for layer in self.layers:
+            layer.resize(pages * PAGE_TOKENS)
+
+    @property
+    def allocated_bytes(self) -> int:
+        """What the pools take: numel × element size of every K and V pool."""
+        return sum(t.numel() * t.element_size() for layer in self.layers for t in (layer.k_pool, layer.v_pool))
+
+    def row_kv(self, layer: int, pages: list[int], columns: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A copy of one row's columns [0, ``columns``) of ``layer``: K and V [H, columns, d]."""
+        where = pool_columns(pages, torch.arange(columns)).to(self.layers[layer].k_pool.device)
+        return self.layers[layer].k_pool[:, where], self.layers[layer].v_pool[:, where]
 
 
-def slot_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, milo_pack=None, **kwargs):
-    """Each row's tokens attend to its own slot's columns [0, keys): SDPA with native GQA (no repeated KV
-    heads), a bool mask only where a row feeds several tokens. A forward without a milo pack (the model
-    called by someone else while this implementation is selected) is plain SDPA."""
-    if milo_pack is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                                      **kwargs)
-    out = torch.empty_like(query)
-    for s in milo_pack.segments:
-        out[:, :, s.start:s.stop] = torch.nn.functional.scaled_dot_product_attention(
-            query[:, :, s.start:s.stop], key[s.slot:s.slot + 1, :, :s.keys], value[s.slot:s.slot + 1, :, :s.keys],
-            attn_mask=s.mask, scale=scaling, enable_gqa=True)
-    return out.transpose(1, 2).contiguous(), None
-
-
-AttentionInterface.register(ATTENTION, slot_attention)
+def column_bytes(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes one column of one row takes, K and V of every layer."""
+    return 2 * num_layers * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()

@@ -1,16 +1,18 @@
 """Batched execution: many queries per forward, each row with its own retrieved blocks (FlexGen-style).
 
-A batch takes `QueryPlan`s (``milo_infer.runtime.planning``) and seats each in a slot of its `SlotCache`
-(``milo_infer.runtime.cache``; plans beyond the free slots wait). For each admission it fetches the union of
+A batch takes `QueryPlan`s (``milo_infer.runtime.planning``) and seats each in pages of its `PagedCache`
+(``milo_infer.runtime.cache``): every page its prompt and answer budget will ever need, taken from the engine's
+KV budget when it is seated (``milo_infer.runtime.pages``; plans beyond the free pages, or beyond ``max_rows``,
+wait, oldest first). For each admission it fetches the union of
 its rows' blocks once per store (a block several rows retrieved crosses the link once), and the first
 forward that feeds any of its rows streams those factors a layer ahead (`LayerPrefetcher`) and rebuilds
-each row's [anchor][blocks] straight into that row's slot, at its own positions (keys are pre-RoPE in the
+each row's [anchor][blocks] into that row's pages, at its own positions (keys are pre-RoPE in the
 store, so one fetched block serves rows that place it at different positions). Every step is one forward
 over a packed sequence: each running row's last token and the next chunk of the rows being prefilled (a
 row that recomputes tokens of its prefix feeds them first, at their own positions, then its query), at
 most ``EngineSettings.prefill_chunk`` prompt tokens in all; a row decodes its first token after its last
 chunk, then one per step, each with its own stopping (`LabelDecoder`, `GreedyDecoder`), and a finished or
-cancelled row frees its slot at once. No join or leave copies another row's K/V.
+cancelled row gives its pages back at once. No join or leave copies another row's K/V.
 
 Nothing per query is written on a long-lived object: a batch's stage seconds and fetch statistics
 live on the batch and its rows; each row's ``Answer.seconds`` is its share of the stages it was part
@@ -25,7 +27,7 @@ import logging
 import threading
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -33,12 +35,14 @@ import transformers
 
 from milo_store import IncompatibleStoreError, MiloStore, StoreError
 
-from ..models import LoadedModel, check_compatible, rope_tables
-from .cache import ATTENTION, Pack, Segment, SlotCache
+from ..models import LoadedModel, check_compatible, layer_rope_tables
+from .attention import ATTENTION, choose_attention
+from .cache import Pack, PagedCache, PrefixFill, Segment, column_bytes, pool_columns
 from .decoding import GreedyDecoder, LabelDecoder
 from .device_tier import DeviceTier
-from .errors import AdmissionOutOfMemory, BlockLoadError, RowFailed
+from .errors import AdmissionOutOfMemory, BlockLoadError, RequestError, RowFailed
 from .interface import Answer, RowEvent
+from .pages import GROWTH_HEADROOM, PAGE_TOKENS, PageAllocator, kv_budget_bytes, pages_for, run_start
 from .planning import STOP_STRINGS, EngineSettings, MountedStore, QueryPlan, Request
 from .prefetch import TransferPool
 from .prefix import UNREADABLE, PrefixRebuild, rebuild_layer
@@ -57,12 +61,17 @@ class Engine:
     a read that failed after its retries) ends the rows that need it with a `BlockLoadError` ("fail", the
     default: an evaluation or a one-off query reports a damaged store rather than answer around it), or is
     computed by the model from the token ids the store keeps for it ("recompute", `milo serve`'s default);
-    other rows never notice either way. ``max_rows``: the slots of a batch's cache (rows answered at once;
-    more wait)."""
+    other rows never notice either way. ``kv_cache_memory``: the KV budget of a batch's pages, in bytes (an
+    int) or as a share of the device memory free once the model is loaded, less the device cache (a float
+    in (0, 1]; default: `pages.DEFAULT_SHARE`); a row is seated only when its pages fit, and a request that
+    cannot fit even alone is refused when planned. ``max_rows``: rows answered at once at most (more wait).
+    ``attention``: "flex" (one FlexAttention call per layer for every row), "rows" (one SDPA call per row) or
+    "auto" (flex on CUDA, rows on the CPU: `milo_infer.runtime.attention`)."""
 
     def __init__(self, loaded: LoadedModel, stores: dict[str, MiloStore], settings: EngineSettings = EngineSettings(),
                  *, device=None, prefetch_depth: int = 2, rebuild: Rebuild = rebuild_layer,
-                 device_cache_bytes: int = 0, on_load_error: str = "fail", max_rows: int = 16):
+                 device_cache_bytes: int = 0, on_load_error: str = "fail", max_rows: int = 16,
+                 kv_cache_memory: int | float | None = None, attention: str = "auto"):
         if on_load_error not in LOAD_ERROR_POLICIES:
             raise ValueError(f"on_load_error must be one of {', '.join(LOAD_ERROR_POLICIES)}, got {on_load_error!r}")
         if max_rows < 1:
@@ -86,10 +95,19 @@ class Engine:
         for store in stores.values():
             check_compatible(store, loaded.identity)
         self.max_positions = min(s.meta["model"]["max_position_embeddings"] for s in stores.values())
-        self.cos, self.sin = rope_tables(self.model, self.max_positions, device=self.device)
+        self.rope = layer_rope_tables(self.model, self.max_positions, device=self.device)  # each layer's tables
         self.identity, self.swapping = loaded.identity, threading.Lock()
         self.stores = {name: self.mount(name, store) for name, store in stores.items()}
         self.device_tier = DeviceTier(device_cache_bytes, self.device) if device_cache_bytes else None
+        self.attention = choose_attention(attention, self.device)
+        layout = next(iter(stores.values())).layout
+        self.kv_shape = (layout.num_layers, layout.num_kv_heads, layout.head_dim)
+        self.page_bytes = PAGE_TOKENS * column_bytes(*self.kv_shape, self.dtype)
+        self.kv_budget = kv_budget_bytes(kv_cache_memory, self.device, reserved=device_cache_bytes)
+        self.kv_pages = self.kv_budget // self.page_bytes
+        if not self.kv_pages:
+            raise ValueError(f"a KV budget of {self.kv_budget} bytes holds no page: one page ({PAGE_TOKENS} columns "
+                             f"of every layer's K and V) takes {self.page_bytes} bytes")
         # one side stream and buffer set per store: a batch may stream from several stores at once
         self.transfers = {name: TransferPool(self.device) for name in stores} if self.device.type == "cuda" else {}
         pad = self.tokenizer.pad_token_id
@@ -106,7 +124,7 @@ class Engine:
             except StoreError as e:  # damaged: a query that needs none still answers; one that does fails then
                 log.warning("store %r: its token ids cannot be read (%s): no block of it can be computed instead "
                             "of read", name, e)
-        return MountedStore(name, store, self.tokenizer, self.cos, self.sin, self.device, self.dtype,
+        return MountedStore(name, store, self.tokenizer, self.rope, self.device, self.dtype,
                             self.settings.aggregate)
 
     def swap(self, name: str, store: MiloStore) -> MountedStore:
@@ -133,15 +151,26 @@ class Engine:
         mounted = self.stores.get(store)
         if mounted is None:
             raise KeyError(f"no store named {store!r} is mounted (mounted: {', '.join(self.stores)})")
-        return mounted.plan(request, self.settings, self.max_positions, block_ids)
+        plan = mounted.plan(request, self.settings, self.max_positions, block_ids)
+        self.check_fits(plan)
+        return plan
+
+    def check_fits(self, plan: QueryPlan) -> None:
+        """Refuse a plan whose pages exceed the whole KV budget: it could never be seated."""
+        columns = plan.prompt_tokens + plan.max_new_tokens
+        if pages_for(columns) > self.kv_pages:
+            raise RequestError(f"this request needs {columns} KV columns ({plan.prompt_tokens} of context and "
+                               f"{plan.max_new_tokens} for the answer: {pages_for(columns) * self.page_bytes} bytes "
+                               f"in pages of {PAGE_TOKENS}), more than the whole KV budget of {self.kv_budget} bytes "
+                               f"({self.kv_pages} pages); lower k, set a token budget or raise the KV cache memory")
 
     def batch(self) -> "Batch":
         return Batch(self)
 
     @contextlib.contextmanager
-    def slot_attention(self):
-        """The model attends through the slot cache (`milo_infer.runtime.cache.slot_attention`) for the forwards
-        inside only: other users of the same model object keep their attention implementation."""
+    def paged_attention(self):
+        """The model attends through the paged cache (`milo_infer.runtime.attention.paged_attention`) for the
+        forwards inside only: other users of the same model object keep their attention implementation."""
         before = self.model_config._attn_implementation
         self.model_config._attn_implementation = ATTENTION
         try:
@@ -152,7 +181,9 @@ class Engine:
     @torch.inference_mode()
     def answer(self, plans: list[QueryPlan], stats: dict | None = None) -> list[Answer]:
         """Answer these plans as one batch, to completion; answers in the plans' order (a row that ends with an
-        error raises it). ``stats`` (a dict the caller owns) gains the batch's fetch statistics, summed, and its peak K/V bytes, maxed."""
+        error raises it). ``stats`` (a dict the caller owns) gains the batch's fetch statistics, summed, and its
+        peak K/V bytes (its rows' columns and the staged factors), the most its rows' columns took and the most its
+        pages took (what it allocated), maxed, and its forwards (``steps``), summed."""
         batch = self.batch()
         done = {}
         events = batch.admit(plans)
@@ -169,6 +200,9 @@ class Engine:
             for name, value in batch.fetch_stats.items():
                 stats[name] = stats.get(name, 0) + value
             stats["peak_kv_bytes"] = max(stats.get("peak_kv_bytes", 0), batch.peak_kv_bytes)
+            stats["kv_bytes_allocated"] = max(stats.get("kv_bytes_allocated", 0), batch.kv_bytes_allocated)
+            stats["kv_bytes_needed"] = max(stats.get("kv_bytes_needed", 0), batch.kv_bytes_needed)
+            stats["steps"] = stats.get("steps", 0) + batch.steps
         return [done[id(p)] for p in plans]
 
     def report_unreadable(self, store: str, version: str, block: int, error: Exception) -> None:
@@ -194,15 +228,21 @@ class Row:
     plan: QueryPlan  # as submitted
     executed: QueryPlan  # as run: unreadable blocks computed instead (`MountedStore.without_blocks`)
     decoder: LabelDecoder | GreedyDecoder
-    slot: int
+    pages: list[int]  # its page table: column c lives at pages[c // PAGE_TOKENS]
     admission: "Admission"
     seconds: dict
     fed: int = 0  # tokens of executed.query_ids fed so far
-    next_position: int = 0  # RoPE position (and slot column) of the next decoded token fed
+    next_position: int = 0  # RoPE position (and column) of the next decoded token fed
     first_token_seconds: float = 0.0
     last_token: int = -1
     sent: int = 0  # characters of text already given out as deltas
     cancelled: bool = False
+    device_pages: torch.Tensor | None = field(default=None, repr=False)
+
+    def pages_on_device(self, device) -> torch.Tensor:
+        if self.device_pages is None:
+            self.device_pages = torch.tensor(self.pages, dtype=torch.long, device=device)
+        return self.device_pages
 
     @property
     def finished(self) -> bool:
@@ -216,7 +256,7 @@ class Row:
 @dataclass(eq=False)
 class Admission:
     """Rows seated together: their blocks were read as one union, and their prefixes are rebuilt into their
-    slots by the first forward that feeds any of them. Once rebuilt (or given up) it lets go of its rows and
+    pages by the first forward that feeds any of them. Once rebuilt (or given up) it lets go of its rows and
     its rebuild (`settle`): its rows still point at it, and a cycle would keep them, their plans (an old store
     version among them) and the staged factors alive until the garbage collector ran."""
     rebuild: PrefixRebuild | None
@@ -233,37 +273,43 @@ class Admission:
 
 
 class Batch:
-    """A running batch, used from one thread, over a `SlotCache` of ``engine.max_rows`` slots. ``admit`` seats
-    rows in free slots and reads their blocks (plans beyond the free slots wait, oldest first); ``step`` runs
-    one forward that feeds every running row's next token and the next chunk (at most
-    ``settings.prefill_chunk`` tokens in all) of the rows being prefilled, rebuilding the prefixes of rows
-    fed for the first time; a finished or cancelled row frees its slot at once. ``fetch_stats`` describes the
-    last admission, ``peak_kv_bytes`` the most K/V it held at once: the slot columns its seated rows reserve
-    (each row's context and answer budget; the buffers' untouched columns are not counted) and, in a forward
-    that rebuilds prefixes, the factors staged for it (the transfer buffers on CUDA, a layer of gathered
-    factors on CPU). ``keep_all`` keeps the logits of every fed query token (``query_logits``)."""
+    """A running batch, used from one thread, over a `PagedCache` within ``engine.kv_pages`` pages. ``admit``
+    seats rows whose pages fit (at most ``engine.max_rows`` rows) and reads their blocks (plans that do not
+    fit wait, oldest first; one that could never fit ends at once with a `RequestError`); ``step`` runs one
+    forward that feeds every running row's next token and the next chunk (at most ``settings.prefill_chunk``
+    tokens in all) of the rows being prefilled, rebuilding the prefixes of rows fed for the first time; a
+    finished or cancelled row gives its pages back at once. ``fetch_stats`` describes the last admission,
+    ``peak_kv_bytes`` the most K/V it needed at once: the columns its seated rows need (each row's context and
+    answer budget) and, in a forward that rebuilds prefixes, the factors staged for it (the transfer buffers on
+    CUDA, a layer of gathered factors on CPU), ``kv_bytes_needed`` the columns alone; ``kv_bytes_allocated`` the
+    most its pools took (those columns rounded up to pages, and pages no row holds now until the pools go);
+    ``steps`` counts its forwards.
+    ``keep_all`` keeps the logits of every fed query token (``query_logits``)."""
 
     def __init__(self, engine: Engine, keep_all: bool = False):
         self.engine, self.keep_all = engine, keep_all
-        self.rows: list[Row] = []  # rows holding a slot
-        self.waiting: list[QueryPlan] = []  # plans admitted while every slot was taken
-        self.free = list(range(engine.max_rows))
-        self.cache: SlotCache | None = None
+        self.rows: list[Row] = []  # rows holding pages
+        self.waiting: list[QueryPlan] = []  # plans admitted that did not fit yet
+        self.pages = PageAllocator(engine.kv_pages)
+        self.cache: PagedCache | None = None
         self.admissions: list[Admission] = []  # not yet rebuilt
         self.fetch_stats: dict = {}
         self.unreadable_blocks = 0  # blocks the last admission could not read
         self.peak_kv_bytes = 0
+        self.kv_bytes_allocated = 0
+        self.kv_bytes_needed = 0
+        self.steps = 0
         self.query_logits: dict[int, torch.Tensor] = {}  # id(plan) -> [T_query, vocab] fp32, with keep_all
 
     def __len__(self) -> int:
-        """Rows not finished, including those still waiting for a slot or for their prefill."""
+        """Rows not finished, including those still waiting for pages or for their prefill."""
         return len(self.waiting) + sum(not row.finished for row in self.rows)
 
     # -- admission -----------------------------------------------------------------------------
     def _fetch(self, plans: list[QueryPlan], clock: StageClock) -> PrefixRebuild:
         """Read these plans' blocks: the union of each store's once (raises what an unreadable block raises)."""
         e = self.engine
-        return PrefixRebuild([p.placement for p in plans], e.cos, e.sin, e.device, depth=e.prefetch_depth,
+        return PrefixRebuild([p.placement for p in plans], e.rope, e.device, depth=e.prefetch_depth,
                              tier=e.device_tier, pools=e.transfers, rebuild=e.rebuild, clock=clock)
 
     def _readable(self, plans: list[QueryPlan], clock: StageClock):
@@ -298,35 +344,53 @@ class Batch:
 
     @torch.inference_mode()
     def admit(self, plans: list[QueryPlan]) -> list[RowEvent]:
-        """Seat rows in free slots and read their blocks (their prefixes are rebuilt and their queries prefilled
-        by the next steps); plans beyond the free slots wait for one. Returns the error events of rows that
-        cannot run (a block that could not be read)."""
-        self.waiting += plans
-        return self._seat()
+        """Seat rows whose pages fit and read their blocks (their prefixes are rebuilt and their queries
+        prefilled by the next steps); the others wait for pages. Returns the error events of rows that cannot
+        run (a block that could not be read; more pages than the whole budget)."""
+        events = []
+        for p in plans:
+            try:
+                self.engine.check_fits(p)
+                self.waiting.append(p)
+            except RequestError as err:
+                events.append(RowEvent(p, "", True, "error", error=err))
+        return events + self._seat()
 
     def _seat(self) -> list[RowEvent]:
-        """Give free slots to waiting plans, oldest first, and read their blocks as one union."""
-        n = min(len(self.free), len(self.waiting))
-        if not n:
-            return []
+        """Give pages to waiting plans, oldest first while they fit, and read their blocks as one union."""
         e = self.engine
-        plans, self.waiting = self.waiting[:n], self.waiting[n:]
+        seated: list[tuple[QueryPlan, list[int]]] = []
+        while self.waiting and len(self.rows) + len(seated) < e.max_rows:
+            need = pages_for(self.waiting[0].prompt_tokens + self.waiting[0].max_new_tokens)
+            if not self.pages.fits(need):
+                break
+            seated.append((self.waiting.pop(0), self.pages.take(need)))
+        if not seated:
+            return []
+        pages = {id(p): taken for p, taken in seated}
         clock, started = StageClock(e.device), time.perf_counter()
-        pairs, rebuild, events = self._readable(plans, clock)
+        pairs, rebuild, events = self._readable([p for p, _ in seated], clock)
+        for event in events:  # rows that cannot run give their pages back
+            self.pages.give(pages.pop(id(event.plan)))
         if not pairs:
             return events
         self.fetch_stats = {**rebuild.fetch_stats, "unreadable_blocks": self.unreadable_blocks,
                             "bytes_without_union": sum(x.placement.kv_bytes_stored for _, x in pairs)}
         if self.cache is None:
-            layout = plans[0].mount.store.layout
-            self.cache = SlotCache(layout.num_layers, e.max_rows, e.max_positions,
-                                   (layout.num_kv_heads, layout.head_dim), e.dtype, e.device)
+            self.cache = PagedCache(e.kv_shape[0], e.kv_shape[1:], e.dtype, e.device)
+        if self.pages.capacity > self.cache.pages:
+            # growing a pool that holds rows copies every layer's pools (2 s for 600 pages of the default model
+            # on a CPU; in a served run at 64 clients each row a little longer than the one that left grew it
+            # again, 27 s of 43): take an eighth more, so the next longer row finds free pages
+            self.pages.grow(self.cache.pages // GROWTH_HEADROOM)
+            self.cache.resize(self.pages.capacity)
+            self.kv_bytes_allocated = max(self.kv_bytes_allocated, self.cache.allocated_bytes)
         admission = Admission(rebuild, [], clock, started)
         for p, x in pairs:
             trie = p.mount.queries.trie
             decoder = (LabelDecoder(trie, e.tokenizer, p.max_new_tokens) if trie is not None else
                        GreedyDecoder(e.tokenizer, STOP_STRINGS + tuple(p.request.stop), p.max_new_tokens))
-            admission.rows.append(Row(p, x, decoder, self.free.pop(0), admission, {"retrieve": p.retrieve_seconds},
+            admission.rows.append(Row(p, x, decoder, pages[id(p)], admission, {"retrieve": p.retrieve_seconds},
                                       next_position=x.prompt_tokens))
         self.rows += admission.rows
         self.admissions.append(admission)
@@ -334,7 +398,7 @@ class Batch:
 
     # -- the step ------------------------------------------------------------------------------
     def cancel(self, plan: QueryPlan) -> None:
-        """The row of ``plan`` leaves now, freeing its slot (a client that went away)."""
+        """The row of ``plan`` leaves now, giving its pages back (a client that went away)."""
         self.waiting = [p for p in self.waiting if p is not plan]
         for row in self.rows:
             if row.plan is plan:
@@ -346,7 +410,7 @@ class Batch:
         the prefill chunk lasts. Returns the pack and (row, tokens fed, where they start in it)."""
         e = self.engine
         budget, at = e.settings.prefill_chunk, 0
-        segments, slots, columns, fed = [], [], [], []
+        segments, columns, fed = [], [], []
         for row in self.rows:
             if row.finished or row in held:
                 continue
@@ -362,32 +426,35 @@ class Batch:
             # a token sees the columns up to its own position: the prefix before it (recomputed columns already
             # hold their fresh K/V when it comes) and the row's tokens fed before it
             mask = None if n == 1 else (torch.arange(keys)[None, :] <= positions[:, None]).to(e.device)
-            segments.append(Segment(row.slot, at, at + n, keys, mask))
-            slots += [row.slot] * n
-            columns.append(positions)
+            segments.append(Segment(row.pages, row.pages_on_device(e.device), run_start(row.pages), at, at + n, keys,
+                                    positions, mask))
+            columns.append(pool_columns(row.pages, positions))
             fed.append((row, n, at))
             at += n
-        pack = Pack(segments, torch.tensor(slots, dtype=torch.long, device=e.device),
-                    torch.cat(columns).to(e.device) if columns else torch.zeros(0, dtype=torch.long))
+        pack = Pack(segments, torch.cat(columns).to(e.device) if columns else torch.zeros(0, dtype=torch.long),
+                    attention=e.attention)
         return pack, fed
 
     def _forward(self, pack: Pack, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
                  joining: list[Row]) -> torch.Tensor:
-        """One model call over the packed ``ids`` [1, T] at ``positions`` through the slot cache, rebuilding the
+        """One model call over the packed ``ids`` [1, T] at ``positions`` through the paged cache, rebuilding the
         prefixes of ``joining`` rows' admissions first; logits [K, V] at the ``keep`` indices."""
         e = self.engine
         todo = list(dict.fromkeys(row.admission for row in joining if not row.admission.filled))
-        pack.fills = [(a.rebuild.fill, [row.slot for row in a.rows]) for a in todo]
+        pack.fills = [PrefixFill(a.rebuild, [(row.pages, row.executed.prefix_tokens) for row in a.rows]) for a in todo]
         held = sum(r.executed.prompt_tokens + r.executed.max_new_tokens for r in self.rows)
         staged = sum(a.rebuild.fetch_stats["buffer_bytes"] for a in todo)
-        self.peak_kv_bytes = max(self.peak_kv_bytes, held * self.cache.column_bytes + staged)
+        needed = held * e.page_bytes // PAGE_TOKENS
+        self.kv_bytes_needed = max(self.kv_bytes_needed, needed)
+        self.peak_kv_bytes = max(self.peak_kv_bytes, needed + staged)
         self.cache.pack, self.cache.updated = pack, 0
         try:
-            with e.slot_attention():
+            with e.paged_attention():
                 out = e.model(input_ids=ids, position_ids=positions, use_cache=True, logits_to_keep=keep,
                               milo_pack=pack, **{e.cache_kwarg: self.cache})
         finally:
             self.cache.pack = None
+        self.steps += 1
         if self.cache.updated != len(self.cache.layers):
             raise RuntimeError(f"the model did not use the milo cache (transformers {transformers.__version__} "
                                f"ignored {e.cache_kwarg}=): the answer would have no retrieved context")
@@ -409,7 +476,7 @@ class Batch:
                 self._free_finished()
                 return events
             ids = torch.tensor([t for row, n, _ in fed for t in self._feed(row, n)], device=e.device)[None]
-            positions = pack.columns[None]
+            positions = torch.cat([s.positions for s in pack.segments]).to(e.device)[None]
             keep, kept = [], []
             for row, n, at in fed:
                 ends = not row.prefilling or row.fed + n == len(row.executed.query_ids)
@@ -500,15 +567,19 @@ class Batch:
         return RowEvent(p, delta, True, reason, answer)
 
     def _free_finished(self) -> None:
-        """Finished and cancelled rows give their slots back (nothing else moves), except a row whose admission
-        is still to be rebuilt: that rebuild writes every one of its rows' slots, so the slot waits for it."""
+        """Finished and cancelled rows give their pages back (nothing else moves), except a row whose admission
+        is still to be rebuilt: that rebuild writes every one of its rows' pages, so they wait for it. When no
+        row holds a page, the pools go."""
         given_up = [a for a in self.admissions if all(row.finished for row in a.rows)]  # every row cancelled
         for a in given_up:
             self.admissions.remove(a)
             a.settle()
         leaving = [row for row in self.rows if row.finished and row.admission not in self.admissions]
-        self.free += [row.slot for row in leaving]
+        for row in leaving:
+            self.pages.give(row.pages)
         self.rows = [row for row in self.rows if row not in leaving]
+        if self.cache is not None and self.pages.capacity < self.cache.pages:
+            self.cache.resize(self.pages.capacity)
 
 
 def cache_keyword(model) -> str:

@@ -35,7 +35,7 @@ class ServerMetrics:
         r = self.registry = CollectorRegistry()
         M = ["model_name"]
         self.running = Gauge("milo:num_requests_running", "Rows in the running batch", M, registry=r)
-        self.waiting = Gauge("milo:num_requests_waiting", "Requests queued for a batch slot", M, registry=r)
+        self.waiting = Gauge("milo:num_requests_waiting", "Requests queued for the batch", M, registry=r)
         self.success = Counter("milo:request_success", "Finished requests by finish reason",
                                M + ["finished_reason"], registry=r)
         self.prompt_tokens = Counter("milo:prompt_tokens", "Prompt tokens (anchor, blocks and query) admitted", M,

@@ -1,9 +1,11 @@
 """The engine loop: one thread owns the engine's running batch; HTTP handlers only submit plans and read events.
 
-Continuous batching: each iteration admits waiting requests into the free slots (the batch holds at
-most ``max_batch`` rows; an empty batch waits up to ``batch_wait_s`` for more to gather), then runs
-one decode step for every row. A finished row leaves the batch at once, so a waiting request joins
-at the next step and a short label answer is never held behind a long free-form one.
+Continuous batching: each iteration admits waiting requests into the batch (it holds at most ``max_batch``
+rows; an empty batch waits up to ``batch_wait_s`` for more to gather), then runs one decode step for every
+row. A finished row leaves the batch at once, so a waiting request joins at the next step and a short label
+answer is never held behind a long free-form one. The engine seats an admitted row once its KV pages fit
+and keeps it waiting until then, counted in ``len(batch)``, so the loop takes no more from the queue than
+``max_batch`` rows in all: beyond them requests wait in the queue, and a full queue refuses (`QueueFull`).
 
 Each request's ``deliver`` is called on the loop's thread with every `RowEvent` of its row, or with
 one exception that ends it (`EngineFailed`, `ShuttingDown`, an engine `RequestError`): every
@@ -150,7 +152,7 @@ class EngineLoop:
             self.metrics.set_waiting(Counter())
 
     def _iterate(self, batch) -> bool:
-        """Drop cancelled rows, admit queued plans into the free slots, one decode step. False when the batch
+        """Drop cancelled rows, admit queued plans up to ``max_batch`` rows, one decode step. False when the batch
         raised: its rows were answered with the error, and the batch is done for."""
         try:
             self._drop_cancelled(batch)

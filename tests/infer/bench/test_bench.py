@@ -153,11 +153,30 @@ def test_copy_identity_layer_equals_the_kernel_on_an_identity_block():
         torch.testing.assert_close(a, b, equal_nan=True, atol=1e-5, rtol=1e-5)
 
 
+def test_per_step_times_and_kv_bytes_are_the_runs_own(report):
+    """Per forward: the same stage seconds over the batches' forwards; the pools' bytes: the rows' columns
+    rounded up to pages, so at least those columns and whole pages."""
+    from milo_infer.runtime.pages import PAGE_TOKENS
+
+    for r in report["rows"]:
+        assert r["steps"] >= math.ceil(r["queries"] / r["batch"]) * r["tokens_per_query"]  # one forward per token
+        for stage in throughput.STAGES:
+            assert r["ms_per_step"][stage] * r["steps"] == pytest.approx(r["ms"][stage] * r["queries"])
+        lay = report["layout"]
+        itemsize = 2 if report["device"].startswith("cuda") else 4
+        page = PAGE_TOKENS * 2 * lay["num_layers"] * lay["num_kv_heads"] * lay["head_dim"] * itemsize
+        assert 0 < r["kv_bytes_needed"] <= r["kv_bytes_allocated"] < r["kv_bytes_needed"] + page * r["batch"]
+        assert r["kv_bytes_allocated"] % page == 0
+        assert r["device_peak_bytes"] is None or r["device_peak_bytes"] >= r["kv_bytes_allocated"]
+    assert report["attention"] == ("flex" if report["device"].startswith("cuda") else "rows")
+
+
 def test_markdown_table_has_the_columns_and_one_line_per_row(report, tmp_path):
     md = render_markdown(report)
     header = next(line for line in md.splitlines() if line.startswith("| method"))
     assert [c.strip() for c in header.strip("|").split("|")] == COLUMNS
-    assert sum(line.startswith("| ") and not line.startswith("| method") for line in md.splitlines()) == len(report["rows"])
+    # each row twice: its throughput and stages, then per step and memory
+    assert sum(line.startswith("| ") and not line.startswith("| method") for line in md.splitlines()) == 2 * len(report["rows"])
     assert "raw transfer path, same run: memcpy" in md and "crossover milo-r0.25" in md
     pytest.importorskip("matplotlib")
     assert plot(report, tmp_path / "b.png").stat().st_size > 0
@@ -171,7 +190,7 @@ def test_cli_synthetic_run_writes_reports(tmp_path):
     assert code == 0
     report = json.loads((tmp_path / "bench.json").read_text())
     assert report["command"] and [r["method"] for r in report["rows"]] == ["full", "full-gemm", "milo-r0.5"]
-    assert (tmp_path / "bench.md").read_text().count("| milo-r0.5 |") == 1
+    assert (tmp_path / "bench.md").read_text().count("| milo-r0.5 |") == 2  # its throughput row and its per-step row
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -183,8 +202,37 @@ def test_bad_arguments_are_one_line_errors(tmp_path, capsys, argv, message):
     assert message in capsys.readouterr().err
 
 
+def test_the_gpu_sweep_runs_on_the_cpu_at_tiny_shapes(tmp_path):
+    """tools/gpu_bench.sh --device cpu: the whole pipeline the GPU runs (milo bench at batches 1, 2 and the largest
+    that fits the KV budget, then milo serve over the ρ 0.5 and the full store with the random model), in ~1 minute."""
+    result = subprocess.run(["bash", "tools/gpu_bench.sh", "--device", "cpu"], cwd=REPO, capture_output=True, text=True,
+                            timeout=600, env={**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path)})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_bench" / "throughput" / "bench.json").read_text())
+    largest = report["largest_batch"]
+    assert largest > 2 and report["kv_budget_bytes"] == 4 << 20
+    assert {(r["method"], r["batch"]) for r in report["rows"]} == {
+        (m, b) for m in ("full", "full-gemm", "milo-r0.5", "milo-r0.25") for b in (1, 2, largest)}
+    assert all(r["kv_bytes_allocated"] <= 4 << 20 for r in report["rows"])
+    served = json.loads((tmp_path / "gpu_bench" / "serve.json").read_text())
+    assert [s["store"] for s in served] == ["milo-r0.5", "full"] and all(s["exit_status"] == 0 for s in served)
+    assert all([lv["concurrency"] for lv in s["levels"]] == [1, 2] and all(lv["qps"] > 0 for lv in s["levels"])
+               for s in served)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the script runs the full benchmark")
 def test_gpu_bench_skips_without_cuda():
     result = subprocess.run(["bash", "tools/gpu_bench.sh"], cwd=REPO, capture_output=True, text=True, timeout=60,
                             env={**os.environ, "PYTHON": sys.executable})
     assert result.returncode == 0 and result.stdout.strip() == "gpu_bench: skipped, no CUDA device visible to " + sys.executable
+
+
+def test_a_synthetic_model_spec_is_the_shape_the_bench_builds_stores_for():
+    """`milo serve --model synthetic:SHAPE` serves what `milo bench --synthetic SHAPE` built: same identity."""
+    from milo_infer.cli import CommandError, load_model_arg
+
+    loaded = load_model_arg("synthetic:tiny")
+    assert loaded.identity == synthetic_model.random_model("tiny").identity
+    assert next(loaded.model.parameters()).dtype == torch.float32
+    with pytest.raises(CommandError, match="--model synthetic:nope: no such shape .*qwen2.5-7b"):
+        load_model_arg("synthetic:nope")

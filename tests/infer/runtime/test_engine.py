@@ -50,7 +50,7 @@ def setup(request, tmp_path_factory):
 
 
 def expected_peak_kv_bytes(engine: Engine, plans) -> int:
-    """The most K/V bytes a batch of ``plans``, admitted together, holds: the slot columns its rows reserve (K and
+    """The most K/V bytes a batch of ``plans``, admitted together, needs: the columns its rows need (K and
     V of every layer and KV head for each row's prompt and answer budget) plus, in the forward that rebuilds
     their prefixes, each store's union of blocks staged for the rebuild (its largest layer of factors: once
     on a CPU, prefetch depth + 1 times on CUDA)."""
@@ -156,38 +156,47 @@ def test_chunked_prefill_mixed_with_running_rows_answers_as_alone(setup):
         assert done[id(p)].answer.text == whole.answer([whole.plan("s", p.request)])[0].text
 
 
-def test_a_joining_row_takes_a_free_slot_and_no_running_row_moves(setup):
-    """Two slots: a third row waits for one; joins and leaves never touch the running row's slot or buffers."""
+def test_a_joining_row_takes_free_pages_and_no_running_row_moves(setup):
+    """Two rows at most: a third waits; joins and leaves never touch the running row's pages or columns (the
+    pools grow for the joining row, the running row's K/V come along as they were)."""
     loaded, store = setup
     engine = free_form(Engine(loaded, {"s": store}, settings=EngineSettings(max_new_tokens=8), max_rows=2))
     plans = [engine.plan("s", r) for r in REQUESTS[:3]]
     batch, done = engine.batch(), {}
     events = batch.admit(plans[:1]) + batch.step()
     running = batch.rows[0]
-    columns = running.next_position
-    kept = [(layer.k_buf.data_ptr(), layer.k_buf[running.slot, :, :columns].clone()) for layer in batch.cache.layers]
+    pages, columns = list(running.pages), running.next_position
+    kept = [batch.cache.row_kv(l, pages, columns) for l in range(len(batch.cache.layers))]
+    before = batch.cache.pages
     events += batch.admit(plans[1:])
     assert len(batch) == 3 and len(batch.rows) == 2 and batch.waiting == plans[2:]
-    assert batch.rows[1].slot != running.slot
+    assert not set(batch.rows[1].pages) & set(pages) and batch.cache.pages > before
     events += batch.step()
-    for layer, (pointer, k) in zip(batch.cache.layers, kept):
-        assert layer.k_buf.data_ptr() == pointer and torch.equal(layer.k_buf[running.slot, :, :columns], k)
+    assert running.pages == pages
+    for l, (k, v) in enumerate(kept):
+        now_k, now_v = batch.cache.row_kv(l, pages, columns)
+        assert torch.equal(now_k, k) and torch.equal(now_v, v)
     run_to_end(batch, events, done)
     for p in plans:
         assert done[id(p)].answer.text == engine.answer([engine.plan("s", p.request)])[0].text
 
 
 def test_a_finished_batch_frees_its_cache_without_the_garbage_collector(setup):
-    """The slot buffers go with the batch: a reference cycle would keep gigabytes per batch until the
-    collector ran (an evaluation answering batch after batch ran out of memory so)."""
+    """The pools go with the batch: a reference cycle would keep gigabytes per batch until the collector ran
+    (an evaluation answering batch after batch ran out of memory so); and once no row holds a page, before."""
     import gc
     import weakref
 
     loaded, store = setup
     engine = Engine(loaded, {"s": store}, settings=EngineSettings(max_new_tokens=4), max_rows=2)
     batch, done = engine.batch(), {}
-    run_to_end(batch, batch.admit([engine.plan("s", REQUESTS[0])]), done)
-    buffers = [weakref.ref(layer.k_buf) for layer in batch.cache.layers]
+    events = batch.admit([engine.plan("s", REQUESTS[0])])
+    buffers = [weakref.ref(layer.k_pool) for layer in batch.cache.layers]
+    assert batch.cache.allocated_bytes > 0
+    run_to_end(batch, events, done)
+    assert batch.cache.allocated_bytes == 0 and all(b() is None for b in buffers)
+    batch.admit([engine.plan("s", REQUESTS[0])])
+    buffers = [weakref.ref(layer.k_pool) for layer in batch.cache.layers]
     gc.disable()
     try:
         del batch
@@ -196,8 +205,8 @@ def test_a_finished_batch_frees_its_cache_without_the_garbage_collector(setup):
         gc.enable()
 
 
-def test_a_row_cancelled_before_its_rebuild_keeps_its_slot_until_then(setup):
-    """Its admission's rebuild still writes its slot: a row seated there before would be overwritten."""
+def test_a_row_cancelled_before_its_rebuild_keeps_its_pages_until_then(setup):
+    """Its admission's rebuild still writes its pages: a row given them before would be overwritten."""
     loaded, store = setup
     engine = free_form(Engine(loaded, {"s": store}, settings=EngineSettings(max_new_tokens=4), max_rows=2))
     plans = [engine.plan("s", r) for r in REQUESTS[:3]]
@@ -212,7 +221,7 @@ def test_a_row_cancelled_before_its_rebuild_keeps_its_slot_until_then(setup):
         assert done[id(p)].answer.text == engine.answer([engine.plan("s", p.request)])[0].text
 
 
-def test_the_slot_attention_is_selected_only_inside_the_engines_forwards(setup):
+def test_the_paged_attention_is_selected_only_inside_the_engines_forwards(setup):
     """Other users of the same model object keep their attention implementation, even after a forward fails."""
     loaded, store = setup
     engine = Engine(loaded, {"s": store})
@@ -221,7 +230,7 @@ def test_the_slot_attention_is_selected_only_inside_the_engines_forwards(setup):
     model = engine.model
     engine.model = lambda **kw: seen.append(loaded.model.config._attn_implementation) or model(**kw)
     engine.answer([engine.plan("s", REQUESTS[0])])
-    assert set(seen) == {"milo_slots"} and loaded.model.config._attn_implementation == before
+    assert set(seen) == {"milo_pages"} and loaded.model.config._attn_implementation == before
 
     def broken(**kw):
         raise RuntimeError("a test's failing forward")
@@ -378,3 +387,26 @@ def test_milo_eval_predicts_the_same_in_batches_as_one_at_a_time(setup, tmp_path
     many = evaluate(loaded, store.path, items, task, k=3, batch=5, predictions=tmp_path / "p.jsonl")
     assert one["answers"] == many["answers"] and one["accuracy"] == many["accuracy"]
     assert len((tmp_path / "p.jsonl").read_text().splitlines()) == len(items)  # every row logged, in batches
+
+
+def test_a_row_on_scattered_pages_answers_as_alone(setup):
+    """Rows leaving leave free pages that are not consecutive: the next row's prefix spans two of them, so it is
+    rebuilt into a scratch and scattered to them, and attention gathers the row's columns."""
+    from milo_infer.runtime.engine import Batch
+    from milo_infer.runtime.pages import PAGE_TOKENS, run_start
+
+    loaded, store = setup
+    engine = Engine(loaded, {"s": store})
+    first = [engine.plan("s", r) for r in (REQUESTS[1], REQUESTS[0], REQUESTS[1])]  # 1, 2 and 1 pages
+    late = engine.plan("s", REQUESTS[3])
+    assert PAGE_TOKENS < late.prefix_tokens and late.prompt_tokens + late.max_new_tokens <= 2 * PAGE_TOKENS
+    batch = Batch(engine, keep_all=True)
+    batch.admit(first)
+    batch.step()
+    assert [row.pages for row in batch.rows] == [[0], [1, 2], [3]]
+    batch.cancel(first[0])
+    batch.cancel(first[2])
+    got = batch.prefill_logits([late])[0]
+    row = next(r for r in batch.rows if r.plan is late)
+    assert row.pages == [0, 3] and run_start(row.pages) is None
+    assert (got - engine.logits([engine.plan("s", late.request)])[0]).abs().max() <= ATOL

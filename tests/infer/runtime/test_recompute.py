@@ -60,10 +60,10 @@ def token_by_token(engine: Engine, request: Request, n: int) -> torch.Tensor:
     plain = engine.plan("s", Request(request.text, k=request.k, recompute=0))
     batch = engine.batch()
     batch.admit([plain])
-    batch.step()  # rebuilds the prefix into the row's slot, columns [0, P)
-    slot = batch.rows[0].slot
-    rebuilt = [(layer.k_buf[slot:slot + 1, :, :plain.prefix_tokens], layer.v_buf[slot:slot + 1, :, :plain.prefix_tokens])
-               for layer in batch.cache.layers]
+    batch.step()  # rebuilds the prefix into the row's pages, columns [0, P)
+    pages = batch.rows[0].pages
+    rebuilt = [tuple(x[None] for x in batch.cache.row_kv(l, pages, plain.prefix_tokens))
+               for l in range(len(batch.cache.layers))]
     recomputed = engine.plan("s", Request(request.text, k=request.k, recompute=n))
     again = dict(zip(recomputed.recompute.tolist(), recomputed.query_ids))
     reference = DynamicCache(config=engine.model.config)

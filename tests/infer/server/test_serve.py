@@ -241,3 +241,12 @@ def test_refuses_to_start_naming_the_store_that_does_not_match_the_model(built, 
     clash = subprocess.run([sys.executable, "-m", "milo_infer.cli.main", "serve", str(built[0]), str(twin)],
                            env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=60)
     assert clash.returncode == 2 and f"two stores share the name {built[0].name!r}" in clash.stderr, clash.stderr
+
+
+def test_refuses_a_kv_budget_it_cannot_parse_or_that_holds_no_page(built):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    for value, says in (("-0.5", "argument --kv-cache-memory: KV cache memory '-0.5'"), ("1K", "holds no page")):
+        done = subprocess.run([sys.executable, "-m", "milo_infer.cli.main", "serve", str(built[0]), "--port",
+                               str(free_port()), "--kv-cache-memory", value], env=env, capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr, done.stderr

@@ -1,0 +1,120 @@
+"""KV memory in pages: how many pages the budget allows, and which pages a row gets.
+
+A page is ``PAGE_TOKENS`` consecutive columns of every layer's K/V pool (`milo_infer.runtime.cache`). A row's
+need is known when it is planned (its prompt tokens plus its answer budget), so it is given every page it
+will ever write when it is seated and keeps them until it leaves: a running row never runs out, and
+nothing is preempted. Rows that do not fit wait, oldest first. The pool holds only the pages rows were
+given (it grows when a row needs pages no row gave back, by an eighth more when rows already hold pages,
+since growing copies the pools; it is dropped when no row holds any), so what a batch allocates follows
+what its rows need, rounded to a page each (within 9/8 of the most they held at once), never the model's
+positions.
+
+The budget is bytes, or a share of the memory free on the device once the weights are loaded and the
+device cache (``--device-cache``) is counted; by default ``DEFAULT_SHARE`` of it.
+"""
+from __future__ import annotations
+
+import bisect
+import os
+
+import torch
+
+PAGE_TOKENS = 128  # columns a page; FlexAttention's KV block, so a page is one block of its block mask
+DEFAULT_SHARE = {"cuda": 0.9, "cpu": 0.5}  # of the free memory: a CPU's is shared with the host tier and more
+
+
+def pages_for(columns: int) -> int:
+    return -(-columns // PAGE_TOKENS)
+
+
+def parse_kv_memory(text: str) -> int | float:
+    """``--kv-cache-memory``: bytes ('8G', '512M', '1073741824') or a share of the free memory ('0.5')."""
+    from milo_store.blockcache import parse_size
+
+    try:
+        share = float(text)
+    except ValueError:
+        share = None
+    if share is not None and 0 < share <= 1:
+        return share
+    if share is not None and share <= 0:
+        raise ValueError(f"KV cache memory {text!r}: expected bytes (8G) or a share of free memory in (0, 1]")
+    return parse_size(text)
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Memory that can be had now: the CUDA device's free memory, or the host's MemAvailable."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def kv_budget_bytes(spec: int | float | None, device: torch.device, reserved: int = 0) -> int:
+    """The KV budget ``spec`` names: bytes (an int), a share of the memory free now less ``reserved`` (a float in
+    (0, 1]), or None for the device's default share."""
+    if isinstance(spec, int) and not isinstance(spec, bool):
+        if spec < 1:
+            raise ValueError(f"kv_cache_memory must be at least 1 byte, got {spec}")
+        return spec
+    share = DEFAULT_SHARE.get(device.type, DEFAULT_SHARE["cpu"]) if spec is None else float(spec)
+    if not 0 < share <= 1:
+        raise ValueError(f"kv_cache_memory as a share of free memory must be in (0, 1], got {spec}")
+    return int(share * max(0, free_memory_bytes(device) - reserved))
+
+
+GROWTH_HEADROOM = 8  # a pool that grows while rows hold pages takes an eighth of its size more, within the limit
+
+
+class PageAllocator:
+    """Which pages of a pool rows hold, at most ``limit`` pages in use. ``take`` grows the pool (``capacity``)
+    only by the pages the free ones lack, and gives a run of consecutive pages where a free run is long
+    enough (the rebuild then writes a row's prefix in place, and the per-row attention reads a view), else
+    the lowest free pages."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.capacity = 0  # pages the pool holds
+        self.free: list[int] = []  # sorted
+
+    @property
+    def in_use(self) -> int:
+        return self.capacity - len(self.free)
+
+    def fits(self, n: int) -> bool:
+        return self.in_use + n <= self.limit
+
+    def take(self, n: int) -> list[int]:
+        if not self.fits(n):
+            raise ValueError(f"{n} pages do not fit: {self.in_use} of {self.limit} are in use")
+        if len(self.free) < n:
+            grown = n - len(self.free)
+            self.free += range(self.capacity, self.capacity + grown)
+            self.capacity += grown
+        start = next((i for i in range(len(self.free) - n + 1) if self.free[i + n - 1] - self.free[i] == n - 1), None)
+        taken = self.free[start:start + n] if start is not None else self.free[:n]
+        self.free = self.free[:start] + self.free[start + n:] if start is not None else self.free[n:]
+        return taken
+
+    def grow(self, pages: int) -> None:
+        """``pages`` more free pages, within the limit: the headroom a running pool takes when it grows."""
+        pages = max(0, min(pages, self.limit - self.capacity))
+        self.free += range(self.capacity, self.capacity + pages)
+        self.capacity += pages
+
+    def give(self, pages: list[int]) -> None:
+        for p in pages:
+            bisect.insort(self.free, p)
+        if not self.in_use:  # nothing held: the pool can go
+            self.capacity, self.free = 0, []
+
+
+def run_start(pages: list[int]) -> int | None:
+    """The first page when ``pages`` are consecutive (their columns one range of the pool), else None."""
+    return pages[0] if pages and pages[-1] - pages[0] == len(pages) - 1 else None

@@ -1,0 +1,109 @@
+"""Attention over the paged cache against per-row SDPA over each row's own contiguous K/V (the slot cache's).
+
+fp32 on the CPU, 1e-4: rows of one token and of prefill chunks (positions with gaps, as recomputed tokens
+have), a chunk over two query blocks that sees pages whole and in part, pages consecutive and scattered,
+GQA. FlexAttention runs uncompiled here (it materialises the scores: small sizes only) and once compiled.
+"""
+import pytest
+import torch
+from torch.nn.attention.flex_attention import flex_attention
+
+from milo_infer.runtime import attention
+from milo_infer.runtime.cache import Pack, Segment, pool_columns
+from milo_infer.runtime.pages import PAGE_TOKENS, pages_for, run_start
+from milo_infer.runtime.planning import EngineSettings, Request
+from tests.infer.runtime.test_engine import REQUESTS, free_form, setup  # noqa: F401 (a fixture)
+
+ATOL = 1e-4
+Hq, H, d = 4, 2, 16
+
+
+def rows_case(seed: int):
+    """A pool and a pack of rows: (pages, positions fed) each, with keys up to each row's last position."""
+    g = torch.Generator().manual_seed(seed)
+    rows = [([3], torch.tensor([40])),  # one decode token on one page
+            ([0, 1, 2], torch.tensor([300])),  # consecutive pages
+            ([9, 4, 7, 5], torch.cat([torch.tensor([130, 131, 200]), torch.arange(300, 480)])),  # gaps, 2 q blocks
+            ([8, 6], torch.arange(129, 140))]  # a chunk starting on the row's second page
+    pool = 10
+    k = torch.randn(1, H, pool * PAGE_TOKENS, d, generator=g)
+    v = torch.randn(1, H, pool * PAGE_TOKENS, d, generator=g)
+    segments, at = [], 0
+    for pages, positions in rows:
+        keys = int(positions[-1]) + 1
+        assert pages_for(keys) == len(pages)
+        n = len(positions)
+        mask = None if n == 1 else torch.arange(keys)[None, :] <= positions[:, None]
+        segments.append(Segment(pages, torch.tensor(pages), run_start(pages), at, at + n, keys, positions, mask))
+        at += n
+    query = torch.randn(1, Hq, at, d, generator=g)
+    return query, k, v, Pack(segments, torch.cat([pool_columns(p, pos) for p, pos in rows]), attention="flex"), rows
+
+
+def per_row_reference(query, k, v, rows) -> torch.Tensor:
+    """SDPA per row over its columns copied out contiguously: what the slot cache attended to."""
+    out, at = [], 0
+    for pages, positions in rows:
+        keys, n = int(positions[-1]) + 1, len(positions)
+        where = pool_columns(pages, torch.arange(keys))
+        mask = torch.arange(keys)[None, :] <= positions[:, None]
+        out.append(torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, at:at + n], k[:, :, where], v[:, :, where], attn_mask=mask, enable_gqa=True))
+        at += n
+    return torch.cat(out, dim=2)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_flex_and_the_per_row_loop_equal_per_row_sdpa(seed):
+    query, k, v, pack, rows = rows_case(seed)
+    want = per_row_reference(query, k, v, rows)
+    assert pack.segments[1].run == 0 and pack.segments[2].run is None
+    got_rows = attention.sdpa_rows(query, k, v, pack, None)
+    got_flex = attention.flex_rows(query, k, v, pack, None, compiled=False)
+    assert got_rows.shape == got_flex.shape == want.shape
+    assert (got_rows - want).abs().max() <= ATOL
+    assert (got_flex - want).abs().max() <= ATOL
+    layout = pack.scratch["flex"]
+    assert layout["shape"] == (4, 256)  # rows and tokens padded to powers of two
+    full = layout["block_mask"].full_kv_num_blocks
+    assert [int(x) for x in full[2, 0]] == [1, 3]  # pages seen whole by the block skip the mask function
+
+
+def test_flex_attention_compiled_equals_per_row_sdpa():
+    """The compiled kernel (C++ on the CPU, Triton on CUDA) reads the block mask's pages, not only its
+    mask function: a wrong page table would show here and not uncompiled."""
+    query, k, v, pack, rows = rows_case(2)
+    got = attention.flex_rows(query, k, v, pack, None, compiled=True)
+    assert (got - per_row_reference(query, k, v, rows)).abs().max() <= ATOL
+
+
+def test_the_engine_answers_the_same_with_flex_attention(setup, monkeypatch):
+    """Rows of different lengths joining a running batch, prefilled in chunks: every logit within 1e-4."""
+    from milo_infer.runtime.engine import Engine
+
+    monkeypatch.setattr(attention, "compiled_flex", lambda device_type: flex_attention)  # small: uncompiled
+    loaded, store = setup
+    settings = EngineSettings(max_new_tokens=5, prefill_chunk=7)
+    rows = free_form(Engine(loaded, {"s": store}, settings=settings, attention="rows"))
+    flex = free_form(Engine(loaded, {"s": store}, settings=settings, attention="flex"))
+    assert (rows.attention, flex.attention) == ("rows", "flex")
+    requests = REQUESTS + [Request("topic1 topic4 and a question long enough for several chunks", k=2)]
+    for a, b in zip(rows.logits([rows.plan("s", r) for r in requests]),
+                    flex.logits([flex.plan("s", r) for r in requests])):
+        assert (a - b).abs().max() <= ATOL
+    batch, done, events = flex.batch(), {}, []
+    for r in requests:
+        events += batch.admit([flex.plan("s", r)]) + batch.step()
+    while len(batch):
+        done.update({id(e.plan): e.answer for e in events if e.finished})
+        events = batch.step()
+    done.update({id(e.plan): e.answer for e in events if e.finished})
+    assert sorted(a.text for a in done.values()) == sorted(a.text for a in rows.answer([rows.plan("s", r)
+                                                                                         for r in requests]))
+
+
+def test_attention_names_are_checked():
+    assert attention.choose_attention("auto", torch.device("cpu")) == "rows"
+    assert attention.choose_attention("auto", torch.device("cuda")) == "flex"
+    with pytest.raises(ValueError, match="attention must be one of auto, flex, rows"):
+        attention.choose_attention("paged", torch.device("cpu"))
