@@ -11,7 +11,9 @@ timed beside a rebuild (`build_store`, the same configuration) of the corpus it 
   it keeps is a link of the previous version's file, written by nobody); a rebuild writes its whole store;
 - at a URL (moto's S3 server in its own process on 127.0.0.1, or ``--url`` on an endpoint the environment
   names): the base is pushed (`milo-store push`), and bytes written are the bytes of every PUT, with the
-  bytes of every server-side copy beside them (format 4 makes none).
+  bytes of every server-side copy beside them (format 4 makes none). When both places run, the URL's rebuild
+  is the directory's rebuild pushed (time: that rebuild's plus the push; bytes: the push's PUTs), so the
+  corpus is encoded once per change, not twice.
 
 Beside each: blocks encoded (update, rebuild), the bytes of the blocks the update encoded (the new
 version's blocks whose CRC32C no block of the previous version has), the store's size after the update
@@ -153,8 +155,12 @@ def gets_per_query(store_path, k: int = 6, queries: int = 200, seed: int = 0) ->
     return {name: float(np.mean(c)) for name, c in counts.items()}
 
 
-def run_change(name, add, remove, where, args, loaded, task, base_demos, work, base_location) -> dict:
-    """One change at one place (``where``: local or url): the update, then the rebuild, measured."""
+def run_change(name, add, remove, where, args, loaded, task, base_demos, work, base_location,
+               local_rebuild: dict | None = None) -> dict:
+    """One change at one place (``where``: local or url): the update, then the rebuild, measured. At the URL,
+    with ``local_rebuild`` (this change's rebuild in the directory: its path, time and summary), the rebuild is
+    that store pushed, not encoded again: its time is the local rebuild's plus the push, its bytes the push's
+    PUTs (what a rebuild at the URL uploads), and the run saves one encoding of the whole corpus per change."""
     before = stat(base_location)
     if where == "local":
         target = work / f"{name}-update"
@@ -175,8 +181,12 @@ def run_change(name, add, remove, where, args, loaded, task, base_demos, work, b
     rebuilt = work / f"{name}-rebuild" if where == "local" else f"{args.url}/{name}-rebuild-{uuid.uuid4().hex[:6]}"
     with counted_uploads() as rebuild_uploads:
         t = time.perf_counter()
-        built = build_store(rebuilt, loaded, final, task, args.config, progress=False)
-        rebuild_s = time.perf_counter() - t
+        if where == "url" and local_rebuild is not None:
+            push(local_rebuild["path"], rebuilt)
+            built, rebuild_s = local_rebuild["built"], local_rebuild["rebuild_s"] + time.perf_counter() - t
+        else:
+            built = build_store(rebuilt, loaded, final, task, args.config, progress=False)
+            rebuild_s = time.perf_counter() - t
     rebuild = stat(rebuilt)
     old = set(before["checksums"])
     row = {"change": name, "where": where, "added": len(add), "removed": len(remove), "update_s": update_s,
@@ -184,7 +194,7 @@ def run_change(name, add, remove, where, args, loaded, task, base_demos, work, b
            "rebuild_blocks": built["blocks_encoded_now"], "blocks": after["blocks"],
            "encoded_bytes": sum(b for c, b in zip(after["checksums"], after["block_bytes"]) if c not in old),
            "disk_bytes": after["disk_bytes"], "dead_bytes": after["dead_bytes"],
-           "rebuild_disk_bytes": rebuild["disk_bytes"]}
+           "rebuild_disk_bytes": rebuild["disk_bytes"], "rebuild_path": str(rebuilt)}
     if where == "local":
         row.update(update_bytes=written_bytes(target, kept), rebuild_bytes=written_bytes(Path(rebuilt), set()),
                    copied_bytes=0)
@@ -274,9 +284,13 @@ def main(argv=None):
         for name in names:
             add, kind = planned[name]
             remove = removals(args.work / "base", kind, one) if kind else []
+            local = None
             for where in places:
                 rows.append(run_change(name, add, remove, where, args, loaded, task, base, args.work,
-                                       args.work / "base"))
+                                       args.work / "base", local))
+                if where == "local":
+                    local = {"path": rows[-1]["rebuild_path"], "built": {"blocks_encoded_now": rows[-1]["rebuild_blocks"]},
+                             "rebuild_s": rows[-1]["rebuild_s"]}
                 print(f"  {name} {where}: update {rows[-1]['update_s']:.1f} s, rebuild {rows[-1]['rebuild_s']:.1f} s",
                       file=sys.stderr)
     finally:
