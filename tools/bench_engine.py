@@ -43,7 +43,7 @@ RUNNING_TEXTS = ["where is my new card", "I was charged twice", "how do I top up
 def prefix_cache(engine: Engine, plan) -> DynamicCache:
     """The plan's rebuilt [anchor][blocks] K/V, layer by layer, in a fresh DynamicCache."""
     layout = engine.stores[plan.store].prefix.layout
-    rebuild = PrefixRebuild([plan.placement], engine.cos, engine.sin, engine.device)
+    rebuild = PrefixRebuild([plan.placement], engine.rope, engine.device)
     cache = DynamicCache(config=engine.model.config)
     shape = (1, layout.num_kv_heads, plan.prefix_tokens, layout.head_dim)
     for layer in range(layout.num_layers):

@@ -222,8 +222,8 @@ def kernel_speedup(session: TimedSession, block_ids: list[int], repeat: int = 3)
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
 
     def run(backend):
-        for factors, segments in layers:
-            reconstruct_layer(factors, segments, out_k, out_v, engine.cos, engine.sin,
+        for l, (factors, segments) in enumerate(layers):
+            reconstruct_layer(factors, segments, out_k, out_v, *engine.rope.layer(l),
                               interleaved=session.mounted.prefix.rope_interleaved, quant=layout.quant, backend=backend)
 
     times = {}

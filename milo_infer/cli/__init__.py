@@ -25,11 +25,12 @@ def at_least(args, minimum: int, *flags: str) -> None:
             raise CommandError(f"--{flag.replace('_', '-')} must be at least {minimum}; got {value}")
 
 
-def load_model_arg(spec: str, device=None):
-    """`load_model` of --model; what a bad one raises (no such path, not a model folder, an unsupported
-    model) becomes a CommandError naming the flag. ``synthetic:SHAPE`` is a Qwen2 of that shape with random
-    weights and the byte-level tokenizer (what `milo bench --synthetic` builds its stores for), made on
-    ``device`` in bf16 on a GPU, fp32 on a CPU: load tests of a model size without its files."""
+def load_model_arg(spec: str, device=None, **options):
+    """`load_model` of --model (``options``: its keywords); what a bad one raises (no such path, not a model
+    folder, an unsupported model) becomes a CommandError naming the flag. ``synthetic:SHAPE`` is a Qwen2 of
+    that shape with random weights and the byte-level tokenizer (what `milo bench --synthetic` builds its
+    stores for), made on ``device`` in bf16 on a GPU, fp32 on a CPU: load tests of a model size without its
+    files."""
     if str(spec).startswith(SYNTHETIC):
         from ..bench import synthetic_model
 
@@ -38,7 +39,7 @@ def load_model_arg(spec: str, device=None):
             raise CommandError(f"--model {spec}: no such shape (shapes: {', '.join(sorted(synthetic_model.SHAPES))})")
         return synthetic_model.device_model(shape, device)
     try:
-        return load_model(spec)
+        return load_model(spec, **options)
     except (OSError, ValueError) as e:
         raise CommandError(f"--model: {e}") from None
 

@@ -7,10 +7,10 @@ import sys
 
 from milo_store.commandline import run_subcommands
 
-from . import bench, build, eval, query, serve, update
+from . import bench, build, check_model, eval, query, serve, update
 from .errors import INPUT_ERRORS
 
-COMMANDS = {"build": build, "update": update, "query": query, "eval": eval, "bench": bench, "serve": serve}
+COMMANDS = {"check-model": check_model, "build": build, "update": update, "query": query, "eval": eval, "bench": bench, "serve": serve}
 
 
 def main(argv=None) -> int:

@@ -35,7 +35,7 @@ import transformers
 
 from milo_store import IncompatibleStoreError, MiloStore, StoreError
 
-from ..models import LoadedModel, check_compatible, rope_tables
+from ..models import LoadedModel, check_compatible, layer_rope_tables
 from .attention import ATTENTION, choose_attention
 from .cache import Pack, PagedCache, PrefixFill, Segment, column_bytes, pool_columns
 from .decoding import GreedyDecoder, LabelDecoder
@@ -95,7 +95,7 @@ class Engine:
         for store in stores.values():
             check_compatible(store, loaded.identity)
         self.max_positions = min(s.meta["model"]["max_position_embeddings"] for s in stores.values())
-        self.cos, self.sin = rope_tables(self.model, self.max_positions, device=self.device)
+        self.rope = layer_rope_tables(self.model, self.max_positions, device=self.device)  # each layer's tables
         self.identity, self.swapping = loaded.identity, threading.Lock()
         self.stores = {name: self.mount(name, store) for name, store in stores.items()}
         self.device_tier = DeviceTier(device_cache_bytes, self.device) if device_cache_bytes else None
@@ -124,7 +124,7 @@ class Engine:
             except StoreError as e:  # damaged: a query that needs none still answers; one that does fails then
                 log.warning("store %r: its token ids cannot be read (%s): no block of it can be computed instead "
                             "of read", name, e)
-        return MountedStore(name, store, self.tokenizer, self.cos, self.sin, self.device, self.dtype,
+        return MountedStore(name, store, self.tokenizer, self.rope, self.device, self.dtype,
                             self.settings.aggregate)
 
     def swap(self, name: str, store: MiloStore) -> MountedStore:
@@ -309,7 +309,7 @@ class Batch:
     def _fetch(self, plans: list[QueryPlan], clock: StageClock) -> PrefixRebuild:
         """Read these plans' blocks: the union of each store's once (raises what an unreadable block raises)."""
         e = self.engine
-        return PrefixRebuild([p.placement for p in plans], e.cos, e.sin, e.device, depth=e.prefetch_depth,
+        return PrefixRebuild([p.placement for p in plans], e.rope, e.device, depth=e.prefetch_depth,
                              tier=e.device_tier, pools=e.transfers, rebuild=e.rebuild, clock=clock)
 
     def _readable(self, plans: list[QueryPlan], clock: StageClock):

@@ -34,6 +34,7 @@ import torch
 
 from milo_store import MiloStore
 
+from ..models import RopeTables
 from ..tasks.corpus import TaskSpec
 from .decoding import LabelTrie
 from .errors import BlockLoadError, RequestError
@@ -185,10 +186,10 @@ class MountedStore:
     """A store ready to answer from: its anchor and block placement on the device (``prefix``) and its
     queries' retrieval, rendering and labels (``queries``)."""
 
-    def __init__(self, name: str, store: MiloStore, tokenizer, cos: torch.Tensor, sin: torch.Tensor, device, dtype,
+    def __init__(self, name: str, store: MiloStore, tokenizer, rope: RopeTables, device, dtype,
                  aggregate: str = "max"):
         self.name, self.store = name, store
-        self.prefix = StorePrefix(name, store, cos, sin, device, dtype)
+        self.prefix = StorePrefix(name, store, rope, device, dtype)
         self.queries = StoreQueries(store, tokenizer, aggregate)
 
     @property

@@ -22,6 +22,8 @@ import torch
 from milo_kernels import apply_rope, kernel_backend, plan_layers, reconstruct_layer
 from milo_store import IncompatibleStoreError, MiloStore, StoreError, full_kv_bytes
 
+from ..models import RopeTables
+
 from .device_tier import DeviceTier
 from .prefetch import LayerPrefetcher, TransferPool
 from .timing import StageClock
@@ -80,14 +82,15 @@ def prefix_token_ids(store: MiloStore, blocks: list[int]) -> list[int] | None:
 class StorePrefix:
     """A store's anchor K/V on the device, and where any blocks go after it."""
 
-    def __init__(self, name: str, store: MiloStore, cos: torch.Tensor, sin: torch.Tensor, device, dtype):
+    def __init__(self, name: str, store: MiloStore, rope: RopeTables, device, dtype):
         self.name, self.store, self.layout = name, store, store.layout
         self.rope_interleaved = store.meta["model"]["rope"]["layout"] == "interleaved"
         anchor = store.anchor_kv()  # [L, 2, H, Ta, d], keys pre-RoPE
         if anchor is None:
             raise IncompatibleStoreError(f"{store.path} has no anchor K/V: not a store `milo build` wrote")
         Ta = anchor.shape[3]
-        keys = apply_rope(anchor[:, 0].float(), cos[:Ta].cpu(), sin[:Ta].cpu(), self.rope_interleaved)
+        keys = torch.stack([apply_rope(anchor[l, 0].float(), cos[:Ta].cpu(), sin[:Ta].cpu(), self.rope_interleaved)
+                            for l, (cos, sin) in enumerate(map(rope.layer, range(len(anchor))))])
         self.anchor_k = keys.to(device, dtype)
         self.anchor_v = anchor[:, 1].to(device, dtype)
         self.anchor_len = Ta
@@ -137,15 +140,16 @@ class PrefixRebuild:
     connector's), or one [H, ≥P_r, d] destination per row (the engine's pages). The blocks are read when it is made
     (a block that fails its checksum raises `StoreCorruptedError` here, before anything is written).
     ``share`` (default: every layer and head) is the part a worker's cache holds: ``fill`` takes only its
-    layers and writes only its heads (H = ``len(share.heads)``); only its layers are staged.
+    layers and writes only its heads (H = ``len(share.heads)``); only its layers are staged. ``rope`` holds each
+    layer's tables (a NoPE layer's rotate by nothing).
     ``fetch_stats`` says what the fetch read and moved; ``clock`` (optional) times its stages."""
 
-    def __init__(self, rows: list[BlockPlacement], cos: torch.Tensor, sin: torch.Tensor, device,
+    def __init__(self, rows: list[BlockPlacement], rope: RopeTables, device,
                  *, depth: int = 2, tier: DeviceTier | None = None, pools: dict[str, TransferPool] | None = None,
                  rebuild=rebuild_layer, clock: StageClock | None = None, share: KVShare | None = None):
         if not rows:
             raise ValueError("a rebuild needs at least one row")
-        self.rows, self.cos, self.sin, self.rebuild = rows, cos, sin, rebuild
+        self.rows, self.rope, self.rebuild = rows, rope, rebuild
         layout = rows[0].prefix.layout  # stores mounted together are of one model
         self.share = share or KVShare.whole(layout)
         self.share.check(layout)
@@ -206,6 +210,7 @@ class PrefixRebuild:
         if layer not in self.share.layers:
             raise ValueError(f"layer {layer} is not in this rebuild's layers {self.share.layers}")
         heads = slice(self.share.heads.start, self.share.heads.stop)
+        cos, sin = self.rope.layer(layer)
         with self.clock.device_stage("wait"):
             factors = {prefix: pf.layer(layer)[0] for prefix, pf in self.fetched.items()}
         with self.clock.device_stage("rebuild"):
@@ -217,5 +222,5 @@ class PrefixRebuild:
                 v[:, :m.anchor_len] = m.anchor_v[layer, heads]
                 if row.blocks:
                     self.rebuild(factors[m], segments[layer], k[:, :row.prefix_tokens], v[:, :row.prefix_tokens],
-                                 self.cos, self.sin, interleaved=m.rope_interleaved, quant=m.layout.quant,
+                                 cos, sin, interleaved=m.rope_interleaved, quant=m.layout.quant,
                                  plan=kernel_plans.get(layer))

@@ -47,7 +47,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from milo_store import MiloStore, StoreError
 from milo_store.blockcache import BlockCache
 
-from ..models import check_compatible, config_identity, config_rope_tables
+from ..models import check_compatible, config_identity, config_layer_rope_tables
 from ..runtime.prefix import BlockPlacement, KVShare, PrefixRebuild, StorePrefix
 from ..runtime.timing import StageClock
 from .transfer import Load, LoadSchedule, PrefixClaims, tensor_parallel_heads
@@ -204,9 +204,9 @@ class MiloConnector(KVConnectorBase_V1):
         model_config = self._vllm_config.model_config
         device = torch.device(self._vllm_config.device_config.device)
         longest = min(s.meta["model"]["max_position_embeddings"] for s in self.stores.values())
-        self.cos, self.sin = config_rope_tables(model_config.hf_config, longest, device)
+        self.rope = config_layer_rope_tables(model_config.hf_config, longest, device)
         self.device, self.dtype = device, model_config.dtype
-        self._prefixes = {name: StorePrefix(name, store, self.cos, self.sin, device, self.dtype)
+        self._prefixes = {name: StorePrefix(name, store, self.rope, device, self.dtype)
                           for name, store in self.stores.items()}
         self.share = self._worker_share()
 
@@ -276,7 +276,7 @@ class MiloConnector(KVConnectorBase_V1):
 
     def _rebuild_of(self, loads: list[Load]) -> PrefixRebuild:
         """These loads' blocks read (raises what an unreadable block raises), to rebuild this worker's share."""
-        return PrefixRebuild(self._rows(loads), self.cos, self.sin, self.device,
+        return PrefixRebuild(self._rows(loads), self.rope, self.device,
                              share=self.share, clock=StageClock(self.device))
 
     def _count(self, **values) -> None:

@@ -28,7 +28,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from milo_store import MiloStore
 
-from ..models import check_compatible, config_identity, config_rope_tables, model_directory
+from ..models import check_compatible, config_identity, config_layer_rope_tables, model_directory
 from ..runtime.interface import Answer, RowEvent
 from ..runtime.errors import RequestError, RowFailed, UpstreamError
 from ..runtime.planning import STOP_STRINGS, EngineSettings, MountedStore, QueryPlan, Request
@@ -68,8 +68,8 @@ class VllmEngine:
             check_compatible(store, config_identity(config, torch.float32))
         self.max_positions = min([served.get("max_model_len") or config.max_position_embeddings] +
                                  [s.meta["model"]["max_position_embeddings"] for s in stores.values()])
-        cos, sin = config_rope_tables(config, self.max_positions)
-        self.stores = {name: MountedStore(name, store, self.tokenizer, cos, sin, "cpu", torch.float32,
+        rope = config_layer_rope_tables(config, self.max_positions)
+        self.stores = {name: MountedStore(name, store, self.tokenizer, rope, "cpu", torch.float32,
                                           settings.aggregate) for name, store in stores.items()}
         self.settings = settings
 

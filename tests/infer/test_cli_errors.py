@@ -39,3 +39,21 @@ def test_a_closed_pipe_ends_the_command_quietly(tmp_path, command):
     finally:
         os.close(write)
     assert done.returncode == 141 and done.stderr == "", done.stderr
+
+
+@pytest.mark.parametrize("model_type, overrides, reason", [
+    ("qwen3_next", {}, "hybrid linear attention"),
+    ("gemma3_text", {}, "sliding-window layers beside full-attention ones"),
+    ("deepseek_v3", {}, "multi-head latent attention"),
+    ("mistral", {"sliding_window": 4096}, "sliding_window=4096 is active"),
+    ("stablelm", {}, "partial rotary embedding with rotate-half pairs"),
+])
+def test_build_on_a_refused_family_is_one_line_naming_why(model_type, overrides, reason, tmp_path, capsys):
+    from transformers import AutoConfig
+
+    AutoConfig.for_model(model_type, **overrides).save_pretrained(tmp_path / "model")  # no weights: refused first
+    code = milo(["build", "--model", str(tmp_path / "model"), "--corpus", str(ROOT / "milo_infer/tasks/data/demo_corpus.jsonl"),
+                 "--out", str(tmp_path / "store")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and reason in err, err
+    assert not (tmp_path / "store").exists()

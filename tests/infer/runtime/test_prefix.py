@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from milo_infer.bench import synthetic_model
-from milo_infer.models import rope_tables
+from milo_infer.models import layer_rope_tables
 from milo_infer.runtime.prefix import KVShare, PrefixRebuild, StorePrefix
 from milo_store import MiloStore
 
@@ -20,15 +20,14 @@ def built(tmp_path_factory):
     loaded = synthetic_model.random_model("tiny")  # 2 layers, 2 KV heads
     paths = synthetic_model.synthetic_stores(tmp_path_factory.mktemp("share"), loaded, demos=32, block_size=8,
                                              demo_tokens=5, ratios=(0.5, 0.25))
-    cos, sin = rope_tables(loaded.model, 512)
-    return paths, cos, sin
+    return paths, layer_rope_tables(loaded.model, 512)
 
 
-def rebuilt(store: MiloStore, cos, sin, share: KVShare | None) -> tuple[torch.Tensor, torch.Tensor]:
+def rebuilt(store: MiloStore, rope, share: KVShare | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Every row's prefix, [rows, layers, heads, T, d] for K and V, as far as ``share`` reaches."""
-    prefix = StorePrefix("s", store, cos, sin, "cpu", torch.float32)
+    prefix = StorePrefix("s", store, rope, "cpu", torch.float32)
     rows = [prefix.place(blocks) for blocks in ROWS]
-    rebuild = PrefixRebuild(rows, cos, sin, "cpu", share=share)
+    rebuild = PrefixRebuild(rows, rope, "cpu", share=share)
     layers, heads = rebuild.share.layers, rebuild.share.heads
     T = max(row.prefix_tokens for row in rows)
     k = torch.zeros(len(rows), len(layers), len(heads), T, store.layout.head_dim)
@@ -41,23 +40,23 @@ def rebuilt(store: MiloStore, cos, sin, share: KVShare | None) -> tuple[torch.Te
 @pytest.mark.parametrize("tier", ["host", "disk", "cached"])
 @pytest.mark.parametrize("name", ["full", "milo-r0.5", "milo-r0.25"])
 def test_a_share_rebuilds_exactly_its_slice_of_the_whole(built, name, tier):
-    paths, cos, sin = built
+    paths, rope = built
     with MiloStore.open(paths[name], tier=tier) as store:
-        whole_k, whole_v = rebuilt(store, cos, sin, None)
+        whole_k, whole_v = rebuilt(store, rope, None)
         for layers, heads in ((range(1, 2), range(1, 2)), (range(0, 1), range(0, 2)), (range(0, 2), range(0, 1))):
-            k, v = rebuilt(store, cos, sin, KVShare(layers, heads))
+            k, v = rebuilt(store, rope, KVShare(layers, heads))
             want = (slice(None), slice(layers.start, layers.stop), slice(heads.start, heads.stop))
             assert torch.equal(k, whole_k[want]) and torch.equal(v, whole_v[want]), (layers, heads)
 
 
 def test_a_share_refuses_layers_and_heads_it_does_not_hold(built):
-    paths, cos, sin = built
+    paths, rope = built
     with MiloStore.open(paths["full"]) as store:
-        prefix = StorePrefix("s", store, cos, sin, "cpu", torch.float32)
-        rebuild = PrefixRebuild([prefix.place([0])], cos, sin, "cpu", share=KVShare(range(1, 2), range(0, 1)))
+        prefix = StorePrefix("s", store, rope, "cpu", torch.float32)
+        rebuild = PrefixRebuild([prefix.place([0])], rope, "cpu", share=KVShare(range(1, 2), range(0, 1)))
         k = torch.zeros(1, 1, rebuild.rows[0].prefix_tokens, store.layout.head_dim)
         with pytest.raises(ValueError, match="not in this rebuild's layers"):
             rebuild.fill(0, k, k.clone())
         for share in (KVShare(range(0, 3), range(0, 1)), KVShare(range(0, 1), range(1, 3)), KVShare(range(0, 0), range(0, 1))):
             with pytest.raises(ValueError, match="is not a run of the layout"):
-                PrefixRebuild([prefix.place([0])], cos, sin, "cpu", share=share)
+                PrefixRebuild([prefix.place([0])], rope, "cpu", share=share)

@@ -1,0 +1,243 @@
+"""Whether milo reproduces a model: its stored K/V against the model's own cache, in a minute, before a long build.
+
+On the model's own weights and in its dtype, over a few demonstrations, an identity store (every unit at
+full rank, fp32 factors) is built the way `milo build` builds any store, and read back through the
+engine's rebuild (the kernels, the family's RoPE tables):
+
+* capture: each block rebuilt at the positions it was encoded at, [anchor][w previous blocks][block]:
+  its keys and values must be what the model itself writes into its cache for those tokens in that row;
+* re-positioning: the blocks placed as a query's prefix in reverse order (the first block always moves, by
+  every other block's tokens; the others wherever their new neighbours' lengths differ from their context's): their
+  rebuilt keys and values must be what the model computes for the same tokens at those positions from
+  the same context (their encoding row fed at shifted positions; RoPE makes attention depend on
+  relative positions only, so only the rotation differs);
+* answering: the engine's logits for a query over that prefix must be a plain transformers forward of
+  the query over a cache holding the same prefix (the engine's attention, the module's scaling included);
+* query weights: the query-aware key weights (`query_channel_scales`, which read the family's query tap)
+  against the queries the model's attention itself receives.
+
+A deviation is the largest |milo − model| over the checked tokens, per layer, relative to the model's
+largest magnitude there when that is above 1 (fp32 rounding grows with it: real keys reach hundreds).
+The tolerances are per dtype (`TOLERANCES`); a description that reads the wrong tap (a missing
+``k_norm``) or rotates a NoPE layer is off by the size of the keys themselves.
+"""
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AttentionInterface, DynamicCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from milo_store import CompressionConfig, MiloStore
+
+from ..building.builder import build_store
+from ..building.config import BuildConfig
+from ..models import LoadedModel, attention_of, query_channel_scales
+from ..models.capture import rope_pairs
+from ..runtime.engine import Engine, cache_keyword
+from ..runtime.planning import Request
+from ..runtime.prefix import PrefixRebuild
+from ..tasks.corpus import Demonstration, TaskSpec
+
+CHECKS = ("capture", "reposition")
+# largest relative deviation each check may show, per model dtype: fp32 rounding (seen under 1e-6 on tiny
+# models), and the dtype's own rounding, where the model rotates in its dtype and milo in fp32
+TOLERANCES = {
+    torch.float32: {"capture": 1e-5, "reposition": 1e-4, "logits": 1e-4, "query_scales": 1e-5},
+    torch.bfloat16: {"capture": 3e-2, "reposition": 1e-1, "logits": 1e-1, "query_scales": 3e-2},
+    torch.float16: {"capture": 4e-3, "reposition": 2e-2, "logits": 2e-2, "query_scales": 4e-3},
+}
+
+
+@dataclass(frozen=True)
+class Deviation:
+    """One check's largest |milo − model| (``error``) over its tokens, and the model's largest |value| there."""
+    error: float
+    scale: float
+
+    @property
+    def relative(self) -> float:
+        return self.error / max(1.0, self.scale)
+
+    @classmethod
+    def of(cls, ours: torch.Tensor, theirs: torch.Tensor) -> "Deviation":
+        ours, theirs = ours.double(), theirs.double()
+        return cls(float((ours - theirs).abs().max()), float(theirs.abs().max()))
+
+    def worst(self, other: "Deviation") -> "Deviation":
+        return self if self.relative >= other.relative else other
+
+
+@dataclass
+class Conformance:
+    """Per layer, each check's deviation for keys and for values; the logits' and the query weights'."""
+    model: str
+    model_type: str
+    dtype: torch.dtype
+    blocks: int
+    layers: list[dict[str, Deviation]] = field(default_factory=list)  # "capture keys", ..., "query_scales"
+    logits: Deviation | None = None
+
+    @property
+    def tolerance(self) -> dict[str, float]:
+        return TOLERANCES[self.dtype]
+
+    def failures(self) -> list[str]:
+        """Each deviation over its tolerance, named ('layer 3 capture keys: 0.41 > 1e-05')."""
+        tol, out = self.tolerance, []
+        for layer, checks in enumerate(self.layers):
+            for name, dev in checks.items():
+                limit = tol[name.split()[0]]
+                if not dev.relative <= limit:
+                    out.append(f"layer {layer} {name}: {dev.relative:.3g} > {limit:g}")
+        if self.logits is not None and not self.logits.relative <= tol["logits"]:
+            out.append(f"logits: {self.logits.relative:.3g} > {tol['logits']:g}")
+        return out
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures()
+
+    def as_dict(self) -> dict:
+        """JSON-ready: each layer's relative deviations, the logits', the tolerances and the verdict."""
+        return {"model": self.model, "model_type": self.model_type, "dtype": str(self.dtype).removeprefix("torch."),
+                "blocks": self.blocks, "tolerance": self.tolerance, "passed": self.passed, "failures": self.failures(),
+                "layers": [{name: dev.relative for name, dev in layer.items()} for layer in self.layers],
+                "logits": self.logits.relative if self.logits is not None else None}
+
+
+def check_conformance(loaded: LoadedModel, demos: list[Demonstration], task: TaskSpec, query: str, *,
+                      block_size: int = 2, context_blocks: int = 1, workdir=None) -> Conformance:
+    """The four checks of this module over ``demos`` (at least two blocks of ``block_size``) and ``query``."""
+    if len(demos) < 2 * block_size:
+        raise ValueError(f"a conformance check needs two blocks or more: at least {2 * block_size} demonstrations "
+                         f"of block size {block_size}, got {len(demos)}")
+    with tempfile.TemporaryDirectory(prefix="milo-check-", dir=workdir) as tmp:
+        config = BuildConfig(block_size=block_size, context_blocks=context_blocks, order="corpus",
+                             compression=CompressionConfig(ratio=1.0, codec="identity", dtype="float32"))
+        build_store(Path(tmp) / "identity", loaded, demos, task, config, progress=False)
+        with MiloStore.open(Path(tmp) / "identity") as store:
+            return _check(loaded, store, query, context_blocks)
+
+
+def _check(loaded: LoadedModel, store: MiloStore, query: str, w: int) -> Conformance:
+    model, n = loaded.model, store.num_blocks
+    engine = Engine(loaded, {"check": store})
+    anchor = [int(t) for t in store.meta["build"]["anchor_token_ids"]]
+    ids = [store.token_ids(b).tolist() for b in range(n)]
+    starts = {}  # each block's first position in its own encoding row
+    report = Conformance(loaded.identity["name"], model.config.model_type, engine.dtype, n,
+                         [{} for _ in range(model.config.num_hidden_layers)])
+
+    def record(check: str, got: list[torch.Tensor], want: list[torch.Tensor], kind: str) -> None:
+        for layer, (a, b) in enumerate(zip(got, want)):
+            key = f"{check} {kind}"
+            dev = Deviation.of(a, b)
+            report.layers[layer][key] = report.layers[layer][key].worst(dev) if key in report.layers[layer] else dev
+
+    for b in range(n):  # capture: the block where its encoding row put it
+        context = list(range(max(0, b - w), b + 1))
+        starts[b] = len(anchor) + sum(len(ids[c]) for c in context[:-1])
+        k, v = rebuilt(engine, context)
+        cached_k, cached_v = model_cache(model, anchor + [t for c in context for t in ids[c]], 0)
+        span = slice(starts[b], starts[b] + len(ids[b]))
+        for kind, ours, theirs in (("keys", k, cached_k), ("values", v, cached_v)):
+            record("capture", [x[:, :, span] for x in ours], [x[:, :, span] for x in theirs], kind)
+            record("capture", [x[:, :, :len(anchor)] for x in ours], [x[:, :, :len(anchor)] for x in theirs], kind)
+
+    order = list(range(n))[::-1]  # a query's prefix in another order: blocks at other positions than encoded
+    k, v = rebuilt(engine, order)
+    at = len(anchor)
+    for b in order:
+        context = list(range(max(0, b - w), b + 1))
+        row = anchor + [t for c in context for t in ids[c]]
+        cached_k, cached_v = model_cache(model, row, at - starts[b])
+        theirs, ours = slice(starts[b], starts[b] + len(ids[b])), slice(at, at + len(ids[b]))
+        record("reposition", [x[:, :, ours] for x in k], [x[:, :, theirs] for x in cached_k], "keys")
+        record("reposition", [x[:, :, ours] for x in v], [x[:, :, theirs] for x in cached_v], "values")
+        at += len(ids[b])
+
+    plan = engine.plan("check", Request(text=query), block_ids=order)
+    ours = engine.logits([plan])[0]
+    report.logits = Deviation.of(ours, plain_logits(model, k, v, plan.query_ids, plan.prefix_tokens))
+    calibration = anchor + [t for block in ids for t in block]
+    for layer, (ours, theirs) in enumerate(zip(query_channel_scales(model, calibration),
+                                               attended_query_scales(model, calibration))):
+        report.layers[layer]["query_scales"] = Deviation.of(ours, theirs)
+    return report
+
+
+def rebuilt(engine: Engine, blocks: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per layer, K and V [1, H, P, d] of [anchor][blocks] as the engine's rebuild writes them into its cache."""
+    mounted = engine.stores["check"]
+    rebuild = PrefixRebuild([mounted.prefix.place(blocks)], engine.rope, engine.device)
+    layout, P = mounted.prefix.layout, rebuild.rows[0].prefix_tokens
+    keys, values = [], []
+    for layer in range(layout.num_layers):
+        k = torch.empty(1, layout.num_kv_heads, P, layout.head_dim, dtype=engine.dtype, device=engine.device)
+        v = torch.empty_like(k)
+        rebuild.fill(layer, k, v)
+        keys.append(k)
+        values.append(v)
+    return keys, values
+
+
+@torch.inference_mode()
+def model_cache(model, ids: list[int], shift: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per layer, the K and V [1, H, T, d] the model writes into its own cache for ``ids`` fed at positions
+    ``shift``, ``shift + 1``, ...: RoPE'd where the layer rotates, as its attention reads them."""
+    device = next(model.parameters()).device
+    positions = torch.arange(len(ids), device=device)[None] + shift
+    out = model(input_ids=torch.tensor([ids], device=device), position_ids=positions, use_cache=True,
+                logits_to_keep=1)
+    cache = out.cache if hasattr(out, "cache") else out.past_key_values  # transformers renamed it after 5.19
+    return [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers]
+
+
+@torch.inference_mode()
+def plain_logits(model, keys, values, query_ids: list[int], prefix_tokens: int) -> torch.Tensor:
+    """transformers alone: the query fed after a `DynamicCache` holding the prefix, its logits [T, vocab] fp32."""
+    cache = DynamicCache(config=model.config)
+    for layer, (k, v) in enumerate(zip(keys, values)):
+        cache.update(k, v, layer)
+    device = next(model.parameters()).device
+    positions = torch.arange(prefix_tokens, prefix_tokens + len(query_ids), device=device)[None]
+    out = model(input_ids=torch.tensor([query_ids], device=device), position_ids=positions, use_cache=True,
+                **{cache_keyword(model): cache})
+    return out.logits[0].float()
+
+
+RECORDING = "milo_record_queries"
+
+
+def _recording_attention(module, query, key, value, attention_mask, milo_queries=None, **kwargs):
+    """SDPA that keeps what each layer's attention is given as queries (after RoPE and any norm)."""
+    if milo_queries is not None:
+        milo_queries[module.layer_idx] = query.detach()
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+AttentionInterface.register(RECORDING, _recording_attention)
+
+
+@torch.inference_mode()
+def attended_query_scales(model, ids: list[int]) -> torch.Tensor:
+    """`query_channel_scales`' quantity [L, H_kv, d] from the queries the model's attention receives: the RMS
+    over tokens and each KV head's query group of each channel, pooled over RoPE pairs (a pair's energy is the
+    same rotated or not, so the attention's post-RoPE queries give what the pre-RoPE tap must)."""
+    config = model.config
+    H, n_rep = config.num_key_value_heads, config.num_attention_heads // config.num_key_value_heads
+    seen: dict[int, torch.Tensor] = {}
+    before = config._attn_implementation
+    config._attn_implementation = RECORDING
+    try:
+        model(input_ids=torch.tensor([ids], device=next(model.parameters()).device), use_cache=False,
+              milo_queries=seen)
+    finally:
+        config._attn_implementation = before
+    energy = torch.stack([seen[layer].double()[0].transpose(0, 1).unflatten(1, (H, n_rep)).square().mean(dim=(0, 2))
+                          for layer in range(config.num_hidden_layers)]).cpu()  # [L, H, d]
+    return rope_pairs(energy, attention_of(config).interleaved).sqrt().float()

@@ -1,0 +1,156 @@
+"""A layer's keys before RoPE and its values, read where the family's description says (`families.Attention`),
+and the query-aware channel weights, which read its queries the same way."""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+from .families import Attention, attention_of, head_dim
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    """The decoder blocks of a causal LM (``model.model.layers``) or of its base model."""
+    base = getattr(model, "model", model)
+    return base.layers
+
+
+def _module(attention: torch.nn.Module, names: tuple[str, ...]) -> torch.nn.Module:
+    """The first of ``names`` the attention module has (a description lists the tap first, its fallback after)."""
+    for name in names:
+        if (found := getattr(attention, name, None)) is not None:
+            return found
+    raise AttributeError(f"{type(attention).__name__} has none of {', '.join(names)}: its family's description "
+                         "(milo_infer/models/families.py) does not fit this transformers version")
+
+
+def _taps(model, spec: Attention, what: str):
+    """Per layer, (module to hook, a function of its output giving the wanted part [..., heads * d] or
+    [..., heads, d]): ``what`` is "q", "k" or "v"."""
+    config = model.config
+    d = head_dim(config)
+    sizes = {"q": config.num_attention_heads * d, "k": config.num_key_value_heads * d, "v": config.num_key_value_heads * d}
+    taps = []
+    for layer in decoder_layers(model):
+        attention = layer.self_attn
+        if spec.fused is not None:  # [q | k | v] along the last dimension
+            start = {"q": 0, "k": sizes["q"], "v": sizes["q"] + sizes["k"]}[what]
+            taps.append((getattr(attention, spec.fused), lambda out, a=start, b=start + sizes[what]: out[..., a:b]))
+        else:
+            names = {"q": spec.queries, "k": spec.keys, "v": (spec.values,)}[what]
+            taps.append((_module(attention, names), lambda out: out))
+    return taps
+
+
+class CapturedKV:
+    """Pre-RoPE keys and values of the latest forward pass, per layer.
+
+    ``keys[l]`` is what layer ``l``'s RoPE turns (the family's key tap: ``k_proj``'s output with its bias, or
+    ``k_norm``'s, or the k slice of a fused projection) and ``values[l]`` its values, both reshaped to
+    ``[batch, tokens, kv_heads, head_dim]``. A layer not yet run holds None. Each forward pass replaces the
+    previous one's tensors.
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int):
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self._shape = (num_kv_heads, head_dim)
+
+    def _store(self, into: list, layer: int, part):
+        def hook(module, inputs, output):
+            x = part(output.detach())
+            into[layer] = x.reshape(*x.shape[:2], *self._shape)
+        return hook
+
+
+@contextlib.contextmanager
+def capture_kv(model, spec: Attention | None = None) -> Iterator[CapturedKV]:
+    """Hook every layer's key and value taps (``spec``, default the family's) while the block runs; yield a
+    `CapturedKV`.
+
+    The hooks are removed on exit, even on error. Run the forward passes inside the block and read
+    ``captured.keys[l]`` / ``captured.values[l]`` (the latest pass) inside or after it.
+    """
+    config = model.config
+    spec = spec or attention_of(config)
+    captured = CapturedKV(config.num_hidden_layers, config.num_key_value_heads, head_dim(config))
+    handles = []
+    try:
+        for kind, into in (("k", captured.keys), ("v", captured.values)):
+            for index, (module, part) in enumerate(_taps(model, spec, kind)):
+                handles.append(module.register_forward_hook(captured._store(into, index, part)))
+        yield captured
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def rope_pairs(energy: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """Each channel's value replaced by the mean over its RoPE pair: (j, j + d/2) rotate-half, (2i, 2i + 1)
+    interleaved."""
+    d = energy.shape[-1]
+    if interleaved:
+        return energy.unflatten(-1, (d // 2, 2)).mean(-1).repeat_interleave(2, dim=-1)
+    pair = (energy[..., :d // 2] + energy[..., d // 2:]) / 2
+    return torch.cat((pair, pair), dim=-1)
+
+
+def query_channel_scales(model, input_ids, spec: Attention | None = None) -> torch.Tensor:
+    """Key channel weights [L, H_kv, d]: the RMS of the pre-RoPE queries that read each key channel.
+
+    Query head g scores a key by (R_m q)·(R_n k) (RoPE R, the 1/√d all scores share left out), so a
+    key error δk moves it by (R_m q)·(R_n δk). Taking channels as uncorrelated, its mean square over
+    the calibration tokens and the query heads sharing this KV head (GQA) is Σ_j s_j² (R_n δk)_j² with
+    s_j² the mean of the rotated q_j²: a weighted error, which the SVD of K diag(s) minimises. RoPE
+    turns each pair of channels by one angle, so s is pooled over the pair, s_j² = s_{j'}² =
+    mean(q_j² + q_{j'}²) / 2. A pair's energy is the same rotated or not, so this s is the same
+    from pre- or post-RoPE queries, and diag(s) commutes with R: the weighted error of the stored
+    pre-RoPE keys is exactly that of the rotated keys the scores use. A per-channel s would be neither.
+    The queries are read where the family's description says (after ``q_norm`` where it has one).
+    """
+    config = model.config
+    spec = spec or attention_of(config)
+    L, H, d = config.num_hidden_layers, config.num_key_value_heads, head_dim(config)
+    n_rep = config.num_attention_heads // H
+    ids = torch.as_tensor(input_ids, device=model.device).reshape(1, -1)
+    if ids.numel() == 0:
+        raise ValueError("query channel scales need at least one calibration token")
+    energy = torch.zeros(L, H, d, dtype=torch.float64)
+
+    def hook(layer: int, part):
+        def store(module, inputs, output):
+            q = part(output.detach()).double().reshape(-1, H, n_rep, d)  # query heads h*n_rep.. read KV head h
+            energy[layer] = q.square().mean(dim=(0, 2)).cpu()
+        return store
+
+    handles = []
+    try:
+        for index, (module, part) in enumerate(_taps(model, spec, "q")):
+            handles.append(module.register_forward_hook(hook(index, part)))
+        with torch.inference_mode():
+            model(input_ids=ids, use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return rope_pairs(energy, spec.interleaved).sqrt().float()
+
+
+def output_channel_scales(model) -> torch.Tensor:
+    """Value channel weights [L, H_kv, d]: the RMS over query heads of o_proj's column norms.
+
+    Attention mixes values row-wise, so an error in value channel j of a KV head reaches the layer's
+    output through o_proj's column for channel j of each query head sharing that KV head; its size
+    there is that column's norm, pooled as an RMS over those heads. No activations are needed.
+    """
+    config = model.config
+    H, d = config.num_key_value_heads, head_dim(config)
+    norms = [layer.self_attn.o_proj.weight.detach().double().square().sum(dim=0)
+             .reshape(H, config.num_attention_heads // H, d).mean(dim=1).sqrt() for layer in decoder_layers(model)]
+    return torch.stack(norms).float().cpu()
+
+
+def channel_scales(model, input_ids) -> torch.Tensor:
+    """Query-aware channel weights [L, 2, H_kv, d]: keys from the queries over ``input_ids``
+    (a calibration sample), values from ``o_proj``."""
+    return torch.stack((query_channel_scales(model, input_ids), output_channel_scales(model)), dim=1)

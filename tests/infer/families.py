@@ -1,0 +1,73 @@
+"""A tiny random-weight model of every family `milo_infer.models.FAMILIES` accepts, from its transformers config
+class (no download), and a small corpus to build its stores from: what the conformance suites run over.
+
+A new family is one entry of `TINY` (its config class and what its tiny config sets beyond `SHAPE`); the
+suites are parametrized over it, and `tests/infer/test_conformance.py` fails naming any family without one.
+"""
+import importlib
+
+import torch
+
+from milo_infer.bench.synthetic_model import byte_tokenizer
+from milo_infer.models import LoadedModel, model_identity
+from milo_infer.tasks.corpus import Demonstration, TaskSpec
+
+SHAPE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=1024, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+             initializer_range=0.1, tie_word_embeddings=False)
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}  # positions past 64 are rescaled
+
+# family -> (config class, what its tiny config sets): each line one attention path the suite proves
+TINY = {
+    "llama": ("LlamaConfig", dict(rope_parameters=LLAMA3)),  # Llama 3.x
+    "qwen2": ("Qwen2Config", {}),  # q/k/v biases
+    "mistral": ("MistralConfig", dict(sliding_window=None)),
+    "qwen3": ("Qwen3Config", dict(head_dim=32)),  # k_norm per head, a head_dim of its own
+    "qwen3_moe": ("Qwen3MoeConfig", MOE),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(MOE, shared_expert_intermediate_size=32)),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "phi3": ("Phi3Config", {}),  # fused qkv_proj
+    "phimoe": ("PhimoeConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "gemma": ("GemmaConfig", dict(head_dim=256)),  # head_dim 256
+    "olmo2": ("Olmo2Config", {}),  # k_norm over the whole projection
+    "olmoe": ("OlmoeConfig", dict(num_experts=4, num_experts_per_tok=2)),
+    "granite": ("GraniteConfig", dict(attention_multiplier=0.6, embedding_multiplier=2.0, residual_multiplier=0.5,
+                                      logits_scaling=2.0)),  # the attention's scale is not 1/sqrt(d)
+    "granitemoe": ("GraniteMoeConfig", dict(attention_multiplier=0.6, num_local_experts=4, num_experts_per_tok=2)),
+    "smollm3": ("SmolLM3Config", dict(num_hidden_layers=4, no_rope_layer_interval=2)),  # layers 1 and 3 NoPE
+    "cohere": ("CohereConfig", dict(use_qk_norm=True)),  # interleaved RoPE, LayerNorm per head
+    "helium": ("HeliumConfig", dict(head_dim=16)),  # interleaved pairs on re-laid rotate-half tables
+    "glm": ("GlmConfig", dict(head_dim=16)),  # rotary over half the head, interleaved
+    "glm4": ("Glm4Config", dict(head_dim=16)),
+}
+
+TASK = TaskSpec(name="topics", template="Message: {input}\nTopic: {output}\n", anchor="Name each message's topic.",
+                answer_kind="label", labels=("card", "cash", "fee", "pin"))
+
+
+def config(family: str, **overrides):
+    name, extra = TINY[family]
+    return getattr(importlib.import_module("transformers"), name)(**{**SHAPE, **extra, **overrides})
+
+
+def tiny_model(family: str, seed: int = 0, **overrides) -> LoadedModel:
+    """The family's tiny model in fp32, random weights; biases and norm weights randomised too (transformers
+    starts them at 0 and 1, which would hide a bias or a norm the capture missed)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config(family, **overrides), dtype=torch.float32)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() == 1:
+                parameter.add_(torch.randn_like(parameter) * 0.1)
+    model.eval().requires_grad_(False)
+    return LoadedModel(model=model, tokenizer=byte_tokenizer(), identity=model_identity(model))
+
+
+def demonstrations(n: int = 8, offset: int = 0) -> list[Demonstration]:
+    words = ("my", "card", "was", "charged", "twice", "cash", "pin", "fee")
+    return [Demonstration(input=f"{words[i % 8]} {words[(i * 3) % 8]} {i} {words[(i * 5) % 8]}",
+                          output=TASK.labels[i % 4], id=str(i)) for i in range(offset, offset + n)]

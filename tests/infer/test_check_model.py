@@ -1,0 +1,68 @@
+"""`milo check-model`: the conformance checks on a model directory, as a user runs them before a long build.
+
+Tiny random models saved as Hugging Face directories (`tests/infer/families.py`): a supported family passes
+(exit 0, a deviation per layer), a deliberately wrong description fails (exit 1, naming the layer and the
+check), a refused family is one line naming why (exit 2), before any weights load.
+"""
+import dataclasses
+import json
+
+import pytest
+
+from milo_infer.cli.main import main as milo
+from milo_infer.models import FAMILIES
+from tests.infer import families
+
+
+def saved(family: str, path):
+    loaded = families.tiny_model(family)
+    loaded.model.save_pretrained(path)
+    loaded.tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    return saved("qwen3", tmp_path_factory.mktemp("qwen3"))
+
+
+def test_a_supported_model_passes_with_a_deviation_per_layer(qwen3_dir, capsys):
+    assert milo(["check-model", qwen3_dir]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.strip()[:1].isdigit()]
+    assert len(rows) == 2 and all(len(line.split()) == 6 for line in rows), out  # layer + five checks
+    assert "PASS" in out.splitlines()[-1]
+
+
+def test_json_names_each_layers_deviations_and_tolerance(qwen3_dir, capsys):
+    assert milo(["check-model", qwen3_dir, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["passed"] and report["dtype"] == "float32" and report["tolerance"]["capture"] == 1e-5
+    assert max(layer["capture keys"] for layer in report["layers"]) <= 1e-5
+
+
+def test_a_wrong_description_fails_naming_the_layer(qwen3_dir, monkeypatch, capsys):
+    monkeypatch.setitem(FAMILIES, "qwen3", dataclasses.replace(FAMILIES["qwen3"], keys=("k_proj",)))  # k_norm dropped
+    assert milo(["check-model", qwen3_dir]) == 1
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith("FAIL") and "layer 0 capture keys" in last, last
+
+
+def test_bfloat16_is_checked_against_its_own_tolerance(qwen3_dir, capsys):
+    assert milo(["check-model", qwen3_dir, "--dtype", "bfloat16", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["dtype"] == "bfloat16" and report["tolerance"]["capture"] > 1e-5
+
+
+def test_a_refused_family_is_one_line_naming_why(tmp_path, capsys):
+    from transformers import AutoConfig
+
+    AutoConfig.for_model("qwen3_next").save_pretrained(tmp_path)  # a config, no weights: refused before loading
+    assert milo(["check-model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "hybrid linear attention" in err, err
+
+
+def test_too_few_demonstrations_for_two_blocks_is_an_input_error(qwen3_dir, capsys):
+    assert milo(["check-model", qwen3_dir, "--shots", "3", "--block-size", "2"]) == 2
+    assert "at least 4 demonstrations" in capsys.readouterr().err

@@ -1,0 +1,136 @@
+"""One conformance suite over every family milo accepts (`milo_infer.models.FAMILIES`), on tiny random-weight
+models in fp32 (`tests/infer/families.py`): the checks `milo check-model` runs on a user's model
+(`milo_infer.evaluation.conformance`), held here to fp32 rounding.
+
+* capture: a block's stored keys (identity codec, full rank), rebuilt at the positions they were encoded at,
+  and its stored values equal the K/V the model writes into its own cache in the same row, within 1e-5;
+* re-positioning: blocks placed at new positions equal what the model computes for the same tokens there
+  from the same context, and the engine's logits for a query equal transformers' over that cache, within 1e-4;
+* the query-aware key weights read the queries the model's attention receives, within 1e-5;
+* each goes red when a description is wrong (a dropped k_norm, a rotated NoPE layer, ...).
+"""
+import dataclasses
+
+import pytest
+import torch
+
+from milo_infer.evaluation.conformance import check_conformance
+from milo_infer.models import (FAMILIES, REFUSED, UnsupportedModelError, check_supported, config_identity,
+                               config_layer_rope_tables, layer_rope_tables)
+from tests.infer import families
+
+QUERY = "my card was charged twice"
+
+
+def conformance(loaded, tmp_path):
+    return check_conformance(loaded, families.demonstrations(8), families.TASK, QUERY, block_size=2,
+                             context_blocks=1, workdir=tmp_path)
+
+
+@pytest.fixture(scope="module", params=list(families.TINY))
+def report(request, tmp_path_factory):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield request.param, conformance(families.tiny_model(request.param), tmp_path_factory.mktemp(request.param))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def largest(report, name: str) -> float:
+    return max(layer[name].error for layer in report.layers)
+
+
+def test_every_accepted_family_has_a_tiny_model():
+    assert set(families.TINY) == set(FAMILIES)
+
+
+def test_capture_equals_the_models_own_cache(report):
+    family, r = report
+    assert r.blocks == 4
+    for kind in ("keys", "values"):
+        assert largest(r, f"capture {kind}") <= 1e-5, (family, kind)
+
+
+def test_blocks_at_new_positions_equal_the_models_computation_there(report):
+    family, r = report
+    for kind in ("keys", "values"):
+        assert largest(r, f"reposition {kind}") <= 1e-4, (family, kind)
+    assert r.logits.error <= 1e-4, family
+    assert r.passed, r.failures()
+
+
+def test_query_weights_read_the_queries_attention_receives(report):
+    family, r = report
+    assert max(layer["query_scales"].relative for layer in r.layers) <= 1e-5, family
+
+
+@pytest.mark.parametrize("family", list(families.TINY))
+def test_the_config_alone_gives_the_models_tables_and_identity(family):
+    """What the vLLM connector, which has the config and not the HF model, rotates with and checks stores by."""
+    loaded = families.tiny_model(family)
+    ours, models = config_layer_rope_tables(loaded.model.config, 300), layer_rope_tables(loaded.model, 300)
+    for layer in range(loaded.model.config.num_hidden_layers):
+        assert all(torch.equal(a, b) for a, b in zip(ours.layer(layer), models.layer(layer)))
+    assert config_identity(loaded.model.config, torch.float32) == loaded.identity
+
+
+WRONG = {  # family -> a description that misreads it, and the check that must say so
+    "qwen3": (dict(keys=("k_proj",)), "capture keys"),  # k_norm dropped
+    "olmo2": (dict(keys=("k_proj",)), "capture keys"),  # the projection's norm dropped
+    "smollm3": (dict(nope=None), "capture keys"),  # its NoPE layers rotated
+    "cohere": (dict(interleaved=False), "capture keys"),  # rotate-half instead of interleaved pairs
+    "helium": (dict(regroup_tables=False), "reposition keys"),  # the rotary module's tables as they come
+    "qwen3_moe": (dict(queries=("q_proj",)), "query_scales"),  # q_norm dropped
+    "glm4": (dict(regroup_tables=False), "capture keys"),  # its partial rotary tables as the rotary module makes them
+}
+
+
+@pytest.mark.parametrize("family", list(WRONG))
+def test_a_wrong_description_fails_its_check(family, tmp_path, monkeypatch):
+    change, check = WRONG[family]
+    monkeypatch.setitem(FAMILIES, family, dataclasses.replace(FAMILIES[family], **change))
+    r = conformance(families.tiny_model(family), tmp_path)
+    assert not r.passed and any(check in failure for failure in r.failures()), r.failures()
+
+
+def test_nope_layers_and_a_partial_rotary_are_named_in_the_identity():
+    assert families.tiny_model("smollm3").identity["rope"]["nope_layers"] == [1, 3]
+    assert families.tiny_model("glm4").identity["rope"]["rotary_dim"] == 8  # half of head_dim 16
+    assert families.tiny_model("llama").identity["rope"].keys() == {"layout", "theta", "scaling"}
+
+
+# the identity of every store built before families had descriptions: config_hash and rope record as main wrote them
+PINNED = {
+    "llama": "a7df3fca4d2a", "qwen2": "f2d6cdc45270", "mistral": "30eec5b330fd",
+}
+
+
+@pytest.mark.parametrize("family", list(PINNED))
+def test_the_first_families_identity_is_what_their_stores_hold(family):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    config = {"llama": LlamaConfig(), "qwen2": Qwen2Config(), "mistral": MistralConfig(sliding_window=None)}[family]
+    identity = config_identity(config, torch.float32)
+    assert identity["config_hash"].startswith(PINNED[family])
+    assert identity["rope"] == {"layout": "half", "theta": 10000.0, "scaling": None}
+
+
+def refused_configs():
+    """A config of each refused family transformers here has, with the reason it must be refused for."""
+    import transformers
+
+    out = []
+    for model_type, reason in REFUSED.items():
+        try:
+            out.append(pytest.param(transformers.AutoConfig.for_model(model_type), reason, id=model_type))
+        except (ValueError, KeyError):  # not in this transformers
+            continue
+    return out
+
+
+@pytest.mark.parametrize("config, reason", refused_configs())
+def test_refused_families_name_their_reason(config, reason):
+    with pytest.raises(UnsupportedModelError) as info:
+        check_supported(config)
+    assert reason in str(info.value)
