@@ -42,9 +42,10 @@ def parse_kv_memory(text: str) -> int | float:
     return parse_size(text)
 
 
-def free_memory_bytes(device: torch.device) -> int:
-    """Memory that can be had now: the CUDA device's free memory, or the host's MemAvailable."""
-    if device.type == "cuda":
+def free_memory_bytes(device: torch.device | None = None) -> int:
+    """Memory that can be had now without swapping: the CUDA device's free memory, or (no device, or a CPU)
+    the host's MemAvailable, else its free pages."""
+    if device is not None and device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     try:
         with open("/proc/meminfo") as f:

@@ -24,6 +24,7 @@ from pathlib import PurePosixPath
 from milo_store import Layout, MiloStore
 
 from ..models import model_directory
+from ..runtime.pages import free_memory_bytes
 from .transfer import connector_config
 
 KV_CACHE_SEQUENCES = 4  # full-length sequences a default CPU KV cache holds: a few requests at once
@@ -65,18 +66,6 @@ def flag_value(args: list[str], *names: str) -> str | None:
             if arg.startswith(name + "="):
                 return arg[len(name) + 1:]
     return None
-
-
-def free_memory_bytes() -> int:
-    """Memory the kernel can hand out now without swapping (MemAvailable), else the free pages."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def cpu_kv_cache_bytes(layout: Layout, max_model_len: int, workers: int, free_bytes: int) -> int:
