@@ -34,6 +34,7 @@ import json
 import os
 import shutil
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -71,18 +72,24 @@ def written_bytes(path: Path, before: set[int]) -> int:
 
 @contextlib.contextmanager
 def counted_uploads():
-    """Counts the bytes of every PUT and server-side copy a writer makes to an object store."""
+    """Counts the bytes of every PUT and server-side copy a writer makes to an object store. The writer
+    uploads from a pool of threads: the counts are added under a lock (``+=`` across a ``stat`` call loses
+    updates)."""
     counts = {"put_bytes": 0, "puts": 0, "copied_bytes": 0, "copies": 0}
     real_put, real_copy = milo_store.remote.obstore.put, milo_store.remote.obstore.copy
+    lock = threading.Lock()
+
+    def count(calls: str, size_key: str, size: int) -> None:
+        with lock:
+            counts[calls] += 1
+            counts[size_key] += size
 
     def put(store, key, data, *a, **k):
-        counts["puts"] += 1
-        counts["put_bytes"] += data.stat().st_size if isinstance(data, Path) else len(data)
+        count("puts", "put_bytes", data.stat().st_size if isinstance(data, Path) else len(data))
         return real_put(store, key, data, *a, **k)
 
     def copy(store, source, *a, **k):
-        counts["copies"] += 1
-        counts["copied_bytes"] += milo_store.remote.obstore.head(store, source)["size"]
+        count("copies", "copied_bytes", milo_store.remote.obstore.head(store, source)["size"])
         return real_copy(store, source, *a, **k)
 
     milo_store.remote.obstore.put, milo_store.remote.obstore.copy = put, copy

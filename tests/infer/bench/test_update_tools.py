@@ -31,7 +31,7 @@ def test_bench_update_measures_each_change_in_a_directory_and_at_a_url(tiny_mode
             assert r["fetched_blocks"] == r["update_blocks"] and goals["fetched"][2]
     for local, url in zip(rows[::2], rows[1::2]):  # the URL's rebuild is the directory's, pushed
         assert url["rebuild_blocks"] == local["rebuild_blocks"] and url["rebuild_s"] > local["rebuild_s"]
-        assert url["rebuild_bytes"] >= local["rebuild_disk_bytes"] * 0.9, (local, url)
+        assert url["rebuild_bytes"] >= url["rebuild_disk_bytes"], url  # every byte the pushed rebuild holds was PUT
     out = capsys.readouterr().out
     table = [line for line in out.splitlines() if line.startswith("|")]
     assert len(table) == len(rows) + 2 and all(line.count("|") == 12 for line in table)
