@@ -1,8 +1,10 @@
 """A per-machine directory of whole blocks fetched from object stores, shared by every process on it.
 
-Files are ``<dir>/<store key>/<block>.<crc32c hex>``: the store key names the store URL and its
-pinned version (versions are immutable, so an entry never goes stale), and the name carries the
-block's checksum, so every file can be checked on its own. A marker file ``<dir>/.milo-block-cache``
+Files are ``<dir>/<store key>/<entry>.<crc32c hex>``: for a format-4 store the key names the store URL
+and the entry a block's chunk and offset (``<chunk id>-<offset>``), which every version keeping the block
+shares; for older stores the key names the URL and its pinned version, the entry the block's index.
+Chunks and versions are immutable, so an entry never goes stale, and the name carries the block's
+checksum, so every file can be checked on its own. A marker file ``<dir>/.milo-block-cache``
 says the directory is a cache (``clear`` removes entries only where it finds one, and only files
 named like entries) and records the byte limit it was last filled under. Safety with several processes:
 
@@ -36,7 +38,7 @@ from .urls import cache_home
 DEFAULT_LIMIT = 10 << 30
 STALE_TEMP_SECONDS = 3600  # a temporary file this old belongs to a killed filler
 MARKER = ".milo-block-cache"
-_ENTRY_NAME = re.compile(r"\d+\.[0-9a-f]{8}")
+_ENTRY_NAME = re.compile(r"[0-9a-f]+(-\d+)?\.[0-9a-f]{8}")  # <block>.<crc> or <chunk id>-<offset>.<crc>
 _counter = itertools.count()
 
 
@@ -75,12 +77,12 @@ class BlockCache:
             warnings.warn(f"block cache {self.dir}: {error}; continuing without it where it fails")
             self._warned = True
 
-    def _file(self, key: str, block: int, crc: int) -> Path:
-        return self.dir / key / f"{block}.{crc:08x}"
+    def _file(self, key: str, entry: str, crc: int) -> Path:
+        return self.dir / key / f"{entry}.{crc:08x}"
 
-    def read_into(self, key: str, block: int, crc: int, out: memoryview) -> bool:
+    def read_into(self, key: str, entry: str, crc: int, out: memoryview) -> bool:
         """Fill ``out`` from the cache if a sound copy is there; a bad copy is dropped (False)."""
-        path = self._file(key, block, crc)
+        path = self._file(key, entry, crc)
         try:
             with open(path, "rb", buffering=0) as f:
                 n = f.readinto(out)
@@ -102,11 +104,11 @@ class BlockCache:
         self.hits += 1
         return True
 
-    def put(self, key: str, block: int, crc: int, data: memoryview) -> None:
+    def put(self, key: str, entry: str, crc: int, data: memoryview) -> None:
         """Store a block already checked against ``crc``: temporary file, then an atomic rename."""
         if len(data) > self.limit:
             return
-        path = self._file(key, block, crc)
+        path = self._file(key, entry, crc)
         tmp = path.parent / f".tmp-{os.getpid()}-{next(_counter)}"
         try:
             path.parent.mkdir(parents=True, exist_ok=True)

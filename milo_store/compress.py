@@ -17,10 +17,9 @@ from .baselines import BASELINES, ExampleSplit, GlobalProjection, WeightedBlocks
 from .codec import CODECS, BlockFactors, measured_losses, pack_block
 from .format import GROUP_BYTES, QUANTIZED, TORCH_DTYPES, value_bytes
 from .layout import RAW_RANK, Layout, full_kv_bytes
-from . import text_index
+from . import segments, text_index
 from .staging import Staging
 from .store import MiloStore
-from .text_index import build_text_index
 from .writer import StoreWriter
 
 STORE_CODECS = CODECS + ("raw",) + BASELINES  # raw: every unit raw (its K/V quantized like factors)
@@ -187,10 +186,11 @@ def _plan(source, layout: Layout, config: CompressionConfig, read: Callable[[int
 READ_AHEAD_BYTES = 64 << 20  # kept blocks read from the previous version at once (one round of GETs from a URL)
 
 
-def _read_ahead(previous: MiloStore, reused: dict[int, int], first: int) -> dict[int, torch.Tensor]:
-    """The kept blocks from ``first`` on, while they run on, up to READ_AHEAD_BYTES, read in one batch."""
+def _read_ahead(previous: MiloStore, reused: dict[int, int], first: int, copied) -> dict[int, torch.Tensor]:
+    """The kept blocks to copy (``copied(previous block)``) from ``first`` on, while they run on, up to
+    READ_AHEAD_BYTES, read in one batch."""
     run, size = [], 0
-    while first + len(run) in reused and (not run or size < READ_AHEAD_BYTES):
+    while first + len(run) in reused and copied(reused[first + len(run)]) and (not run or size < READ_AHEAD_BYTES):
         run.append(first + len(run))
         size += int(previous.block_bytes([reused[run[-1]]])[0])
     return dict(zip(run, previous.blocks([reused[i] for i in run])))
@@ -200,7 +200,8 @@ def write_store(path, staging: Staging, num_blocks: int, layout: Layout, config:
                 attrs: dict | None = None, anchor_kv: torch.Tensor | None = None, examples: dict | None = None,
                 token_ids: np.ndarray | None = None, channel_scale: torch.Tensor | None = None, force: bool = False,
                 lock=None, progress: Callable[[str, int, int], None] | None = None,
-                previous: MiloStore | None = None, reused: dict[int, int] | None = None) -> Path:
+                previous: MiloStore | None = None, reused: dict[int, int] | None = None,
+                purge: set[int] | None = None) -> Path:
     """Allocate and commit the store at ``path`` from ``num_blocks`` staged blocks.
 
     ``progress(stage, done, total)`` is told how far each stage is: ``allocating`` (every staged
@@ -216,15 +217,18 @@ def write_store(path, staging: Staging, num_blocks: int, layout: Layout, config:
     {block: block of the previous version whose bytes it keeps}: those blocks keep their ranks and
     bytes, and only the others, staged under their own index, are allocated (together, at
     ``config.ratio``: the kept ones' ranks cannot change without changing their bytes) and packed.
-    Leading blocks that keep their index share the previous version's factor chunks
-    (`StoreWriter.reuse_leading`). The demonstrations' index is built anew: every BM25 weight depends
-    on the whole corpus.
+    Kept blocks stay in the previous version's chunks, except those sharing a chunk with a block of
+    ``purge`` (the previous blocks whose bytes must leave: K/V computed from a removed demonstration;
+    default, every block not kept), which are written again (`StoreWriter`). Text segments whose blocks
+    are all kept are the previous version's (`segments.plan`); the corpus-wide vocabulary is built anew.
     """
     layout = quant_layout(layout, config.dtype)
     reused = dict(reused or {})
     if reused and (previous is None or config.codec in BASELINES):
         raise ValueError("reused blocks come from a previous version of a store of block-level codec "
                          f"(not {', '.join(BASELINES)}, whose blocks depend on the whole corpus)")
+    if previous is not None and purge is None:
+        purge = set(range(previous.num_blocks)) - set(reused.values())
     source = pass_two_source(staging, num_blocks, config, examples, channel_scale)
     encoded = [i for i in range(source.num_blocks) if i not in reused]
     progress = progress or (lambda stage, done, total: None)
@@ -238,30 +242,51 @@ def write_store(path, staging: Staging, num_blocks: int, layout: Layout, config:
     progress("allocating", len(encoded) + 1, len(encoded) + 1)
     attrs = {**(attrs or {}), "codec": config.codec, "allocation": allocation_record(config)}
     with StoreWriter(path, layout, ranks, tokens, dtype=config.dtype, attrs=attrs, force=force,
-                     lock=lock, block_group=source.block_group, previous=previous) as w:
-        leading = next((i for i in range(source.num_blocks) if reused.get(i) != i), source.num_blocks)
-        if previous is not None:
-            w.reuse_leading(leading)
+                     lock=lock, block_group=source.block_group, previous=previous, purge=purge or ()) as w:
+        copied = lambda j: not w.can_keep(j)  # noqa: E731
         ahead: dict[int, torch.Tensor] = {}
         for i in range(source.num_blocks):
-            if i < leading:
-                w.keep_block()
+            if i in reused and w.can_keep(reused[i]):
+                w.keep_block(reused[i])
             elif i in reused:
-                ahead = ahead or _read_ahead(previous, reused, i)
+                ahead = ahead or _read_ahead(previous, reused, i, copied)
                 w.write_block(ahead.pop(i))
             else:
                 w.write_block(pack_block(source.factors(i), ranks[i], config.dtype))
             progress("writing", i + 1, source.num_blocks + 1)
         if anchor_kv is not None:
             w.write_anchor(anchor_kv)
-        if token_ids is not None:
-            w.write_token_ids(token_ids)
-        if examples is not None:
-            blocks = source.example_block if isinstance(source, ExampleSplit) else examples["block"]
-            w.write_examples(examples["input"], examples["output"], examples["id"], blocks)
-            if examples["input"]:  # the retrieval index, built once here rather than at every mount
-                w.write_index(text_index.NAME, build_text_index(examples["input"], blocks, source.num_blocks),
-                              text_index.index_attrs())
+        if examples is not None or token_ids is not None:
+            blocks = source.example_block if isinstance(source, ExampleSplit) else (examples or {}).get("block", [])
+            write_text(w, examples or {}, blocks, token_ids, tokens, previous, reused)
         committed = w.commit()
     progress("writing", source.num_blocks + 1, source.num_blocks + 1)
     return committed
+
+
+def write_text(w: StoreWriter, examples: dict, example_block, token_ids, block_tokens: np.ndarray,
+               previous: MiloStore | None, reused: dict[int, int]) -> None:
+    """The version's text: its demonstrations (in block order), token ids and BM25 postings in segments
+    (the previous version's where their blocks are all kept with the same text, new ones elsewhere), and the
+    corpus-wide vocabulary of the BM25 index."""
+    text = segments.VersionText(examples, example_block, token_ids, block_tokens)
+    previous_blocks, kept_at = [], lambda k: None  # noqa: E731
+    if previous is not None and previous.segmented:
+        previous_blocks = previous.segment_table[:, 2].tolist()
+        new_of = {j: i for i, j in reused.items()}
+
+        def kept_at(k: int) -> int | None:
+            _, first, count, _, _ = previous.segment_table[k].tolist()
+            at = new_of.get(first)
+            if at is None or any(reused.get(at + t) != first + t for t in range(count)):
+                return None
+            return at if text.holds(previous.segment(k), at, count) else None
+
+    for item in segments.plan(previous_blocks, kept_at, np.diff(text.block_starts).tolist()):
+        if item[0] == "keep":
+            w.keep_segment(item[1])
+        else:
+            w.write_segment(item[2], text.segment_arrays(item[1], item[2]))
+    if text.demos["input"]:  # the retrieval index's corpus-wide part, built here rather than at every mount
+        arrays, attrs = text_index.vocabulary(text.demos["input"])
+        w.write_index(text_index.NAME, arrays, attrs)

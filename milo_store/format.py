@@ -1,7 +1,6 @@
 """The on-disk format: names, version, and the checks both writer and reader rely on (docs/format.md)."""
 import hashlib
 import json
-import math
 from pathlib import Path
 
 import numpy as np
@@ -11,8 +10,9 @@ from .checksum import crc32c
 
 FACTORED_VERSION = 1  # every unit factored; metadata arrays unchecked
 RAW_FORMAT_VERSION = 2  # may hold raw units (rank RAW_RANK), which a version-1 reader would misread
-FORMAT_VERSION = 3  # may hold raw units; every array under a checksum (ARRAY_CHECKSUMS)
-READABLE_VERSIONS = (FACTORED_VERSION, RAW_FORMAT_VERSION, FORMAT_VERSION)
+CHECKED_VERSION = 3  # may hold raw units; every array under a checksum (ARRAY_CHECKSUMS); one factor array
+FORMAT_VERSION = 4  # every store written now: blocks and text in immutable chunks a version references (EXTENTS)
+READABLE_VERSIONS = (FACTORED_VERSION, RAW_FORMAT_VERSION, CHECKED_VERSION, FORMAT_VERSION)
 ATTRS_KEY = "milo"
 ARRAY_CHECKSUMS = "array_checksums"  # attribute {array path: CRC32C of its values} for every array but factors and indexes
 FACTORS, RANKS, TOKENS, CHECKSUMS, ANCHOR = "factors", "ranks", "block_tokens", "checksums", "anchor_kv"
@@ -20,10 +20,15 @@ TOKEN_IDS = "token_ids"  # int32, every block's tokens concatenated (optional)
 EXAMPLES = "examples"  # group with arrays input, output, id (str) and block (int32)
 BLOCK_GROUP = "block_group"  # int32 [N], optional: the retrieval group of each store block
 INDEXES = "indexes"  # group of named indexes (e.g. indexes/bm25), each of 1-D single-chunk arrays (optional)
-CHECKED_ARRAYS = (RANKS, TOKENS, CHECKSUMS, BLOCK_GROUP, ANCHOR, TOKEN_IDS,
+# Format 4: the chunks a version references, where each block lies in them, and its text segments.
+CHUNK_IDS, CHUNK_SIZES = "chunk_ids", "chunk_sizes"  # str [C], int64 [C]
+EXTENTS = "extents"  # int64 [N, 3]: block i is bytes [offset, offset + length) of chunk (chunk, offset, length)
+SEGMENTS = "segments"  # int64 [S, 5]: (chunk, first block, blocks, demonstrations, header CRC32C) per text segment
+CHUNKS = "chunks"  # a directory's (or a URL's root's) folder of chunk files, each named by its id
+CHECKED_ARRAYS = (RANKS, TOKENS, CHECKSUMS, BLOCK_GROUP, ANCHOR, TOKEN_IDS, CHUNK_IDS, CHUNK_SIZES, EXTENTS, SEGMENTS,
                   *(f"{EXAMPLES}/{k}" for k in ("input", "output", "id", "block")))  # under ARRAY_CHECKSUMS
 GROUP_BYTES = 4  # index bytes per block that a block_group array adds
-MAX_CHUNK_BYTES = 64 << 20
+MAX_CHUNK_BYTES = 8 << 20  # format 4: a chunk holds whole blocks up to this (a larger block has one of its own)
 # numpy cannot hold bfloat16: its bits go to disk as uint16 and are viewed back as torch.bfloat16.
 # Quantized stores (int8, int4, int2) keep raw segment bytes (codes and their fp16 scales, quant.py)
 # in a uint8 array.
@@ -73,16 +78,15 @@ def anchor_dtype(factor_dtype: str) -> str:
     return "float16" if factor_dtype in QUANTIZED else factor_dtype
 
 
-def chunk_values(total_values: int, itemsize: int, max_chunk_bytes: int = MAX_CHUNK_BYTES) -> int:
-    """Equal chunks of at most max_chunk_bytes: the padded edge chunk wastes fewer values than chunks."""
-    per = max(1, max_chunk_bytes // itemsize)
-    n = max(1, math.ceil(total_values / per))
-    return max(1, math.ceil(total_values / n))
-
-
 def factor_chunk_path(store_path: Path, index: int) -> Path:
-    """File of chunk ``index`` of the 1-D factor array (zarr v3 default chunk key encoding, '/' separator)."""
+    """File of chunk ``index`` of the 1-D factor array of a format-3 store (zarr v3 default chunk key
+    encoding, '/' separator)."""
     return Path(store_path) / FACTORS / "c" / str(index)
+
+
+def chunk_key(chunk_id: str) -> str:
+    """Where a format-4 chunk lies, relative to a store directory or a store URL's root."""
+    return f"{CHUNKS}/{chunk_id}"
 
 
 def array_chunk_path(store_path: Path, array: str) -> Path:

@@ -5,10 +5,11 @@ group a local store holds) live under ``v/<version>/`` and never change once wri
 uploads a whole version first and publishes the manifest last, create-only when there was none and
 if-match on the manifest it saw otherwise (``--force``, ``milo update``): of two racing writers exactly
 one wins (the loser removes the version it uploaded), and a writer killed at any point leaves the
-previous manifest, hence the previous version, in place. An update copies the factor chunks it keeps
-unchanged from the version it replaces, server-side. Readers read the manifest once and pin its
-version for the life of the mount. ``gc`` removes the versions no manifest names (docs/format.md,
-"Stores in object storage").
+previous manifest, hence the previous version, in place. A format-4 version's blocks and text live in
+immutable chunk objects under ``chunks/<id>``, outside every version, which versions reference: an update
+uploads only the chunks it writes. Readers read the manifest once and pin its version for the life of
+the mount. ``gc`` removes the versions no manifest names and the chunks no kept version references
+(docs/format.md, "Stores in object storage").
 """
 import hashlib
 import json
@@ -32,7 +33,6 @@ MANIFEST, VERSIONS = "manifest.json", "v"
 MANIFEST_FORMAT = 1
 VERSION_ID = re.compile(r"[0-9A-Za-z][0-9A-Za-z._-]*")  # one path segment: never "..", never a "/"
 UPLOAD_CONCURRENCY = 8
-REMOTE_CHUNK_BYTES = 8 << 20  # factor chunk objects of remote stores (docs/format.md says why)
 
 
 @dataclass
@@ -123,9 +123,11 @@ class MetadataStore(zarr.storage.ObjectStore):
                              "(milo-store gc after a replace); open the store again")
 
 
-def cache_key(url: str, version: str) -> str:
-    """A directory name for one store version in the block cache (versions are immutable)."""
-    return f"{hashlib.sha256(url.encode()).hexdigest()[:16]}-{version}"
+def cache_key(url: str, version: str | None) -> str:
+    """A directory name in the block cache: of one store version (format ≤ 3, whose entries are block
+    indices), or of every version of the store (``version`` None: format 4, entries named by chunk)."""
+    digest = hashlib.sha256(url.encode()).hexdigest()[:16]
+    return digest if version is None else f"{digest}-{version}"
 
 
 def current_version(url: str) -> str:
@@ -137,33 +139,38 @@ def current_version(url: str) -> str:
     return manifest.version
 
 
-def mount(url: str):
-    """(URL, zarr group, milo attributes, origin factory, version id) of the version the manifest names now."""
+def mount(url: str, version: str | None = None):
+    """(URL, zarr group, milo attributes, origin factory, version id) of the version the manifest names now
+    (or of ``version``, which must be one of the URL's)."""
     url = check_url(url)
     store = open_object_store(url)
     manifest = read_manifest(url, store)
     if manifest is None:
         raise NotAStoreError(f"{url}: no milo store here (no {MANIFEST})")
-    if problem := fmt.version_problem(manifest.format_version):
-        raise FormatVersionError(f"{url}: {problem}")
-    root = f"{VERSIONS}/{manifest.version}"
+    if version is None:
+        if problem := fmt.version_problem(manifest.format_version):
+            raise FormatVersionError(f"{url}: {problem}")
+        version = manifest.version
+    elif not VERSION_ID.fullmatch(version):
+        raise NotAStoreError(f"{url}: {version!r} is not a version id")
+    root = f"{VERSIONS}/{version}"
     try:
-        group = zarr.open_group(store=MetadataStore(store, url, manifest.version), path=root, mode="r")
+        group = zarr.open_group(store=MetadataStore(store, url, version), path=root, mode="r")
         meta = group.attrs.get(fmt.ATTRS_KEY)
     except StoreError:
         raise
     except Exception as e:
-        raise StoreCorruptedError(f"{url}: unreadable metadata of version {manifest.version} ({one_line(e)})") from None
+        raise StoreCorruptedError(f"{url}: unreadable metadata of version {version} ({one_line(e)})") from None
 
-    def make_origin(chunk_bytes: int, num_chunks: int, checksums):
+    def make_origin(placement, checksums):
         try:
-            return ObjectChunks(url, store, root, chunk_bytes, num_chunks, checksums)
+            return ObjectChunks(url, store, root, placement, checksums)
         except StoreError:
             raise
         except Exception as e:
             raise remote_error(url, e) from None
 
-    return url, group, meta, make_origin, manifest.version
+    return url, group, meta, make_origin, version
 
 
 def new_version_id() -> str:
@@ -196,24 +203,25 @@ class RemoteTarget:
             except Exception as e:
                 raise remote_error(self.url, e) from None
 
-    def publish(self, local_dir: Path, format_version: int, copies: list[str] = ()) -> str:
-        """Upload the finished local store as a new version, copy ``copies`` (paths inside a version)
-        from the version it replaces server-side, then publish its manifest (conditional)."""
+    def publish(self, local_dir: Path, format_version: int) -> str:
+        """Upload the finished local store as a new version, then publish its manifest (conditional): its
+        chunk files (``chunks/<id>``, format 4) go to the URL's own ``chunks/``, where versions share them,
+        first; every other file under ``v/<version>/``."""
         version = new_version_id()
         files = [p for p in Path(local_dir).rglob("*") if p.is_file()]
-        if copies and self.previous is None:
-            raise StoreError(f"{self.url}: nothing to copy from: no version is published here")
+        keys = {p: p.relative_to(local_dir).as_posix() for p in files}
+        chunks = [p for p in files if keys[p].startswith(fmt.CHUNKS + "/")]
+        own = [p for p in files if p not in set(chunks)]
 
         def upload(p: Path):
-            obstore.put(self.store, f"{VERSIONS}/{version}/{p.relative_to(local_dir).as_posix()}", p)
+            key = keys[p] if p in chunk_set else f"{VERSIONS}/{version}/{keys[p]}"
+            obstore.put(self.store, key, p)
 
-        def copy(path: str):
-            obstore.copy(self.store, f"{VERSIONS}/{self.previous.version}/{path}", f"{VERSIONS}/{version}/{path}")
-
+        chunk_set = set(chunks)
         try:
             with ThreadPoolExecutor(UPLOAD_CONCURRENCY) as pool:
-                list(pool.map(upload, files))
-                list(pool.map(copy, copies))
+                list(pool.map(upload, chunks))  # before the version that names them
+                list(pool.map(upload, own))
         except Exception as e:
             raise remote_error(self.url, e) from None
         body = json.dumps({"milo_manifest": MANIFEST_FORMAT, "format_version": format_version, "version": version,
@@ -228,31 +236,53 @@ class RemoteTarget:
         try:
             obstore.put(self.store, MANIFEST, body, mode=mode)
         except (obstore.exceptions.AlreadyExistsError, obstore.exceptions.PreconditionError):
-            self._remove_version(version)
+            self._remove_version(version, [keys[p] for p in chunks])
             raise LostRaceError(f"{self.url}: another writer published a store here first; this writer lost the race "
                                 f"and removed the version it had uploaded") from None
         except Exception as e:
             raise remote_error(self.url, e) from None
         return self.url
 
-    def _remove_version(self, version: str) -> None:
-        """Delete what this writer uploaded: a lost race leaves nothing behind (gc collects it if this fails too)."""
+    def _remove_version(self, version: str, chunks: list[str]) -> None:
+        """Delete what this writer uploaded (its version, the chunks it wrote): a lost race leaves nothing
+        behind (gc collects it if this fails too)."""
         try:
             paths = [o["path"] for batch in obstore.list(self.store, prefix=f"{VERSIONS}/{version}/") for o in batch]
+            winner = read_manifest(self.url, self.store)  # its chunks are never ours (ids are unique), but be sure
+            kept = version_chunks(self.store, self.url, winner.version) if winner else set()
+            paths += [] if kept is None else [c for c in chunks if c.split("/", 1)[1] not in kept]
             if paths:
                 obstore.delete(self.store, paths)
         except Exception:  # the race is what the caller must hear about; gc removes an orphaned version later
             pass
 
 
+def version_chunks(store, url: str, version: str) -> set[str] | None:
+    """The chunk ids a version references (empty for format ≤ 3), checked against its recorded checksum;
+    None when the version cannot be read (a partial upload) or its list fails its checksum."""
+    try:
+        group = zarr.open_group(store=MetadataStore(store, url, version), path=f"{VERSIONS}/{version}", mode="r")
+        meta = group.attrs.get(fmt.ATTRS_KEY)
+        if not isinstance(meta, dict) or meta.get("format_version", 0) < fmt.FORMAT_VERSION:
+            return set() if isinstance(meta, dict) else None
+        ids = group[fmt.CHUNK_IDS][...]
+        if fmt.array_checksum(ids) != meta[fmt.ARRAY_CHECKSUMS][fmt.CHUNK_IDS]:
+            return None
+        return {str(i) for i in ids.tolist()}
+    except Exception:  # unreadable, in whatever way: the caller must assume it may reference anything
+        return None
+
+
 def gc(url: str, older_than: float = 3600.0, dry_run: bool = False, keep_previous: bool = True) -> dict:
     """Delete the objects of versions the manifest names neither as current nor previous (nor as
-    previous either, with ``keep_previous=False``: what makes an update's removals final).
+    previous either, with ``keep_previous=False``: what makes an update's removals final), and the
+    chunk objects (``chunks/``, format 4) no kept version references.
 
-    A version with any object younger than ``older_than`` seconds is kept: it may be a writer's
-    upload in progress. Objects outside ``v/`` other than the manifest are not milo's and are left.
-    A URL with neither a manifest nor versions holds no store: NotAStoreError. Versions without a
-    manifest are the uploads of writers killed before the first publish, and are collected.
+    A version or chunk with any object younger than ``older_than`` seconds is kept: it may be a writer's
+    upload in progress. Objects outside ``v/`` and ``chunks/`` other than the manifest are not milo's and are
+    left. A URL with neither a manifest nor versions holds no store: NotAStoreError. Versions without a
+    manifest are the uploads of writers killed before the first publish, and are collected. Where the
+    current or previous version's list of chunks cannot be read, no chunk is removed.
     """
     url = check_url(url)
     store = open_object_store(url)
@@ -260,9 +290,10 @@ def gc(url: str, older_than: float = 3600.0, dry_run: bool = False, keep_previou
     keep = {manifest.version, manifest.previous if keep_previous else None} - {None} if manifest else set()
     try:
         objects = [o for batch in obstore.list(store, prefix=f"{VERSIONS}/") for o in batch]
+        chunks = [o for batch in obstore.list(store, prefix=f"{fmt.CHUNKS}/") for o in batch]
     except Exception as e:
         raise remote_error(url, e) from None
-    if manifest is None and not objects:  # most likely a mistyped prefix: say so rather than report nothing done
+    if manifest is None and not objects and not chunks:  # most likely a mistyped prefix: say so
         raise NotAStoreError(f"{url}: no milo store here (no {MANIFEST} and no store versions)")
     by_version: dict[str, list] = {}
     for o in objects:
@@ -270,12 +301,22 @@ def gc(url: str, older_than: float = 3600.0, dry_run: bool = False, keep_previou
     cutoff = datetime.now(timezone.utc) - timedelta(seconds=older_than)
     doomed = [v for v, objs in by_version.items()
               if v not in keep and all(o["last_modified"] <= cutoff for o in objs)]
-    paths = [o["path"] for v in doomed for o in by_version[v]]
+    referenced, unknown = set(), []
+    for v in sorted(set(by_version) - set(doomed)):
+        found = version_chunks(store, url, v)
+        if found is None and v in keep:
+            unknown.append(v)
+        referenced |= found or set()
+    doomed_chunks = [] if unknown else [o for o in chunks if o["path"].split("/", 1)[1] not in referenced
+                                        and o["last_modified"] <= cutoff]
+    paths = [o["path"] for v in doomed for o in by_version[v]] + [o["path"] for o in doomed_chunks]
     if not dry_run and paths:
         try:
             obstore.delete(store, paths)
         except Exception as e:
             raise remote_error(url, e) from None
     return {"url": url, "current": manifest.version if manifest else None, "kept": sorted(set(by_version) - set(doomed)),
-            "removed_versions": sorted(doomed), "removed_objects": len(paths),
-            "removed_bytes": sum(o["size"] for v in doomed for o in by_version[v]), "dry_run": dry_run}
+            "removed_versions": sorted(doomed), "removed_chunks": len(doomed_chunks),
+            "removed_objects": len(paths), "unreadable_versions": unknown,
+            "removed_bytes": sum(o["size"] for v in doomed for o in by_version[v]) + sum(o["size"] for o in doomed_chunks),
+            "dry_run": dry_run}

@@ -6,7 +6,6 @@ tools/bench_scale.py call directly.
 """
 import numpy as np
 
-from . import format as fmt, text_index
 from .layout import RAW_RANK
 from .store import MiloStore
 
@@ -33,7 +32,10 @@ def describe(store: MiloStore) -> dict:
         "blocks": store.num_blocks, "demonstrations": store.num_examples(), "tokens": int(store.block_tokens.sum()),
         "planned_ratio": acc["planned_ratio"], "actual_ratio": acc["ratio"],
         "bytes": {"full_fp16_kv": acc["full_fp16_bytes"], "factors": acc["factor_bytes"], "index": acc["index_bytes"],
-                  "accounted": acc["total_bytes"], "factor_files": acc["factor_file_bytes"], "on_disk": acc["disk_bytes"]},
+                  "accounted": acc["total_bytes"], "factor_files": acc["factor_file_bytes"], "on_disk": acc["disk_bytes"],
+                  "dead": acc["dead_bytes"]},
+        "chunks": {"factor": (len(np.unique(store.placement.extents[:, 0])) if store.segmented
+                              else len(store.placement.names)), "text": len(store.segment_table)},
         "disk_ratio": acc["disk_bytes"] / acc["full_fp16_bytes"] if acc["full_fp16_bytes"] else None,
         "mean_rank_per_layer": {kind: [None if x is np.ma.masked else round(float(x), 2)
                                        for x in factored[:, :, k].mean(axis=(0, 2))] for k, kind in kinds},
@@ -43,11 +45,9 @@ def describe(store: MiloStore) -> dict:
 
 
 def demonstrations_per_block(store: MiloStore, start: int, stop: int) -> np.ndarray:
-    """From the BM25 index's block starts (a few entries); stores without it count every demonstration's block."""
-    found = store.index_arrays(text_index.NAME, check=False)
-    if found is not None:
-        return np.diff(np.asarray(found[1]["block_starts"][start:stop + 1], dtype=np.int64))
-    return np.bincount(np.asarray(store.examples()["block"], dtype=np.int64), minlength=store.num_blocks)[start:stop]
+    """From the block starts (a format-4 store's segments, a format-3 store's BM25 index: a few entries per
+    block); stores without them count every demonstration's block."""
+    return np.diff(store.block_starts()[start:stop + 1])
 
 
 def rank_summary(ranks: np.ndarray) -> dict:
@@ -82,18 +82,11 @@ def block_demonstrations(store: MiloStore, blocks) -> dict[int, list[tuple[str, 
     """
     wanted = sorted({int(b) for b in blocks})
     found = {b: [] for b in wanted}
-    if fmt.EXAMPLES not in store.group or not wanted:
+    if not store.num_examples() or not wanted:
         return found
     block_of = store.example_array("block")
     rows = np.flatnonzero(np.isin(block_of, wanted))
     inputs, outputs = (store.example_array(name)[rows].tolist() for name in ("input", "output"))
-    for block, text, answer in zip(block_of[rows].tolist(), inputs, outputs):
-        found[block].append((text, answer))
-    return found
-    g = store.group[fmt.EXAMPLES]
-    block_of = np.asarray(g["block"][...])
-    rows = np.flatnonzero(np.isin(block_of, wanted))
-    inputs, outputs = (g[name].get_orthogonal_selection(rows).tolist() for name in ("input", "output"))
     for block, text, answer in zip(block_of[rows].tolist(), inputs, outputs):
         found[block].append((text, answer))
     return found

@@ -31,12 +31,14 @@ import torch
 import zarr
 
 from . import format as fmt
-from . import remote
+from . import remote, text_index
 from .blockcache import BlockCache
 from .checksum import crc32c
+from .chunks import EqualChunks, Extents
 from .errors import FormatVersionError, NotAStoreError, StoreCorruptedError, StoreError
 from .layout import Layout, compressed_bytes
-from .sources import BlockCacheSource, ByteSource, ChunkFiles, MemoryLRU, Origin, ReadStats
+from .segments import Segment
+from .sources import BlockCacheSource, ByteSource, ChunkFiles, MemoryCache, MemoryLRU, Origin, ReadStats
 from .urls import is_url
 
 TIERS = ("host", "disk", "cached")
@@ -45,11 +47,13 @@ TIERS = ("host", "disk", "cached")
 class MiloStore:
     """A mounted store. Use ``MiloStore.open(path, tier=...)``."""
 
-    def __init__(self, path, group, meta: dict, tier: str, verify: bool, memory_cache_bytes: int, pin: bool | None,
-                 make_origin, block_cache: tuple[BlockCache, str] | None, version: str | None = None):
+    def __init__(self, path, group, meta: dict, tier: str, verify: bool, memory_cache: MemoryCache | None,
+                 memory_cache_bytes: int, pin: bool | None, make_origin, block_cache: BlockCache | None,
+                 version: str | None = None):
         self.path, self.group, self.meta, self.tier, self.verify = path, group, meta, tier, verify
         # the version this mount pinned: a store URL's manifest version, a directory's attributes digest
         self.version = version if version is not None else fmt.attributes_version(meta)
+        self.format_version = meta["format_version"]
         lay = meta["layout"]
         quant = lay.get("quant", "int8" if lay.get("quantized") else None)  # "quantized": stores before int4/int2
         self.layout = Layout(lay["num_layers"], lay["num_kv_heads"], lay["head_dim"], quant)
@@ -66,51 +70,88 @@ class MiloStore:
         self._check_index()
         self._group_starts = np.searchsorted(self.block_group, np.arange(self.num_groups + 1))
         self.offsets = self.layout.block_offsets(self.ranks, self.block_tokens)
-        factors = group[fmt.FACTORS]
-        if factors.shape != (int(self.offsets[-1]),):
-            raise StoreCorruptedError(f"{path}: factor array holds {factors.shape[0]} values, ranks describe {self.offsets[-1]}")
-        self.chunk = factors.chunks[0]
+        self.chunk = None  # format ≤ 3: values per chunk of the factor array
+        self.segment_table = np.zeros((0, 5), dtype=np.int64)  # format 4: (chunk, first block, blocks, demos, header CRC)
+        self._segments: dict[int, Segment] = {}
+        self._segments_lock = threading.Lock()
+        prefix = "" if not is_url(path) else f"{remote.VERSIONS}/{self.version}/"
+        self.placement = self._extents() if self.format_version >= fmt.FORMAT_VERSION else self._equal_chunks(prefix)
         self.origin: Origin | None = None
         self.source: ByteSource | None = None
         self._host, self._unpin = None, None
         self._pin = pin if pin is not None else torch.cuda.is_available()
         self._totals, self._totals_lock = ReadStats(), threading.Lock()
         try:  # a failed mount releases what it took (file descriptors, page-locked memory)
-            total = factors.shape[0]
-            self.origin = make_origin(self.chunk * self.itemsize, -(-total // self.chunk) if total else 0, self.checksums)
-            self.source = compose_source(tier, self.origin, self.checksums, block_cache, memory_cache_bytes)
+            self.origin = make_origin(self.placement, self.checksums)
+            cache = None
+            if block_cache is not None:  # a format-4 store's entries are named by chunk: one folder for all versions
+                cache = (block_cache, remote.cache_key(str(path), None if self.format_version >= fmt.FORMAT_VERSION
+                                                       else self.version))
+            self.source = compose_source(tier, self.origin, self.placement, self.checksums, cache, memory_cache,
+                                         memory_cache_bytes)
             if tier == "host":
                 self._load_host()
         except BaseException:
             self.close()
             raise
 
+    def _equal_chunks(self, prefix: str) -> EqualChunks:
+        """Format ≤ 3: the factor array, cut in equal chunks."""
+        factors = self.group[fmt.FACTORS]
+        if factors.shape != (int(self.offsets[-1]),):
+            raise StoreCorruptedError(f"{self.path}: factor array holds {factors.shape[0]} values, ranks describe "
+                                      f"{self.offsets[-1]}")
+        self.chunk = factors.chunks[0]
+        total = factors.shape[0]
+        return EqualChunks(prefix, self.chunk * self.itemsize, -(-total // self.chunk) if total else 0,
+                           np.diff(self.offsets) * self.itemsize, (str(self.path), self.version))
+
+    def _extents(self) -> Extents:
+        """Format 4: the chunks this version references, each block's extent in them, and its text segments."""
+        chunk_ids = [str(c) for c in self._read_array(fmt.CHUNK_IDS).tolist()]
+        placement = Extents("", chunk_ids, self._read_array(fmt.CHUNK_SIZES), self._read_array(fmt.EXTENTS),
+                            self.offsets * self.itemsize, self.checksums, str(self.path))
+        table = np.asarray(self._read_array(fmt.SEGMENTS), dtype=np.int64).reshape(-1, 5)
+        ends = np.cumsum(table[:, 2])
+        if len(table) and ((table[:, 0] < 0).any() or (table[:, 0] >= len(chunk_ids)).any() or (table[:, 2] < 1).any()
+                           or (table[:, 3] < 0).any() or table[0, 1] != 0
+                           or not np.array_equal(table[1:, 1], ends[:-1]) or ends[-1] != self.num_blocks):
+            raise StoreCorruptedError(f"{self.path}: text segments do not cover the blocks in order, once each")
+        self.segment_table = table
+        return placement
+
     @classmethod
     def open(cls, path, tier: str = "host", *, verify: bool = True, memory_cache_bytes: int = 1 << 30,
-             pin: bool | None = None, block_cache: BlockCache | None = None) -> "MiloStore":
+             memory_cache: MemoryCache | None = None, pin: bool | None = None,
+             block_cache: BlockCache | None = None, version: str | None = None) -> "MiloStore":
         """Mount the store at ``path`` (a directory, or a store URL: ``urls.py``).
 
         Raises a StoreError subclass naming what is wrong. ``memory_cache_bytes`` bounds the ``cached``
-        tier's in-memory LRU; ``block_cache`` is where a URL's blocks are kept on this machine's disk
-        (default: ``BlockCache()``, under ~/.cache/milo/blocks, its own size limit).
+        tier's in-memory LRU, this mount's own; ``memory_cache`` is one to share instead (a server's
+        mounts of successive versions of a store: a block they share is read once); ``block_cache`` is
+        where a URL's blocks are kept on this machine's disk (default: ``BlockCache()``, under
+        ~/.cache/milo/blocks, its own size limit). ``version``: at a URL, mount that version rather than the
+        manifest's (`verify --absent` reads the others; gc compacts the current one).
         """
         if tier not in TIERS:
             raise ValueError(f"unknown tier {tier!r}; expected one of {TIERS}")
         if memory_cache_bytes < 0:
             raise ValueError(f"memory_cache_bytes must be at least 0; got {memory_cache_bytes}")
+        if version is not None and not is_url(path):
+            raise ValueError(f"{path}: a directory holds one version; only a store URL's may be named")
         if is_url(path):
-            path, group, meta, make_origin, version = remote.mount(path)
-            cache = (block_cache if block_cache is not None else BlockCache(), remote.cache_key(path, version))
+            path, group, meta, make_origin, version = remote.mount(path, version)
+            cache = block_cache if block_cache is not None else BlockCache()
         else:
             path, group, meta = cls._open_local(Path(path))
-            make_origin = lambda chunk_bytes, num_chunks, checksums: ChunkFiles(path, chunk_bytes, num_chunks, checksums)  # noqa: E731
+            make_origin = lambda placement, checksums: ChunkFiles(path, placement, checksums)  # noqa: E731
             cache, version = None, None
         if not isinstance(meta, dict):
             raise NotAStoreError(f"{path}: a zarr group but not a milo store (no '{fmt.ATTRS_KEY}' attributes)")
         if problem := fmt.version_problem(meta.get("format_version")):
             raise FormatVersionError(f"{path}: {problem}")
         try:
-            return cls(path, group, meta, tier, verify, memory_cache_bytes, pin, make_origin, cache, version)
+            return cls(path, group, meta, tier, verify, memory_cache, memory_cache_bytes, pin, make_origin, cache, version)
         except (KeyError, ValueError, FileNotFoundError) as e:
             raise StoreCorruptedError(f"{path}: broken store structure ({type(e).__name__}: {e})") from e
 
@@ -138,7 +179,7 @@ class MiloStore:
     # -- structure -------------------------------------------------------------------------------
     def _recorded_checksums(self) -> dict | None:
         """The CRC32C of every metadata array (None for a store written before them, with a warning)."""
-        if self.meta["format_version"] < fmt.FORMAT_VERSION:
+        if self.meta["format_version"] < fmt.CHECKED_VERSION:
             warnings.warn(f"{self.path}: format version {self.meta['format_version']} records no checksums of its "
                           "metadata arrays (anchor, demonstrations, ranks, ...): they are read unchecked; rebuild "
                           "the store to check them")
@@ -274,6 +315,11 @@ class MiloStore:
                 self.index_arrays(name, check=True)
             except StoreError as e:
                 problems.append(str(e))
+        for k in range(len(self.segment_table)):
+            try:
+                problems += self.segment(k).problems()
+            except StoreError as e:
+                problems.append(str(e))
         return problems + self._metadata_problems()
 
     def _metadata_problems(self) -> list[str]:
@@ -321,6 +367,20 @@ class MiloStore:
 
     def token_ids(self, i: int) -> np.ndarray | None:
         """The token ids block i was encoded from, or None when the store does not keep them."""
+        if self.segmented:
+            if not len(self.segment_table):
+                return None
+            k = self._segment_of(i)
+            seg = self.segment(k)
+            if not seg.has("token_ids"):
+                return None
+            first = int(self.segment_table[k, 1])
+            start = int(self.block_tokens[first:i].sum())
+            ids = seg.array("token_ids")
+            if len(ids) != int(self.block_tokens[first:first + self.segment_table[k, 2]].sum()):
+                raise StoreCorruptedError(f"{self.path}: text segment {k} holds {len(ids)} token ids, its blocks "
+                                          f"{int(self.block_tokens[first:first + self.segment_table[k, 2]].sum())} tokens")
+            return ids[start:start + int(self.block_tokens[i])].copy()  # the caller's own
         if fmt.TOKEN_IDS not in self.group:
             return None
         if self._token_ids is None:  # read and checked whole once (its checksum covers the whole array)
@@ -330,17 +390,102 @@ class MiloStore:
 
     def examples(self) -> dict:
         """Demonstrations: lists 'input', 'output', 'id' and 'block' (empty lists when none were stored)."""
-        if fmt.EXAMPLES not in self.group:
+        if not self.segmented and fmt.EXAMPLES not in self.group:
             return {"input": [], "output": [], "id": [], "block": []}
         return {k: self.example_array(k).tolist() for k in ("input", "output", "id", "block")}
 
     def example_array(self, name: str) -> np.ndarray:
         """One demonstrations array ('input', 'output', 'id' or 'block'), read whole and checked."""
-        return self._read_array(f"{fmt.EXAMPLES}/{name}")
+        if not self.segmented:
+            return self._read_array(f"{fmt.EXAMPLES}/{name}")
+        if name == "block":
+            parts = [first + np.repeat(np.arange(blocks), np.diff(self._block_starts(k)))
+                     for k, (_, first, blocks, _, _) in enumerate(self.segment_table.tolist())]
+            return np.concatenate(parts).astype(np.int32) if parts else np.zeros(0, dtype=np.int32)
+        if name not in ("input", "output", "id"):
+            raise KeyError(name)
+        out = np.empty(self.num_examples(), dtype=object)
+        at = 0
+        for k in range(len(self.segment_table)):
+            values = self.segment(k).strings(name)
+            out[at:at + len(values)] = values
+            at += len(values)
+        return out
 
     def num_examples(self) -> int:
         """How many demonstrations the store keeps (from array metadata: no demonstration is read)."""
+        if self.segmented:
+            return int(self.segment_table[:, 3].sum())
         return self.group[f"{fmt.EXAMPLES}/id"].shape[0] if fmt.EXAMPLES in self.group else 0
+
+    # -- format 4: text segments -----------------------------------------------------------------
+    @property
+    def segmented(self) -> bool:
+        """Whether demonstrations, token ids and postings are in text segments (format 4)."""
+        return self.format_version >= fmt.FORMAT_VERSION
+
+    def _segment_of(self, block: int) -> int:
+        return int(np.searchsorted(self.segment_table[:, 1], block, side="right")) - 1
+
+    def segment(self, k: int) -> Segment:
+        """Text segment k, its header checked (mapped from its chunk file, or fetched whole from a URL; once)."""
+        with self._segments_lock:
+            if k not in self._segments:
+                chunk, _, _, demos, header_crc = self.segment_table[k].tolist()
+                where = f"{self.path}: text segment {k} ({self.placement.names[chunk]})"
+                seg = Segment(self.origin.chunk_data(chunk), header_crc, where)
+                if seg.has("input_starts") and len(seg.array("input_starts", check=False)) != demos + 1:
+                    raise StoreCorruptedError(f"{where} holds another number of demonstrations than the version's "
+                                              f"table ({demos})")
+                self._segments[k] = seg
+            return self._segments[k]
+
+    def _block_starts(self, k: int) -> np.ndarray:
+        """Segment k's blocks' first demonstrations, relative to the segment, and its end ([blocks + 1])."""
+        starts = self.segment(k).array("block_starts")
+        blocks, demos = int(self.segment_table[k, 2]), int(self.segment_table[k, 3])
+        if len(starts) != blocks + 1 or starts[0] != 0 or starts[-1] != demos or (np.diff(starts) < 0).any():
+            raise StoreCorruptedError(f"{self.path}: text segment {k}'s block starts contradict the version's table")
+        return starts
+
+    def block_starts(self) -> np.ndarray:
+        """Every block's first demonstration and the end (int64 [N + 1]), demonstrations in store order."""
+        if not self.segmented:
+            found = self.index_arrays(text_index.NAME, check=False)
+            if found is not None and "block_starts" in found[1]:
+                return np.asarray(found[1]["block_starts"], dtype=np.int64)
+            block = np.asarray(self.examples()["block"], dtype=np.int64)
+            return np.searchsorted(np.sort(block), np.arange(self.num_blocks + 1)).astype(np.int64)
+        if not len(self.segment_table):
+            return np.zeros(self.num_blocks + 1, dtype=np.int64)
+        parts, first = [], 0
+        for k in range(len(self.segment_table)):
+            parts.append(self._block_starts(k)[:-1] + first)
+            first += int(self.segment_table[k, 3])
+        return np.concatenate(parts + [np.array([first])]).astype(np.int64)
+
+    def segmented_index(self, check: bool | None = None) -> text_index.SegmentedTextIndex | None:
+        """The BM25 index of a format-4 store: its vocabulary and each segment's postings, mapped (checked
+        once when ``check``, default the store's ``verify``). None when the store has no demonstrations."""
+        found = self.index_arrays(text_index.NAME, check)
+        if found is None:
+            return None
+        attrs, vocabulary = found
+        if attrs.get("version") != text_index.SEGMENTED_VERSION or any(
+                attrs.get(k) != v for k, v in text_index.index_attrs().items() if k != "version"):
+            raise StoreCorruptedError(f"{self.path}: index {text_index.NAME} records another build "
+                                      f"({ {k: attrs.get(k) for k in text_index.index_attrs()} })")
+        check = self.verify if check is None else check
+        postings = [self.segment(k).postings(check) for k in range(len(self.segment_table))]
+        try:
+            return text_index.SegmentedTextIndex(vocabulary, attrs, postings, self.block_starts())
+        except (ValueError, KeyError, TypeError) as e:
+            raise StoreCorruptedError(f"{self.path}: broken BM25 index ({e})") from e
+
+    def block_key(self, i: int) -> tuple:
+        """What identifies block i's bytes to a cache: in a format-4 store its chunk, offset, length and
+        CRC32C, the same in every version that keeps the block; in older stores the store, version and index."""
+        return self.placement.identity(i)
 
     def index_names(self) -> list[str]:
         """The named indexes the store keeps (``indexes/<name>``, e.g. ``bm25``)."""
@@ -391,6 +536,7 @@ class MiloStore:
             acc["total_bytes"] += extra
             acc["ratio"] = acc["total_bytes"] / acc["full_fp16_bytes"] if acc["full_fp16_bytes"] else 0.0
         acc["disk_bytes"], acc["factor_file_bytes"] = self.origin.disk_bytes()
+        acc["dead_bytes"] = self.placement.dead_bytes()
         acc["planned_ratio"] = self.meta.get("allocation", {}).get("ratio")
         return acc
 
@@ -413,15 +559,18 @@ class MiloStore:
         return f"MiloStore({str(self.path)!r}, tier={self.tier!r}, blocks={self.num_blocks})"
 
 
-def compose_source(tier: str, origin: Origin, checksums: np.ndarray, block_cache: tuple[BlockCache, str] | None,
+def compose_source(tier: str, origin: Origin, placement, checksums: np.ndarray,
+                   block_cache: tuple[BlockCache, str] | None, memory_cache: MemoryCache | None,
                    memory_cache_bytes: int) -> ByteSource:
     """A tier's read path: the origin, behind this machine's block cache (a URL's, with its key), behind
-    the ``cached`` tier's in-memory LRU."""
+    the ``cached`` tier's in-memory LRU (a shared `MemoryCache`, or one of this mount's own). Caches key
+    blocks by the placement's names for them (``chunks.py``)."""
     source: ByteSource = origin
     if block_cache is not None:
-        source = BlockCacheSource(source, *block_cache, checksums)
+        source = BlockCacheSource(source, *block_cache, placement, checksums)
     if tier == "cached":
-        source = MemoryLRU(source, memory_cache_bytes)
+        owned = memory_cache is None
+        source = MemoryLRU(source, MemoryCache(memory_cache_bytes) if owned else memory_cache, placement, owned)
     return source
 
 

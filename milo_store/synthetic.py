@@ -7,8 +7,10 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from . import format as fmt
 from .codec import factorize_block
 from .compress import CompressionConfig, staging_codec, write_store
 from .layout import Layout
@@ -63,11 +65,12 @@ def build_synthetic_store(path, layout: Layout, block_tokens, config: Compressio
 
 
 def update_synthetic_store(path, keep, new_tokens, config: CompressionConfig | None = None, *, seed: int = 0,
-                           block_cache=None):
+                           block_cache=None, purge=None):
     """A new version of the synthetic store at ``path`` through the real update path (`write_store` with
     ``previous``): its blocks ``keep``, in that order and byte for byte, then new synthetic blocks of
-    ``new_tokens`` tokens, each with one demonstration of its own. As a real update, it holds the
-    writer lock before it reads the store, and keeps it to the commit."""
+    ``new_tokens`` tokens, each with one demonstration of its own. ``purge``: the previous blocks whose
+    bytes must go (default: every block not kept). As a real update, it holds the writer lock before it
+    reads the store, and keeps it to the commit."""
     config = config or CompressionConfig()
     with StoreLock(path) as lock, MiloStore.open(path, tier="disk", block_cache=block_cache) as previous:
         old = previous.examples()
@@ -91,25 +94,76 @@ def update_synthetic_store(path, keep, new_tokens, config: CompressionConfig | N
             examples["block"].append(len(keep) + k)
         out = write_store(path, staging, len(keep) + len(new_tokens), layout, config, attrs={"model": {"name": "synthetic"}},
                           anchor_kv=previous.anchor_kv(), examples=examples, previous=previous, lock=lock,
-                          reused={i: b for i, b in enumerate(keep)})
+                          reused={i: b for i, b in enumerate(keep)}, purge=purge)
         staging.remove()
     return out
 
 
 def store_arrays(store_dir) -> list[str]:
-    """Every array of a store directory, as its path inside the store ('examples/input', 'indexes/bm25/terms', ...)."""
+    """Every array of a store directory, as its path inside the store ('examples/input', 'indexes/bm25/terms',
+    ...); in a format-4 store also each factor chunk ('chunks/<id>') and each text segment's arrays
+    ('segment-<k>/<name>'): everything corruption tests damage one at a time."""
     store_dir = Path(store_dir)
-    return sorted(str(p.parent.relative_to(store_dir)) for p in store_dir.rglob("zarr.json")
-                  if json.loads(p.read_text())["node_type"] == "array")
+    names = sorted(str(p.parent.relative_to(store_dir)) for p in store_dir.rglob("zarr.json")
+                   if json.loads(p.read_text())["node_type"] == "array")
+    with MiloStore.open(store_dir, tier="disk", verify=False) as store:
+        if store.segmented:
+            texts = {store.placement.names[c] for c in store.segment_table[:, 0].tolist()}
+            names += sorted(set(store.placement.names) - texts)
+            names += [f"segment-{k}/{name}" for k in range(len(store.segment_table))
+                      for name, entry in store.segment(k).layout.items() if entry["count"]]
+    return names
+
+
+def block_location(store_dir, block: int) -> tuple[Path, int]:
+    """The file holding block ``block``'s bytes, and where in it they start (what corruption tests damage)."""
+    with MiloStore.open(store_dir, tier="disk", verify=False) as store:
+        start = int(store.offsets[block]) * store.itemsize
+        chunk, at, _, _ = next(iter(store.placement.pieces(start, start + 1)))
+        return Path(store_dir) / store.placement.names[chunk], at
 
 
 def flipped_copy(store_dir, array: str, dest) -> Path:
-    """A copy of the store at ``dest`` with one bit flipped in the middle of ``array``'s first chunk file:
-    what corruption tests feed to readers that must detect it."""
+    """A copy of the store at ``dest`` with one bit flipped in the middle of ``array`` (`store_arrays`' names:
+    an array's first chunk file, a chunk file, or a text segment's array): what corruption tests feed to
+    readers that must detect it."""
     dest = Path(dest)
     shutil.copytree(store_dir, dest)
-    chunk = sorted(p for p in (dest / array / "c").rglob("*") if p.is_file())[0]
+    if array.startswith("segment-"):
+        k, name = array.removeprefix("segment-").split("/")
+        with MiloStore.open(dest, tier="disk", verify=False) as store:
+            seg = store.segment(int(k))
+            entry = seg.layout[name]
+            chunk = dest / store.placement.names[int(store.segment_table[int(k), 0])]
+            at = seg.base + entry["offset"] + entry["count"] * np.dtype(entry["dtype"]).itemsize // 2
+    else:
+        chunk = dest / array if (dest / array).is_file() else sorted(p for p in (dest / array / "c").rglob("*")
+                                                                       if p.is_file())[0]
+        at = chunk.stat().st_size // 2
     raw = bytearray(chunk.read_bytes())
-    raw[len(raw) // 2] ^= 0x10
+    raw[at] ^= 0x10
     chunk.write_bytes(bytes(raw))
     return dest
+
+
+LAYOUT_ARRAYS = (fmt.CHUNK_IDS, fmt.CHUNK_SIZES, fmt.EXTENTS, fmt.SEGMENTS)  # where bytes lie: chunk names are random
+
+
+def store_contents(location) -> dict:
+    """What a reader gets from a store, where its bytes lie aside (chunk names, extents, text segments): every
+    block's bytes and index entries, the anchor, token ids, demonstrations, named indexes and attributes.
+    What "the same store" compares across builds (a resumed, distributed or updated one against another)."""
+    with MiloStore.open(location, tier="disk") as s:
+        anchor = s.anchor_kv()
+        checksums = {k: v for k, v in (s.meta.get(fmt.ARRAY_CHECKSUMS) or {}).items() if k not in LAYOUT_ARRAYS}
+        return {
+            "blocks": [s.block(i).view(torch.uint8).numpy().tobytes() for i in range(s.num_blocks)],
+            "ranks": s.ranks.tolist(), "block_tokens": s.block_tokens.tolist(), "checksums": s.checksums.tolist(),
+            "block_group": s.block_group.tolist() if s.grouped else None,
+            "anchor": None if anchor is None else anchor.view(torch.uint8).numpy().tobytes(),
+            "token_ids": [None if s.token_ids(i) is None else s.token_ids(i).tolist() for i in range(s.num_blocks)],
+            "examples": s.examples(),
+            "indexes": {name: ({k: v for k, v in attrs.items()}, {a: x.tolist() for a, x in arrays.items()})
+                        for name in s.index_names() for attrs, arrays in [s.index_arrays(name, check=True)]},
+            "attrs": {**{k: v for k, v in s.meta.items() if k != fmt.ARRAY_CHECKSUMS}, fmt.ARRAY_CHECKSUMS: checksums},
+        }

@@ -15,10 +15,11 @@ version and publishes the manifest with a conditional write. The lock is then a 
 local cache directory, keyed by the URL: it orders the writers of one machine; the conditional
 write orders writers across machines.
 
-An update (``previous``: the store version at the path that the new one replaces) keeps the previous
-version's chunk size, and its leading factor chunks whose bytes do not change are the previous
-version's own: hard links of its chunk files, or server-side copies of its chunk objects
-(``reuse_leading``), so bytes that stay are neither read nor written again.
+A version's blocks and text segments are in immutable chunk files (``chunks/<id>``, format 4). An update
+(``previous``: the store version at the path that the new one replaces) writes new chunks for what it
+encodes and references the previous version's for what it keeps (`keep_block`, `keep_segment`): in a
+directory, hard links of its chunk files into the new version; at a URL, the same chunk objects, which
+live outside every version. Bytes that stay are neither read nor written again.
 """
 import ctypes
 import errno
@@ -34,10 +35,12 @@ import torch
 import zarr
 
 from . import format as fmt
+from . import segments
 from .checksum import crc32c
+from .chunks import new_chunk_id
 from .errors import LostRaceError, StoreError, StoreLockedError
 from .layout import RAW_RANK, Layout
-from .remote import REMOTE_CHUNK_BYTES, RemoteTarget, read_manifest
+from .remote import RemoteTarget, read_manifest
 from .store import MiloStore
 from .urls import check_url, is_url, local_sidecar, open_object_store
 
@@ -132,25 +135,29 @@ def check_target(path, force: bool) -> None:
 
 
 class StoreWriter:
-    """Write one store: blocks in order, then examples and anchor, then ``commit``.
+    """Write one store version: blocks in order, its text segments, the anchor, then ``commit``.
 
-    ``ranks`` [N, L, 2, H] and ``block_tokens`` [N] fix the layout up front, so the factor array is
-    created at its exact size and filled chunk by chunk without padding between blocks.
-    ``block_group`` [N] (optional) makes store blocks finer than retrieval groups: group g is the
-    contiguous run of blocks labelled g (docs/format.md).
-    ``previous`` makes the writer an update of that store version, which must still be the one at
-    ``path`` (a URL's manifest must still name it): the new version keeps its chunk size and may share
-    its leading chunks (``reuse_leading``, ``keep_block``).
+    ``ranks`` [N, L, 2, H] and ``block_tokens`` [N] fix every block's size up front. Blocks go into new
+    chunk files of at most ``max_chunk_bytes`` (whole blocks; a larger block has a chunk of its own), each
+    sized to what it holds. ``block_group`` [N] (optional) makes store blocks finer than retrieval groups:
+    group g is the contiguous run of blocks labelled g (docs/format.md).
+
+    ``previous`` makes the writer an update of that store version, which must still be the one at ``path``
+    (a URL's manifest must still name it): `keep_block` and `keep_segment` reference its chunks instead
+    of writing their bytes (a directory links them into the new version at commit). ``purge``: the
+    previous version's blocks whose bytes must leave with this version (K/V computed from a removed
+    demonstration): no chunk holding one of them is referenced, and, where there is any, neither is a chunk
+    holding dead bytes (they may be an earlier encoding of such a block); their other blocks are written
+    again, `can_keep` says which.
     """
 
     def __init__(self, path, layout: Layout, ranks: np.ndarray, block_tokens: np.ndarray, *,
                  dtype: str = "float16", attrs: dict | None = None, force: bool = False,
                  max_chunk_bytes: int | None = None, lock: StoreLock | None = None,
-                 block_group: np.ndarray | None = None, previous: MiloStore | None = None):
-        self.remote, self.previous, self.reused_chunks = None, previous, 0
+                 block_group: np.ndarray | None = None, previous: MiloStore | None = None, purge=()):
+        self.remote, self.previous = None, previous
         self.path = check_url(path) if is_url(path) else Path(path)
-        if max_chunk_bytes is None:
-            max_chunk_bytes = REMOTE_CHUNK_BYTES if is_url(path) else fmt.MAX_CHUNK_BYTES
+        self.max_chunk_bytes = max_chunk_bytes if max_chunk_bytes is not None else fmt.MAX_CHUNK_BYTES
         self.layout, self.dtype = layout, dtype
         self.ranks = np.asarray(ranks, dtype=np.int16)
         self.block_tokens = np.asarray(block_tokens, dtype=np.int32)
@@ -170,7 +177,9 @@ class StoreWriter:
                              f"version's {previous.dtype} {previous.layout}")
         self.block_group = None if block_group is None else np.asarray(block_group, dtype=np.int32)
         self.attrs = dict(attrs or {})
+        self.itemsize = fmt.value_bytes(dtype)
         self.offsets = layout.block_offsets(self.ranks, self.block_tokens)
+        self.dropped = self._dropped_chunks(previous, purge)
         # A caller that holds the lock already (a build, across both passes) hands it in and keeps it.
         self.owns_lock = lock is None
         self.lock = StoreLock(self.path).__enter__() if lock is None else lock
@@ -186,21 +195,34 @@ class StoreWriter:
                     self._check_replaces(previous)
                 self.tmp = Path(f"{self.path}.tmp-{os.getpid()}-{next(_counter)}")
             self.group = zarr.open_group(str(self.tmp), mode="w")
-            total = int(self.offsets[-1])
-            self.chunk = (previous.chunk if previous is not None else
-                          fmt.chunk_values(total, fmt.value_bytes(dtype), max_chunk_bytes))
-            self.factors = self.group.create_array(
-                fmt.FACTORS, shape=(total,), dtype=fmt.NUMPY_DTYPES[dtype], chunks=(self.chunk,),
-                compressors=None, fill_value=0, config={"write_empty_chunks": True})
+            (self.tmp / fmt.CHUNKS).mkdir()
         except BaseException:
             self.close()
             raise
-        self.buffer = np.zeros(self.chunk, dtype=fmt.NUMPY_DTYPES[dtype])
-        self.buffer_start = 0  # flat offset of buffer[0]
+        self.chunk_ids: list[str] = []  # every chunk the version references, in order of first reference
+        self.chunk_sizes: list[int] = []
+        self.chunk_index: dict[str, int] = {}
+        self.written: set[str] = set()  # the chunks this writer wrote (the others are the previous version's)
+        self.open_chunk = None  # (index, file) of the chunk blocks are being appended to
+        self.extents = np.zeros((len(self.block_tokens), 3), dtype=np.int64)
+        self.segments: list[list[int]] = []
         self.next_block = 0
         self.checksums = np.zeros(len(self.block_tokens), dtype=np.uint32)
-        self.array_checksums = {}  # every array but factors (per-block CRC32C) and indexes (their own)
-        self.extra = {}
+        self.array_checksums = {}  # every array but indexes (they carry their own)
+        self.bytes_written = 0  # bytes of the chunks this writer wrote
+
+    @staticmethod
+    def _dropped_chunks(previous: MiloStore | None, purge) -> set[str]:
+        """The previous version's chunks this version may not reference: those holding a purged block, and
+        when anything is purged those holding dead bytes (whose blocks the store cannot name)."""
+        if previous is None or not previous.segmented:
+            return set()
+        purge = list(purge)
+        ext = previous.placement
+        dropped = {ext.ids[int(ext.extents[j, 0])] for j in purge}
+        if purge:
+            dropped |= {ext.ids[c] for c in ext.chunk_dead_bytes()}
+        return dropped
 
     def _remove_stale_temps(self):
         """Clean what killed writers left: temporary stores, and the old store of a replace killed
@@ -226,38 +248,47 @@ class StoreWriter:
             raise LostRaceError(f"{self.path}: the store changed since it was read; nothing was written, "
                                 "run the update again")
 
-    def reuse_leading(self, blocks: int) -> int:
-        """The first ``blocks`` blocks are the previous version's, unchanged and at the same offsets: share
-        the factor chunks they fill whole. Returns how many chunks the new version takes as they are."""
+    def _reference(self, chunk_id: str, size: int) -> int:
+        """The index of a chunk in the version's list (added at its first reference)."""
+        if chunk_id not in self.chunk_index:
+            self.chunk_index[chunk_id] = len(self.chunk_ids)
+            self.chunk_ids.append(chunk_id)
+            self.chunk_sizes.append(size)
+        return self.chunk_index[chunk_id]
+
+    def _new_chunk(self, size: int = 0) -> tuple[int, str]:
+        """A fresh chunk of this writer's: (its index, its id)."""
+        chunk_id = new_chunk_id()
+        self.written.add(chunk_id)
+        return self._reference(chunk_id, size), chunk_id
+
+    def _close_chunk(self) -> None:
+        if self.open_chunk is not None:
+            self.open_chunk[1].close()
+            self.open_chunk = None
+
+    def can_keep(self, j: int) -> bool:
+        """Whether `keep_block` may reference the previous version's block ``j`` where it lies."""
         prev = self.previous
-        if prev is None or self.next_block:
-            raise StoreError("reuse_leading: only an update, before its first block, shares chunks")
-        if blocks > prev.num_blocks or not (np.array_equal(self.ranks[:blocks], prev.ranks[:blocks])
-                                            and np.array_equal(self.block_tokens[:blocks], prev.block_tokens[:blocks])):
-            raise ValueError(f"the first {blocks} blocks are not the previous version's (ranks or token counts differ)")
-        self.reused_chunks = int(self.offsets[blocks]) // self.chunk
-        self.buffer_start = self.reused_chunks * self.chunk
-        return self.reused_chunks
+        return (prev is not None and prev.segmented
+                and prev.placement.ids[int(prev.placement.extents[j, 0])] not in self.dropped)
 
-    def keep_block(self) -> None:
-        """The next block is the previous version's block of the same index (within `reuse_leading`'s blocks):
-        its checksum is the previous one's, and only what it has outside the shared chunks is written."""
-        i = self.next_block
-        if self.previous is None or i >= self.previous.num_blocks or self.offsets[i] != self.previous.offsets[i]:
-            raise StoreError(f"block {i} is not a block `reuse_leading` shared")
-        if self.offsets[i + 1] <= self.buffer_start:  # wholly in shared chunks: nothing to read or write
-            self.checksums[i] = self.previous.checksums[i]
-            self.next_block += 1
-        else:
-            self.write_block(self.previous.block(i))
-
-    def _create_checked(self, name: str, data: np.ndarray, **kwargs) -> None:
-        """Write a whole metadata array and record the CRC32C of its values (fmt.ARRAY_CHECKSUMS)."""
-        self.group.create_array(name, data=data, **kwargs)
-        self.array_checksums[name] = fmt.array_checksum(data)
+    def keep_block(self, j: int) -> None:
+        """The next block is the previous version's block ``j``, unchanged: referenced in its chunk, not written."""
+        i, prev = self.next_block, self.previous
+        if i >= len(self.block_tokens):
+            raise StoreError(f"all {len(self.block_tokens)} blocks are written already")
+        if not self.can_keep(j):
+            raise StoreError(f"block {j} of the previous version cannot be kept where it lies; write its bytes")
+        if not (np.array_equal(self.ranks[i], prev.ranks[j]) and self.block_tokens[i] == prev.block_tokens[j]):
+            raise ValueError(f"block {i} is not the previous version's block {j} (ranks or token counts differ)")
+        chunk, offset, length = prev.placement.extents[j].tolist()
+        self.extents[i] = (self._reference(prev.placement.ids[chunk], prev.placement.sizes[chunk]), offset, length)
+        self.checksums[i] = prev.checksums[j]
+        self.next_block += 1
 
     def write_block(self, packed: torch.Tensor) -> None:
-        """Append the next block's packed factors (flat, as codec.pack_block returns them)."""
+        """Append the next block's packed factors (flat, as codec.pack_block returns them) to a new chunk."""
         i = self.next_block
         if i >= len(self.block_tokens):
             raise StoreError(f"all {len(self.block_tokens)} blocks are written already")
@@ -266,25 +297,43 @@ class StoreWriter:
             raise ValueError(f"block {i}: expected {want} values of {self.dtype}, got {tuple(packed.shape)} {packed.dtype}")
         data = fmt.to_numpy(packed)
         self.checksums[i] = crc32c(data)
-        pos = int(self.offsets[i])
-        if pos < self.buffer_start:  # its start lies in chunks shared with the previous version
-            if self.checksums[i] != self.previous.checksums[i]:
-                raise ValueError(f"block {i} overlaps the chunks shared with the previous version but its bytes differ")
-            data, pos = data[self.buffer_start - pos:], self.buffer_start
-        while len(data):
-            at = pos - self.buffer_start
-            n = min(len(data), self.chunk - at)
-            self.buffer[at:at + n] = data[:n]
-            data, pos = data[n:], pos + n
-            if pos - self.buffer_start == self.chunk:
-                self._flush()
+        nbytes = data.nbytes
+        if self.open_chunk is not None and self.chunk_sizes[self.open_chunk[0]] + nbytes > self.max_chunk_bytes:
+            self._close_chunk()
+        if self.open_chunk is None:
+            index, chunk_id = self._new_chunk()
+            self.open_chunk = (index, open(self.tmp / fmt.chunk_key(chunk_id), "wb"))
+        index, f = self.open_chunk
+        f.write(memoryview(np.ascontiguousarray(data)).cast("B"))
+        self.extents[i] = (index, self.chunk_sizes[index], nbytes)
+        self.chunk_sizes[index] += nbytes
+        self.bytes_written += nbytes
         self.next_block += 1
 
-    def _flush(self):
-        end = min(self.buffer_start + self.chunk, self.factors.shape[0])
-        if end > self.buffer_start:
-            self.factors[self.buffer_start:end] = self.buffer[:end - self.buffer_start]
-        self.buffer_start += self.chunk
+    def write_segment(self, blocks: int, arrays: dict) -> None:
+        """The next ``blocks`` blocks' text segment (`segments.segment_arrays`), as a new chunk."""
+        data, header_crc = segments.pack(arrays)
+        index, chunk_id = self._new_chunk(len(data))
+        (self.tmp / fmt.chunk_key(chunk_id)).write_bytes(data)
+        self.bytes_written += len(data)
+        self._add_segment(index, blocks, int(arrays["block_starts"][-1]), header_crc)
+
+    def keep_segment(self, k: int) -> None:
+        """The next blocks' text is the previous version's segment ``k``, unchanged: referenced, not written."""
+        chunk, _, blocks, demos, header_crc = self.previous.segment_table[k].tolist()
+        chunk_id = self.previous.placement.ids[chunk]
+        self._add_segment(self._reference(chunk_id, self.previous.placement.sizes[chunk]), blocks, demos, header_crc)
+
+    def _add_segment(self, chunk: int, blocks: int, demos: int, header_crc: int) -> None:
+        first = sum(row[2] for row in self.segments)
+        if blocks < 1 or first + blocks > len(self.block_tokens):
+            raise ValueError(f"a text segment of {blocks} blocks from block {first} of {len(self.block_tokens)}")
+        self.segments.append([chunk, first, blocks, demos, header_crc])
+
+    def _create_checked(self, name: str, data: np.ndarray, **kwargs) -> None:
+        """Write a whole metadata array and record the CRC32C of its values (fmt.ARRAY_CHECKSUMS)."""
+        self.group.create_array(name, data=data, **kwargs)
+        self.array_checksums[name] = fmt.array_checksum(data)
 
     def write_anchor(self, anchor_kv: torch.Tensor) -> None:
         """The anchor (instruction prefix) K/V, uncompressed: [L, 2, H, T_anchor, d], pre-RoPE keys."""
@@ -294,16 +343,6 @@ class StoreWriter:
                              f"{self.layout.head_dim}; got {tuple(anchor_kv.shape)}")
         data = fmt.to_numpy(anchor_kv.to(fmt.TORCH_DTYPES[fmt.anchor_dtype(self.dtype)]))
         self._create_checked(fmt.ANCHOR, data, compressors=None)
-
-    def write_examples(self, inputs: list[str], outputs: list[str], ids: list[str], blocks: list[int]) -> None:
-        """The demonstrations' text and the block each belongs to (what retrieval indexes)."""
-        if not len(inputs) == len(outputs) == len(ids) == len(blocks):
-            raise ValueError("inputs, outputs, ids and blocks must have one entry per demonstration")
-        g = self.group.create_group(fmt.EXAMPLES)
-        for name, values in (("input", inputs), ("output", outputs), ("id", ids)):
-            g.create_array(name, shape=(len(values),), dtype=str)[:] = np.array(values, dtype=object)
-            self.array_checksums[f"{fmt.EXAMPLES}/{name}"] = fmt.array_checksum(np.array(values, dtype=object))
-        self._create_checked(f"{fmt.EXAMPLES}/block", np.asarray(blocks, dtype=np.int32))
 
     def write_index(self, name: str, arrays: dict, attrs: dict) -> None:
         """A named index under ``indexes/<name>``: 1-D arrays, each one uncompressed chunk so a reader can
@@ -321,40 +360,40 @@ class StoreWriter:
             checksums[key] = crc32c(data)
         g.attrs.update({**attrs, "checksums": checksums})
 
-    def write_token_ids(self, token_ids: np.ndarray) -> None:
-        """Every block's token ids, concatenated in block order (int32, one per stored token)."""
-        token_ids = np.asarray(token_ids, dtype=np.int32)
-        if token_ids.shape != (int(self.block_tokens.sum()),):
-            raise ValueError(f"expected {int(self.block_tokens.sum())} token ids, got {token_ids.shape}")
-        self._create_checked(fmt.TOKEN_IDS, token_ids)
-
     def commit(self) -> Path | str:
-        """Finish the factor array, write index and attributes, fsync, and move the store into place
-        (for a URL: upload it as a new version and publish the manifest); returns the path or URL."""
+        """Write the index, chunk table and attributes, fsync, and move the version into place (for a URL:
+        upload its new chunks and itself, then publish the manifest); returns the path or URL."""
         if self.next_block != len(self.block_tokens):
             raise StoreError(f"commit after {self.next_block} of {len(self.block_tokens)} blocks")
+        if self.segments and sum(row[2] for row in self.segments) != len(self.block_tokens):
+            raise StoreError(f"text segments cover {sum(row[2] for row in self.segments)} of "
+                             f"{len(self.block_tokens)} blocks")
         try:
-            if self.buffer_start < self.factors.shape[0]:
-                self._flush()
+            self._close_chunk()
             self._create_checked(fmt.RANKS, self.ranks)
             self._create_checked(fmt.TOKENS, self.block_tokens)
             self._create_checked(fmt.CHECKSUMS, self.checksums)
             if self.block_group is not None:
                 self._create_checked(fmt.BLOCK_GROUP, self.block_group)
-            version = fmt.FORMAT_VERSION
+            ids = np.array(self.chunk_ids, dtype=object)
+            self.group.create_array(fmt.CHUNK_IDS, shape=ids.shape, dtype=str)[:] = ids
+            self.array_checksums[fmt.CHUNK_IDS] = fmt.array_checksum(ids)
+            self._create_checked(fmt.CHUNK_SIZES, np.asarray(self.chunk_sizes, dtype=np.int64))
+            self._create_checked(fmt.EXTENTS, self.extents)
+            self._create_checked(fmt.SEGMENTS, np.asarray(self.segments, dtype=np.int64).reshape(-1, 5))
             self.group.attrs[fmt.ATTRS_KEY] = {
-                **self.attrs, "format_version": version, "factor_dtype": self.dtype,
+                **self.attrs, "format_version": fmt.FORMAT_VERSION, "factor_dtype": self.dtype,
                 fmt.ARRAY_CHECKSUMS: self.array_checksums,
                 "layout": {"num_layers": self.layout.num_layers, "num_kv_heads": self.layout.num_kv_heads,
                            "head_dim": self.layout.head_dim, "quant": self.layout.quant,
                            "quantized": self.layout.quant == "int8"}}  # what readers before INT4 look for
-            shared = [fmt.factor_chunk_path(Path(), c).as_posix() for c in range(self.reused_chunks)]
             if self.remote is not None:
-                url = self.remote.publish(self.tmp, version, copies=shared)
+                url = self.remote.publish(self.tmp, fmt.FORMAT_VERSION)
                 shutil.rmtree(self.tmp, ignore_errors=True)
                 return url
-            for name in shared:
-                _link_or_copy(self.path / name, self.tmp / name)
+            for chunk_id in self.chunk_ids:
+                if chunk_id not in self.written:  # the previous version's: the same file, never written again
+                    _link_or_copy(Path(self.previous.path) / fmt.chunk_key(chunk_id), self.tmp / fmt.chunk_key(chunk_id))
             _fsync_tree(self.tmp)
             if self.path.exists() and _exchange(self.tmp, self.path):  # the tmp name now holds the old store
                 _fsync_dir(self.path.parent)
@@ -373,6 +412,7 @@ class StoreWriter:
             self.close()
 
     def abort(self) -> None:
+        self._close_chunk()
         shutil.rmtree(self.tmp, ignore_errors=True)
         self.close()
 

@@ -55,7 +55,7 @@ from milo_infer.runtime.planning import EngineSettings  # noqa: E402
 from milo_store import Layout, MiloStore, StoreWriter  # noqa: E402
 from milo_store.blockcache import BlockCache, parse_size  # noqa: E402
 from milo_store.push import push  # noqa: E402
-from milo_store.remote import REMOTE_CHUNK_BYTES  # noqa: E402
+from milo_store.format import MAX_CHUNK_BYTES as REMOTE_CHUNK_BYTES  # noqa: E402
 from milo_store.sources import chunk_pieces  # noqa: E402
 from milo_store.urls import open_object_store  # noqa: E402
 

@@ -117,20 +117,22 @@ def probe_mount(path: str, queries: list[str], k: int) -> dict:
 def run_size(n: int, base: list[str], queries: list[str], root: Path, args) -> dict:
     from rank_bm25 import BM25Okapi
 
-    from milo_store import CompressionConfig, Layout, text_index
+    from milo_store import CompressionConfig, Layout, segments, text_index
     from milo_store.synthetic import build_synthetic_store
-    from milo_store.text_index import build_text_index, tokenize
+    from milo_store.text_index import tokenize
 
     texts = varied_corpus(base, n)
     blocks = np.arange(n) // DEMOS_PER_BLOCK
     num_blocks = int(blocks[-1]) + 1
     row = {"demonstrations": n, "blocks": num_blocks}
-    t = time.perf_counter()
-    arrays = build_text_index(texts, blocks, num_blocks)
+    t = time.perf_counter()  # what a build indexes: the vocabulary, and each text segment's postings
+    vocabulary, _ = text_index.vocabulary(texts)
+    runs = segments.split([DEMOS_PER_BLOCK] * num_blocks, 0, num_blocks, segments.segment_demos(n))
+    postings = [text_index.segment_postings(texts[a * DEMOS_PER_BLOCK:z * DEMOS_PER_BLOCK]) for a, z in runs]
     row["index_build_s"] = time.perf_counter() - t
-    row["index_bytes"] = sum(a.nbytes for a in arrays.values())
-    row["vocabulary"] = len(arrays["term_starts"]) - 1
-    del arrays
+    row["index_bytes"] = sum(a.nbytes for part in [vocabulary, *postings] for a in part.values())
+    row["vocabulary"], row["segments"] = len(vocabulary["term_starts"]) - 1, len(runs)
+    del vocabulary, postings
     if n <= args.oracle_max:
         t = time.perf_counter()
         oracle = BM25Okapi([tokenize(x) for x in texts])
@@ -149,7 +151,7 @@ def run_size(n: int, base: list[str], queries: list[str], root: Path, args) -> d
     row["store_build_s"] = time.perf_counter() - t
     row["store_disk_bytes"] = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
     row["index_disk_bytes"] = sum(f.stat().st_size for f in (path / "indexes" / text_index.NAME).rglob("*")
-                                  if f.is_file())
+                                  if f.is_file())  # the vocabulary; the postings are in the text segments
     probe = subprocess.run([sys.executable, __file__, "--probe", str(path), "--queries", str(args.queries),
                             "--k", str(args.k)], check=True, capture_output=True, text=True,
                            env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -162,7 +164,8 @@ def report(row: dict) -> None:
     mb = 1 / 2 ** 20
     r50, r99 = row["retrieve_ms"]
     l50, l99 = row["lookup_ms"]
-    line = (f"N={row['demonstrations']:>8} blocks={row['blocks']:>6} vocab={row['vocabulary']:>6} | index build "
+    line = (f"N={row['demonstrations']:>8} blocks={row['blocks']:>6} vocab={row['vocabulary']:>6} "
+            f"segments={row['segments']:>3} | index build "
             f"{row['index_build_s']:6.2f} s, {row['index_bytes'] * mb:7.1f} MiB | store build {row['store_build_s']:6.1f} s"
             f" | mount {row['mount_s_verify_False'] * 1e3:7.1f} ms ({row['mount_s_verify_True'] * 1e3:7.1f} ms with"
             f" index CRC) | retrieve p50 {r50:6.2f} p99 {r99:6.2f} ms | lookup p50 {l50:5.2f} p99 {l99:5.2f} ms | RSS at"

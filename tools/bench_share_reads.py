@@ -48,7 +48,7 @@ def read_ranges(store: MiloStore, ranges: list[tuple[int, int]]) -> int:
     out = torch.empty(sum(z - a for a, z in ranges), dtype=store.torch_dtype)
     at = 0
     for a, z in ranges:
-        store._read_range(a, z, out[at:at + z - a])
+        store.read_range(a, z, out[at:at + z - a])
         at += z - a
     return out.numel() * store.itemsize
 

@@ -10,7 +10,7 @@ of the corpus for its channel weights (`channel_scales`); they are recomputed on
 Several blocks can share one forward pass (``encode_batch``, `milo_infer.building.encoding`), and several
 processes can share pass one (torchrun; `milo_infer.building.distributed`): each rank encodes a deterministic
 share of the batches into one staging directory, rank 0 alone runs pass two. Batches are fixed by the
-arguments, not by the number of processes, so the store is byte-identical to a one-process build
+arguments, not by the number of processes, so the store holds the same bytes as a one-process build
 with the same per-process thread count.
 
 `build_store` runs the steps in order: `plan_build` (every check, before any long work),
@@ -260,10 +260,12 @@ class StageBars:
 
 
 def commit(out: Path, loaded: LoadedModel, demos, task, config: BuildConfig, plan: BuildPlan, share: RankShare,
-           force: bool, progress: bool, previous: MiloStore | None = None, reused: dict[int, int] | None = None) -> Path:
+           force: bool, progress: bool, previous: MiloStore | None = None, reused: dict[int, int] | None = None,
+           purge: set[int] | None = None) -> Path:
     """Pass two, on rank 0 under its lock: the anchor's K/V, the channel scales of a query-aware store,
     allocation over every staged spectrum, and the atomic write. An update gives the ``previous`` version
-    and the blocks whose bytes it keeps (``reused``: block -> previous block); its anchor is the previous one."""
+    and the blocks whose bytes it keeps (``reused``: block -> previous block) and those whose bytes must go
+    (``purge``, `write_store`); its anchor is the previous one."""
     model, layout, anchor_ids = loaded.model, plan.layout, plan.anchor_ids
     anchor_kv = previous.anchor_kv() if previous is not None else encode_anchor(model, anchor_ids, layout)
     attrs = {"model": loaded.identity, "task": asdict(task),
@@ -287,7 +289,8 @@ def commit(out: Path, loaded: LoadedModel, demos, task, config: BuildConfig, pla
         return write_store(out, share.staging, len(plan.blocks), layout, config.compression, attrs=attrs,
                            anchor_kv=anchor_kv, examples=examples, channel_scale=channel_scale,
                            token_ids=np.concatenate([np.asarray(b, dtype=np.int32) for b in plan.block_ids]),
-                           force=force, lock=share.lock, progress=bars, previous=previous, reused=reused)
+                           force=force, lock=share.lock, progress=bars, previous=previous, reused=reused,
+                           purge=purge)
     finally:
         bars.close()
 

@@ -11,7 +11,11 @@ the previous version's bytes (and ranks). The layout (docs/design.md, "Update"):
   blocks;
 - a block whose token ids and context blocks' token ids are those of a previous block is that block,
   byte for byte; the others are encoded (with the blocks whose context changed: the w after a changed
-  block).
+  block). The blocks whose K/V saw a removed demonstration are purged: no chunk the new version
+  references holds their bytes (`milo_store.writer.StoreWriter`).
+
+A store of format 3 or older is migrated by its first update: the new version is format 4, every kept
+block written once into chunks (the summary's ``migrated_from``).
 
 The store's task (template, anchor, labels), block size, context blocks, order and compression are the
 previous version's; the model must be the one that built it. The steps are build's
@@ -30,6 +34,7 @@ from milo_store import CompressionConfig, MiloStore
 from milo_store.blockcache import BlockCache
 from milo_store.compress import BASELINES, allocation_record, staging_codec
 from milo_store.errors import LostRaceError, NotAStoreError
+from milo_store.format import FORMAT_VERSION
 from milo_store.urls import is_url, local_sidecar
 from milo_store.writer import StoreLock
 
@@ -52,6 +57,7 @@ class UpdatePlan:
     task: TaskSpec
     demos: list[Demonstration]  # the new version's, indexed by plan.blocks
     reused: dict[int, int]  # block -> the previous version's block whose bytes it keeps
+    purge: set[int]  # the previous version's blocks whose K/V saw a removed demonstration: their bytes must go
     removed: list[str]
     added: int
 
@@ -80,14 +86,15 @@ def update_store(location, loaded: LoadedModel, add: list[Demonstration] = (), r
             t0 = time.perf_counter()
             try:
                 path = commit(location, loaded, u.demos, u.task, u.config, u.plan, share, True, progress,
-                              previous=previous, reused=u.reused)
+                              previous=previous, reused=u.reused, purge=u.purge)
             except LostRaceError:  # its base is gone: nothing staged can be used again
                 share.staging.remove()
                 raise
             share.staging.remove()
     summary = summarize(path, u.demos, u.plan, share, ranks, write_s=time.perf_counter() - t0,
                         pass_one_s=pass_one_s, processes=1)
-    return {**summary, "blocks_kept": len(u.reused), "removed": len(u.removed), "added": u.added}
+    migrated = {"migrated_from": previous.format_version} if previous.format_version < FORMAT_VERSION else {}
+    return {**summary, "blocks_kept": len(u.reused), "removed": len(u.removed), "added": u.added, **migrated}
 
 
 def plan_update(previous: MiloStore, loaded: LoadedModel, add: list[Demonstration], remove: list[str], source: str,
@@ -108,11 +115,16 @@ def plan_update(previous: MiloStore, loaded: LoadedModel, add: list[Demonstratio
     keys = [encoding_key(block_ids, i, config.context_blocks) for i in range(len(blocks))]
     reused = {i: previous_keys[k] for i, k in enumerate(keys) if k in previous_keys}
     encode = [i for i in range(len(blocks)) if i not in reused]
+    holding = {b for e, b in enumerate(examples["block"]) if examples["id"][e] in removed}
+    purge = {b + t for b in holding for t in range(config.context_blocks + 1) if b + t < previous.num_blocks}
+    if purge & set(reused.values()):  # the encoding key covers every token a block saw: this cannot happen
+        raise BuildError(f"{previous.path}: blocks {sorted(purge & set(reused.values()))} would keep K/V of a "
+                         "removed demonstration")
     fingerprint = {"update": True, "model": loaded.identity["config_hash"], "model_name": loaded.identity["name"],
                    "anchor": hashlib.sha256(np.asarray(anchor_ids, dtype=np.int32).tobytes()).hexdigest(),
                    "codec": staging_codec(config.compression.codec), "blocks": {str(i): keys[i] for i in encode}}
     plan = plan_blocks(loaded.identity, anchor_ids, demo_ids, blocks, encode, config, fingerprint)
-    return UpdatePlan(plan, config, task, demos, reused, sorted(removed), len(add))
+    return UpdatePlan(plan, config, task, demos, reused, purge, sorted(removed), len(add))
 
 
 def check_request(previous: MiloStore, add: list[Demonstration], remove: list[str], source: str,

@@ -4,6 +4,7 @@ subcommand per module; what they share is here: the input error, the numeric fla
 import argparse
 
 from milo_store.blockcache import BlockCache, parse_size
+from milo_store.sources import MemoryCache
 
 from ..runtime.devices import usable_device
 from ..runtime.pages import parse_kv_memory
@@ -75,8 +76,12 @@ def add_tier_arguments(p) -> None:
 
 
 def mount_options(args) -> dict:
-    """`MiloStore.open`'s keywords from `add_tier_arguments`' flags (one block cache for every store)."""
+    """`MiloStore.open`'s keywords from `add_tier_arguments`' flags: one block cache for every store, and
+    for the cached tier one in-memory LRU, which every mount shares (a server's new versions of a store
+    find the blocks they keep in it)."""
     if args.memory_cache_size is not None and args.tier != "cached":
         raise CommandError("--memory-cache-size sizes the cached tier's in-memory LRU; pass --tier cached with it")
-    memory = {} if args.memory_cache_size is None else {"memory_cache_bytes": args.memory_cache_size}
+    memory = {}
+    if args.tier == "cached":
+        memory = {"memory_cache": MemoryCache(args.memory_cache_size if args.memory_cache_size is not None else 1 << 30)}
     return {"tier": args.tier, "block_cache": BlockCache(args.cache_dir, args.cache_size), **memory}

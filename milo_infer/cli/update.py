@@ -14,6 +14,7 @@ import torch
 
 from milo_store import MiloStore
 from milo_store.commandline import id_list, print_json
+from milo_store.format import FORMAT_VERSION
 from milo_store.report import human_bytes
 from milo_store.urls import is_url, local_sidecar
 
@@ -68,6 +69,9 @@ def run(args) -> int:
         print_json(summary)
         return 0
     s = summary
+    if "migrated_from" in s:
+        print(f"migrated {s['store']}: format {s['migrated_from']} to {FORMAT_VERSION}, once: this update wrote every "
+              "block into chunks that later updates keep")
     print(f"updated  {s['store']}: {s['added']} demonstration(s) added, {s['removed']} removed")
     print(f"content  {s['blocks']} blocks ({s['blocks_kept']} kept byte for byte, {s['blocks_encoded_now']} encoded), "
           f"{s['demonstrations']} demonstrations, {s['tokens']} tokens")

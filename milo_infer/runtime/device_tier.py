@@ -2,8 +2,10 @@
 
 A block that a later batch retrieves again then skips the store's read and the host-to-device link. At
 ratio ρ the same device bytes hold about 1/ρ as many blocks as a cache of full K/V would. One tier
-serves every store a process mounts (keys name the store and its version: a block id of one version is
-another block in the next); safe for concurrent callers.
+serves every store a process mounts, keyed by `MiloStore.block_key`: in a format-4 store a block's chunk,
+offset, length and CRC32C, which every version keeping the block shares, so a hot swap leaves the kept
+blocks resident (in older stores the store, version and index: a block id of one version is another
+block in the next); safe for concurrent callers.
 """
 import threading
 from collections import OrderedDict

@@ -57,7 +57,7 @@ class LayerPrefetcher:
         if tier is not None and len(self.layers) != store.layout.num_layers:
             raise ValueError("a device tier keeps whole blocks: stage every layer to fill it")
         self.tier, self._joining = tier, {}
-        resident = {i: tier.get((str(store.path), store.version, i)) for i in self.block_ids} if tier is not None else {}
+        resident = {i: tier.get(store.block_key(i)) for i in self.block_ids} if tier is not None else {}
         missing = [i for i in self.block_ids if resident.get(i) is None]
         self.tier_hits = len(self.block_ids) - len(missing) if tier is not None else 0
         self.read_stats = ReadStats()
@@ -137,7 +137,7 @@ class LayerPrefetcher:
             out = self.buffers[l % len(self.buffers)][:n], self.starts[l]
         if l == self.layers[-1]:  # every layer's copies are ordered before the compute stream now
             for i, (_, dev) in self._joining.items():
-                self.tier.put((str(self.store.path), self.store.version, i), dev)
+                self.tier.put(self.store.block_key(i), dev)
             self._joining = {}
         return out
 

@@ -224,22 +224,29 @@ class BM25BlockRetriever:
 def store_retriever(store: MiloStore, aggregate: Aggregate = "max", top_n: int = 3) -> BM25BlockRetriever:
     """The retriever over a mounted store's groups, from the BM25 index the store keeps (memory-mapped,
     its checksums checked when the store verifies); a store written before it (or with an index of
-    another version) is indexed now, with a warning, and answers the same."""
-    found = store.index_arrays(text_index.NAME)
-    if found is not None and {k: found[0].get(k) for k in text_index.index_attrs()} == text_index.index_attrs():
-        try:
-            index = TextIndex(found[1])
-        except ValueError as e:
-            raise StoreCorruptedError(f"{store.path}: broken BM25 index ({e})") from e
-        if index.num_docs != store.num_examples() or len(index.block_starts) != store.num_blocks + 1:
-            raise StoreCorruptedError(f"{store.path}: its BM25 index covers {index.num_docs} demonstrations in "
-                                      f"{len(index.block_starts) - 1} blocks, the store has {store.num_examples()} "
-                                      f"in {store.num_blocks}")
-    else:
-        why = "no BM25 index" if found is None else f"a BM25 index of another version ({found[0].get('version')})"
+    another version) is indexed now, with a warning, and answers the same. A format-4 store's index is
+    its vocabulary and its text segments' postings (`MiloStore.segmented_index`)."""
+    index, why = (store.segmented_index(), "no BM25 index") if store.segmented else format3_index(store)
+    if index is None:
         warnings.warn(f"{store.path} has {why}: indexing its {store.num_examples()} demonstrations at mount "
                       f"(rebuild the store to skip this)", stacklevel=2)
         ex = store.examples()
         index = TextIndex(build_text_index(ex["input"], ex["block"], store.num_blocks))
     group_starts = index.block_starts[np.searchsorted(store.block_group, np.arange(store.num_groups + 1))]
     return BM25BlockRetriever.from_index(index, group_starts, store.group_tokens(), aggregate, top_n)
+
+
+def format3_index(store: MiloStore) -> tuple[TextIndex | None, str]:
+    """The index a format-3 store keeps (None, and why, when it keeps none of this version)."""
+    found = store.index_arrays(text_index.NAME)
+    if found is None or {k: found[0].get(k) for k in text_index.index_attrs()} != text_index.index_attrs():
+        return None, "no BM25 index" if found is None else f"a BM25 index of another version ({found[0].get('version')})"
+    try:
+        index = TextIndex(found[1])
+    except ValueError as e:
+        raise StoreCorruptedError(f"{store.path}: broken BM25 index ({e})") from e
+    if index.num_docs != store.num_examples() or len(index.block_starts) != store.num_blocks + 1:
+        raise StoreCorruptedError(f"{store.path}: its BM25 index covers {index.num_docs} demonstrations in "
+                                  f"{len(index.block_starts) - 1} blocks, the store has {store.num_examples()} "
+                                  f"in {store.num_blocks}")
+    return index, ""

@@ -1,15 +1,15 @@
-"""Upload a local store to a store URL (s3://bucket/prefix, gs://, az://, file://), re-chunked for object storage."""
+"""Upload a local store to a store URL (s3://bucket/prefix, gs://, az://, file://), as a format-4 version."""
 from ..blockcache import parse_size
+from ..format import MAX_CHUNK_BYTES
 from ..push import push
-from ..remote import REMOTE_CHUNK_BYTES
 
 
 def add_arguments(p):
     p.add_argument("path", help="local store directory")
     p.add_argument("url", help="store URL to publish it at")
     p.add_argument("--force", action="store_true", help="replace the store the URL holds (if-match on its manifest)")
-    p.add_argument("--chunk-size", type=parse_size, default=REMOTE_CHUNK_BYTES,
-                   help=f"largest factor chunk object (default {REMOTE_CHUNK_BYTES >> 20}M)")
+    p.add_argument("--chunk-size", type=parse_size, default=MAX_CHUNK_BYTES,
+                   help=f"largest chunk object, whole blocks (default {MAX_CHUNK_BYTES >> 20}M)")
 
 
 def run(args) -> int:

@@ -29,6 +29,10 @@ def run(args) -> int:
           f"(factors + index over fp16 full KV)")
     print(f"bytes        full KV {human_bytes(b['full_fp16_kv'])}  factors {human_bytes(b['factors'])}  "
           f"index {human_bytes(b['index'])}  on disk {human_bytes(b['on_disk'])} (all files)")
+    chunks = info["chunks"]
+    print(f"chunks       {chunks['factor']} of blocks ({human_bytes(b['factor_files'])}), {chunks['text']} text segment(s); "
+          f"dead bytes {human_bytes(b['dead'])} ({b['dead'] / b['factor_files'] if b['factor_files'] else 0:.1%} of the "
+          "block chunks: `milo-store gc` compacts them)")
     ranks, raw = info["mean_rank_per_layer"], info["raw_share_per_layer"]
     any_raw = any(x for kind in raw.values() for x in kind)
     print("mean rank per layer (K / V)" + (", of factored units; share of raw units (K / V):" if any_raw else ":"))

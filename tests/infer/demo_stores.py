@@ -7,6 +7,7 @@ import torch
 from milo_infer.building.config import BuildConfig
 from milo_infer.tasks.corpus import load_corpus, task_from_corpus
 from milo_infer.building.shared_staging import encode_once
+from milo_store.synthetic import block_location
 from milo_store import MiloStore
 
 DEMO = "milo_infer/tasks/data/demo_corpus.jsonl"
@@ -33,10 +34,13 @@ def corrupted_block(store_dir, dest, span: int = 4096) -> int:
     """A copy of the store whose factors hold ``span`` bytes of NaNs in the middle (all-ones bytes: NaN in fp16
     and fp32, so K/V that, if ever loaded, make attention NaN); the block whose checksum that breaks."""
     shutil.copytree(store_dir, dest)
-    chunk = dest / "factors" / "c" / "0"  # an identity store's factors: one uncompressed chunk
+    with MiloStore.open(dest, tier="disk") as store:
+        middle = store.num_blocks // 2
+        size = int(store.block_bytes([middle])[0])
+    chunk, at = block_location(dest, middle)
     raw = bytearray(chunk.read_bytes())
-    middle = len(raw) // 2 // 2 * 2
-    raw[middle:middle + span] = b"\xff" * span
+    start = (at + size // 2 - span // 2) // 2 * 2
+    raw[start:start + span] = b"\xff" * span
     chunk.write_bytes(bytes(raw))
     with MiloStore.open(dest, tier="disk") as store:
         bad = []

@@ -3,7 +3,7 @@ import shutil
 
 from milo_store import MiloStore, StoreCorruptedError
 from milo_store.cli.main import main
-from milo_store.synthetic import flipped_copy, store_arrays
+from milo_store.synthetic import block_location, flipped_copy, store_arrays
 
 
 def test_stat_json_reports_planned_and_actual_ratio(small_store, capsys):
@@ -27,9 +27,9 @@ def test_human_output_and_ls(small_store, capsys):
 def test_verify_exit_codes_name_the_block(small_store, capsys):
     assert main(["verify", str(small_store)]) == 0
     assert "OK" in capsys.readouterr().out
-    chunk = small_store / "factors" / "c" / "0"
+    chunk, at = block_location(small_store, 3)
     raw = bytearray(chunk.read_bytes())
-    raw[-3] ^= 1
+    raw[at + 3] ^= 1
     chunk.write_bytes(bytes(raw))
     assert main(["verify", str(small_store), "--json"]) == 1
     report = json.loads(capsys.readouterr().out)
@@ -58,8 +58,10 @@ def test_ls_pages_and_counts_demonstrations_with_or_without_the_index(small_stor
 def _names(problem: str, array: str) -> bool:
     """Whether a problem line names this array (an index's arrays are named within their index)."""
     parts = array.split("/")
-    if array == "factors":
+    if array == "factors" or parts[0] == "chunks":
         return "(corrupted factor bytes)" in problem
+    if parts[0].startswith("segment-"):
+        return f"text segment {parts[0].removeprefix('segment-')} " in problem and f"{parts[1]} fails" in problem
     return f"index {parts[1]}: {parts[2]} " in problem if parts[0] == "indexes" else f"array {array} " in problem
 
 
@@ -68,7 +70,8 @@ def _every_read_fails(path) -> bool:
     try:
         with MiloStore.open(path, tier="disk") as store:
             reads = [lambda: store.blocks(list(range(store.num_blocks))), store.anchor_kv, store.examples,
-                     lambda: [store.index_arrays(n) for n in store.index_names()]]
+                     lambda: [store.index_arrays(n) for n in store.index_names()], store.segmented_index,
+                     lambda: [store.token_ids(i) for i in range(store.num_blocks)]]
             for read in reads:
                 try:
                     read()
@@ -81,8 +84,10 @@ def _every_read_fails(path) -> bool:
 
 def test_a_flipped_byte_in_any_array_is_named_by_verify_and_refused_when_read(small_store, tmp_path, capsys):
     arrays = store_arrays(small_store)
-    assert {"factors", "ranks", "block_tokens", "checksums", "anchor_kv", "examples/input", "examples/output",
-            "examples/id", "examples/block", "indexes/bm25/terms"} <= set(arrays)
+    assert {"ranks", "block_tokens", "checksums", "anchor_kv", "chunk_ids", "chunk_sizes", "extents", "segments",
+            "segment-0/input_bytes", "segment-0/output_starts", "segment-0/id_bytes", "segment-0/block_starts",
+            "segment-0/posting_tf", "indexes/bm25/terms", "indexes/bm25/idf"} <= set(arrays)
+    assert any(a.startswith("chunks/") for a in arrays)
     for array in arrays:
         damaged = flipped_copy(small_store, array, tmp_path / array.replace("/", "-"))
         assert main(["verify", str(damaged), "--json"]) == 1, array

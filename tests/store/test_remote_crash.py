@@ -12,7 +12,7 @@ import torch
 
 from milo_store import MiloStore, NotAStoreError
 from milo_store.blockcache import BlockCache
-from milo_store.remote import gc
+from milo_store.remote import gc, version_chunks
 from milo_store.synthetic import build_synthetic_store
 from milo_store.urls import open_object_store
 
@@ -71,6 +71,8 @@ def test_writer_killed_mid_upload_leaves_the_previous_version(tmp_path, s3_url):
     assert len(report["removed_versions"]) == 2  # the two partial uploads
     assert _versions(s3_url) == [first]
     keys = [o["path"] for batch in obstore.list(open_object_store(s3_url)) for o in batch]
-    assert all(k == "manifest.json" or k.startswith(f"v/{first}/") for k in keys)
+    referenced = {f"chunks/{c}" for c in version_chunks(open_object_store(s3_url), s3_url, first)}
+    assert all(k == "manifest.json" or k.startswith(f"v/{first}/") or k in referenced for k in keys)
+    assert referenced <= set(keys)
     build_synthetic_store(s3_url, LAYOUT, TOKENS, CONFIG, seed=2, force=True)
     assert _manifest(s3_url)["previous"] == first

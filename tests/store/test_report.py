@@ -30,6 +30,6 @@ def test_shown_demonstrations_are_checked_and_ids_are_not_read(tmp_path, monkeyp
         monkeypatch.setattr(MiloStore, "example_array", lambda self, name: read.append(name) or original(self, name))
         assert block_demonstrations(store, [1]) == {1: [("b y", "x")]}
     assert sorted(read) == ["block", "input", "output"]
-    damaged = flipped_copy(path, "examples/input", tmp_path / "damaged")
-    with MiloStore.open(damaged, tier="disk") as store, pytest.raises(StoreCorruptedError, match="examples/input"):
+    damaged = flipped_copy(path, "segment-0/input_bytes", tmp_path / "damaged")
+    with MiloStore.open(damaged, tier="disk") as store, pytest.raises(StoreCorruptedError, match="input_bytes"):
         block_demonstrations(store, [1])

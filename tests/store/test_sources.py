@@ -97,7 +97,9 @@ def test_cached_tier_is_sized_by_memory_cache_bytes_and_serves_hits_from_memory(
         assert torch.equal(store.block(3), want[3])
         assert _nbytes(store, 5) <= _nbytes(store, 1)
         store.blocks([5])  # past the limit: the least recently used, block 1, makes room
-        assert list(store.source.entries) == [3, 5] and store.source.bytes == _nbytes(store, 3) + _nbytes(store, 5)
+        lru = store.source.cache
+        assert list(lru.entries) == [store.block_key(3), store.block_key(5)]
+        assert lru.bytes == _nbytes(store, 3) + _nbytes(store, 5)
     with pytest.raises(ValueError, match="memory_cache_bytes"):
         MiloStore.open(many_blocks, tier="cached", memory_cache_bytes=-1)
 
@@ -107,7 +109,7 @@ def test_cached_tier_lru_stays_consistent_with_threads(many_blocks):
         want = [disk.block(i).clone() for i in range(disk.num_blocks)]
         limit = sum(_nbytes(disk, i) for i in range(4))
     with MiloStore.open(many_blocks, tier="cached", memory_cache_bytes=limit) as store:
-        store.source.entries = YieldingDict()
+        store.source.cache.entries = YieldingDict()
 
         def work(t):
             rng = np.random.default_rng(t)
@@ -115,7 +117,7 @@ def test_cached_tier_lru_stays_consistent_with_threads(many_blocks):
                 ids = rng.choice(store.num_blocks, size=3).tolist()
                 assert all(torch.equal(g, want[i]) for i, g in zip(ids, store.blocks(ids)))
         _hammer(work)
-        lru = store.source
+        lru = store.source.cache
         assert lru.bytes == sum(len(v) for v in lru.entries.values()) <= limit  # the byte count never drifted
 
 

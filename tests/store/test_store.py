@@ -11,9 +11,10 @@ from milo_store import (CompressionConfig, FormatVersionError, Layout, MiloStore
                         StoreError, StoreLockedError, StoreWriter)
 from milo_store.format import FORMAT_VERSION, array_checksum
 from milo_store.layout import RAW_RANK
-from milo_store.synthetic import build_synthetic_store
+from milo_store.synthetic import block_location, build_synthetic_store
 
 from .conftest import LAYOUT, TOKENS
+from .format3 import format3_copy
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -33,10 +34,16 @@ def test_write_read_random_ragged_store_is_byte_exact(tmp_path_factory, N, L, H,
         for b in blocks:
             w.write_block(b)
         w.commit()
-    for tier in ("host", "disk", "cached"):
-        with MiloStore.open(path, tier=tier) as store:
+    with MiloStore.open(path, tier="disk") as store:  # whole blocks in chunks sized to them, none too large
+        sizes = np.diff(offsets) * store.itemsize
+        assert np.array_equal(store.placement.extents[:, 2], sizes)
+        assert max(store.placement.sizes) <= max(chunk_bytes, int(sizes.max()))
+        assert store.placement.dead_bytes() == 0 and sum(store.placement.sizes) == sizes.sum()
+    older = format3_copy(path, path.parent / "v3", chunk_bytes)  # blocks spanning equal chunks
+    for tier, location in [(t, p) for t in ("host", "disk", "cached") for p in (path, older)]:
+        with MiloStore.open(location, tier=tier) as store:
             assert np.array_equal(store.ranks, ranks) and np.array_equal(store.block_tokens, tokens)
-            assert store.meta["format_version"] == FORMAT_VERSION  # raw units or not
+            assert store.meta["format_version"] == (FORMAT_VERSION if location == path else 3)  # raw units or not
             for i, b in enumerate(blocks):
                 got = store.block(i)
                 assert got.dtype == tdtype and torch.equal(got.view(torch.uint8), b.view(torch.uint8))
@@ -121,16 +128,11 @@ def test_the_lock_file_goes_with_the_lock_and_a_racer_on_the_removed_file_is_ref
 
 # -- corruption: every case is a clear error, never wrong data ------------------------------------
 
-def chunk_file(store):
-    return store / "factors" / "c" / "0"
-
-
 def test_flipped_byte_is_detected_and_named(small_store):
-    with MiloStore.open(small_store) as store:
-        at = int(store.offsets[2]) * store.itemsize + 5
-    raw = bytearray(chunk_file(small_store).read_bytes())
-    raw[at] ^= 0x40
-    chunk_file(small_store).write_bytes(bytes(raw))
+    chunk, at = block_location(small_store, 2)
+    raw = bytearray(chunk.read_bytes())
+    raw[at + 5] ^= 0x40
+    chunk.write_bytes(bytes(raw))
     with pytest.raises(StoreCorruptedError, match="block 2 fails its checksum"):
         MiloStore.open(small_store, tier="host")
     with MiloStore.open(small_store, tier="disk") as store:
@@ -140,11 +142,12 @@ def test_flipped_byte_is_detected_and_named(small_store):
         assert store.verify_all() == [f"{small_store}: block 2 fails its checksum (corrupted factor bytes)"]
 
 
-def test_truncated_chunk_is_detected(small_store):
-    raw = chunk_file(small_store).read_bytes()
-    chunk_file(small_store).write_bytes(raw[:-7])
-    with pytest.raises(StoreCorruptedError, match="truncated"):
-        MiloStore.open(small_store, tier="disk")
+def test_truncated_chunk_is_detected(small_store, tmp_path):
+    for store in (small_store, format3_copy(small_store, tmp_path / "v3")):
+        chunk, _ = block_location(store, 0)
+        chunk.write_bytes(chunk.read_bytes()[:-7])
+        with pytest.raises(StoreCorruptedError, match="truncated"):
+            MiloStore.open(store, tier="disk")
 
 
 def test_missing_metadata_wrong_version_and_non_store(tmp_path, small_store):
@@ -195,12 +198,12 @@ def test_a_rank_out_of_range_in_the_index_is_corruption(tmp_path, bad):
 def test_raw_units_in_a_version_1_store_are_corruption(tmp_path):
     """A reader must never take the raw sentinel from a store that claims the format before it."""
     ranks = np.full((1, LAYOUT.num_layers, 2, LAYOUT.num_kv_heads), RAW_RANK)
-    with StoreWriter(tmp_path / "s", LAYOUT, ranks, [5]) as w:
+    with StoreWriter(tmp_path / "s4", LAYOUT, ranks, [5]) as w:
         w.write_block(torch.zeros(int(LAYOUT.block_offsets(ranks, np.array([5]))[-1]), dtype=torch.float16))
         w.commit()
-    meta = tmp_path / "s" / "zarr.json"
+    meta = format3_copy(tmp_path / "s4", tmp_path / "s") / "zarr.json"
     doc = json.loads(meta.read_text())
-    assert doc["attributes"]["milo"]["format_version"] == FORMAT_VERSION
+    assert doc["attributes"]["milo"]["format_version"] == 3
     doc["attributes"]["milo"]["format_version"] = 1
     meta.write_text(json.dumps(doc))
     with pytest.raises(StoreCorruptedError, match="cannot hold raw units"), pytest.warns(UserWarning, match="unchecked"):
@@ -225,9 +228,9 @@ def test_replace_killed_between_renames_is_recovered(tmp_path, small_store):
 
 def test_failed_mount_releases_its_file_descriptors(small_store):
     import os
-    chunk = small_store / "factors" / "c" / "0"
+    chunk, at = block_location(small_store, 0)
     raw = bytearray(chunk.read_bytes())
-    raw[3] ^= 1
+    raw[at + 3] ^= 1
     chunk.write_bytes(bytes(raw))
     before = len(os.listdir("/proc/self/fd"))
     for _ in range(5):
@@ -236,8 +239,9 @@ def test_failed_mount_releases_its_file_descriptors(small_store):
     assert len(os.listdir("/proc/self/fd")) == before
 
 
-def test_a_store_before_array_checksums_reads_with_a_warning(small_store):
+def test_a_store_before_array_checksums_reads_with_a_warning(small_store, tmp_path):
     """Version 2 recorded no checksums of its metadata arrays: still readable, and says they are unchecked."""
+    small_store = format3_copy(small_store, tmp_path / "v3")
     meta = small_store / "zarr.json"
     doc = json.loads(meta.read_text())
     del doc["attributes"]["milo"]["array_checksums"]
@@ -245,7 +249,7 @@ def test_a_store_before_array_checksums_reads_with_a_warning(small_store):
     meta.write_text(json.dumps(doc))
     with pytest.warns(UserWarning, match="read unchecked"), MiloStore.open(small_store, tier="disk") as store:
         assert store.examples()["input"][0] == "synthetic demonstration 0" and store.verify_all() == []
-    doc["attributes"]["milo"]["format_version"] = FORMAT_VERSION  # a current store must record them
+    doc["attributes"]["milo"]["format_version"] = 3  # a store of format 3 or later must record them
     meta.write_text(json.dumps(doc))
     with pytest.raises(StoreCorruptedError, match="lack the checksums of its arrays"):
         MiloStore.open(small_store)

@@ -69,33 +69,57 @@ def indexed_store(tmp_path):
 
 
 def test_a_built_store_keeps_the_index_of_its_demonstrations(indexed_store):
+    """Format 4: the corpus-wide vocabulary, and each segment's postings, are those its demonstrations give,
+    and together they score as the format-3 index of the same demonstrations does, to the bit."""
     with MiloStore.open(indexed_store, tier="disk") as store:
         attrs, arrays = store.index_arrays(text_index.NAME)
-        assert {k: attrs[k] for k in text_index.index_attrs()} == text_index.index_attrs()
+        assert {k: attrs[k] for k in text_index.index_attrs() if k != "version"} == {
+            k: v for k, v in text_index.index_attrs().items() if k != "version"}
         ex = store.examples()
-        fresh = build_text_index(ex["input"], ex["block"], store.num_blocks)
-        assert set(arrays) == set(text_index.ARRAYS)
-        for k in text_index.ARRAYS:
-            assert np.array_equal(arrays[k], fresh[k]), k
-        assert store.num_examples() == 6
+        fresh, stats = text_index.vocabulary(ex["input"])
+        assert set(arrays) == set(text_index.VOCABULARY_ARRAYS) and attrs["version"] == text_index.SEGMENTED_VERSION
+        assert all(np.array_equal(arrays[k], fresh[k]) for k in text_index.VOCABULARY_ARRAYS)
+        assert {k: attrs[k] for k in stats} == stats and store.num_examples() == 6
+        index, whole = store.segmented_index(), TextIndex(build_text_index(ex["input"], ex["block"], store.num_blocks))
+        for query in ("lost card", "rate rate dollars", "pin", "nothing here"):
+            np.testing.assert_array_equal(index.doc_scores(query), whole.doc_scores(query))
+        assert index.block_starts.tolist() == whole.block_starts.tolist()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.sampled_from(WORDS), max_size=7), min_size=1, max_size=25),
+       st.lists(st.sampled_from(WORDS + ["unseen"]), max_size=5), st.randoms(use_true_random=False))
+def test_segmented_scores_are_bm25okapis_bit_for_bit(docs, query, rnd):
+    """Cut into segments anywhere, per-document postings combined with the corpus-wide idf at query time
+    give BM25Okapi's scores exactly."""
+    texts = [" ".join(d) for d in docs]
+    if not any(docs):
+        return
+    cuts = sorted({0, len(texts), *(rnd.randrange(len(texts) + 1) for _ in range(3))})
+    vocabulary, attrs = text_index.vocabulary(texts)
+    postings = [text_index.segment_postings(texts[a:z]) for a, z in zip(cuts, cuts[1:])]
+    index = text_index.SegmentedTextIndex(vocabulary, attrs, postings, np.array([0, len(texts)]))
+    expected = BM25Okapi([tokenize(t) for t in texts]).get_scores(query)
+    np.testing.assert_array_equal(index.doc_scores(" ".join(query)), expected)
+    assert all((index.term_id(w) is None) == (w not in " ".join(texts).split()) for w in WORDS + ["unseen"])
 
 
 def test_corrupted_index_bytes_are_named_at_map_and_by_verify(indexed_store):
-    weights = indexed_store / "indexes" / "bm25" / "posting_weights" / "c" / "0"
+    weights = indexed_store / "indexes" / "bm25" / "idf" / "c" / "0"
     raw = bytearray(weights.read_bytes())
     raw[3] ^= 0x10
     weights.write_bytes(bytes(raw))
     with MiloStore.open(indexed_store, tier="disk") as store:
-        with pytest.raises(StoreCorruptedError, match="posting_weights fails its checksum"):
+        with pytest.raises(StoreCorruptedError, match="idf fails its checksum"):
             store.index_arrays(text_index.NAME)
         assert store.index_arrays(text_index.NAME, check=False) is not None  # what `ls` maps without checking
         problems = store.verify_all()
-        assert len(problems) == 1 and "posting_weights" in problems[0]
+        assert len(problems) == 1 and "idf" in problems[0]
 
 
 def test_truncated_index_file_is_refused_even_unchecked(indexed_store):
-    docs = indexed_store / "indexes" / "bm25" / "posting_docs" / "c" / "0"
-    docs.write_bytes(docs.read_bytes()[:-4])
+    starts = indexed_store / "indexes" / "bm25" / "term_starts" / "c" / "0"
+    starts.write_bytes(starts.read_bytes()[:-4])
     with MiloStore.open(indexed_store, tier="disk", verify=False) as store:
-        with pytest.raises(StoreCorruptedError, match="posting_docs's chunk file is missing or truncated"):
+        with pytest.raises(StoreCorruptedError, match="term_starts's chunk file is missing or truncated"):
             store.index_arrays(text_index.NAME)

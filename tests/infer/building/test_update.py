@@ -12,7 +12,6 @@ import threading
 import numpy as np
 import pytest
 import torch
-import zarr
 
 import milo_infer.building.builder
 import milo_infer.cli
@@ -25,10 +24,10 @@ from milo_infer.runtime.planning import EngineSettings
 from milo_infer.runtime.session import MiloSession
 from milo_infer.tasks.corpus import Demonstration, task_from_corpus
 from milo_store import CompressionConfig, IncompatibleStoreError, MiloStore, StoreLockedError
-from milo_store import format as fmt
 from milo_store.cli.main import main as store_main
-from milo_store.text_index import ARRAYS
+from milo_store.synthetic import store_contents
 
+from ...store.format3 import format3_copy
 from .test_build import no_model, snapshot, tiny, tiny_model_dir, tokenizer  # noqa: F401 (fixtures)
 
 LABELS = ("refund", "card lost", "transfer")
@@ -52,13 +51,7 @@ def build(loaded, path, demos, compression=IDENTITY):
     return path
 
 
-def contents(path) -> dict:
-    """What a reader sees, chunking aside: every array's values and the attributes."""
-    g = zarr.open_group(str(path), mode="r")
-    names = [fmt.FACTORS, fmt.RANKS, fmt.TOKENS, fmt.CHECKSUMS, fmt.ANCHOR, fmt.TOKEN_IDS,
-             *(f"{fmt.EXAMPLES}/{k}" for k in ("input", "output", "id", "block")),
-             *(f"{fmt.INDEXES}/bm25/{a}" for a in ARRAYS)]
-    return {**{n: np.asarray(g[n][...]).tolist() for n in names}, "attrs": dict(g.attrs)}
+contents = store_contents  # what a reader sees, where the bytes lie aside
 
 
 def blocks(path) -> list[torch.Tensor]:
@@ -254,3 +247,23 @@ def test_the_default_model_appends_as_a_rebuild(tmp_path, default_model):
         with MiloStore.open(path) as store:
             answers.append([a.text for a in MiloSession(default_model, store, EngineSettings(k=2)).answer_batch(queries)])
     assert answers[0] == answers[1]
+
+
+def test_a_format_3_store_answers_as_before_and_its_first_update_migrates_it(tiny, tiny_model_dir, tmp_path, capsys):
+    """A store written before format 4 mounts and answers as the same store in format 4 does; `milo update`
+    on it says it migrates, and the new version (format 4) is the one an update of the format-4 store writes."""
+    store = build(tiny, tmp_path / "s", [demo(i) for i in range(6)])
+    old = format3_copy(store, tmp_path / "v3")
+    with MiloStore.open(old) as s:
+        assert s.format_version == 3 and not s.segmented
+    assert_same_answers(logits(tiny, old), logits(tiny, store))
+    corpus = tmp_path / "more.jsonl"
+    corpus.write_text("".join(json.dumps(dataclasses.asdict(demo(i))) + "\n" for i in range(6, 8)))
+    assert main(["update", str(old), "--add", str(corpus), "--remove", "d1", "--model", str(tiny_model_dir)]) == 0
+    assert f"migrated {old}: format 3 to 4, once" in capsys.readouterr().out
+    summary = update_store(store, tiny, [demo(i) for i in range(6, 8)], remove=["d1"], progress=False)
+    assert "migrated_from" not in summary
+    with MiloStore.open(old) as s:
+        assert s.format_version == 4 and s.segmented
+    assert contents(old) == contents(store)
+    assert_same_answers(logits(tiny, old), logits(tiny, store))

@@ -1,3 +1,5 @@
+import mmap
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -252,7 +254,11 @@ def test_stored_index_answers_as_an_index_built_from_the_text(tmp_path):
     fresh = retriever()
     with MiloStore.open(path, tier="disk") as store:
         stored = store_retriever(store)
-        assert isinstance(stored.index.docs, np.memmap)  # mapped, not read
+        assert isinstance(stored.index.idf, np.memmap)  # the vocabulary is mapped, not read, and so are postings:
+        docs = stored.index.segments[0][3]
+        while isinstance(docs, np.ndarray):
+            docs = docs.base
+        assert isinstance(docs.obj, mmap.mmap)  # a view of the chunk file mapped
         for q in QUERIES:
             np.testing.assert_array_equal(stored.scores(q), fresh.scores(q))
             assert stored.select(q, k=3) == fresh.select(q, k=3)
@@ -277,13 +283,11 @@ def test_a_store_without_an_index_is_indexed_at_mount_and_answers_the_same(tmp_p
 def test_a_corrupted_index_is_refused_at_mount(tmp_path):
     from milo_store import MiloStore, StoreCorruptedError
 
-    path = synthetic_store(tmp_path / "s")
-    f = path / "indexes" / "bm25" / "posting_docs" / "c" / "0"
-    raw = bytearray(f.read_bytes())
-    raw[0] ^= 1
-    f.write_bytes(bytes(raw))
+    from milo_store.synthetic import flipped_copy
+
+    path = flipped_copy(synthetic_store(tmp_path / "s"), "segment-0/posting_docs", tmp_path / "damaged")
     with MiloStore.open(path, tier="disk") as store:
-        with pytest.raises(StoreCorruptedError, match="index bm25: posting_docs fails its checksum"):
+        with pytest.raises(StoreCorruptedError, match="text segment 0 .* posting_docs fails its checksum"):
             store_retriever(store)
 
 
@@ -299,7 +303,7 @@ def test_an_index_that_disagrees_with_its_store_is_refused(tmp_path):
     shutil.rmtree(path / "indexes")
     shutil.copytree(other / "indexes", path / "indexes")  # sound bytes, another store's demonstrations
     with MiloStore.open(path, tier="disk") as store:
-        with pytest.raises(StoreCorruptedError, match="covers 6 demonstrations in 4 blocks, the store has 8"):
+        with pytest.raises(StoreCorruptedError, match="segments hold 8 demonstrations, the vocabulary counts 6"):
             store_retriever(store)
 
 
