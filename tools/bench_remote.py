@@ -56,7 +56,6 @@ from milo_store import Layout, MiloStore, StoreWriter  # noqa: E402
 from milo_store.blockcache import BlockCache, parse_size  # noqa: E402
 from milo_store.push import push  # noqa: E402
 from milo_store.format import MAX_CHUNK_BYTES as REMOTE_CHUNK_BYTES  # noqa: E402
-from milo_store.sources import chunk_pieces  # noqa: E402
 from milo_store.urls import open_object_store  # noqa: E402
 
 BUCKET = "milo-bench"
@@ -93,7 +92,7 @@ def raw_ranges(store: MiloStore, ids) -> dict[str, list[tuple[int, int]]]:
     per = {}
     for i in sorted(set(ids)):
         start, stop = int(store.offsets[i]) * store.itemsize, int(store.offsets[i + 1]) * store.itemsize
-        for c, a, z, _ in chunk_pieces(start, stop, store.origin.chunk_bytes):
+        for c, a, z, _ in store.placement.pieces(start, stop):
             ranges = per.setdefault(store.origin.key(c), [])
             if ranges and ranges[-1][1] == a:
                 ranges[-1] = (ranges[-1][0], z)
