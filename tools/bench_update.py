@@ -163,9 +163,9 @@ def gets_per_query(store_path, k: int = 6, queries: int = 200, seed: int = 0) ->
 
 
 def run_change(name, add, remove, where, args, loaded, task, base_demos, work, base_location,
-               local_rebuild: dict | None = None) -> dict:
+               local_row: dict | None = None) -> dict:
     """One change at one place (``where``: local or url): the update, then the rebuild, measured. At the URL,
-    with ``local_rebuild`` (this change's rebuild in the directory: its path, time and summary), the rebuild is
+    with ``local_row`` (this change's row in the directory: its rebuild's path, time and blocks), the rebuild is
     that store pushed, not encoded again: its time is the local rebuild's plus the push, its bytes the push's
     PUTs (what a rebuild at the URL uploads), and the run saves one encoding of the whole corpus per change."""
     before = stat(base_location)
@@ -188,17 +188,17 @@ def run_change(name, add, remove, where, args, loaded, task, base_demos, work, b
     rebuilt = work / f"{name}-rebuild" if where == "local" else f"{args.url}/{name}-rebuild-{uuid.uuid4().hex[:6]}"
     with counted_uploads() as rebuild_uploads:
         t = time.perf_counter()
-        if where == "url" and local_rebuild is not None:
-            push(local_rebuild["path"], rebuilt)
-            built, rebuild_s = local_rebuild["built"], local_rebuild["rebuild_s"] + time.perf_counter() - t
+        if where == "url" and local_row is not None:
+            push(local_row["rebuild_path"], rebuilt)
+            rebuild_blocks, rebuild_s = local_row["rebuild_blocks"], local_row["rebuild_s"] + time.perf_counter() - t
         else:
             built = build_store(rebuilt, loaded, final, task, args.config, progress=False)
-            rebuild_s = time.perf_counter() - t
+            rebuild_blocks, rebuild_s = built["blocks_encoded_now"], time.perf_counter() - t
     rebuild = stat(rebuilt)
     old = set(before["checksums"])
     row = {"change": name, "where": where, "added": len(add), "removed": len(remove), "update_s": update_s,
            "rebuild_s": rebuild_s, "update_blocks": summary["blocks_encoded_now"],
-           "rebuild_blocks": built["blocks_encoded_now"], "blocks": after["blocks"],
+           "rebuild_blocks": rebuild_blocks, "blocks": after["blocks"],
            "encoded_bytes": sum(b for c, b in zip(after["checksums"], after["block_bytes"]) if c not in old),
            "disk_bytes": after["disk_bytes"], "dead_bytes": after["dead_bytes"],
            "rebuild_disk_bytes": rebuild["disk_bytes"], "rebuild_path": str(rebuilt)}
@@ -296,8 +296,7 @@ def main(argv=None):
                 rows.append(run_change(name, add, remove, where, args, loaded, task, base, args.work,
                                        args.work / "base", local))
                 if where == "local":
-                    local = {"path": rows[-1]["rebuild_path"], "built": {"blocks_encoded_now": rows[-1]["rebuild_blocks"]},
-                             "rebuild_s": rows[-1]["rebuild_s"]}
+                    local = rows[-1]
                 print(f"  {name} {where}: update {rows[-1]['update_s']:.1f} s, rebuild {rows[-1]['rebuild_s']:.1f} s",
                       file=sys.stderr)
     finally:
