@@ -26,7 +26,7 @@ def _module(attention: torch.nn.Module, names: tuple[str, ...]) -> torch.nn.Modu
 
 
 def _taps(model, spec: Attention, what: str):
-    """Per layer, (module to hook, a function of its output giving the wanted part [..., heads * d] or
+    """Per layer, (module to hook, a function of its output giving the wanted part [batch, tokens, heads * d] or
     [..., heads, d]): ``what`` is "q", "k" or "v"."""
     config = model.config
     d = head_dim(config)
@@ -39,7 +39,8 @@ def _taps(model, spec: Attention, what: str):
             taps.append((getattr(attention, spec.fused), lambda out, a=start, b=start + sizes[what]: out[..., a:b]))
         else:
             names = {"q": spec.queries, "k": spec.keys, "v": (spec.values,)}[what]
-            taps.append((_module(attention, names), lambda out: out))
+            heads_first = spec.heads_first and what != "v"
+            taps.append((_module(attention, names), (lambda out: out.transpose(1, 2)) if heads_first else (lambda out: out)))
     return taps
 
 
