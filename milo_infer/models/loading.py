@@ -114,9 +114,13 @@ def _load_weights(directory, config, dtype) -> torch.nn.Module:
     """The causal LM of ``config`` (`read_config`'s) with the directory's weights; what transformers raises on
     a model file, other than a missing or unreadable file, is an `UnsupportedModelError` in one line."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
     part = _is_text_part(directory, config)
     options = {"config": config, "key_mapping": TEXT_WEIGHTS, "output_loading_info": True} if part else {}
+    verbosity = hf_logging.get_verbosity()
+    if part:  # its other towers' weights are left unread on purpose: no report of them as unexpected
+        hf_logging.set_verbosity_error()
     try:
         loaded = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **options)
     except (OSError, MemoryError, torch.OutOfMemoryError):  # the machine's, not the model's
@@ -124,6 +128,8 @@ def _load_weights(directory, config, dtype) -> torch.nn.Module:
     except Exception as error:  # noqa: BLE001 - a model file transformers cannot load is a refusal
         raise UnsupportedModelError(f"model {str(directory)!r} is not supported: transformers cannot load its "
                                     f"weights as {config.model_type!r} ({_first_line(error)})") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
     if not part:
         return loaded
     model, info = loaded
