@@ -27,7 +27,7 @@ def _module(attention: torch.nn.Module, names: tuple[str, ...]) -> torch.nn.Modu
 
 def _taps(model, spec: Attention, what: str):
     """Per layer, (module to hook, a function of its output giving the wanted part [batch, tokens, heads * d] or
-    [..., heads, d]): ``what`` is "q", "k" or "v"."""
+    [batch, tokens, heads, d]): ``what`` is "q", "k" or "v"."""
     config = model.config
     d = head_dim(config)
     sizes = {"q": config.num_attention_heads * d, "k": config.num_key_value_heads * d, "v": config.num_key_value_heads * d}
@@ -39,8 +39,10 @@ def _taps(model, spec: Attention, what: str):
             taps.append((getattr(attention, spec.fused), lambda out, a=start, b=start + sizes[what]: out[..., a:b]))
         else:
             names = {"q": spec.queries, "k": spec.keys, "v": (spec.values,)}[what]
-            heads_first = spec.heads_first and what != "v"
-            taps.append((_module(attention, names), (lambda out: out.transpose(1, 2)) if heads_first else (lambda out: out)))
+            if spec.heads_first and what != "v":  # [batch, heads, tokens, d] -> [batch, tokens, heads, d]
+                taps.append((_module(attention, names), lambda out: out.transpose(1, 2)))
+            else:
+                taps.append((_module(attention, names), lambda out: out))
     return taps
 
 

@@ -106,8 +106,9 @@ def test_a_wrapped_text_model_missing_a_weight_is_refused(tmp_path, capsys):
 
     path = mistral3_dir(tmp_path / "mistral3", tie=False)
     weights = tmp_path / "mistral3" / "model.safetensors"
-    tensors = {name: t for name, t in load_file(weights).items() if not name.endswith("layers.1.self_attn.k_proj.weight")}
-    save_file(tensors, weights, metadata={"format": "pt"})
+    dropped = "layers.1.self_attn.k_proj.weight"
+    save_file({name: t for name, t in load_file(weights).items() if not name.endswith(dropped)}, weights,
+              metadata={"format": "pt"})
     capsys.readouterr()
     assert milo(["check-model", path]) == 2
     err = capsys.readouterr().err  # transformers' progress bar, then milo's one line
