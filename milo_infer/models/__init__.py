@@ -6,7 +6,8 @@ Face model lays these out:
 
 * `families`: one declarative `Attention` per model family (where its keys, values and queries are read,
   which layers rotate, how), the registry `FAMILIES`, the refused families and why (`check_supported`);
-* `loading`: `load_model` (the default model, an HF directory, a ``.gguf``), `model_directory`;
+* `loading`: `load_model` (the default model, an HF directory, a ``.gguf``), `model_directory`, `read_config`
+  (a wrapped text model's config for a multimodal checkpoint);
 * `identity`: `model_identity`, the JSON record a store keeps to refuse a cache built by another model;
 * `capture`: `capture_kv` (pre-RoPE keys and values per layer) and the query-aware `channel_scales`;
 * `rope`: the model's own cos/sin tables (`rope_tables`), and each layer's (`RopeTables`: NoPE layers
@@ -18,7 +19,7 @@ from .families import (FAMILIES, REFUSED, SUPPORTED_ROPE_TYPES, Attention, Unsup
                        check_supported, head_dim)
 from .identity import IDENTITY_FIELDS, check_compatible, config_identity, model_identity
 from .loading import (LoadedModel, ModelUnavailable, _converted_gguf, cache_root, default_gguf_path, llama_as_qwen2,
-                      load_model, model_directory)
+                      load_model, model_directory, read_config)
 from .rope import RopeTables, config_layer_rope_tables, config_rope_tables, layer_rope_tables, rope_tables
 
 __all__ = ["Attention", "CapturedKV", "FAMILIES", "IDENTITY_FIELDS", "LoadedModel", "ModelUnavailable", "REFUSED",
@@ -26,4 +27,4 @@ __all__ = ["Attention", "CapturedKV", "FAMILIES", "IDENTITY_FIELDS", "LoadedMode
            "channel_scales", "check_compatible", "check_supported", "config_identity", "config_layer_rope_tables",
            "config_rope_tables", "decoder_layers", "default_gguf_path", "head_dim", "layer_rope_tables",
            "llama_as_qwen2", "load_model", "model_directory", "model_identity", "output_channel_scales",
-           "query_channel_scales", "rope_tables"]
+           "query_channel_scales", "read_config", "rope_tables"]

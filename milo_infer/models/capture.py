@@ -26,8 +26,8 @@ def _module(attention: torch.nn.Module, names: tuple[str, ...]) -> torch.nn.Modu
 
 
 def _taps(model, spec: Attention, what: str):
-    """Per layer, (module to hook, a function of its output giving the wanted part [..., heads * d] or
-    [..., heads, d]): ``what`` is "q", "k" or "v"."""
+    """Per layer, (module to hook, a function of its output giving the wanted part [batch, tokens, heads * d] or
+    [batch, tokens, heads, d]): ``what`` is "q", "k" or "v"."""
     config = model.config
     d = head_dim(config)
     sizes = {"q": config.num_attention_heads * d, "k": config.num_key_value_heads * d, "v": config.num_key_value_heads * d}
@@ -39,7 +39,10 @@ def _taps(model, spec: Attention, what: str):
             taps.append((getattr(attention, spec.fused), lambda out, a=start, b=start + sizes[what]: out[..., a:b]))
         else:
             names = {"q": spec.queries, "k": spec.keys, "v": (spec.values,)}[what]
-            taps.append((_module(attention, names), lambda out: out))
+            if spec.heads_first and what != "v":  # [batch, heads, tokens, d] -> [batch, tokens, heads, d]
+                taps.append((_module(attention, names), lambda out: out.transpose(1, 2)))
+            else:
+                taps.append((_module(attention, names), lambda out: out))
     return taps
 
 

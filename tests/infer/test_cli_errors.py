@@ -57,3 +57,63 @@ def test_build_on_a_refused_family_is_one_line_naming_why(model_type, overrides,
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and reason in err, err
     assert not (tmp_path / "store").exists()
+
+
+def model_folder(path, model_type: str | None = None, raw: dict | None = None) -> str:
+    """A model folder with a config and no weights: transformers' default config of ``model_type``, or ``raw``."""
+    import json
+
+    from transformers import AutoConfig
+
+    path.mkdir()
+    if raw is not None:
+        (path / "config.json").write_text(json.dumps(raw))
+    else:
+        AutoConfig.for_model(model_type).save_pretrained(path)
+    return str(path)
+
+
+def model_commands(model: str, tmp_path) -> dict[str, list[str]]:
+    """`milo check-model`, `milo build` and `milo serve` (on a store it mounts first) of ``model``."""
+    store = tmp_path / "served"
+    if not store.exists():
+        build_synthetic_store(store, Layout(2, 2, 16), [10, 12], CompressionConfig(ratio=0.5))
+    corpus = str(ROOT / "milo_infer/tasks/data/demo_corpus.jsonl")
+    return {"check-model": ["check-model", model],
+            "build": ["build", "--model", model, "--corpus", corpus, "--out", str(tmp_path / "store")],
+            "serve": ["serve", str(store), "--model", model, "--device", "cpu"]}
+
+
+@pytest.mark.parametrize("model_type, reason", [
+    ("gemma4_text", "sliding-window attention in 5 of 6 layers"),  # its config raises where head_dim is read whole
+    ("llama4_text", "chunked local attention in 3 of 4 layers"),
+    ("glm4_moe", "partial rotary embedding with rotate-half pairs"),
+    ("hunyuan_v1_moe", "its key norm follows RoPE"),
+    ("qwen2_5_vl", "multimodal RoPE"),  # judged by its text model, qwen2_5_vl_text
+    ("qwen3_vl", "multimodal RoPE"),
+    ("gemma4", "sliding-window attention in 5 of 6 layers"),  # by gemma4_text
+    ("llama4", "chunked local attention in 3 of 4 layers"),  # by llama4_text
+])
+def test_a_refused_family_is_one_line_from_every_command_that_loads_a_model(model_type, reason, tmp_path, capsys):
+    model = model_folder(tmp_path / "model", model_type)
+    for command, argv in model_commands(model, tmp_path).items():
+        code = milo(argv)
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1 and reason in err and model in err, (command, err)
+        assert err.startswith(f"milo {command}: "), err
+
+
+def test_a_config_or_model_file_transformers_cannot_read_is_one_line_naming_the_model(tmp_path, capsys):
+    from transformers import LlamaConfig
+
+    unknown = model_folder(tmp_path / "unknown", raw={"model_type": "no_such_family"})
+    broken = tmp_path / "broken"  # a supported config, weights that are not a safetensors file
+    LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2).save_pretrained(broken)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    for model, said in ((unknown, "transformers cannot read its config.json"),
+                        (str(broken), "transformers cannot load its weights")):
+        for command, argv in model_commands(model, tmp_path).items():
+            code = milo(argv)
+            err = capsys.readouterr().err
+            assert code == 2 and err.count("\n") == 1 and said in err and model in err, (command, err)

@@ -83,6 +83,9 @@ WRONG = {  # family -> a description that misreads it, and the check that must s
     "helium": (dict(regroup_tables=False), "reposition keys"),  # the rotary module's tables as they come
     "qwen3_moe": (dict(queries=("q_proj",)), "query_scales"),  # q_norm dropped
     "glm4": (dict(regroup_tables=False), "capture keys"),  # its partial rotary tables as the rotary module makes them
+    "ernie4_5": (dict(regroup_tables=False), "reposition keys"),  # rotate-half tables on interleaved pairs
+    "minimax_m2": (dict(keys=("k_proj",)), "capture keys"),  # the projection's norm dropped
+    "dots1": (dict(queries=("q_proj",)), "query_scales"),  # q_norm dropped
 }
 
 

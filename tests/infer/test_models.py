@@ -5,8 +5,8 @@ import shutil
 import pytest
 import torch
 from transformers import (
-    GPT2Config, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-    Qwen2ForCausalLM,
+    Dots1Config, GPT2Config, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+    MiniMaxM2Config, Qwen2ForCausalLM, Starcoder2Config,
 )
 
 from milo_infer.models import (
@@ -195,6 +195,9 @@ def test_rope_tables_shape_and_dtype():
     (LlamaConfig(**TINY, rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
      "partial_rotary_factor=0.5"),
     (LlamaConfig(**{**TINY, "num_key_value_heads": 3}), "not a multiple of num_key_value_heads=3"),
+    (MiniMaxM2Config(**TINY, head_dim=128, rotary_dim=64), "partial_rotary_factor=0.5"),  # as released
+    (Starcoder2Config(**TINY, sliding_window=32), "sliding_window=32 is active"),  # StarCoder2's 4096 of 16384
+    (Dots1Config(**TINY, sliding_window=32, max_window_layers=1), "'sliding_attention'"),
 ])
 def test_unsupported_configs_are_refused(config, message):
     with pytest.raises(UnsupportedModelError, match="is not supported") as info:

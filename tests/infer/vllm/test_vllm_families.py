@@ -41,8 +41,10 @@ SERVED = {
     "gemma": ("head_dim 256", (1,)),
     "granite": ("attention, embedding, residual and logits multipliers", (1,)),
     "cohere": ("interleaved RoPE pairs, LayerNorm per head", (1,)),
+    "ernie4_5": ("interleaved pairs on re-laid rotate-half tables", (1,)),
 }
 VLLM_OVERRIDES = {"gemma": dict(head_dim=256),
+                  "ernie4_5": dict(head_dim=64, use_bias=False),  # vLLM's Ernie (a Llama) drops use_bias's biases
                   "cohere": dict(tie_word_embeddings=True)}  # vLLM's Cohere always reads logits off the embeddings
 RUNS = [(family, tp) for family, (_, sizes) in SERVED.items() for tp in sizes]
 TASK = TaskSpec(name="numbers", template="Message: {input}\nNumber: {output}\n", anchor="Number each message.",
