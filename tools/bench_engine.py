@@ -134,6 +134,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--running", type=int, default=7, help="rows decoding when the query joins")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--model", default="default", help="the model the store was built with (default: the default model; a HF folder or a .gguf)")
     ap.add_argument("--batch", type=lambda t: [int(x) for x in t.split(",")], default=[1, 8, 16],
                     help="rows decoding in the attention comparison (default 1,8,16)")
     ap.add_argument("--attention", type=lambda t: t.split(","), default=["rows", "flex"],
@@ -141,7 +142,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=8, help="timed steps per batch and attention (default 8)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    loaded = load_model("default")
+    loaded = load_model(args.model)
     with MiloStore.open(args.store) as store:
         engine = Engine(loaded, {"s": store}, EngineSettings(k=args.k))
         runner = Engine(loaded, {"s": store}, EngineSettings(k=args.k, max_new_tokens=64))
