@@ -28,9 +28,9 @@ TOOLS = REPO / "tools"
 
 @dataclass(frozen=True)
 class Run:
-    """Run at tiny shapes: ``argv(inputs)`` gives the arguments."""
+    """Run at tiny shapes: ``argv(inputs)`` gives the arguments (a list of them: one run each)."""
     argv: object
-    needs: tuple[str, ...] = ()  # "banking77": the data set; "tiny": the tiny Llama (the default tokenizer)
+    needs: tuple[str, ...] = ()  # "banking77": the data set; "tiny": the tiny Llama (the default tokenizer); "git"
 
 
 @dataclass(frozen=True)
@@ -55,9 +55,13 @@ SMOKE = {
                                     "and a model load each); bench_build.py runs the same build in process"),
     "bench_dtype.py": Run(lambda i: [i.tiny_store, "--model", i.tiny_model, "--queries", "2", "--alone", "1",
                                      "--rounds", "1", "--k", "1"], needs=("banking77", "tiny")),
-    "bench_engine.py": Run(lambda i: [i.tiny_store, "--model", i.tiny_model, "--k", "1", "--queries", "1",
-                                      "--rounds", "1", "--running", "1", "--batch", "1,2", "--attention", "rows",
-                                      "--steps", "1"], needs=("tiny",)),
+    "bench_engine.py": Run(lambda i: [[i.tiny_store, "--model", i.tiny_model, "--k", "1", "--queries", "1",
+                                       "--rounds", "1", "--running", "1", "--batch", "1,2", "--attention", "rows",
+                                       "--steps", "1"],
+                                      [i.tiny_store, "--model", i.tiny_model, "--k", "1", "--profile", "1,2", "--steps", "1"],
+                                      [i.tiny_store, "--model", i.tiny_model, "--k", "1", "--profile", "2",
+                                       "--layouts", "scattered", "--steps", "1", "--compare", "HEAD"]],
+                           needs=("tiny", "git")),
     "bench_kernels.py": Elsewhere("tests/kernels/test_bench_kernels.py::test_bench_runs_on_cpu_and_writes_json"),
     "bench_remote.py": Run(lambda i: ["--out", i.fresh("remote"), "--reads-only", "--rates", "0", "--k", "2",
                                       "--n-queries", "1", "--read-block-tokens", "8"]),
@@ -238,7 +242,9 @@ def missing_inputs(needs) -> list[str]:
     from milo_infer.tasks.datasets import DatasetUnavailable, load_dataset
     missing = []
     for need in needs:
-        if need == "triton":
+        if need == "git" and subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True).returncode:
+            missing.append("not a git checkout")
+        elif need == "triton":
             try:
                 import triton.backends.nvidia.compiler  # noqa: F401
             except ImportError as exc:
@@ -262,8 +268,10 @@ def test_tool_runs(name, inputs, monkeypatch, capsys):
             pytest.skip("; ".join(missing))
         monkeypatch.setenv("HF_HUB_OFFLINE", "1")
         monkeypatch.setenv("MILO_CACHE", str(inputs.root / "milo-cache"))
-        run_script(name, entry.argv(inputs), monkeypatch)
-        assert capsys.readouterr().out.strip(), f"{name} printed nothing"
+        argvs = entry.argv(inputs)
+        for argv in argvs if isinstance(argvs[0], list) else [argvs]:
+            run_script(name, argv, monkeypatch)
+            assert capsys.readouterr().out.strip(), f"{name} {' '.join(argv)} printed nothing"
     elif name != "loopback_proxy.py":  # a module other tools import, no command line: its import is the run
         run_script(name, ["--help"], monkeypatch)
         assert "usage:" in capsys.readouterr().out
