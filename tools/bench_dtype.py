@@ -44,6 +44,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--k", type=int, default=6)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--model", default="default", help="the model the store was built with (default: the default model; a HF folder or a .gguf)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     _, test, _ = load_dataset("banking77")
@@ -52,7 +53,7 @@ def main():
     store = MiloStore.open(args.store)
     engines = {}
     for name, dtype in DTYPES.items():
-        loaded = load_model("default")
+        loaded = load_model(args.model)
         loaded.model.to(dtype)
         engines[name] = Engine(loaded, {"s": store}, EngineSettings(k=args.k), max_rows=8)
     alone = {name: [] for name in DTYPES}

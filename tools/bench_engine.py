@@ -15,7 +15,9 @@ cache of one slot of the model's positions per row would have reserved. Run:
     HF_HUB_OFFLINE=1 PYTHONPATH=$PWD .venv/bin/python tools/bench_engine.py STORE --threads 1 --batch 1,8,16
 """
 import argparse
+import ast
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,10 +28,12 @@ from transformers import DynamicCache
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from milo_infer.bench.step_profile import STAGES, decoding_batch, profile_churn, profile_steps  # noqa: E402
 from milo_infer.models import load_model  # noqa: E402
 from milo_infer.runtime.decoding import LabelDecoder  # noqa: E402
 from milo_infer.runtime.engine import Engine  # noqa: E402
-from milo_infer.runtime.pages import PAGE_TOKENS  # noqa: E402
+from milo_infer.runtime import attention  # noqa: E402
+from milo_infer.runtime.pages import PAGE_TOKENS, pages_for  # noqa: E402
 from milo_infer.runtime.planning import EngineSettings, Request  # noqa: E402
 from milo_infer.runtime.prefix import PrefixRebuild  # noqa: E402
 from milo_infer.tasks.corpus import load_corpus  # noqa: E402
@@ -82,34 +86,12 @@ def first_token_and_answer(batch, plan) -> tuple[float, float]:
         events = batch.step()
 
 
-class Endless:
-    """A decoder that never stops: every step feeds each row one more token, so a timed batch keeps its size."""
-    done, ids = False, []
-
-    def push(self, logits) -> int:
-        return int(logits.argmax())
-
-    def text(self) -> str:
-        return ""
-
-
-def decoding_batch(engine: Engine, texts: list[str], rows: int):
-    """``rows`` rows past their prefill, decoding for ever."""
-    batch = engine.batch()
-    batch.admit([engine.plan("s", Request(texts[i % len(texts)])) for i in range(rows)])
-    for row in batch.rows:
-        row.decoder = Endless()
-    while any(row.prefilling for row in batch.rows):
-        batch.step()
-    return batch
-
-
 def attention_rows(loaded, store, texts, args) -> list[dict]:
     """Per batch size: the median step seconds of each attention, interleaved, and the KV bytes."""
     out = []
     for size in args.batch:
         batches = {a: decoding_batch(Engine(loaded, {"s": store}, EngineSettings(k=args.k), attention=a,
-                                            max_rows=size), texts, size) for a in args.attention}
+                                            max_rows=size), "s", texts, size) for a in args.attention}
         for b in batches.values():  # warm up: compilation, first-touch
             b.step()
             b.step()
@@ -126,6 +108,78 @@ def attention_rows(loaded, store, texts, args) -> list[dict]:
     return out
 
 
+def profile_rows(loaded, store, texts, args) -> list[dict]:
+    """Per row count and page layout: ``--steps`` decode steps of that many rows, timed by stage (the per-row
+    attention, as on a CPU)."""
+    out = []
+    for size in args.profile:
+        for layout in args.layouts:
+            engine = Engine(loaded, {"s": store}, EngineSettings(k=args.k), attention="rows", max_rows=size)
+            if layout == "churn":
+                out.append({"layout": layout, "columns": None, **profile_churn(engine, "s", texts, size, args.steps)})
+                continue
+            batch = decoding_batch(engine, "s", texts, size, scattered=layout == "scattered")
+            batch.step()  # warm up: first touch of the new tokens' columns
+            out.append({"layout": layout, "columns": sum(r.next_position for r in batch.rows) // size,
+                        **profile_steps(batch, args.steps)})
+            del batch, engine
+    return out
+
+
+def sdpa_rows_at(commit: str):
+    """``milo_infer.runtime.attention.sdpa_rows`` as it was at ``commit``, to time beside this tree's."""
+    source = subprocess.run(["git", "show", f"{commit}:milo_infer/runtime/attention.py"], cwd=ROOT, check=True,
+                            capture_output=True, text=True).stdout
+    function = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == "sdpa_rows")
+    namespace = {"torch": torch, "PAGE_TOKENS": PAGE_TOKENS, "pages_for": pages_for, "Pack": object}
+    exec(compile(ast.Module([function], type_ignores=[]), f"{commit}:attention.py", "exec"), namespace)
+    return namespace["sdpa_rows"]
+
+
+def compare_rows(loaded, store, texts, args) -> list[dict]:
+    """Per row count and page layout: one decoding batch, its steps timed alternately with ``--compare``'s
+    per-row attention and this tree's (the same rows, columns and load); medians."""
+    before, now, out = sdpa_rows_at(args.compare), attention.sdpa_rows, []
+    for size in args.profile:
+        for layout in args.layouts:
+            engine = Engine(loaded, {"s": store}, EngineSettings(k=args.k), attention="rows", max_rows=size)
+            batch = decoding_batch(engine, "s", texts, size, scattered=layout == "scattered")
+            seconds = {"before": [], "now": []}
+            try:
+                for i in range(2 * args.steps + 2):
+                    name = ("before", "now")[i % 2]
+                    attention.sdpa_rows = before if name == "before" else now
+                    t = time.perf_counter()
+                    batch.step()
+                    if i >= 2:  # the first of each: warm-up
+                        seconds[name].append(time.perf_counter() - t)
+            finally:
+                attention.sdpa_rows = now
+            out.append({"rows": size, "layout": layout, **{k: statistics.median(v) for k, v in seconds.items()}})
+            del batch, engine
+    return out
+
+
+def print_comparison(rows: list[dict], args) -> None:
+    print(f"store {args.store}, k {args.k}, {args.threads} thread(s); a decode step's median seconds over {args.steps} "
+          f"steps each, alternating: the per-row attention at {args.compare} (before) and this tree's (now)")
+    print("| rows | pages | before s | now s | before / now |\n|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['rows']} | {r['layout']} | {r['before']:.3f} | {r['now']:.3f} | {r['before'] / r['now']:.2f} |")
+
+
+def print_profile(rows: list[dict], args) -> None:
+    print(f"store {args.store}, k {args.k}, {args.threads} thread(s), {args.steps} steps each; shares of a decode "
+          f"step's wall time (%), exclusive per stage (milo_infer/bench/step_profile.py)")
+    print("| rows | pages | columns a row | step ms | " + " | ".join(STAGES) + " | SDPA calls a step |")
+    print("|---" * (len(STAGES) + 5) + "|")
+    for r in rows:
+        shares = " | ".join(f"{100 * r['seconds'][s] / r['step']:.1f}" for s in STAGES)
+        pages = r["layout"] if "scattered" not in r else f"churn ({100 * r['scattered']:.0f}% scattered)"
+        print(f"| {r['rows']} | {pages} | {r['columns'] or '-'} | {1e3 * r['step'] / r['steps']:.0f} | {shares} | "
+              f"{r['calls']['row_sdpa'] // r['steps']} |")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("store")
@@ -134,14 +188,31 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--running", type=int, default=7, help="rows decoding when the query joins")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--model", default="default", help="the model the store was built with (default: the default model; a HF folder or a .gguf)")
     ap.add_argument("--batch", type=lambda t: [int(x) for x in t.split(",")], default=[1, 8, 16],
                     help="rows decoding in the attention comparison (default 1,8,16)")
     ap.add_argument("--attention", type=lambda t: t.split(","), default=["rows", "flex"],
                     help="attentions compared, the first is the baseline (default rows,flex)")
     ap.add_argument("--steps", type=int, default=8, help="timed steps per batch and attention (default 8)")
+    ap.add_argument("--profile", type=lambda t: [int(x) for x in t.split(",")], default=None, metavar="ROWS",
+                    help="only this: where a decode step's time goes at each of these row counts (issue 47)")
+    ap.add_argument("--layouts", type=lambda t: t.split(","), default=["run", "scattered"],
+                    help="--profile: rows decoding on consecutive pages (run), on scattered ones (scattered), or a served "
+                         "batch whose finished rows are replaced at once (churn) (default run,scattered)")
+    ap.add_argument("--compare", metavar="COMMIT", default=None,
+                    help="--profile: instead, time decode steps alternately with the per-row attention (sdpa_rows) of "
+                         "COMMIT, read from git, and this tree's")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    loaded = load_model("default")
+    loaded = load_model(args.model)
+    if args.profile and args.compare:
+        with MiloStore.open(args.store) as store:
+            print_comparison(compare_rows(loaded, store, [d.input for d in load_corpus(DEMO)], args), args)
+        return 0
+    if args.profile:
+        with MiloStore.open(args.store) as store:
+            print_profile(profile_rows(loaded, store, [d.input for d in load_corpus(DEMO)], args), args)
+        return 0
     with MiloStore.open(args.store) as store:
         engine = Engine(loaded, {"s": store}, EngineSettings(k=args.k))
         runner = Engine(loaded, {"s": store}, EngineSettings(k=args.k, max_new_tokens=64))

@@ -6,7 +6,9 @@ holds (`IMAGE`: the device's package list, /work/.library/device/KINDS.md, 2026-
 downloaded alone (``--no-deps``) as a CPython 3.12 manylinux or pure wheel. Run where pip reaches a registry:
 
     .venv/bin/python tools/gpu_wheels.py          # then carry .whl; gpu_bench.sh installs it into /tmp/site
+    .venv/bin/python tools/gpu_wheels.py --list   # only print what it would fetch
 """
+import argparse
 import importlib.metadata as metadata
 import re
 import subprocess
@@ -49,8 +51,14 @@ def needed() -> dict[str, str]:
 
 
 def main() -> int:
-    out = Path(__file__).resolve().parents[1] / ".whl"
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--list", action="store_true", help="print the wheels it would fetch and fetch nothing")
+    args = ap.parse_args()
     wanted = needed()
+    if args.list:
+        print("\n".join(f"{name}=={version}" for name, version in sorted(wanted.items())))
+        return 0
+    out = Path(__file__).resolve().parents[1] / ".whl"
     platforms = [arg for p in PLATFORMS for arg in ("--platform", p)]
     for name, version in sorted(wanted.items()):
         subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",

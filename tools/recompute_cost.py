@@ -58,13 +58,14 @@ def main():
     ap.add_argument("--n", default="0,4,16,32,128", help="tokens recomputed per block, comma-separated")
     ap.add_argument("--prefill", action="store_true", help="time the prefill baseline too (tens of seconds a query on a CPU)")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--model", default="default", help="the model the store was built with (default: the default model; a HF folder or a .gguf)")
     args = ap.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     settings = [int(n) for n in args.n.split(",")] + ([PREFILL] if args.prefill else [])
     _, test, _ = load_dataset(args.dataset, seed=args.seed)
     with MiloStore.open(args.store) as store:
-        engine = Engine(load_model("default"), {"store": store}, settings=EngineSettings(k=args.k))
+        engine = Engine(load_model(args.model), {"store": store}, settings=EngineSettings(k=args.k))
         result = measure(engine, [item.input for item in test[:args.queries]], settings)
     print(json.dumps({"store": args.store, "dataset": args.dataset, "queries": args.queries, "k": args.k,
                       "threads": torch.get_num_threads(), "settings": result}, indent=2))

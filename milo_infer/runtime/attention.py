@@ -54,18 +54,25 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
 
 
 def sdpa_rows(query, key, value, pack: Pack, scaling) -> torch.Tensor:
-    """One SDPA call per row over its own columns: [1, Hq, T, d]."""
+    """One SDPA call per row over its own columns: [1, Hq, T, d]. A row's columns are a view of the pools when its
+    pages are consecutive, else gathered (``index_select``: 1.6x faster than indexing on this CPU, issue 47). A
+    row's one decode token is attended as its KV heads' groups of query heads, [1, H, Hq / H, d] against [1, H,
+    keys, d], with no mask to apply: the same scores as SDPA's GQA, which is ~1.1x slower for it here."""
     out = torch.empty_like(query)
+    Hq, H, d = query.shape[1], key.shape[1], query.shape[3]
     for s in pack.segments:
         if s.run is not None:
             at = slice(s.run * PAGE_TOKENS, s.run * PAGE_TOKENS + s.keys)
             k, v = key[:, :, at], value[:, :, at]
         else:
-            where = (s.device_pages[:pages_for(s.keys), None] * PAGE_TOKENS
-                     + torch.arange(PAGE_TOKENS, device=s.device_pages.device)).flatten()[:s.keys]
-            k, v = key[:, :, where], value[:, :, where]
-        out[:, :, s.start:s.stop] = torch.nn.functional.scaled_dot_product_attention(
-            query[:, :, s.start:s.stop], k, v, attn_mask=s.mask, scale=scaling, enable_gqa=True)
+            k, v = key.index_select(2, s.gather), value.index_select(2, s.gather)
+        q = query[:, :, s.start:s.stop]
+        if s.mask is None and s.stop - s.start == 1:
+            out[:, :, s.start:s.stop] = torch.nn.functional.scaled_dot_product_attention(
+                q.reshape(1, H, Hq // H, d), k, v, scale=scaling).reshape(1, Hq, 1, d)
+        else:
+            out[:, :, s.start:s.stop] = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=s.mask, scale=scaling, enable_gqa=True)
     return out
 
 

@@ -16,6 +16,7 @@ each row's columns only. A row that joins or leaves touches its own pages only.
 """
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass, field
 
@@ -38,6 +39,13 @@ class Segment:
     keys: int
     positions: torch.Tensor  # int64 [tokens], on the host
     mask: torch.Tensor | None
+
+    @functools.cached_property
+    def gather(self) -> torch.Tensor:
+        """The pool columns of the row's columns [0, keys), on the device: made once a forward, read by every layer's
+        attention (a row on scattered pages gathers them)."""
+        return (self.device_pages[:pages_for(self.keys), None] * PAGE_TOKENS
+                + torch.arange(PAGE_TOKENS, device=self.device_pages.device)).flatten()[:self.keys]
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """Attention over the paged cache against per-row SDPA over each row's own contiguous K/V (the slot cache's).
 
-fp32 on the CPU, 1e-4: rows of one token and of prefill chunks (positions with gaps, as recomputed tokens
-have), a chunk over two query blocks that sees pages whole and in part, pages consecutive and scattered,
-GQA. FlexAttention runs uncompiled here (it materialises the scores: small sizes only) and once compiled.
+fp32 on the CPU, 1e-4: rows of one token (on consecutive pages and on scattered ones) and of prefill chunks
+(positions with gaps, as recomputed tokens have), a chunk over two query blocks that sees pages whole and in
+part, pages consecutive and scattered, GQA. FlexAttention runs uncompiled here (it materialises the scores: small sizes only) and once compiled.
 """
 import pytest
 import torch
@@ -24,8 +24,9 @@ def rows_case(seed: int):
     rows = [([3], torch.tensor([40])),  # one decode token on one page
             ([0, 1, 2], torch.tensor([300])),  # consecutive pages
             ([9, 4, 7, 5], torch.cat([torch.tensor([130, 131, 200]), torch.arange(300, 480)])),  # gaps, 2 q blocks
-            ([8, 6], torch.arange(129, 140))]  # a chunk starting on the row's second page
-    pool = 10
+            ([8, 6], torch.arange(129, 140)),  # a chunk starting on the row's second page
+            ([11, 10], torch.tensor([200]))]  # one decode token on scattered pages
+    pool = 12
     k = torch.randn(1, H, pool * PAGE_TOKENS, d, generator=g)
     v = torch.randn(1, H, pool * PAGE_TOKENS, d, generator=g)
     segments, at = [], 0
@@ -57,14 +58,14 @@ def per_row_reference(query, k, v, rows) -> torch.Tensor:
 def test_flex_and_the_per_row_loop_equal_per_row_sdpa(seed):
     query, k, v, pack, rows = rows_case(seed)
     want = per_row_reference(query, k, v, rows)
-    assert pack.segments[1].run == 0 and pack.segments[2].run is None
+    assert pack.segments[1].run == 0 and pack.segments[2].run is None and pack.segments[4].run is None
     got_rows = attention.sdpa_rows(query, k, v, pack, None)
     got_flex = attention.flex_rows(query, k, v, pack, None, compiled=False)
     assert got_rows.shape == got_flex.shape == want.shape
     assert (got_rows - want).abs().max() <= ATOL
     assert (got_flex - want).abs().max() <= ATOL
     layout = pack.scratch["flex"]
-    assert layout["shape"] == (4, 256)  # rows and tokens padded to powers of two
+    assert layout["shape"] == (8, 256)  # rows and tokens padded to powers of two
     full = layout["block_mask"].full_kv_num_blocks
     assert [int(x) for x in full[2, 0]] == [1, 3]  # pages seen whole by the block skip the mask function
 
@@ -100,6 +101,59 @@ def test_the_engine_answers_the_same_with_flex_attention(setup, monkeypatch):
     done.update({id(e.plan): e.answer for e in events if e.finished})
     assert sorted(a.text for a in done.values()) == sorted(a.text for a in rows.answer([rows.plan("s", r)
                                                                                          for r in requests]))
+
+
+def reference_rows(query, key, value, pack: Pack, scaling) -> torch.Tensor:
+    """The per-row loop as it was before issue 47: SDPA with GQA over each row's columns, gathered by indexing."""
+    out = torch.empty_like(query)
+    for s in pack.segments:
+        where = pool_columns(s.pages, torch.arange(s.keys))
+        out[:, :, s.start:s.stop] = torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, s.start:s.stop], key[:, :, where], value[:, :, where], attn_mask=s.mask, scale=scaling,
+            enable_gqa=True)
+    return out
+
+
+def decode(engine, scattered: bool) -> tuple[list[str], list[torch.Tensor]]:
+    """Free-form answers of REQUESTS in one batch (on reversed pages: none consecutive), and every logits row a
+    decoder was given, in order."""
+    from milo_infer.runtime.engine import Batch
+
+    seen, advance = [], Batch._advance
+
+    def recording(self, row, logits):
+        seen.append(logits.clone())
+        return advance(self, row, logits)
+
+    batch, taken = engine.batch(), []
+    if scattered:
+        take = batch.pages.take
+        batch.pages.take = lambda n: taken.append(take(n)[::-1]) or taken[-1]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Batch, "_advance", recording)
+        plans = [engine.plan("s", r) for r in REQUESTS]
+        done, events = {}, batch.admit(plans)
+        while len(batch):
+            done.update({id(e.plan): e.answer.text for e in events if e.finished})
+            events = batch.step()
+        done.update({id(e.plan): e.answer.text for e in events if e.finished})
+    assert not scattered or any(run_start(pages) is None for pages in taken)
+    return [done[id(p)] for p in plans], seen
+
+
+@pytest.mark.parametrize("scattered", [False, True], ids=["consecutive", "scattered"])
+def test_the_per_row_loop_answers_as_it_did_before_issue_47(setup, monkeypatch, scattered):
+    """The gather by index_select, made once a forward, and a decode token's query heads attended as their KV
+    heads' groups: the same answers, every logit a decoder saw within 1e-4 of the loop before."""
+    from milo_infer.runtime.engine import Engine
+
+    loaded, store = setup
+    engine = free_form(Engine(loaded, {"s": store}, settings=EngineSettings(max_new_tokens=6), attention="rows"))
+    answers, logits = decode(engine, scattered)
+    monkeypatch.setattr(attention, "sdpa_rows", reference_rows)
+    before, before_logits = decode(engine, scattered)
+    assert answers == before and len(logits) == len(before_logits) > len(REQUESTS)
+    assert max((a - b).abs().max() for a, b in zip(logits, before_logits)) <= ATOL
 
 
 def test_attention_names_are_checked():

@@ -1,0 +1,150 @@
+"""Where a decode step's time goes in the paged engine (issue 47): the step's wall time split into stages.
+
+Each stage is the wall time spent inside the engine functions that do its work, less what those called of
+another stage (exclusive time, so the stages add up to the step):
+
+- ``scheduler``: building the step's pack (each row's segment, positions, mask and pool columns) and freeing
+  finished rows (`Batch._pack`, `Batch._free_finished`);
+- ``admission``: seating waiting rows and reading their blocks (`Batch._seat`), less pool growth;
+- ``pool_growth``: resizing the pools (`PagedCache.resize`: growing copies every layer's pools);
+- ``prefix_rebuild``: rebuilding joining rows' prefixes into their pages (`PagedLayer.fill`);
+- ``pool_writes``: writing the new tokens' K/V to their pool columns (`PagedLayer.update`, less the rebuild);
+- ``gathers``: the per-row attention loop less its SDPA calls: a view of a row's columns when its pages are
+  consecutive, a gather of its scattered pages when not (`attention.sdpa_rows`);
+- ``row_sdpa``: the SDPA calls themselves, one per row and layer;
+- ``model``: the rest of the model's forward: projections, MLP, norms, RoPE, the LM head, transformers' Python;
+- ``decoding``: choosing each row's next token (`Batch._advance`);
+- ``engine``: the rest of `Batch.step` (the ids and positions tensors, logits to the host, bookkeeping).
+
+Two batches: rows decoding for ever (`decoding_batch`: on consecutive pages, or all on scattered ones), and a
+served batch whose finished rows are replaced at once (`profile_churn`). Wall time on a shared machine is noisy: read the shares, not the seconds. The wrappers cost a few
+microseconds a call (about rows × layers × 2 calls a step), counted in the stage that made the call.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+from ..runtime import attention, cache, engine
+from ..runtime.pages import run_start
+from ..runtime.planning import Request
+
+STAGES = ("scheduler", "admission", "pool_growth", "prefix_rebuild", "pool_writes", "gathers", "row_sdpa", "model",
+          "decoding", "engine")
+TIMED = [  # (owner, attribute, stage)
+    (engine.Batch, "step", "engine"),
+    (engine.Batch, "_pack", "scheduler"),
+    (engine.Batch, "_free_finished", "scheduler"),
+    (engine.Batch, "_seat", "admission"),
+    (engine.Batch, "_forward", "model"),
+    (engine.Batch, "_advance", "decoding"),
+    (cache.PagedCache, "resize", "pool_growth"),
+    (cache.PagedLayer, "fill", "prefix_rebuild"),
+    (cache.PagedLayer, "update", "pool_writes"),
+    (attention, "sdpa_rows", "gathers"),
+    (torch.nn.functional, "scaled_dot_product_attention", "row_sdpa"),
+]
+
+
+class StageClock:
+    """Exclusive wall seconds per stage, and calls, while ``timing()`` is active."""
+
+    def __init__(self):
+        self.seconds = dict.fromkeys(STAGES, 0.0)
+        self.calls = dict.fromkeys(STAGES, 0)
+        self._children: list[float] = []  # per open call: seconds its callees took
+
+    def wrap(self, function, stage: str):
+        def timed(*args, **kwargs):
+            self._children.append(0.0)
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                elapsed = time.perf_counter() - start
+                inner = self._children.pop()
+                self.seconds[stage] += elapsed - inner
+                self.calls[stage] += 1
+                if self._children:
+                    self._children[-1] += elapsed
+        return timed
+
+    @contextlib.contextmanager
+    def timing(self):
+        saved = [(owner, name, getattr(owner, name)) for owner, name, _ in TIMED]
+        try:
+            for (owner, name, stage), (_, _, function) in zip(TIMED, saved):
+                setattr(owner, name, self.wrap(function, stage))
+            yield self
+        finally:
+            for owner, name, function in saved:
+                setattr(owner, name, function)
+
+
+class Endless:
+    """A decoder that never stops: every step feeds each row one more token, so a timed batch keeps its size."""
+    done, ids = False, []
+
+    def push(self, logits) -> int:
+        return int(logits.argmax())
+
+    def text(self) -> str:
+        return ""
+
+
+def reversed_pages(batch) -> None:
+    """Every row this batch seats gets its pages in reverse order: none is one run, so the attention gathers each
+    row's columns and the rebuild scatters its prefix (what a row on the pages other rows gave back gets)."""
+    take = batch.pages.take
+    batch.pages.take = lambda n: take(n)[::-1]
+
+
+def decoding_batch(eng, store: str, texts: list[str], rows: int, scattered: bool = False):
+    """``rows`` rows of ``store`` past their prefill, decoding for ever; ``scattered``: on reversed pages."""
+    batch = eng.batch()
+    if scattered:
+        reversed_pages(batch)
+    batch.admit([eng.plan(store, Request(texts[i % len(texts)])) for i in range(rows)])
+    for row in batch.rows:
+        row.decoder = Endless()
+    while any(row.prefilling for row in batch.rows):
+        batch.step()
+    return batch
+
+
+def profile_churn(eng, store: str, texts: list[str], rows: int, steps: int) -> dict:
+    """A served batch's steps: ``rows`` rows answering for real (their own decoders), each finished one replaced
+    at once by the next text's plan, so steps mix decoding with admissions, prefix rebuilds, prefill chunks and
+    pool growth, and rows take the pages others gave back. Timed as `profile_steps`, after the first ``rows``
+    rows' admission and prefill; ``scattered``: the share of decoding rows whose pages are not one run."""
+    queue = iter(texts * (1 + (rows + steps * rows) // max(1, len(texts))))
+    batch = eng.batch()
+    batch.admit([eng.plan(store, Request(next(queue))) for _ in range(rows)])
+    while any(row.prefilling for row in batch.rows):
+        batch.step()
+    clock, seen, scattered = StageClock(), 0, 0
+    with clock.timing():
+        start = time.perf_counter()
+        for _ in range(steps):
+            if len(batch) < rows:
+                batch.admit([eng.plan(store, Request(next(queue))) for _ in range(rows - len(batch))])
+            batch.step()
+            seen += len(batch.rows)
+            scattered += sum(run_start(row.pages) is None for row in batch.rows)
+        wall = time.perf_counter() - start
+    return {"step": wall, "seconds": clock.seconds, "calls": clock.calls, "rows": rows, "steps": steps,
+            "scattered": scattered / max(1, seen)}
+
+
+def profile_steps(batch, steps: int) -> dict:
+    """``steps`` steps of ``batch`` timed by stage: {"step": wall seconds of all, "seconds": {stage: s},
+    "calls": {stage: n}, "rows": rows decoding}."""
+    clock = StageClock()
+    with clock.timing():
+        start = time.perf_counter()
+        for _ in range(steps):
+            batch.step()
+        wall = time.perf_counter() - start
+    return {"step": wall, "seconds": clock.seconds, "calls": clock.calls, "rows": len(batch.rows), "steps": steps}

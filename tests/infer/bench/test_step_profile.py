@@ -1,0 +1,53 @@
+"""milo_infer/bench/step_profile.py: a decode step's time split into stages that add up to the step, each the
+engine's work it names (tools/bench_engine.py --profile prints the shares)."""
+import pytest
+import torch
+
+from milo_infer.bench import synthetic_model
+from milo_infer.bench.step_profile import STAGES, decoding_batch, profile_churn, profile_steps
+from milo_infer.runtime import attention
+from milo_infer.runtime.engine import Engine
+from milo_infer.runtime.pages import run_start
+from milo_infer.runtime.planning import EngineSettings
+from milo_store import MiloStore
+
+from ..runtime.test_engine import random_llama
+
+TEXTS = ["topic1 topic2 q", "topic3 a much longer question about topic0", "topic0 topic1 topic2 topic3 topic4"]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    loaded = random_llama()
+    paths = synthetic_model.synthetic_stores(tmp_path_factory.mktemp("profile"), loaded, demos=64, block_size=8,
+                                             demo_tokens=20, ratios=(0.5,))
+    with MiloStore.open(paths["milo-r0.5"]) as store:
+        yield Engine(loaded, {"s": store}, EngineSettings(k=4), attention="rows", max_rows=4)
+
+
+@pytest.mark.parametrize("scattered", [False, True], ids=["consecutive", "scattered"])
+def test_the_stages_add_up_to_the_steps_and_time_what_they_name(engine, scattered):
+    batch = decoding_batch(engine, "s", TEXTS, 3, scattered=scattered)
+    assert len(batch.rows) == 3 and not any(row.prefilling for row in batch.rows)
+    assert all((run_start(row.pages) is None) == (scattered and len(row.pages) > 1) for row in batch.rows)
+    assert any(len(row.pages) > 1 for row in batch.rows)
+    out = profile_steps(batch, 2)
+    layers = engine.model_config.num_hidden_layers
+    assert set(out["seconds"]) == set(STAGES) and all(s >= 0 for s in out["seconds"].values())
+    assert sum(out["seconds"].values()) == pytest.approx(out["step"], rel=0.05, abs=1e-3)
+    assert out["calls"]["engine"] == 2 and out["calls"]["model"] == 2 and out["calls"]["decoding"] == 6
+    assert out["calls"]["row_sdpa"] == out["calls"]["gathers"] * 3 == 2 * layers * 3
+    assert out["calls"]["pool_writes"] == 2 * layers and out["calls"]["prefix_rebuild"] == 0
+    for stage in ("model", "row_sdpa", "gathers", "pool_writes", "scheduler"):
+        assert out["seconds"][stage] > 0, stage
+    assert attention.sdpa_rows.__name__ == "sdpa_rows"  # the wrappers are gone
+    assert torch.nn.functional.scaled_dot_product_attention.__name__ == "scaled_dot_product_attention"
+
+
+def test_a_served_batch_refills_its_rows_and_times_their_admissions(engine):
+    out = profile_churn(engine, "s", TEXTS, 2, 12)
+    layers = engine.model_config.num_hidden_layers
+    assert out["rows"] == 2 and 0 <= out["scattered"] <= 1
+    assert sum(out["seconds"].values()) == pytest.approx(out["step"], rel=0.05, abs=1e-3)
+    assert out["calls"]["admission"] >= 1 and out["calls"]["prefix_rebuild"] >= layers  # rows joined and were rebuilt
+    assert out["seconds"]["admission"] > 0 and out["seconds"]["prefix_rebuild"] > 0
