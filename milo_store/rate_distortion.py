@@ -9,7 +9,8 @@ A column c [T] of coefficients stored at ``bits`` b > 0 keeps one fp16 minimum a
 (`SCALE_BYTES`) and T codes of b bits, packed column by column (`pack_columns`); at b = 0 it is
 dropped (read back as zeros). Allocation picks one width per column under a byte budget so as to
 minimise the summed squared error measured at every width (`allocate_bits`): reverse water-filling
-with measured distortion instead of the Gaussian log-variance rule.
+with measured distortion instead of the Gaussian log-variance rule. The error may be measured plainly
+(`column_errors`) or as attention sees it (`attended_column_errors`), which for values is what counts.
 """
 from __future__ import annotations
 
@@ -51,6 +52,19 @@ def column_errors(c: torch.Tensor, widths=WIDTHS) -> torch.Tensor:
     """Squared error of each column of c [..., T, n] stored at each width: [..., n, len(widths)], fp64."""
     c = c.float()
     return torch.stack([(roundtrip_columns(c, w) - c).double().pow(2).sum(-2) for w in widths], dim=-1)
+
+
+def attended_column_errors(c: torch.Tensor, probs: torch.Tensor, widths=WIDTHS) -> torch.Tensor:
+    """Squared error of each column of c [..., T, n] at each width as attention weights ``probs``
+    [..., M, T] see it, ‖P (ĉ_j - c_j)‖²: [..., n, len(widths)], fp64.
+
+    For values in an orthonormal (weighted) basis this is exactly the weighted attention output's error,
+    column by column: rounding noise that attention averages away costs little, a dropped column's
+    structured error (the content attention picks out) its full size. With P = I it is `column_errors`.
+    """
+    c = c.float()
+    p = probs.float()
+    return torch.stack([(p @ (roundtrip_columns(c, w) - c)).double().pow(2).sum(-2) for w in widths], dim=-1)
 
 
 def column_bytes(tokens, bits):

@@ -26,6 +26,8 @@ def main(argv=None) -> int:
     p.add_argument("--dataset", default="banking77")
     p.add_argument("--shots", type=int, default=512)
     p.add_argument("--queries", type=int, default=16, help="test items whose query tokens score the blocks")
+    p.add_argument("--calibration", type=int, default=8,
+                   help="demonstrations past --shots whose queries calibrate transform+attn")
     p.add_argument("--ratios", default="0.25,0.125,0.0625")
     p.add_argument("--codecs", default=",".join(rd_study.CODECS))
     p.add_argument("--sweep-ratio", type=float, default=0.125, help="ratio of the transform's fit-size sweep (0: none)")
@@ -43,7 +45,8 @@ def main(argv=None) -> int:
     train, test, task = load_dataset(args.dataset, seed=args.seed)
     store, staging = rd_study.staged_store(loaded, train[:args.shots], task,
                                            Path(args.work) / f"{args.dataset}-{args.shots}-s{args.seed}", args.seed)
-    data = rd_study.prepare(loaded, store, staging, test, task, args.queries)
+    calibration = train[args.shots:args.shots + args.calibration]  # demonstrations the store does not hold
+    data = rd_study.prepare(loaded, store, staging, test, task, args.queries, calibration)
     print(f"{args.dataset}, {args.shots} shots, seed {args.seed}: {len(data.blocks)} blocks "
           f"({int(data.tokens.sum())} tokens; fit on {len(data.fit)}, measured on {len(data.held_out)} held out), "
           f"{data.queries.shape[1]} query tokens from {args.queries} test items", flush=True)

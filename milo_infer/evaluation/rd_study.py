@@ -21,6 +21,8 @@ Codecs (`CODECS`):
   on the fit blocks (stored once, fp16, counted); each block's rows projected, each component's
   coefficients at one width for the whole store (fixed-width packed), chosen by measured error;
 - ``transform-shared``: the same with one budget for keys and values (``transform`` gives each half);
+- ``transform+attn``: ``transform`` whose value widths are chosen by the error the attention output takes,
+  measured with calibration queries (demonstrations the store does not hold) on the fit blocks;
 - ``transform+zstd``: the same with its packed coefficients through Zstandard, budget retargeted.
 
 Blocks are split in two: even-numbered blocks fit the transform and its widths, odd-numbered ones are
@@ -42,7 +44,7 @@ from milo_store.baselines import dense, weights
 from milo_store.codec import pack_block
 from milo_store.compress import pass_two_source, plan_ranks, quant_layout
 from milo_store.layout import Layout, full_kv_bytes, index_bytes
-from milo_store.rate_distortion import (WIDTHS, allocate_bits, column_bytes, column_errors, fit_transform,
+from milo_store.rate_distortion import (WIDTHS, allocate_bits, attended_column_errors, column_bytes, column_errors, fit_transform,
                                         pack_columns, quantize_columns, dequantize_columns, roundtrip_columns,
                                         zstd_bytes)
 from milo_store.staging import FINGERPRINT
@@ -51,7 +53,8 @@ from ..building.builder import CALIBRATION_TOKENS
 from ..building.config import default_compression
 from ..models import capture_queries, channel_scales, decoder_layers, layer_rope_tables
 
-CODECS = ("today", "today+mean", "today+bits", "today+zstd", "transform", "transform-shared", "transform+zstd")
+CODECS = ("today", "today+mean", "today+bits", "today+zstd", "transform", "transform-shared", "transform+attn",
+          "transform+zstd")
 
 
 @dataclass
@@ -63,6 +66,8 @@ class StudyInput:
     channel_scale: torch.Tensor  # raw query-aware statistics [L, 2, H, d] (what a build computes)
     queries: torch.Tensor  # pre-RoPE queries [L, Nq, Hq, d]
     query_positions: torch.Tensor  # [Nq]: each query token's position after the block's last token
+    calibration: torch.Tensor  # pre-RoPE queries of demonstrations not in the store, as queries: [L, Nc, Hq, d]
+    calibration_positions: torch.Tensor  # [Nc]
     rope: object  # RopeTables over every position needed
     scaling: float  # the attention's score scale
     interleaved: bool
@@ -97,25 +102,35 @@ def open_staging(directory) -> Staging:
     return Staging(directory, json.loads(fingerprint.read_text()), join=True)
 
 
-def prepare(loaded, store, staging: Staging, test, task, num_queries: int) -> StudyInput:
+def prepare(loaded, store, staging: Staging, test, task, num_queries: int, calibration=()) -> StudyInput:
     """Read the staged blocks, compute the build's channel scales and capture the test queries' pre-RoPE
-    queries, each test item after the store's anchor (as the engine places a query after its prefix)."""
+    queries, each test item after the store's anchor (as the engine places a query after its prefix), and
+    those of ``calibration`` items (demonstrations the store does not hold: what an attention-aware
+    allocation may measure with at build time)."""
     model, tokenizer = loaded.model, loaded.tokenizer
     blocks = [dense(staging.get(i)).float() for i in staging.staged()]
     anchor = list(store.meta["build"]["anchor_token_ids"])
     corpus = [int(t) for i in range(store.num_blocks) for t in store.token_ids(i)]
     sample = (anchor + corpus)[:CALIBRATION_TOKENS]
     scale = channel_scales(model, sample)
-    queries, positions = [], []
-    for item in test[:num_queries]:
-        ids = tokenizer(task.render_query(item.input), add_special_tokens=False)["input_ids"]
-        q = capture_queries(model, anchor + ids)[:, len(anchor):]
-        queries.append(q)
-        positions.append(torch.arange(len(ids)))
-    longest = max(b.shape[-2] for b in blocks) + max(len(p) for p in positions)
+
+    def captured(items):
+        queries, positions = [], []
+        for item in items:
+            ids = tokenizer(task.render_query(item.input), add_special_tokens=False)["input_ids"]
+            queries.append(capture_queries(model, anchor + ids)[:, len(anchor):])
+            positions.append(torch.arange(len(ids)))
+        return queries, positions
+
+    queries, positions = captured(test[:num_queries])
+    calibration_queries, calibration_positions = captured(calibration)
+    longest = max(b.shape[-2] for b in blocks) + max(len(p) for p in positions + calibration_positions)
     layout = replace(store.layout, quant=None)
     return StudyInput(blocks=blocks, staging=staging, layout=layout, channel_scale=scale,
                       queries=torch.cat(queries, dim=1), query_positions=torch.cat(positions),
+                      calibration=torch.cat(calibration_queries, dim=1) if calibration_queries else queries[0][:, :0],
+                      calibration_positions=torch.cat(calibration_positions) if calibration_positions else
+                      torch.zeros(0, dtype=torch.int64),
                       rope=layer_rope_tables(model, longest), scaling=float(decoder_layers(model)[0].self_attn.scaling),
                       interleaved=_interleaved(model))
 
@@ -123,6 +138,21 @@ def prepare(loaded, store, staging: Staging, test, task, num_queries: int) -> St
 def _interleaved(model) -> bool:
     from ..models import attention_of
     return attention_of(model.config).interleaved
+
+
+def attention_probs(data: StudyInput, x: torch.Tensor, queries: torch.Tensor, positions: torch.Tensor
+                    ) -> torch.Tensor:
+    """Attention of ``queries`` [L, M, Hq, d] (at ``positions`` after the block) over block x's exact keys,
+    softmax over the block: [L, H, M * n_rep, T], query heads grouped by the KV head they read."""
+    L, _, H, T, d = x.shape
+    out = []
+    for layer in range(L):
+        cos, sin = data.rope.layer(layer)
+        q = apply_rope(queries[layer].transpose(0, 1), cos[T + positions], sin[T + positions], data.interleaved)
+        q = q.reshape(H, -1, d)
+        k = apply_rope(x[layer, 0].float(), cos[:T], sin[:T], data.interleaved)
+        out.append(torch.softmax(q @ k.transpose(-1, -2) * data.scaling, dim=-1))
+    return torch.stack(out)
 
 
 def attention_error(data: StudyInput, exact: torch.Tensor, decoded: torch.Tensor) -> dict:
@@ -263,11 +293,13 @@ def run_bits(data: StudyInput, ratio: float) -> dict:
 
 
 def run_transform(data: StudyInput, ratio: float, *, fit: list[int] | None = None, coded: bool = False,
-                  key_share: float | None = 0.5) -> dict:
+                  key_share: float | None = 0.5, attended: bool = False) -> dict:
     """The transform codec: a corpus mean and PCA basis per (layer, kind, head) fitted on ``fit`` blocks
     (default the even ones), one width per component chosen on them, measured on the held-out blocks.
     Keys get ``key_share`` of the coefficient budget and values the rest (None: one pool for both, their
-    weighted errors compared as the query-aware weights scale them)."""
+    weighted errors compared as the query-aware weights scale them). ``attended``: a value component's
+    error is measured through the calibration queries' attention on each fit block
+    (`attended_column_errors`), a key's stays the weighted squared error."""
     fit = data.fit if fit is None else fit
     L, _, H, d = data.channel_scale.shape
     U = L * 2 * H
@@ -275,7 +307,7 @@ def run_transform(data: StudyInput, ratio: float, *, fit: list[int] | None = Non
     flat = [b.reshape(U, b.shape[-2], d) for b in data.blocks]
     transform = fit_transform([flat[i] for i in fit], w)
     coeffs = [transform.project(x) for x in flat]  # [U, T, d]
-    errors = sum(column_errors(coeffs[i]) for i in fit).numpy().reshape(U * d, len(WIDTHS))
+    errors = sum(_fit_errors(data, coeffs[i], data.blocks[i], attended) for i in fit).numpy().reshape(U * d, len(WIDTHS))
     tokens = data.tokens
     costs = np.stack([column_bytes(tokens, b).sum() for b in WIDTHS]).astype(np.float64)
     costs = np.broadcast_to(costs, (U * d, len(WIDTHS)))
@@ -302,6 +334,19 @@ def run_transform(data: StudyInput, ratio: float, *, fit: list[int] | None = Non
     return result
 
 
+def _fit_errors(data: StudyInput, coeffs: torch.Tensor, block: torch.Tensor, attended: bool) -> torch.Tensor:
+    """[U, d, W] errors of one fit block's coefficients [U, T, d], values through attention if ``attended``."""
+    errors = column_errors(coeffs)
+    if attended:
+        L, _, H, T, d = block.shape
+        probs = attention_probs(data, block, data.calibration, data.calibration_positions)  # [L, H, M, T]
+        by_kind = coeffs.reshape(L, 2, H, T, d)
+        errors = errors.reshape(L, 2, H, d, -1)
+        errors[:, 1] = attended_column_errors(by_kind[:, 1], probs)
+        errors = errors.reshape(L * 2 * H, d, -1)
+    return errors
+
+
 def _split_allocation(errors, costs, budget: float, key_share: float | None, heads: int, d: int) -> np.ndarray:
     """`allocate_bits` over components laid out [layer, kind, head, component]: keys and values in one
     pool (``key_share`` None), or each in its own share of ``budget``."""
@@ -322,23 +367,25 @@ def run(data: StudyInput, codec: str, ratio: float) -> dict:
                "today+zstd": lambda: run_today(data, ratio, coded=True), "today+bits": lambda: run_bits(data, ratio),
                "transform": lambda: run_transform(data, ratio),
                "transform-shared": lambda: run_transform(data, ratio, key_share=None),
+               "transform+attn": lambda: run_transform(data, ratio, attended=True),
                "transform+zstd": lambda: run_transform(data, ratio, coded=True)}
     result = runners[codec]()
     out = {"codec": codec, "target": ratio, "measured": result["bytes"] / data.full_bytes, **relative(result["errors"]),
            "note": result["note"]}
-    if "coded_bytes" in result and codec in ("today", "transform", "transform-shared"):
+    if "coded_bytes" in result and codec in ("today", "transform", "transform-shared", "transform+attn"):
         out["zstd"] = result["coded_bytes"] / data.full_bytes
     return out
 
 
-def fit_sweep(data: StudyInput, ratio: float, counts=(1, 2, 4, 8)) -> list[dict]:
-    """The transform fitted on the first k fit blocks, for each k: tokens fitted on and held-out errors."""
+def fit_sweep(data: StudyInput, ratio: float, counts=(1, 2, 4, 8), attended: bool = True) -> list[dict]:
+    """The transform (``transform+attn`` unless not ``attended``) fitted on the first k fit blocks, for each
+    k: tokens fitted on and held-out errors."""
     rows = []
     for k in counts:
         fit = data.fit[:k]
         if len(fit) < k:
             break
-        result = run_transform(data, ratio, fit=fit)
+        result = run_transform(data, ratio, fit=fit, attended=attended)
         rows.append({"fit_blocks": k, "fit_tokens": int(data.tokens[fit].sum()),
                      "measured": result["bytes"] / data.full_bytes, **relative(result["errors"])})
     return rows

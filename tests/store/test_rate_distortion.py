@@ -3,7 +3,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from milo_store.rate_distortion import (SCALE_BYTES, WIDTHS, allocate_bits, column_bytes, column_errors,
+from milo_store.rate_distortion import (SCALE_BYTES, WIDTHS, allocate_bits, attended_column_errors, column_bytes,
+                                        column_errors,
                                         dequantize_columns, fit_transform, pack_columns, quantize_columns,
                                         roundtrip_columns, unpack_columns, zstd_bytes)
 
@@ -118,3 +119,20 @@ def test_entropy_coding_shrinks_skewed_codes():
     codes[0, ::97] = 3
     data = pack_columns(codes, torch.tensor([[4]]))
     assert zstd_bytes(data) < len(data) / 4
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2**16), st.integers(1, 30), st.integers(1, 5), st.integers(1, 6))
+def test_attended_errors_are_the_attention_outputs_error(seed, tokens, n, queries):
+    c = columns(seed, tokens, n, 2)
+    torch.testing.assert_close(attended_column_errors(c, torch.eye(tokens).expand(2, tokens, tokens)), column_errors(c))
+    g = torch.Generator().manual_seed(seed)
+    probs = torch.softmax(torch.randn(2, queries, tokens, generator=g) * 3, dim=-1)
+    e = attended_column_errors(c, probs)
+    assert e.shape == (2, n, len(WIDTHS))
+    j = len(WIDTHS) - 1  # summed over columns: the error of P (Ĉ - C) at one width, as an orthonormal basis keeps it
+    whole = (probs @ (roundtrip_columns(c, WIDTHS[j]) - c)).double().pow(2).sum((-2, -1))
+    torch.testing.assert_close(e[..., j].sum(-1), whole)
+    # attention spread over every token sees at most the mean square over tokens (Cauchy-Schwarz)
+    spread = torch.full((2, 1, tokens), 1.0 / tokens)
+    assert (attended_column_errors(c, spread)[..., 1:] <= column_errors(c)[..., 1:] / tokens * 1.0001 + 1e-9).all()
