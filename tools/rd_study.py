@@ -59,7 +59,7 @@ def main(argv=None) -> int:
             print(f"| {codec} | {ratio:g} | {r['measured']:.4f} | {r['attention']:.4f} | {r['keys']:.4f} | "
                   f"{r['values']:.4f} | {note} |", flush=True)
     if args.sweep_ratio:
-        print(f"\ntransform at ρ {args.sweep_ratio:g}, fitted on the first k fit blocks, measured on the held-out ones:\n")
+        print(f"\ntransform+attn at ρ {args.sweep_ratio:g}, fitted on the first k fit blocks, measured on the held-out ones:\n")
         print("| fit blocks | fit tokens | ρ measured | attention out rel. err | K rel. err | V rel. err |")
         print("|---|---|---|---|---|---|")
         for r in rd_study.fit_sweep(data, args.sweep_ratio):

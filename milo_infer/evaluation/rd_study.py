@@ -327,7 +327,7 @@ def run_transform(data: StudyInput, ratio: float, *, fit: list[int] | None = Non
                 decoded = transform.reconstruct(dequantize_columns(codes, scale, low))
                 errs.append(attention_error(data, data.blocks[i], decoded.reshape(data.blocks[i].shape)))
         result = {"plain_bytes": plain, "coded_bytes": coded_bytes, "errors": errs,
-                  "note": f"mean width {bits.float().mean():.2f} bits, basis {transform.stored_bytes() / data.full_bytes:.4f} of ρ"}
+                  "note": f"mean width {bits.float().mean():.2f} bits, basis {transform.stored_bytes() / data.full_bytes:.4f} of the full K/V"}
         if coded:
             budget *= target / (coded_bytes - fixed)
     result["bytes"] = result["coded_bytes"] if coded else result["plain_bytes"]
