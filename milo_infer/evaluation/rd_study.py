@@ -14,7 +14,8 @@ Codecs (`CODECS`):
 - ``today+mean`` (a): the same on each block's mean-removed K/V, the means kept in fp16 and paid for;
 - ``today+bits`` (b): each block's query-weighted SVD with one width per component (0 to 8 bits for
   its coefficients, INT8 for its basis column), chosen store-wide by measured error (`allocate_bits`),
-  keys and values each on half the budget;
+  keys and values each on half the budget; ``today+bits+attn``: its value widths chosen as
+  ``transform+attn``'s are;
 - ``today+zstd`` (c): today's packed blocks through Zstandard, its budget raised until the coded bytes
   meet ρ;
 - ``transform``: per (layer, kind, head) a mean and a PCA basis of the query-weighted rows fitted once
@@ -53,8 +54,8 @@ from ..building.builder import CALIBRATION_TOKENS
 from ..building.config import default_compression
 from ..models import capture_queries, channel_scales, decoder_layers, layer_rope_tables
 
-CODECS = ("today", "today+mean", "today+bits", "today+zstd", "transform", "transform-shared", "transform+attn",
-          "transform+zstd")
+CODECS = ("today", "today+mean", "today+bits", "today+bits+attn", "today+zstd", "transform", "transform-shared",
+          "transform+attn", "transform+zstd")
 
 
 @dataclass
@@ -262,8 +263,9 @@ def _today_at(data: StudyInput, config, layout: Layout, staging, mean_bytes: int
                     f"{int((ranks < 0).sum())} raw units"}
 
 
-def run_bits(data: StudyInput, ratio: float) -> dict:
-    """(b): per block, the query-weighted SVD's components each at their own width (store-wide choice)."""
+def run_bits(data: StudyInput, ratio: float, attended: bool = False) -> dict:
+    """(b): per block, the query-weighted SVD's components each at their own width (store-wide choice);
+    ``attended``: values' errors measured through the calibration queries' attention (`_fit_errors`)."""
     w = data.weight  # [L, 2, H, d]
     coeffs, bases = [], []
     for x in data.blocks:
@@ -271,7 +273,8 @@ def run_bits(data: StudyInput, ratio: float) -> dict:
         coeffs.append(U * S.unsqueeze(-2))  # [L, 2, H, T, n]
         bases.append(Vh.transpose(-1, -2))  # [L, 2, H, d, n]
     d = data.layout.head_dim
-    errors = torch.cat([column_errors(c).reshape(-1, len(WIDTHS)) for c in coeffs]).numpy()
+    errors = torch.cat([_fit_errors(data, c.reshape(-1, *c.shape[-2:]), x, attended).reshape(-1, len(WIDTHS))
+                        for c, x in zip(coeffs, data.blocks)]).numpy()
     basis_bytes = d + 4  # INT8 codes of the basis column, its fp16 scale and minimum
     costs = np.concatenate([np.broadcast_to(column_bytes(c.shape[-2], np.array(WIDTHS)) + basis_bytes * (np.array(WIDTHS) > 0),
                                             (c[..., 0, :].numel(), len(WIDTHS))) for c in coeffs])
@@ -365,6 +368,7 @@ def run(data: StudyInput, codec: str, ratio: float) -> dict:
         raise ValueError(f"unknown codec {codec!r}; expected one of {CODECS}")
     runners = {"today": lambda: run_today(data, ratio), "today+mean": lambda: run_today(data, ratio, centre=True),
                "today+zstd": lambda: run_today(data, ratio, coded=True), "today+bits": lambda: run_bits(data, ratio),
+               "today+bits+attn": lambda: run_bits(data, ratio, attended=True),
                "transform": lambda: run_transform(data, ratio),
                "transform-shared": lambda: run_transform(data, ratio, key_share=None),
                "transform+attn": lambda: run_transform(data, ratio, attended=True),
