@@ -42,7 +42,7 @@ from milo_kernels import reconstruct_layer
 from milo_kernels.naive import apply_rope
 from milo_store import Staging
 from milo_store.baselines import dense, weights
-from milo_store.codec import pack_block
+from milo_store.codec import BlockFactors, pack_block
 from milo_store.compress import pass_two_source, plan_ranks, quant_layout
 from milo_store.layout import Layout, full_kv_bytes, index_bytes
 from milo_store.rate_distortion import (WIDTHS, allocate_bits, attended_column_errors, column_bytes, column_errors, fit_transform,
@@ -52,7 +52,7 @@ from milo_store.staging import FINGERPRINT
 
 from ..building.builder import CALIBRATION_TOKENS
 from ..building.config import default_compression
-from ..models import capture_queries, channel_scales, decoder_layers, layer_rope_tables
+from ..models import attention_of, capture_queries, channel_scales, decoder_layers, layer_rope_tables
 
 CODECS = ("today", "today+mean", "today+bits", "today+bits+attn", "today+zstd", "transform", "transform-shared",
           "transform+attn", "transform+zstd")
@@ -137,7 +137,6 @@ def prepare(loaded, store, staging: Staging, test, task, num_queries: int, calib
 
 
 def _interleaved(model) -> bool:
-    from ..models import attention_of
     return attention_of(model.config).interleaved
 
 
@@ -195,15 +194,13 @@ class _CentredStaging:
     """A staging whose blocks are another's, each unit's mean over its tokens removed (identity factors)."""
 
     def __init__(self, blocks: list[torch.Tensor]):
-        from milo_store.codec import BlockFactors
-        self._factors = BlockFactors
         self.means = [b.mean(dim=-2, keepdim=True) for b in blocks]
         self.centred = [b - m for b, m in zip(blocks, self.means)]
 
     def get(self, i: int):
         x = self.centred[i]
         d = x.shape[-1]
-        return self._factors(A=x, S=torch.ones(*x.shape[:-2], d), B=torch.eye(d).expand(*x.shape[:-2], d, d))
+        return BlockFactors(A=x, S=torch.ones(*x.shape[:-2], d), B=torch.eye(d).expand(*x.shape[:-2], d, d))
 
 
 def _decode_packed(packed: torch.Tensor, layout: Layout, ranks: np.ndarray, tokens: int) -> torch.Tensor:
