@@ -9,11 +9,12 @@ Face model lays these out:
 * `loading`: `load_model` (the default model, an HF directory, a ``.gguf``), `model_directory`, `read_config`
   (a wrapped text model's config for a multimodal checkpoint);
 * `identity`: `model_identity`, the JSON record a store keeps to refuse a cache built by another model;
-* `capture`: `capture_kv` (pre-RoPE keys and values per layer) and the query-aware `channel_scales`;
+* `capture`: `capture_kv` (pre-RoPE keys and values per layer), `capture_queries` (pre-RoPE queries) and the
+  query-aware `channel_scales`;
 * `rope`: the model's own cos/sin tables (`rope_tables`), and each layer's (`RopeTables`: NoPE layers
   rotate by identity tables).
 """
-from .capture import (CapturedKV, capture_kv, channel_scales, decoder_layers, output_channel_scales,
+from .capture import (CapturedKV, capture_kv, capture_queries, channel_scales, decoder_layers, output_channel_scales,
                       query_channel_scales)
 from .families import (FAMILIES, REFUSED, SUPPORTED_ROPE_TYPES, Attention, UnsupportedModelError, attention_of,
                        check_supported, head_dim)
@@ -24,6 +25,7 @@ from .rope import RopeTables, config_layer_rope_tables, config_rope_tables, laye
 
 __all__ = ["Attention", "CapturedKV", "FAMILIES", "IDENTITY_FIELDS", "LoadedModel", "ModelUnavailable", "REFUSED",
            "RopeTables", "SUPPORTED_ROPE_TYPES", "UnsupportedModelError", "attention_of", "cache_root", "capture_kv",
+           "capture_queries",
            "channel_scales", "check_compatible", "check_supported", "config_identity", "config_layer_rope_tables",
            "config_rope_tables", "decoder_layers", "default_gguf_path", "head_dim", "layer_rope_tables",
            "llama_as_qwen2", "load_model", "model_directory", "model_identity", "output_channel_scales",

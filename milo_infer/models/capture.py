@@ -157,3 +157,32 @@ def channel_scales(model, input_ids) -> torch.Tensor:
     """Query-aware channel weights [L, 2, H_kv, d]: keys from the queries over ``input_ids``
     (a calibration sample), values from ``o_proj``."""
     return torch.stack((query_channel_scales(model, input_ids), output_channel_scales(model)), dim=1)
+
+
+def capture_queries(model, input_ids, spec: Attention | None = None) -> torch.Tensor:
+    """Pre-RoPE queries [L, T, H_q, d] of one forward pass over ``input_ids`` (read where the family's
+    description reads them, as `query_channel_scales` does): what a study of the error the model sees
+    scores stored keys with."""
+    config = model.config
+    spec = spec or attention_of(config)
+    L, Hq, d = config.num_hidden_layers, config.num_attention_heads, head_dim(config)
+    ids = torch.as_tensor(input_ids, device=model.device).reshape(1, -1)
+    if ids.numel() == 0:
+        raise ValueError("capturing queries needs at least one token")
+    queries: list[torch.Tensor | None] = [None] * L
+
+    def hook(layer: int, part):
+        def store(module, inputs, output):
+            queries[layer] = part(output.detach()).float().reshape(-1, Hq, d).cpu()
+        return store
+
+    handles = []
+    try:
+        for index, (module, part) in enumerate(_taps(model, spec, "q")):
+            handles.append(module.register_forward_hook(hook(index, part)))
+        with torch.inference_mode():
+            model(input_ids=ids, use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return torch.stack(queries)

@@ -7,7 +7,8 @@ the model's own pieces (hidden states, input norm, q_proj, o_proj), on the Llama
 import pytest
 import torch
 
-from milo_infer.models import channel_scales, decoder_layers, output_channel_scales, query_channel_scales, rope_tables
+from milo_infer.models import (capture_queries, channel_scales, decoder_layers, output_channel_scales,
+                               query_channel_scales, rope_tables)
 from milo_kernels.naive import apply_rope
 
 L, HEADS, KV_HEADS, D = 2, 4, 2, 16
@@ -45,6 +46,19 @@ def test_key_scales_are_pair_tied_group_pooled_query_rms(model):
         pair = torch.cat((q[..., :D // 2], q[..., D // 2:]), dim=0)  # both channels of a pair as samples
         expected = pair.square().mean(dim=(0, 2)).sqrt()
         torch.testing.assert_close(s[index], torch.cat((expected, expected), dim=-1).float(), rtol=1e-4, atol=1e-6)
+
+
+def test_captured_queries_are_the_projections_the_attention_reads(model):
+    tokens = ids()
+    q = capture_queries(model, tokens)
+    assert q.shape == (L, len(tokens), HEADS, D) and q.dtype == torch.float32
+    with torch.inference_mode():
+        hidden = model(input_ids=torch.tensor([tokens]), output_hidden_states=True).hidden_states
+    for index, layer in enumerate(decoder_layers(model)):
+        expected = layer.self_attn.q_proj(layer.input_layernorm(hidden[index]))[0].unflatten(-1, (HEADS, D))
+        torch.testing.assert_close(q[index], expected, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="at least one token"):
+        capture_queries(model, [])
 
 
 def test_tied_key_weights_make_the_error_the_same_after_rope(model):
