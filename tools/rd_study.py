@@ -23,6 +23,7 @@ from milo_infer.tasks.datasets import load_dataset  # noqa: E402
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="default", help="'default', a GGUF, or a transformers directory")
     p.add_argument("--dataset", default="banking77")
     p.add_argument("--shots", type=int, default=512)
     p.add_argument("--queries", type=int, default=16, help="test items whose query tokens score the blocks")
@@ -41,7 +42,7 @@ def main(argv=None) -> int:
         if c not in rd_study.CODECS:
             p.error(f"unknown codec {c!r}; expected some of {', '.join(rd_study.CODECS)}")
     started = time.perf_counter()
-    loaded = load_model("default")
+    loaded = load_model(args.model)
     train, test, task = load_dataset(args.dataset, seed=args.seed)
     store, staging = rd_study.staged_store(loaded, train[:args.shots], task,
                                            Path(args.work) / f"{args.dataset}-{args.shots}-s{args.seed}", args.seed)
