@@ -39,7 +39,10 @@ def _taps(model, spec: Attention, what: str):
             taps.append((getattr(attention, spec.fused), lambda out, a=start, b=start + sizes[what]: out[..., a:b]))
         else:
             names = {"q": spec.queries, "k": spec.keys, "v": (spec.values,)}[what]
-            taps.append((_module(attention, names), lambda out: out))
+            if spec.heads_first and what != "v":  # [batch, heads, tokens, d] -> [batch, tokens, heads, d]
+                taps.append((_module(attention, names), lambda out: out.transpose(1, 2)))
+            else:
+                taps.append((_module(attention, names), lambda out: out))
     return taps
 
 

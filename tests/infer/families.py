@@ -41,6 +41,17 @@ TINY = {
     "helium": ("HeliumConfig", dict(head_dim=16)),  # interleaved pairs on re-laid rotate-half tables
     "glm": ("GlmConfig", dict(head_dim=16)),  # rotary over half the head, interleaved
     "glm4": ("Glm4Config", dict(head_dim=16)),
+    # windows of 8 tokens: the conformance rows (an anchor and two blocks) are ~40 tokens, so every window bites
+    "ministral": ("MinistralConfig", dict(head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"])),
+    "gemma2": ("Gemma2Config", dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+                                    attn_logit_softcapping=5.0, final_logit_softcapping=30.0)),  # scores capped low
+    "gemma3_text": ("Gemma3TextConfig", dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+                                             layer_types=["sliding_attention", "full_attention"])),  # RoPE 10k / 1M
+    "olmo3": ("Olmo3Config", dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"])),
+    "exaone4": ("Exaone4Config", dict(head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"])),
+    "cohere2": ("Cohere2Config", dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"])),
+    "gpt_oss": ("GptOssConfig", dict(head_dim=16, sliding_window=8, num_local_experts=4, num_experts_per_tok=2,
+                                     layer_types=["sliding_attention", "full_attention"])),  # sinks
 }
 
 TASK = TaskSpec(name="topics", template="Message: {input}\nTopic: {output}\n", anchor="Name each message's topic.",

@@ -43,9 +43,9 @@ def test_a_closed_pipe_ends_the_command_quietly(tmp_path, command):
 
 @pytest.mark.parametrize("model_type, overrides, reason", [
     ("qwen3_next", {}, "hybrid linear attention"),
-    ("gemma3_text", {}, "sliding-window layers beside full-attention ones"),
+    ("gemma3", {}, "the multimodal Gemma 3 (gemma3)"),
     ("deepseek_v3", {}, "multi-head latent attention"),
-    ("mistral", {"sliding_window": 4096}, "sliding_window=4096 is active"),
+    ("hunyuan_v1_dense", {}, "its key norm follows RoPE"),
     ("stablelm", {}, "partial rotary embedding with rotate-half pairs"),
 ])
 def test_build_on_a_refused_family_is_one_line_naming_why(model_type, overrides, reason, tmp_path, capsys):
