@@ -211,3 +211,14 @@ def rope_per_layer_type(config) -> dict[str, dict]:
     ...}), or {} for one RoPE over every layer."""
     rope = getattr(config, "rope_parameters", None) or {}
     return dict(rope) if rope and all(isinstance(v, dict) for v in rope.values()) else {}
+
+
+def vllm_problem(config) -> str | None:
+    """Why the vLLM connector cannot serve this model yet, or None: it writes a block's K/V into every layer's
+    pages of vLLM's first KV cache group, and a window model's sliding layers sit in other groups (vLLM's hybrid
+    KV cache manager), which milo's engine serves and the connector does not yet."""
+    spec = attention_of(config)
+    if any(w is not None for w in spec.windows(config)):
+        return (f"model_type {config.model_type!r} has sliding-window layers, which the milo vLLM connector does "
+                "not serve yet (vLLM keeps them in KV cache groups of their own); milo's own engine serves it")
+    return None

@@ -175,6 +175,14 @@ def test_the_description_names_each_layers_window_scale_cap_and_sinks(family):
             assert seen[layer]["scaling"] == pytest.approx(scores["scaling"])
 
 
+def test_the_vllm_connector_refuses_window_models_and_serves_the_others():
+    from milo_infer.models.families import vllm_problem
+
+    assert "sliding-window layers" in vllm_problem(families.config("gemma3_text"))
+    assert "sliding-window layers" in vllm_problem(families.config("mistral", sliding_window=8))
+    assert vllm_problem(families.config("mistral")) is None and vllm_problem(families.config("gemma")) is None
+
+
 def test_nope_layers_and_a_partial_rotary_are_named_in_the_identity():
     assert families.tiny_model("smollm3").identity["rope"]["nope_layers"] == [1, 3]
     assert families.tiny_model("glm4").identity["rope"]["rotary_dim"] == 8  # half of head_dim 16
