@@ -44,6 +44,7 @@ class Attention:
     sinks: bool = False  # each query head has a learned sink logit in its softmax, attended by nothing (gpt-oss)
     softcap: str | None = None  # a config field: scores are capped to cap·tanh(score/cap) before the softmax (Gemma 2)
     query_scalar: str | None = None  # a config field: scores are scaled by its inverse square root, not 1/sqrt(d)
+    window_refused: str | None = None  # why an active window is refused (its modeling file applies it half-way)
 
     def __post_init__(self):
         if self.partial and not self.interleaved:
@@ -98,10 +99,12 @@ FAMILIES: dict[str, Attention] = {
     "qwen2_moe": replace(PLAIN, identity=("qkv_bias", "shared_expert_intermediate_size") + MOE),
     "mixtral": replace(WINDOWED, identity=("num_local_experts", "num_experts_per_tok")),
     "phi3": FUSED,
-    "phimoe": replace(WINDOWED, identity=("num_local_experts", "num_experts_per_tok", "input_jitter_noise")),
+    "phimoe": replace(WINDOWED, identity=("num_local_experts", "num_experts_per_tok", "input_jitter_noise"),
+                      window_refused="its mask has the window and its attention is not told it"),
     "gemma": PLAIN,  # head_dim 256
     "olmo2": QK_NORM,
-    "olmoe": replace(QK_NORM, window=True, identity=("num_experts", "num_experts_per_tok", "clip_qkv")),
+    "olmoe": replace(QK_NORM, window=True, identity=("num_experts", "num_experts_per_tok", "clip_qkv"),
+                     window_refused="its attention is told the window and its mask has none (SDPA attends in full)"),
     "granite": replace(PLAIN, identity=GRANITE),  # attention_multiplier is the attention's scale
     "granitemoe": replace(PLAIN, identity=GRANITE + ("num_local_experts", "num_experts_per_tok")),
     "smollm3": replace(PLAIN, nope="no_rope_layers", identity=("no_rope_layers",)),
@@ -193,6 +196,9 @@ def check_supported(config) -> None:
     other = sorted({kind for kind in layer_types} - {"full_attention", "sliding_attention"})
     if other and model_type not in REFUSED:
         problems.append(f"layers of type {', '.join(map(repr, other))}: MILO attends full or sliding-window layers only")
+    if spec is not None and spec.window_refused and any(w is not None for w in spec.windows(config)):
+        problems.append(f"sliding_window={config.sliding_window} is active, which milo cannot follow here: "
+                        f"{spec.window_refused} (transformers' {model_type} modeling file); set it to null")
     if model_type == "olmoe" and getattr(config, "clip_qkv", None) is not None:
         problems.append(f"clip_qkv={config.clip_qkv} clamps keys after their norm, in place: not captured")
     if problems:

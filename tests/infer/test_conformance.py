@@ -100,6 +100,7 @@ WINDOWED = {  # families whose tiny config has no window, with one that bites (8
     "qwen2": dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),  # the layers from max_window_layers
     "phi3": dict(sliding_window=8),
     "mixtral": dict(sliding_window=8),
+    "qwen3_moe": dict(use_sliding_window=True, sliding_window=8),
 }
 
 
@@ -131,6 +132,20 @@ def test_attention_that_leaves_out_a_window_a_sink_or_the_cap_fails_the_logits(f
     finally:
         AttentionInterface.register(attention.ATTENTION, attention.paged_attention)
     assert any(failure.startswith("logits") for failure in r.failures()), r.failures()
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "gemma2", "gpt_oss"])
+def test_flex_attention_answers_window_cap_and_sink_families_as_transformers(family, tmp_path, monkeypatch):
+    """The engine's `flex` path (CUDA's default; uncompiled here) over the same checks: each window size its own
+    block mask in one forward, the cap as a score modifier, sinks from the log-sum-exp."""
+    import functools
+
+    from milo_infer.runtime import attention, engine
+
+    monkeypatch.setattr(engine, "choose_attention", lambda name, device: "flex")
+    monkeypatch.setattr(attention, "flex_rows", functools.partial(attention.flex_rows, compiled=False))
+    r = conformance(families.tiny_model(family), tmp_path)
+    assert r.passed and r.logits.relative > 0, (r.failures(), r.logits)  # > 0: not the rows path's SDPA
 
 
 def test_the_global_rope_base_on_a_local_layer_fails_its_check(tmp_path, monkeypatch):
@@ -173,6 +188,17 @@ def test_the_description_names_each_layers_window_scale_cap_and_sinks(family):
         assert (seen[layer].get("s_aux") is not None) == scores["sinks"]
         if scores["scaling"] is not None:
             assert seen[layer]["scaling"] == pytest.approx(scores["scaling"])
+
+
+@pytest.mark.parametrize("family", ["phimoe", "olmoe"])
+def test_a_window_its_modeling_file_applies_half_way_is_refused(family, tmp_path):
+    """PhiMoE masks by the window without telling its attention; OLMoE tells its attention and masks in full. The
+    engine attends as the attention is told, so either would answer unlike transformers (logits off by 1.3-1.4,
+    seen before the refusal): refused, naming why."""
+    config = families.config(family, sliding_window=8)
+    with pytest.raises(UnsupportedModelError, match="sliding_window=8 is active, which milo cannot follow"):
+        check_supported(config)
+    check_supported(families.config(family, sliding_window=None))
 
 
 def test_the_vllm_connector_refuses_window_models_and_serves_the_others():
