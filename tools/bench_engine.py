@@ -131,9 +131,13 @@ def sdpa_rows_at(commit: str):
     source = subprocess.run(["git", "show", f"{commit}:milo_infer/runtime/attention.py"], cwd=ROOT, check=True,
                             capture_output=True, text=True).stdout
     function = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == "sdpa_rows")
-    namespace = {"torch": torch, "PAGE_TOKENS": PAGE_TOKENS, "pages_for": pages_for, "Pack": object}
+    namespace = {"torch": torch, "PAGE_TOKENS": PAGE_TOKENS, "pages_for": pages_for, "Pack": object,
+                 "LayerAttention": attention.LayerAttention, "scored_attention": attention.scored_attention}
     exec(compile(ast.Module([function], type_ignores=[]), f"{commit}:attention.py", "exec"), namespace)
-    return namespace["sdpa_rows"]
+    rows = namespace["sdpa_rows"]
+    if function.args.args[4].arg == "scaling":  # before each layer's window, soft-cap and sinks were passed
+        return lambda query, key, value, pack, layer: rows(query, key, value, pack, layer and layer.scaling)
+    return rows
 
 
 def compare_rows(loaded, store, texts, args) -> list[dict]:

@@ -23,19 +23,20 @@ The tolerances are per dtype (`TOLERANCES`); a description that reads the wrong 
 """
 from __future__ import annotations
 
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from transformers import AttentionInterface, DynamicCache
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 from milo_store import CompressionConfig, MiloStore
 
 from ..building.builder import build_store
 from ..building.config import BuildConfig
-from ..models import LoadedModel, attention_of, query_channel_scales
+from ..models import LoadedModel, attention_of, layer_rope_tables, query_channel_scales
 from ..models.capture import rope_pairs
 from ..runtime.engine import Engine, cache_keyword
 from ..runtime.planning import Request
@@ -188,19 +189,22 @@ def rebuilt(engine: Engine, blocks: list[int]) -> tuple[list[torch.Tensor], list
 @torch.inference_mode()
 def model_cache(model, ids: list[int], shift: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per layer, the K and V [1, H, T, d] the model writes into its own cache for ``ids`` fed at positions
-    ``shift``, ``shift + 1``, ...: RoPE'd where the layer rotates, as its attention reads them."""
+    ``shift``, ``shift + 1``, ...: RoPE'd where the layer rotates, as its attention reads them. The cache is one
+    without a config, which keeps every token of every layer: a config's window layers would keep their last W
+    (the model still attends within its windows: its masks make them)."""
     device = next(model.parameters()).device
     positions = torch.arange(len(ids), device=device)[None] + shift
     out = model(input_ids=torch.tensor([ids], device=device), position_ids=positions, use_cache=True,
-                logits_to_keep=1)
+                logits_to_keep=1, **{cache_keyword(model): DynamicCache()})
     cache = out.cache if hasattr(out, "cache") else out.past_key_values  # transformers renamed it after 5.19
     return [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers]
 
 
 @torch.inference_mode()
 def plain_logits(model, keys, values, query_ids: list[int], prefix_tokens: int) -> torch.Tensor:
-    """transformers alone: the query fed after a `DynamicCache` holding the prefix, its logits [T, vocab] fp32."""
-    cache = DynamicCache(config=model.config)
+    """transformers alone: the query fed after a `DynamicCache` holding the prefix, its logits [T, vocab] fp32
+    (every column kept, as `model_cache`'s)."""
+    cache = DynamicCache()
     for layer, (k, v) in enumerate(zip(keys, values)):
         cache.update(k, v, layer)
     device = next(model.parameters()).device
@@ -214,20 +218,24 @@ RECORDING = "milo_record_queries"
 
 
 def _recording_attention(module, query, key, value, attention_mask, milo_queries=None, **kwargs):
-    """SDPA that keeps what each layer's attention is given as queries (after RoPE and any norm)."""
+    """The model's own eager attention (windows, sinks, soft-cap as its modeling file has them), keeping what each
+    layer's attention is given as queries (after RoPE and any norm)."""
     if milo_queries is not None:
         milo_queries[module.layer_idx] = query.detach()
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    eager = sys.modules[type(module).__module__].eager_attention_forward
+    return eager(module, query, key, value, attention_mask, **kwargs)
 
 
 AttentionInterface.register(RECORDING, _recording_attention)
+AttentionMaskInterface.register(RECORDING, eager_mask)  # the masks eager attention takes, windows included
 
 
 @torch.inference_mode()
 def attended_query_scales(model, ids: list[int]) -> torch.Tensor:
     """`query_channel_scales`' quantity [L, H_kv, d] from the queries the model's attention receives: the RMS
     over tokens and each KV head's query group of each channel, pooled over RoPE pairs (a pair's energy is the
-    same rotated or not, so the attention's post-RoPE queries give what the pre-RoPE tap must)."""
+    same rotated or not, so the attention's post-RoPE queries give what the pre-RoPE tap must, once a scale the
+    rotary tables carry, YaRN's, is divided out: cos² + sin² at position 0)."""
     config = model.config
     H, n_rep = config.num_key_value_heads, config.num_attention_heads // config.num_key_value_heads
     seen: dict[int, torch.Tensor] = {}
@@ -240,4 +248,8 @@ def attended_query_scales(model, ids: list[int]) -> torch.Tensor:
         config._attn_implementation = before
     energy = torch.stack([seen[layer].double()[0].transpose(0, 1).unflatten(1, (H, n_rep)).square().mean(dim=(0, 2))
                           for layer in range(config.num_hidden_layers)]).cpu()  # [L, H, d]
+    tables = layer_rope_tables(model, 1)
+    carried = torch.tensor([float(tables.layer(l)[0][0, 0]) ** 2 for l in range(config.num_hidden_layers)],
+                           dtype=torch.float64)
+    energy = energy / carried[:, None, None]
     return rope_pairs(energy, attention_of(config).interleaved).sqrt().float()

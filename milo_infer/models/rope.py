@@ -2,7 +2,8 @@
 
 Every rotating layer of a model shares one table; a layer without RoPE (SmolLM3's NoPE layers) gets
 identity tables, cos 1 and sin 0, which the kernels apply as they apply any table: x·1 + partner·0 is x
-to the bit. So the rebuild needs no special case and no kernel change for NoPE layers.
+to the bit. So the rebuild needs no special case and no kernel change for NoPE layers. A model with a RoPE per
+layer type (Gemma 3's local base 10k and global 1M) has a table per type, each layer taking its type's.
 """
 from __future__ import annotations
 
@@ -10,35 +11,54 @@ import importlib
 
 import torch
 
-from .families import attention_of, head_dim
+from .families import attention_of, head_dim, rope_per_layer_type
 
 
 class RopeTables:
-    """Each layer's fp32 (cos, sin), [positions, head_dim]: ``cos``/``sin`` for the layers that rotate, identity
-    tables for those in ``nope``."""
+    """Each layer's fp32 (cos, sin), [positions, head_dim]: ``cos``/``sin`` for the layers that rotate (``by_layer``
+    for those with a table of their own), identity tables for those in ``nope``."""
 
-    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, num_layers: int, nope=()):
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, num_layers: int, nope=(), by_layer=None):
         self.cos, self.sin, self.num_layers, self.nope = cos, sin, num_layers, frozenset(nope)
+        self.by_layer = dict(by_layer or {})
         self._identity = (torch.ones_like(cos), torch.zeros_like(sin)) if self.nope else None
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not 0 <= index < self.num_layers:
             raise IndexError(f"layer {index} of a {self.num_layers}-layer model")
-        return self._identity if index in self.nope else (self.cos, self.sin)
+        if index in self.nope:
+            return self._identity
+        return self.by_layer.get(index, (self.cos, self.sin))
 
 
 def layer_rope_tables(model, n_rows: int, device=None) -> RopeTables:
     """`RopeTables` of ``model`` for positions ``0..n_rows-1``: its rotary module's, NoPE layers as its family says."""
-    return _per_layer(model.config, *rope_tables(model, n_rows, device))
+    return _per_layer(model.config, lambda kind: rope_tables(model, n_rows, device, kind))
 
 
 def config_layer_rope_tables(config, n_rows: int, device=None) -> RopeTables:
     """`layer_rope_tables` without the model (the vLLM connector has its config only)."""
-    return _per_layer(config, *config_rope_tables(config, n_rows, device))
+    return _per_layer(config, lambda kind: config_rope_tables(config, n_rows, device, kind))
 
 
-def _per_layer(config, cos, sin) -> RopeTables:
+def _per_layer(config, tables_of) -> RopeTables:
+    """``tables_of(layer_type)``: the rotary module's tables for that type (None: the model's one RoPE)."""
+    per_type = rope_per_layer_type(config)
+    if not per_type:
+        return RopeTables(*_as_applied(config, *tables_of(None)), config.num_hidden_layers,
+                          attention_of(config).unrotated_layers(config))
+    tables = {kind: _as_applied(config, *tables_of(kind)) for kind in per_type}
+    kinds = list(config.layer_types)
+    first = tables[kinds[0]]
+    return RopeTables(*first, config.num_hidden_layers, attention_of(config).unrotated_layers(config),
+                      by_layer={layer: tables[kind] for layer, kind in enumerate(kinds)})
+
+
+def _as_applied(config, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary module's tables laid out as the family's attention applies them to [head_dim] channels."""
     spec = attention_of(config)
+    if spec.half_tables:  # one table per pair (j, j + d/2): the same for both halves
+        cos, sin = torch.cat((cos, cos), dim=1), torch.cat((sin, sin), dim=1)
     if spec.regroup_tables:  # [f_0 .. f_{r/2-1}, f_0 .. f_{r/2-1}] -> [f_0, f_0, f_1, f_1, ...]
         cos, sin = (t[:, :t.shape[1] // 2].repeat_interleave(2, dim=1) for t in (cos, sin))
     d = head_dim(config)
@@ -47,36 +67,39 @@ def _per_layer(config, cos, sin) -> RopeTables:
             raise ValueError(f"{config.model_type}: rotary tables of {cos.shape[1]} channels for heads of {d}")
         cos = torch.cat((cos, cos.new_ones(cos.shape[0], d - cos.shape[1])), dim=1)
         sin = torch.cat((sin, sin.new_zeros(sin.shape[0], d - sin.shape[1])), dim=1)
-    return RopeTables(cos, sin, config.num_hidden_layers, spec.nope_layers(config))
+    return cos, sin
 
 
-def rope_tables(model, n_rows: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(model, n_rows: int, device=None, layer_type=None) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 ``(cos, sin)``, each ``[n_rows, head_dim]``, for positions ``0..n_rows-1``.
 
     They come from the model's own rotary module, so scaled variants (linear, yarn, llama3) and any
     attention scaling folded into cos/sin match the model exactly. They are laid out as that module makes
     them (rotate-half's, Cohere's interleaved); `RopeTables` holds them as the family's attention applies
-    them, for ``milo_kernels.naive.apply_rope(x, cos, sin, interleaved)``.
+    them, for ``milo_kernels.naive.apply_rope(x, cos, sin, interleaved)``. ``layer_type``: that type's tables,
+    where the model has a RoPE per layer type.
     """
     rotary = getattr(model, "model", model).rotary_emb
-    return _rotary_tables(rotary, n_rows, torch.device(device) if device is not None else rotary.inv_freq.device)
+    device = torch.device(device) if device is not None else next(rotary.buffers()).device
+    return _rotary_tables(rotary, n_rows, device, layer_type)
 
 
-def config_rope_tables(config, n_rows: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+def config_rope_tables(config, n_rows: int, device=None, layer_type=None) -> tuple[torch.Tensor, torch.Tensor]:
     """`rope_tables` without the model: its architecture's rotary module, made from ``config`` alone."""
-    modeling = importlib.import_module(f"transformers.models.{config.model_type}.modeling_{config.model_type}")
+    # the config class's own package: gemma3_text's is gemma3's
+    modeling = importlib.import_module(type(config).__module__.replace(".configuration_", ".modeling_"))
     rotary_classes = [obj for name, obj in vars(modeling).items() if name.endswith("RotaryEmbedding")
                       and isinstance(obj, type) and obj.__module__ == modeling.__name__]
     if len(rotary_classes) != 1:
         raise ValueError(f"cannot tell the rotary embedding of model type {config.model_type!r} "
                          f"({len(rotary_classes)} candidates in {modeling.__name__})")
     device = torch.device(device) if device is not None else torch.device("cpu")
-    return _rotary_tables(rotary_classes[0](config=config).to(device), n_rows, device)
+    return _rotary_tables(rotary_classes[0](config=config).to(device), n_rows, device, layer_type)
 
 
-def _rotary_tables(rotary, n_rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _rotary_tables(rotary, n_rows: int, device: torch.device, layer_type=None) -> tuple[torch.Tensor, torch.Tensor]:
     probe = torch.empty(0, dtype=torch.float32, device=device)  # only its dtype and device are read
     positions = torch.arange(n_rows, device=device)[None]
     with torch.no_grad():
-        cos, sin = rotary(probe, positions)
+        cos, sin = rotary(probe, positions) if layer_type is None else rotary(probe, positions, layer_type)
     return cos[0].float(), sin[0].float()

@@ -50,6 +50,15 @@ class BlockPlacement:
     prefix: "StorePrefix | None" = field(default=None, compare=False, repr=False)  # the mounted version that
     # placed them, which rebuilds them (None: a placement with no store behind it, as a test's fake engine makes)
 
+    def reached_by_windows(self, first_position: int, windows: list[int | None]) -> list[list[int]]:
+        """Per layer, which of ``blocks`` (indices into it) the row's tokens can attend, the first of them fed at
+        ``first_position``: every block at a full layer (None); at a window layer of W, those with a token after
+        ``first_position`` − W (a later token's window only moves forward). What a window layer would need read
+        and held (issue 46, item 3: measured by `tools/bench_windows.py`, not yet acted on by the engine)."""
+        ends = np.append(self.dst_rows[1:], self.prefix_tokens)  # each block's end, exclusive
+        return [list(range(len(self.blocks))) if w is None else
+                [i for i, end in enumerate(ends) if int(end) - 1 > first_position - w] for w in windows]
+
 
 @dataclass(frozen=True)
 class KVShare:

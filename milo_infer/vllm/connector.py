@@ -47,7 +47,8 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from milo_store import MiloStore, StoreError
 from milo_store.blockcache import BlockCache
 
-from ..models import check_compatible, config_identity, config_layer_rope_tables
+from ..models import UnsupportedModelError, check_compatible, config_identity, config_layer_rope_tables
+from ..models.families import vllm_problem
 from ..runtime.prefix import BlockPlacement, KVShare, PrefixRebuild, StorePrefix
 from ..runtime.timing import StageClock
 from .transfer import Load, LoadSchedule, PrefixClaims, tensor_parallel_heads
@@ -158,6 +159,8 @@ class MiloConnector(KVConnectorBase_V1):
         self.stores = open_stores(self._kv_transfer_config.kv_connector_extra_config or {},
                                   metadata_only=role == KVConnectorRole.SCHEDULER)
         model_config = vllm_config.model_config
+        if (problem := vllm_problem(model_config.hf_config)) is not None:
+            raise UnsupportedModelError(f"MiloConnector: {problem}")
         identity = config_identity(model_config.hf_config, model_config.dtype)
         for store in self.stores.values():
             check_compatible(store, identity)

@@ -44,14 +44,26 @@ TINY = {
     "seed_oss": ("SeedOssConfig", dict(head_dim=16, attention_out_bias=True)),  # q/k/v and o_proj biases
     "arcee": ("ArceeConfig", dict(head_dim=16)),
     "apertus": ("ApertusConfig", dict(rope_parameters=LLAMA3)),  # k_norm per head, llama3 scaling
-    "starcoder2": ("Starcoder2Config", dict(sliding_window=None)),  # biases, LayerNorm
+    "starcoder2": ("Starcoder2Config", dict(sliding_window=8)),  # biases, LayerNorm, one window on every layer
     "ernie4_5": ("Ernie4_5Config", dict(head_dim=16, use_bias=True)),  # interleaved pairs on re-laid tables
     "ernie4_5_moe": ("Ernie4_5_MoeConfig", dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=32,
                                                 moe_num_shared_experts=1)),
     "dots1": ("Dots1Config", dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                  n_shared_experts=1, first_k_dense_replace=1)),  # k_norm per head
+                                  n_shared_experts=1, first_k_dense_replace=1, sliding_window=8,
+                                  max_window_layers=1)),  # k_norm per head; layer 1 slides
     "minimax_m2": ("MiniMaxM2Config", dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2)),  # k_norm
     # over the whole projection
+    # windows of 8 tokens: the conformance rows (an anchor and two blocks) are ~40 tokens, so every window bites
+    "ministral": ("MinistralConfig", dict(head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"])),
+    "gemma2": ("Gemma2Config", dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+                                    attn_logit_softcapping=5.0, final_logit_softcapping=30.0)),  # scores capped low
+    "gemma3_text": ("Gemma3TextConfig", dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+                                             layer_types=["sliding_attention", "full_attention"])),  # RoPE 10k / 1M
+    "olmo3": ("Olmo3Config", dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"])),
+    "exaone4": ("Exaone4Config", dict(head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"])),
+    "cohere2": ("Cohere2Config", dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"])),
+    "gpt_oss": ("GptOssConfig", dict(head_dim=16, sliding_window=8, num_local_experts=4, num_experts_per_tok=2,
+                                     layer_types=["sliding_attention", "full_attention"])),  # sinks
 }
 
 TASK = TaskSpec(name="topics", template="Message: {input}\nTopic: {output}\n", anchor="Name each message's topic.",

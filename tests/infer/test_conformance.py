@@ -86,6 +86,7 @@ WRONG = {  # family -> a description that misreads it, and the check that must s
     "ernie4_5": (dict(regroup_tables=False), "reposition keys"),  # rotate-half tables on interleaved pairs
     "minimax_m2": (dict(keys=("k_proj",)), "capture keys"),  # the projection's norm dropped
     "dots1": (dict(queries=("q_proj",)), "query_scales"),  # q_norm dropped
+    "cohere2": (dict(unwindowed_nope=False), "capture keys"),  # its full layers rotated
 }
 
 
@@ -95,6 +96,120 @@ def test_a_wrong_description_fails_its_check(family, tmp_path, monkeypatch):
     monkeypatch.setitem(FAMILIES, family, dataclasses.replace(FAMILIES[family], **change))
     r = conformance(families.tiny_model(family), tmp_path)
     assert not r.passed and any(check in failure for failure in r.failures()), r.failures()
+
+
+WINDOWED = {  # families whose tiny config has no window, with one that bites (8 tokens of rows of ~40)
+    "mistral": dict(sliding_window=8),  # every layer
+    "qwen2": dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),  # the layers from max_window_layers
+    "phi3": dict(sliding_window=8),
+    "mixtral": dict(sliding_window=8),
+    "qwen3_moe": dict(use_sliding_window=True, sliding_window=8),
+}
+
+
+@pytest.mark.parametrize("family", list(WINDOWED))
+def test_windowed_variants_pass_every_check(family, tmp_path):
+    loaded = families.tiny_model(family, **WINDOWED[family])
+    assert any(w is not None for w in FAMILIES[family].windows(loaded.model.config))
+    r = conformance(loaded, tmp_path)
+    assert r.passed, r.failures()
+
+
+ENGINE_WRONG = {  # family -> what the engine's attention would leave out of what the layer hands it
+    "gemma3_text": "sliding_window", "ministral": "sliding_window", "gpt_oss": "s_aux", "gemma2": "softcap",
+}
+
+
+@pytest.mark.parametrize("family", list(ENGINE_WRONG))
+def test_attention_that_leaves_out_a_window_a_sink_or_the_cap_fails_the_logits(family, tmp_path, monkeypatch):
+    from transformers import AttentionInterface
+
+    from milo_infer.runtime import attention
+
+    def leaving_out(*args, **kwargs):
+        kwargs.pop(ENGINE_WRONG[family])
+        return attention.paged_attention(*args, **kwargs)
+    AttentionInterface.register(attention.ATTENTION, leaving_out)
+    try:
+        r = conformance(families.tiny_model(family), tmp_path)
+    finally:
+        AttentionInterface.register(attention.ATTENTION, attention.paged_attention)
+    assert any(failure.startswith("logits") for failure in r.failures()), r.failures()
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "gemma2", "gpt_oss"])
+def test_flex_attention_answers_window_cap_and_sink_families_as_transformers(family, tmp_path, monkeypatch):
+    """The engine's `flex` path (CUDA's default; uncompiled here) over the same checks: each window size its own
+    block mask in one forward, the cap as a score modifier, sinks from the log-sum-exp."""
+    import functools
+
+    from milo_infer.runtime import attention, engine
+
+    monkeypatch.setattr(engine, "choose_attention", lambda name, device: "flex")
+    monkeypatch.setattr(attention, "flex_rows", functools.partial(attention.flex_rows, compiled=False))
+    r = conformance(families.tiny_model(family), tmp_path)
+    assert r.passed and r.logits.relative > 0, (r.failures(), r.logits)  # > 0: not the rows path's SDPA
+
+
+def test_the_global_rope_base_on_a_local_layer_fails_its_check(tmp_path, monkeypatch):
+    from milo_infer.models import rope
+
+    real = rope.rope_tables
+    monkeypatch.setattr(rope, "rope_tables", lambda model, n, device=None, layer_type=None:
+                        real(model, n, device, "full_attention" if layer_type else None))
+    r = conformance(families.tiny_model("gemma3_text"), tmp_path)
+    assert any("layer 0 capture keys" in failure for failure in r.failures()), r.failures()
+
+
+@pytest.mark.parametrize("family", list(families.TINY))
+def test_the_description_names_each_layers_window_scale_cap_and_sinks(family):
+    """`Attention.windows` and `Attention.scores` (the store's identity, the docs' table, and what a window
+    layer's reads will be cut to) against what each layer's module hands its attention function."""
+    import sys
+
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    seen = {}
+
+    def record(module, query, key, value, mask, **kwargs):
+        seen[module.layer_idx] = kwargs
+        eager = sys.modules[type(module).__module__].eager_attention_forward
+        return eager(module, query, key, value, mask, **kwargs)
+    AttentionInterface.register("milo_test_windows", record)
+    AttentionMaskInterface.register("milo_test_windows", eager_mask)
+    model = families.tiny_model(family).model
+    model.config._attn_implementation = "milo_test_windows"
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([[5, 6, 7]]), use_cache=False)
+    config, spec = model.config, FAMILIES[family]
+    layers = range(config.num_hidden_layers)
+    assert [seen[layer].get("sliding_window") for layer in layers] == spec.windows(config)
+    scores = spec.scores(config)
+    for layer in layers:
+        assert seen[layer].get("softcap") == scores["softcap"]
+        assert (seen[layer].get("s_aux") is not None) == scores["sinks"]
+        if scores["scaling"] is not None:
+            assert seen[layer]["scaling"] == pytest.approx(scores["scaling"])
+
+
+@pytest.mark.parametrize("family", ["phimoe", "olmoe"])
+def test_a_window_its_modeling_file_applies_half_way_is_refused(family, tmp_path):
+    """PhiMoE masks by the window without telling its attention; OLMoE tells its attention and masks in full. The
+    engine attends as the attention is told, so either would answer unlike transformers (logits off by 1.3-1.4,
+    seen before the refusal): refused, naming why."""
+    config = families.config(family, sliding_window=8)
+    with pytest.raises(UnsupportedModelError, match="sliding_window=8 is active, which milo cannot follow"):
+        check_supported(config)
+    check_supported(families.config(family, sliding_window=None))
+
+
+def test_the_vllm_connector_refuses_window_models_and_serves_the_others():
+    from milo_infer.models.families import vllm_problem
+
+    assert "sliding-window layers" in vllm_problem(families.config("gemma3_text"))
+    assert "sliding-window layers" in vllm_problem(families.config("mistral", sliding_window=8))
+    assert vllm_problem(families.config("mistral")) is None and vllm_problem(families.config("gemma")) is None
 
 
 def test_nope_layers_and_a_partial_rotary_are_named_in_the_identity():

@@ -185,21 +185,26 @@ def test_rope_tables_shape_and_dtype():
 
 # --- refusals and identity ---------------------------------------------------------------------
 
+def chunked_llama():
+    """Llama 4's chunked attention layers, which milo does not attend."""
+    config = LlamaConfig(**TINY)
+    config.layer_types = ["chunked_attention", "full_attention"]
+    return config
+
+
 @pytest.mark.parametrize("config, message", [
     (GPT2Config(), "model_type 'gpt2' is not supported"),
     (GPT2Config(), "no RoPE parameters"),
-    (Qwen2Config(**TINY, use_sliding_window=True, sliding_window=32, max_window_layers=1), "'sliding_attention'"),
-    (MistralConfig(**TINY, sliding_window=32), "sliding_window=32 is active"),
+    (chunked_llama(), "layers of type 'chunked_attention'"),
     (LlamaConfig(**TINY, rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}),
      "rope_type 'dynamic' is not supported"),
     (LlamaConfig(**TINY, rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
      "partial_rotary_factor=0.5"),
     (LlamaConfig(**{**TINY, "num_key_value_heads": 3}), "not a multiple of num_key_value_heads=3"),
     (MiniMaxM2Config(**TINY, head_dim=128, rotary_dim=64), "partial_rotary_factor=0.5"),  # as released
-    (Starcoder2Config(**TINY, sliding_window=32), "sliding_window=32 is active"),  # StarCoder2's 4096 of 16384
-    (Dots1Config(**TINY, sliding_window=32, max_window_layers=1), "'sliding_attention'"),
 ])
 def test_unsupported_configs_are_refused(config, message):
+    """(Sliding windows are supported: `test_windowed_configs_pass_and_hash_their_windows`.)"""
     with pytest.raises(UnsupportedModelError, match="is not supported") as info:
         check_supported(config)
     assert message in str(info.value)
@@ -209,6 +214,25 @@ def test_supported_configs_pass():
     for config in (LlamaConfig(**TINY), Qwen2Config(**TINY), MistralConfig(**TINY, sliding_window=None),
                    MistralConfig(**TINY, sliding_window=TINY["max_position_embeddings"])):
         check_supported(config)
+
+
+def test_windowed_configs_pass_and_hash_their_windows():
+    """A window that bites is part of a store's identity (its encoding rows attended within it); one that
+    cannot bite (None, or as long as the model's positions) leaves a Mistral store's identity as it was."""
+    from milo_infer.models import config_identity
+
+    windowed = [MistralConfig(**TINY, sliding_window=32),
+                Qwen2Config(**TINY, use_sliding_window=True, sliding_window=32, max_window_layers=1),
+                Starcoder2Config(**TINY, sliding_window=32),  # StarCoder2's 4096 of 16384
+                Dots1Config(**TINY, sliding_window=32, max_window_layers=1)]
+    for config in windowed:
+        check_supported(config)
+    plain = config_identity(MistralConfig(**TINY, sliding_window=None), torch.float32)["config_hash"]
+    assert config_identity(MistralConfig(**TINY, sliding_window=TINY["max_position_embeddings"]),
+                           torch.float32)["config_hash"] == plain
+    assert config_identity(windowed[0], torch.float32)["config_hash"] != plain
+    assert config_identity(MistralConfig(**TINY, sliding_window=16), torch.float32)["config_hash"] != \
+        config_identity(windowed[0], torch.float32)["config_hash"]
 
 
 def test_identity_is_stable_and_follows_the_config():
@@ -255,8 +279,9 @@ def test_failed_conversion_leaves_no_cache(tmp_path, monkeypatch):
 
 
 def test_unsupported_directory_is_refused_before_loading(tmp_path):
-    MistralConfig(**TINY, sliding_window=32).save_pretrained(tmp_path)  # a config and no weights
-    with pytest.raises(UnsupportedModelError, match=f"{tmp_path.name}.*sliding_window=32 is active"):
+    LlamaConfig(**TINY, rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}).save_pretrained(
+        tmp_path)  # a config and no weights
+    with pytest.raises(UnsupportedModelError, match=f"{tmp_path.name}.*rope_type 'dynamic' is not supported"):
         load_model(tmp_path)
 
 

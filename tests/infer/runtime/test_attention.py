@@ -59,7 +59,7 @@ def test_flex_and_the_per_row_loop_equal_per_row_sdpa(seed):
     query, k, v, pack, rows = rows_case(seed)
     want = per_row_reference(query, k, v, rows)
     assert pack.segments[1].run == 0 and pack.segments[2].run is None and pack.segments[4].run is None
-    got_rows = attention.sdpa_rows(query, k, v, pack, None)
+    got_rows = attention.sdpa_rows(query, k, v, pack, attention.LayerAttention())
     got_flex = attention.flex_rows(query, k, v, pack, None, compiled=False)
     assert got_rows.shape == got_flex.shape == want.shape
     assert (got_rows - want).abs().max() <= ATOL
@@ -70,12 +70,70 @@ def test_flex_and_the_per_row_loop_equal_per_row_sdpa(seed):
     assert [int(x) for x in full[2, 0]] == [1, 3]  # pages seen whole by the block skip the mask function
 
 
+def eager_reference(query, k, v, rows, layer) -> torch.Tensor:
+    """Each row's attention written out over its columns copied out contiguously, as transformers' eager
+    attention does it: window (p - W < c <= p), soft-cap, then a sink logit per head beside the scores."""
+    out, at = [], 0
+    for pages, positions in rows:
+        keys, n = int(positions[-1]) + 1, len(positions)
+        where = pool_columns(pages, torch.arange(keys))
+        columns = torch.arange(keys)[None, :]
+        allowed = columns <= positions[:, None]
+        if layer.window is not None:
+            allowed &= columns > positions[:, None] - layer.window
+        kk = k[:, :, where].repeat_interleave(Hq // H, dim=1)
+        vv = v[:, :, where].repeat_interleave(Hq // H, dim=1)
+        scores = query[:, :, at:at + n] @ kk.transpose(-1, -2) * (layer.scaling or d ** -0.5)
+        if layer.softcap is not None:
+            scores = layer.softcap * torch.tanh(scores / layer.softcap)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        if layer.sinks is not None:
+            scores = torch.cat([scores, layer.sinks[None, :, None, None].expand(1, Hq, n, 1)], dim=-1)
+        weights = scores.softmax(dim=-1)[..., :keys]
+        out.append(weights @ vv)
+        at += n
+    return torch.cat(out, dim=2)
+
+
+LAYERS = {  # what a layer hands its attention beyond causal softmax
+    "window of 100": attention.LayerAttention(window=100),  # the 2-block chunk's window starts mid-page
+    "window of 5": attention.LayerAttention(window=5),  # inside one page
+    "window, cap and scale": attention.LayerAttention(scaling=0.3, window=130, softcap=2.0),  # Gemma 2's
+    "window and sinks": attention.LayerAttention(window=64, sinks=torch.tensor([0.5, -1.0, 2.0, 0.0])),  # gpt-oss
+}
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_windows_caps_and_sinks_over_the_pages_equal_eager_attention(name):
+    layer = LAYERS[name]
+    query, k, v, pack, rows = rows_case(3)
+    want = eager_reference(query, k, v, rows, layer)
+    assert (attention.sdpa_rows(query, k, v, pack, layer) - want).abs().max() <= ATOL
+    assert (attention.flex_rows(query, k, v, pack, layer, compiled=False) - want).abs().max() <= ATOL
+    assert (eager_reference(query, k, v, rows, attention.LayerAttention()) - want).abs().max() > 1e-2  # it bites
+
+
+def test_a_window_layers_flex_blocks_start_at_the_first_page_its_window_reaches():
+    query, k, v, pack, rows = rows_case(4)
+    attention.flex_rows(query, k, v, pack, LAYERS["window of 100"],
+                        compiled=False)
+    block_mask = pack.scratch["flex window 100"]["block_mask"]
+    # row 2's second query block holds positions 425..479: its window reaches back to 326, on page 2 of 4
+    assert int(block_mask.full_kv_num_blocks[2, 0, 1]) == 0
+    assert int(block_mask.kv_num_blocks[2, 0, 1]) == 2
+    assert [int(p) for p in block_mask.kv_indices[2, 0, 1, :2]] == [7, 5]
+
+
 def test_flex_attention_compiled_equals_per_row_sdpa():
     """The compiled kernel (C++ on the CPU, Triton on CUDA) reads the block mask's pages, not only its
     mask function: a wrong page table would show here and not uncompiled."""
     query, k, v, pack, rows = rows_case(2)
     got = attention.flex_rows(query, k, v, pack, None, compiled=True)
     assert (got - per_row_reference(query, k, v, rows)).abs().max() <= ATOL
+    for layer in (attention.LayerAttention(scaling=0.3, window=100, softcap=2.0),  # sinks: on the CPU, the row loop
+                  attention.LayerAttention(window=100, sinks=torch.tensor([0.5, -1.0, 2.0, 0.0]))):
+        got = attention.flex_rows(query, k, v, pack, layer, compiled=True)
+        assert (got - eager_reference(query, k, v, rows, layer)).abs().max() <= ATOL
 
 
 def test_the_engine_answers_the_same_with_flex_attention(setup, monkeypatch):
