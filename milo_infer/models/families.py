@@ -151,8 +151,9 @@ KEY_NORM_AFTER_ROPE = "its key norm follows RoPE, so a cached key is not a rotat
 REFUSED: dict[str, str] = {
     "qwen3_next": HYBRID_LINEAR, "qwen3_5": HYBRID_LINEAR, "qwen3_5_text": HYBRID_LINEAR, "qwen3_5_moe": HYBRID_LINEAR,
     "qwen3_5_moe_text": HYBRID_LINEAR, "falcon_h1": HYBRID_LINEAR, "jamba": HYBRID_LINEAR,
-    "gemma3": ("the multimodal Gemma 3 (gemma3): its image tokens attend bidirectionally; its text model "
-               "(gemma3_text) is supported"),
+    "gemma3": ("the multimodal Gemma 3 (gemma3): its image tokens attend bidirectionally, and its text model "
+               "is not yet proven loaded out of it; its text model as a checkpoint of its own (gemma3_text) is "
+               "supported"),
     "deepseek_v2": MLA, "deepseek_v3": MLA,
     "hunyuan_v1_dense": KEY_NORM_AFTER_ROPE,
     "stablelm": PARTIAL, "nemotron": PARTIAL, "phi": PARTIAL,

