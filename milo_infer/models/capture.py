@@ -121,21 +121,11 @@ def query_channel_scales(model, input_ids, spec: Attention | None = None) -> tor
         raise ValueError("query channel scales need at least one calibration token")
     energy = torch.zeros(L, H, d, dtype=torch.float64)
 
-    def hook(layer: int, part):
-        def store(module, inputs, output):
-            q = part(output.detach()).double().reshape(-1, H, n_rep, d)  # query heads h*n_rep.. read KV head h
-            energy[layer] = q.square().mean(dim=(0, 2)).cpu()
-        return store
+    def store(layer: int, q: torch.Tensor):
+        q = q.double().reshape(-1, H, n_rep, d)  # query heads h*n_rep.. read KV head h
+        energy[layer] = q.square().mean(dim=(0, 2)).cpu()
 
-    handles = []
-    try:
-        for index, (module, part) in enumerate(_taps(model, spec, "q")):
-            handles.append(module.register_forward_hook(hook(index, part)))
-        with torch.inference_mode():
-            model(input_ids=ids, use_cache=False)
-    finally:
-        for handle in handles:
-            handle.remove()
+    _forward_reading_queries(model, spec, ids, store)
     return rope_pairs(energy, spec.interleaved).sqrt().float()
 
 
@@ -171,18 +161,23 @@ def capture_queries(model, input_ids, spec: Attention | None = None) -> torch.Te
         raise ValueError("capturing queries needs at least one token")
     queries: list[torch.Tensor | None] = [None] * L
 
-    def hook(layer: int, part):
-        def store(module, inputs, output):
-            queries[layer] = part(output.detach()).float().reshape(-1, Hq, d).cpu()
-        return store
+    def store(layer: int, q: torch.Tensor):
+        queries[layer] = q.float().reshape(-1, Hq, d).cpu()
 
+    _forward_reading_queries(model, spec, ids, store)
+    return torch.stack(queries)
+
+
+def _forward_reading_queries(model, spec: Attention, ids: torch.Tensor, store) -> None:
+    """One forward pass over ``ids`` calling ``store(layer, queries)`` with each layer's pre-RoPE queries, read
+    where the family's description reads them."""
     handles = []
     try:
         for index, (module, part) in enumerate(_taps(model, spec, "q")):
-            handles.append(module.register_forward_hook(hook(index, part)))
+            handles.append(module.register_forward_hook(
+                lambda module, inputs, output, index=index, part=part: store(index, part(output.detach()))))
         with torch.inference_mode():
             model(input_ids=ids, use_cache=False)
     finally:
         for handle in handles:
             handle.remove()
-    return torch.stack(queries)
