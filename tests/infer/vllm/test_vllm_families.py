@@ -43,15 +43,13 @@ SERVED = {
     "cohere": ("interleaved RoPE pairs, LayerNorm per head", (1,)),
     "ernie4_5": ("interleaved pairs on re-laid rotate-half tables", (1,)),
     "seed_oss": ("q/k/v biases and an o_proj bias", (1,)),
-    "apertus": ("k_norm per head after the heads are moved before the tokens, llama3 scaling", (1,)),
-    "minimax_m2": ("k_norm over the whole projection, and MoE experts", (1,)),
     "dots1": ("k_norm per head, shared and routed experts", (1,)),
     "starcoder2": ("q/k/v/o biases and LayerNorm", (1,)),
 }
 VLLM_OVERRIDES = {"gemma": dict(head_dim=256),
                   "ernie4_5": dict(head_dim=64, use_bias=False),  # vLLM's Ernie (a Llama) drops use_bias's biases
                   "cohere": dict(tie_word_embeddings=True),
-                  "seed_oss": dict(head_dim=64), "minimax_m2": dict(head_dim=64),
+                  "seed_oss": dict(head_dim=64),
                   "dots1": dict(sliding_window=None),  # the connector serves no window model yet
                   "starcoder2": dict(sliding_window=None)}  # vLLM's Cohere always reads logits off the embeddings
 RUNS = [(family, tp) for family, (_, sizes) in SERVED.items() for tp in sizes]
