@@ -113,4 +113,4 @@ def test_a_refused_model_is_one_line_from_serve_over_vllm(vllm, tmp_path, capsys
     store = build_synthetic_store(tmp_path / "store", Layout(2, 2, 16), [10, 12], CompressionConfig(ratio=0.5))
     code = milo(["serve", str(store), "--vllm", vllm.url, "--vllm-api-key", VLLM_KEY, "--model", str(tmp_path / "model")])
     err = capsys.readouterr().err
-    assert code == 2 and err.count("\n") == 1 and "sliding-window attention in 5 of 6 layers" in err, err
+    assert code == 2 and err.count("\n") == 1 and "per-layer head sizes and RoPE" in err, err
