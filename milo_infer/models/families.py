@@ -265,12 +265,13 @@ def rope_per_layer_type(config) -> dict[str, dict]:
     return dict(rope) if rope and all(isinstance(v, dict) for v in rope.values()) else {}
 
 
+
 def vllm_problem(config) -> str | None:
-    """Why the vLLM connector cannot serve this model yet, or None: it writes a block's K/V into every layer's
-    pages of vLLM's first KV cache group, and a window model's sliding layers sit in other groups (vLLM's hybrid
-    KV cache manager), which milo's engine serves and the connector does not yet."""
-    spec = attention_of(config)
-    if any(w is not None for w in spec.windows(config)):
-        return (f"model_type {config.model_type!r} has sliding-window layers, which the milo vLLM connector does "
-                "not serve yet (vLLM keeps them in KV cache groups of their own); milo's own engine serves it")
+    """Why the vLLM connector cannot serve this model, or None: where vLLM's own model file attends otherwise than
+    transformers' (which milo's stores are encoded by and its engine answers as), a loaded prefix would answer
+    unlike both. Only Cohere 2 with an active window, in vLLM 0.32."""
+    if config.model_type == "cohere2" and any(w is not None for w in attention_of(config).windows(config)):
+        return (f"vLLM's Cohere 2 attends sliding_window + 1 = {config.sliding_window + 1} tokens in its window "
+                f"layers (its commandr.py: 'cohere swa layer sees [pos - sliding_window, pos]'), transformers' "
+                f"{config.sliding_window}, which milo's stores and engine follow: served by milo's own engine only")
     return None

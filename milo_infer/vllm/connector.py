@@ -14,8 +14,9 @@ store's, exactly as milo's own engine would rebuild them); every other request i
 vLLM. Worker side: each step's claimed requests are rebuilt together (`PrefixRebuild`: each store's
 union of their blocks fetched once, then one layer at a time), keys rotated at the request's own
 positions (vLLM's paged cache holds keys after RoPE), and written through the attention backend's own
-cache update, never by slicing its (backend-packed) cache tensor. Under tensor or pipeline parallelism
-each worker rebuilds only what its cache holds (a `KVShare`: its pipeline stage's layers, its
+cache update, never by slicing its (backend-packed) cache tensor: each layer into its KV cache group's slots, so
+under vLLM's hybrid KV cache manager a sliding-window layer only into the pages its window still reaches. Under
+tensor or pipeline parallelism each worker rebuilds only what its cache holds (a `KVShare`: its pipeline stage's layers, its
 tensor-parallel rank's KV heads), reading whole blocks (each block's checksum covers the whole block).
 A request whose blocks cannot be read
 (a checksum fails, a remote read fails) is reported as a load error, so vLLM recomputes it or fails it
@@ -35,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
-                                                                KVConnectorRole)
+                                                                KVConnectorRole, SupportsHMA)
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.distributed.parallel_state import (get_pp_group, get_tensor_model_parallel_rank,
                                              get_tensor_model_parallel_world_size)
@@ -71,16 +72,18 @@ class MiloConnectorMetadata(KVConnectorMetadata):
     loads: list[Load] = field(default_factory=list)
 
 
-COUNTS = ("loads", "tokens_loaded", "load_errors", "blocks_read", "bytes_read")  # summed, per worker
+COUNTS = ("loads", "tokens_loaded", "layer_tokens_written", "load_errors", "blocks_read",
+          "bytes_read")  # summed, per worker
 SECONDS = ("read_seconds", "rebuild_seconds")
 
 
 @dataclass
 class MiloConnectorStats(KVConnectorStats):
     """What the workers' loads cost since vLLM last collected them, per worker (``"tp<i>-pp<j>"``: its tier,
-    rank and sums): requests loaded and their tokens, requests whose blocks could not be read, store blocks
-    and bytes read (each step's union of blocks once per worker; whole blocks, whatever the worker's
-    share), seconds reading them and rebuilding (staging, reconstruction, the write into vLLM's cache)."""
+    rank and sums): requests loaded and their tokens, the K/V written into vLLM's cache (one token of one layer
+    each: every layer's loaded tokens, a window layer's only those its KV cache group holds pages for), requests
+    whose blocks could not be read, store blocks and bytes read (each step's union of blocks once per worker;
+    whole blocks, whatever the worker's share), seconds reading them and rebuilding (staging, reconstruction, the write into vLLM's cache)."""
 
     def __post_init__(self):
         if not self.data:
@@ -119,6 +122,8 @@ class MiloPromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         help_of = {"loads": "Requests whose store prefix a worker loaded",
                    "tokens_loaded": "Prefix tokens loaded from milo stores, per worker",
+                   "layer_tokens_written": "K/V written into vLLM's cache, one token of one layer each (a window "
+                                           "layer's only where its KV cache group holds pages)",
                    "load_errors": "Requests whose store blocks a worker could not read",
                    "blocks_read": "Store blocks read by the milo connector (each step's union once)",
                    "bytes_read": "Store factor bytes read by the milo connector",
@@ -150,12 +155,23 @@ def open_stores(extra: dict, metadata_only: bool) -> dict[str, MiloStore]:
     return {name: MiloStore.open(path, **options) for name, path in stores.items()}
 
 
-class MiloConnector(KVConnectorBase_V1):
+class MiloConnector(KVConnectorBase_V1, SupportsHMA):
+    """Supports vLLM's hybrid KV cache manager (`SupportsHMA`): a model with sliding-window layers keeps them in KV
+    cache groups of their own, whose pages cover only the blocks each window still reaches, and the connector
+    writes each layer into its group's pages, a window layer only where its group holds pages."""
+
     _cache_hit_source = CacheHitSource.DISK
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.block_size = vllm_config.cache_config.block_size
+        groups = kv_cache_config.kv_cache_groups
+        if any(g.kv_cache_spec.block_size != self.block_size for g in groups):
+            raise ValueError(f"MiloConnector: KV cache groups of block sizes "
+                             f"{sorted({g.kv_cache_spec.block_size for g in groups})}, it takes one "
+                             f"({self.block_size}, --block-size)")
+        self.groups = groups
+        self.group_of = {name: i for i, group in enumerate(groups) for name in group.layer_names}
         self.stores = open_stores(self._kv_transfer_config.kv_connector_extra_config or {},
                                   metadata_only=role == KVConnectorRole.SCHEDULER)
         model_config = vllm_config.model_config
@@ -170,9 +186,10 @@ class MiloConnector(KVConnectorBase_V1):
         self._prefixes: dict[str, StorePrefix] | None = None
         self._rebuild: PrefixRebuild | None = None
         self._loads: list[Load] = []
-        self._slots: list[torch.Tensor] = []
+        self._slots: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # per load, per KV cache group
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
         self._load_errors: set[int] = set()
+        self._written = 0  # this step's K/V written, one token of one layer each
         self._forward_context = None
         self._stats = MiloConnectorStats()
         logger.info("MiloConnector (%s): stores %s", role.name.lower(),
@@ -190,16 +207,20 @@ class MiloConnector(KVConnectorBase_V1):
         self.schedule.allocated(request.request_id, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        blocks_of = {new.req_id: new.block_ids[0] for new in scheduler_output.scheduled_new_reqs}
+        blocks_of = {new.req_id: new.block_ids for new in scheduler_output.scheduled_new_reqs}  # per group
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):  # a preempted request resumes with all its blocks anew
             if req_id in cached.resumed_req_ids and cached.new_block_ids[i] is not None:
-                blocks_of[req_id] = cached.new_block_ids[i][0]
+                blocks_of[req_id] = cached.new_block_ids[i]
         return MiloConnectorMetadata(loads=self.schedule.loads(blocks_of))
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict | None]:
         self.schedule.finished(request.request_id)
         return False, None
+
+    def request_finished_all_groups(self, request: "Request",
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
+        return self.request_finished(request, [])  # what vLLM calls under its hybrid KV cache manager
 
     # -- worker side -------------------------------------------------------------------------------
     def _mount(self) -> None:
@@ -262,12 +283,18 @@ class MiloConnector(KVConnectorBase_V1):
                 except UNREADABLE as err:
                     logger.error("request %s: its prefix from store %r is not loaded (%s)", load.req_id,
                                  load.claim.store, err)
+                    if len(self.groups) > 1:
+                        logger.error("vLLM 0.32 cannot recompute a request whose blocks failed to load under its "
+                                     "hybrid KV cache manager (%d KV cache groups): it stops instead; start it with "
+                                     "--disable-hybrid-kv-cache-manager to have such requests recomputed",
+                                     len(self.groups))
                     self._load_errors.update(load.block_ids)
                     self._count(load_errors=1)
             loads = readable
             rebuild = self._rebuild_of(loads) if loads else None
         self._rebuild, self._loads = rebuild, loads
-        self._slots = [torch.tensor(load.slots, dtype=torch.long, device=self.device) for load in loads]
+        self._slots = [[self._held(slots) for slots in load.slots] for load in loads]
+        self._written = 0
         if rebuild is not None:
             longest = max(row.prefix_tokens for row in rebuild.rows)
             head_dim = self._prefixes[loads[0].claim.store].layout.head_dim
@@ -276,6 +303,12 @@ class MiloConnector(KVConnectorBase_V1):
                                   for _ in range(2))
             logger.debug("loading %d tokens for %d requests from the store",
                          sum(load.end - load.start for load in loads), len(loads))
+
+    def _held(self, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A load's tokens (offsets from its start) that a KV cache group holds pages for, and their slots."""
+        slots = torch.tensor(slots, dtype=torch.long)
+        tokens = torch.nonzero(slots >= 0).flatten()
+        return tokens.to(self.device), slots[tokens].to(self.device)
 
     def _rebuild_of(self, loads: list[Load]) -> PrefixRebuild:
         """These loads' blocks read (raises what an unreadable block raises), to rebuild this worker's share."""
@@ -292,11 +325,16 @@ class MiloConnector(KVConnectorBase_V1):
         layer = self._forward_context.no_compile_layers[layer_name]
         k_buf, v_buf = self._buffers
         self._rebuild.fill(extract_layer_index(layer_name), k_buf, v_buf)
+        group = self.group_of[layer_name]
         with self._rebuild.clock.device_stage("write"):
-            for r, (load, slots) in enumerate(zip(self._loads, self._slots)):
-                keys = k_buf[r, :, load.start:load.end].transpose(0, 1).contiguous()  # [T, H, d]
-                values = v_buf[r, :, load.start:load.end].transpose(0, 1).contiguous()
+            for r, (load, held) in enumerate(zip(self._loads, self._slots)):
+                tokens, slots = held[group]  # a window layer's group: only the tokens its pages hold
+                if not len(tokens):
+                    continue
+                keys = k_buf[r, :, load.start:load.end][:, tokens].transpose(0, 1).contiguous()  # [T, H, d]
+                values = v_buf[r, :, load.start:load.end][:, tokens].transpose(0, 1).contiguous()
                 layer.impl.do_kv_cache_update(layer, keys, values, layer.kv_cache, slots)
+                self._written += len(tokens)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
         return  # a consumer: the store is written by `milo build`, never by vLLM
@@ -309,6 +347,7 @@ class MiloConnector(KVConnectorBase_V1):
             return
         seconds = rebuild.clock.read()
         self._count(loads=len(self._loads), tokens_loaded=sum(load.end - load.start for load in self._loads),
+                    layer_tokens_written=self._written,
                     blocks_read=rebuild.fetch_stats["unique_blocks"], bytes_read=rebuild.fetch_stats["bytes"],
                     read_seconds=seconds.get("read", 0.0),
                     rebuild_seconds=sum(seconds.get(stage, 0.0) for stage in ("wait", "reconstruct", "write")))

@@ -149,15 +149,20 @@ def connector_config(stores: dict[str, str], *, load_failure: str = "recompute",
             "kv_connector_extra_config": {"stores": {name: str(path) for name, path in stores.items()}, **options}}
 
 
+NULL_BLOCK = 0  # vLLM's placeholder block id: a group holds no page there (a window layer's blocks its window left)
+
+
 @dataclass
 class Load:
-    """One request's prefix tokens [start, end) to load into vLLM's cache slots."""
+    """One request's prefix tokens [start, end) to load into vLLM's cache slots, per KV cache group."""
     req_id: str
     claim: Claim  # the store and blocks, checked against the prompt
     start: int
     end: int
-    slots: list[int]  # one per token in [start, end)
-    block_ids: list[int]  # the vLLM blocks those slots are in (reported on a load error)
+    slots: tuple[list[int], ...]  # per KV cache group, one per token in [start, end); -1 where that group holds
+    # no page for it (vLLM's hybrid KV cache manager gives a window layer's group pages only for the blocks its
+    # window still reaches: the others are its null block)
+    block_ids: list[int]  # the vLLM blocks those slots are in, every group's (reported on a load error)
 
 
 class LoadSchedule:
@@ -193,19 +198,23 @@ class LoadSchedule:
         else:
             self._claimed.pop(req_id, None)
 
-    def loads(self, blocks_of: dict[str, list[int]]) -> list[Load]:
-        """The loads of this step, given the vLLM block ids of the requests it schedules new or resumed; every
-        claim is settled."""
+    def loads(self, blocks_of: dict[str, tuple[list[int], ...]]) -> list[Load]:
+        """The loads of this step, given per KV cache group the vLLM block ids of the requests it schedules new
+        or resumed; every claim is settled."""
         loads = []
         for req_id in self._to_load:
             if req_id not in blocks_of:
                 log.warning("request %s was claimed but not scheduled: its prefix is not loaded", req_id)
                 continue
             claim, start, end = self._claimed[req_id]
-            blocks = blocks_of[req_id]
-            slots = [blocks[p // self.block_size] * self.block_size + p % self.block_size for p in range(start, end)]
-            used = blocks[start // self.block_size:(end - 1) // self.block_size + 1]
-            loads.append(Load(req_id, claim, start, end, slots, list(used)))
+            slots, used = [], []
+            for blocks in blocks_of[req_id]:
+                slots.append([-1 if blocks[p // self.block_size] == NULL_BLOCK else
+                              blocks[p // self.block_size] * self.block_size + p % self.block_size
+                              for p in range(start, end)])
+                reached = blocks[start // self.block_size:(end - 1) // self.block_size + 1]
+                used += [b for b in reached if b != NULL_BLOCK]
+            loads.append(Load(req_id, claim, start, end, tuple(slots), used))
         self._claimed.clear()
         self._to_load.clear()
         return loads

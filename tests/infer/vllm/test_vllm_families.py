@@ -21,12 +21,14 @@ import torch
 
 from milo_infer.building.config import BuildConfig, default_compression
 from milo_infer.building.shared_staging import encode_once
+from milo_infer.models.families import attention_of
 from milo_infer.runtime.engine import Engine
 from milo_infer.runtime.planning import STOP_STRINGS, EngineSettings, Request
 from milo_infer.tasks.corpus import Demonstration, TaskSpec
 from milo_infer.vllm.transfer import VllmPrompts
 from milo_store import MiloStore
 from tests.infer import families
+from tests.infer.vllm.test_vllm_parallel import eventually, metric
 from tests.infer.vllm.vllm_server import vllm_python, vllm_server
 
 VLLM_SHAPE = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2,
@@ -43,15 +45,17 @@ SERVED = {
     "cohere": ("interleaved RoPE pairs, LayerNorm per head", (1,)),
     "ernie4_5": ("interleaved pairs on re-laid rotate-half tables", (1,)),
     "seed_oss": ("q/k/v biases and an o_proj bias", (1,)),
-    "dots1": ("k_norm per head, shared and routed experts", (1,)),
-    "starcoder2": ("q/k/v/o biases and LayerNorm", (1,)),
+    "dots1": ("k_norm per head, shared and routed experts, a window of 8 on layer 1", (1,)),
+    "starcoder2": ("q/k/v/o biases and LayerNorm, a window of 8 on every layer (one KV cache group, all sliding)",
+                   (1,)),
+    "gemma3_text": ("a window of 8 on alternate layers (vLLM's hybrid KV cache manager: the window layers' own KV "
+                    "cache group, pages only for the blocks the window reaches), RoPE per layer type", (1,)),
+    "gpt_oss": ("a window of 8 on alternate layers, a sink per head, experts", (1,)),
 }
-VLLM_OVERRIDES = {"gemma": dict(head_dim=256),
+VLLM_OVERRIDES = {"gemma": dict(head_dim=256), "gemma3_text": dict(head_dim=64), "gpt_oss": dict(head_dim=64),
                   "ernie4_5": dict(head_dim=64, use_bias=False),  # vLLM's Ernie (a Llama) drops use_bias's biases
-                  "cohere": dict(tie_word_embeddings=True),
-                  "seed_oss": dict(head_dim=64),
-                  "dots1": dict(sliding_window=None),  # the connector serves no window model yet
-                  "starcoder2": dict(sliding_window=None)}  # vLLM's Cohere always reads logits off the embeddings
+                  "cohere": dict(tie_word_embeddings=True),  # vLLM's Cohere always reads logits off the embeddings
+                  "seed_oss": dict(head_dim=64)}
 RUNS = [(family, tp) for family, (_, sizes) in SERVED.items() for tp in sizes]
 TASK = TaskSpec(name="numbers", template="Message: {input}\nNumber: {output}\n", anchor="Number each message.",
                 answer_kind="number")
@@ -161,3 +165,22 @@ def test_greedy_answers_equal_milos_engine(family):
                 (name, token, logprob)
     theirs = [r["choices"][0]["text"].strip() for r in results]
     assert theirs == milo, (name, [(a, b) for a, b in zip(theirs, milo) if a != b])
+
+
+def test_a_window_layer_is_written_only_where_its_kv_cache_group_holds_pages(family):
+    """Every layer's K/V of every loaded token is written, but a window layer's only for the tokens vLLM's hybrid
+    KV cache manager keeps pages for in its group: at least the last W - 1 (what the query's window reaches), fewer
+    than all of them once the prefix passes a vLLM block beyond the window."""
+    name, model_dir, loaded, store, url = family
+    windows = attention_of(loaded.model.config).windows(loaded.model.config)
+    prompt = VllmPrompts("raw", store, loaded.tokenizer, settings=EngineSettings(k=K)).prompt(requests()[0])
+    before = [metric(url, f"vllm:milo_{key}_total") for key in ("tokens_loaded", "layer_tokens_written")]
+    complete(url, prompt.body(model_dir, max_tokens=1))
+    assert eventually(lambda: metric(url, "vllm:milo_tokens_loaded_total") == before[0] + prompt.prefix_tokens)
+    assert eventually(lambda: metric(url, "vllm:milo_layer_tokens_written_total") > before[1])
+    written, tokens = metric(url, "vllm:milo_layer_tokens_written_total") - before[1], prompt.prefix_tokens
+    if all(w is None for w in windows):
+        assert written == len(windows) * tokens
+    else:
+        least = sum(tokens if w is None else w - 1 for w in windows)
+        assert least <= written < len(windows) * tokens, (name, written, least, tokens)
