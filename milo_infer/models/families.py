@@ -265,7 +265,6 @@ def rope_per_layer_type(config) -> dict[str, dict]:
     return dict(rope) if rope and all(isinstance(v, dict) for v in rope.values()) else {}
 
 
-
 def vllm_problem(config) -> str | None:
     """Why the vLLM connector cannot serve this model, or None: where vLLM's own model file attends otherwise than
     transformers' (which milo's stores are encoded by and its engine answers as), a loaded prefix would answer
