@@ -35,7 +35,7 @@ import transformers
 
 from milo_store import IncompatibleStoreError, MiloStore, StoreError
 
-from ..models import LoadedModel, check_compatible, layer_rope_tables
+from ..models import FAMILIES, LoadedModel, check_compatible, layer_rope_tables
 from .attention import ATTENTION, choose_attention
 from .cache import Pack, PagedCache, PrefixFill, Segment, column_bytes, pool_columns
 from .decoding import GreedyDecoder, LabelDecoder
@@ -66,12 +66,14 @@ class Engine:
     in (0, 1]; default: `pages.DEFAULT_SHARE`); a row is seated only when its pages fit, and a request that
     cannot fit even alone is refused when planned. ``max_rows``: rows answered at once at most (more wait).
     ``attention``: "flex" (one FlexAttention call per layer for every row), "rows" (one SDPA call per row) or
-    "auto" (flex on CUDA, rows on the CPU: `milo_infer.runtime.attention`)."""
+    "auto" (flex on CUDA, rows on the CPU: `milo_infer.runtime.attention`). ``window_reach``: a model with
+    sliding-window layers reads and rebuilds, at each window layer, only the blocks its window reaches from a row's
+    first fed token (False: every block at every layer, the same answers; what the benchmark compares against)."""
 
     def __init__(self, loaded: LoadedModel, stores: dict[str, MiloStore], settings: EngineSettings = EngineSettings(),
                  *, device=None, prefetch_depth: int = 2, rebuild: Rebuild = rebuild_layer,
                  device_cache_bytes: int = 0, on_load_error: str = "fail", max_rows: int = 16,
-                 kv_cache_memory: int | float | None = None, attention: str = "auto"):
+                 kv_cache_memory: int | float | None = None, attention: str = "auto", window_reach: bool = True):
         if on_load_error not in LOAD_ERROR_POLICIES:
             raise ValueError(f"on_load_error must be one of {', '.join(LOAD_ERROR_POLICIES)}, got {on_load_error!r}")
         if max_rows < 1:
@@ -97,6 +99,7 @@ class Engine:
         self.max_positions = min(s.meta["model"]["max_position_embeddings"] for s in stores.values())
         self.rope = layer_rope_tables(self.model, self.max_positions, device=self.device)  # each layer's tables
         self.identity, self.swapping = loaded.identity, threading.Lock()
+        self.windows = model_windows(self.model_config) if window_reach else None
         self.stores = {name: self.mount(name, store) for name, store in stores.items()}
         self.device_tier = DeviceTier(device_cache_bytes, self.device) if device_cache_bytes else None
         self.attention = choose_attention(attention, self.device)
@@ -125,7 +128,7 @@ class Engine:
                 log.warning("store %r: its token ids cannot be read (%s): no block of it can be computed instead "
                             "of read", name, e)
         return MountedStore(name, store, self.tokenizer, self.rope, self.device, self.dtype,
-                            self.settings.aggregate)
+                            self.settings.aggregate, self.windows)
 
     def swap(self, name: str, store: MiloStore) -> MountedStore:
         """Answer new plans for ``name`` from ``store`` (a newer version of it, already opened) from now on;
@@ -580,6 +583,14 @@ class Batch:
         self.rows = [row for row in self.rows if row not in leaving]
         if self.cache is not None and self.pages.capacity < self.cache.pages:
             self.cache.resize(self.pages.capacity)
+
+
+def model_windows(config) -> list[int | None] | None:
+    """Each layer's sliding window (None: full), or None when no layer has one (or the family is not described:
+    a test's stand-in model), so such a model plans exactly as before."""
+    spec = FAMILIES.get(getattr(config, "model_type", None))
+    windows = spec.windows(config) if spec is not None else None
+    return windows if windows and any(w is not None for w in windows) else None
 
 
 def cache_keyword(model) -> str:
