@@ -71,7 +71,7 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
                                       sliding_window=sliding_window, **kwargs)
     layer = LayerAttention(scaling, sliding_window, softcap, s_aux)
     attend = flex_rows if milo_pack.attention == "flex" else sdpa_rows
-    return attend(query, key, value, milo_pack, layer).transpose(1, 2).contiguous(), None
+    return attend(query, key, value, milo_pack.attended(), layer).transpose(1, 2).contiguous(), None
 
 
 def sdpa_rows(query, key, value, pack: Pack, layer: LayerAttention | None) -> torch.Tensor:

@@ -14,6 +14,7 @@ from milo_infer.building.builder import build_store
 from milo_infer.building.config import BuildConfig
 from milo_infer.runtime import attention, engine as engine_module
 from milo_infer.runtime.engine import Engine
+from milo_infer.runtime.pages import PAGE_TOKENS, pages_for
 from milo_infer.runtime.planning import Request
 from milo_infer.runtime.prefix import BlockPlacement
 from milo_store import CompressionConfig, MiloStore
@@ -69,6 +70,8 @@ def test_reading_only_what_the_windows_reach_answers_as_reading_everything(famil
         assert (ours - theirs).abs().max() <= TOLERANCE
     assert texts == all_texts
     assert stats["staged_bytes"] < all_stats["staged_bytes"] and stats["bytes"] < all_stats["bytes"]
+    assert stats["kv_bytes_allocated"] < all_stats["kv_bytes_allocated"]
+    assert stats["kv_bytes_needed"] < all_stats["kv_bytes_needed"]
 
 
 def test_recomputed_tokens_move_the_reach_back_and_answer_as_reading_everything(stores):
@@ -98,11 +101,38 @@ def test_the_bytes_read_are_each_layers_reached_blocks_only(stores):
     assert len(union[0]) < len(blocks)
 
 
+def test_a_window_layer_holds_pages_from_the_first_its_window_reaches(stores):
+    """Each row's window layers hold its pages from the one holding column (first fed position − W + 1) on, and one
+    spill page for the columns before; its full layers every page (red with window_reach off: every layer every
+    page)."""
+    loaded, store = stores("gemma3_text")
+    engine = Engine(loaded, {"s": store})
+    plans = [engine.plan("s", Request(text=q), block_ids=list(range(store.num_blocks))) for q in QUERIES]
+    batch = engine.batch()
+    batch.admit(plans)
+    window = loaded.model.config.sliding_window
+    need = [pages_for(p.prompt_tokens + p.max_new_tokens) for p in plans]
+    skip = [(p.prefix_tokens - window + 1) // PAGE_TOKENS for p in plans]
+    assert all(s > 0 for s in skip)
+    assert [row.held() for row in batch.rows] == [sorted(set(row.window_pages)) for row in batch.rows]
+    assert [len(row.held()) for row in batch.rows] == [n - s + 1 for n, s in zip(need, skip)]
+    assert [row.window_pages[:s] == [row.window_pages[0]] * s for row, s in zip(batch.rows, skip)] == [True] * 3
+    full, windowed = engine.group_page_bytes[False], engine.group_page_bytes[True]
+    assert batch.cache.pages == sum(need) and batch.cache.window_pages == sum(n - s + 1 for n, s in zip(need, skip))
+    assert batch.cache.allocated_bytes == sum(need) * full + batch.cache.window_pages * windowed
+    assert batch.cache.allocated_bytes < sum(need) * engine.page_bytes
+    while len(batch):
+        batch.step()
+    assert batch.cache.allocated_bytes == 0  # every page given back: the pools went
+
+
 def test_a_model_without_windows_plans_and_reads_as_before(stores):
     loaded, store = stores("llama")
     plans, _, _, stats = answers(loaded, store, window_reach=True)
     assert all(p.placement.reach is None for p in plans)
     assert stats["bytes"] == int(store.block_bytes(plans[0].blocks).sum())
+    engine = Engine(loaded, {"s": store})
+    assert not engine.window_layers and engine.batch().window_alloc is None
 
 
 def test_a_placement_without_windows_is_left_as_it_is():
