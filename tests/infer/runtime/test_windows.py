@@ -140,3 +140,31 @@ def test_a_placement_without_windows_is_left_as_it_is():
     assert placement.windowed(34, [None, None]) is placement and placement.windowed(34, None) is placement
     assert placement.windowed(34, [11, None]).reach == ((1,), (0, 1))  # from 34 a window of 11 sees 24 on
     assert placement.windowed(34, [11, None]).layer_blocks(1) == [0, 1]
+
+
+def test_a_block_computed_instead_of_read_moves_the_reach_and_the_window_pages_back(stores, tmp_path):
+    """An unreadable block in the middle is computed by the model at its own positions: the row's first fed token
+    moves back to it, so its windows reach further back and its window layers are given pages from there; the
+    answers equal reading every layer of the same damaged store."""
+    from tests.infer.demo_stores import corrupted_block
+
+    loaded, store = stores("gemma3_text")
+    bad = corrupted_block(store.path, tmp_path / "bad", span=64)
+    with MiloStore.open(tmp_path / "bad", tier="disk") as damaged:
+        got = {}
+        for reach in (True, False):
+            engine = Engine(loaded, {"s": damaged}, on_load_error="recompute", window_reach=reach)
+            plans = [engine.plan("s", Request(text=q), block_ids=list(range(store.num_blocks))) for q in QUERIES]
+            if reach:
+                batch = engine.batch()
+                batch.admit(plans)
+                row = batch.rows[0]
+                assert bad in row.plan.blocks and bad not in row.executed.blocks
+                first = int(row.executed.positions[0])
+                assert first < row.plan.prefix_tokens
+                skip = max(0, first - loaded.model.config.sliding_window + 1) // PAGE_TOKENS
+                assert len(row.held()) == len(row.pages) - skip + (1 if skip else 0)
+            got[reach] = engine.logits(plans), [a.text for a in engine.answer(plans)]
+        for ours, theirs in zip(got[True][0], got[False][0]):
+            assert torch.isfinite(ours).all() and (ours - theirs).abs().max() <= TOLERANCE
+        assert got[True][1] == got[False][1]
