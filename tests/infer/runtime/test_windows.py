@@ -168,3 +168,28 @@ def test_a_block_computed_instead_of_read_moves_the_reach_and_the_window_pages_b
         for ours, theirs in zip(got[True][0], got[False][0]):
             assert torch.isfinite(ours).all() and (ours - theirs).abs().max() <= TOLERANCE
         assert got[True][1] == got[False][1]
+
+
+def test_bench_windows_counts_through_the_engine_what_each_engine_read_and_held():
+    """tools/bench_windows.py at a tiny Gemma 3 shape where the windows bite on the pages too (prefix ~380, W 16):
+    the window engine stages fewer factor bytes and its pools take fewer bytes, with the same answers."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[3] / "tools" / "bench_windows.py"
+    spec = importlib.util.spec_from_file_location("bench_windows", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    loaded = bench.gemma3_model(layers=2, kv_heads=1, head_dim=16, window=16, full_every=2)
+    import tempfile
+    from milo_infer.bench.synthetic_model import synthetic_queries, synthetic_stores
+
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = synthetic_stores(tmp, loaded, demos=30, block_size=10, demo_tokens=12, ratios=[0.5])
+        with MiloStore.open(paths["milo-r0.5"]) as store:
+            m = bench.measure(loaded, store, synthetic_queries(2, 3, 3))
+            layer = [int(store.block_layer_bounds(b)[1]) * store.itemsize for b in range(3)]  # layer 0's slices
+    assert m["prefix_tokens"] > 2 * PAGE_TOKENS + 16  # two pages skipped, one spill page held
+    assert m["every"]["staged"] - m["window"]["staged"] >= min(layer)  # layer 0 skips one block at least
+    assert m["window"]["held"] < m["every"]["held"]
+    assert m["same_answers"] == 2 and m["logits_apart"] <= TOLERANCE
