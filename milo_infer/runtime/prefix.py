@@ -168,8 +168,10 @@ class PrefixRebuild:
     (a block that fails its checksum raises `StoreCorruptedError` here, before anything is written).
     ``share`` (default: every layer and head) is the part a worker's cache holds: ``fill`` takes only its
     layers and writes only its heads (H = ``len(share.heads)``); only its layers are staged. ``rope`` holds each
-    layer's tables (a NoPE layer's rotate by nothing).
-    ``fetch_stats`` says what the fetch read and moved; ``clock`` (optional) times its stages."""
+    layer's tables (a NoPE layer's rotate by nothing). A row whose placement has a ``reach`` (window layers) is
+    staged and rebuilt at each layer only for the blocks reached there; its other blocks' columns of that layer are
+    left as they were (its attention reads them masked).
+    ``fetch_stats`` says what the fetch read, moved and staged; ``clock`` (optional) times its stages."""
 
     def __init__(self, rows: list[BlockPlacement], rope: RopeTables, device,
                  *, depth: int = 2, tier: DeviceTier | None = None, pools: dict[str, TransferPool] | None = None,
