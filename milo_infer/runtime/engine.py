@@ -42,8 +42,8 @@ from .decoding import GreedyDecoder, LabelDecoder
 from .device_tier import DeviceTier
 from .errors import AdmissionOutOfMemory, BlockLoadError, RequestError, RowFailed
 from .interface import Answer, RowEvent
-from .pages import (GROWTH_HEADROOM, PAGE_TOKENS, PageAllocator, kv_budget_bytes, pages_for, run_start, window_pages_needed,
-                    window_skip, window_table)
+from .pages import (GROWTH_HEADROOM, PAGE_TOKENS, PageAllocator, kv_budget_bytes, pages_for, run_start,
+                    window_pages_needed, window_skip, window_table)
 from .planning import STOP_STRINGS, EngineSettings, MountedStore, QueryPlan, Request
 from .prefetch import TransferPool
 from .prefix import UNREADABLE, PrefixRebuild, rebuild_layer
@@ -69,7 +69,8 @@ class Engine:
     ``attention``: "flex" (one FlexAttention call per layer for every row), "rows" (one SDPA call per row) or
     "auto" (flex on CUDA, rows on the CPU: `milo_infer.runtime.attention`). ``window_reach``: a model with
     sliding-window layers reads and rebuilds, at each window layer, only the blocks its window reaches from a row's
-    first fed token (False: every block at every layer, the same answers; what the benchmark compares against)."""
+    first fed token, and holds pages there only from the first its windows reach (False: every block and page at
+    every layer, the same answers; what `tools/bench_windows.py` compares against)."""
 
     def __init__(self, loaded: LoadedModel, stores: dict[str, MiloStore], settings: EngineSettings = EngineSettings(),
                  *, device=None, prefetch_depth: int = 2, rebuild: Rebuild = rebuild_layer,
@@ -256,7 +257,7 @@ class Row:
             self.device_pages[window] = torch.tensor(pages, dtype=torch.long, device=device)
         return self.device_pages[window]
 
-    def held(self) -> list[int]:
+    def window_pages_held(self) -> list[int]:
         """Every page of its window layers' table once (the spill page among them)."""
         return list(dict.fromkeys(self.window_pages or ()))
 
@@ -663,7 +664,7 @@ class Batch:
         for row in leaving:
             self.pages.give(row.pages)
             if window is not None:
-                window.give(row.held())
+                window.give(row.window_pages_held())
         self.rows = [row for row in self.rows if row not in leaving]
         if self.cache is not None and (self.pages.capacity < self.cache.pages
                                        or (window is not None and window.capacity < self.cache.window_pages)):

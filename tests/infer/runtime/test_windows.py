@@ -1,15 +1,20 @@
-"""A window layer reads and rebuilds only the blocks its window reaches (issue 46, item 3): the same answers as
-reading every layer of every block, fewer bytes.
+"""A window layer reads, rebuilds and holds pages only for what its window reaches (issue 46, item 3): the same
+answers as reading and holding every layer of every block, fewer bytes. CI: about 75 s here.
 
-Tiny random models of the window families (windows of 8 tokens) over an identity store of six blocks of ~24
-tokens placed in a query's prefix: each window layer reaches the last block or two, a full layer every block.
+Tiny random models of the window families (windows of 8 tokens, layer 0 sliding, layer 1 full) over an identity
+store of six blocks of ~120 tokens placed in a query's prefix (~740 tokens, six pages): each window layer reaches
+the last block and holds two pages (its own and the spill page), a full layer every block and page.
 """
 import functools
+import importlib.util
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from milo_infer.bench.synthetic_model import synthetic_queries, synthetic_stores
 from milo_infer.building.builder import build_store
 from milo_infer.building.config import BuildConfig
 from milo_infer.runtime import attention, engine as engine_module
@@ -20,6 +25,7 @@ from milo_infer.runtime.prefix import BlockPlacement
 from milo_store import CompressionConfig, MiloStore
 
 from .. import families
+from ..demo_stores import corrupted_block
 
 QUERIES = ["my card was charged twice", "cash pin fee", "my pin"]
 TOLERANCE = 1e-5  # fp32: the same columns attended, the unreached ones masked either way (seen: 0.0)
@@ -114,8 +120,8 @@ def test_a_window_layer_holds_pages_from_the_first_its_window_reaches(stores):
     need = [pages_for(p.prompt_tokens + p.max_new_tokens) for p in plans]
     skip = [(p.prefix_tokens - window + 1) // PAGE_TOKENS for p in plans]
     assert all(s > 0 for s in skip)
-    assert [row.held() for row in batch.rows] == [sorted(set(row.window_pages)) for row in batch.rows]
-    assert [len(row.held()) for row in batch.rows] == [n - s + 1 for n, s in zip(need, skip)]
+    assert [row.window_pages_held() for row in batch.rows] == [sorted(set(row.window_pages)) for row in batch.rows]
+    assert [len(row.window_pages_held()) for row in batch.rows] == [n - s + 1 for n, s in zip(need, skip)]
     assert [row.window_pages[:s] == [row.window_pages[0]] * s for row, s in zip(batch.rows, skip)] == [True] * 3
     full, windowed = engine.group_page_bytes[False], engine.group_page_bytes[True]
     assert batch.cache.pages == sum(need) and batch.cache.window_pages == sum(n - s + 1 for n, s in zip(need, skip))
@@ -146,8 +152,6 @@ def test_a_block_computed_instead_of_read_moves_the_reach_and_the_window_pages_b
     """An unreadable block in the middle is computed by the model at its own positions: the row's first fed token
     moves back to it, so its windows reach further back and its window layers are given pages from there; the
     answers equal reading every layer of the same damaged store."""
-    from tests.infer.demo_stores import corrupted_block
-
     loaded, store = stores("gemma3_text")
     bad = corrupted_block(store.path, tmp_path / "bad", span=64)
     with MiloStore.open(tmp_path / "bad", tier="disk") as damaged:
@@ -163,7 +167,7 @@ def test_a_block_computed_instead_of_read_moves_the_reach_and_the_window_pages_b
                 first = int(row.executed.positions[0])
                 assert first < row.plan.prefix_tokens
                 skip = max(0, first - loaded.model.config.sliding_window + 1) // PAGE_TOKENS
-                assert len(row.held()) == len(row.pages) - skip + (1 if skip else 0)
+                assert len(row.window_pages_held()) == len(row.pages) - skip + (1 if skip else 0)
             got[reach] = engine.logits(plans), [a.text for a in engine.answer(plans)]
         for ours, theirs in zip(got[True][0], got[False][0]):
             assert torch.isfinite(ours).all() and (ours - theirs).abs().max() <= TOLERANCE
@@ -173,17 +177,11 @@ def test_a_block_computed_instead_of_read_moves_the_reach_and_the_window_pages_b
 def test_bench_windows_counts_through_the_engine_what_each_engine_read_and_held():
     """tools/bench_windows.py at a tiny Gemma 3 shape where the windows bite on the pages too (prefix ~380, W 16):
     the window engine stages fewer factor bytes and its pools take fewer bytes, with the same answers."""
-    import importlib.util
-    from pathlib import Path
-
     path = Path(__file__).resolve().parents[3] / "tools" / "bench_windows.py"
     spec = importlib.util.spec_from_file_location("bench_windows", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     loaded = bench.gemma3_model(layers=2, kv_heads=1, head_dim=16, window=16, full_every=2)
-    import tempfile
-    from milo_infer.bench.synthetic_model import synthetic_queries, synthetic_stores
-
     with tempfile.TemporaryDirectory() as tmp:
         paths = synthetic_stores(tmp, loaded, demos=30, block_size=10, demo_tokens=12, ratios=[0.5])
         with MiloStore.open(paths["milo-r0.5"]) as store:
