@@ -191,3 +191,19 @@ def test_bench_windows_counts_through_the_engine_what_each_engine_read_and_held(
     assert m["every"]["staged"] - m["window"]["staged"] >= min(layer)  # layer 0 skips one block at least
     assert m["window"]["held"] < m["every"]["held"]
     assert m["same_answers"] == 2 and m["logits_apart"] <= TOLERANCE
+
+
+def test_a_device_tier_keeps_whole_blocks_and_answers_as_reading_everything(stores):
+    """With a device tier, a block joins it whole (a later query may place it within a window's reach), and a
+    second batch reads the blocks it needs from the tier: the same answers as reading every layer."""
+    loaded, store = stores("gemma3_text")
+    engine = Engine(loaded, {"s": store}, device_cache_bytes=1 << 30)
+    plans = [engine.plan("s", Request(text=q), block_ids=list(range(store.num_blocks))) for q in QUERIES[:1]]
+    first, again = {}, {}
+    texts = [a.text for a in engine.answer(plans, first)]
+    assert [a.text for a in engine.answer(plans, again)] == texts
+    assert first["device_hits"] == 0 and again["device_hits"] == store.num_blocks and again["bytes"] == 0
+    assert len(engine.device_tier) == store.num_blocks and engine.device_tier.bytes == int(
+        store.block_bytes(list(range(store.num_blocks))).sum())
+    _, _, all_texts, _ = answers(loaded, store, window_reach=False)
+    assert texts == all_texts[:1]
