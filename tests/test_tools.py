@@ -69,7 +69,7 @@ SMOKE = {
                                      "--oracle-queries", "2", "--data", i.data, "--dir", str(i.root)],
                           needs=("banking77", "clinc150")),
     "bench_windows.py": Run(lambda i: ["--layers", "4", "--full-every", "2", "--head-dim", "16", "--window", "16",
-                                       "--k", "3", "--block-tokens", "12", "--query-tokens", "4"]),
+                                       "--k", "3", "--block-tokens", "20", "--queries", "1"]),
     "bench_serve.py": Elsewhere("tests/infer/bench/test_bench.py::test_the_gpu_sweep_runs_on_the_cpu_at_tiny_shapes",
                                 via="gpu_bench.sh"),
     "bench_share_reads.py": Run(lambda i: [i.synthetic_store, "--k", "2", "--rounds", "2"]),

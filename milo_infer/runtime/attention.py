@@ -71,7 +71,7 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
                                       sliding_window=sliding_window, **kwargs)
     layer = LayerAttention(scaling, sliding_window, softcap, s_aux)
     attend = flex_rows if milo_pack.attention == "flex" else sdpa_rows
-    return attend(query, key, value, milo_pack, layer).transpose(1, 2).contiguous(), None
+    return attend(query, key, value, milo_pack.attended(), layer).transpose(1, 2).contiguous(), None
 
 
 def sdpa_rows(query, key, value, pack: Pack, layer: LayerAttention | None) -> torch.Tensor:
@@ -79,21 +79,25 @@ def sdpa_rows(query, key, value, pack: Pack, layer: LayerAttention | None) -> to
     [1, Hq, T, d]. A row's columns are a view of the pools when its pages are consecutive, else gathered
     (``index_select``: 1.6x faster than indexing on this CPU, issue 47). A row's one decode token with no mask
     to apply (no window) is attended as its KV heads' groups of query heads, [1, H, Hq / H, d] against [1, H,
-    keys, d]: the same scores as SDPA's GQA, which is ~1.1x slower for it here."""
+    keys, d]: the same scores as SDPA's GQA, which is ~1.1x slower for it here. A window layer reads a row's columns
+    from the first its earliest token's window reaches (a window of W over a long prefix: W columns, not all)."""
     layer = layer or LayerAttention()
     out = torch.empty_like(query)
     Hq, H, d = query.shape[1], key.shape[1], query.shape[3]
     for s in pack.segments:
+        # a window layer reads the columns from the first its earliest token's window reaches
+        lo = 0 if layer.window is None else max(0, int(s.positions.min()) - layer.window + 1)
         if s.run is not None:
-            at = slice(s.run * PAGE_TOKENS, s.run * PAGE_TOKENS + s.keys)
+            at = slice(s.run * PAGE_TOKENS + lo, s.run * PAGE_TOKENS + s.keys)
             k, v = key[:, :, at], value[:, :, at]
         else:
-            k, v = key.index_select(2, s.gather), value.index_select(2, s.gather)
+            at = s.gather[lo:] if lo else s.gather
+            k, v = key.index_select(2, at), value.index_select(2, at)
         mask = s.mask
         if layer.window is not None:
-            columns = torch.arange(s.keys, device=query.device)
+            columns = torch.arange(lo, s.keys, device=query.device)
             inside = columns[None, :] > s.positions.to(query.device)[:, None] - layer.window
-            mask = inside if mask is None else mask & inside
+            mask = inside if mask is None else mask[:, lo:] & inside
         q = query[:, :, s.start:s.stop]
         if layer.softcap is not None or layer.sinks is not None:
             out[:, :, s.start:s.stop] = scored_attention(q, k, v, mask, layer)

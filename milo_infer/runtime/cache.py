@@ -13,6 +13,12 @@ prefix fills of rows joining in this forward (`PrefixFill`: the rebuild writes a
 pages when they are consecutive, else into a scratch of one layer that is then scattered to them), then
 scatters each new token's K/V to its pool column, and the attention (`milo_infer.runtime.attention`) reads
 each row's columns only. A row that joins or leaves touches its own pages only.
+
+A model with sliding-window layers keeps them in pools of their own (``windowed``), each row with a page table
+of its own there (`pages.window_table`): it holds pages only from the one its windows first reach (from the
+row's first fed token: later tokens only move them forward), and its columns before that all map to one spill
+page of the row's, which the rebuild may write and no token reads. The pack then carries the window layers'
+segments and columns too (``Pack.window``), and each layer's ``update`` says which the attention reads.
 """
 from __future__ import annotations
 
@@ -51,9 +57,10 @@ class Segment:
 @dataclass
 class PrefixFill:
     """An admission's prefixes to rebuild: its `PrefixRebuild` and, in its rows' order, each row's pages and
-    prefix length."""
+    prefix length (``window_rows``: its window layers' page tables, where they hold pages of their own)."""
     rebuild: object  # PrefixRebuild: fill(layer, k_dsts, v_dsts)
     rows: list[tuple[list[int], int]]
+    window_rows: list[tuple[list[int], int]] | None = None
 
 
 @dataclass
@@ -66,6 +73,13 @@ class Pack:
     attention: str = "rows"
     fills: list[PrefixFill] = field(default_factory=list)
     scratch: dict = field(default_factory=dict)
+    window: "Pack | None" = None  # the window layers' segments and columns, on their page tables (None: no
+    # layer holds pages of its own)
+    in_window: bool = False  # the layer running now is a window layer: its attention reads ``window``
+
+    def attended(self) -> "Pack":
+        """What the layer running now attends: its own page tables' segments."""
+        return self.window if self.in_window else self
 
 
 def pool_columns(pages: list[int], positions: torch.Tensor) -> torch.Tensor:
@@ -77,8 +91,9 @@ def pool_columns(pages: list[int], positions: torch.Tensor) -> torch.Tensor:
 class PagedLayer(CacheLayerMixin):
     is_sliding = False
 
-    def __init__(self, index: int, cache: "PagedCache", shape, dtype, device):
+    def __init__(self, index: int, cache: "PagedCache", shape, dtype, device, windowed: bool = False):
         super().__init__()
+        self.windowed = windowed  # a window layer on page tables of its own
         H, d = shape
         # a proxy, not a reference: a cycle would keep the pools (gigabytes) alive after the batch ends, until the
         # garbage collector next ran
@@ -108,17 +123,20 @@ class PagedLayer(CacheLayerMixin):
     def fill(self, prefixes: PrefixFill) -> None:
         """Rebuild this layer of an admission's prefixes into their rows' pages."""
         ks, vs, scattered = [], [], []
-        for pages, length in prefixes.rows:
+        rows = prefixes.window_rows if self.windowed and prefixes.window_rows is not None else prefixes.rows
+        for pages, length in rows:
             start = run_start(pages[:pages_for(length)])
             if start is not None:  # in place
                 at = slice(start * PAGE_TOKENS, start * PAGE_TOKENS + length)
                 ks.append(self.k_pool[:, at])
                 vs.append(self.v_pool[:, at])
-            else:
-                k = torch.empty(self.k_pool.shape[0], length, self.k_pool.shape[2], dtype=self.k_pool.dtype,
-                                device=self.k_pool.device)
+            else:  # a window layer's rebuild leaves the columns of blocks its windows do not reach: zeros there, since
+                # attention reads them masked (the spill page included) and a masked 0 × NaN would still be NaN
+                k = (torch.zeros if self.windowed else torch.empty)(
+                    self.k_pool.shape[0], length, self.k_pool.shape[2], dtype=self.k_pool.dtype,
+                    device=self.k_pool.device)
                 ks.append(k)
-                vs.append(torch.empty_like(k))
+                vs.append(torch.zeros_like(k) if self.windowed else torch.empty_like(k))
                 scattered.append((pool_columns(pages, torch.arange(length)).to(k.device), k, vs[-1]))
         prefixes.rebuild.fill(self.index, ks, vs)
         for columns, k, v in scattered:
@@ -129,10 +147,12 @@ class PagedLayer(CacheLayerMixin):
         """Rebuild the joining rows' prefixes of this layer, write the new tokens' K/V to their pool columns, and
         hand the whole pools to the attention (which reads each row's own columns)."""
         pack = self.cache.pack
+        pack.in_window = self.windowed and pack.window is not None
         for prefixes in pack.fills:
             self.fill(prefixes)
-        self.k_pool[:, pack.columns] = key_states[0]
-        self.v_pool[:, pack.columns] = value_states[0]
+        columns = pack.attended().columns
+        self.k_pool[:, columns] = key_states[0]
+        self.v_pool[:, columns] = value_states[0]
         self.cache.updated += 1
         return self.k_pool[None], self.v_pool[None]
 
@@ -149,20 +169,27 @@ class PagedLayer(CacheLayerMixin):
 
 class PagedCache(Cache):
     """One PagedLayer per model layer; ``pack`` is the forward in flight, ``updated`` counts the layers it wrote
-    (a model that ignored the cache writes none)."""
+    (a model that ignored the cache writes none). The ``windowed`` layers hold pools of their own."""
 
-    def __init__(self, num_layers: int, shape, dtype, device):
-        super().__init__(layers=[PagedLayer(l, self, shape, dtype, device) for l in range(num_layers)])
+    def __init__(self, num_layers: int, shape, dtype, device, windowed=frozenset()):
+        super().__init__(layers=[PagedLayer(l, self, shape, dtype, device, l in windowed) for l in range(num_layers)])
         self.pack: Pack | None = None
         self.updated = 0
+        self.page_counts = {False: 0, True: 0}  # pages the full layers' pools hold, and the window layers'
 
     @property
     def pages(self) -> int:
-        return self.layers[0].k_pool.shape[1] // PAGE_TOKENS
+        return self.page_counts[False]
 
-    def resize(self, pages: int) -> None:
+    @property
+    def window_pages(self) -> int:
+        return self.page_counts[True]
+
+    def resize(self, pages: int, window_pages: int | None = None) -> None:
+        """Full layers' pools to ``pages`` pages, window layers' to ``window_pages`` (default: the same)."""
+        self.page_counts = {False: pages, True: pages if window_pages is None else window_pages}
         for layer in self.layers:
-            layer.resize(pages * PAGE_TOKENS)
+            layer.resize(self.page_counts[layer.windowed] * PAGE_TOKENS)
 
     @property
     def allocated_bytes(self) -> int:

@@ -35,14 +35,15 @@ import transformers
 
 from milo_store import IncompatibleStoreError, MiloStore, StoreError
 
-from ..models import LoadedModel, check_compatible, layer_rope_tables
+from ..models import FAMILIES, LoadedModel, check_compatible, layer_rope_tables
 from .attention import ATTENTION, choose_attention
 from .cache import Pack, PagedCache, PrefixFill, Segment, column_bytes, pool_columns
 from .decoding import GreedyDecoder, LabelDecoder
 from .device_tier import DeviceTier
 from .errors import AdmissionOutOfMemory, BlockLoadError, RequestError, RowFailed
 from .interface import Answer, RowEvent
-from .pages import GROWTH_HEADROOM, PAGE_TOKENS, PageAllocator, kv_budget_bytes, pages_for, run_start
+from .pages import (GROWTH_HEADROOM, PAGE_TOKENS, PageAllocator, kv_budget_bytes, pages_for, run_start,
+                    window_pages_needed, window_skip, window_table)
 from .planning import STOP_STRINGS, EngineSettings, MountedStore, QueryPlan, Request
 from .prefetch import TransferPool
 from .prefix import UNREADABLE, PrefixRebuild, rebuild_layer
@@ -66,12 +67,15 @@ class Engine:
     in (0, 1]; default: `pages.DEFAULT_SHARE`); a row is seated only when its pages fit, and a request that
     cannot fit even alone is refused when planned. ``max_rows``: rows answered at once at most (more wait).
     ``attention``: "flex" (one FlexAttention call per layer for every row), "rows" (one SDPA call per row) or
-    "auto" (flex on CUDA, rows on the CPU: `milo_infer.runtime.attention`)."""
+    "auto" (flex on CUDA, rows on the CPU: `milo_infer.runtime.attention`). ``window_reach``: a model with
+    sliding-window layers reads and rebuilds, at each window layer, only the blocks its window reaches from a row's
+    first fed token, and holds pages there only from the first its windows reach (False: every block and page at
+    every layer, the same answers; what `tools/bench_windows.py` compares against)."""
 
     def __init__(self, loaded: LoadedModel, stores: dict[str, MiloStore], settings: EngineSettings = EngineSettings(),
                  *, device=None, prefetch_depth: int = 2, rebuild: Rebuild = rebuild_layer,
                  device_cache_bytes: int = 0, on_load_error: str = "fail", max_rows: int = 16,
-                 kv_cache_memory: int | float | None = None, attention: str = "auto"):
+                 kv_cache_memory: int | float | None = None, attention: str = "auto", window_reach: bool = True):
         if on_load_error not in LOAD_ERROR_POLICIES:
             raise ValueError(f"on_load_error must be one of {', '.join(LOAD_ERROR_POLICIES)}, got {on_load_error!r}")
         if max_rows < 1:
@@ -97,12 +101,19 @@ class Engine:
         self.max_positions = min(s.meta["model"]["max_position_embeddings"] for s in stores.values())
         self.rope = layer_rope_tables(self.model, self.max_positions, device=self.device)  # each layer's tables
         self.identity, self.swapping = loaded.identity, threading.Lock()
+        self.windows = model_windows(self.model_config) if window_reach else None
         self.stores = {name: self.mount(name, store) for name, store in stores.items()}
         self.device_tier = DeviceTier(device_cache_bytes, self.device) if device_cache_bytes else None
         self.attention = choose_attention(attention, self.device)
         layout = next(iter(stores.values())).layout
         self.kv_shape = (layout.num_layers, layout.num_kv_heads, layout.head_dim)
         self.page_bytes = PAGE_TOKENS * column_bytes(*self.kv_shape, self.dtype)
+        # window layers hold pages of their own, from the first their windows reach (`cache`, `Batch._seat`)
+        self.window_layers = frozenset(l for l, w in enumerate(self.windows or ()) if w is not None)
+        self.window_span = max((w for w in self.windows or () if w is not None), default=0)
+        layer_page = self.page_bytes // layout.num_layers
+        self.group_page_bytes = {False: layer_page * (layout.num_layers - len(self.window_layers)),
+                                 True: layer_page * len(self.window_layers)}
         self.kv_budget = kv_budget_bytes(kv_cache_memory, self.device, reserved=device_cache_bytes)
         self.kv_pages = self.kv_budget // self.page_bytes
         if not self.kv_pages:
@@ -125,7 +136,7 @@ class Engine:
                 log.warning("store %r: its token ids cannot be read (%s): no block of it can be computed instead "
                             "of read", name, e)
         return MountedStore(name, store, self.tokenizer, self.rope, self.device, self.dtype,
-                            self.settings.aggregate)
+                            self.settings.aggregate, self.windows)
 
     def swap(self, name: str, store: MiloStore) -> MountedStore:
         """Answer new plans for ``name`` from ``store`` (a newer version of it, already opened) from now on;
@@ -229,6 +240,7 @@ class Row:
     executed: QueryPlan  # as run: unreadable blocks computed instead (`MountedStore.without_blocks`)
     decoder: LabelDecoder | GreedyDecoder
     pages: list[int]  # its page table: column c lives at pages[c // PAGE_TOKENS]
+    window_pages: list[int] | None  # its window layers' page table (None: they use ``pages``)
     admission: "Admission"
     seconds: dict
     fed: int = 0  # tokens of executed.query_ids fed so far
@@ -237,12 +249,17 @@ class Row:
     last_token: int = -1
     sent: int = 0  # characters of text already given out as deltas
     cancelled: bool = False
-    device_pages: torch.Tensor | None = field(default=None, repr=False)
+    device_pages: dict = field(default_factory=dict, repr=False)
 
-    def pages_on_device(self, device) -> torch.Tensor:
-        if self.device_pages is None:
-            self.device_pages = torch.tensor(self.pages, dtype=torch.long, device=device)
-        return self.device_pages
+    def pages_on_device(self, device, window: bool = False) -> torch.Tensor:
+        if window not in self.device_pages:
+            pages = self.window_pages if window else self.pages
+            self.device_pages[window] = torch.tensor(pages, dtype=torch.long, device=device)
+        return self.device_pages[window]
+
+    def window_pages_held(self) -> list[int]:
+        """Every page of its window layers' table once (the spill page among them)."""
+        return list(dict.fromkeys(self.window_pages or ()))
 
     @property
     def finished(self) -> bool:
@@ -290,7 +307,11 @@ class Batch:
         self.engine, self.keep_all = engine, keep_all
         self.rows: list[Row] = []  # rows holding pages
         self.waiting: list[QueryPlan] = []  # plans admitted that did not fit yet
-        self.pages = PageAllocator(engine.kv_pages)
+        windowed = bool(engine.window_layers)
+        bytes_each = engine.group_page_bytes
+        # the full layers' pages (every layer's without windows) and the window layers' (one budget of bytes)
+        self.pages = PageAllocator(engine.kv_budget // max(1, bytes_each[False]) if windowed else engine.kv_pages)
+        self.window_alloc = PageAllocator(engine.kv_budget // bytes_each[True]) if windowed else None
         self.cache: PagedCache | None = None
         self.admissions: list[Admission] = []  # not yet rebuilt
         self.fetch_stats: dict = {}
@@ -360,11 +381,14 @@ class Batch:
         """Give pages to waiting plans, oldest first while they fit, and read their blocks as one union."""
         e = self.engine
         seated: list[tuple[QueryPlan, list[int]]] = []
+        windows: dict[int, list[int] | None] = {}
         while self.waiting and len(self.rows) + len(seated) < e.max_rows:
-            need = pages_for(self.waiting[0].prompt_tokens + self.waiting[0].max_new_tokens)
-            if not self.pages.fits(need):
+            plan = self.waiting[0]
+            need = pages_for(plan.prompt_tokens + plan.max_new_tokens)
+            if not self._fits(need, self._window_skip(plan)):
                 break
             seated.append((self.waiting.pop(0), self.pages.take(need)))
+            windows[id(plan)] = self._take_window(plan, need)
         if not seated:
             return []
         pages = {id(p): taken for p, taken in seated}
@@ -372,29 +396,69 @@ class Batch:
         pairs, rebuild, events = self._readable([p for p, _ in seated], clock)
         for event in events:  # rows that cannot run give their pages back
             self.pages.give(pages.pop(id(event.plan)))
+            if self.window_alloc is not None:
+                self.window_alloc.give(list(dict.fromkeys(windows.pop(id(event.plan)))))
+        for p, x in pairs:  # a block computed instead of read moves the row's first fed token back: reach it
+            if self.window_alloc is not None and self._window_skip(x) < self._window_skip(p):
+                self.window_alloc.give(list(dict.fromkeys(windows[id(p)])))
+                windows[id(p)] = self._take_window(x, len(pages[id(p)]))
         if not pairs:
             return events
         self.fetch_stats = {**rebuild.fetch_stats, "unreadable_blocks": self.unreadable_blocks,
                             "bytes_without_union": sum(x.placement.kv_bytes_stored for _, x in pairs)}
         if self.cache is None:
-            self.cache = PagedCache(e.kv_shape[0], e.kv_shape[1:], e.dtype, e.device)
-        if self.pages.capacity > self.cache.pages:
+            self.cache = PagedCache(e.kv_shape[0], e.kv_shape[1:], e.dtype, e.device, e.window_layers)
+        window = self.window_alloc
+        if self.pages.capacity > self.cache.pages or (window is not None and window.capacity > self.cache.window_pages):
             # growing a pool that holds rows copies every layer's pools (2 s for 600 pages of the default model
             # on a CPU; in a served run at 64 clients each row a little longer than the one that left grew it
             # again, 27 s of 43): take an eighth more, so the next longer row finds free pages
-            self.pages.grow(self.cache.pages // GROWTH_HEADROOM)
-            self.cache.resize(self.pages.capacity)
+            if window is None:
+                self.pages.grow(self.cache.pages // GROWTH_HEADROOM)
+            else:  # both groups' headroom within the one budget of bytes
+                for alloc, held in ((self.pages, self.cache.pages), (window, self.cache.window_pages)):
+                    room = e.kv_budget - self._allocated_bytes()
+                    alloc.grow(min(held // GROWTH_HEADROOM, room // max(1, e.group_page_bytes[alloc is window])))
+            self.cache.resize(self.pages.capacity, window.capacity if window is not None else None)
             self.kv_bytes_allocated = max(self.kv_bytes_allocated, self.cache.allocated_bytes)
         admission = Admission(rebuild, [], clock, started)
         for p, x in pairs:
             trie = p.mount.queries.trie
             decoder = (LabelDecoder(trie, e.tokenizer, p.max_new_tokens) if trie is not None else
                        GreedyDecoder(e.tokenizer, STOP_STRINGS + tuple(p.request.stop), p.max_new_tokens))
-            admission.rows.append(Row(p, x, decoder, pages[id(p)], admission, {"retrieve": p.retrieve_seconds},
-                                      next_position=x.prompt_tokens))
+            admission.rows.append(Row(p, x, decoder, pages[id(p)], windows[id(p)], admission,
+                                      {"retrieve": p.retrieve_seconds}, next_position=x.prompt_tokens))
         self.rows += admission.rows
         self.admissions.append(admission)
         return events
+
+    def _window_skip(self, plan: QueryPlan) -> int:
+        """Pages of ``plan``'s row its window layers never attend (0 without window layers of their own)."""
+        if self.window_alloc is None:
+            return 0
+        return window_skip(int(plan.positions[0]) if len(plan.query_ids) else 0, self.engine.window_span)
+
+    def _fits(self, need: int, skip: int) -> bool:
+        """A row of ``need`` pages, its window layers' from page ``skip`` on, fits the KV budget now."""
+        if self.window_alloc is None:
+            return self.pages.fits(need)
+        each = self.engine.group_page_bytes
+        taken = ((self.pages.in_use + need) * each[False]
+                 + (self.window_alloc.in_use + window_pages_needed(need, skip)) * each[True])
+        return taken <= self.engine.kv_budget and self.pages.fits(need)
+
+    def _take_window(self, plan: QueryPlan, need: int) -> list[int] | None:
+        """The window layers' page table of ``plan``'s row of ``need`` pages (None: no window layers of their own)."""
+        if self.window_alloc is None:
+            return None
+        skip = self._window_skip(plan)
+        return window_table(self.window_alloc.take(window_pages_needed(need, skip)), skip)
+
+    def _allocated_bytes(self) -> int:
+        """Bytes the pools would take at the allocators' capacities."""
+        each = self.engine.group_page_bytes
+        window = self.window_alloc.capacity * each[True] if self.window_alloc is not None else 0
+        return self.pages.capacity * each[False] + window
 
     # -- the step ------------------------------------------------------------------------------
     def cancel(self, plan: QueryPlan) -> None:
@@ -411,6 +475,7 @@ class Batch:
         e = self.engine
         budget, at = e.settings.prefill_chunk, 0
         segments, columns, fed = [], [], []
+        window_segments, window_columns = [], []
         for row in self.rows:
             if row.finished or row in held:
                 continue
@@ -429,10 +494,19 @@ class Batch:
             segments.append(Segment(row.pages, row.pages_on_device(e.device), run_start(row.pages), at, at + n, keys,
                                     positions, mask))
             columns.append(pool_columns(row.pages, positions))
+            if row.window_pages is not None:
+                window_segments.append(Segment(row.window_pages, row.pages_on_device(e.device, window=True),
+                                               run_start(row.window_pages), at, at + n, keys, positions, mask))
+                window_columns.append(pool_columns(row.window_pages, positions))
             fed.append((row, n, at))
             at += n
-        pack = Pack(segments, torch.cat(columns).to(e.device) if columns else torch.zeros(0, dtype=torch.long),
-                    attention=e.attention)
+
+        def pack_of(segments, columns) -> Pack:
+            return Pack(segments, torch.cat(columns).to(e.device) if columns else torch.zeros(0, dtype=torch.long),
+                        attention=e.attention)
+        pack = pack_of(segments, columns)
+        if self.window_alloc is not None:
+            pack.window = pack_of(window_segments, window_columns)
         return pack, fed
 
     def _forward(self, pack: Pack, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
@@ -441,10 +515,11 @@ class Batch:
         prefixes of ``joining`` rows' admissions first; logits [K, V] at the ``keep`` indices."""
         e = self.engine
         todo = list(dict.fromkeys(row.admission for row in joining if not row.admission.filled))
-        pack.fills = [PrefixFill(a.rebuild, [(row.pages, row.executed.prefix_tokens) for row in a.rows]) for a in todo]
-        held = sum(r.executed.prompt_tokens + r.executed.max_new_tokens for r in self.rows)
+        pack.fills = [PrefixFill(a.rebuild, [(row.pages, row.executed.prefix_tokens) for row in a.rows],
+                                 [(row.window_pages, row.executed.prefix_tokens) for row in a.rows]
+                                 if self.window_alloc is not None else None) for a in todo]
         staged = sum(a.rebuild.fetch_stats["buffer_bytes"] for a in todo)
-        needed = held * e.page_bytes // PAGE_TOKENS
+        needed = sum(self._needed_bytes(r) for r in self.rows)
         self.kv_bytes_needed = max(self.kv_bytes_needed, needed)
         self.peak_kv_bytes = max(self.peak_kv_bytes, needed + staged)
         self.cache.pack, self.cache.updated = pack, 0
@@ -527,6 +602,16 @@ class Batch:
         self._free_finished()
         return events
 
+    def _needed_bytes(self, row: Row) -> int:
+        """Bytes of K/V ``row``'s columns take: its context and answer budget at every full layer, and at each
+        window layer those from the first page its windows reach (and its spill page)."""
+        e, columns = self.engine, row.executed.prompt_tokens + row.executed.max_new_tokens
+        if row.window_pages is None:
+            return columns * e.page_bytes // PAGE_TOKENS
+        skip = self._window_skip(row.executed)
+        window_columns = columns - skip * PAGE_TOKENS + (PAGE_TOKENS if skip else 0)
+        return (columns * e.group_page_bytes[False] + window_columns * e.group_page_bytes[True]) // PAGE_TOKENS
+
     @staticmethod
     def _feed(row: Row, n: int) -> list[int]:
         return row.executed.query_ids[row.fed:row.fed + n] if row.prefilling else [row.last_token]
@@ -575,11 +660,23 @@ class Batch:
             self.admissions.remove(a)
             a.settle()
         leaving = [row for row in self.rows if row.finished and row.admission not in self.admissions]
+        window = self.window_alloc
         for row in leaving:
             self.pages.give(row.pages)
+            if window is not None:
+                window.give(row.window_pages_held())
         self.rows = [row for row in self.rows if row not in leaving]
-        if self.cache is not None and self.pages.capacity < self.cache.pages:
-            self.cache.resize(self.pages.capacity)
+        if self.cache is not None and (self.pages.capacity < self.cache.pages
+                                       or (window is not None and window.capacity < self.cache.window_pages)):
+            self.cache.resize(self.pages.capacity, window.capacity if window is not None else None)
+
+
+def model_windows(config) -> list[int | None] | None:
+    """Each layer's sliding window (None: full), or None when no layer has one (or the family is not described:
+    a test's stand-in model), so such a model plans exactly as before."""
+    spec = FAMILIES.get(getattr(config, "model_type", None))
+    windows = spec.windows(config) if spec is not None else None
+    return windows if windows and any(w is not None for w in windows) else None
 
 
 def cache_keyword(model) -> str:

@@ -116,6 +116,25 @@ class PageAllocator:
             self.capacity, self.free = 0, []
 
 
+def window_skip(first_position: int, window: int) -> int:
+    """Pages before the first one a window of ``window`` positions reaches from ``first_position`` (a row's first
+    fed token): a window layer's columns there are never attended."""
+    return max(0, first_position - window + 1) // PAGE_TOKENS
+
+
+def window_pages_needed(pages: int, skip: int) -> int:
+    """Pages a window layer's table takes for a row of ``pages`` pages: those from ``skip`` on, and one spill page
+    for the columns before them when there are any."""
+    return pages - skip + (1 if skip else 0)
+
+
+def window_table(taken: list[int], skip: int) -> list[int]:
+    """A window layer's page table from the pages taken for it (`window_pages_needed`): its first ``skip`` pages all
+    map to the spill page (the first taken), which the rebuild may write and no token reads; the rest are its
+    own."""
+    return [taken[0]] * skip + taken[1:] if skip else list(taken)
+
+
 def run_start(pages: list[int]) -> int | None:
     """The first page when ``pages`` are consecutive (their columns one range of the pool), else None."""
     return pages[0] if pages and pages[-1] - pages[0] == len(pages) - 1 else None

@@ -184,11 +184,13 @@ def check_context(anchor_tokens: int, prefix_tokens: int, query_tokens: int, bud
 
 class MountedStore:
     """A store ready to answer from: its anchor and block placement on the device (``prefix``) and its
-    queries' retrieval, rendering and labels (``queries``)."""
+    queries' retrieval, rendering and labels (``queries``). ``windows`` (the model's, per layer; None: read every
+    layer of every block) makes each plan's placement name the blocks each window layer reaches from the row's
+    first fed token (`BlockPlacement.windowed`): only those are read and rebuilt there."""
 
     def __init__(self, name: str, store: MiloStore, tokenizer, rope: RopeTables, device, dtype,
-                 aggregate: str = "max"):
-        self.name, self.store = name, store
+                 aggregate: str = "max", windows: list[int | None] | None = None):
+        self.name, self.store, self.windows = name, store, windows
         self.prefix = StorePrefix(name, store, rope, device, dtype)
         self.queries = StoreQueries(store, tokenizer, aggregate)
 
@@ -212,6 +214,7 @@ class MountedStore:
         if request.prefill:
             return self.prefill_plan(request, groups, blocks, query_ids, budget, seconds)
         positions, ids = self.recompute_tokens(blocks, placed.dst_rows, recompute)
+        placed = placed.windowed(int(positions[0]) if len(positions) else placed.prefix_tokens, self.windows)
         return QueryPlan(request=request, groups=groups, placement=placed, query_ids=ids + query_ids,
                          max_new_tokens=budget, retrieve_seconds=seconds, recompute=positions, mount=self)
 
@@ -232,6 +235,7 @@ class MountedStore:
             recomputed.update({start + j: int(t) for j, t in enumerate(ids)})
         positions = sorted(recomputed)
         placement = self.prefix.place(plan.blocks, unread=frozenset(unread))
+        placement = placement.windowed(positions[0] if positions else placement.prefix_tokens, self.windows)
         return replace(plan, placement=placement, recompute=np.array(positions, dtype=np.int64),
                        query_ids=[recomputed[q] for q in positions] + plan.query_ids[len(plan.recompute):])
 

@@ -15,6 +15,11 @@ With a `DeviceTier`, blocks it holds are read from the device (a device-to-devic
 buffer) and the others are copied, layer by layer, into device tensors of their own that join the tier
 once the last layer has been handed out (so a later batch's side stream, which waits for the compute
 stream, never reads a block before its copies finished).
+
+With ``reach`` (a model with sliding-window layers), each layer stages only the blocks some row's window reaches
+there: the others' slices of that layer are neither copied nor concatenated, and a block no layer needs is not
+read at all. A block joining the device tier is still copied whole, since a later query may place it where its
+window layers reach it.
 """
 import time
 
@@ -47,29 +52,44 @@ class TransferPool:
 
 class LayerPrefetcher:
     """``layer(l)`` -> (flat factors of layer l for the selected blocks, start of each block in it), for l in
-    ``layers`` (default: all), in that order. ``read_stats``: what reading the blocks the device tier did not
-    hold cost (remote bytes, GETs, seconds; cache hits)."""
+    ``layers`` (default: all), in that order. ``reach`` (default: every block at every layer): per layer, which of
+    ``block_ids`` (indices into it) to stage; the others' starts are not to be read. ``read_stats``: what reading
+    the blocks the device tier did not hold cost (remote bytes, GETs, seconds; cache hits). ``bytes_moved``: the
+    factor bytes copied from the store's blocks toward the device; ``staged_bytes``: those the layers hand out."""
 
     def __init__(self, store: MiloStore, block_ids: list[int], device, depth: int = 2, tier: DeviceTier | None = None,
-                 pool: TransferPool | None = None, layers: range | None = None):
+                 pool: TransferPool | None = None, layers: range | None = None,
+                 reach: dict[int, list[int]] | None = None):
         self.store, self.block_ids, self.device = store, list(block_ids), torch.device(device)
         self.layers = layers if layers is not None else range(store.layout.num_layers)
         if tier is not None and len(self.layers) != store.layout.num_layers:
             raise ValueError("a device tier keeps whole blocks: stage every layer to fill it")
+        L = store.layout.num_layers
+        self.bounds = [store.block_layer_bounds(i) for i in self.block_ids]
+        sizes = np.array([[b[l + 1] - b[l] for b in self.bounds] for l in range(L)], dtype=np.int64).reshape(L, -1)
+        self.staged = None  # bool [L, blocks]: which blocks each layer stages (None: every one)
+        wanted = self.block_ids
+        if reach is not None:
+            self.staged = np.zeros(sizes.shape, bool)
+            for l in self.layers:
+                self.staged[l, reach[l]] = True
+            sizes = np.where(self.staged, sizes, 0)
+            wanted = [i for i, needed in zip(self.block_ids, self.staged.any(axis=0)) if needed]
         self.tier, self._joining = tier, {}
-        resident = {i: tier.get(store.block_key(i)) for i in self.block_ids} if tier is not None else {}
-        missing = [i for i in self.block_ids if resident.get(i) is None]
-        self.tier_hits = len(self.block_ids) - len(missing) if tier is not None else 0
+        resident = {i: tier.get(store.block_key(i)) for i in wanted} if tier is not None else {}
+        missing = [i for i in wanted if resident.get(i) is None]
+        self.tier_hits = len(wanted) - len(missing) if tier is not None else 0
         self.read_stats = ReadStats()
         # views (host tier) or reads (disk tiers; remote: one batch)
         read = dict(zip(missing, store.blocks(missing, self.read_stats)))
-        self.bounds = [store.block_layer_bounds(i) for i in self.block_ids]
-        L = store.layout.num_layers
-        sizes = np.array([[b[l + 1] - b[l] for b in self.bounds] for l in range(L)], dtype=np.int64).reshape(L, -1)
         self.starts = np.concatenate((np.zeros((L, 1), np.int64), np.cumsum(sizes, axis=1)[:, :-1]), axis=1)
         self.layer_values = sizes.sum(axis=1)
-        # bytes that cross from the store to the device: the blocks the device tier did not hold
-        self.bytes_moved = int(store.block_bytes(missing).sum())
+        self.staged_bytes = int(self.layer_values[self.layers.start:self.layers.stop].sum()) * store.itemsize
+        # bytes that cross from the store to the device: the blocks the device tier did not hold (whole when they
+        # join it; else, with a reach, only the slices the layers stage)
+        at = [self.block_ids.index(i) for i in missing]
+        self.bytes_moved = (int(store.block_bytes(missing).sum()) if reach is None or tier is not None else
+                            int(sizes[self.layers.start:self.layers.stop][:, at].sum()) * store.itemsize)
         self.depth = max(1, depth)
         # factor bytes staged for the rebuild at once: depth + 1 layer buffers on CUDA, one gathered layer on CPU
         layers_held = self.depth + 1 if self.device.type == "cuda" else 1
@@ -84,7 +104,7 @@ class LayerPrefetcher:
                              for i in missing}
             self._at = {i: self.block_ids.index(i) for i in missing}
             resident.update({i: dev for i, (_, dev) in self._joining.items()})
-        self.blocks = [resident[i] if i in resident else read[i] for i in self.block_ids]
+        self.blocks = [resident[i] if i in resident else read.get(i) for i in self.block_ids]  # None: not needed
         if self.cuda:
             cap = int(staged.max(initial=0))
             if pool is not None:
@@ -110,7 +130,8 @@ class LayerPrefetcher:
             for i, (host, dev) in self._joining.items():  # blocks joining the device tier: H2D into their own tensor
                 lo, hi = self.bounds[self._at[i]][l:l + 2]
                 dev[lo:hi].copy_(host[lo:hi], non_blocking=True)
-            for block, b, start_at in zip(self.blocks, self.bounds, self.starts[l]):
+            for j in self._chosen(l):
+                block, b, start_at = self.blocks[j], self.bounds[j], self.starts[l, j]
                 n = int(b[l + 1] - b[l])
                 buf[start_at:start_at + n].copy_(block[b[l]:b[l + 1]], non_blocking=True)
             done.record(self.stream)
@@ -124,8 +145,9 @@ class LayerPrefetcher:
         n = int(self.layer_values[l])
         if not self.cuda:
             t = time.perf_counter()
-            parts = [blk[b[l]:b[l + 1]] for blk, b in zip(self.blocks, self.bounds)]
-            flat = torch.cat(parts) if len(parts) != 1 else parts[0]
+            parts = [self.blocks[j][self.bounds[j][l]:self.bounds[j][l + 1]] for j in self._chosen(l)]
+            flat = (torch.cat(parts) if len(parts) != 1 else parts[0]) if parts else torch.empty(
+                0, dtype=self.store.torch_dtype)
             self._seconds += time.perf_counter() - t
             out = flat.to(self.device), self.starts[l]
         else:
@@ -140,6 +162,10 @@ class LayerPrefetcher:
                 self.tier.put(self.store.block_key(i), dev)
             self._joining = {}
         return out
+
+    def _chosen(self, l: int):
+        """The blocks (indices into ``block_ids``) layer ``l`` stages, in order."""
+        return range(len(self.block_ids)) if self.staged is None else np.flatnonzero(self.staged[l]).tolist()
 
     def transfer_seconds(self) -> float:
         """Seconds spent moving factors so far: on CUDA the copies' own time on the side stream, so

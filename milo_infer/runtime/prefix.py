@@ -14,7 +14,7 @@ whole, since each block's CRC32C covers the whole block (docs/design.md, "vLLM")
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -49,15 +49,33 @@ class BlockPlacement:
     kv_bytes_stored: int  # the factor bytes the blocks take in the store
     prefix: "StorePrefix | None" = field(default=None, compare=False, repr=False)  # the mounted version that
     # placed them, which rebuilds them (None: a placement with no store behind it, as a test's fake engine makes)
+    reach: tuple[tuple[int, ...], ...] | None = None  # per layer, the blocks (indices into ``blocks``) the row's
+    # windows reach: only those are read and rebuilt at that layer (None: every block at every layer)
 
     def reached_by_windows(self, first_position: int, windows: list[int | None]) -> list[list[int]]:
         """Per layer, which of ``blocks`` (indices into it) the row's tokens can attend, the first of them fed at
         ``first_position``: every block at a full layer (None); at a window layer of W, those with a token after
-        ``first_position`` − W (a later token's window only moves forward). What a window layer would need read
-        and held (issue 46, item 3: measured by `tools/bench_windows.py`, not yet acted on by the engine)."""
-        ends = np.append(self.dst_rows[1:], self.prefix_tokens)  # each block's end, exclusive
+        ``first_position`` − W (a later token's window only moves forward)."""
+        ends = self.block_ends()
         return [list(range(len(self.blocks))) if w is None else
                 [i for i, end in enumerate(ends) if int(end) - 1 > first_position - w] for w in windows]
+
+    def block_ends(self) -> np.ndarray:
+        """Each placed block's end in the context, exclusive (an unread block between two keeps its columns)."""
+        tokens = self.prefix.store.block_tokens[self.blocks] if self.prefix is not None else np.diff(
+            np.append(self.dst_rows, self.prefix_tokens))
+        return self.dst_rows + np.asarray(tokens, dtype=np.int64)
+
+    def windowed(self, first_position: int, windows: list[int | None] | None) -> "BlockPlacement":
+        """This placement reading and rebuilding, at each window layer, only the blocks its window reaches from
+        ``first_position`` (the row's first fed token); itself where no layer has a window."""
+        if not windows or all(w is None for w in windows):
+            return self
+        return replace(self, reach=tuple(map(tuple, self.reached_by_windows(first_position, windows))))
+
+    def layer_blocks(self, layer: int) -> list[int]:
+        """The blocks (indices into ``blocks``) read and rebuilt at ``layer``."""
+        return list(range(len(self.blocks))) if self.reach is None else list(self.reach[layer])
 
 
 @dataclass(frozen=True)
@@ -150,8 +168,10 @@ class PrefixRebuild:
     (a block that fails its checksum raises `StoreCorruptedError` here, before anything is written).
     ``share`` (default: every layer and head) is the part a worker's cache holds: ``fill`` takes only its
     layers and writes only its heads (H = ``len(share.heads)``); only its layers are staged. ``rope`` holds each
-    layer's tables (a NoPE layer's rotate by nothing).
-    ``fetch_stats`` says what the fetch read and moved; ``clock`` (optional) times its stages."""
+    layer's tables (a NoPE layer's rotate by nothing). A row whose placement has a ``reach`` (window layers) is
+    staged and rebuilt at each layer only for the blocks reached there; its other blocks' columns of that layer are
+    left as they were (its attention reads them masked).
+    ``fetch_stats`` says what the fetch read, moved and staged; ``clock`` (optional) times its stages."""
 
     def __init__(self, rows: list[BlockPlacement], rope: RopeTables, device,
                  *, depth: int = 2, tier: DeviceTier | None = None, pools: dict[str, TransferPool] | None = None,
@@ -168,6 +188,7 @@ class PrefixRebuild:
         for row in rows:
             unions.setdefault(row.prefix, []).extend(row.blocks)
         unions = {prefix: list(dict.fromkeys(blocks)) for prefix, blocks in unions.items()}
+        reaches = {prefix: self.union_reach(prefix, unions[prefix]) for prefix in unions}
         pooled: set[str] = set()  # a store's transfer pool serves one of its versions per fetch; another stages its own
         self.fetched: dict[StorePrefix, LayerPrefetcher] = {}
         with self.clock.host("read"):
@@ -176,7 +197,7 @@ class PrefixRebuild:
                     pool = pools.get(prefix.name) if prefix.name not in pooled else None
                     pooled.add(prefix.name)
                     self.fetched[prefix] = LayerPrefetcher(prefix.store, ids, device, depth=depth, tier=tier, pool=pool,
-                                                           layers=self.share.layers)
+                                                           layers=self.share.layers, reach=reaches[prefix])
         for pf in self.fetched.values():
             self.clock.defer("transfer", pf.transfer_seconds)
             if pf.store.remote:  # this fetch's own block cache misses of a store URL
@@ -193,6 +214,7 @@ class PrefixRebuild:
             "remote_bytes": sum(pf.read_stats.remote_bytes for pf in self.fetched.values()),
             "remote_gets": sum(pf.read_stats.remote_gets for pf in self.fetched.values()),
             "buffer_bytes": sum(pf.buffer_bytes for pf in self.fetched.values()),
+            "staged_bytes": sum(pf.staged_bytes for pf in self.fetched.values()),
             "bytes": sum(pf.bytes_moved for pf in self.fetched.values())}
         self.tables = []
         layers, heads = self.share.layers, self.share.heads
@@ -205,15 +227,39 @@ class PrefixRebuild:
                 seg[:, :, 0] += np.repeat(self.fetched[prefix].starts[:, at], 2 * prefix.layout.num_kv_heads, axis=1)
             # this share's heads (every layer orders its segments alike), numbered from the buffers' first
             head = seg[0, :, 4]
-            seg = seg[:, (head >= heads.start) & (head < heads.stop)]
-            seg[:, :, 4] -= heads.start
-            segments = torch.from_numpy(seg)
+            ours = (head >= heads.start) & (head < heads.stop)
             store = prefix.store
-            kernel_plans = (dict(zip(layers, plan_layers(segments[layers.start:layers.stop], prefix.layout.head_dim,
-                                                         factor_dtype=store.torch_dtype, device=device,
-                                                         quant=prefix.layout.quant)))
-                            if kernel_backend(torch.device(device)) == "triton" and row.blocks else {})
+            triton = kernel_backend(torch.device(device)) == "triton"
+            if row.reach is None:
+                seg = seg[:, ours]
+                seg[:, :, 4] -= heads.start
+                segments = torch.from_numpy(seg)
+                kernel_plans = (dict(zip(layers, plan_layers(segments[layers.start:layers.stop], prefix.layout.head_dim,
+                                                             factor_dtype=store.torch_dtype, device=device,
+                                                             quant=prefix.layout.quant)))
+                                if triton and row.blocks else {})
+            else:  # each layer's segments of the blocks its windows reach (a block's are 2H consecutive rows)
+                block_of = np.arange(seg.shape[1]) // (2 * prefix.layout.num_kv_heads)
+                segments, kernel_plans = {}, {}
+                for l in layers:
+                    kept = seg[l, ours & np.isin(block_of, row.layer_blocks(l))]
+                    kept[:, 4] -= heads.start
+                    segments[l] = torch.from_numpy(kept)
+                    if triton and len(kept):
+                        kernel_plans[l] = plan_layers(segments[l][None], prefix.layout.head_dim,
+                                                      factor_dtype=store.torch_dtype, device=device,
+                                                      quant=prefix.layout.quant)[0]
             self.tables.append((segments, kernel_plans))
+
+    def union_reach(self, prefix: "StorePrefix", union: list[int]) -> dict[int, list[int]] | None:
+        """Per layer of the share, the blocks of ``union`` (indices into it) some row of ``prefix`` rebuilds there;
+        None when every such row rebuilds every block at every layer."""
+        rows = [row for row in self.rows if row.prefix is prefix and row.blocks]
+        if all(row.reach is None for row in rows):
+            return None
+        where = {b: i for i, b in enumerate(union)}
+        return {l: sorted({where[row.blocks[i]] for row in rows for i in row.layer_blocks(l)})
+                for l in self.share.layers}
 
     def fill(self, layer: int, k_buf, v_buf) -> None:
         if layer not in self.share.layers:
@@ -229,7 +275,7 @@ class PrefixRebuild:
                 m = row.prefix
                 k[:, :m.anchor_len] = m.anchor_k[layer, heads]
                 v[:, :m.anchor_len] = m.anchor_v[layer, heads]
-                if row.blocks:
+                if len(segments[layer]):
                     self.rebuild(factors[m], segments[layer], k[:, :row.prefix_tokens], v[:, :row.prefix_tokens],
                                  cos, sin, interleaved=m.rope_interleaved, quant=m.layout.quant,
                                  plan=kernel_plans.get(layer))

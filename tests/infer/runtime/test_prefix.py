@@ -73,25 +73,3 @@ def test_a_window_layer_reaches_the_blocks_with_a_token_inside_its_window():
     placement = BlockPlacement("s", [7, 3, 5], np.array([4, 14, 24]), np.zeros(0), 34, 0, 0)
     assert placement.reached_by_windows(34, [None, 10, 11, 12, 21, 22]) == [
         [0, 1, 2], [2], [2], [1, 2], [1, 2], [0, 1, 2]]
-
-
-def test_bench_windows_counts_only_the_reached_blocks_bytes(tmp_path):
-    import importlib.util
-    from pathlib import Path
-
-    from milo_store import CompressionConfig, Layout
-    from milo_store.synthetic import build_synthetic_store
-
-    path = Path(__file__).resolve().parents[3] / "tools" / "bench_windows.py"
-    spec = importlib.util.spec_from_file_location("bench_windows", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    build_synthetic_store(tmp_path / "s", Layout(2, 1, 16), [40, 40, 40], CompressionConfig(ratio=0.5))
-    with MiloStore.open(tmp_path / "s") as store:
-        m = bench.measure(store, [0, 1, 2], [30, None], query_tokens=5)
-        last = store.block_layer_bounds(2)
-        assert m["read_all"] == int(store.block_bytes([0, 1, 2]).sum())
-        assert m["read_window"] == m["read_all"] - sum(int(store.block_layer_bounds(b)[1]) * store.itemsize
-                                                       for b in (0, 1))
-        assert m["blocks_per_window_layer"] == [1] and last[1] > 0
-        assert m["held_window"] == m["held_all"]  # 129 columns: the window's first column is on the first page
