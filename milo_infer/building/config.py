@@ -30,7 +30,7 @@ PAPER_ALLOCATION = {"policy": "entropy", "scope": "head", "kv_split": "separate"
 
 def auto_dtype(ratio: float, codec: str = "svd") -> str:
     """``--dtype auto``: int8 factors from ratio 0.4 up, int4 below; identity stores keep fp16, raw ones int8."""
-    if codec == "identity":
+    if codec in ("identity", "bits"):  # bits: its own code widths, decoded to fp16 factors
         return "float16"
     if codec == "raw":
         return "int8"
@@ -49,7 +49,7 @@ def default_compression(ratio: float, seed: int = 0, *, codec: str = "svd", dtyp
 
     ``dtype`` defaults to `auto_dtype`; policy, scope and K/V split (``allocation``) to `default_allocation`
     of that dtype for the svd codec, with separate budgets when ``key_share`` is not 0.5. Query-aware
-    weighting applies to the svd codec only. A raw store's ratio is its format's, so it records 1.0 (as
+    weighting applies to the svd codec, and the bits codec always takes it. A raw store's ratio is its format's, so it records 1.0 (as
     `milo eval`'s raw methods do).
     """
     dtype = dtype or auto_dtype(ratio, codec)
@@ -58,7 +58,7 @@ def default_compression(ratio: float, seed: int = 0, *, codec: str = "svd", dtyp
         chosen["kv_split"] = "separate"
     chosen.update({name: value for name, value in allocation.items() if value is not None})
     return CompressionConfig(ratio=1.0 if codec == "raw" else ratio, codec=codec, dtype=dtype, key_share=key_share,
-                             seed=seed, query_aware=query_aware and codec == "svd", **chosen)
+                             seed=seed, query_aware=codec == "bits" or (query_aware and codec == "svd"), **chosen)
 
 
 # Blocks per forward pass when no encode batch is given: 1 on a CPU, where batching did not pay

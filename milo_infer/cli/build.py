@@ -25,6 +25,7 @@ from milo_store.allocation import KV_SPLITS, POLICIES, SCOPES
 from milo_store.commandline import print_json
 from milo_store.report import human_bytes
 from milo_store.codec import CODECS
+from milo_store.codecs import STORE_CODECS
 from milo_store.format import TORCH_DTYPES
 from milo_store.urls import is_url, local_sidecar
 from milo_store.writer import check_target
@@ -54,9 +55,11 @@ def add_arguments(p):
                    help="use the first N demonstrations (a data set's are seeded-shuffled; a corpus keeps file order)")
     p.add_argument("--seed", type=int, default=0, help="shuffles the data set, the block order and random allocation")
     p.add_argument("--order", choices=("random", "corpus"), default="random", help="how demonstrations fill blocks")
-    p.add_argument("--codec", choices=CODECS + ("raw",), default="svd",
+    p.add_argument("--codec", choices=CODECS + ("raw",) + tuple(STORE_CODECS), default="svd",
                    help="svd (default), identity (exact, B = I), raw (every unit's K/V itself in --dtype: "
-                        "plain KV quantization, whose ratio is the format's; --ratio does not apply)")
+                        "plain KV quantization, whose ratio is the format's; --ratio does not apply), bits "
+                        "(each block's query-weighted SVD, one code width per component chosen store-wide; "
+                        "fp16 when decoded, query-aware always; docs/results.md 'Past 4x')")
     p.add_argument("--dtype", choices=("auto",) + tuple(TORCH_DTYPES), default="auto",
                    help="stored factor dtype (default auto: int8 from ratio 0.4 up, where it keeps the full "
                         "cache's accuracy; int4 below, where rank matters more than precision; docs/results.md)")
