@@ -84,6 +84,14 @@ class BitsCodec:
         return {"factor_bytes": blocks, "index_bytes": index, "total_bytes": blocks + index, "full_fp16_bytes": full,
                 "ratio": (blocks + index) / full if full else 0.0}
 
+    def summary(self) -> dict:
+        """For people (`milo-store stat`): the mean code width of the stored components per layer, K and V."""
+        w = self.widths.astype(np.float64)
+        stored = np.maximum((w > 0).sum(axis=(0, 3, 4)), 1)  # [L, 2]
+        mean = w.sum(axis=(0, 3, 4)) / stored
+        return {"mean_stored_width_per_layer": {kind: [round(float(x), 2) for x in mean[:, k]]
+                                                for k, kind in enumerate(("key", "value"))}}
+
     def same_block(self, other, i: int, j: int) -> bool:
         return bool(np.array_equal(self.widths[i], getattr(other, "widths", None)[j]) and self.tokens[i] == other.tokens[j]
                     and torch.equal(self.weights, other.weights)) if isinstance(other, BitsCodec) else False
@@ -174,13 +182,16 @@ class BitsCodec:
         params = buf[:PARAM_BYTES * C].copy().view(np.float16).reshape(C, 4)
         basis = buf[PARAM_BYTES * C:(PARAM_BYTES + d) * C].reshape(C, d)
         sizes = -(-T * cw // 8)
-        starts = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64) * 8
-        bits = np.unpackbits(buf[(PARAM_BYTES + d) * C:], bitorder="little")
+        starts = (PARAM_BYTES + d) * C + np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
         codes = np.zeros((C, T), dtype=np.uint8)
-        for b in np.unique(cw):
+        for b in np.unique(cw):  # every column of one width at once: its bytes, then its bits
             cols = np.nonzero(cw == b)[0]
-            at = starts[cols, None, None] + (np.arange(T) * b)[None, :, None] + np.arange(b)[None, None, :]
-            codes[cols] = (bits[at].astype(np.uint16) << np.arange(b, dtype=np.uint16)).sum(-1).astype(np.uint8)
+            held = buf[starts[cols, None] + np.arange(-(-T * b // 8))]
+            bits = np.unpackbits(held, axis=1, bitorder="little")[:, :T * b].reshape(len(cols), T, b)
+            out = bits[..., 0].copy()
+            for k in range(1, b):
+                out |= bits[..., k] << k
+            codes[cols] = out
         return unit, torch.from_numpy(params), torch.from_numpy(basis.copy()), torch.from_numpy(codes)
 
     def decode(self, i: int, stored: torch.Tensor) -> torch.Tensor:

@@ -206,3 +206,18 @@ def test_push_copies_the_stored_bytes(tmp_path):
     with MiloStore.open(path) as a, MiloStore.open(url, tier="disk", block_cache=BlockCache(tmp_path / "c")) as b:
         assert b.meta["codec"] == "bits" and np.array_equal(a.codec.widths, b.codec.widths)
         assert all(torch.equal(a.block(i), b.block(i)) for i in range(a.num_blocks))
+
+
+def test_stat_shows_the_codec_and_its_mean_widths(tmp_path, capsys):
+    from milo_store.cli.main import main
+    from milo_store.report import describe
+
+    path, _, _ = bits_store(tmp_path)
+    with MiloStore.open(path) as store:
+        info = describe(store)
+        stored = store.codec.widths[:, 1, 0].astype(float)  # layer 1, keys
+        assert info["codec"] == "bits"
+        assert info["mean_stored_width_per_layer"]["key"][1] == round(stored.sum() / max((stored > 0).sum(), 1), 2)
+    assert main(["stat", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "codec        bits" in out and "mean code width of the stored components" in out
