@@ -232,19 +232,25 @@ def write_store(path, staging: Staging, num_blocks: int, layout: Layout, config:
     layout = quant_layout(layout, config.dtype)
     reused = dict(reused or {})
     store_codec = codecs.for_config(config.codec)  # None: the low-rank codec's allocation and packing
-    if reused and (previous is None or config.codec in BASELINES or store_codec is not None):
-        raise ValueError("reused blocks come from a previous version of a store of block-level low-rank codec "
-                         f"(not {', '.join(BASELINES + tuple(codecs.STORE_CODECS))}; an update of a "
-                         f"{', '.join(codecs.STORE_CODECS)} store is not supported yet)")
+    if reused and (previous is None or config.codec in BASELINES):
+        raise ValueError("reused blocks come from a previous version of a store of block-level codec "
+                         f"(not {', '.join(BASELINES)}, whose blocks depend on the whole corpus)")
     if previous is not None and purge is None:
         purge = set(range(previous.num_blocks)) - set(reused.values())
+    if store_codec is not None and previous is not None:  # new blocks are factored under the store's own weights
+        channel_scale = previous.codec.weights
     source = pass_two_source(staging, num_blocks, config, examples, channel_scale)
     encoded = [i for i in range(source.num_blocks) if i not in reused]
     progress = progress or (lambda stage, done, total: None)
     read = lambda done: progress("allocating", done, len(encoded) + 1)  # noqa: E731
     if store_codec is not None:
-        widths, tokens = store_codec.plan_widths(source.factors, source.num_blocks, layout, source.scale,
-                                                 config.ratio, config.key_share, value_attention, read)
+        shape = (source.num_blocks, layout.num_layers, 2, layout.num_kv_heads, layout.head_dim)
+        widths, tokens = np.zeros(shape, dtype=np.uint8), np.zeros(source.num_blocks, dtype=np.int64)
+        if encoded:
+            widths[encoded], tokens[encoded] = store_codec.plan_widths(
+                source.factors, encoded, layout, source.scale, config.ratio, config.key_share, value_attention, read)
+        for i, j in reused.items():
+            widths[i], tokens[i] = previous.codec.widths[j], previous.block_tokens[j]
         codec = store_codec(layout, widths, source.scale, tokens)
         ranks = codec.ranks
     else:

@@ -98,28 +98,29 @@ class BitsCodec:
 
     # -- planning ------------------------------------------------------------------------------------
     @staticmethod
-    def plan_widths(factors: Callable[[int], BlockFactors], num_blocks: int, layout: Layout, weights: torch.Tensor,
+    def plan_widths(factors: Callable[[int], BlockFactors], blocks: list[int], layout: Layout, weights: torch.Tensor,
                     ratio: float, key_share: float = 0.5,
                     value_attention: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
                     read: Callable[[int], None] = lambda done: None) -> tuple[np.ndarray, np.ndarray]:
-        """(widths uint8 [N, L, 2, H, d], tokens [N]) for blocks 0..N-1 so that the whole store, weights and
-        index included, takes at most ``ratio`` of the fp16 full K/V. ``factors(i)``: block i's factors of
+        """(widths uint8 [N, L, 2, H, d], tokens [N]) for ``blocks`` (N of them) so that their bytes, the
+        weights' and their index's included, take at most ``ratio`` of their fp16 full K/V (an update plans
+        its new blocks alone: the kept ones keep their widths). ``factors(i)``: block i's factors of
         X diag(s), B divided by s (`baselines.WeightedBlocks`). ``value_attention(i, keys)``: attention
         probabilities [L, H, M, T] of calibration queries over block i's pre-RoPE keys [L, H, T, d] (None:
         values' errors are their weighted squared errors, as keys' always are)."""
         L, H, d = layout.num_layers, layout.num_kv_heads, layout.head_dim
-        U = L * 2 * H
+        U, num_blocks = L * 2 * H, len(blocks)
         errors = np.zeros((num_blocks, L, 2, H, d, len(WIDTHS)))
         costs = np.zeros_like(errors)
         tokens = np.zeros(num_blocks, dtype=np.int64)
-        for i in range(num_blocks):
-            c, V = _weighted_parts(factors(i), weights)
+        for i, block in enumerate(blocks):
+            c, V = _weighted_parts(factors(block), weights)
             T, n = c.shape[-2], c.shape[-1]
             tokens[i] = T
             e = column_errors(c.reshape(U, T, n)).reshape(L, 2, H, n, -1)
             if value_attention is not None:
                 keys = (c[:, 0] @ V[:, 0].transpose(-1, -2)) / weights[:, 0].unsqueeze(-2)
-                e[:, 1] = attended_column_errors(c[:, 1], value_attention(i, keys))
+                e[:, 1] = attended_column_errors(c[:, 1], value_attention(block, keys))
             errors[i, ..., :n, :] = e.numpy()
             costs[i, ..., :n, :] = component_bytes(T, np.array(WIDTHS), d)
             costs[i, ..., n:, 1:] = np.inf  # a block of T < d tokens has only T components

@@ -94,11 +94,11 @@ def test_allocation_never_spends_past_the_budget(tmp_path_factory, seed, tokens,
     fixed = len(tokens) * (layout.units_per_block * (2 + layout.head_dim) + 8) + source.scale.numel() * 4
     if ratio * full < fixed:
         with pytest.raises(ValueError, match="cannot hold even"):
-            BitsCodec.plan_widths(source.factors, len(tokens), layout, source.scale, ratio, key_share)
+            BitsCodec.plan_widths(source.factors, list(range(len(tokens))), layout, source.scale, ratio, key_share)
         return
     errors = []
     for r in (ratio, min(1.0, ratio * 1.5)):
-        widths, planned = BitsCodec.plan_widths(source.factors, len(tokens), layout, source.scale, r, key_share)
+        widths, planned = BitsCodec.plan_widths(source.factors, list(range(len(tokens))), layout, source.scale, r, key_share)
         codec = BitsCodec(layout, widths, source.scale, planned)
         assert codec.accounting(2)["total_bytes"] <= r * full + 1e-6
         err = 0.0
@@ -179,13 +179,27 @@ def test_low_rank_stores_keep_their_bytes(tmp_path):
     assert codec.decode(0, t) is t
 
 
-def test_a_bits_store_refuses_an_update_clearly(tmp_path):
+def test_an_update_keeps_blocks_byte_for_byte_and_encodes_new_ones_under_the_stores_weights(tmp_path):
+    """Kept blocks keep their widths and bytes; a new block gets its own basis and widths at the ratio,
+    factored under the store's channel weights even when the update's own weights differ."""
     path, layout, _ = bits_store(tmp_path)
-    staging, _ = staged(tmp_path, layout, [23, 40, 9, 31, 12], seed=5)
-    with MiloStore.open(path) as previous:
-        with pytest.raises(ValueError, match="update of a bits store is not supported"):
-            write_store(path, staging, 5, layout, CompressionConfig(codec="bits", ratio=0.2, query_aware=True),
-                        channel_scale=channel_scale(layout), previous=previous, reused={0: 0})
+    with MiloStore.open(path) as before:
+        kept = {0: 1, 1: 3}
+        old = {j: before.block(j).clone() for j in kept.values()}
+        old_widths, old_weights = before.codec.widths.copy(), before.codec.weights.clone()
+        staging, xs = staged(tmp_path, layout, [40, 31, 50], seed=7)  # blocks 0, 1 stand for the kept ones
+        write_store(path, staging, 3, layout, CompressionConfig(codec="bits", ratio=0.2, query_aware=True),
+                    channel_scale=channel_scale(layout, seed=9), previous=before, reused=kept,
+                    anchor_kv=before.anchor_kv(), attrs={"model": {"name": "synthetic"}})
+    with MiloStore.open(path) as after:
+        assert after.num_blocks == 3 and torch.equal(after.codec.weights, old_weights)
+        for i, j in kept.items():
+            assert torch.equal(after.block(i), old[j]) and np.array_equal(after.codec.widths[i], old_widths[j])
+        new = WeightedBlocks(staging, 3, old_weights)
+        assert torch.equal(after.block(2), after.codec.decode(2, after.codec.encode(2, new.factors(2))))
+        full_new = 2 * 50 * layout.units_per_block * layout.head_dim
+        assert after.block_bytes([2])[0] <= 0.2 * full_new
+        assert after.verify_all() == []
 
 
 def test_the_bits_codec_is_query_aware_and_fp16():
