@@ -133,8 +133,11 @@ def check_budget(layout: Layout, tokens, config: CompressionConfig) -> None:
     share, per-token scales) is checked as pass two will check it. Exact for block-level codecs;
     example-svd's finer units are checked again when it allocates.
     """
-    if config.codec in ("identity", "raw") or config.full_rank or codecs.for_config(config.codec) is not None:
-        return  # a store codec's widths may all be 0: only its index bounds the budget (checked as it plans)
+    if (store_codec := codecs.for_config(config.codec)) is not None:  # its widths may all be 0: its index bounds it
+        store_codec.fixed_bytes(quant_layout(layout, config.dtype), tokens, config.ratio)
+        return
+    if config.codec in ("identity", "raw") or config.full_rank:
+        return
     layout = quant_layout(layout, config.dtype)
     tokens = np.asarray(tokens, dtype=np.int64)
     itemsize = value_bytes(config.dtype)

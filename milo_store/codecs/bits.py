@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .. import format as fmt
+from ..allocation import BudgetError
 from ..codec import BlockFactors
 from ..layout import Layout, full_kv_bytes, index_bytes
 from ..quant import quantize
@@ -98,6 +98,18 @@ class BitsCodec:
 
     # -- planning ------------------------------------------------------------------------------------
     @staticmethod
+    def fixed_bytes(layout: Layout, tokens, ratio: float) -> int:
+        """Bytes a store of blocks of ``tokens`` tokens takes before any component: its index (widths
+        included) and channel weights; BudgetError when ``ratio`` cannot hold them (checked before encoding)."""
+        n = len(tokens)
+        fixed = index_bytes(layout, n) + n * layout.units_per_block * layout.head_dim + layout.units_per_block * layout.head_dim * 4
+        full = full_kv_bytes(layout, np.asarray(tokens, dtype=np.int64))
+        if ratio * full < fixed:
+            raise BudgetError(f"ratio {ratio} gives {ratio * full:.0f} bytes, but a bits store's index and channel "
+                              f"weights alone need {fixed} ({fixed / full:.4f} of the fp16 K/V)")
+        return fixed
+
+    @staticmethod
     def plan_widths(factors: Callable[[int], BlockFactors], blocks: list[int], layout: Layout, weights: torch.Tensor,
                     ratio: float, key_share: float = 0.5,
                     value_attention: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
@@ -125,10 +137,7 @@ class BitsCodec:
             costs[i, ..., :n, :] = component_bytes(T, np.array(WIDTHS), d)
             costs[i, ..., n:, 1:] = np.inf  # a block of T < d tokens has only T components
             read(i + 1)
-        fixed = index_bytes(layout, num_blocks) + num_blocks * U * d + weights.numel() * 4
-        budget = ratio * full_kv_bytes(layout, tokens) - fixed
-        if budget < 0:
-            raise ValueError(f"ratio {ratio} cannot hold even a bits store's index and channel weights ({fixed} bytes)")
+        budget = ratio * full_kv_bytes(layout, tokens) - BitsCodec.fixed_bytes(layout, tokens, ratio)
         choice = np.zeros(errors.shape[:-1], dtype=np.int64)
         for kind, share in ((0, key_share), (1, 1 - key_share)):
             e = errors[:, :, kind].reshape(-1, len(WIDTHS))
