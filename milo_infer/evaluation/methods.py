@@ -124,6 +124,8 @@ def method_fields(name: str) -> dict:
 def default_method(ratio: float) -> str:
     """The method name of what `milo build` writes by default at ``ratio`` (dtype, allocation, weighting)."""
     c = default_compression(ratio)
+    if c.codec in OWN_WIDTHS:
+        return c.codec + (f"-ks{c.key_share:g}" if c.key_share != 0.5 else "")
     quant = {dtype: word for word, dtype in QUANTS.items()}[c.dtype]
     # policy, scope and split away from the paper's (the names' defaults), in the canonical order; their
     # values are the modifier words

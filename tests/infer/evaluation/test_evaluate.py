@@ -206,7 +206,13 @@ def test_build_allocation_defaults_follow_the_dtype_and_yield_to_flags():
 
     assert allocation("--ratio", "0.5") == ("int8", "frontier", "global", "shared")
     assert allocation("--ratio", "0.25") == ("int4", "frontier", "global", "shared")
-    assert allocation("--ratio", "0.125") == ("int4", "entropy", "head", "separate")
+    assert allocation("--ratio", "0.125", "--codec", "svd") == ("int4", "entropy", "head", "separate")
+    bits = build_config("--ratio", "0.125")  # below 0.2 the default is the bits codec, keys on a quarter ...
+    assert (bits.codec, bits.dtype, bits.query_aware, bits.key_share) == ("bits", "float16", True, 0.25)
+    assert default_method(0.125) == "bits-ks0.25" and build_config("--ratio", "0.1", "--key-share", "0.4").key_share == 0.4
+    for flags in (("--dtype", "int4"), ("--policy", "energy"), ("--no-query-aware",)):  # ... unless a flag asks for low rank
+        assert build_config("--ratio", "0.125", *flags).codec == "svd"
+    assert build_config("--ratio", "0.2").codec == "svd" and build_config("--ratio", "0.5").key_share == 0.5
     assert allocation("--ratio", "0.5", "--dtype", "float16") == ("float16", "entropy", "head", "separate")
     assert allocation("--ratio", "0.5", "--policy", "energy") == ("int8", "energy", "global", "shared")
     assert allocation("--ratio", "0.5", "--key-share", "0.3") == ("int8", "frontier", "global", "separate")
