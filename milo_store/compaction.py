@@ -38,7 +38,7 @@ def compact(location, threshold: float = DEFAULT_THRESHOLD, dry_run: bool = Fals
         moved = [b for b in range(store.num_blocks) if int(store.placement.extents[b, 0]) in dirty]
         attrs = {k: v for k, v in store.meta.items() if k not in FORMAT_KEYS}
         with StoreWriter(location, store.layout, store.ranks, store.block_tokens, dtype=store.dtype, attrs=attrs,
-                         lock=lock, block_group=store.block_group if store.grouped else None, previous=store,
+                         lock=lock, block_group=store.block_group if store.grouped else None, codec=store.codec, previous=store,
                          purge=moved) as w:
             copy_blocks(w, store)
             if (anchor := store.anchor_kv()) is not None:
@@ -61,7 +61,7 @@ def copy_blocks(w: StoreWriter, store: MiloStore) -> None:
     for b in range(store.num_blocks + 1):
         keep = b < store.num_blocks and w.can_keep(b)
         if batch and (keep or b == store.num_blocks or store.block_bytes(batch).sum() >= COPIED_AT_ONCE):
-            for block in store.blocks(batch):
+            for block in store.stored_blocks(batch):
                 w.write_block(block)
             batch = []
         if keep:

@@ -14,7 +14,9 @@ import torch
 
 from .allocation import allocate_ranks
 from .baselines import BASELINES, ExampleSplit, GlobalProjection, WeightedBlocks
+from . import codecs
 from .codec import CODECS, BlockFactors, measured_losses, pack_block
+from .codecs import LowRankCodec
 from .format import GROUP_BYTES, QUANTIZED, TORCH_DTYPES, value_bytes
 from .layout import RAW_RANK, Layout, full_kv_bytes
 from . import segments, text_index
@@ -22,7 +24,8 @@ from .staging import Staging
 from .store import MiloStore
 from .writer import StoreWriter
 
-STORE_CODECS = CODECS + ("raw",) + BASELINES  # raw: every unit raw (its K/V quantized like factors)
+STORE_CODECS = CODECS + ("raw",) + BASELINES + tuple(codecs.STORE_CODECS)  # raw: every unit raw (its K/V quantized
+# like factors); bits: codecs/bits.py
 
 
 def staging_codec(codec: str) -> str:
@@ -63,7 +66,7 @@ def pass_two_source(staging: Staging, num_blocks: int, config: "CompressionConfi
         raise ValueError("a channel scale is only for query-aware stores (query_aware=True)")
     if config.codec == "global-proj":
         return GlobalProjection(staging, num_blocks)
-    if config.codec == "svd" and config.query_aware:
+    if config.codec in ("svd", "bits") and config.query_aware:
         return WeightedBlocks(staging, num_blocks, channel_scale)
     if config.codec == "example-svd":
         if examples is None or "tokens" not in examples:
@@ -95,8 +98,10 @@ class CompressionConfig:
             raise ValueError(f"ratio must be in (0, 1]; got {self.ratio}")
         if self.dtype not in TORCH_DTYPES:
             raise ValueError(f"unknown factor dtype {self.dtype!r}; expected one of {tuple(TORCH_DTYPES)}")
-        if self.query_aware and self.codec not in ("svd", "example-svd"):
-            raise ValueError(f"query-aware weighting applies to the svd and example-svd codecs, not {self.codec!r}")
+        if self.query_aware and self.codec not in ("svd", "example-svd", "bits"):
+            raise ValueError(f"query-aware weighting applies to the svd, example-svd and bits codecs, not {self.codec!r}")
+        if codecs.for_config(self.codec) is not None and (not self.query_aware or self.dtype != "float16"):
+            raise ValueError(f"the {self.codec} codec is query-aware (query_aware=True) and decodes to float16 factors")
         if self.policy == "frontier" and (self.codec != "svd" or self.full_rank):
             raise ValueError("the frontier policy (low-rank or raw per unit) applies to the svd codec below full rank")
         if not 0 < self.key_share < 1 or (self.key_share != 0.5 and self.kv_split != "separate"):
@@ -128,6 +133,9 @@ def check_budget(layout: Layout, tokens, config: CompressionConfig) -> None:
     share, per-token scales) is checked as pass two will check it. Exact for block-level codecs;
     example-svd's finer units are checked again when it allocates.
     """
+    if (store_codec := codecs.for_config(config.codec)) is not None:  # its widths may all be 0: its index bounds it
+        store_codec.fixed_bytes(quant_layout(layout, config.dtype), tokens, config.ratio)
+        return
     if config.codec in ("identity", "raw") or config.full_rank:
         return
     layout = quant_layout(layout, config.dtype)
@@ -193,7 +201,7 @@ def _read_ahead(previous: MiloStore, reused: dict[int, int], first: int, copied)
     while first + len(run) in reused and copied(reused[first + len(run)]) and (not run or size < READ_AHEAD_BYTES):
         run.append(first + len(run))
         size += int(previous.block_bytes([reused[run[-1]]])[0])
-    return dict(zip(run, previous.blocks([reused[i] for i in run])))
+    return dict(zip(run, previous.stored_blocks([reused[i] for i in run])))
 
 
 def write_store(path, staging: Staging, num_blocks: int, layout: Layout, config: CompressionConfig, *,
@@ -201,7 +209,7 @@ def write_store(path, staging: Staging, num_blocks: int, layout: Layout, config:
                 token_ids: np.ndarray | None = None, channel_scale: torch.Tensor | None = None, force: bool = False,
                 lock=None, progress: Callable[[str, int, int], None] | None = None,
                 previous: MiloStore | None = None, reused: dict[int, int] | None = None,
-                purge: set[int] | None = None) -> Path:
+                purge: set[int] | None = None, value_attention=None) -> Path:
     """Allocate and commit the store at ``path`` from ``num_blocks`` staged blocks.
 
     ``progress(stage, done, total)`` is told how far each stage is: ``allocating`` (every staged
@@ -219,30 +227,47 @@ def write_store(path, staging: Staging, num_blocks: int, layout: Layout, config:
     ``config.ratio``: the kept ones' ranks cannot change without changing their bytes) and packed.
     Kept blocks stay in the previous version's chunks, except those sharing a chunk with a block of
     ``purge`` (the previous blocks whose bytes must leave: K/V computed from a removed demonstration;
-    default, every block not kept), which are written again (`StoreWriter`). Text segments whose blocks
+    default, every block not kept), which are written again (`StoreWriter`). ``value_attention(i, keys)``:
+    calibration attention over block i's pre-RoPE keys, which a codec that measures values' errors
+    through attention takes (`codecs.bits`; the low-rank codec ignores it). Text segments whose blocks
     are all kept are the previous version's (`segments.plan`); the corpus-wide vocabulary is built anew.
     """
     layout = quant_layout(layout, config.dtype)
     reused = dict(reused or {})
+    store_codec = codecs.for_config(config.codec)  # None: the low-rank codec's allocation and packing
     if reused and (previous is None or config.codec in BASELINES):
         raise ValueError("reused blocks come from a previous version of a store of block-level codec "
                          f"(not {', '.join(BASELINES)}, whose blocks depend on the whole corpus)")
     if previous is not None and purge is None:
         purge = set(range(previous.num_blocks)) - set(reused.values())
+    if store_codec is not None and previous is not None:  # new blocks are factored under the store's own weights
+        channel_scale = previous.codec.weights
     source = pass_two_source(staging, num_blocks, config, examples, channel_scale)
     encoded = [i for i in range(source.num_blocks) if i not in reused]
     progress = progress or (lambda stage, done, total: None)
-    ranks = np.zeros((source.num_blocks, layout.num_layers, 2, layout.num_kv_heads), dtype=np.int16)
-    tokens = np.zeros(source.num_blocks, dtype=np.int64)
-    if encoded:
-        ranks[encoded], tokens[encoded] = _plan(source, layout, config,
-                                                lambda done: progress("allocating", done, len(encoded) + 1), encoded)
-    for i, j in reused.items():
-        ranks[i], tokens[i] = previous.ranks[j], previous.block_tokens[j]
+    read = lambda done: progress("allocating", done, len(encoded) + 1)  # noqa: E731
+    if store_codec is not None:
+        shape = (source.num_blocks, layout.num_layers, 2, layout.num_kv_heads, layout.head_dim)
+        widths, tokens = np.zeros(shape, dtype=np.uint8), np.zeros(source.num_blocks, dtype=np.int64)
+        if encoded:
+            widths[encoded], tokens[encoded] = store_codec.plan_widths(
+                source.factors, encoded, layout, source.scale, config.ratio, config.key_share, value_attention, read)
+        for i, j in reused.items():
+            widths[i], tokens[i] = previous.codec.widths[j], previous.block_tokens[j]
+        codec = store_codec(layout, widths, source.scale, tokens)
+        ranks = codec.ranks
+    else:
+        ranks = np.zeros((source.num_blocks, layout.num_layers, 2, layout.num_kv_heads), dtype=np.int16)
+        tokens = np.zeros(source.num_blocks, dtype=np.int64)
+        if encoded:
+            ranks[encoded], tokens[encoded] = _plan(source, layout, config, read, encoded)
+        for i, j in reused.items():
+            ranks[i], tokens[i] = previous.ranks[j], previous.block_tokens[j]
+        codec = LowRankCodec(layout, config.dtype, ranks, tokens)
     progress("allocating", len(encoded) + 1, len(encoded) + 1)
     attrs = {**(attrs or {}), "codec": config.codec, "allocation": allocation_record(config)}
-    with StoreWriter(path, layout, ranks, tokens, dtype=config.dtype, attrs=attrs, force=force,
-                     lock=lock, block_group=source.block_group, previous=previous, purge=purge or ()) as w:
+    with StoreWriter(path, layout, ranks, tokens, dtype=config.dtype, attrs=attrs, force=force, lock=lock,
+                     block_group=source.block_group, previous=previous, purge=purge or (), codec=codec) as w:
         copied = lambda j: not w.can_keep(j)  # noqa: E731
         ahead: dict[int, torch.Tensor] = {}
         for i in range(source.num_blocks):
@@ -252,7 +277,7 @@ def write_store(path, staging: Staging, num_blocks: int, layout: Layout, config:
                 ahead = ahead or _read_ahead(previous, reused, i, copied)
                 w.write_block(ahead.pop(i))
             else:
-                w.write_block(pack_block(source.factors(i), ranks[i], config.dtype))
+                w.write_block(codec.encode(i, source.factors(i)))
             progress("writing", i + 1, source.num_blocks + 1)
         if anchor_kv is not None:
             w.write_anchor(anchor_kv)

@@ -29,12 +29,12 @@ def push(local, url: str, *, force: bool = False, max_chunk_bytes: int | None = 
         attrs = {k: v for k, v in store.meta.items() if k not in FORMAT_KEYS}
         with StoreWriter(url, store.layout, store.ranks, store.block_tokens, dtype=store.dtype, attrs=attrs,
                          force=force, max_chunk_bytes=max_chunk_bytes, lock=lock,
-                         block_group=store.block_group if store.grouped else None) as w:
+                         block_group=store.block_group if store.grouped else None, codec=store.codec) as w:
             batch = []
             for i in range(store.num_blocks):
                 batch.append(i)
                 if i == store.num_blocks - 1 or store.block_bytes(batch).sum() >= COPIED_AT_ONCE:
-                    for block in store.blocks(batch):
+                    for block in store.stored_blocks(batch):
                         w.write_block(block)
                     batch = []
             if (anchor := store.anchor_kv()) is not None:

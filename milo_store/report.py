@@ -41,6 +41,7 @@ def describe(store: MiloStore) -> dict:
                                        for x in factored[:, :, k].mean(axis=(0, 2))] for k, kind in kinds},
         "rank_histogram_per_layer": hist,
         "raw_share_per_layer": {kind: [round(float(x), 4) for x in raw[:, :, k].mean(axis=(0, 2))] for k, kind in kinds},
+        **store.codec.summary(),  # what the codec adds (a bits store: its mean code width per layer)
     }
 
 

@@ -36,7 +36,8 @@ from .blockcache import BlockCache
 from .checksum import crc32c
 from .chunks import EqualChunks, Extents
 from .errors import FormatVersionError, NotAStoreError, StoreCorruptedError, StoreError
-from .layout import Layout, compressed_bytes
+from .codecs import open_codec
+from .layout import Layout
 from .segments import Segment
 from .sources import BlockCacheSource, ByteSource, ChunkFiles, MemoryCache, MemoryLRU, Origin, ReadStats
 from .urls import is_url
@@ -69,7 +70,13 @@ class MiloStore:
                             else np.arange(len(self.block_tokens), dtype=np.int64))
         self._check_index()
         self._group_starts = np.searchsorted(self.block_group, np.arange(self.num_groups + 1))
-        self.offsets = self.layout.block_offsets(self.ranks, self.block_tokens)
+        try:  # the codec reads its own arrays (checked); its stored form is what reads and checksums cover
+            self.codec = open_codec(meta, self.layout, self.dtype, self.ranks, self.block_tokens, self._read_array)
+        except (KeyError, ValueError) as e:
+            raise StoreCorruptedError(f"{self.path}: codec {meta.get('codec')!r}: {e}") from e
+        self.offsets = self.codec.stored_offsets  # in stored items (`stored_itemsize` bytes each; `itemsize` is the decoded factors')
+        self.stored_itemsize = self.codec.stored_itemsize
+        self._stored_torch_dtype = fmt.TORCH_DTYPES[self.codec.stored_dtype]
         self.chunk = None  # format ≤ 3: values per chunk of the factor array
         self.segment_table = np.zeros((0, 5), dtype=np.int64)  # format 4: (chunk, first block, blocks, demos, header CRC)
         self._segments: dict[int, Segment] = {}
@@ -103,14 +110,14 @@ class MiloStore:
                                       f"{self.offsets[-1]}")
         self.chunk = factors.chunks[0]
         total = factors.shape[0]
-        return EqualChunks(prefix, self.chunk * self.itemsize, -(-total // self.chunk) if total else 0,
-                           np.diff(self.offsets) * self.itemsize, (str(self.path), self.version))
+        return EqualChunks(prefix, self.chunk * self.stored_itemsize, -(-total // self.chunk) if total else 0,
+                           np.diff(self.offsets) * self.stored_itemsize, (str(self.path), self.version))
 
     def _extents(self) -> Extents:
         """Format 4: the chunks this version references, each block's extent in them, and its text segments."""
         chunk_ids = [str(c) for c in self._read_array(fmt.CHUNK_IDS).tolist()]
         placement = Extents("", chunk_ids, self._read_array(fmt.CHUNK_SIZES), self._read_array(fmt.EXTENTS),
-                            self.offsets * self.itemsize, self.checksums, str(self.path))
+                            self.offsets * self.stored_itemsize, self.checksums, str(self.path))
         table = np.asarray(self._read_array(fmt.SEGMENTS), dtype=np.int64).reshape(-1, 5)
         ends = np.cumsum(table[:, 2])
         if len(table) and ((table[:, 0] < 0).any() or (table[:, 0] >= len(chunk_ids)).any() or (table[:, 2] < 1).any()
@@ -224,7 +231,7 @@ class MiloStore:
         call's costs go to ``stats`` and to the store's running totals."""
         call = ReadStats()
         try:
-            source.read_blocks(blocks, [int(self.offsets[i]) * self.itemsize for i in blocks],
+            source.read_blocks(blocks, [int(self.offsets[i]) * self.stored_itemsize for i in blocks],
                                [memoryview(o.view(torch.uint8).numpy()) for o in outs], check, call)
         finally:
             with self._totals_lock:
@@ -236,11 +243,12 @@ class MiloStore:
         """Values [start, stop) of the flat factor array into ``out`` (CPU, contiguous), straight from the
         origin, unchecked and past every cache: what `push` copies a store with, and the raw read path
         benchmarks time the tiers against. Blocks, checked, come from `blocks`."""
-        self.origin.read_range(start * self.itemsize, memoryview(out.view(torch.uint8).numpy())[:(stop - start) * self.itemsize])
+        size = self.stored_itemsize
+        self.origin.read_range(start * size, memoryview(out.view(torch.uint8).numpy())[:(stop - start) * size])
 
     def _load_host(self):
         total = int(self.offsets[-1])
-        self._host = torch.empty(total, dtype=self.torch_dtype)
+        self._host = torch.empty(total, dtype=self._stored_torch_dtype)
         if self._pin:
             try:
                 # unregistered when the store closes or is collected without close()
@@ -251,10 +259,11 @@ class MiloStore:
                    [self._host[self.offsets[i]:self.offsets[i + 1]] for i in range(self.num_blocks)], self.verify)
 
     def _fresh(self, i: int, pinned: bool = False) -> torch.Tensor:
-        return torch.empty(int(self.offsets[i + 1] - self.offsets[i]), dtype=self.torch_dtype, pin_memory=pinned)
+        return torch.empty(int(self.offsets[i + 1] - self.offsets[i]), dtype=self._stored_torch_dtype, pin_memory=pinned)
 
     def block(self, i: int) -> torch.Tensor:
-        """Block i's packed factors, flat. A view in the host tier; a fresh tensor from disk otherwise."""
+        """Block i's factors, flat, as the kernels read them (`codecs`: the low-rank codec's stored bytes, a view
+        in the host tier and a fresh tensor from disk; another codec's decoded from its stored bytes)."""
         return self.blocks([i])[0]
 
     def blocks(self, ids: list[int], stats: ReadStats | None = None) -> list[torch.Tensor]:
@@ -263,6 +272,11 @@ class MiloStore:
         Safe to call from several threads. ``stats``, when given, gains this call's own costs (remote
         bytes, GETs and seconds; block cache and memory hits), whatever other calls overlap it.
         """
+        return [self.codec.decode(i, t) for i, t in zip(ids, self.stored_blocks(ids, stats))]
+
+    def stored_blocks(self, ids: list[int], stats: ReadStats | None = None) -> list[torch.Tensor]:
+        """These blocks' stored bytes, checked, undecoded (what a copy of the store writes again; for the
+        low-rank codec the same tensors as `blocks`)."""
         for i in ids:
             if not 0 <= i < self.num_blocks:
                 raise IndexError(f"block {i} out of range: the store has {self.num_blocks} blocks")
@@ -293,7 +307,7 @@ class MiloStore:
     def block_bytes(self, ids) -> np.ndarray:
         """Bytes of each of these blocks' packed factors (int64, one per id): what reading them moves."""
         ids = np.asarray(ids, dtype=np.int64)
-        return (self.offsets[ids + 1] - self.offsets[ids]) * self.itemsize
+        return (self.offsets[ids + 1] - self.offsets[ids]) * self.stored_itemsize
 
     def block_layer_bounds(self, i: int) -> np.ndarray:
         """Offsets of each layer inside block i (int64 [L + 1]), relative to the block's start."""
@@ -529,7 +543,7 @@ class MiloStore:
 
     def accounting(self) -> dict:
         """Planned and actual bytes: the accounted compressed set, and what the store takes on disk."""
-        acc = compressed_bytes(self.layout, self.ranks, self.block_tokens, self.itemsize)
+        acc = self.codec.accounting(self.itemsize)
         if self.grouped:  # one more index entry per block, beyond what layout.index_bytes counts
             extra = fmt.GROUP_BYTES * self.num_blocks
             acc["index_bytes"] += extra

@@ -118,7 +118,7 @@ def store_arrays(store_dir) -> list[str]:
 def block_location(store_dir, block: int) -> tuple[Path, int]:
     """The file holding block ``block``'s bytes, and where in it they start (what corruption tests damage)."""
     with MiloStore.open(store_dir, tier="disk", verify=False) as store:
-        start = int(store.offsets[block]) * store.itemsize
+        start = int(store.offsets[block]) * store.stored_itemsize
         chunk, at, _, _ = next(iter(store.placement.pieces(start, start + 1)))
         return Path(store_dir) / store.placement.names[chunk], at
 

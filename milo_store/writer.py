@@ -37,6 +37,7 @@ import zarr
 from . import format as fmt
 from . import segments
 from .checksum import crc32c
+from .codecs import LowRankCodec
 from .chunks import new_chunk_id
 from .errors import LostRaceError, StoreError, StoreLockedError
 from .layout import RAW_RANK, Layout
@@ -154,7 +155,7 @@ class StoreWriter:
     def __init__(self, path, layout: Layout, ranks: np.ndarray, block_tokens: np.ndarray, *,
                  dtype: str = "float16", attrs: dict | None = None, force: bool = False,
                  max_chunk_bytes: int | None = None, lock: StoreLock | None = None,
-                 block_group: np.ndarray | None = None, previous: MiloStore | None = None, purge=()):
+                 block_group: np.ndarray | None = None, previous: MiloStore | None = None, purge=(), codec=None):
         self.remote, self.previous = None, previous
         self.path = check_url(path) if is_url(path) else Path(path)
         self.max_chunk_bytes = max_chunk_bytes if max_chunk_bytes is not None else fmt.MAX_CHUNK_BYTES
@@ -177,8 +178,12 @@ class StoreWriter:
                              f"version's {previous.dtype} {previous.layout}")
         self.block_group = None if block_group is None else np.asarray(block_group, dtype=np.int32)
         self.attrs = dict(attrs or {})
-        self.itemsize = fmt.value_bytes(dtype)
-        self.offsets = layout.block_offsets(self.ranks, self.block_tokens)
+        # what lays out the blocks' bytes (`codecs`): the low-rank segments of ``ranks`` unless one is given
+        self.codec = codec if codec is not None else LowRankCodec(layout, dtype, self.ranks, self.block_tokens)
+        if not np.array_equal(self.codec.ranks, self.ranks):
+            raise ValueError("the codec's ranks are not the ranks the writer was given")
+        self.itemsize = self.codec.stored_itemsize
+        self.offsets = self.codec.stored_offsets
         self.dropped = self._dropped_chunks(previous, purge)
         # A caller that holds the lock already (a build, across both passes) hands it in and keeps it.
         self.owns_lock = lock is None
@@ -280,8 +285,8 @@ class StoreWriter:
             raise StoreError(f"all {len(self.block_tokens)} blocks are written already")
         if not self.can_keep(j):
             raise StoreError(f"block {j} of the previous version cannot be kept where it lies; write its bytes")
-        if not (np.array_equal(self.ranks[i], prev.ranks[j]) and self.block_tokens[i] == prev.block_tokens[j]):
-            raise ValueError(f"block {i} is not the previous version's block {j} (ranks or token counts differ)")
+        if not self.codec.same_block(prev.codec, i, j):
+            raise ValueError(f"block {i} is not the previous version's block {j} (its encoding or token count differs)")
         chunk, offset, length = prev.placement.extents[j].tolist()
         self.extents[i] = (self._reference(prev.placement.ids[chunk], prev.placement.sizes[chunk]), offset, length)
         self.checksums[i] = prev.checksums[j]
@@ -293,8 +298,9 @@ class StoreWriter:
         if i >= len(self.block_tokens):
             raise StoreError(f"all {len(self.block_tokens)} blocks are written already")
         want = int(self.offsets[i + 1] - self.offsets[i])
-        if packed.dim() != 1 or packed.numel() != want or packed.dtype != fmt.TORCH_DTYPES[self.dtype]:
-            raise ValueError(f"block {i}: expected {want} values of {self.dtype}, got {tuple(packed.shape)} {packed.dtype}")
+        stored = self.codec.stored_dtype
+        if packed.dim() != 1 or packed.numel() != want or packed.dtype != fmt.TORCH_DTYPES[stored]:
+            raise ValueError(f"block {i}: expected {want} values of {stored}, got {tuple(packed.shape)} {packed.dtype}")
         data = fmt.to_numpy(packed)
         self.checksums[i] = crc32c(data)
         nbytes = data.nbytes
@@ -381,8 +387,10 @@ class StoreWriter:
             self._create_checked(fmt.CHUNK_SIZES, np.asarray(self.chunk_sizes, dtype=np.int64))
             self._create_checked(fmt.EXTENTS, self.extents)
             self._create_checked(fmt.SEGMENTS, np.asarray(self.segments, dtype=np.int64).reshape(-1, 5))
+            for name, data in self.codec.arrays().items():
+                self._create_checked(name, data)
             self.group.attrs[fmt.ATTRS_KEY] = {
-                **self.attrs, "format_version": fmt.FORMAT_VERSION, "factor_dtype": self.dtype,
+                **self.attrs, **self.codec.attrs(), "format_version": fmt.FORMAT_VERSION, "factor_dtype": self.dtype,
                 fmt.ARRAY_CHECKSUMS: self.array_checksums,
                 "layout": {"num_layers": self.layout.num_layers, "num_kv_heads": self.layout.num_kv_heads,
                            "head_dim": self.layout.head_dim, "quant": self.layout.quant,

@@ -94,7 +94,7 @@ def store_configs(ratios, query_aware: bool = True) -> dict[str, CompressionConf
     are what `milo build` writes at each ratio (`default_compression`). Without query-aware weights (a
     synthetic store has no model to weigh channels by) the same policy and quantization run unweighted."""
     configs = {"full": CompressionConfig(codec="identity", ratio=1.0, dtype="float16")}
-    configs.update({f"milo-r{r:g}": dataclasses.replace(default_compression(r), query_aware=query_aware)
+    configs.update({f"milo-r{r:g}": dataclasses.replace(default_compression(r, codec="svd"), query_aware=query_aware)
                     for r in ratios})
     return configs
 

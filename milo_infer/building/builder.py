@@ -29,11 +29,13 @@ from tqdm import tqdm
 
 from milo_store import Layout, MiloStore, Staging, factorize_block, text_index, write_store
 from milo_store.allocation import BudgetError
+from milo_store.codecs import STORE_CODECS
 from milo_store.compress import check_budget, staging_codec
 from milo_store.urls import is_url, local_sidecar
 from milo_store.writer import StoreLock, check_target
 
 from ..models import LoadedModel, channel_scales
+from .calibration import calibration_query_ids, value_attention
 from ..tasks.corpus import Demonstration, TaskSpec
 from .config import BuildConfig, BuildError, corpus_fingerprint
 from .distributed import World
@@ -284,13 +286,16 @@ def commit(out: Path, loaded: LoadedModel, demos, task, config: BuildConfig, pla
         sample = (anchor_ids + [t for b in plan.block_ids for t in b])[:min(CALIBRATION_TOKENS,
                                                                             loaded.identity["max_position_embeddings"])]
         channel_scale = channel_scales(model, sample)
+    attend = None
+    if STORE_CODECS.get(config.compression.codec) is not None:  # a store codec that measures values through attention
+        attend = value_attention(loaded, anchor_ids, calibration_query_ids(loaded.tokenizer, task, demos))
     bars = StageBars(progress)
     try:
         return write_store(out, share.staging, len(plan.blocks), layout, config.compression, attrs=attrs,
                            anchor_kv=anchor_kv, examples=examples, channel_scale=channel_scale,
                            token_ids=np.concatenate([np.asarray(b, dtype=np.int32) for b in plan.block_ids]),
                            force=force, lock=share.lock, progress=bars, previous=previous, reused=reused,
-                           purge=purge)
+                           purge=purge, value_attention=attend)
     finally:
         bars.close()
 

@@ -25,6 +25,7 @@ from milo_store.allocation import KV_SPLITS, POLICIES, SCOPES
 from milo_store.commandline import print_json
 from milo_store.report import human_bytes
 from milo_store.codec import CODECS
+from milo_store.codecs import STORE_CODECS
 from milo_store.format import TORCH_DTYPES
 from milo_store.urls import is_url, local_sidecar
 from milo_store.writer import check_target
@@ -54,9 +55,13 @@ def add_arguments(p):
                    help="use the first N demonstrations (a data set's are seeded-shuffled; a corpus keeps file order)")
     p.add_argument("--seed", type=int, default=0, help="shuffles the data set, the block order and random allocation")
     p.add_argument("--order", choices=("random", "corpus"), default="random", help="how demonstrations fill blocks")
-    p.add_argument("--codec", choices=CODECS + ("raw",), default="svd",
-                   help="svd (default), identity (exact, B = I), raw (every unit's K/V itself in --dtype: "
-                        "plain KV quantization, whose ratio is the format's; --ratio does not apply)")
+    p.add_argument("--codec", choices=CODECS + ("raw",) + tuple(STORE_CODECS),
+                   help="default: bits below ratio 0.2 (unless --dtype, --policy, --scope, --kv-split or "
+                        "--no-query-aware asks for the low-rank codec), svd from 0.2 up (docs/results.md); svd "
+                        "(low-rank factors), identity (exact, B = I), raw (every unit's K/V itself in --dtype: "
+                        "plain KV quantization, whose ratio is the format's; --ratio does not apply), bits "
+                        "(each block's query-weighted SVD, one code width per component chosen store-wide; "
+                        "fp16 when decoded, query-aware always; docs/results.md 'Past 4x')")
     p.add_argument("--dtype", choices=("auto",) + tuple(TORCH_DTYPES), default="auto",
                    help="stored factor dtype (default auto: int8 from ratio 0.4 up, where it keeps the full "
                         "cache's accuracy; int4 below, where rank matters more than precision; docs/results.md)")
@@ -73,8 +78,9 @@ def add_arguments(p):
     p.add_argument("--kv-split", choices=KV_SPLITS,
                    help="budget keys and values apart or together (default: shared where the "
                         "policy defaults to frontier, separate otherwise or with --key-share)")
-    p.add_argument("--key-share", type=float, default=0.5,
-                   help="with --kv-split separate: the share of the byte budget given to keys (default 0.5)")
+    p.add_argument("--key-share", type=float,
+                   help="with --kv-split separate: the share of the byte budget given to keys (default 0.5; "
+                        "0.25 for the bits codec, where values need the bytes: docs/results.md)")
     p.add_argument("--template", metavar="T",
                    help=r"how a demonstration is written, with {input} then {output}; \n and \t are read as escapes")
     p.add_argument("--anchor", metavar="A", help=r"instruction text before all demonstrations; \n and \t are escapes")

@@ -5,7 +5,8 @@ A base — ``full`` (the uncompressed baseline: identity codec, fp16), ``raw`` (
 bytes, ``global-proj`` (one corpus-wide projection per layer, K/V and head) and ``example-svd`` (every
 demonstration factored alone) — then a quantization (``+int8``, ``+int4``, ``+kivi``) and modifiers
 (``-fullrank`` keeps every direction, isolating the codec's rounding from the truncation; allocation
-policy, scope, K/V split, ``-ks<share>``). ``default`` is whatever `milo build` writes at the run's ratio.
+policy, scope, K/V split, ``-ks<share>``). ``bits`` is the bits codec (issue 45: per-block bases, one
+code width per component), which takes only ``-ks<share>``. ``default`` is whatever `milo build` writes at the run's ratio.
 ``prefill`` is no store: the model prefills the demonstrations the ``full`` store retrieves (same
 groups, same order) from their token ids, the plain-prompting baseline every store is measured against.
 A store method may end in ``-recompute<n>``: the same store, each retrieved block's first n tokens
@@ -35,7 +36,11 @@ BASES = {
     "global-proj": {"codec": "global-proj"},
     "example-svd": {"codec": "example-svd"},
     "example-asvd": {"codec": "example-svd", "query_aware": True},  # activation-aware, as ASVD
+    # each block's query-weighted SVD, one code width per component (milo_store/codecs/bits.py); it takes
+    # no quantization and of the modifiers only -ks<share>
+    "bits": {"codec": "bits", "query_aware": True},
 }
+OWN_WIDTHS = ("bits",)  # bases whose codec sets its own widths: no +quant, no allocation modifier but -ks
 # KIVI-style groups (keys per channel in groups of 32 tokens, values per token). ``raw+kivi`` is KIVI's
 # 2-bit quantization of the K/V (pre-RoPE); ``full+kivi`` the same grouping on an identity store's A = X,
 # which also stores B = I per segment (d² bytes).
@@ -51,7 +56,7 @@ MODIFIERS = {  # word -> (kind, fields); kinds in canonical order
     "qaw": ("qaw", {"query_aware": True}),  # SVD of X diag(s): channels weighted by what their error costs
 }
 KINDS = list(dict.fromkeys(kind for kind, _ in MODIFIERS.values()))
-EXAMPLES = ("full", "default", "raw+int8", "raw+kivi", "milo", "milo-fullrank", "milo-energy", "milo-layer",
+EXAMPLES = ("full", "default", "bits", "raw+int8", "raw+kivi", "milo", "milo-fullrank", "milo-energy", "milo-layer",
             "milo-ks0.3", "milo+int8", "milo+int4", "milo+kivi", "milo+int8-qaw", "milo+int8-frontier-qaw",
             "global-proj", "example-svd", "example-asvd")
 DEFAULT = "default"  # whatever `milo build` writes at the run's ratio (`default_method`)
@@ -95,6 +100,8 @@ def method_fields(name: str) -> dict:
         raise ValueError(f"unknown method {name!r}: one quantization per method")
     if quant and quant[0] not in QUANTS:
         raise ValueError(f"unknown method {name!r}: +{quant[0]} is not a quantization ({', '.join(QUANTS)})")
+    if base in OWN_WIDTHS and (quant or any(not w.startswith("ks") for w in mods)):
+        raise ValueError(f"method {name!r}: {base} chooses its own code widths; it takes only -ks<share>")
     if quant:
         fields["dtype"] = QUANTS[quant[0]]
     kinds = []
@@ -117,6 +124,8 @@ def method_fields(name: str) -> dict:
 def default_method(ratio: float) -> str:
     """The method name of what `milo build` writes by default at ``ratio`` (dtype, allocation, weighting)."""
     c = default_compression(ratio)
+    if c.codec in OWN_WIDTHS:
+        return c.codec + (f"-ks{c.key_share:g}" if c.key_share != 0.5 else "")
     quant = {dtype: word for word, dtype in QUANTS.items()}[c.dtype]
     # policy, scope and split away from the paper's (the names' defaults), in the canonical order; their
     # values are the modifier words

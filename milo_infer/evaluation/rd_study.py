@@ -221,7 +221,7 @@ def _decode_packed(packed: torch.Tensor, layout: Layout, ranks: np.ndarray, toke
 def run_today(data: StudyInput, ratio: float, *, centre: bool = False, coded: bool = False) -> dict:
     """`milo build`'s default codec at ``ratio`` (with each block's means removed and paid for when
     ``centre``; with a budget raised so that its Zstandard-coded bytes meet the ratio when ``coded``)."""
-    config = default_compression(ratio)
+    config = default_compression(ratio, codec="svd")  # today's low-rank codec, whatever the default at ratio
     layout = quant_layout(data.layout, config.dtype)
     N = len(data.blocks)
     mean_bytes = N * layout.units_per_block * layout.head_dim * 2 if centre else 0

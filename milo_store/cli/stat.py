@@ -1,4 +1,5 @@
-"""Summarise a store: model, blocks, tokens, planned vs actual ratio, bytes, ranks and raw units per layer."""
+"""Summarise a store: model, blocks, tokens, planned vs actual ratio, bytes, ranks and raw units per layer (and a
+bits store's mean code widths)."""
 from ..commandline import print_json
 from ..report import describe, human_bytes
 from ..store import MiloStore
@@ -39,4 +40,8 @@ def run(args) -> int:
     for l in range(lay["num_layers"]):
         k, v = (f"{'all raw':>7}" if x is None else f"{x:7.2f}" for x in (ranks["key"][l], ranks["value"][l]))
         print(f"  layer {l:>3}  {k} / {v}" + (f"   raw {raw['key'][l]:6.1%} / {raw['value'][l]:6.1%}" if any_raw else ""))
+    if widths := info.get("mean_stored_width_per_layer"):
+        print("mean code width of the stored components per layer (K / V), bits:")
+        for l in range(lay["num_layers"]):
+            print(f"  layer {l:>3}  {widths['key'][l]:7.2f} / {widths['value'][l]:7.2f}")
     return 0

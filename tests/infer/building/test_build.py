@@ -360,11 +360,13 @@ def test_infeasible_ratio_is_refused_before_encoding(tiny_model_dir, tmp_path, c
         raise AssertionError("encoded a block before refusing the ratio")
 
     monkeypatch.setattr(build_module, "encode_blocks", never)
-    code = main(["build", "--corpus", str(write_corpus(tmp_path / "c.jsonl", 8)), "--model", str(tiny_model_dir),
-                 "--out", str(tmp_path / "s"), "--block-size", "2", "--context-blocks", "0", "--ratio", "0.001"])
-    assert code == 2
-    assert "but rank 1 everywhere needs" in capsys.readouterr().err
-    assert not (tmp_path / "s").exists()
+    corpus = str(write_corpus(tmp_path / "c.jsonl", 8))
+    for codec, message in (("svd", "but rank 1 everywhere needs"), ("bits", "index and channel weights alone need")):
+        code = main(["build", "--corpus", corpus, "--model", str(tiny_model_dir), "--out", str(tmp_path / "s"),
+                     "--block-size", "2", "--context-blocks", "0", "--ratio", "0.001", "--codec", codec])
+        assert code == 2
+        assert message in capsys.readouterr().err
+        assert not (tmp_path / "s").exists()
 
 
 def test_allocating_and_writing_show_progress(tiny, tmp_path, capsys):

@@ -93,6 +93,25 @@ def test_updates_equal_a_rebuild_where_the_blocks_are_the_same(tiny, tmp_path):
     assert_same_answers(logits(tiny, store), logits(tiny, rebuilt))
 
 
+def test_a_bits_store_updates_and_answers(tiny, tmp_path):
+    """`milo update` of a bits store: kept blocks byte for byte, new blocks with bases of their own under
+    the store's channel weights, the ratio still met, and the engine answers from it."""
+    bits = default_compression(0.5, codec="bits")
+    store = build(tiny, tmp_path / "s", [demo(i) for i in range(6)], bits)
+    before = blocks(store)
+    with MiloStore.open(store) as s:
+        weights = s.codec.weights.clone()
+    summary = update_store(store, tiny, [demo(i) for i in range(6, 10)], progress=False)
+    assert (summary["blocks"], summary["blocks_kept"], summary["blocks_encoded_now"]) == (5, 3, 2)
+    after = blocks(store)
+    assert all(torch.equal(after[i], before[i]) for i in range(3))
+    with MiloStore.open(store) as s:
+        assert s.meta["codec"] == "bits" and torch.equal(s.codec.weights, weights)
+        assert s.accounting()["ratio"] <= 0.5 + 1e-3
+    answers = logits(tiny, store)[len(QUERIES):]
+    assert len(answers) == len(QUERIES) and all(isinstance(a, str) for a in answers)
+
+
 def test_a_removal_encodes_its_block_and_the_next_and_leaves_nothing_of_it(tiny, tmp_path, capsys, tokenizer):
     store = build(tiny, tmp_path / "s", [demo(i) for i in range(8)], default_compression(0.5))
     before = blocks(store)

@@ -76,6 +76,24 @@ def test_full_rank_matches_identity_and_bytes_are_measured(built, default_model,
 
 
 @pytest.mark.slow
+def test_a_bits_store_is_built_from_the_shared_staging_and_answers(built, default_model, tmp_path):
+    """The bits codec through the real build (calibration attention from the model) and the engine's
+    rebuild (its blocks decoded to fp16 factors): near-full-rank it answers as the full cache does."""
+    root, _, task, queries = built
+    base = BuildConfig(block_size=4, context_blocks=1, order="corpus")
+    names = {store_name("bits", r): method_config("bits", r) for r in (0.9, 0.25)}
+    summaries = encode_once(default_model, load_corpus(DEMO)[:8], task, base, names, root, progress=False)
+    assert all(s["blocks_encoded_now"] == 0 for s in summaries.values())  # the shared SVD staging, no encoding
+    full = evaluate(default_model, root / "full", queries, task, k=2, predictions=tmp_path / "full.jsonl")
+    for name, ratio in (("bits-r0.9", 0.9), ("bits-r0.25", 0.25)):
+        result = evaluate(default_model, root / name, queries, task, k=2, predictions=tmp_path / f"{name}.jsonl")
+        assert result["n"] == 2 and result["store_ratio"] <= ratio
+        assert result["query_kv_bytes_stored"] < result["query_kv_bytes_full"]
+    answers = lambda name: [json.loads(l)["prediction"] for l in (tmp_path / f"{name}.jsonl").read_text().splitlines()]  # noqa: E731
+    assert answers("bits-r0.9") == answers("full") and full["n"] == 2
+
+
+@pytest.mark.slow
 def test_an_interrupted_run_resumes_and_refuses_foreign_lines(built, default_model, tmp_path):
     root, _, task, queries = built
     log = tmp_path / "p.jsonl"
@@ -145,6 +163,15 @@ def test_method_names_compose_a_base_modifiers_and_a_quantization():
             method_config(bad, 0.5)
 
 
+def test_the_bits_method_names_its_codec_and_takes_only_a_key_share():
+    c = method_config("bits-ks0.3", 0.125)
+    assert (c.codec, c.dtype, c.query_aware, c.key_share) == ("bits", "float16", True, 0.3)
+    assert store_name("bits", 0.125) == "bits-r0.125"
+    for bad in ("bits+int4", "bits-energy", "bits-qaw"):
+        with pytest.raises(ValueError, match="only -ks<share>"):
+            method_config(bad, 0.125)
+
+
 def test_raw_methods_are_plain_kv_quantization_at_the_formats_ratio():
     c = method_config("raw+kivi", 0.25)
     assert (c.codec, c.dtype, c.query_aware) == ("raw", "int2", False)
@@ -179,7 +206,13 @@ def test_build_allocation_defaults_follow_the_dtype_and_yield_to_flags():
 
     assert allocation("--ratio", "0.5") == ("int8", "frontier", "global", "shared")
     assert allocation("--ratio", "0.25") == ("int4", "frontier", "global", "shared")
-    assert allocation("--ratio", "0.125") == ("int4", "entropy", "head", "separate")
+    assert allocation("--ratio", "0.125", "--codec", "svd") == ("int4", "entropy", "head", "separate")
+    bits = build_config("--ratio", "0.125")  # below 0.2 the default is the bits codec, keys on a quarter ...
+    assert (bits.codec, bits.dtype, bits.query_aware, bits.key_share) == ("bits", "float16", True, 0.25)
+    assert default_method(0.125) == "bits-ks0.25" and build_config("--ratio", "0.1", "--key-share", "0.4").key_share == 0.4
+    for flags in (("--dtype", "int4"), ("--policy", "energy"), ("--no-query-aware",)):  # ... unless a flag asks for low rank
+        assert build_config("--ratio", "0.125", *flags).codec == "svd"
+    assert build_config("--ratio", "0.2").codec == "svd" and build_config("--ratio", "0.5").key_share == 0.5
     assert allocation("--ratio", "0.5", "--dtype", "float16") == ("float16", "entropy", "head", "separate")
     assert allocation("--ratio", "0.5", "--policy", "energy") == ("int8", "energy", "global", "shared")
     assert allocation("--ratio", "0.5", "--key-share", "0.3") == ("int8", "frontier", "global", "separate")
