@@ -28,15 +28,17 @@ from transformers import DynamicCache
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from milo_infer.bench.step_profile import STAGES, decoding_batch, profile_churn, profile_steps  # noqa: E402
+from milo_infer.bench.step_profile import (STAGES, Churn, StageClock, decoding_batch, profile_churn,  # noqa: E402
+                                           profile_steps)
 from milo_infer.models import load_model  # noqa: E402
 from milo_infer.runtime.decoding import LabelDecoder  # noqa: E402
 from milo_infer.runtime.engine import Engine  # noqa: E402
 from milo_infer.runtime import attention  # noqa: E402
 from milo_infer.runtime.pages import PAGE_TOKENS, pages_for  # noqa: E402
 from milo_infer.runtime.planning import EngineSettings, Request  # noqa: E402
-from milo_infer.runtime.prefix import PrefixRebuild  # noqa: E402
+from milo_infer.runtime.prefix import PrefixRebuild, rebuild_layer  # noqa: E402
 from milo_infer.tasks.corpus import load_corpus  # noqa: E402
+from milo_infer.tasks.datasets import load_dataset  # noqa: E402
 from milo_store import MiloStore  # noqa: E402
 
 DEMO = ROOT / "milo_infer/tasks/data/demo_corpus.jsonl"
@@ -164,6 +166,47 @@ def compare_rows(loaded, store, texts, args) -> list[dict]:
     return out
 
 
+def per_row_rebuild(*args, **kwargs) -> None:
+    """The kernels' rebuild called once per row, each row decoding every block it places (`PrefixRebuild`'s CPU path
+    before issue 47 decoded a block its rows share once)."""
+    rebuild_layer(*args, **kwargs)
+
+
+def compare_rebuild(loaded, store, texts, args) -> list[dict]:
+    """Per row count: two served batches (`Churn`) of the same texts, one rebuilding each row's prefix on its own
+    and one decoding each block once per admission, their steps alternating; the step's and the rebuild's mean
+    seconds, and whether their answers agree."""
+    out = []
+    for size in args.profile:
+        churns, clocks = {}, {}
+        for name, rebuild in (("per_row", per_row_rebuild), ("shared", rebuild_layer)):
+            engine = Engine(loaded, {"s": store}, EngineSettings(k=args.k), attention="rows", max_rows=size,
+                            rebuild=rebuild)
+            churns[name], clocks[name] = Churn(engine, "s", texts, size, args.steps), StageClock()
+        for _ in range(args.steps):
+            for name, churn in churns.items():
+                with clocks[name].timing():
+                    churn.step()
+        before, now = churns["per_row"].answers, churns["shared"].answers
+        out.append({"rows": size, "answers": min(len(before), len(now)), "equal": sum(map(str.__eq__, before, now)),
+                    **{f"{name}_step": churn.wall / args.steps for name, churn in churns.items()},
+                    **{f"{name}_rebuild": clocks[name].seconds["prefix_rebuild"] / args.steps for name in churns}})
+        del churns, clocks
+    return out
+
+
+def print_rebuild_comparison(rows: list[dict], args) -> None:
+    print(f"store {args.store}, k {args.k}, {args.threads} thread(s); a served batch's mean seconds a step over "
+          f"{args.steps} steps, two batches of the same queries alternating: each row's prefix rebuilt on its own "
+          f"(per row) and each block decoded once per admission (shared)")
+    print("| rows | per-row step s | shared step s | per row / shared | per-row rebuild s | shared rebuild s | "
+          "per row / shared | answers equal |\n|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['rows']} | {r['per_row_step']:.3f} | {r['shared_step']:.3f} | "
+              f"{r['per_row_step'] / r['shared_step']:.2f} | {r['per_row_rebuild']:.3f} | {r['shared_rebuild']:.3f} | "
+              f"{r['per_row_rebuild'] / max(r['shared_rebuild'], 1e-9):.2f} | {r['equal']} of {r['answers']} |")
+
+
 def print_comparison(rows: list[dict], args) -> None:
     print(f"store {args.store}, k {args.k}, {args.threads} thread(s); a decode step's median seconds over {args.steps} "
           f"steps each, alternating: the per-row attention at {args.compare} (before) and this tree's (now)")
@@ -206,16 +249,27 @@ def main(argv=None) -> int:
     ap.add_argument("--compare", metavar="COMMIT", default=None,
                     help="--profile: instead, time decode steps alternately with the per-row attention (sdpa_rows) of "
                          "COMMIT, read from git, and this tree's")
+    ap.add_argument("--compare-rebuild", action="store_true",
+                    help="--profile: instead, time a served batch alternately with each row's prefix rebuilt on its own "
+                         "and with each block decoded once per admission")
+    ap.add_argument("--dataset", default=None,
+                    help="--profile: ask this dataset's test queries (MILO_DATA) instead of the demo corpus")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     loaded = load_model(args.model)
+    profile_texts = ([d.input for d in load_dataset(args.dataset)[1]] if args.dataset
+                     else [d.input for d in load_corpus(DEMO)])
+    if args.profile and args.compare_rebuild:
+        with MiloStore.open(args.store) as store:
+            print_rebuild_comparison(compare_rebuild(loaded, store, profile_texts, args), args)
+        return 0
     if args.profile and args.compare:
         with MiloStore.open(args.store) as store:
-            print_comparison(compare_rows(loaded, store, [d.input for d in load_corpus(DEMO)], args), args)
+            print_comparison(compare_rows(loaded, store, profile_texts, args), args)
         return 0
     if args.profile:
         with MiloStore.open(args.store) as store:
-            print_profile(profile_rows(loaded, store, [d.input for d in load_corpus(DEMO)], args), args)
+            print_profile(profile_rows(loaded, store, profile_texts, args), args)
         return 0
     with MiloStore.open(args.store) as store:
         engine = Engine(loaded, {"s": store}, EngineSettings(k=args.k))

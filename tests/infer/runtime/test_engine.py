@@ -53,20 +53,24 @@ def expected_peak_kv_bytes(engine: Engine, plans) -> int:
     """The most K/V bytes a batch of ``plans``, admitted together, needs: the columns its rows need (K and
     V of every layer and KV head for each row's prompt and answer budget) plus, in the forward that rebuilds
     their prefixes, each store's union of blocks staged for the rebuild (its largest layer of factors: once
-    on a CPU, prefetch depth + 1 times on CUDA)."""
+    on a CPU, prefetch depth + 1 times on CUDA), and on a CPU one layer of the distinct blocks decoded (fp32 K and V
+    of the largest store's union, `PrefixRebuild`)."""
     layout = engine.stores[plans[0].store].prefix.layout
     columns = sum(p.prompt_tokens + p.max_new_tokens for p in plans)
     itemsize = torch.empty(0, dtype=engine.dtype).element_size()
     cache = 2 * layout.num_layers * layout.num_kv_heads * columns * layout.head_dim * itemsize
     layers_staged = engine.prefetch_depth + 1 if engine.device.type == "cuda" else 1
-    staged = 0
+    staged = decoded = 0
     for name in {p.store for p in plans}:
         store = engine.stores[name].store
         union = dict.fromkeys(b for p in plans if p.store == name for b in p.blocks)
         if union:
             layer_values = sum(np.diff(store.block_layer_bounds(b)) for b in union)
             staged += layers_staged * int(layer_values.max()) * store.itemsize
-    return cache + staged
+            if engine.device.type == "cpu":
+                columns = int(store.block_tokens[list(union)].sum())
+                decoded = max(decoded, 2 * layout.num_kv_heads * columns * layout.head_dim * 4)
+    return cache + staged + decoded
 
 
 # rows of different k (block counts), shared blocks, and queries of different lengths
