@@ -172,39 +172,54 @@ def per_row_rebuild(*args, **kwargs) -> None:
     rebuild_layer(*args, **kwargs)
 
 
-def compare_rebuild(loaded, store, texts, args) -> list[dict]:
-    """Per row count: two served batches (`Churn`) of the same texts, one rebuilding each row's prefix on its own
-    and one decoding each block once per admission, their steps alternating; the step's and the rebuild's mean
-    seconds, and whether their answers agree."""
+def churn_configurations(which: str) -> dict:
+    """The two served batches a --compare-rebuild or --compare-pools run alternates: {name: (Engine keywords, what is
+    done after each step)}, before first."""
+    if which == "rebuild":  # each row's prefix rebuilt on its own, against each block decoded once per admission
+        return {"per_row": ({"rebuild": per_row_rebuild}, None), "shared": ({}, None)}
+    # the pools dropped as soon as no row holds a page (as before issue 47), against kept until the batch is idle
+    return {"dropped": ({}, lambda batch: batch.idle()), "kept": ({}, None)}
+
+
+def compare_churns(loaded, store, texts, args, which: str) -> list[dict]:
+    """Per row count: two served batches (`Churn`) of the same texts (`churn_configurations`), their steps
+    alternating; the step's, the prefix rebuild's and the pool growth's mean seconds, and whether their answers
+    agree."""
     out = []
     for size in args.profile:
-        churns, clocks = {}, {}
-        for name, rebuild in (("per_row", per_row_rebuild), ("shared", rebuild_layer)):
-            engine = Engine(loaded, {"s": store}, EngineSettings(k=args.k), attention="rows", max_rows=size,
-                            rebuild=rebuild)
+        churns, clocks, after = {}, {}, {}
+        for name, (options, after[name]) in churn_configurations(which).items():
+            engine = Engine(loaded, {"s": store}, EngineSettings(k=args.k), attention="rows", max_rows=size, **options)
             churns[name], clocks[name] = Churn(engine, "s", texts, size, args.steps), StageClock()
         for _ in range(args.steps):
             for name, churn in churns.items():
                 with clocks[name].timing():
                     churn.step()
-        before, now = churns["per_row"].answers, churns["shared"].answers
-        out.append({"rows": size, "answers": min(len(before), len(now)), "equal": sum(map(str.__eq__, before, now)),
-                    **{f"{name}_step": churn.wall / args.steps for name, churn in churns.items()},
-                    **{f"{name}_rebuild": clocks[name].seconds["prefix_rebuild"] / args.steps for name in churns}})
+                if after[name]:
+                    after[name](churn.batch)
+        (before, now) = (c.answers for c in churns.values())
+        out.append({"rows": size, "names": list(churns), "answers": min(len(before), len(now)),
+                    "equal": sum(map(str.__eq__, before, now)),
+                    **{name: {"step": churn.wall / args.steps,
+                              **{stage: clocks[name].seconds[stage] / args.steps
+                                 for stage in ("prefix_rebuild", "pool_growth")}}
+                       for name, churn in churns.items()}})
         del churns, clocks
     return out
 
 
-def print_rebuild_comparison(rows: list[dict], args) -> None:
+def print_churn_comparison(rows: list[dict], args) -> None:
     print(f"store {args.store}, k {args.k}, {args.threads} thread(s); a served batch's mean seconds a step over "
-          f"{args.steps} steps, two batches of the same queries alternating: each row's prefix rebuilt on its own "
-          f"(per row) and each block decoded once per admission (shared)")
-    print("| rows | per-row step s | shared step s | per row / shared | per-row rebuild s | shared rebuild s | "
-          "per row / shared | answers equal |\n|---|---|---|---|---|---|---|---|")
+          f"{args.steps} steps, two batches of the same queries alternating (tools/bench_engine.py, "
+          f"churn_configurations)")
+    a, b = rows[0]["names"]
+    print(f"| rows | {a} step s | {b} step s | {a} / {b} | {a} rebuild s | {b} rebuild s | {a} pool growth s | "
+          f"{b} pool growth s | answers equal |\n|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['rows']} | {r['per_row_step']:.3f} | {r['shared_step']:.3f} | "
-              f"{r['per_row_step'] / r['shared_step']:.2f} | {r['per_row_rebuild']:.3f} | {r['shared_rebuild']:.3f} | "
-              f"{r['per_row_rebuild'] / max(r['shared_rebuild'], 1e-9):.2f} | {r['equal']} of {r['answers']} |")
+        x, y = r[a], r[b]
+        print(f"| {r['rows']} | {x['step']:.3f} | {y['step']:.3f} | {x['step'] / y['step']:.2f} | "
+              f"{x['prefix_rebuild']:.3f} | {y['prefix_rebuild']:.3f} | {x['pool_growth']:.3f} | "
+              f"{y['pool_growth']:.3f} | {r['equal']} of {r['answers']} |")
 
 
 def print_comparison(rows: list[dict], args) -> None:
@@ -252,6 +267,9 @@ def main(argv=None) -> int:
     ap.add_argument("--compare-rebuild", action="store_true",
                     help="--profile: instead, time a served batch alternately with each row's prefix rebuilt on its own "
                          "and with each block decoded once per admission")
+    ap.add_argument("--compare-pools", action="store_true",
+                    help="--profile: instead, time a served batch alternately with its pools dropped whenever no row "
+                         "holds a page and kept")
     ap.add_argument("--dataset", default=None,
                     help="--profile: ask this dataset's test queries (MILO_DATA) instead of the demo corpus")
     args = ap.parse_args(argv)
@@ -259,9 +277,10 @@ def main(argv=None) -> int:
     loaded = load_model(args.model)
     profile_texts = ([d.input for d in load_dataset(args.dataset)[1]] if args.dataset
                      else [d.input for d in load_corpus(DEMO)])
-    if args.profile and args.compare_rebuild:
+    if args.profile and (args.compare_rebuild or args.compare_pools):
         with MiloStore.open(args.store) as store:
-            print_rebuild_comparison(compare_rebuild(loaded, store, profile_texts, args), args)
+            which = "rebuild" if args.compare_rebuild else "pools"
+            print_churn_comparison(compare_churns(loaded, store, profile_texts, args, which), args)
         return 0
     if args.profile and args.compare:
         with MiloStore.open(args.store) as store:
