@@ -38,7 +38,7 @@ def reconstruct_layer_cpu(factors, segments, out_k, out_v, cos, sin, *, interlea
         for g, (src, rank, _) in enumerate(members):
             _product(factors, src, rank, tokens, d, out=x[g])
         rows = slice(dst, dst + tokens)
-        if kind == 0 and cos is not None:
+        if kind == 0:
             x = rope(x, cos[rows], sin[rows], interleaved)
         out = out_k if kind == 0 else out_v
         for g, (_, _, head) in enumerate(members):

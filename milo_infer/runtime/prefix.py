@@ -270,7 +270,7 @@ class PrefixRebuild:
     def _fill_shared(self, layer: int, factors: dict, k_buf, v_buf, cos, sin) -> None:
         """The CPU's rebuild of this layer: each block decoded once (fp32, keys pre-RoPE), its keys rotated into each
         row that places it, once per position where the rows' buffers are not fp32."""
-        if self.decoded is None:  # one buffer for every layer: a fresh one a layer costs its page faults (~15%)
+        if self.decoded is None:  # one buffer for every layer of this rebuild, not one a layer
             self.decoded = torch.empty(self.decoded_shape, dtype=torch.float32, device=cos.device)
         for m, (segments, columns, placed) in self.shared.items():
             decoded = self.decoded[:, :, :columns]

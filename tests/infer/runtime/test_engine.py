@@ -49,12 +49,12 @@ def setup(request, tmp_path_factory):
     store.close()
 
 
-def expected_peak_kv_bytes(engine: Engine, plans) -> int:
+def expected_peak_kv_bytes(engine: Engine, plans, decoded: bool = True) -> int:
     """The most K/V bytes a batch of ``plans``, admitted together, needs: the columns its rows need (K and
     V of every layer and KV head for each row's prompt and answer budget) plus, in the forward that rebuilds
     their prefixes, each store's union of blocks staged for the rebuild (its largest layer of factors: once
-    on a CPU, prefetch depth + 1 times on CUDA), and on a CPU one layer of the distinct blocks decoded (fp32 K and V
-    of the largest store's union, `PrefixRebuild`)."""
+    on a CPU, prefetch depth + 1 times on CUDA), and on a CPU one layer of the distinct blocks decoded (fp32 K
+    and V of the largest store's union, `PrefixRebuild`; ``decoded`` False: an engine whose rebuild is replaced)."""
     layout = engine.stores[plans[0].store].prefix.layout
     columns = sum(p.prompt_tokens + p.max_new_tokens for p in plans)
     itemsize = torch.empty(0, dtype=engine.dtype).element_size()
@@ -67,7 +67,7 @@ def expected_peak_kv_bytes(engine: Engine, plans) -> int:
         if union:
             layer_values = sum(np.diff(store.block_layer_bounds(b)) for b in union)
             staged += layers_staged * int(layer_values.max()) * store.itemsize
-            if engine.device.type == "cpu":
+            if engine.device.type == "cpu" and decoded:
                 columns = int(store.block_tokens[list(union)].sum())
                 decoded = max(decoded, 2 * layout.num_kv_heads * columns * layout.head_dim * 4)
     return cache + staged + decoded
