@@ -60,7 +60,7 @@ def expected_peak_kv_bytes(engine: Engine, plans, decoded: bool = True) -> int:
     itemsize = torch.empty(0, dtype=engine.dtype).element_size()
     cache = 2 * layout.num_layers * layout.num_kv_heads * columns * layout.head_dim * itemsize
     layers_staged = engine.prefetch_depth + 1 if engine.device.type == "cuda" else 1
-    staged = decoded = 0
+    staged = decode_bytes = 0
     for name in {p.store for p in plans}:
         store = engine.stores[name].store
         union = dict.fromkeys(b for p in plans if p.store == name for b in p.blocks)
@@ -69,8 +69,8 @@ def expected_peak_kv_bytes(engine: Engine, plans, decoded: bool = True) -> int:
             staged += layers_staged * int(layer_values.max()) * store.itemsize
             if engine.device.type == "cpu" and decoded:
                 columns = int(store.block_tokens[list(union)].sum())
-                decoded = max(decoded, 2 * layout.num_kv_heads * columns * layout.head_dim * 4)
-    return cache + staged + decoded
+                decode_bytes = max(decode_bytes, 2 * layout.num_kv_heads * columns * layout.head_dim * 4)
+    return cache + staged + decode_bytes
 
 
 # rows of different k (block counts), shared blocks, and queries of different lengths
