@@ -23,8 +23,13 @@ from .naive import dequantize_int8_segment, raw_segment
 
 
 def reconstruct_layer_cpu(factors, segments, out_k, out_v, cos, sin, *, interleaved=False) -> None:
-    """Same contract as `naive.reconstruct_layer_naive`: write every segment's rows, touch no others."""
+    """Same contract as `naive.reconstruct_layer_naive`: write every segment's rows, touch no others. ``cos`` None:
+    keys are written unrotated (`reconstruct.decode_layer`, whose fp32 outputs the products are written into)."""
     d = out_k.shape[-1]
+    if cos is None:  # nothing to rotate: each product straight into its rows
+        for src, rank, tokens, dst, head, kind in segments.tolist():
+            _product(factors, src, rank, tokens, d, out=(out_k if kind == 0 else out_v)[head, dst:dst + tokens])
+        return
     groups = {}  # (kind, dst_row, tokens) -> [(src_offset, rank, head)]: the keys or values of one block
     for src, rank, tokens, dst, head, kind in segments.tolist():
         groups.setdefault((kind, dst, tokens), []).append((src, rank, head))
@@ -59,13 +64,15 @@ def _product(factors, src: int, rank: int, tokens: int, d: int, out: torch.Tenso
     torch.mm(a, b.t(), out=out)
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """x·cos + rotate(x)·sin for fp32 x [..., T, d], without materialising rotate(x).
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
+         out: torch.Tensor | None = None) -> torch.Tensor:
+    """x·cos + rotate(x)·sin for fp32 x [..., T, d], without materialising rotate(x); into ``out`` (fp32, x's
+    shape, not overlapping x) when given.
 
     rotate(x) is (-x2, x1) over the RoPE pairs (halves, or even/odd channels when interleaved), so the
     sin term is two fused multiply-adds on the halves of the result.
     """
-    out = x * cos
+    out = x * cos if out is None else torch.mul(x, cos, out=out)
     if interleaved:
         x1, x2, o1, o2, s1, s2 = (t[..., i::2] for t, i in ((x, 0), (x, 1), (out, 0), (out, 1), (sin, 0), (sin, 1)))
     else:

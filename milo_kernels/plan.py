@@ -128,7 +128,7 @@ def _upload(table, device):
 
 
 def check_tensors(factors, out_k, out_v, cos, sin) -> None:
-    """Dtype, shape and device checks that need no segment values."""
+    """Dtype, shape and device checks that need no segment values (``cos``, ``sin`` None: no RoPE tables)."""
     if factors.dtype not in FACTOR_DTYPES or factors.dim() != 1 or not factors.is_contiguous():
         raise TypeError(f"factors must be a 1-D contiguous fp16/bf16/fp32 (or uint8 quantized) tensor, got "
                         f"{factors.dtype} with shape {tuple(factors.shape)}")
@@ -142,10 +142,12 @@ def check_tensors(factors, out_k, out_v, cos, sin) -> None:
     n_rows, d = out_k.shape[1:]
     if d % 2:
         raise ValueError(f"head dim d must be even for RoPE, got {d}")
-    for name, table in (("cos", cos), ("sin", sin)):
+    if (cos is None) != (sin is None):
+        raise ValueError("cos and sin must both be given (keys rotated) or both be None (keys as stored)")
+    for name, table in (("cos", cos), ("sin", sin)) if cos is not None else ():
         if table.dtype != torch.float32 or table.dim() != 2 or table.shape[1] != d or table.shape[0] < n_rows:
             raise ValueError(f"{name} must be fp32 [>= {n_rows}, {d}], got {table.dtype} {tuple(table.shape)}")
-    devices = {t.device for t in (factors, out_k, out_v, cos, sin)}
+    devices = {t.device for t in (factors, out_k, out_v, cos, sin) if t is not None}
     if len(devices) != 1:
         raise ValueError(f"factors, out_k, out_v, cos and sin must share a device, got {sorted(map(str, devices))}")
 

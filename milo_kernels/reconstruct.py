@@ -52,6 +52,20 @@ def reconstruct_layer(factors, segments, out_k, out_v, cos, sin, *, interleaved=
         launch(plan, factors, out_k, out_v, cos, sin, interleaved=interleaved)
 
 
+def decode_layer(factors, segments, out_k, out_v, *, quant=None) -> None:
+    """`reconstruct_layer`'s CPU path without RoPE: X of every segment into fp32 out[head, dst_row: dst_row +
+    tokens], keys as stored (pre-RoPE). Rotating those keys afterwards with `cpu.rope` at the rows' positions gives
+    what `reconstruct_layer` writes on a CPU, to the bit: a block that several rows place at different positions is
+    decoded once and rotated for each (`milo_infer.runtime.prefix.PrefixRebuild`)."""
+    if out_k.dtype != torch.float32 or out_v.dtype != torch.float32:
+        raise TypeError(f"decode_layer writes fp32 (the rotation that follows is fp32), got {out_k.dtype}")
+    bits = factor_bits(factors.dtype, quant)
+    segs = check_all(factors, segments, out_k, out_v, None, None, bits)
+    if bits in (4, 2):
+        factors, segs = dequantize_lowbit_layer(factors, segs, out_k.shape[-1], quant)
+    reconstruct_layer_cpu(factors, segs, out_k, out_v, None, None)
+
+
 def launch(plan: Plan, factors, out_k, out_v, cos, sin, *, interleaved=False) -> None:
     """One Triton launch for a planned layer. Checks metadata only: no host sync, safe to graph-capture."""
     triton_kernel.require_triton(factors)

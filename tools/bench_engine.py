@@ -28,15 +28,17 @@ from transformers import DynamicCache
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from milo_infer.bench.step_profile import STAGES, decoding_batch, profile_churn, profile_steps  # noqa: E402
+from milo_infer.bench.step_profile import (STAGES, Churn, StageClock, decoding_batch, profile_churn,  # noqa: E402
+                                           profile_steps)
 from milo_infer.models import load_model  # noqa: E402
 from milo_infer.runtime.decoding import LabelDecoder  # noqa: E402
 from milo_infer.runtime.engine import Engine  # noqa: E402
 from milo_infer.runtime import attention  # noqa: E402
 from milo_infer.runtime.pages import PAGE_TOKENS, pages_for  # noqa: E402
 from milo_infer.runtime.planning import EngineSettings, Request  # noqa: E402
-from milo_infer.runtime.prefix import PrefixRebuild  # noqa: E402
+from milo_infer.runtime.prefix import PrefixRebuild, rebuild_layer  # noqa: E402
 from milo_infer.tasks.corpus import load_corpus  # noqa: E402
+from milo_infer.tasks.datasets import load_dataset  # noqa: E402
 from milo_store import MiloStore  # noqa: E402
 
 DEMO = ROOT / "milo_infer/tasks/data/demo_corpus.jsonl"
@@ -164,6 +166,62 @@ def compare_rows(loaded, store, texts, args) -> list[dict]:
     return out
 
 
+def per_row_rebuild(*args, **kwargs) -> None:
+    """The kernels' rebuild called once per row, each row decoding every block it places (`PrefixRebuild`'s CPU path
+    before issue 47 decoded a block its rows share once)."""
+    rebuild_layer(*args, **kwargs)
+
+
+def churn_configurations(which: str) -> dict:
+    """The two served batches a --compare-rebuild or --compare-pools run alternates: {name: (Engine keywords, what is
+    done after each step)}, before first."""
+    if which == "rebuild":  # each row's prefix rebuilt on its own, against each block decoded once per admission
+        return {"per_row": ({"rebuild": per_row_rebuild}, None), "shared": ({}, None)}
+    # the pools dropped as soon as no row holds a page (as before issue 47), against kept until the batch is idle
+    return {"dropped": ({}, lambda batch: batch.idle()), "kept": ({}, None)}
+
+
+def compare_churns(loaded, store, texts, args, which: str) -> list[dict]:
+    """Per row count: two served batches (`Churn`) of the same texts (`churn_configurations`), their steps
+    alternating; the step's, the prefix rebuild's and the pool growth's mean seconds, and whether their answers
+    agree."""
+    out = []
+    for size in args.profile:
+        churns, clocks, after = {}, {}, {}
+        for name, (options, after[name]) in churn_configurations(which).items():
+            engine = Engine(loaded, {"s": store}, EngineSettings(k=args.k), attention="rows", max_rows=size, **options)
+            churns[name], clocks[name] = Churn(engine, "s", texts, size, args.steps), StageClock()
+        for _ in range(args.steps):
+            for name, churn in churns.items():
+                with clocks[name].timing():
+                    churn.step()
+                if after[name]:
+                    after[name](churn.batch)
+        (before, now) = (c.answers for c in churns.values())
+        out.append({"rows": size, "names": list(churns), "answers": min(len(before), len(now)),
+                    "equal": sum(map(str.__eq__, before, now)),
+                    **{name: {"step": churn.wall / args.steps,
+                              **{stage: clocks[name].seconds[stage] / args.steps
+                                 for stage in ("prefix_rebuild", "pool_growth")}}
+                       for name, churn in churns.items()}})
+        del churns, clocks
+    return out
+
+
+def print_churn_comparison(rows: list[dict], args) -> None:
+    print(f"store {args.store}, k {args.k}, {args.threads} thread(s); a served batch's mean seconds a step over "
+          f"{args.steps} steps, two batches of the same queries alternating (tools/bench_engine.py, "
+          f"churn_configurations)")
+    a, b = rows[0]["names"]
+    print(f"| rows | {a} step s | {b} step s | {a} / {b} | {a} rebuild s | {b} rebuild s | {a} pool growth s | "
+          f"{b} pool growth s | answers equal |\n|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        x, y = r[a], r[b]
+        print(f"| {r['rows']} | {x['step']:.3f} | {y['step']:.3f} | {x['step'] / y['step']:.2f} | "
+              f"{x['prefix_rebuild']:.3f} | {y['prefix_rebuild']:.3f} | {x['pool_growth']:.3f} | "
+              f"{y['pool_growth']:.3f} | {r['equal']} of {r['answers']} |")
+
+
 def print_comparison(rows: list[dict], args) -> None:
     print(f"store {args.store}, k {args.k}, {args.threads} thread(s); a decode step's median seconds over {args.steps} "
           f"steps each, alternating: the per-row attention at {args.compare} (before) and this tree's (now)")
@@ -206,16 +264,31 @@ def main(argv=None) -> int:
     ap.add_argument("--compare", metavar="COMMIT", default=None,
                     help="--profile: instead, time decode steps alternately with the per-row attention (sdpa_rows) of "
                          "COMMIT, read from git, and this tree's")
+    ap.add_argument("--compare-rebuild", action="store_true",
+                    help="--profile: instead, time a served batch alternately with each row's prefix rebuilt on its own "
+                         "and with each block decoded once per admission")
+    ap.add_argument("--compare-pools", action="store_true",
+                    help="--profile: instead, time a served batch alternately with its pools dropped whenever no row "
+                         "holds a page and kept")
+    ap.add_argument("--dataset", default=None,
+                    help="--profile: ask this dataset's test queries (MILO_DATA) instead of the demo corpus")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     loaded = load_model(args.model)
+    profile_texts = ([d.input for d in load_dataset(args.dataset)[1]] if args.dataset
+                     else [d.input for d in load_corpus(DEMO)])
+    if args.profile and (args.compare_rebuild or args.compare_pools):
+        with MiloStore.open(args.store) as store:
+            which = "rebuild" if args.compare_rebuild else "pools"
+            print_churn_comparison(compare_churns(loaded, store, profile_texts, args, which), args)
+        return 0
     if args.profile and args.compare:
         with MiloStore.open(args.store) as store:
-            print_comparison(compare_rows(loaded, store, [d.input for d in load_corpus(DEMO)], args), args)
+            print_comparison(compare_rows(loaded, store, profile_texts, args), args)
         return 0
     if args.profile:
         with MiloStore.open(args.store) as store:
-            print_profile(profile_rows(loaded, store, [d.input for d in load_corpus(DEMO)], args), args)
+            print_profile(profile_rows(loaded, store, profile_texts, args), args)
         return 0
     with MiloStore.open(args.store) as store:
         engine = Engine(loaded, {"s": store}, EngineSettings(k=args.k))

@@ -114,29 +114,42 @@ def decoding_batch(eng, store: str, texts: list[str], rows: int, scattered: bool
     return batch
 
 
+class Churn:
+    """A served batch: ``rows`` rows answering for real (their own decoders), each finished one replaced at once by
+    the next text's plan, so steps mix decoding with admissions, prefix rebuilds, prefill chunks and pool growth,
+    and rows take the pages others gave back. Made past the first ``rows`` rows' admission and prefill."""
+
+    def __init__(self, eng, store: str, texts: list[str], rows: int, steps: int):
+        self.eng, self.store, self.rows = eng, store, rows
+        self.queue = iter(texts * (1 + (rows + steps * rows) // max(1, len(texts))))
+        self.batch = eng.batch()
+        self.batch.admit([eng.plan(store, Request(next(self.queue))) for _ in range(rows)])
+        while any(row.prefilling for row in self.batch.rows):
+            self.batch.step()
+        self.wall, self.seen, self.scattered, self.answers = 0.0, 0, 0, []
+
+    def step(self) -> None:
+        """Replace the rows that left, then one step; its wall time (admission and step, not the retrieval: a
+        server's, before a row reaches the batch) is added to ``wall``, finished answers to ``answers``."""
+        plans = [self.eng.plan(self.store, Request(next(self.queue))) for _ in range(self.rows - len(self.batch))]
+        start = time.perf_counter()
+        events = self.batch.admit(plans) if plans else []
+        events += self.batch.step()
+        self.wall += time.perf_counter() - start
+        self.answers += [e.answer.text for e in events if e.finished and e.answer is not None]
+        self.seen += len(self.batch.rows)
+        self.scattered += sum(run_start(row.pages) is None for row in self.batch.rows)
+
+
 def profile_churn(eng, store: str, texts: list[str], rows: int, steps: int) -> dict:
-    """A served batch's steps: ``rows`` rows answering for real (their own decoders), each finished one replaced
-    at once by the next text's plan, so steps mix decoding with admissions, prefix rebuilds, prefill chunks and
-    pool growth, and rows take the pages others gave back. Timed as `profile_steps`, after the first ``rows``
-    rows' admission and prefill; ``scattered``: the share of decoding rows whose pages are not one run."""
-    queue = iter(texts * (1 + (rows + steps * rows) // max(1, len(texts))))
-    batch = eng.batch()
-    batch.admit([eng.plan(store, Request(next(queue))) for _ in range(rows)])
-    while any(row.prefilling for row in batch.rows):
-        batch.step()
-    clock, seen, scattered, wall = StageClock(), 0, 0, 0.0
+    """``steps`` steps of a served batch (`Churn`) timed by stage, as `profile_steps`; ``scattered``: the share of
+    decoding rows whose pages are not one run."""
+    churn, clock = Churn(eng, store, texts, rows, steps), StageClock()
     with clock.timing():
         for _ in range(steps):
-            plans = [eng.plan(store, Request(next(queue))) for _ in range(rows - len(batch))]  # retrieval: a
-            start = time.perf_counter()  # server's, before a row reaches the batch, so not the step's
-            if plans:
-                batch.admit(plans)
-            batch.step()
-            wall += time.perf_counter() - start
-            seen += len(batch.rows)
-            scattered += sum(run_start(row.pages) is None for row in batch.rows)
-    return {"step": wall, "seconds": clock.seconds, "calls": clock.calls, "rows": rows, "steps": steps,
-            "scattered": scattered / max(1, seen)}
+            churn.step()
+    return {"step": churn.wall, "seconds": clock.seconds, "calls": clock.calls, "rows": rows, "steps": steps,
+            "scattered": churn.scattered / max(1, churn.seen)}
 
 
 def profile_steps(batch, steps: int) -> dict:

@@ -5,8 +5,8 @@ range of every head when they are consecutive). A row's page table maps its colu
 c (its RoPE position) lives at ``pages[c // PAGE_TOKENS] * PAGE_TOKENS + c % PAGE_TOKENS``. The pools hold only
 the pages rows were given (`milo_infer.runtime.pages`): they grow at an admission that needs pages no row gave
 back (layer by layer, so the copy needs one layer's room more, not a second pool) and go when no row holds
-any. New pages are zero-filled: attention over a row's last page reads columns not written yet, masked,
-and a masked 0 × NaN would still be NaN.
+any and the batch is idle (`Batch.idle`). New pages are zero-filled: attention over a row's last page reads
+columns not written yet, masked, and a masked 0 × NaN would still be NaN.
 
 A forward feeds a `Pack`: every row's new tokens concatenated into one sequence; ``update`` first runs the
 prefix fills of rows joining in this forward (`PrefixFill`: the rebuild writes a row's prefix straight into its

@@ -55,6 +55,9 @@ class RunningBatch(Protocol):
 
     def cancel(self, plan: QueryPlan) -> None: ...
 
+    def idle(self) -> None:
+        """Nothing was asked for a while: let go of what is kept for the next rows (the engine's K/V pools)."""
+
     def __len__(self) -> int: ...
 
 

@@ -5,7 +5,8 @@ need is known when it is planned (its prompt tokens plus its answer budget), so 
 will ever write when it is seated and keeps them until it leaves: a running row never runs out, and
 nothing is preempted. Rows that do not fit wait, oldest first. The pool holds only the pages rows were
 given (it grows when a row needs pages no row gave back, by an eighth more when rows already hold pages,
-since growing copies the pools; it is dropped when no row holds any), so what a batch allocates follows
+since growing copies the pools; it is kept when its last row leaves, so the next row finds its pages, and
+dropped when the batch's owner says it is idle: `release`), so what a batch allocates follows
 what its rows need, rounded to a page each (within 9/8 of the most they held at once), never the model's
 positions.
 
@@ -112,8 +113,13 @@ class PageAllocator:
     def give(self, pages: list[int]) -> None:
         for p in pages:
             bisect.insort(self.free, p)
-        if not self.in_use:  # nothing held: the pool can go
-            self.capacity, self.free = 0, []
+
+    def release(self) -> bool:
+        """Forget the pool if no row holds a page of it (True when there was one to forget)."""
+        if self.in_use or not self.capacity:
+            return False
+        self.capacity, self.free = 0, []
+        return True
 
 
 def window_skip(first_position: int, window: int) -> int:

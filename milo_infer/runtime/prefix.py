@@ -11,6 +11,11 @@ rotated at that row's positions, into buffers the caller owns. It knows nothing 
 A `KVShare` limits it to the layers and KV heads one worker's cache holds (a pipeline stage, a
 tensor-parallel rank): only those layers are staged and only those heads rebuilt. Blocks are still read
 whole, since each block's CRC32C covers the whole block (docs/design.md, "vLLM").
+
+On a CPU each layer of a block several of its rows use is decoded once (its factors' products, keys pre-RoPE)
+and rotated at each distinct position the rows place it at (issue 47: in a served batch of the 512-shot
+Banking77 store, rows admitted together mostly share blocks, seldom at the same position); the values are the
+kernels' CPU path's to the bit. The Triton path rebuilds each row in one launch per layer.
 """
 from __future__ import annotations
 
@@ -19,7 +24,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from milo_kernels import apply_rope, kernel_backend, plan_layers, reconstruct_layer
+from milo_kernels import apply_rope, decode_layer, kernel_backend, plan_layers, reconstruct_layer
+from milo_kernels.cpu import rope
 from milo_store import IncompatibleStoreError, MiloStore, StoreError, full_kv_bytes
 
 from ..models import RopeTables
@@ -250,6 +256,32 @@ class PrefixRebuild:
                                                       factor_dtype=store.torch_dtype, device=device,
                                                       quant=prefix.layout.quant)[0]
             self.tables.append((segments, kernel_plans))
+        self.shared = (self._shared_blocks() if rebuild is rebuild_layer and kernel_backend(device) == "cpu"
+                       and all(row.reach is None for row in self.rows) else None)  # a window's reach: per row
+        # the CPU's decoded layer of the rows' distinct blocks (fp32 K and V): staged like the factors, and counted
+        self.decoded, self.decoded_shape = None, (2, len(heads), max((c for _, c, _ in (self.shared or {}).values()),
+                                                                     default=0), layout.head_dim)
+        self.fetch_stats["buffer_bytes"] += int(np.prod(self.decoded_shape)) * 4
+
+    def _shared_blocks(self) -> dict:
+        """Per mounted version: one segment table [L, S, 6] of each block its rows place, once, one after another
+        from row 0 (a scratch of their columns), and each (block's first scratch row, tokens, first row in the
+        context, the rows placing it there)."""
+        per_block = 2 * len(self.share.heads)  # a block's segments: its keys', then its values', head by head
+        seen: dict = {}  # (version, block) -> its first scratch row and tokens
+        shared: dict = {}  # version -> [tables], columns, {(scratch row, tokens, dst): [rows]}
+        for r, (row, (segments, _)) in enumerate(zip(self.rows, self.tables)):
+            tables, columns, placed = shared.setdefault(row.prefix, ([], [0], {}))
+            for i, (block, dst) in enumerate(zip(row.blocks, row.dst_rows.tolist())):
+                if (row.prefix, block) not in seen:
+                    table = segments[:, i * per_block:(i + 1) * per_block].clone()
+                    table[:, :, 3] = columns[0]
+                    seen[row.prefix, block] = (columns[0], int(table[0, 0, 2]))
+                    columns[0] += int(table[0, 0, 2])
+                    tables.append(table)
+                placed.setdefault((*seen[row.prefix, block], dst), []).append(r)
+        return {m: (torch.cat(tables, dim=1), columns[0], placed) for m, (tables, columns, placed) in shared.items()
+                if tables}
 
     def union_reach(self, prefix: "StorePrefix", union: list[int]) -> dict[int, list[int]] | None:
         """Per layer of the share, the blocks of ``union`` (indices into it) some row of ``prefix`` rebuilds there;
@@ -275,7 +307,32 @@ class PrefixRebuild:
                 m = row.prefix
                 k[:, :m.anchor_len] = m.anchor_k[layer, heads]
                 v[:, :m.anchor_len] = m.anchor_v[layer, heads]
-                if len(segments[layer]):
+                if self.shared is None and len(segments[layer]):
                     self.rebuild(factors[m], segments[layer], k[:, :row.prefix_tokens], v[:, :row.prefix_tokens],
                                  cos, sin, interleaved=m.rope_interleaved, quant=m.layout.quant,
                                  plan=kernel_plans.get(layer))
+            if self.shared is not None:
+                self._fill_shared(layer, factors, k_buf, v_buf, cos, sin)
+
+    def _fill_shared(self, layer: int, factors: dict, k_buf, v_buf, cos, sin) -> None:
+        """The CPU's rebuild of this layer: each block decoded once (fp32, keys pre-RoPE), its keys rotated into each
+        row that places it, once per position where the rows' buffers are not fp32."""
+        if self.decoded is None:  # one buffer for every layer of this rebuild, not one a layer
+            self.decoded = torch.empty(self.decoded_shape, dtype=torch.float32, device=cos.device)
+        for m, (segments, columns, placed) in self.shared.items():
+            decoded = self.decoded[:, :, :columns]
+            decode_layer(factors[m], segments[layer], decoded[0], decoded[1], quant=m.layout.quant)
+            for (first, tokens, dst), rows in placed.items():
+                block, at = slice(first, first + tokens), slice(dst, dst + tokens)
+                keys = None
+                for r in rows:
+                    k, v = k_buf[r][:, at], v_buf[r][:, at]
+                    if k.dtype == torch.float32:
+                        rope(decoded[0][:, block], cos[at], sin[at], m.rope_interleaved, out=k)
+                    else:
+                        if keys is None:
+                            keys = rope(decoded[0][:, block], cos[at], sin[at], m.rope_interleaved)
+                        k.copy_(keys)
+                    v.copy_(decoded[1][:, block])
+        if layer == self.share.layers[-1]:
+            self.decoded = None

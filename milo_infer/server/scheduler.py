@@ -162,6 +162,8 @@ class EngineLoop:
             if len(batch):
                 self.metrics.batch_size.observe(len(batch))
                 self._deliver(batch.step())
+            elif not tickets:  # idle for a poll: its K/V pools go (a busy loop keeps them for the next rows)
+                batch.idle()
             return True
         except Exception as e:
             log.exception("a batch of %d request(s) failed; they fail, the loop goes on with a new batch",

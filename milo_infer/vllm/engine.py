@@ -128,6 +128,9 @@ class VllmBatch:
     def __len__(self) -> int:
         return len(self.rows)  # a row leaves once it finished or was cancelled
 
+    def idle(self) -> None:
+        """vLLM's server keeps its own KV blocks: nothing is held here."""
+
     def admit(self, plans: list[QueryPlan]) -> list[RowEvent]:
         for plan in plans:
             row = _Row(plan, time.perf_counter())

@@ -16,7 +16,8 @@ from hypothesis import given, settings, strategies as st
 from lowrank_cases import (check_outputs, nan_buffers, quantized_layer, random_layer, rope_by_complex,
                            rope_tables, run_under_interpreter, target_mask)
 from milo_format import QUANT_BITS, segment_size
-from milo_kernels import RAW_RANK, reconstruct_layer, reconstruct_layer_naive
+from milo_kernels import RAW_RANK, decode_layer, reconstruct_layer, reconstruct_layer_naive
+from milo_kernels.cpu import rope
 from milo_store import Layout
 from milo_store.quant import pack_raw_segment, roundtrip
 
@@ -134,6 +135,28 @@ def test_cpu_path_matches_reference_on_mixed_layers(factor, interleaved):
     reconstruct_layer(factors, segments, *got, *rope_tables(n, d, interleaved), interleaved=interleaved, quant=quant,
                       backend="auto")
     check_outputs(got, want, target_mask(segments, kv_heads, n, d), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("factor", ["fp32", "fp16", "int8", "int4", "int2"])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+def test_a_decoded_layer_rotated_afterwards_is_the_cpu_path_to_the_bit(factor, interleaved):
+    """`decode_layer` (keys unrotated) then `rope` at each block's rows: what a rebuild that decodes a block once for
+    several rows writes must be the CPU path's output exactly, not within a tolerance."""
+    kv_heads, d, block_tokens = 3, 32, [1, 31, 33, 65]
+    factors, segments, n, quant = mixed_layer(factor, kv_heads, d, block_tokens, seed=11)
+    cos, sin = rope_tables(n, d, interleaved)
+    want = nan_buffers(kv_heads, n, d, torch.float32)
+    reconstruct_layer(factors, segments, *want, cos, sin, interleaved=interleaved, quant=quant, backend="auto")
+    got = nan_buffers(kv_heads, n, d, torch.float32)
+    decode_layer(factors, segments, *got, quant=quant)
+    assert not torch.equal(got[0], want[0])  # keys unrotated, so far
+    for dst, tokens in {(dst, tokens) for _, _, tokens, dst, _, kind in segments.tolist() if kind == 0}:
+        rows = slice(dst, dst + tokens)
+        rope(got[0][:, rows].clone(), cos[rows], sin[rows], interleaved, out=got[0][:, rows])
+    mask = target_mask(segments, kv_heads, n, d)
+    assert all(torch.equal(g[m], w[m]) for g, w, m in zip(got, want, mask))
+    with pytest.raises(TypeError, match="fp32"):
+        decode_layer(factors, segments, *nan_buffers(kv_heads, n, d, torch.float16), quant=quant)
 
 
 def test_bf16_raw_segment_on_cpu():

@@ -49,24 +49,28 @@ def setup(request, tmp_path_factory):
     store.close()
 
 
-def expected_peak_kv_bytes(engine: Engine, plans) -> int:
+def expected_peak_kv_bytes(engine: Engine, plans, decoded: bool = True) -> int:
     """The most K/V bytes a batch of ``plans``, admitted together, needs: the columns its rows need (K and
     V of every layer and KV head for each row's prompt and answer budget) plus, in the forward that rebuilds
     their prefixes, each store's union of blocks staged for the rebuild (its largest layer of factors: once
-    on a CPU, prefetch depth + 1 times on CUDA)."""
+    on a CPU, prefetch depth + 1 times on CUDA), and on a CPU one layer of the distinct blocks decoded (fp32 K
+    and V of the largest store's union, `PrefixRebuild`; ``decoded`` False: an engine whose rebuild is replaced)."""
     layout = engine.stores[plans[0].store].prefix.layout
     columns = sum(p.prompt_tokens + p.max_new_tokens for p in plans)
     itemsize = torch.empty(0, dtype=engine.dtype).element_size()
     cache = 2 * layout.num_layers * layout.num_kv_heads * columns * layout.head_dim * itemsize
     layers_staged = engine.prefetch_depth + 1 if engine.device.type == "cuda" else 1
-    staged = 0
+    staged = decode_bytes = 0
     for name in {p.store for p in plans}:
         store = engine.stores[name].store
         union = dict.fromkeys(b for p in plans if p.store == name for b in p.blocks)
         if union:
             layer_values = sum(np.diff(store.block_layer_bounds(b)) for b in union)
             staged += layers_staged * int(layer_values.max()) * store.itemsize
-    return cache + staged
+            if engine.device.type == "cpu" and decoded:
+                columns = int(store.block_tokens[list(union)].sum())
+                decode_bytes = max(decode_bytes, 2 * layout.num_kv_heads * columns * layout.head_dim * 4)
+    return cache + staged + decode_bytes
 
 
 # rows of different k (block counts), shared blocks, and queries of different lengths
@@ -183,7 +187,8 @@ def test_a_joining_row_takes_free_pages_and_no_running_row_moves(setup):
 
 def test_a_finished_batch_frees_its_cache_without_the_garbage_collector(setup):
     """The pools go with the batch: a reference cycle would keep gigabytes per batch until the collector ran
-    (an evaluation answering batch after batch ran out of memory so); and once no row holds a page, before."""
+    (an evaluation answering batch after batch ran out of memory so); and, once no row holds a page, when the batch
+    is told it is idle (its last row's leaving keeps them for the next rows)."""
     import gc
     import weakref
 
@@ -194,6 +199,8 @@ def test_a_finished_batch_frees_its_cache_without_the_garbage_collector(setup):
     buffers = [weakref.ref(layer.k_pool) for layer in batch.cache.layers]
     assert batch.cache.allocated_bytes > 0
     run_to_end(batch, events, done)
+    assert batch.cache.allocated_bytes > 0
+    batch.idle()
     assert batch.cache.allocated_bytes == 0 and all(b() is None for b in buffers)
     batch.admit([engine.plan("s", REQUESTS[0])])
     buffers = [weakref.ref(layer.k_pool) for layer in batch.cache.layers]

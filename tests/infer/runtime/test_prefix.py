@@ -9,6 +9,7 @@ import torch
 from milo_infer.bench import synthetic_model
 from milo_infer.models import layer_rope_tables
 from milo_infer.runtime.prefix import KVShare, PrefixRebuild, StorePrefix
+from milo_kernels import reconstruct_layer
 from milo_store import MiloStore
 
 ROWS = [[0, 2], [2, 1, 3]]  # two rows sharing block 2, of different lengths
@@ -73,3 +74,29 @@ def test_a_window_layer_reaches_the_blocks_with_a_token_inside_its_window():
     placement = BlockPlacement("s", [7, 3, 5], np.array([4, 14, 24]), np.zeros(0), 34, 0, 0)
     assert placement.reached_by_windows(34, [None, 10, 11, 12, 21, 22]) == [
         [0, 1, 2], [2], [2], [1, 2], [1, 2], [0, 1, 2]]
+
+
+SHARING = [[0, 2], [2, 1, 3], [0, 2, 3], [], [3, 1]]  # block 2 at the same and at other positions; an anchor-only row
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["full", "milo-r0.5", "milo-r0.25"])
+def test_rows_sharing_blocks_rebuild_as_each_alone_through_the_kernel(built, name, dtype):
+    """The CPU's rebuild decodes a block several rows place once and rotates it per position: every row must be
+    what the kernels' rebuild writes for that row alone, to the bit."""
+    paths, rope = built
+    with MiloStore.open(paths[name]) as store:
+        prefix = StorePrefix("s", store, rope, "cpu", dtype)
+        rows = [prefix.place(blocks) for blocks in SHARING] + [prefix.nothing_placed()]
+        shared = PrefixRebuild(rows, rope, "cpu")
+        T, (H, d) = max(row.prefix_tokens for row in rows), (store.layout.num_kv_heads, store.layout.head_dim)
+        (table, _, placed), = shared.shared.values()  # 4 blocks decoded, some placed twice at one position
+        assert table.shape[1] == 4 * 2 * H and len(placed) > 4 and max(map(len, placed.values())) > 1
+        for layer in range(store.layout.num_layers):
+            k, v = torch.zeros(len(rows), H, T, d, dtype=dtype), torch.zeros(len(rows), H, T, d, dtype=dtype)
+            shared.fill(layer, k, v)
+            for r, row in enumerate(rows):  # alone, through reconstruct_layer (not the default function: per row)
+                alone = PrefixRebuild([row], rope, "cpu", rebuild=lambda *a, **kw: reconstruct_layer(*a, **kw))
+                want_k, want_v = torch.zeros(1, H, T, d, dtype=dtype), torch.zeros(1, H, T, d, dtype=dtype)
+                alone.fill(layer, want_k, want_v)
+                assert torch.equal(k[r], want_k[0]) and torch.equal(v[r], want_v[0]), (name, layer, SHARING[r:r + 1])

@@ -135,5 +135,8 @@ class FakeBatch:
         self.cancelled.append(plan)
         del self.rows[id(plan)]
 
+    def idle(self):
+        self._check_thread()
+
     def __len__(self):
         return len(self.rows)
