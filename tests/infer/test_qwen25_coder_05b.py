@@ -1,7 +1,7 @@
 """The real Qwen2.5-Coder-0.5B-Instruct (its GGUF, fetched once by `tools/fetch_gguf.py`), issue 45's second real
 model: milo reproduces its cache and logits in fp32, on a model with biased q/k/v projections and grouped heads
 (14 query heads to 2 KV heads of 64) that the tiny qwen2 stands in for. Skipped, naming the command, where the
-GGUF was not fetched; the check is kept to 2 blocks of 8 short demonstrations (84 s on the contended 2-core
+GGUF was not fetched; the check is kept to 2 blocks of 8 short demonstrations (23 to 84 s on the shared 2-core
 machine when it runs, 2026-12-04)."""
 import pytest
 import torch
@@ -34,8 +34,7 @@ def test_qwen25_coder_05b_is_reproduced_in_fp32(qwen, tmp_path):
                               block_size=8, context_blocks=1, workdir=tmp_path)
     finally:
         torch.set_num_threads(threads)
-    assert r.dtype == torch.float32 and r.blocks == 2
+    assert r.dtype == torch.float32 and r.blocks == 2 and r.logits is not None
+    assert {name.split()[0] for name in r.layers[0]} >= {"capture", "reposition", "query_scales"}
     # capture, re-positioned keys and values, query weights and logits, each within its fp32 tolerance
     assert r.passed, r.failures()
-    assert {name.split()[0] for name in r.layers[0]} >= {"capture", "reposition", "query_scales"}
-    assert r.logits is not None
