@@ -170,15 +170,20 @@ def test_greedy_answers_equal_milos_engine(family):
 def test_a_window_layer_is_written_only_where_its_kv_cache_group_holds_pages(family):
     """Every layer's K/V of every loaded token is written, but a window layer's only for the tokens vLLM's hybrid
     KV cache manager keeps pages for in its group: at least the last W - 1 (what the query's window reaches), fewer
-    than all of them once the prefix passes a vLLM block beyond the window."""
+    than all of them once the prefix passes a vLLM block beyond the window. Counted on tensor-parallel rank 0: each
+    rank loads and writes every token of every layer for its own heads, and counts them."""
     name, model_dir, loaded, store, url = family
     windows = attention_of(loaded.model.config).windows(loaded.model.config)
     prompt = VllmPrompts("raw", store, loaded.tokenizer, settings=EngineSettings(k=K)).prompt(requests()[0])
-    before = [metric(url, f"vllm:milo_{key}_total") for key in ("tokens_loaded", "layer_tokens_written")]
+
+    def count(key):
+        return metric(url, f"vllm:milo_{key}_total", tp_rank=0)
+
+    before = [count(key) for key in ("tokens_loaded", "layer_tokens_written")]
     complete(url, prompt.body(model_dir, max_tokens=1))
-    assert eventually(lambda: metric(url, "vllm:milo_tokens_loaded_total") == before[0] + prompt.prefix_tokens)
-    assert eventually(lambda: metric(url, "vllm:milo_layer_tokens_written_total") > before[1])
-    written, tokens = metric(url, "vllm:milo_layer_tokens_written_total") - before[1], prompt.prefix_tokens
+    assert eventually(lambda: count("tokens_loaded") == before[0] + prompt.prefix_tokens)
+    assert eventually(lambda: count("layer_tokens_written") > before[1])
+    written, tokens = count("layer_tokens_written") - before[1], prompt.prefix_tokens
     if all(w is None for w in windows):
         assert written == len(windows) * tokens
     else:
