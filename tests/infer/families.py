@@ -94,3 +94,32 @@ def demonstrations(n: int = 8, offset: int = 0) -> list[Demonstration]:
     words = ("my", "card", "was", "charged", "twice", "cash", "pin", "fee")
     return [Demonstration(input=f"{words[i % 8]} {words[(i * 3) % 8]} {i} {words[(i * 5) % 8]}",
                           output=TASK.labels[i % 4], id=str(i)) for i in range(offset, offset + n)]
+
+
+def fetched_model(gguf: str, label: str) -> LoadedModel:
+    """A real model `tools/fetch_gguf.py` fetched once (``gguf``, one of `loading.FETCHABLE`), loaded; the calling
+    test skips, naming the fetch command, where it was not fetched here."""
+    import pytest
+
+    from milo_infer.models import ModelUnavailable, load_model
+    from milo_infer.models.loading import fetched_gguf_path
+
+    try:
+        path = fetched_gguf_path(gguf)
+    except ModelUnavailable as exc:
+        pytest.skip(f"{label} unavailable: {exc}")
+    return load_model(path)
+
+
+def conformance_on_one_thread(loaded: LoadedModel, shots: int, block_size: int, workdir):
+    """`check_conformance` of a real model over ``shots`` demonstrations in blocks of ``block_size`` (one context
+    block), on one torch thread (its fp32 rounding is what the tolerances were set from)."""
+    from milo_infer.evaluation.conformance import check_conformance
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return check_conformance(loaded, demonstrations(shots), TASK, "my card was charged twice",
+                                 block_size=block_size, context_blocks=1, workdir=workdir)
+    finally:
+        torch.set_num_threads(threads)

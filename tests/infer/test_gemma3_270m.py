@@ -3,11 +3,8 @@ logits in fp32 over blocks long enough that its 512-token windows bite (rows of 
 model's windows of 8 only stand in for. Skipped, naming the command, where the GGUF was not fetched
 (about 90 s here when it runs: the check builds and reads an identity store of 4 blocks of ~400 tokens)."""
 import pytest
-import torch
 
-from milo_infer.evaluation.conformance import check_conformance
-from milo_infer.models import ModelUnavailable, attention_of, load_model
-from milo_infer.models.loading import fetched_gguf_path
+from milo_infer.models import attention_of
 from tests.infer import families
 
 GGUF = "gemma-3-270m-q4_k_m.gguf"
@@ -15,23 +12,13 @@ GGUF = "gemma-3-270m-q4_k_m.gguf"
 
 @pytest.fixture(scope="module")
 def gemma3():
-    try:
-        path = fetched_gguf_path(GGUF)
-    except ModelUnavailable as exc:
-        pytest.skip(f"Gemma 3 270M unavailable: {exc}")
-    return load_model(path)
+    return families.fetched_model(GGUF, "Gemma 3 270M")
 
 
 def test_gemma3_270m_is_reproduced_where_its_windows_bite(gemma3, tmp_path):
     config = gemma3.model.config
     assert attention_of(config).windows(config).count(512) == 15  # five sliding layers to one full, 18 layers
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        r = check_conformance(gemma3, families.demonstrations(160), families.TASK, "my card was charged twice",
-                              block_size=40, context_blocks=1, workdir=tmp_path)
-    finally:
-        torch.set_num_threads(threads)
+    r = families.conformance_on_one_thread(gemma3, 160, 40, tmp_path)
     worst = {name: max(layer[name].relative for layer in r.layers) for name in r.layers[0]}
     assert worst["capture keys"] <= 1e-5 and worst["capture values"] <= 1e-5, worst
     assert r.logits.relative <= 1e-4 and worst["query_scales"] <= 1e-5, (r.logits, worst)

@@ -6,9 +6,6 @@ machine when it runs, 2026-12-04)."""
 import pytest
 import torch
 
-from milo_infer.evaluation.conformance import check_conformance
-from milo_infer.models import ModelUnavailable, load_model
-from milo_infer.models.loading import fetched_gguf_path
 from tests.infer import families
 
 GGUF = "qwen2.5-coder-0.5b-instruct-awq-q4_k_m.gguf"
@@ -16,24 +13,14 @@ GGUF = "qwen2.5-coder-0.5b-instruct-awq-q4_k_m.gguf"
 
 @pytest.fixture(scope="module")
 def qwen():
-    try:
-        path = fetched_gguf_path(GGUF)
-    except ModelUnavailable as exc:
-        pytest.skip(f"Qwen2.5-Coder-0.5B-Instruct unavailable: {exc}")
-    return load_model(path)
+    return families.fetched_model(GGUF, "Qwen2.5-Coder-0.5B-Instruct")
 
 
 def test_qwen25_coder_05b_is_reproduced_in_fp32(qwen, tmp_path):
     config = qwen.model.config
     assert config.model_type == "qwen2"
     assert (config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads) == (24, 14, 2)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        r = check_conformance(qwen, families.demonstrations(16), families.TASK, "my card was charged twice",
-                              block_size=8, context_blocks=1, workdir=tmp_path)
-    finally:
-        torch.set_num_threads(threads)
+    r = families.conformance_on_one_thread(qwen, 16, 8, tmp_path)
     assert r.dtype == torch.float32 and r.blocks == 2 and r.logits is not None
     assert {name.split()[0] for name in r.layers[0]} >= {"capture", "reposition", "query_scales"}
     # capture, re-positioned keys and values, query weights and logits, each within its fp32 tolerance
