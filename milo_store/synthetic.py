@@ -99,6 +99,20 @@ def update_synthetic_store(path, keep, new_tokens, config: CompressionConfig | N
     return out
 
 
+def staged_synthetic_blocks(directory, layout: Layout, tokens: list[int], seed: int = 0
+                            ) -> tuple[Staging, list[torch.Tensor]]:
+    """An SVD staging in ``directory`` of synthetic blocks of ``tokens`` each (`synthetic_block_kv`, one generator
+    seeded ``seed``), and their exact K/V [L, 2, H, T, d]: what codec and baseline tests compress."""
+    g = torch.Generator().manual_seed(seed)
+    staging = Staging(directory, {"test": seed})
+    xs = []
+    for i, t in enumerate(tokens):
+        k, v = synthetic_block_kv(layout, t, g)
+        staging.put(i, factorize_block(k, v, codec="svd"))
+        xs.append(torch.stack((k, v), dim=1))
+    return staging, xs
+
+
 def store_arrays(store_dir) -> list[str]:
     """Every array of a store directory, as its path inside the store ('examples/input', 'indexes/bm25/terms',
     ...); in a format-4 store also each factor chunk ('chunks/<id>') and each text segment's arrays

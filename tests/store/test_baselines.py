@@ -9,7 +9,7 @@ from milo_store import CompressionConfig, Layout, MiloStore, Staging, factorize_
 from milo_store.baselines import SCALE_FLOOR, ExampleSplit, GlobalProjection, WeightedBlocks, weights
 from milo_store.compress import StagedBlocks
 from milo_store.codec import unpack_block, reconstruct
-from milo_store.synthetic import synthetic_block_kv
+from milo_store.synthetic import staged_synthetic_blocks
 from milo_store.writer import StoreWriter
 
 LAYOUT = Layout(2, 2, 16)
@@ -19,14 +19,7 @@ GROUPS = [[7, 5, 9], [6, 8], [4, 7, 3, 5]]
 
 def stage(tmp_path, tokens, seed=0):
     """SVD staging of synthetic blocks and their exact K/V [L, 2, H, T, d]."""
-    g = torch.Generator().manual_seed(seed)
-    staging = Staging(tmp_path / "staging", {"test": seed})
-    xs = []
-    for i, t in enumerate(tokens):
-        k, v = synthetic_block_kv(LAYOUT, t, g)
-        staging.put(i, factorize_block(k, v, codec="svd"))
-        xs.append(torch.stack((k, v), dim=1))
-    return staging, xs
+    return staged_synthetic_blocks(tmp_path / "staging", LAYOUT, tokens, seed)
 
 
 def examples_of(groups):

@@ -4,25 +4,18 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from milo_store import CompressionConfig, Layout, MiloStore, Staging, StoreCorruptedError, factorize_block, write_store
+from milo_store import CompressionConfig, Layout, MiloStore, StoreCorruptedError, factorize_block, write_store
 from milo_store.baselines import WeightedBlocks
 from milo_store.codec import reconstruct, unpack_block
 from milo_store.codecs import BitsCodec, LowRankCodec, open_codec
 from milo_store.codecs.bits import component_bytes
 from milo_store.quant import quantize
 from milo_store.rate_distortion import WIDTHS, roundtrip_columns
-from milo_store.synthetic import block_location, synthetic_block_kv
+from milo_store.synthetic import block_location, staged_synthetic_blocks
 
 
 def staged(tmp_path, layout, tokens, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    staging = Staging(tmp_path / f"staging-{seed}", {"test": seed})
-    xs = []
-    for i, t in enumerate(tokens):
-        k, v = synthetic_block_kv(layout, t, g)
-        staging.put(i, factorize_block(k, v, codec="svd"))
-        xs.append(torch.stack((k, v), dim=1))
-    return staging, xs
+    return staged_synthetic_blocks(tmp_path / f"staging-{seed}", layout, tokens, seed)
 
 
 def channel_scale(layout, seed=0):
