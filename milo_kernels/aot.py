@@ -62,6 +62,9 @@ def compile_variant(v: Variant, cc: int) -> dict:
     constants = dict(BITS=QUANT_BITS.get(v.dtype, 0), SPAN=SCALE_SPAN, INTERLEAVED=v.interleaved,
                      IEEE_DOT=v.dtype == "fp32", BLOCK_T=config["block_t"], BLOCK_R=config["block_r"],
                      BLOCK_H=config["block_h"])
+    declared = {p.name for p in kernel.params if p.is_constexpr}
+    if declared != set(constants):  # ASTSource takes our word for it; a launch takes the kernel's
+        raise RuntimeError(f"the kernel declares constexprs {sorted(declared)}, a launch passes {sorted(constants)}")
     signature = {name: args.get(name, "constexpr") for name in kernel.arg_names}
     # the JIT marks 16-byte aligned pointers (torch allocations are) and d (a multiple of 16) divisible by 16
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)

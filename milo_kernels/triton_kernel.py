@@ -194,7 +194,9 @@ def kernel_for(interpret: bool):
             tl.store(out + c2[None, :] * svd, acc2.to(V.dtype.element_ty), mask=mask)
 
     scope = {**globals(), "_scale_count": triton.jit(_scale_count), "_load_a": triton.jit(_load_a)}
-    return triton.jit(types.FunctionType(reconstruct_kernel.__code__, scope))
+    bound = types.FunctionType(reconstruct_kernel.__code__, scope)
+    bound.__annotations__ = reconstruct_kernel.__annotations__  # the constexprs: a code object carries none
+    return triton.jit(bound)
 
 
 def kernel():

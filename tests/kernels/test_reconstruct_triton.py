@@ -157,3 +157,11 @@ def test_layers_planned_at_once_match_the_reference(interleaved):
     short = torch.empty(kv_heads, plans[0].need_rows - 1, d, dtype=torch.float16, device=DEVICE)
     with pytest.raises(ValueError, match="do not match the plan"):
         launch(plans[0], layers[0][0].to(DEVICE), short, short.clone(), cos.to(DEVICE), sin.to(DEVICE))
+
+
+def test_compiled_kernel_keeps_its_constexprs():
+    """The compiler reads constexprs from the function's annotations, which rebinding the kernel to its own
+    globals must carry over: without them every tl.arange fails to compile on a GPU, while the interpreter,
+    and an ahead-of-time compile that names its constants, run as before (seen on an H200, 2026-12-04)."""
+    annotations = triton_kernel.kernel_for(False).fn.__annotations__
+    assert {"BITS", "SPAN", "INTERLEAVED", "IEEE_DOT", "BLOCK_T", "BLOCK_R", "BLOCK_H"} <= set(annotations)
