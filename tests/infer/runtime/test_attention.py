@@ -219,7 +219,7 @@ def test_the_per_row_loop_answers_as_it_did_before_issue_47(setup, monkeypatch, 
 def test_attention_names_are_checked():
     assert attention.choose_attention("auto", torch.device("cpu")) == "rows"
     assert attention.choose_attention("auto", torch.device("cuda")) == "flex"
-    with pytest.raises(ValueError, match="attention must be one of auto, flex, rows"):
+    with pytest.raises(ValueError, match="attention must be one of auto, flex, rows, padded"):
         attention.choose_attention("paged", torch.device("cpu"))
 
 
