@@ -219,5 +219,113 @@ def test_the_per_row_loop_answers_as_it_did_before_issue_47(setup, monkeypatch, 
 def test_attention_names_are_checked():
     assert attention.choose_attention("auto", torch.device("cpu")) == "rows"
     assert attention.choose_attention("auto", torch.device("cuda")) == "flex"
-    with pytest.raises(ValueError, match="attention must be one of auto, flex, rows"):
+    with pytest.raises(ValueError, match="attention must be one of auto, flex, rows, padded"):
         attention.choose_attention("paged", torch.device("cpu"))
+
+
+def decoding_case(seed: int, heads: tuple[int, int], rows: int = 13):
+    """``rows`` rows of one decode token each, of lengths 1..900 columns, on consecutive pages (even rows) or
+    shuffled ones (odd rows) of one pool; a query of ``heads`` = (Hq, H) heads."""
+    g = torch.Generator().manual_seed(seed)
+    n_q, n_kv = heads
+    keys = [int(x) for x in torch.randint(1, 900, (rows,), generator=g)]
+    free, tables, at = torch.randperm(sum(pages_for(n) for n in keys), generator=g).tolist(), [], 0
+    for r, n in enumerate(keys):
+        need = pages_for(n)
+        tables.append(list(range(at, at + need)) if r % 2 == 0 else free[at:at + need])
+        at += need
+    pool = at * PAGE_TOKENS
+    k = torch.randn(1, n_kv, pool, d, generator=g)
+    v = torch.randn(1, n_kv, pool, d, generator=g)
+    segments = [Segment(pages, torch.tensor(pages), run_start(pages), r, r + 1, n, torch.tensor([n - 1]), None)
+                for r, (pages, n) in enumerate(zip(tables, keys))]
+    query = torch.randn(1, n_q, rows, d, generator=g)
+    positions = [torch.tensor([n - 1]) for n in keys]
+    return query, k, v, Pack(segments, torch.cat([pool_columns(p, x) for p, x in zip(tables, positions)]),
+                             attention="padded"), list(zip(tables, positions))
+
+
+PADDED_LAYERS = {"plain": attention.LayerAttention(), "scaled": attention.LayerAttention(scaling=0.3),
+                 "window of 100": attention.LayerAttention(window=100), "window of 5": attention.LayerAttention(window=5),
+                 "window and cap": LAYERS["window, cap and scale"]}
+
+
+@pytest.mark.parametrize("heads", [(4, 2), (9, 3), (2, 2)], ids=["gqa 2", "gqa 3", "mha"])
+@pytest.mark.parametrize("name", list(PADDED_LAYERS))
+def test_the_padded_attention_equals_the_per_row_loop(name, heads):
+    """Rows of different lengths on consecutive and shuffled pages, bucketed and padded: within 1e-4 of the loop and of
+    per-row attention over contiguous copies; several rows share a bucket and some are padded."""
+    layer = PADDED_LAYERS[name]
+    global Hq, H
+    query, k, v, pack, rows = decoding_case(len(name), heads)
+    saved, (Hq, H) = (Hq, H), heads
+    try:
+        want = eager_reference(query, k, v, rows, layer)
+    finally:
+        Hq, H = saved
+    got = attention.padded_rows(query, k, v, pack, layer)
+    assert (got - attention.sdpa_rows(query, k, v, pack, layer)).abs().max() <= ATOL
+    assert (got - want).abs().max() <= ATOL
+    if layer.softcap is None:
+        buckets = pack.scratch["padded" if layer.window is None else f"padded window {layer.window}"]
+        assert len(buckets) < len(rows) and any(b["mask"] is not None for b in buckets)
+
+
+def test_prefill_rows_beside_decoding_ones_take_the_loop_and_equal_per_row_sdpa():
+    query, k, v, pack, rows = rows_case(5)
+    pack.attention = "padded"
+    got = attention.padded_rows(query, k, v, pack, attention.LayerAttention())
+    assert (got - per_row_reference(query, k, v, rows)).abs().max() <= ATOL
+    for name in ("window of 100", "window and sinks"):
+        assert (attention.padded_rows(query, k, v, pack, LAYERS[name])
+                - eager_reference(query, k, v, rows, LAYERS[name])).abs().max() <= ATOL
+
+
+def test_the_padded_attentions_buffer_holds_one_bucket_within_an_eighth_of_its_rows_pages():
+    """The gather buffer, reused across layers: at most one bucket of K and V, its padding within 1/8 of the rows'
+    columns rounded up to pages; so at most 9/8 of one layer's K/V of the decoding rows."""
+    query, k, v, pack, rows = decoding_case(7, (4, 2), rows=40)
+    pack.buffer = attention.ColumnBuffer()
+    attention.padded_rows(query, k, v, pack, attention.LayerAttention())
+    element = 2 * H * d * k.element_size()  # K and V of one column
+    buckets = pack.scratch["padded"]
+    widest = max(len(b["tokens"]) * b["width"] for b in buckets)
+    assert pack.buffer.bytes == widest * element
+    for b in buckets:
+        rounded = sum(pages_for(pack.segments[int(t)].keys) * PAGE_TOKENS for t in b["tokens"])
+        assert len(b["tokens"]) * b["width"] * 8 <= rounded * 9
+    one_layer = sum(pages_for(s.keys) * PAGE_TOKENS for s in pack.segments) * element
+    assert pack.buffer.bytes <= one_layer * 9 / 8
+    attention.padded_rows(query, k, v, pack, attention.LayerAttention(scaling=0.5))  # the next layer: no growth
+    assert pack.buffer.bytes == widest * element
+
+
+def joined_one_by_one(engine, requests):
+    """``requests`` joining one batch one per step: their answers' texts, sorted, and the batch."""
+    batch, done, events = engine.batch(), {}, []
+    for r in requests:
+        events += batch.admit([engine.plan("s", r)]) + batch.step()
+    while len(batch):
+        done.update({id(e.plan): e.answer.text for e in events if e.finished})
+        events = batch.step()
+    done.update({id(e.plan): e.answer.text for e in events if e.finished})
+    return sorted(done.values()), batch
+
+
+def test_the_engine_answers_the_same_with_the_padded_attention(setup):
+    """Rows of different lengths joining a running batch, prefilled in chunks: the same answers as alone and as the
+    per-row loop, the gather buffer counted in the batch's peak K/V and dropped with the pools."""
+    from milo_infer.runtime.engine import Engine
+
+    loaded, store = setup
+    settings = EngineSettings(max_new_tokens=5, prefill_chunk=7)
+    rows = free_form(Engine(loaded, {"s": store}, settings=settings, attention="rows"))
+    padded = free_form(Engine(loaded, {"s": store}, settings=settings, attention="padded"))
+    requests = REQUESTS + [Request("topic1 topic4 and a question long enough for several chunks", k=2)]
+    answers, batch = joined_one_by_one(padded, requests)
+    loop_answers, loop_batch = joined_one_by_one(rows, requests)
+    assert answers == loop_answers == sorted(a.text for a in rows.answer([rows.plan("s", r) for r in requests]))
+    assert batch.column_buffer.bytes > 0 and loop_batch.column_buffer.bytes == 0
+    assert batch.peak_kv_bytes > loop_batch.peak_kv_bytes  # the same rows, and the buffer beside them
+    batch.idle()
+    assert batch.column_buffer.bytes == 0
