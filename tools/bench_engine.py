@@ -166,45 +166,6 @@ def compare_rows(loaded, store, texts, args) -> list[dict]:
     return out
 
 
-def compare_attentions(loaded, store, texts, args) -> list[dict]:
-    """Per row count and page layout: one decoding batch, its steps timed with each of ``--attention``'s attentions in
-    turn (the same rows, columns and load; the engine's attention switched between steps); medians."""
-    out = []
-    for size in args.profile:
-        for layout in args.layouts:
-            budget = len(args.attention) * (args.steps + 1) + 1  # free-form: each step one more token a row
-            engine = Engine(loaded, {"s": store}, EngineSettings(k=args.k, max_new_tokens=budget),
-                            attention=args.attention[0], max_rows=size)
-            engine.stores["s"].queries.trie = None
-            batch = decoding_batch(engine, "s", texts, size, scattered=layout == "scattered")
-            seconds = {a: [] for a in args.attention}
-            for i in range(len(args.attention) * (args.steps + 1)):
-                engine.attention = args.attention[i % len(args.attention)]
-                t = time.perf_counter()
-                batch.step()
-                if i >= len(args.attention):  # the first of each: warm-up
-                    seconds[engine.attention].append(time.perf_counter() - t)
-            out.append({"size": size, "layout": layout, "columns": sum(r.next_position for r in batch.rows) // size,
-                        "buffer": batch.column_buffer.bytes, "kv": batch.kv_bytes_allocated,
-                        **{a: statistics.median(v) for a, v in seconds.items()}})
-            del batch, engine
-    return out
-
-
-def print_attentions(rows: list[dict], args) -> None:
-    base, others = args.attention[0], args.attention[1:]
-    print(f"store {args.store}, k {args.k}, {args.threads} thread(s); a decode step's median seconds over {args.steps} "
-          f"steps each, the attentions alternating in one batch; the padded attention's gather buffer against the "
-          f"pools' K/V")
-    print("| rows | pages | columns a row | " + " | ".join(f"{a} s" for a in args.attention) + " | "
-          + " | ".join(f"{base} / {a}" for a in others) + " | buffer MiB | pools MiB |")
-    print("|---" * (len(args.attention) + len(others) + 5) + "|")
-    for r in rows:
-        print(f"| {r['size']} | {r['layout']} | {r['columns']} | " + " | ".join(f"{r[a]:.3f}" for a in args.attention)
-              + " | " + " | ".join(f"{r[base] / r[a]:.2f}" for a in others)
-              + f" | {r['buffer'] / 2**20:.1f} | {r['kv'] / 2**20:.0f} |")
-
-
 def per_row_rebuild(*args, **kwargs) -> None:
     """The kernels' rebuild called once per row, each row decoding every block it places (`PrefixRebuild`'s CPU path
     before issue 47 decoded a block its rows share once)."""
@@ -309,9 +270,6 @@ def main(argv=None) -> int:
     ap.add_argument("--compare-pools", action="store_true",
                     help="--profile: instead, time a served batch alternately with its pools dropped whenever no row "
                          "holds a page and kept")
-    ap.add_argument("--compare-attention", action="store_true",
-                    help="--profile: instead, time decode steps alternately with each of --attention's attentions "
-                         "(e.g. rows,padded) in one batch")
     ap.add_argument("--dataset", default=None,
                     help="--profile: ask this dataset's test queries (MILO_DATA) instead of the demo corpus")
     args = ap.parse_args(argv)
@@ -323,10 +281,6 @@ def main(argv=None) -> int:
         with MiloStore.open(args.store) as store:
             which = "rebuild" if args.compare_rebuild else "pools"
             print_churn_comparison(compare_churns(loaded, store, profile_texts, args, which), args)
-        return 0
-    if args.profile and args.compare_attention:
-        with MiloStore.open(args.store) as store:
-            print_attentions(compare_attentions(loaded, store, profile_texts, args), args)
         return 0
     if args.profile and args.compare:
         with MiloStore.open(args.store) as store:

@@ -50,8 +50,7 @@ def add_arguments(p):
                         "model is loaded, less --device-cache (0.5); a row waits until its pages fit, a request that "
                         "cannot fit alone is a 400 (default 0.9 of it on a GPU, 0.5 on a CPU)")
     p.add_argument("--attention", choices=ATTENTIONS, default="auto",
-                   help="flex: one FlexAttention call per layer for every row; rows: one SDPA call per row; padded: "
-                        "decoding rows bucketed into a gathered, padded buffer (slower on a CPU, docs/benchmarks.md) "
+                   help="flex: one FlexAttention call per layer for every row; rows: one SDPA call per row "
                         "(default auto: flex on a GPU, rows on a CPU)")
     p.add_argument("--k", type=int, default=6, help="groups to retrieve per query unless a request says (default 6)")
     p.add_argument("--token-budget", type=int, default=None, help="default cap on retrieved tokens")

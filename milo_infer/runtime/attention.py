@@ -1,6 +1,6 @@
 """Attention over the paged cache: every row's tokens attend to that row's columns only.
 
-Three ways, the same answer (tests/infer/runtime/test_attention.py holds them within 1e-4 in fp32):
+Two ways, the same answer (tests/infer/runtime/test_attention.py holds them within 1e-4 in fp32):
 
 * ``flex``: one FlexAttention call per layer for all rows. The packed queries are laid out as [rows, Hq,
   tokens, d] (each row's tokens padded to the step's longest, rows padded to a power of two, so a few
@@ -12,11 +12,6 @@ Three ways, the same answer (tests/infer/runtime/test_attention.py holds them wi
   tests can afford and serving cannot.
 * ``rows``: one SDPA call per row (native GQA), over a view of the row's columns when its pages are
   consecutive, a gather of them when not. No compilation and no padding.
-* ``padded``: the rows decoding one token in a few SDPA calls, one per bucket of rows of similar width, over
-  their columns gathered into one padded buffer kept across layers and forwards; rows fed several tokens take
-  the loop. On this CPU it is slower than ``rows`` at every batch measured (issue 47, docs/benchmarks.md): the
-  loop's calls cost little beyond their arithmetic, and the gather is a copy the loop does not make for rows on
-  consecutive pages.
 
 Each layer attends as its module says, from what it hands its attention function: ``sliding_window`` (a token
 sees its last W positions only: column c of a token at position p when p − W < c ≤ p), ``softcap`` (Gemma 2's
@@ -28,7 +23,7 @@ modifier and folds the sink in from the log-sum-exp FlexAttention returns.
 ``Engine(attention="auto")`` runs ``flex`` on CUDA (where each SDPA call is a kernel launch, ~900 a step for 32
 rows of a 28-layer model) and ``rows`` on the CPU, where there are no launches to save and compiled
 FlexAttention's C++ kernel recompiles for every new shape (`tools/bench_engine.py --attention rows,flex`
-measures both; `--profile 16 --compare-attention --attention rows,padded` the padded buffer against the loop).
+measures both).
 """
 from __future__ import annotations
 
@@ -40,11 +35,11 @@ from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attent
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from .cache import Pack, Segment
+from .cache import Pack
 from .pages import PAGE_TOKENS, pages_for
 
 ATTENTION = "milo_pages"
-ATTENTIONS = ("auto", "flex", "rows", "padded")
+ATTENTIONS = ("auto", "flex", "rows")
 Q_BLOCK = 128  # FlexAttention's query block
 RECOMPILE_LIMIT = 64  # shapes: rows and tokens in powers of two, times the pool sizes a batch grows through
 
@@ -75,7 +70,7 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       sliding_window=sliding_window, **kwargs)
     layer = LayerAttention(scaling, sliding_window, softcap, s_aux)
-    attend = {"flex": flex_rows, "padded": padded_rows}.get(milo_pack.attention, sdpa_rows)
+    attend = flex_rows if milo_pack.attention == "flex" else sdpa_rows
     return attend(query, key, value, milo_pack.attended(), layer).transpose(1, 2).contiguous(), None
 
 
@@ -88,137 +83,30 @@ def sdpa_rows(query, key, value, pack: Pack, layer: LayerAttention | None) -> to
     from the first its earliest token's window reaches (a window of W over a long prefix: W columns, not all)."""
     layer = layer or LayerAttention()
     out = torch.empty_like(query)
-    for s in pack.segments:
-        attend_row(query, key, value, s, layer, out)
-    return out
-
-
-def attend_row(query, key, value, s: Segment, layer: LayerAttention, out: torch.Tensor) -> None:
-    """Row ``s``'s tokens of ``query`` attended to its columns, into ``out`` (`sdpa_rows`)."""
     Hq, H, d = query.shape[1], key.shape[1], query.shape[3]
-    lo = window_start(s, layer.window)
-    if s.run is not None:
-        at = slice(s.run * PAGE_TOKENS + lo, s.run * PAGE_TOKENS + s.keys)
-        k, v = key[:, :, at], value[:, :, at]
-    else:
-        at = s.gather[lo:] if lo else s.gather
-        k, v = key.index_select(2, at), value.index_select(2, at)
-    mask = s.mask
-    if layer.window is not None:
-        columns = torch.arange(lo, s.keys, device=query.device)
-        inside = columns[None, :] > s.positions.to(query.device)[:, None] - layer.window
-        mask = inside if mask is None else mask[:, lo:] & inside
-    q = query[:, :, s.start:s.stop]
-    if layer.softcap is not None or layer.sinks is not None:
-        out[:, :, s.start:s.stop] = scored_attention(q, k, v, mask, layer)
-    elif mask is None and s.stop - s.start == 1:
-        out[:, :, s.start:s.stop] = torch.nn.functional.scaled_dot_product_attention(
-            q.reshape(1, H, Hq // H, d), k, v, scale=layer.scaling).reshape(1, Hq, 1, d)
-    else:
-        out[:, :, s.start:s.stop] = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=layer.scaling, enable_gqa=True)
-
-
-def window_start(s: Segment, window: int | None) -> int:
-    """The first column of row ``s`` its earliest token's window reaches (0: no window)."""
-    return 0 if window is None else max(0, int(s.positions.min()) - window + 1)
-
-
-PADDING_SLACK = 8  # a bucket of the padded attention pads its rows' columns by at most an eighth
-
-
-def decode_buckets(pack: Pack, window: int | None, device) -> list[dict]:
-    """The padded attention's buckets of this forward's decoding rows (one token each): rows sorted by the columns
-    they read (from their window's start), each width rounded up to a page, grouped widest first while the
-    bucket's padded columns stay within 1 + 1/PADDING_SLACK of its rows' rounded widths. Per bucket: the packed
-    tokens, the width, each row's pool columns padded to it (the padding reads the row's own first column), and
-    the mask of real columns (None: every row as wide)."""
-    rows = []
     for s in pack.segments:
-        if s.stop - s.start == 1:
-            lo = window_start(s, window)
-            pool = (torch.arange(s.run * PAGE_TOKENS + lo, s.run * PAGE_TOKENS + s.keys, device=device)
-                    if s.run is not None else s.gather[lo:])
-            rows.append((s.start, pool))
-    rows.sort(key=lambda r: -len(r[1]))
-    groups, sizes = [], []
-    for row in rows:
-        rounded = pages_for(len(row[1])) * PAGE_TOKENS
-        if groups:
-            width = pages_for(len(groups[-1][0][1])) * PAGE_TOKENS
-            if width * (len(groups[-1]) + 1) * PADDING_SLACK <= (sizes[-1] + rounded) * (PADDING_SLACK + 1):
-                groups[-1].append(row)
-                sizes[-1] += rounded
-                continue
-        groups.append([row])
-        sizes.append(rounded)
-    buckets = []
-    for group in groups:
-        width = pages_for(len(group[0][1])) * PAGE_TOKENS
-        padded = torch.stack([torch.cat([pool, pool[:1].expand(width - len(pool))]) for _, pool in group])
-        lengths = torch.tensor([len(pool) for _, pool in group], device=device)
-        mask = None if bool((lengths == width).all()) else (
-            torch.arange(width, device=device)[None, :] < lengths[:, None])[:, None, None, :]
-        buckets.append({"tokens": torch.tensor([start for start, _ in group], device=device), "width": width,
-                        "pool": padded, "mask": mask})
-    return buckets
-
-
-class ColumnBuffer:
-    """Where the padded attention gathers a bucket's K and V: one buffer each, reused by every layer and forward
-    (a batch keeps it), grown only when a bucket needs more (widths are whole pages, so rarely) and
-    dropped with the pools. It holds at most one bucket of one layer: within 1 + 1/PADDING_SLACK of the columns
-    its rows read, rounded up to pages."""
-
-    def __init__(self):
-        self.k: torch.Tensor | None = None
-        self.v: torch.Tensor | None = None
-
-    def take(self, numel: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.k is None or self.k.numel() < numel or self.k.dtype != like.dtype or self.k.device != like.device:
-            self.k = self.v = None  # the old ones go first
-            self.k = torch.empty(numel, dtype=like.dtype, device=like.device)
-            self.v = torch.empty_like(self.k)
-        return self.k[:numel], self.v[:numel]
-
-    @property
-    def bytes(self) -> int:
-        return 0 if self.k is None else 2 * self.k.numel() * self.k.element_size()
-
-
-def padded_rows(query, key, value, pack: Pack, layer: LayerAttention | None) -> torch.Tensor:
-    """The decoding rows attended in a few batched SDPA calls, one per bucket of rows of similar width
-    (`decode_buckets`), over their columns gathered into one padded [rows, H, width, d] buffer (`ColumnBuffer`),
-    the padding masked; each token's query heads as its KV heads' groups, [rows, H, Hq / H, d]. Rows fed several
-    tokens, and layers with a soft-cap or sinks, take the per-row loop (`attend_row`). A window layer's rows read
-    from their window's start, so a decode token needs no window mask."""
-    layer = layer or LayerAttention()
-    out = torch.empty_like(query)
-    batched = layer.softcap is None and layer.sinks is None
-    for s in pack.segments:
-        if not batched or s.stop - s.start != 1:
-            attend_row(query, key, value, s, layer, out)
-    if not batched:
-        return out
-    _, H, C, d = key.shape
-    Hq = query.shape[1]
-    name = "padded" if layer.window is None else f"padded window {layer.window}"
-    buckets = pack.scratch.get(name)
-    if buckets is None:
-        buckets = pack.scratch[name] = decode_buckets(pack, layer.window, query.device)
-        heads = torch.arange(H, device=query.device)[None, :, None] * C
-        for b in buckets:  # element index into the pool viewed as [H * C, d]: [rows, H, width] flattened
-            b["index"] = (heads + b["pool"][:, None, :]).flatten()
-    buffer = pack.buffer if pack.buffer is not None else ColumnBuffer()
-    keys, values = key[0].reshape(H * C, d), value[0].reshape(H * C, d)
-    for b in buckets:
-        n, width = len(b["tokens"]), b["width"]
-        k, v = buffer.take(n * H * width * d, key)
-        k = torch.index_select(keys, 0, b["index"], out=k.view(n * H * width, d)).view(n, H, width, d)
-        v = torch.index_select(values, 0, b["index"], out=v.view(n * H * width, d)).view(n, H, width, d)
-        q = query[0, :, b["tokens"]].transpose(0, 1).reshape(n, H, Hq // H, d)
-        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=b["mask"], scale=layer.scaling)
-        out[0, :, b["tokens"]] = o.reshape(n, Hq, d).transpose(0, 1)
+        # a window layer reads the columns from the first its earliest token's window reaches
+        lo = 0 if layer.window is None else max(0, int(s.positions.min()) - layer.window + 1)
+        if s.run is not None:
+            at = slice(s.run * PAGE_TOKENS + lo, s.run * PAGE_TOKENS + s.keys)
+            k, v = key[:, :, at], value[:, :, at]
+        else:
+            at = s.gather[lo:] if lo else s.gather
+            k, v = key.index_select(2, at), value.index_select(2, at)
+        mask = s.mask
+        if layer.window is not None:
+            columns = torch.arange(lo, s.keys, device=query.device)
+            inside = columns[None, :] > s.positions.to(query.device)[:, None] - layer.window
+            mask = inside if mask is None else mask[:, lo:] & inside
+        q = query[:, :, s.start:s.stop]
+        if layer.softcap is not None or layer.sinks is not None:
+            out[:, :, s.start:s.stop] = scored_attention(q, k, v, mask, layer)
+        elif mask is None and s.stop - s.start == 1:
+            out[:, :, s.start:s.stop] = torch.nn.functional.scaled_dot_product_attention(
+                q.reshape(1, H, Hq // H, d), k, v, scale=layer.scaling).reshape(1, Hq, 1, d)
+        else:
+            out[:, :, s.start:s.stop] = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=layer.scaling, enable_gqa=True)
     return out
 
 

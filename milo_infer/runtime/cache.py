@@ -66,7 +66,7 @@ class PrefixFill:
 @dataclass
 class Pack:
     """What one forward feeds: each row's segment, every token's pool column, the prefixes to rebuild before
-    the first write of each layer, and the attention to run (``attention``: "flex", "rows" or "padded"). ``scratch`` holds
+    the first write of each layer, and the attention to run (``attention``: "flex" or "rows"). ``scratch`` holds
     what the attention derives once per forward and shares across layers (the flex block mask)."""
     segments: list[Segment]
     columns: torch.Tensor  # int64 [T]: pool columns
@@ -76,7 +76,6 @@ class Pack:
     window: "Pack | None" = None  # the window layers' segments and columns, on their page tables (None: no
     # layer holds pages of its own)
     in_window: bool = False  # the layer running now is a window layer: its attention reads ``window``
-    buffer: object = None  # attention.ColumnBuffer: where the padded attention gathers columns (None: a fresh one)
 
     def attended(self) -> "Pack":
         """What the layer running now attends: its own page tables' segments."""

@@ -36,7 +36,7 @@ import transformers
 from milo_store import IncompatibleStoreError, MiloStore, StoreError
 
 from ..models import FAMILIES, LoadedModel, check_compatible, layer_rope_tables
-from .attention import ATTENTION, ColumnBuffer, choose_attention
+from .attention import ATTENTION, choose_attention
 from .cache import Pack, PagedCache, PrefixFill, Segment, column_bytes, pool_columns
 from .decoding import GreedyDecoder, LabelDecoder
 from .device_tier import DeviceTier
@@ -66,8 +66,8 @@ class Engine:
     int) or as a share of the device memory free once the model is loaded, less the device cache (a float
     in (0, 1]; default: `pages.DEFAULT_SHARE`); a row is seated only when its pages fit, and a request that
     cannot fit even alone is refused when planned. ``max_rows``: rows answered at once at most (more wait).
-    ``attention``: "flex" (one FlexAttention call per layer for every row), "rows" (one SDPA call per row),
-    "padded" (decoding rows in a few SDPA calls over their columns gathered into a padded buffer) or "auto" (flex on CUDA, rows on the CPU: `milo_infer.runtime.attention`). ``window_reach``: a model with
+    ``attention``: "flex" (one FlexAttention call per layer for every row), "rows" (one SDPA call per row) or
+    "auto" (flex on CUDA, rows on the CPU: `milo_infer.runtime.attention`). ``window_reach``: a model with
     sliding-window layers reads and rebuilds, at each window layer, only the blocks its window reaches from a row's
     first fed token, and holds pages there only from the first its windows reach (False: every block and page at
     every layer, the same answers; what `tools/bench_windows.py` compares against)."""
@@ -298,7 +298,7 @@ class Batch:
     finished or cancelled row gives its pages back at once. ``fetch_stats`` describes the last admission,
     ``peak_kv_bytes`` the most K/V it needed at once: the columns its seated rows need (each row's context and
     answer budget) and, in a forward that rebuilds prefixes, the factors staged for it (the transfer buffers on
-    CUDA, a layer of gathered factors on CPU), and the padded attention's gather buffer (`ColumnBuffer`), ``kv_bytes_needed`` the columns alone; ``kv_bytes_allocated`` the
+    CUDA, a layer of gathered factors on CPU), ``kv_bytes_needed`` the columns alone; ``kv_bytes_allocated`` the
     most its pools took (those columns rounded up to pages, and pages no row holds now until the pools go);
     ``steps`` counts its forwards.
     ``keep_all`` keeps the logits of every fed query token (``query_logits``)."""
@@ -313,7 +313,6 @@ class Batch:
         self.pages = PageAllocator(engine.kv_budget // max(1, bytes_each[False]) if windowed else engine.kv_pages)
         self.window_alloc = PageAllocator(engine.kv_budget // bytes_each[True]) if windowed else None
         self.cache: PagedCache | None = None
-        self.column_buffer = ColumnBuffer()  # the padded attention's, kept across forwards, dropped with the pools
         self.admissions: list[Admission] = []  # not yet rebuilt
         self.fetch_stats: dict = {}
         self.unreadable_blocks = 0  # blocks the last admission could not read
@@ -523,9 +522,6 @@ class Batch:
         needed = sum(self._needed_bytes(r) for r in self.rows)
         self.kv_bytes_needed = max(self.kv_bytes_needed, needed)
         self.peak_kv_bytes = max(self.peak_kv_bytes, needed + staged)
-        pack.buffer = self.column_buffer
-        if pack.window is not None:
-            pack.window.buffer = self.column_buffer
         self.cache.pack, self.cache.updated = pack, 0
         try:
             with e.paged_attention():
@@ -539,7 +535,6 @@ class Batch:
                                f"ignored {e.cache_kwarg}=): the answer would have no retrieved context")
         for a in todo:
             a.filled = True
-        self.peak_kv_bytes = max(self.peak_kv_bytes, needed + staged + self.column_buffer.bytes)
         return out.logits[0]
 
     @torch.inference_mode()
@@ -683,7 +678,6 @@ class Batch:
             released = window.release() or released
         if released and self.cache is not None:
             self.cache.resize(0, 0 if window is not None else None)
-            self.column_buffer = ColumnBuffer()
 
 
 def model_windows(config) -> list[int | None] | None:
