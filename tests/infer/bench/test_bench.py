@@ -1,4 +1,6 @@
 """`milo bench` at tiny size: a random Qwen2 model, synthetic stores, the whole pipeline, in seconds."""
+import argparse
+import importlib.util
 import json
 import math
 import os
@@ -238,3 +240,22 @@ def test_a_synthetic_model_spec_is_the_shape_the_bench_builds_stores_for():
     assert next(loaded.model.parameters()).dtype == torch.float32
     with pytest.raises(CommandError, match="--model synthetic:nope: no such shape .*qwen2.5-7b"):
         load_model_arg("synthetic:nope")
+
+
+def bench_serve_module():
+    spec = importlib.util.spec_from_file_location("bench_serve", REPO / "tools" / "bench_serve.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_server_that_does_not_start_says_why(tmp_path, monkeypatch):
+    """bench_serve shows the tail of a failed server's stderr (the H200's first run said only "exit 1"), and the
+    server keeps the caller's PYTHONPATH (where gpu_bench.sh puts the wheels the GPU image lacks) after the checkout."""
+    bench_serve = bench_serve_module()
+    monkeypatch.setenv("PYTHONPATH", "/carried/wheels")
+    assert bench_serve.server_env()["PYTHONPATH"] == f"{REPO}{os.pathsep}/carried/wheels"
+    args = argparse.Namespace(max_batch=2, batch_wait_ms=5.0, model="synthetic:tiny", k=2, device="cpu",
+                              kv_cache_memory=None, attention="auto", threads=1, start_timeout=120)
+    with pytest.raises(SystemExit, match=r"(?s)did not start \(exit 2\); its stderr ends:\n.*no-such-store"):
+        bench_serve.start_server(str(tmp_path / "no-such-store"), args)
