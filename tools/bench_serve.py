@@ -147,12 +147,16 @@ def engine_qps(engine, name: str, queries: list[str], size: int) -> float:
     return len(plans) / (time.perf_counter() - start)
 
 
-def bench_store(store: str, queries: list[str], loaded, args) -> dict:
+def bench_store(store: str, queries: list[str], loaded, args, on_level=lambda result: None) -> dict:
+    """One store's levels (and memory trace); ``on_level`` gets the result so far after each level, so a run cut
+    short by a timeout leaves what it measured."""
     from milo_infer.runtime.engine import Engine
     from milo_store import MiloStore
 
     model = store_name(store)
+    started = time.perf_counter()
     process, base = start_server(store, args)
+    print(f"  {model}: milo serve answered /health in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
     mounted = MiloStore.open(store)
     engine = Engine(loaded, {model: mounted}, settings=EngineSettings(k=args.k), max_rows=args.max_batch,
                     attention=args.attention,
@@ -168,7 +172,10 @@ def bench_store(store: str, queries: list[str], loaded, args) -> dict:
             row["engine_qps"] = engine_qps(engine, model, queries[:args.requests], min(concurrency, args.max_batch))
             row["overhead"] = 1 - row["qps"] / row["engine_qps"]
             rows.append({"concurrency": concurrency, **row})
-            print(f"  {model} c={concurrency}: {row['qps']:.1f} q/s (engine {row['engine_qps']:.1f})", file=sys.stderr)
+            print(f"  {model} c={concurrency}: {row['qps']:.1f} q/s (engine {row['engine_qps']:.1f}), "
+                  f"{time.perf_counter() - started:.1f} s since the server started", file=sys.stderr, flush=True)
+            on_level({"store": model, "path": store, "levels": rows, "memory": None, "exit_status": None,
+                      "partial": True})
         memory = None
         if args.memory_requests:  # resident memory before, and after each quarter of the run
             rss = [resident_bytes(process.pid)]
@@ -236,9 +243,14 @@ def main():
         queries = [d.input for d in test]
     loaded = device_model(args.synthetic, args.device) if args.synthetic else load_model(args.model)
     place_model(loaded, args.device)
-    results = [bench_store(store, queries, loaded, args) for store in args.stores]
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=2))
+    results = []
+
+    def save(partial=None) -> None:
+        if args.out:
+            Path(args.out).write_text(json.dumps(results + ([partial] if partial else []), indent=2))
+    for store in args.stores:
+        results.append(bench_store(store, queries, loaded, args, on_level=save))
+        save()
     print(table(results))
 
 

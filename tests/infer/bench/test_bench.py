@@ -45,7 +45,10 @@ def report(workload):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        yield throughput.run_bench(*workload, ks=(2, 4), batches=(1, 2), rounds=2, progress=lambda _: None)
+        partial = []
+        report = throughput.run_bench(*workload, ks=(2, 4), batches=(1, 2), rounds=2, progress=lambda _: None,
+                                      on_batch=lambda r: partial.append((r, render_markdown(r))))
+        yield {**report, "partial_reports": partial}
     finally:
         torch.set_num_threads(threads)
 
@@ -70,6 +73,18 @@ def test_every_method_k_and_batch_is_measured(report):
     assert set(report["kernel_s"]) == {"milo-r0.5", "milo-r0.25"}
     for times in report["kernel_s"].values():
         assert set(times) == {"reference", "kernel"} and all(t > 0 for t in times.values())
+
+
+def test_a_report_is_handed_on_after_each_batch(report):
+    """A run cut short (the H200's first sweep hit its timeout, 2026-12-04) leaves what it measured: after each
+    (k, batch), the rows so far, rendered with a line saying the run is partial."""
+    partial = report["partial_reports"]
+    assert [r["partial"] for r, _ in partial] == [f"{n} of 4 (k, batch) measured" for n in (1, 2, 3, 4)]
+    assert [len(r["rows"]) for r, _ in partial] == [4, 8, 12, 16]
+    assert partial[-1][0]["rows"] == report["rows"]
+    for r, md in partial:
+        assert "link_gbps" not in r and md.count("| milo-r0.5 |") == 2 * len(r["rows"]) // 4
+        assert md.endswith(f"PARTIAL: {r['partial']}; the transfer path, kernel and crossover figures come at the end")
 
 
 def test_each_rows_figures_come_from_one_measurement(report):
