@@ -156,7 +156,8 @@ def bench_store(store: str, queries: list[str], loaded, args, on_level=lambda re
     model = store_name(store)
     started = time.perf_counter()
     process, base = start_server(store, args)
-    print(f"  {model}: milo serve answered /health in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+    print(f"  {model}: milo serve answered /health in {time.perf_counter() - started:.1f} s", file=sys.stderr,
+          flush=True)
     mounted = MiloStore.open(store)
     engine = Engine(loaded, {model: mounted}, settings=EngineSettings(k=args.k), max_rows=args.max_batch,
                     attention=args.attention,

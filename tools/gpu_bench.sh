@@ -3,9 +3,10 @@
 # bf16 weights, a synthetic store of 512 demonstrations (16 blocks of 640 tokens), k = 8, full-KV offload (the
 # identity store copied, "full", and rebuilt as X·I, "full-gemm", through the same engine) against MILO at
 # rho 0.5 and 0.25 (milo build's defaults: INT8 and INT4 factors), at batches of 1, 8, 32 and the largest the KV
-# budget seats, 16 queries each, one round: queries/s, transfer / rebuild / model ms per query and per forward, the K/V bytes the pools
-# allocated beside what the rows needed, device memory at most, pinned H2D bandwidth. Then `milo serve` over the
-# rho 0.5 and the full store at 1, 16 and 64 streaming clients (tools/bench_serve.py, the same random model).
+# budget seats, 16 queries each, one round: queries/s, transfer / rebuild / model ms per query and per forward,
+# the K/V bytes the pools allocated beside what the rows needed, device memory at most, pinned H2D bandwidth.
+# Then `milo serve` over the rho 0.5 and the full store at 1, 16 and 64 streaming clients (tools/bench_serve.py,
+# the same random model).
 # Stage times are CUDA events on the stream that ran each stage. Reports land in $OUT/gpu_bench (or
 # /tmp/gpu_bench), stores in a temp dir; extra arguments go to the throughput run.
 #
@@ -56,8 +57,8 @@ timeout -k 10 "$BENCH_S" "$PY" -m milo_infer.cli.bench --synthetic "$SHAPE" --de
 said() { [ "$1" = 124 ] && echo "gpu_bench: $2 hit its $3 s timeout; what it measured is in $4" || true; }
 said "$status" "the throughput run" "$BENCH_S" "$REPORTS/throughput/bench.md"
 echo "== serve: milo serve over the rho 0.5 and the full store, $CLIENTS streaming clients (tools/bench_serve.py)"
-timeout -k 10 "$SERVE_S" "$PY" tools/bench_serve.py "$STORES/milo-r0.5" "$STORES/full" --synthetic "$SHAPE" --device "$DEVICE" \
-  --k 8 --max-batch 64 --concurrency "$CLIENTS" --requests "$REQUESTS" --memory-requests 0 --attention "${ATTENTION:-auto}" \
-  --start-timeout 90 --out "$REPORTS/serve.json" "${SERVE_EXTRA[@]}" || { code=$?; said "$code" "the serve run" "$SERVE_S" \
-  "$REPORTS/serve.json"; status=$code; }
+timeout -k 10 "$SERVE_S" "$PY" tools/bench_serve.py "$STORES/milo-r0.5" "$STORES/full" --synthetic "$SHAPE" \
+  --device "$DEVICE" --k 8 --max-batch 64 --concurrency "$CLIENTS" --requests "$REQUESTS" --memory-requests 0 \
+  --attention "${ATTENTION:-auto}" --start-timeout 90 --out "$REPORTS/serve.json" "${SERVE_EXTRA[@]}" \
+  || { code=$?; said "$code" "the serve run" "$SERVE_S" "$REPORTS/serve.json"; status=$code; }
 exit "$status"

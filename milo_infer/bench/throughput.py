@@ -294,7 +294,8 @@ def run_bench(loaded: LoadedModel, store_paths: dict[str, Path], queries: list[s
             progress(f"bench: k={k} batch={b} done in {time.perf_counter() - started:.1f} s, "
                      f"{compiled_graphs() - graphs} graphs compiled ({compiled_graphs()} in all)")
             if on_batch is not None:
-                on_batch({**report, "rows": list(report["rows"]), "partial": f"{done} of {len(sweep)} (k, batch) measured"})
+                on_batch({**report, "rows": list(report["rows"]),
+                          "partial": f"{done} of {len(sweep)} (k, batch) measured"})
         rows = report["rows"]
         top = [r for r in rows if r["k"] == max(ks) and r["batch"] == batches[0]]
         full_bytes = next(r["bytes_full_kv"] for r in top if r["method"] == "full")

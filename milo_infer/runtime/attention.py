@@ -250,7 +250,8 @@ def compiled_flex(device_type: str):
     compiled = torch.compile(flex_attention, dynamic=False)
 
     def attend(*args, **kwargs):
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=4 * RECOMPILE_LIMIT):
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT,
+                                        accumulated_recompile_limit=4 * RECOMPILE_LIMIT):
             return compiled(*args, **kwargs)
     return attend
 

@@ -441,7 +441,8 @@ class Batch:
         for alloc in (self.pages, window) if window is not None else (self.pages,):
             extra = flex_pool_pages(alloc.capacity, alloc.limit) - alloc.capacity
             if window is not None:  # both groups within the one budget of bytes
-                extra = min(extra, (e.kv_budget - self._allocated_bytes()) // max(1, e.group_page_bytes[alloc is window]))
+                room = e.kv_budget - self._allocated_bytes()
+                extra = min(extra, room // max(1, e.group_page_bytes[alloc is window]))
             alloc.grow(extra)
 
     def _window_skip(self, plan: QueryPlan) -> int:
