@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -37,6 +38,8 @@ from milo_infer.tasks.datasets import load_dataset  # noqa: E402
 from milo_infer.server.launch import store_name  # noqa: E402
 from milo_infer.runtime.planning import EngineSettings  # noqa: E402
 
+STDERR_TAIL = 30  # lines of a failed server's stderr shown
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -44,20 +47,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def server_env(threads: int = 0) -> dict:
+    """The server's environment: this checkout first on the path, and the caller's path kept after it (gpu_bench.sh
+    puts the wheels a GPU image lacks, fastapi and uvicorn among them, on PYTHONPATH; a server without them exits 1)."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1"}
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
 def start_server(store: str, args, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
+    """A `milo serve` of ``store`` answering /health; if it exits or never answers, SystemExit with the tail of its
+    stderr (kept in a temporary file, so a long-running server's log never fills a pipe)."""
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-    if args.threads:
-        env["OMP_NUM_THREADS"] = str(args.threads)
+    log = tempfile.TemporaryFile()
     process = subprocess.Popen([sys.executable, "-m", "milo_infer.cli.main", "serve", store, "--port", str(port),
                                 "--max-batch", str(args.max_batch), "--batch-wait-ms", str(args.batch_wait_ms),
                                 "--model", args.model, "--k", str(args.k), *extra,
                                 *(("--device", args.device) if args.device else ()),
                                 *(("--kv-cache-memory", args.kv_cache_memory) if args.kv_cache_memory else ()),
                                 "--attention", args.attention],
-                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                               env=server_env(args.threads), stdout=subprocess.DEVNULL, stderr=log)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + args.start_timeout
     while time.monotonic() < deadline and process.poll() is None:
         try:
             if httpx.get(base + "/health", timeout=2).status_code == 200:
@@ -66,7 +79,13 @@ def start_server(store: str, args, extra: tuple[str, ...] = ()) -> tuple[subproc
             pass
         time.sleep(0.25)
     process.kill()
-    raise SystemExit(f"bench_serve: milo serve {store} did not start (exit {process.poll()})")
+    process.wait()
+    log.seek(0)
+    tail = log.read().decode(errors="replace").strip().splitlines()[-STDERR_TAIL:]
+    log.close()
+    why = f"exit {process.returncode}" if time.monotonic() < deadline else f"no answer in {args.start_timeout:g} s"
+    raise SystemExit(f"bench_serve: milo serve {store} did not start ({why}); its stderr ends:\n"
+                     + "\n".join("  " + line for line in tail or ["(nothing)"]))
 
 
 def resident_bytes(pid: int) -> int:
@@ -128,12 +147,17 @@ def engine_qps(engine, name: str, queries: list[str], size: int) -> float:
     return len(plans) / (time.perf_counter() - start)
 
 
-def bench_store(store: str, queries: list[str], loaded, args) -> dict:
+def bench_store(store: str, queries: list[str], loaded, args, on_level=lambda result: None) -> dict:
+    """One store's levels (and memory trace); ``on_level`` gets the result so far after each level, so a run cut
+    short by a timeout leaves what it measured."""
     from milo_infer.runtime.engine import Engine
     from milo_store import MiloStore
 
     model = store_name(store)
+    started = time.perf_counter()
     process, base = start_server(store, args)
+    print(f"  {model}: milo serve answered /health in {time.perf_counter() - started:.1f} s", file=sys.stderr,
+          flush=True)
     mounted = MiloStore.open(store)
     engine = Engine(loaded, {model: mounted}, settings=EngineSettings(k=args.k), max_rows=args.max_batch,
                     attention=args.attention,
@@ -149,7 +173,10 @@ def bench_store(store: str, queries: list[str], loaded, args) -> dict:
             row["engine_qps"] = engine_qps(engine, model, queries[:args.requests], min(concurrency, args.max_batch))
             row["overhead"] = 1 - row["qps"] / row["engine_qps"]
             rows.append({"concurrency": concurrency, **row})
-            print(f"  {model} c={concurrency}: {row['qps']:.1f} q/s (engine {row['engine_qps']:.1f})", file=sys.stderr)
+            print(f"  {model} c={concurrency}: {row['qps']:.1f} q/s (engine {row['engine_qps']:.1f}), "
+                  f"{time.perf_counter() - started:.1f} s since the server started", file=sys.stderr, flush=True)
+            on_level({"store": model, "path": store, "levels": rows, "memory": None, "exit_status": None,
+                      "partial": True})
         memory = None
         if args.memory_requests:  # resident memory before, and after each quarter of the run
             rss = [resident_bytes(process.pid)]
@@ -197,6 +224,7 @@ def main():
     ap.add_argument("--device", default=None, help="the server's and the in-process engine's device")
     ap.add_argument("--kv-cache-memory", default=None, help="the server's --kv-cache-memory")
     ap.add_argument("--attention", default="auto", help="the server's and the engine's --attention")
+    ap.add_argument("--start-timeout", type=float, default=300, help="seconds a server may take to answer /health")
     ap.add_argument("--threads", type=int, default=0, help="torch threads of the server (0: torch's choice)")
     ap.add_argument("--out", default=None, help="also write the results here as JSON")
     args = ap.parse_args()
@@ -216,9 +244,14 @@ def main():
         queries = [d.input for d in test]
     loaded = device_model(args.synthetic, args.device) if args.synthetic else load_model(args.model)
     place_model(loaded, args.device)
-    results = [bench_store(store, queries, loaded, args) for store in args.stores]
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=2))
+    results = []
+
+    def save(partial=None) -> None:
+        if args.out:
+            Path(args.out).write_text(json.dumps(results + ([partial] if partial else []), indent=2))
+    for store in args.stores:
+        results.append(bench_store(store, queries, loaded, args, on_level=save))
+        save()
     print(table(results))
 
 

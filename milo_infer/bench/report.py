@@ -37,6 +37,9 @@ def render_markdown(report: dict) -> str:
         lines.append(f"| {r['method']} | {r['k']} | {r['batch']} | {r['steps']:.0f} | {step['transfer']:.2f} | "
                      f"{step['rebuild']:.2f} | {step['model']:.2f} | {r['kv_bytes_needed'] / 2**20:.1f} | "
                      f"{r['kv_bytes_allocated'] / 2**20:.1f} | " + (f"{peak / 2**20:.0f} |" if peak else "n/a |"))
+    if "partial" in report:  # a run still going (or cut short): the figures below come at its end
+        lines += ["", f"PARTIAL: {report['partial']}; the transfer path, kernel and crossover figures come at the end"]
+        return "\n".join(lines)
     lines += ["", "raw transfer path, same run: " + ", ".join(f"{k} {v:.2f} GB/s" for k, v in report["link_gbps"].items())]
     for m, t in report["kernel_s"].items():
         lines.append(f"rebuild of one k={max(r['k'] for r in report['rows'])} retrieval, all layers, {m}: reference "

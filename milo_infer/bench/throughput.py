@@ -40,6 +40,7 @@ from milo_store import CompressionConfig, MiloStore
 from ..building.config import BuildConfig, default_compression
 from ..building.shared_staging import encode_once
 from ..models import LoadedModel
+from ..runtime.attention import compiled_graphs
 from ..runtime.pages import pages_for
 from ..runtime.prefetch import LayerPrefetcher
 from ..runtime.session import MiloSession
@@ -113,17 +114,20 @@ def real_stores(root, loaded: LoadedModel, demos: list[Demonstration], task: Tas
 
 # --- measuring -----------------------------------------------------------------------------------
 
-def measure(sessions: dict[str, TimedSession], queries: list[str], k: int, batch: int, rounds: int) -> list[dict]:
+def measure(sessions: dict[str, TimedSession], queries: list[str], k: int, batch: int, rounds: int,
+            progress=None) -> list[dict]:
     """One row per method: medians over ``rounds`` of the same queries answered ``batch`` at a time (real
     batches: one forward per step for all rows), methods interleaved. Besides the per-query stage times, the
     same stages per forward (``ms_per_step``), the KV bytes the batches' pools allocated beside what their rows
-    needed, and on CUDA the device memory allocated at most while the method ran."""
+    needed, and on CUDA the device memory allocated at most while the method ran. ``progress`` gets a line per
+    method and round, with its seconds and the graphs torch.compile made meanwhile (what a stalled GPU run shows)."""
     samples = {name: [] for name in sessions}
     chunks = [queries[i:i + batch] for i in range(0, len(queries), batch)]
     device_peak = {name: 0 for name in sessions}
-    for _ in range(rounds):
+    for round_ in range(rounds):
         for name, s in sessions.items():
             s.k = k
+            graphs = compiled_graphs()
             if s.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(s.device)
             answers, stats, t = [], {}, time.perf_counter()
@@ -133,6 +137,9 @@ def measure(sessions: dict[str, TimedSession], queries: list[str], k: int, batch
             if s.device.type == "cuda":
                 device_peak[name] = max(device_peak[name], torch.cuda.max_memory_allocated(s.device))
             samples[name].append((wall, sum(a.completion_tokens for a in answers), answers, stats))
+            if progress is not None:
+                progress(f"bench:   k={k} batch={batch} round {round_ + 1}/{rounds} {name}: {wall:.1f} s, "
+                         f"{stats['steps']} forwards, {compiled_graphs() - graphs} graphs compiled")
     rows = []
     for name, runs in samples.items():
         n = len(queries)
@@ -242,13 +249,16 @@ def largest_batch(session: TimedSession, query: str, k: int) -> int:
 
 def run_bench(loaded: LoadedModel, store_paths: dict[str, Path], queries: list[str], *, ks=(2, 4, 8), batches=(1, 4),
               rounds: int = 3, ratios=(0.5, 0.25), tier: str = "host", device=None, max_batch: int = 256,
-              kv_cache_memory: int | float | None = None, attention: str = "auto", progress=print) -> dict:
+              kv_cache_memory: int | float | None = None, attention: str = "auto", progress=print,
+              on_batch=None) -> dict:
     """Every (k, batch) × method, the transfer path's raw bandwidth and the kernel's speedup; one report. A batch
     of ``"max"`` is the most rows of the largest k that fit the KV budget (at most ``max_batch``); a batch
     larger than the queries answers them over again. ``kv_cache_memory`` and ``attention`` are the engines'
-    (`Engine`)."""
+    (`Engine`). ``on_batch`` gets the report so far after each (k, batch), its ``partial`` saying how much (the
+    link, kernel and crossover figures come at the end), so a run cut short leaves what it measured."""
     stores = {name: MiloStore.open(path, tier=tier) for name, path in store_paths.items()}
     try:
+        started, graphs = time.perf_counter(), compiled_graphs()
         ks = sorted({min(k, stores["full"].num_blocks) for k in ks})
         probe = TimedSession(loaded, stores["full"], device=device, kv_cache_memory=kv_cache_memory, attention=attention)
         fits = min(max_batch, largest_batch(probe, queries[0], max(ks)))
@@ -262,25 +272,38 @@ def run_bench(loaded: LoadedModel, store_paths: dict[str, Path], queries: list[s
         for s in sessions.values():  # warm up: first-touch allocations, lazy imports, kernel compilation
             s.k = max(ks)
             s.answer(queries[0])
-        rows = []
-        for k in ks:
-            for b in batches:
-                asked = [queries[i % len(queries)] for i in range(max(b, len(queries)))]
-                rows += measure(sessions, asked, k, b, rounds)
-                progress(f"bench: k={k} batch={b} done")
+        progress(f"bench: warm-up (one query per method) in {time.perf_counter() - started:.1f} s, "
+                 f"{compiled_graphs() - graphs} graphs compiled; batches {batches}")
+        report = {"rows": [], "device": str(dev), "model": loaded.identity["name"],
+                  "layout": dataclasses.asdict(first.layout), "store_blocks": first.store.num_blocks,
+                  "block_tokens": first.store.block_tokens.tolist(), "tier": tier, "rounds": rounds,
+                  "threads": torch.get_num_threads(), "ratios": list(ratios), "largest_batch": fits,
+                  "kv_budget_bytes": first.engine.kv_budget, "attention": first.engine.attention}
+        sweep = [(k, b) for k in ks for b in batches]
+        for done, (k, b) in enumerate(sweep, 1):
+            started, graphs = time.perf_counter(), compiled_graphs()
+            asked = [queries[i % len(queries)] for i in range(max(b, len(queries)))]
+            # untimed, one method: each chunk size's shapes compiled (FlexAttention's, shared by the methods) and
+            # pools first touched, so no method's time holds a compile (with one round the first method's would)
+            first.k = k
+            for size in dict.fromkeys(len(asked[i:i + b]) for i in range(0, len(asked), b)):
+                first.engine.answer([first.plan(q) for q in asked[:size]])
+            progress(f"bench: k={k} batch={b} warm-up in {time.perf_counter() - started:.1f} s, "
+                     f"{compiled_graphs() - graphs} graphs compiled")
+            report["rows"] += measure(sessions, asked, k, b, rounds, progress)
+            progress(f"bench: k={k} batch={b} done in {time.perf_counter() - started:.1f} s, "
+                     f"{compiled_graphs() - graphs} graphs compiled ({compiled_graphs()} in all)")
+            if on_batch is not None:
+                on_batch({**report, "rows": list(report["rows"]),
+                          "partial": f"{done} of {len(sweep)} (k, batch) measured"})
+        rows = report["rows"]
         top = [r for r in rows if r["k"] == max(ks) and r["batch"] == batches[0]]
         full_bytes = next(r["bytes_full_kv"] for r in top if r["method"] == "full")
         link = link_bandwidth(stores["full"], dev, int(full_bytes))
         first.k = max(ks)
         blocks = first.select(queries[0])
         kernels = {m: kernel_speedup(sessions[m], blocks) for m in sessions if m.startswith("milo")}
-        shape = first.layout
-        return {"rows": rows, "link_gbps": link, "kernel_s": kernels, "device": str(dev),
-                "model": loaded.identity["name"], "layout": dataclasses.asdict(shape),
-                "store_blocks": first.store.num_blocks, "block_tokens": first.store.block_tokens.tolist(),
-                "tier": tier, "rounds": rounds, "threads": torch.get_num_threads(), "ratios": list(ratios),
-                "largest_batch": fits, "kv_budget_bytes": first.engine.kv_budget,
-                "attention": first.engine.attention, "crossover": crossover(top)}
+        return {**report, "link_gbps": link, "kernel_s": kernels, "crossover": crossover(top)}
     finally:
         for s in stores.values():
             s.close()

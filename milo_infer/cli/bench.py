@@ -124,14 +124,21 @@ def run(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)  # before the long work, so a bad --out fails at once
     loaded, paths, queries = setup(args, ratios)
+    print(f"bench: model and stores ready in {time.perf_counter() - started:.1f} s", file=sys.stderr)
+    command = "milo bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:])
+
+    def write(report: dict) -> str:
+        """The report as it stands (after each batch, so a run cut short by a timeout leaves what it measured)."""
+        report.update(command=command, seconds=time.perf_counter() - started)
+        md = render_markdown(report)
+        (out / "bench.md").write_text(md + "\n", encoding="utf-8")
+        (out / "bench.json").write_text(json.dumps(report, indent=2, default=float), encoding="utf-8")
+        return md
+
     report = throughput.run_bench(loaded, paths, queries, ks=ks, batches=batches, rounds=args.rounds, ratios=ratios,
-                             tier=args.tier, kv_cache_memory=args.kv_cache_memory, attention=args.attention,
-                             progress=lambda line: print(line, file=sys.stderr))
-    report["command"] = "milo bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:])
-    report["seconds"] = time.perf_counter() - started
-    md = render_markdown(report)
-    (out / "bench.md").write_text(md + "\n", encoding="utf-8")
-    (out / "bench.json").write_text(json.dumps(report, indent=2, default=float), encoding="utf-8")
+                                  tier=args.tier, kv_cache_memory=args.kv_cache_memory, attention=args.attention,
+                                  progress=lambda line: print(line, file=sys.stderr, flush=True), on_batch=write)
+    md = write(report)
     png = plot(report, out / "bench.png")
     print(md)
     print(f"wrote {out / 'bench.md'}, {out / 'bench.json'}" + (f", {png}" if png else "")

@@ -21,9 +21,14 @@ there, else the scores in fp32 itself; ``flex`` narrows its block mask to the wi
 modifier and folds the sink in from the log-sum-exp FlexAttention returns.
 
 ``Engine(attention="auto")`` runs ``flex`` on CUDA (where each SDPA call is a kernel launch, ~900 a step for 32
-rows of a 28-layer model) and ``rows`` on the CPU, where there are no launches to save and compiled
-FlexAttention's C++ kernel recompiles for every new shape (`tools/bench_engine.py --attention rows,flex`
-measures both).
+rows of a 28-layer model) and ``rows`` on the CPU, where there are no launches to save (`tools/bench_engine.py
+--attention rows,flex` measures both).
+
+Compiled FlexAttention is compiled for static shapes, on the CPU and on CUDA alike, once per shape: the rows and
+each row's tokens are padded to powers of two here, and the engine sizes a flex batch's pools in powers of two
+of pages (`flex_pool_pages`), so the compiles a process makes are bounded by those buckets, not by the steps
+(tests/infer/runtime/test_attention.py counts them). Before, each pool size a batch grew to was a new shape (and
+the first GPU sweep, on an H200 on 2026-12-04, stalled after its first batch: the suspect, unconfirmed).
 """
 from __future__ import annotations
 
@@ -41,7 +46,8 @@ from .pages import PAGE_TOKENS, pages_for
 ATTENTION = "milo_pages"
 ATTENTIONS = ("auto", "flex", "rows")
 Q_BLOCK = 128  # FlexAttention's query block
-RECOMPILE_LIMIT = 64  # shapes: rows and tokens in powers of two, times the pool sizes a batch grows through
+RECOMPILE_LIMIT = 256  # shapes: rows, tokens and pool pages in powers of two (and a window layer's own); past
+# it dynamo would run FlexAttention uncompiled, materialising every score
 
 
 def choose_attention(name: str, device: torch.device) -> str:
@@ -224,14 +230,28 @@ def flex_rows(query, key, value, pack: Pack, layer: LayerAttention, compiled: bo
     return out.transpose(0, 1)[None]
 
 
+def flex_pool_pages(pages: int, limit: int) -> int:
+    """The pages a flex batch's pools hold when they must hold ``pages``: the next power of two, within the
+    ``limit`` the KV budget sets (one more size), so the pools' few sizes are few compiled shapes."""
+    return min(power_of_two(pages), max(pages, limit))
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has made in this process (compiled FlexAttention is the engine's only compiled code):
+    what a benchmark reports beside its times, and what a test bounds."""
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
 @functools.cache
 def compiled_flex(device_type: str):
-    """FlexAttention compiled once per process: shapes stay static on the CPU (its dynamic-shape C++ kernel
-    does not build in torch 2.13), dynamic where a shape changes on CUDA."""
-    compiled = torch.compile(flex_attention, dynamic=False if device_type == "cpu" else None)
+    """FlexAttention compiled once per process, for static shapes (``dynamic=False``; the CPU's dynamic-shape
+    C++ kernel does not build in torch 2.13, and on CUDA automatic dynamic shapes would recompile once more per
+    dimension and then run a kernel for any size): the buckets bound the shapes (the module's docstring)."""
+    compiled = torch.compile(flex_attention, dynamic=False)
 
     def attend(*args, **kwargs):
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT,
+                                        accumulated_recompile_limit=4 * RECOMPILE_LIMIT):
             return compiled(*args, **kwargs)
     return attend
 

@@ -36,7 +36,7 @@ import transformers
 from milo_store import IncompatibleStoreError, MiloStore, StoreError
 
 from ..models import FAMILIES, LoadedModel, check_compatible, layer_rope_tables
-from .attention import ATTENTION, choose_attention
+from .attention import ATTENTION, choose_attention, flex_pool_pages
 from .cache import Pack, PagedCache, PrefixFill, Segment, column_bytes, pool_columns
 from .decoding import GreedyDecoder, LabelDecoder
 from .device_tier import DeviceTier
@@ -419,6 +419,8 @@ class Batch:
                 for alloc, held in ((self.pages, self.cache.pages), (window, self.cache.window_pages)):
                     room = e.kv_budget - self._allocated_bytes()
                     alloc.grow(min(held // GROWTH_HEADROOM, room // max(1, e.group_page_bytes[alloc is window])))
+            if e.attention == "flex":
+                self._flex_pool_sizes()
             self.cache.resize(self.pages.capacity, window.capacity if window is not None else None)
             self.kv_bytes_allocated = max(self.kv_bytes_allocated, self.cache.allocated_bytes)
         admission = Admission(rebuild, [], clock, started)
@@ -431,6 +433,17 @@ class Batch:
         self.rows += admission.rows
         self.admissions.append(admission)
         return events
+
+    def _flex_pool_sizes(self) -> None:
+        """Grow the pools to their next power of two of pages (`attention.flex_pool_pages`), within the budget:
+        each pool size is a shape compiled FlexAttention compiles for."""
+        e, window = self.engine, self.window_alloc
+        for alloc in (self.pages, window) if window is not None else (self.pages,):
+            extra = flex_pool_pages(alloc.capacity, alloc.limit) - alloc.capacity
+            if window is not None:  # both groups within the one budget of bytes
+                room = e.kv_budget - self._allocated_bytes()
+                extra = min(extra, room // max(1, e.group_page_bytes[alloc is window]))
+            alloc.grow(extra)
 
     def _window_skip(self, plan: QueryPlan) -> int:
         """Pages of ``plan``'s row its window layers never attend (0 without window layers of their own)."""

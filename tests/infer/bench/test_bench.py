@@ -1,4 +1,6 @@
 """`milo bench` at tiny size: a random Qwen2 model, synthetic stores, the whole pipeline, in seconds."""
+import argparse
+import importlib.util
 import json
 import math
 import os
@@ -43,7 +45,10 @@ def report(workload):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        yield throughput.run_bench(*workload, ks=(2, 4), batches=(1, 2), rounds=2, progress=lambda _: None)
+        partial = []
+        report = throughput.run_bench(*workload, ks=(2, 4), batches=(1, 2), rounds=2, progress=lambda _: None,
+                                      on_batch=lambda r: partial.append((r, render_markdown(r))))
+        yield {**report, "partial_reports": partial}
     finally:
         torch.set_num_threads(threads)
 
@@ -68,6 +73,18 @@ def test_every_method_k_and_batch_is_measured(report):
     assert set(report["kernel_s"]) == {"milo-r0.5", "milo-r0.25"}
     for times in report["kernel_s"].values():
         assert set(times) == {"reference", "kernel"} and all(t > 0 for t in times.values())
+
+
+def test_a_report_is_handed_on_after_each_batch(report):
+    """A run cut short (the H200's first sweep hit its timeout, 2026-12-04) leaves what it measured: after each
+    (k, batch), the rows so far, rendered with a line saying the run is partial."""
+    partial = report["partial_reports"]
+    assert [r["partial"] for r, _ in partial] == [f"{n} of 4 (k, batch) measured" for n in (1, 2, 3, 4)]
+    assert [len(r["rows"]) for r, _ in partial] == [4, 8, 12, 16]
+    assert partial[-1][0]["rows"] == report["rows"]
+    for r, md in partial:
+        assert "link_gbps" not in r and md.count("| milo-r0.5 |") == 2 * len(r["rows"]) // 4
+        assert md.endswith(f"PARTIAL: {r['partial']}; the transfer path, kernel and crossover figures come at the end")
 
 
 def test_each_rows_figures_come_from_one_measurement(report):
@@ -238,3 +255,22 @@ def test_a_synthetic_model_spec_is_the_shape_the_bench_builds_stores_for():
     assert next(loaded.model.parameters()).dtype == torch.float32
     with pytest.raises(CommandError, match="--model synthetic:nope: no such shape .*qwen2.5-7b"):
         load_model_arg("synthetic:nope")
+
+
+def bench_serve_module():
+    spec = importlib.util.spec_from_file_location("bench_serve", REPO / "tools" / "bench_serve.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_server_that_does_not_start_says_why(tmp_path, monkeypatch):
+    """bench_serve shows the tail of a failed server's stderr (the H200's first run said only "exit 1"), and the
+    server keeps the caller's PYTHONPATH (where gpu_bench.sh puts the wheels the GPU image lacks) after the checkout."""
+    bench_serve = bench_serve_module()
+    monkeypatch.setenv("PYTHONPATH", "/carried/wheels")
+    assert bench_serve.server_env()["PYTHONPATH"] == f"{REPO}{os.pathsep}/carried/wheels"
+    args = argparse.Namespace(max_batch=2, batch_wait_ms=5.0, model="synthetic:tiny", k=2, device="cpu",
+                              kv_cache_memory=None, attention="auto", threads=1, start_timeout=120)
+    with pytest.raises(SystemExit, match=r"(?s)did not start \(exit 2\); its stderr ends:\n.*no-such-store"):
+        bench_serve.start_server(str(tmp_path / "no-such-store"), args)

@@ -221,3 +221,35 @@ def test_attention_names_are_checked():
     assert attention.choose_attention("auto", torch.device("cuda")) == "flex"
     with pytest.raises(ValueError, match="attention must be one of auto, flex, rows"):
         attention.choose_attention("paged", torch.device("cpu"))
+
+
+def test_compiled_flex_compiles_once_per_bucket_not_per_step(tmp_path):
+    """Compiled FlexAttention's shapes are buckets (rows and tokens in powers of two, pools in powers of two of
+    pages): batches of 1, 2 and 4 rows compile at most a prefill and a decode shape each, and 30 more forwards of
+    other batch sizes and prefix lengths within those buckets compile nothing (counted, not timed). Before, each
+    pool size was a shape of its own (the H200's first sweep stalled, 2026-12-04)."""
+    from milo_infer.bench import synthetic_model
+    from milo_infer.runtime.engine import Engine
+    from milo_store import MiloStore
+
+    torch.manual_seed(0)
+    loaded = synthetic_model.random_model("tiny")
+    paths = synthetic_model.synthetic_stores(tmp_path, loaded, demos=64, block_size=8, demo_tokens=12, ratios=(0.5,))
+    queries = synthetic_model.synthetic_queries(4, 8, 8)
+    with MiloStore.open(paths["milo-r0.5"]) as store:
+        engine = Engine(loaded, {"s": store}, attention="flex", max_rows=4, kv_cache_memory=16 << 20)
+
+        def forwards(k: int, batch: int) -> int:
+            stats = {}
+            engine.answer([engine.plan("s", Request(q, k=k)) for q in queries[:batch]], stats)
+            return stats["steps"]
+
+        before = attention.compiled_graphs()
+        for batch in (1, 2, 4):
+            forwards(8, batch)
+        covering = attention.compiled_graphs() - before
+        assert covering <= 3 * 2  # a prefill and a decode shape per rows bucket, or fewer where compiled already
+        before, steps = attention.compiled_graphs(), 0
+        for k, batch in ((5, 1), (6, 2), (7, 4), (6, 3), (6, 1), (7, 2), (5, 4)):
+            steps += forwards(k, batch)
+        assert steps >= 20 and attention.compiled_graphs() - before == 0
