@@ -49,7 +49,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=1)
     args = ap.parse_args()
     settings = list(itertools.product(map(int, args.processes.split(",")), map(int, args.encode_batch.split(","))))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)  # the caller's packages too
+    env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1"}
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)
     root = Path(tempfile.mkdtemp(prefix="milo-bench-build-parallel-"))

@@ -48,7 +48,9 @@ def start(stores: dict[str, str], port: int, log: Path, vllm_args: list[str]) ->
             "--enable-prompt-tokens-details", *vllm_args]
     python = os.environ.get("MILO_VLLM_PYTHON") or str(Path(__file__).resolve().parents[1] / ".venv-vllm/bin/python")
     cmd = launch.launcher_command(list(stores.values()), python, vllm_args=tuple(args))  # the launcher's defaults
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "HF_HUB_OFFLINE": "1"}
+    repo = str(Path(__file__).resolve().parents[1])
+    path = os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH", "")) if p)  # the caller's packages too
+    env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1"}
     process = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
     deadline = time.monotonic() + 900
     while True:
