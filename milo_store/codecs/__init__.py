@@ -11,6 +11,9 @@ nothing outside this room asks which codec a store holds:
   rebuilds them (keys rotated at each row's positions);
 - ``decode(i, stored)``: block i's stored bytes to that decoded form (the low-rank codec: the bytes
   themselves, no copy);
+- ``kernel_tables(i, layer, dst_row, base, first)`` and ``channel_scale(layer)``, only where a kernel rebuilds
+  the codec's stored bytes directly (the bits codec: `milo_kernels.bits`'s component and segment tables,
+  with no host decode); a codec without them is rebuilt from its decoded form;
 - ``arrays()``: the codec's own metadata arrays, written checked beside the index; ``fixed_bytes`` and
   ``index_bytes``: what they add to the store's counted bytes.
 
