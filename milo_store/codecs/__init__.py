@@ -5,7 +5,9 @@ configuration (`for_config`). Writer, reader and pass two call it through one sm
 nothing outside this room asks which codec a store holds:
 
 - ``stored_offsets`` (int64 [N + 1]) and ``stored_dtype``: where each block's bytes lie in the store's
-  flat block array, in items of that dtype (what reads, checksums and `block_bytes` count);
+  flat block array, in items of that dtype (what reads, checksums and `block_bytes` count; a mounted
+  store's ``stored_itemsize`` and ``stored_torch_dtype`` say the same); ``segments_stored``: whether those
+  bytes are the decoded segments themselves, layer after layer (so a share of layers or heads is a byte range);
 - ``ranks`` [N, L, 2, H], ``layout`` and ``dtype``: the *decoded* form every front end reads, fp16 or
   quantized low-rank segments as `milo_store.layout` lays them out and `milo_kernels.reconstruct_layer`
   rebuilds them (keys rotated at each row's positions);

@@ -42,6 +42,7 @@ class BitsCodec:
     name = "bits"
     stored_dtype = "int8"  # a uint8 array of bytes (fmt.TORCH_DTYPES["int8"] is uint8)
     stored_itemsize = 1
+    segments_stored = False  # a block's bytes are its parts over every layer: no layer or head has a range of its own
 
     def __init__(self, layout: Layout, widths: np.ndarray, weights: torch.Tensor, tokens):
         if layout.quantized:

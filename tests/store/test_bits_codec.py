@@ -265,3 +265,16 @@ def test_kernel_tables_rebuild_each_layer_as_the_reference_decodes(tmp_path):
                                        *out, cos.to(device), sin.to(device), backend=backend)
                 scale = float(want.abs().max())
                 torch.testing.assert_close(torch.stack(out).cpu(), want, rtol=1e-2, atol=1e-2 * scale)
+
+
+def test_a_share_of_a_bits_store_reads_its_stored_bytes(tmp_path):
+    """tools/bench_share_reads counts what a bits store's offsets count (bytes), and a share of a bits block is the
+    whole block (its bytes are not laid out by layer): it once counted 1.7x the block bytes, as fp16 by layer."""
+    import runpy
+    from pathlib import Path
+    tool = runpy.run_path(str(Path(__file__).resolve().parents[2] / "tools" / "bench_share_reads.py"), run_name="tool")
+    path, layout, _ = bits_store(tmp_path)
+    with MiloStore.open(path, tier="disk") as store:
+        for layers, heads in ((range(2), range(2)), (range(1), range(2)), (range(2), range(1))):
+            ranges = [r for b in (0, 2) for r in tool["share_ranges"](store, b, layers, heads)]
+            assert tool["read_ranges"](store, ranges) == int(store.block_bytes([0, 2]).sum())
