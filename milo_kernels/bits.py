@@ -15,14 +15,16 @@ tokens, BLOCK_H RoPE pairs) unpacks each component's codes at its own width in r
 its basis, and accumulates in fp32 from fp16 tiles on tensor cores; nothing but K and V is written.
 
 `reconstruct_bits_layer` dispatches like `reconstruct.reconstruct_layer`: CUDA tensors (or MILO_KERNEL=
-triton with TRITON_INTERPRET=1 on CPU) to the Triton kernel, other CPU tensors to
-`naive.reconstruct_bits_layer_naive`, the plain-PyTorch definition the kernel is held to.
+triton with TRITON_INTERPRET=1 on CPU) to the Triton kernel, other CPU tensors to the batched
+`cpu.reconstruct_bits_layer_cpu`; MILO_KERNEL=reference to `naive.reconstruct_bits_layer_naive`, the
+plain-PyTorch definition the kernel and the CPU path are held to.
 """
 from dataclasses import dataclass
 
 import torch
 
 from . import triton_kernel
+from .cpu import reconstruct_bits_layer_cpu
 from .naive import reconstruct_bits_layer_naive
 from .plan import _upload, check_tensors
 from .reconstruct import kernel_backend
@@ -145,10 +147,13 @@ def launch_bits(plan: BitsPlan, data, channel_scale, out_k, out_v, cos, sin, *, 
 def reconstruct_bits_layer(data, components, segments, channel_scale, out_k, out_v, cos, sin, *,
                            interleaved=False, backend: str | None = None) -> None:
     """Write every segment's X (keys rotated) into out_k / out_v: the Triton kernel for CUDA tensors (or
-    ``backend="triton"``, MILO_KERNEL=triton), the plain-PyTorch definition otherwise."""
-    if kernel_backend(data.device, backend) == "triton":
+    ``backend="triton"``, MILO_KERNEL=triton), the batched CPU path for CPU tensors (`cpu`), the plain-PyTorch
+    definition for ``backend="reference"`` (MILO_KERNEL=reference)."""
+    choice = kernel_backend(data.device, backend)
+    if choice == "triton":
         plan = plan_bits_layer(data, components, segments, channel_scale, out_k, out_v, cos, sin)
         launch_bits(plan, data, channel_scale, out_k, out_v, cos, sin, interleaved=interleaved)
     else:
         comps, segs = check_bits_layer(data, components, segments, channel_scale, out_k, out_v, cos, sin)
-        reconstruct_bits_layer_naive(data, comps, segs, channel_scale, out_k, out_v, cos, sin, interleaved=interleaved)
+        rebuild = reconstruct_bits_layer_naive if choice == "reference" else reconstruct_bits_layer_cpu
+        rebuild(data, comps, segs, channel_scale, out_k, out_v, cos, sin, interleaved=interleaved)

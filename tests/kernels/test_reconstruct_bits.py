@@ -105,3 +105,19 @@ def test_bad_tables_are_refused():
 def test_bits_kernel_under_the_interpreter():
     pytest.importorskip("triton")
     run_under_interpreter(__file__, keyword="kernel and not interpreter")
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_cpu_path_matches_reference(shape, interleaved):
+    """The batched CPU path (the default on a CPU) writes what the reference does, and nothing else."""
+    kv_heads, d, block_tokens = SHAPES[shape]
+    data, components, segments, scale, n = bits_layer(kv_heads, d, block_tokens, seed=5)
+    cos, sin = rope_tables(n, d, interleaved)
+    got, want = ([torch.full((kv_heads, n, d), math.nan) for _ in range(2)] for _ in range(2))
+    reconstruct_bits_layer(data, components, segments, scale, *got, cos, sin, interleaved=interleaved, backend="auto")
+    reconstruct_bits_layer_naive(data, components, segments, scale, *want, cos, sin, interleaved=interleaved)
+    mask = target_mask(segments, kv_heads, n, d)
+    for kind in (0, 1):
+        assert got[kind][~mask[kind]].isnan().all() and got[kind][mask[kind]].isfinite().all()
+        torch.testing.assert_close(got[kind][mask[kind]], want[kind][mask[kind]], rtol=1e-5, atol=1e-4)
