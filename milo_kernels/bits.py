@@ -58,17 +58,22 @@ def bits_tile_config(d: int) -> dict:
     return dict(block_t=64, block_r=16, block_h=block_h, num_warps=4, num_stages=2)
 
 
-def check_bits_layer(data, components, segments, channel_scale, out_k, out_v, cos, sin):
-    """Validate a layer's tables against its buffers; returns (components, segments) as CPU int64."""
+def check_buffers(data, channel_scale, out_k, out_v, cos, sin) -> None:
+    """Dtype, shape and device checks that need no table values (so `launch_bits` stays free of host syncs)."""
     check_tensors(out_k.new_empty(0), out_k, out_v, cos, sin)
     if data.dtype != torch.uint8 or data.dim() != 1 or not data.is_contiguous():
         raise TypeError(f"data must be a 1-D contiguous uint8 tensor, got {data.dtype} {tuple(data.shape)}")
-    n_heads, n_rows, d = out_k.shape
+    n_heads, _, d = out_k.shape
     if channel_scale.dtype != torch.float32 or channel_scale.shape != (2, n_heads, d):
         raise ValueError(f"channel_scale must be fp32 [2, {n_heads}, {d}], got {channel_scale.dtype} "
                          f"{tuple(channel_scale.shape)}")
     if len({t.device for t in (data, channel_scale, out_k)}) != 1:
         raise ValueError("data, channel_scale and the outputs must share a device")
+
+
+def check_bits_tables(data, components, segments, d: int):
+    """Validate a layer's tables against ``data`` and the head dim, whatever the outputs (their rows and heads
+    are the plan's need_rows and need_heads); returns (components, segments) as CPU int64."""
     for name, table, columns in (("components", components, COMPONENT_COLUMNS),
                                  ("segments", segments, BITS_SEGMENT_COLUMNS)):
         if table.dtype != torch.int64 or table.dim() != 2 or table.shape[1] != len(columns):
@@ -80,8 +85,8 @@ def check_bits_layer(data, components, segments, channel_scale, out_k, out_v, co
         ((first >= 0) & (count >= 0) & (first + count <= len(comps)), f"components fall outside the table ({len(comps)})"),
         (count <= d, f"more than d={d} components"),
         (tokens > 0, "tokens must be positive"),
-        ((dst >= 0) & (dst + tokens <= n_rows), f"rows fall outside the output's N={n_rows}"),
-        ((head >= 0) & (head < n_heads), f"head must be in [0, {n_heads})"),
+        (dst >= 0, "dst_row is negative"),
+        (head >= 0, "head is negative"),
         ((kind == 0) | (kind == 1), "kind must be 0 (key) or 1 (value)"),
     ))
     p, b, c, w = comps.unbind(1)
@@ -96,10 +101,23 @@ def check_bits_layer(data, components, segments, channel_scale, out_k, out_v, co
         ((b >= 0) & (b + d <= n), f"the basis column falls outside data ({n} bytes)"),
         ((c >= 0) & (c + (used_tokens * w + 7) // 8 <= n), f"the codes fall outside data ({n} bytes)"),
     ))
-    order = torch.argsort((kind * n_heads + head) * (n_rows + 1) + dst)  # rows written twice would race
-    t, s = (kind * n_heads + head)[order], dst[order]
-    if bool(((t[1:] == t[:-1]) & (s[1:] < (dst + tokens)[order][:-1])).any()):
+    target = kind * (int(head.max()) + 1 if len(segs) else 1) + head
+    order = torch.argsort(target * (int((dst + tokens).max()) + 1 if len(segs) else 1) + dst)
+    t, s = target[order], dst[order]
+    if bool(((t[1:] == t[:-1]) & (s[1:] < (dst + tokens)[order][:-1])).any()):  # would race in the kernel
         raise ValueError("two segments write overlapping rows")
+    return comps, segs
+
+
+def check_bits_layer(data, components, segments, channel_scale, out_k, out_v, cos, sin):
+    """Validate a layer's tables against its buffers; returns (components, segments) as CPU int64."""
+    check_buffers(data, channel_scale, out_k, out_v, cos, sin)
+    n_heads, n_rows, d = out_k.shape
+    comps, segs = check_bits_tables(data, components, segments, d)
+    _require(segs, BITS_SEGMENT_COLUMNS, (
+        (segs[:, 3] + segs[:, 2] <= n_rows, f"rows fall outside the output's N={n_rows}"),
+        (segs[:, 4] < n_heads, f"head must be in [0, {n_heads})"),
+    ))
     return comps, segs
 
 
@@ -110,11 +128,13 @@ def _require(table, columns, rules) -> None:
             raise ValueError(f"row {i} {dict(zip(columns, table[i].tolist()))}: {message}")
 
 
-def plan_bits_layer(data, components, segments, channel_scale, out_k, out_v, cos, sin, **tiles) -> BitsPlan:
-    """Validate on the host and build the tile table; both tables go up in non-blocking copies."""
+def plan_bits_tables(data, components, segments, d: int, **tiles) -> BitsPlan:
+    """Validate a layer's tables on the host (against ``data``, not yet the outputs: `launch_bits` checks
+    those against need_rows and need_heads) and build the tile table; both go up in non-blocking copies, so a
+    caller plans once (a `PrefixRebuild` at admission) and only launches per layer."""
     triton_kernel.require_triton(data)
-    comps, segs = check_bits_layer(data, components, segments, channel_scale, out_k, out_v, cos, sin)
-    config = {**bits_tile_config(out_k.shape[-1]), **{k: v for k, v in tiles.items() if v is not None}}
+    comps, segs = check_bits_tables(data, components, segments, d)
+    config = {**bits_tile_config(d), **{k: v for k, v in tiles.items() if v is not None}}
     for name in ("block_t", "block_r", "block_h"):
         if config[name] < 16 or config[name] & (config[name] - 1):
             raise ValueError(f"{name} must be a power of two >= 16, got {config[name]}")
@@ -122,14 +142,21 @@ def plan_bits_layer(data, components, segments, channel_scale, out_k, out_v, cos
     owner = torch.repeat_interleave(torch.arange(len(segs)), n_tiles)
     t0 = (torch.arange(len(owner)) - (torch.cumsum(n_tiles, 0) - n_tiles)[owner]) * config["block_t"]
     table = torch.cat([segs[owner], t0[:, None]], dim=1)
-    return BitsPlan(tiles=_upload(table, data.device), components=_upload(comps, data.device), d=out_k.shape[-1],
+    return BitsPlan(tiles=_upload(table, data.device), components=_upload(comps, data.device), d=d,
                     need_rows=int((segs[:, 3] + segs[:, 2]).max()) if len(segs) else 0,
                     need_heads=int(segs[:, 4].max()) + 1 if len(segs) else 0, **config)
+
+
+def plan_bits_layer(data, components, segments, channel_scale, out_k, out_v, cos, sin, **tiles) -> BitsPlan:
+    """`plan_bits_tables` after checking the tables against these buffers too."""
+    check_bits_layer(data, components, segments, channel_scale, out_k, out_v, cos, sin)
+    return plan_bits_tables(data, components, segments, out_k.shape[-1], **tiles)
 
 
 def launch_bits(plan: BitsPlan, data, channel_scale, out_k, out_v, cos, sin, *, interleaved=False) -> None:
     """One Triton launch for a planned layer; checks metadata only (no host sync)."""
     triton_kernel.require_triton(data)
+    check_buffers(data, channel_scale, out_k, out_v, cos, sin)
     n_heads, n_rows, d = out_k.shape
     if d != plan.d or n_rows < plan.need_rows or n_heads < plan.need_heads or plan.tiles.device != data.device:
         raise ValueError("buffers do not match the plan (d, rows, heads or device differ)")

@@ -235,9 +235,9 @@ class PrefixRebuild:
         layers, heads = self.share.layers, self.share.heads
         for row in rows:
             prefix = row.prefix
-            if row.blocks and prefix in self.codes:  # per layer, the kernel's tables over the staged stored bytes
+            if row.blocks and prefix in self.codes:  # per layer, the kernel's plan over the staged stored bytes
                 code = self.codes[prefix]
-                self.tables.append(({l: code.tables(row.blocks, row.dst_rows, l, heads) for l in layers}, None))
+                self.tables.append(({l: code.plan(row.blocks, row.dst_rows, l, heads) for l in layers}, None))
                 continue
             seg = row.segments.copy()
             if row.blocks:

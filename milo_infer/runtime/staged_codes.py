@@ -5,14 +5,14 @@ cross the link and fill the device tier. Where the Triton kernel rebuilds (CUDA,
 TRITON_INTERPRET=1) and the store's codec offers ``kernel_tables`` (milo_store/codecs, the seam), a
 `PrefixRebuild` stages the union of its rows' blocks here instead: their stored bytes, checked, in one device
 buffer (a block the device tier holds is copied from it; a block read is put there, keyed apart from decoded
-factors), and each row's layer is rebuilt by `milo_kernels.bits.reconstruct_bits_layer` from the codec's tables.
+factors), and each row's layer is planned once from the codec's tables and launched per layer (`milo_kernels.bits`).
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from milo_kernels.bits import reconstruct_bits_layer
+from milo_kernels.bits import launch_bits, plan_bits_tables
 from milo_store.sources import ReadStats
 from milo_store.store import MiloStore
 
@@ -46,9 +46,10 @@ class StagedCodes:
         self.bytes_moved = int(store.block_bytes(missing).sum()) if missing else 0
         self.staged_bytes = self.buffer_bytes = int(sizes.sum())
 
-    def tables(self, blocks: list[int], dst_rows, layer: int, heads: range):
-        """One row's layer: (components, segments) for ``blocks`` placed at ``dst_rows``, only ``heads``,
-        numbered from heads.start (the caller's buffers hold those heads)."""
+    def plan(self, blocks: list[int], dst_rows, layer: int, heads: range):
+        """One row's layer planned for the kernel (`plan_bits_tables`: validated, tiled and uploaded once, at
+        admission): ``blocks`` placed at ``dst_rows``, only ``heads``, numbered from heads.start (the caller's
+        buffers hold those heads)."""
         comps, segs, first = [], [], 0
         for block, dst in zip(blocks, np.asarray(dst_rows).tolist()):
             c, s = self.codec.kernel_tables(block, layer, int(dst), base=self.base[block], first=first)
@@ -59,12 +60,10 @@ class StagedCodes:
         segments = torch.cat(segs) if segs else torch.zeros(0, 6, dtype=torch.int64)
         segments = segments[(segments[:, 4] >= heads.start) & (segments[:, 4] < heads.stop)]
         segments[:, 4] -= heads.start
-        return components, segments
+        return plan_bits_tables(self.data, components, segments, self.store.layout.head_dim)
 
     def channel_scale(self, layer: int, heads: range) -> torch.Tensor:
         return self.codec.channel_scale(layer)[:, heads.start:heads.stop].contiguous().to(self.device)
 
-    def rebuild(self, tables, scale, out_k, out_v, cos, sin, *, interleaved: bool) -> None:
-        components, segments = tables
-        if len(segments):
-            reconstruct_bits_layer(self.data, components, segments, scale, out_k, out_v, cos, sin, interleaved=interleaved)
+    def rebuild(self, plan, scale, out_k, out_v, cos, sin, *, interleaved: bool) -> None:
+        launch_bits(plan, self.data, scale, out_k, out_v, cos, sin, interleaved=interleaved)
