@@ -15,7 +15,9 @@ whole, since each block's CRC32C covers the whole block (docs/design.md, "vLLM")
 On a CPU each layer of a block several of its rows use is decoded once (its factors' products, keys pre-RoPE)
 and rotated at each distinct position the rows place it at (issue 47: in a served batch of the 512-shot
 Banking77 store, rows admitted together mostly share blocks, seldom at the same position); the values are the
-kernels' CPU path's to the bit. The Triton path rebuilds each row in one launch per layer.
+kernels' CPU path's to the bit. The Triton path rebuilds each row in one launch per layer; a store whose codec
+describes its stored bytes to a kernel (the bits codec) is staged as those bytes and rebuilt from its codes there
+(`staged_codes`).
 """
 from __future__ import annotations
 
