@@ -3,7 +3,8 @@
 `triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))` runs the whole pipeline down to a
 cubin; `ptxas -v` (shipped in the triton wheel) on the PTX reports registers, spills and static shared
 memory, and the compiled metadata the dynamic shared memory. `variants` lists every kernel the query
-path can launch (what `plan.tile_config` picks for each factor dtype, RoPE layout and head dim); tools/compile_kernels.py prints the table, tests/kernels/test_compile.py checks a subset.
+path can launch (what `plan.tile_config` picks for each factor dtype, RoPE layout and head dim; dtype
+`bits` is the bit-code kernel of `milo_kernels.bits` with `bits.bits_tile_config`'s tiles); tools/compile_kernels.py prints the table, tests/kernels/test_compile.py checks a subset.
 """
 import os
 import re
@@ -15,7 +16,8 @@ from pathlib import Path
 
 from milo_format import SCALE_SPAN, QUANT_BITS
 
-FACTORS = {"fp16": "*fp16", "bf16": "*bf16", "fp32": "*fp32", "int8": "*u8", "int4": "*u8", "int2": "*u8"}
+FACTORS = {"fp16": "*fp16", "bf16": "*bf16", "fp32": "*fp32", "int8": "*u8", "int4": "*u8", "int2": "*u8",
+           "bits": "*u8"}  # bits: the per-component bit-code kernel (milo_kernels.bits), writing fp16
 OUTPUT = {"bf16": "*bf16", "fp32": "*fp32"}  # outputs follow the factors' dtype; quantized ones write fp16
 HEAD_DIMS = (64, 128, 256)
 # per compute capability: registers and shared memory per SM, the most a block may take, warps per SM
@@ -39,8 +41,26 @@ def variants(dtypes=tuple(FACTORS), head_dims=HEAD_DIMS, layouts=(False, True)) 
 
 
 def launch_config(v: Variant) -> dict:
+    from .bits import bits_tile_config
     from .plan import tile_config
-    return tile_config(v.d)
+    return bits_tile_config(v.d) if v.dtype == "bits" else tile_config(v.d)
+
+
+def kernel_and_arguments(v: Variant, config: dict):
+    """(the JIT kernel, its pointer and scalar argument types, its constants) for one variant."""
+    from .triton_kernel import bits_kernel_for, kernel_for
+
+    tiles = dict(BLOCK_T=config["block_t"], BLOCK_R=config["block_r"], BLOCK_H=config["block_h"])
+    out = OUTPUT.get(v.dtype, "*fp16")
+    if v.dtype == "bits":
+        args = dict(DATA="*u8", COMPONENTS="*i64", TILES="*i64", SCALE="*fp32", K=out, V=out, COS="*fp32",
+                    SIN="*fp32", D="i32")
+        return bits_kernel_for(False), args, dict(INTERLEAVED=v.interleaved, **tiles)
+    factor = FACTORS[v.dtype]
+    args = dict(F=factor, F16="*fp16" if v.dtype in QUANT_BITS else factor, TILES="*i64", K=out, V=out,
+                COS="*fp32", SIN="*fp32", D="i32")
+    return kernel_for(False), args, dict(BITS=QUANT_BITS.get(v.dtype, 0), SPAN=SCALE_SPAN, INTERLEAVED=v.interleaved,
+                                         IEEE_DOT=v.dtype == "fp32", **tiles)
 
 
 def compile_variant(v: Variant, cc: int) -> dict:
@@ -49,19 +69,10 @@ def compile_variant(v: Variant, cc: int) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from .triton_kernel import kernel_for
-
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # triton 3.9's default, stated (silences its warning)
-    kernel = kernel_for(False)
     config = launch_config(v)
-    factor = FACTORS[v.dtype]
-    out = OUTPUT.get(v.dtype, "*fp16")
-    args = dict(F=factor, F16="*fp16" if v.dtype in QUANT_BITS else factor, TILES="*i64", K=out, V=out,
-                COS="*fp32", SIN="*fp32", D="i32")
+    kernel, args, constants = kernel_and_arguments(v, config)
     args |= {name: "i32" for name in kernel.arg_names if name.startswith("s")}
-    constants = dict(BITS=QUANT_BITS.get(v.dtype, 0), SPAN=SCALE_SPAN, INTERLEAVED=v.interleaved,
-                     IEEE_DOT=v.dtype == "fp32", BLOCK_T=config["block_t"], BLOCK_R=config["block_r"],
-                     BLOCK_H=config["block_h"])
     declared = {p.name for p in kernel.params if p.is_constexpr}
     if declared != set(constants):  # ASTSource takes our word for it; a launch takes the kernel's
         raise RuntimeError(f"the kernel declares constexprs {sorted(declared)}, a launch passes {sorted(constants)}")

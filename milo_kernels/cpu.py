@@ -16,6 +16,7 @@ reference 8.4 ms; this path 7.8 ms. Arithmetic is fp32 as in the reference;
 results differ from it by fp32 rounding only. Inputs are not validated here:
 `reconstruct.reconstruct_layer` does that.
 """
+import numpy as np
 import torch
 
 from milo_format import RAW_RANK, segment_size
@@ -81,3 +82,38 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
     o1.addcmul_(x2, s1, value=-1)
     o2.addcmul_(x1, s2)
     return out
+
+
+def reconstruct_bits_layer_cpu(data, components, segments, channel_scale, out_k, out_v, cos, sin, *,
+                               interleaved=False) -> None:
+    """Same contract as `naive.reconstruct_bits_layer_naive`, batched for a CPU: the codes of every component of
+    one (width, tokens) are unpacked at once with numpy (unpackbits over their bytes, not a gather per bit),
+    then each segment is one fp32 product of its coefficients and basis, rotated if a key."""
+    d = out_k.shape[-1]
+    buf, comps, segs = data.numpy(), components.numpy(), segments.numpy()
+    first, count, tokens = segs[:, 0], segs[:, 1], segs[:, 2]
+    total = int(count.sum())
+    used = np.repeat(first, count) + np.arange(total) - np.repeat(np.cumsum(count) - count, count)
+    used_tokens = np.repeat(tokens, count)
+    starts = np.concatenate(([0], np.cumsum(used_tokens)[:-1])).astype(np.int64)  # each segment's rows are consecutive
+    params_at, basis_at, codes_at, width = comps[used].T
+    params = buf[params_at[:, None] + np.arange(8)].view(np.float16).astype(np.float32)  # [n, 4]
+    basis = buf[basis_at[:, None] + np.arange(d)].astype(np.float32) * params[:, 2:3] + params[:, 3:4]  # [n, d]
+    coefficients = np.empty(int(used_tokens.sum()), dtype=np.float32)
+    for b, t in {(int(b), int(t)) for b, t in zip(width, used_tokens)}:
+        rows = np.nonzero((width == b) & (used_tokens == t))[0]
+        held = buf[codes_at[rows, None] + np.arange(-(-t * b // 8))]
+        bits = np.unpackbits(held, axis=1, bitorder="little")[:, :t * b].reshape(len(rows), t, b)
+        codes = bits[..., 0].astype(np.int32)
+        for k in range(1, b):
+            codes |= bits[..., k].astype(np.int32) << k
+        coefficients[starts[rows, None] + np.arange(t)] = codes * params[rows, :1] + params[rows, 1:2]
+    at = 0
+    for (c, t, row, head, kind) in segs[:, 1:].tolist():
+        a = torch.from_numpy(coefficients[starts[at]:starts[at] + c * t].reshape(c, t)) if c else torch.zeros(0, t)
+        x = (a.T @ torch.from_numpy(basis[at:at + c])) * channel_scale[kind, head]
+        at += c
+        rows = slice(row, row + t)
+        if kind == 0:
+            x = rope(x, cos[rows], sin[rows], interleaved)
+        (out_k if kind == 0 else out_v)[head, rows] = x.to(out_k.dtype)

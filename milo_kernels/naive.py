@@ -71,3 +71,32 @@ def reconstruct_layer_naive(factors, segments, out_k, out_v, cos, sin, *, interl
             x = apply_rope(x, cos[rows], sin[rows], interleaved)
         out = out_k if kind == 0 else out_v
         out[head, rows] = x.to(out.dtype)
+
+
+def unpack_codes(data: torch.Tensor, offset: torch.Tensor, width: torch.Tensor, tokens: int) -> torch.Tensor:
+    """int64 codes [C, T] of C components, each T codes of ``width`` [C] bits at byte ``offset`` [C] of
+    ``data`` (uint8), least significant bit first, token after token."""
+    bit = torch.arange(tokens)[None, :, None] * width[:, None, None] + torch.arange(8)  # [C, T, 8]
+    used = torch.arange(8) < width[:, None, None]
+    byte = torch.where(used, offset[:, None, None] + bit // 8, offset[:, None, None])
+    bits = (data[byte].long() >> (bit % 8)) & 1
+    return (bits * used << torch.arange(8)).sum(-1)
+
+
+def reconstruct_bits_layer_naive(data, components, segments, channel_scale, out_k, out_v, cos, sin, *,
+                                 interleaved=False) -> None:
+    """X = Σⱼ (codeⱼ · scaleⱼ + minⱼ)(basisⱼ · b_scaleⱼ + b_minⱼ)ᵀ of each segment in fp32, channels times
+    channel_scale[kind, head], keys rotated at their output rows (milo_kernels.bits documents the tables).
+    Inputs are not validated here (`bits.reconstruct_bits_layer` does that); this is the oracle, kept literal."""
+    d = out_k.shape[-1]
+    for first, count, tokens, row, head, kind in segments.tolist():
+        params_at, basis_at, codes_at, width = components[first:first + count].unbind(1)
+        params = data[params_at[:, None] + torch.arange(8)].view(torch.float16).float()  # [C, 4]
+        basis = data[basis_at[:, None] + torch.arange(d)].float() * params[:, 2:3] + params[:, 3:4]  # [C, d]
+        codes = unpack_codes(data, codes_at, width, tokens).float() * params[:, 0:1] + params[:, 1:2]  # [C, T]
+        x = (codes.T @ basis) * channel_scale[kind, head].float()
+        rows = slice(row, row + tokens)
+        if kind == 0:
+            x = apply_rope(x, cos[rows], sin[rows], interleaved)
+        out = out_k if kind == 0 else out_v
+        out[head, rows] = x.to(out.dtype)

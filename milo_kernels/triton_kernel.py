@@ -202,3 +202,100 @@ def kernel_for(interpret: bool):
 def kernel():
     """The kernel built for this process's mode (compiled, or interpreted under TRITON_INTERPRET=1)."""
     return kernel_for(interpreting())
+
+
+def _half(DATA, at, mask):
+    """fp32 of the little-endian fp16 at byte ``at`` of the uint8 buffer DATA (any alignment), 0 where masked."""
+    lo = tl.load(DATA + at, mask=mask, other=0).to(tl.uint16)
+    hi = tl.load(DATA + at + 1, mask=mask, other=0).to(tl.uint16)
+    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@functools.cache
+def bits_kernel_for(interpret: bool):
+    """The kernel that rebuilds K/V from per-component bit codes (`milo_kernels.bits` documents its tables),
+    built lazily like `kernel_for`, its constexpr annotations kept."""
+
+    def reconstruct_bits_kernel(DATA, COMPONENTS, TILES, SCALE, K, V, COS, SIN, D,
+                                sxk, sxh, sxd, skh, skn, skd, svh, svn, svd, scn, scd, ssn, ssd,
+                                INTERLEAVED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
+                                BLOCK_H: tl.constexpr):
+        tile = TILES + tl.program_id(0) * 7
+        first = tl.load(tile)
+        count = tl.load(tile + 1).to(tl.int32)
+        tokens = tl.load(tile + 2).to(tl.int32)
+        row0 = tl.load(tile + 3)
+        head = tl.load(tile + 4)
+        kind = tl.load(tile + 5)
+        t0 = tl.load(tile + 6).to(tl.int32)
+
+        t = t0 + tl.arange(0, BLOCK_T)
+        h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # RoPE pairs: channels c1[h] and c2[h]
+        t_ok = t < tokens
+        h_ok = h < D // 2
+        if INTERLEAVED:
+            c1 = 2 * h
+            c2 = 2 * h + 1
+        else:
+            c1 = h
+            c2 = h + D // 2
+
+        acc1 = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
+        for r0 in range(0, count, BLOCK_R):
+            r = r0 + tl.arange(0, BLOCK_R)
+            r_ok = r < count
+            row = COMPONENTS + (first + r) * 4
+            params_at = tl.load(row, mask=r_ok, other=0)
+            basis_at = tl.load(row + 1, mask=r_ok, other=0)
+            codes_at = tl.load(row + 2, mask=r_ok, other=0)
+            width = tl.load(row + 3, mask=r_ok, other=0).to(tl.int32)
+            # lanes past the count have scale = min = 0, so their coefficients and basis values are 0
+            scale = _half(DATA, params_at, r_ok)
+            low = _half(DATA, params_at + 2, r_ok)
+            b_scale = _half(DATA, params_at + 4, r_ok)
+            b_low = _half(DATA, params_at + 6, r_ok)
+            # token t's code starts at bit t * width of its component and may run into the next byte
+            bit = t[:, None] * width[None, :]
+            byte = codes_at[None, :] + (bit >> 3)
+            shift = bit & 7
+            a_mask = t_ok[:, None] & r_ok[None, :]
+            lo = tl.load(DATA + byte, mask=a_mask, other=0).to(tl.int32)
+            hi = tl.load(DATA + byte + 1, mask=a_mask & (shift + width[None, :] > 8), other=0).to(tl.int32)
+            code = ((lo | (hi << 8)) >> shift) & ((1 << width[None, :]) - 1)
+            a = (code.to(tl.float32) * scale[None, :] + low[None, :]).to(tl.float16)
+            b_mask = r_ok[:, None] & h_ok[None, :]
+            b1 = tl.load(DATA + basis_at[:, None] + c1[None, :], mask=b_mask, other=0).to(tl.float32)
+            b2 = tl.load(DATA + basis_at[:, None] + c2[None, :], mask=b_mask, other=0).to(tl.float32)
+            b1 = (b1 * b_scale[:, None] + b_low[:, None]).to(tl.float16)
+            b2 = (b2 * b_scale[:, None] + b_low[:, None]).to(tl.float16)
+            acc1 = tl.dot(a, b1, acc1)
+            acc2 = tl.dot(a, b2, acc2)
+
+        unit = SCALE + kind * sxk + head * sxh
+        acc1 = acc1 * tl.load(unit + c1 * sxd, mask=h_ok, other=0.0)[None, :]
+        acc2 = acc2 * tl.load(unit + c2 * sxd, mask=h_ok, other=0.0)[None, :]
+        rows = row0 + t
+        mask = t_ok[:, None] & h_ok[None, :]
+        if kind == 0:
+            cos1 = tl.load(COS + rows[:, None] * scn + c1[None, :] * scd, mask=mask, other=0.0)
+            cos2 = tl.load(COS + rows[:, None] * scn + c2[None, :] * scd, mask=mask, other=0.0)
+            sin1 = tl.load(SIN + rows[:, None] * ssn + c1[None, :] * ssd, mask=mask, other=0.0)
+            sin2 = tl.load(SIN + rows[:, None] * ssn + c2[None, :] * ssd, mask=mask, other=0.0)
+            out = K + head * skh + rows[:, None] * skn
+            tl.store(out + c1[None, :] * skd, (acc1 * cos1 - acc2 * sin1).to(K.dtype.element_ty), mask=mask)
+            tl.store(out + c2[None, :] * skd, (acc2 * cos2 + acc1 * sin2).to(K.dtype.element_ty), mask=mask)
+        else:
+            out = V + head * svh + rows[:, None] * svn
+            tl.store(out + c1[None, :] * svd, acc1.to(V.dtype.element_ty), mask=mask)
+            tl.store(out + c2[None, :] * svd, acc2.to(V.dtype.element_ty), mask=mask)
+
+    scope = {**globals(), "_half": triton.jit(_half)}
+    bound = types.FunctionType(reconstruct_bits_kernel.__code__, scope)
+    bound.__annotations__ = reconstruct_bits_kernel.__annotations__  # the constexprs: a code object carries none
+    return triton.jit(bound)
+
+
+def bits_kernel():
+    """The bits kernel built for this process's mode (compiled, or interpreted under TRITON_INTERPRET=1)."""
+    return bits_kernel_for(interpreting())

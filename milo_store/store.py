@@ -76,7 +76,7 @@ class MiloStore:
             raise StoreCorruptedError(f"{self.path}: codec {meta.get('codec')!r}: {e}") from e
         self.offsets = self.codec.stored_offsets  # in stored items (`stored_itemsize` bytes each; `itemsize` is the decoded factors')
         self.stored_itemsize = self.codec.stored_itemsize
-        self._stored_torch_dtype = fmt.TORCH_DTYPES[self.codec.stored_dtype]
+        self.stored_torch_dtype = fmt.TORCH_DTYPES[self.codec.stored_dtype]
         self.chunk = None  # format ≤ 3: values per chunk of the factor array
         self.segment_table = np.zeros((0, 5), dtype=np.int64)  # format 4: (chunk, first block, blocks, demos, header CRC)
         self._segments: dict[int, Segment] = {}
@@ -248,7 +248,7 @@ class MiloStore:
 
     def _load_host(self):
         total = int(self.offsets[-1])
-        self._host = torch.empty(total, dtype=self._stored_torch_dtype)
+        self._host = torch.empty(total, dtype=self.stored_torch_dtype)
         if self._pin:
             try:
                 # unregistered when the store closes or is collected without close()
@@ -259,7 +259,7 @@ class MiloStore:
                    [self._host[self.offsets[i]:self.offsets[i + 1]] for i in range(self.num_blocks)], self.verify)
 
     def _fresh(self, i: int, pinned: bool = False) -> torch.Tensor:
-        return torch.empty(int(self.offsets[i + 1] - self.offsets[i]), dtype=self._stored_torch_dtype, pin_memory=pinned)
+        return torch.empty(int(self.offsets[i + 1] - self.offsets[i]), dtype=self.stored_torch_dtype, pin_memory=pinned)
 
     def block(self, i: int) -> torch.Tensor:
         """Block i's factors, flat, as the kernels read them (`codecs`: the low-rank codec's stored bytes, a view

@@ -48,6 +48,8 @@ class Elsewhere:
 
 SMOKE = {
     "agreement.py": Run(lambda i: [i.predictions("a"), i.predictions("b"), "--first", "2"]),
+    "bench_bits_rebuild.py": Run(lambda i: ["--layers", "2", "--kv-heads", "1", "--head-dim", "16", "--tokens", "33",
+                                           "--iters", "1", "--device", "cpu"]),
     "bench_build.py": Run(lambda i: ["--model", i.tiny_model, "--shots", "8", "--block-size", "4",
                                      "--context-blocks", "1", "--threads", "1", "--dir", i.fresh("build")],
                           needs=("banking77", "tiny")),

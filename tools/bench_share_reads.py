@@ -26,7 +26,10 @@ from milo_store import MiloStore  # noqa: E402
 
 
 def share_ranges(store: MiloStore, block: int, layers: range, heads: range) -> list[tuple[int, int]]:
-    """(start, stop) values of the flat factor array holding ``block``'s K and V of ``heads`` in ``layers``."""
+    """(start, stop) values of the flat factor array holding ``block``'s K and V of ``heads`` in ``layers``; the
+    whole block where the codec's stored bytes are not segments laid out layer by layer (a bits block)."""
+    if not store.codec.segments_stored:
+        return [(int(store.offsets[block]), int(store.offsets[block + 1]))]
     sizes = store.layout.segment_sizes(store.ranks[block:block + 1], store.block_tokens[block:block + 1])[0]  # [L, 2, H]
     bounds = store.block_layer_bounds(block) + int(store.offsets[block])
     ranges = []
@@ -45,12 +48,12 @@ def share_ranges(store: MiloStore, block: int, layers: range, heads: range) -> l
 
 
 def read_ranges(store: MiloStore, ranges: list[tuple[int, int]]) -> int:
-    out = torch.empty(sum(z - a for a, z in ranges), dtype=store.torch_dtype)
+    out = torch.empty(sum(z - a for a, z in ranges), dtype=store.stored_torch_dtype)
     at = 0
     for a, z in ranges:
         store.read_range(a, z, out[at:at + z - a])
         at += z - a
-    return out.numel() * store.itemsize
+    return out.numel() * store.stored_itemsize  # the offsets count stored items, bytes for a bits store
 
 
 def main() -> None:

@@ -82,16 +82,17 @@ def main():
 
     rows = {name: per_query(s.block) for name, s in stores.items()}
     # the same byte ranges, raw: preadv into a preallocated buffer, no checks
-    buf = torch.empty(int(max(ref.offsets[1:] - ref.offsets[:-1])), dtype=ref.torch_dtype)
+    # stored items, which the offsets count (a bits store's are bytes, decoded into fp16 factors by `block`)
+    buf = torch.empty(int(max(ref.offsets[1:] - ref.offsets[:-1])), dtype=ref.stored_torch_dtype)
     rows["raw preadv"] = per_query(lambda i: ref.read_range(int(ref.offsets[i]), int(ref.offsets[i + 1]),
                                                               buf[:int(ref.offsets[i + 1] - ref.offsets[i])]))
     host = stores["host"]
     dst = torch.empty_like(buf)
-    rows["memcpy"] = per_query(lambda i: dst[:int(ref.offsets[i + 1] - ref.offsets[i])].copy_(host.block(i)))
+    rows["memcpy"] = per_query(lambda i: dst[:int(ref.offsets[i + 1] - ref.offsets[i])].copy_(host.stored_blocks([i])[0]))
     # the same bytes as one zarr array (what format 3 kept: equal chunks, the store's chunk size), sliced by zarr
-    flat = torch.cat([ref.block(i) for i in range(ref.num_blocks)])
+    flat = torch.cat(ref.stored_blocks(list(range(ref.num_blocks))))
     z = zarr.create_array(str(root / "flat"), data=fmt.to_numpy(flat), compressors=None,
-                          chunks=(fmt.MAX_CHUNK_BYTES // ref.itemsize,))
+                          chunks=(fmt.MAX_CHUNK_BYTES // ref.stored_itemsize,))
     rows["zarr slice"] = per_query(lambda i: z[int(ref.offsets[i]):int(ref.offsets[i + 1])])
 
     acc = ref.accounting()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from milo_store import Layout, Staging, factorize_block, write_store
+from milo_store import CompressionConfig, Layout, Staging, factorize_block, write_store
 from milo_store.synthetic import synthetic_block_kv
 
 from .throughput import store_configs
@@ -58,11 +58,12 @@ def device_model(shape: str, device=None) -> LoadedModel:
 
 
 def synthetic_stores(root, loaded: LoadedModel, *, demos: int, block_size: int, demo_tokens: int, ratios,
-                     seed: int = 0) -> dict[str, Path]:
+                     seed: int = 0, bits_ratios=()) -> dict[str, Path]:
     """Every method's store over the same synthetic K/V, with the attrs a session checks (model, task).
 
     Each block holds ``block_size`` fake demonstrations of ``demo_tokens`` tokens about one topic word,
     so BM25 retrieval of a query naming topics picks distinct blocks. SVD runs on the GPU when there is one.
+    ``bits_ratios``: also a bits-codec store (`bits-r<ρ>`) at each, its channel weights drawn at random.
     """
     root = Path(root)
     ident = loaded.identity
@@ -93,6 +94,12 @@ def synthetic_stores(root, loaded: LoadedModel, *, demos: int, block_size: int, 
     for name, config in store_configs(ratios, query_aware=False).items():
         paths[name] = write_store(root / name, stagings[config.codec], n_blocks, layout, config, attrs=attrs,
                                   anchor_kv=anchor, examples=examples, force=True)
+    weights = torch.exp(0.5 * torch.randn(layout.num_layers, 2, layout.num_kv_heads, layout.head_dim, generator=g))
+    for ratio in bits_ratios:
+        config = CompressionConfig(codec="bits", ratio=ratio, query_aware=True)
+        paths[f"bits-r{ratio}"] = write_store(root / f"bits-r{ratio}", stagings["svd"], n_blocks, layout, config,
+                                              attrs=attrs, anchor_kv=anchor, examples=examples, channel_scale=weights,
+                                              force=True)
     return paths
 
 

@@ -194,8 +194,9 @@ def link_bandwidth(store: MiloStore, device: torch.device, nbytes: int, repeat: 
     CPU: a host memcpy, and a preadv of the store's chunk files from the page cache (the disk tier's
     read). CUDA: host-to-device copies from pinned and from pageable memory.
     """
-    n = max(1, min(nbytes, int(store.offsets[-1]) * store.itemsize) // store.itemsize)
-    src = torch.randn(n).to(store.torch_dtype)
+    size = store.stored_itemsize  # what the store's offsets count (bytes for a bits store), not the decoded factors'
+    n = max(1, min(nbytes, int(store.offsets[-1]) * size) // size)
+    src = torch.randn(n).to(store.stored_torch_dtype)
     out = {}
     if device.type == "cuda":
         sync = lambda: torch.cuda.synchronize(device)  # noqa: E731
@@ -208,7 +209,7 @@ def link_bandwidth(store: MiloStore, device: torch.device, nbytes: int, repeat: 
         out["memcpy"] = _median_time(lambda: dst.copy_(src), repeat, lambda: None)
         store.read_range(0, n, dst)  # warm the page cache
         out["preadv (page cache)"] = _median_time(lambda: store.read_range(0, n, dst), repeat, lambda: None)
-    return {name: n * store.itemsize / s / 1e9 for name, s in out.items()}
+    return {name: n * size / s / 1e9 for name, s in out.items()}
 
 
 def kernel_speedup(session: TimedSession, block_ids: list[int], repeat: int = 3) -> dict[str, float]:

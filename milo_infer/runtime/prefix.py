@@ -15,7 +15,9 @@ whole, since each block's CRC32C covers the whole block (docs/design.md, "vLLM")
 On a CPU each layer of a block several of its rows use is decoded once (its factors' products, keys pre-RoPE)
 and rotated at each distinct position the rows place it at (issue 47: in a served batch of the 512-shot
 Banking77 store, rows admitted together mostly share blocks, seldom at the same position); the values are the
-kernels' CPU path's to the bit. The Triton path rebuilds each row in one launch per layer.
+kernels' CPU path's to the bit. The Triton path rebuilds each row in one launch per layer; a store whose codec
+describes its stored bytes to a kernel (the bits codec) is staged as those bytes and rebuilt from its codes there
+(`staged_codes`).
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from ..models import RopeTables
 
 from .device_tier import DeviceTier
 from .prefetch import LayerPrefetcher, TransferPool
+from .staged_codes import StagedCodes, rebuilds_from_codes
 from .timing import StageClock
 
 
@@ -197,35 +200,47 @@ class PrefixRebuild:
         reaches = {prefix: self.union_reach(prefix, unions[prefix]) for prefix in unions}
         pooled: set[str] = set()  # a store's transfer pool serves one of its versions per fetch; another stages its own
         self.fetched: dict[StorePrefix, LayerPrefetcher] = {}
+        # a codec whose stored bytes the Triton kernel rebuilds (the bits codec) is staged as those bytes, whole
+        # blocks, and rebuilt from its codes (`staged_codes`), unless a caller's own rebuild or a window's reach
+        self.codes: dict[StorePrefix, StagedCodes] = {}
+        from_codes = rebuild is rebuild_layer and kernel_backend(torch.device(device)) == "triton"
         with self.clock.host("read"):
             for prefix, ids in unions.items():
-                if ids:  # prefill rows read nothing
+                if ids and from_codes and reaches[prefix] is None and rebuilds_from_codes(prefix.store):
+                    self.codes[prefix] = StagedCodes(prefix.store, ids, device, tier)
+                elif ids:  # prefill rows read nothing
                     pool = pools.get(prefix.name) if prefix.name not in pooled else None
                     pooled.add(prefix.name)
                     self.fetched[prefix] = LayerPrefetcher(prefix.store, ids, device, depth=depth, tier=tier, pool=pool,
                                                            layers=self.share.layers, reach=reaches[prefix])
         for pf in self.fetched.values():
             self.clock.defer("transfer", pf.transfer_seconds)
+        staged = [*self.fetched.values(), *self.codes.values()]
+        for pf in staged:
             if pf.store.remote:  # this fetch's own block cache misses of a store URL
                 self.clock.defer("remote", lambda pf=pf: pf.read_stats.remote_seconds)
         self.fetch_stats = {
             "rows": len(rows), "blocks": sum(len(row.blocks) for row in rows),
             "unique_blocks": sum(len(u) for u in unions.values()),
-            "device_hits": sum(pf.tier_hits for pf in self.fetched.values()),
+            "device_hits": sum(pf.tier_hits for pf in staged),
             "memory_hits": sum(pf.read_stats.memory_hits  # the host tier's blocks are views, not counted there
                                + (len(pf.block_ids) - pf.tier_hits) * (pf.store.tier == "host")
-                               for pf in self.fetched.values()),
-            "block_cache_hits": sum(pf.read_stats.block_cache_hits for pf in self.fetched.values()),
-            "object_store_reads": sum(pf.read_stats.block_cache_misses for pf in self.fetched.values()),
-            "remote_bytes": sum(pf.read_stats.remote_bytes for pf in self.fetched.values()),
-            "remote_gets": sum(pf.read_stats.remote_gets for pf in self.fetched.values()),
-            "buffer_bytes": sum(pf.buffer_bytes for pf in self.fetched.values()),
-            "staged_bytes": sum(pf.staged_bytes for pf in self.fetched.values()),
-            "bytes": sum(pf.bytes_moved for pf in self.fetched.values())}
+                               for pf in staged),
+            "block_cache_hits": sum(pf.read_stats.block_cache_hits for pf in staged),
+            "object_store_reads": sum(pf.read_stats.block_cache_misses for pf in staged),
+            "remote_bytes": sum(pf.read_stats.remote_bytes for pf in staged),
+            "remote_gets": sum(pf.read_stats.remote_gets for pf in staged),
+            "buffer_bytes": sum(pf.buffer_bytes for pf in staged),
+            "staged_bytes": sum(pf.staged_bytes for pf in staged),
+            "bytes": sum(pf.bytes_moved for pf in staged)}
         self.tables = []
         layers, heads = self.share.layers, self.share.heads
         for row in rows:
             prefix = row.prefix
+            if row.blocks and prefix in self.codes:  # per layer, the kernel's plan over the staged stored bytes
+                code = self.codes[prefix]
+                self.tables.append(({l: code.plan(row.blocks, row.dst_rows, l, heads) for l in layers}, None))
+                continue
             seg = row.segments.copy()
             if row.blocks:
                 where = {b: i for i, b in enumerate(unions[prefix])}
@@ -301,13 +316,17 @@ class PrefixRebuild:
         with self.clock.device_stage("wait"):
             factors = {prefix: pf.layer(layer)[0] for prefix, pf in self.fetched.items()}
         with self.clock.device_stage("rebuild"):
+            scales = {m: code.channel_scale(layer, self.share.heads) for m, code in self.codes.items()}
             for row, (segments, kernel_plans), k, v in zip(self.rows, self.tables, k_buf, v_buf):
                 if not row.prefix_tokens:  # a prefill row: no prefix, not even the anchor
                     continue
                 m = row.prefix
                 k[:, :m.anchor_len] = m.anchor_k[layer, heads]
                 v[:, :m.anchor_len] = m.anchor_v[layer, heads]
-                if self.shared is None and len(segments[layer]):
+                if kernel_plans is None:  # rebuilt from its stored codes
+                    self.codes[m].rebuild(segments[layer], scales[m], k[:, :row.prefix_tokens], v[:, :row.prefix_tokens],
+                                          cos, sin, interleaved=m.rope_interleaved)
+                elif self.shared is None and len(segments[layer]):
                     self.rebuild(factors[m], segments[layer], k[:, :row.prefix_tokens], v[:, :row.prefix_tokens],
                                  cos, sin, interleaved=m.rope_interleaved, quant=m.layout.quant,
                                  plan=kernel_plans.get(layer))

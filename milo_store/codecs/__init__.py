@@ -5,12 +5,17 @@ configuration (`for_config`). Writer, reader and pass two call it through one sm
 nothing outside this room asks which codec a store holds:
 
 - ``stored_offsets`` (int64 [N + 1]) and ``stored_dtype``: where each block's bytes lie in the store's
-  flat block array, in items of that dtype (what reads, checksums and `block_bytes` count);
+  flat block array, in items of that dtype (what reads, checksums and `block_bytes` count; a mounted
+  store's ``stored_itemsize`` and ``stored_torch_dtype`` say the same); ``segments_stored``: whether those
+  bytes are the decoded segments themselves, layer after layer (so a share of layers or heads is a byte range);
 - ``ranks`` [N, L, 2, H], ``layout`` and ``dtype``: the *decoded* form every front end reads, fp16 or
   quantized low-rank segments as `milo_store.layout` lays them out and `milo_kernels.reconstruct_layer`
   rebuilds them (keys rotated at each row's positions);
 - ``decode(i, stored)``: block i's stored bytes to that decoded form (the low-rank codec: the bytes
   themselves, no copy);
+- ``kernel_tables(i, layer, dst_row, base, first)`` and ``channel_scale(layer)``, only where a kernel rebuilds
+  the codec's stored bytes directly (the bits codec: `milo_kernels.bits`'s component and segment tables,
+  with no host decode); a codec without them is rebuilt from its decoded form;
 - ``arrays()``: the codec's own metadata arrays, written checked beside the index; ``fixed_bytes`` and
   ``index_bytes``: what they add to the store's counted bytes.
 

@@ -42,6 +42,7 @@ class BitsCodec:
     name = "bits"
     stored_dtype = "int8"  # a uint8 array of bytes (fmt.TORCH_DTYPES["int8"] is uint8)
     stored_itemsize = 1
+    segments_stored = False  # a block's bytes are its parts over every layer: no layer or head has a range of its own
 
     def __init__(self, layout: Layout, widths: np.ndarray, weights: torch.Tensor, tokens):
         if layout.quantized:
@@ -218,6 +219,31 @@ class BitsCodec:
                 parts += [coefficients[at:at + r].T.reshape(-1), torch.ones(r), columns[at:at + r].T.reshape(-1)]
                 at += r
         return torch.cat(parts).half() if parts else torch.empty(0, dtype=torch.float16)
+
+    def kernel_tables(self, i: int, layer: int, dst_row: int, base: int = 0, first: int = 0):
+        """Block i's layer ``layer`` as `milo_kernels.bits` tables, so a kernel rebuilds it from the stored
+        bytes with no host decode: components int64 [C, 4] (byte offsets counted from ``base``, where block
+        i's stored bytes begin in the caller's buffer) and segments int64 [2 H, 6] (their component rows
+        counted from ``first``, so several blocks' tables concatenate; output rows from ``dst_row``; a unit
+        with no stored component is a segment of none, rebuilt as zeros as `decode` has it)."""
+        T, d, H = int(self.tokens[i]), self.layout.head_dim, self.layout.num_kv_heads
+        w = self.widths[i].reshape(-1, d)
+        unit, comp = np.nonzero(w)
+        cw = w[unit, comp].astype(np.int64)
+        C, k = len(cw), np.arange(len(cw), dtype=np.int64)
+        codes_at = (PARAM_BYTES + d) * C + np.concatenate(([0], np.cumsum(-(-T * cw // 8))[:-1])).astype(np.int64)
+        table = np.stack((base + PARAM_BYTES * k, base + PARAM_BYTES * C + d * k, base + codes_at, cw), axis=1)
+        units = layer * 2 * H
+        mine = (unit >= units) & (unit < units + 2 * H)
+        counts = np.bincount(unit[mine] - units, minlength=2 * H).astype(np.int64)
+        starts = first + np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
+        segments = np.stack((starts, counts, np.full(2 * H, T), np.full(2 * H, dst_row),
+                             np.tile(np.arange(H), 2), np.repeat([0, 1], H)), axis=1)
+        return torch.from_numpy(table[mine].reshape(-1, 4)), torch.from_numpy(segments.astype(np.int64))
+
+    def channel_scale(self, layer: int) -> torch.Tensor:
+        """fp32 [2, H, d]: what the kernel multiplies a rebuilt unit's channels by (1 / the channel weights)."""
+        return (1.0 / self.weights[layer]).contiguous()
 
     def decode_dense(self, i: int, stored: torch.Tensor) -> torch.Tensor:
         """Block i's pre-RoPE K/V [L, 2, H, T, d] in fp32 by the plain reference (tests hold `decode` to it)."""

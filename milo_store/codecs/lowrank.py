@@ -15,6 +15,7 @@ from ..layout import Layout, compressed_bytes
 
 class LowRankCodec:
     name = "lowrank"
+    segments_stored = True  # its stored bytes are the segments, layer after layer
 
     def __init__(self, layout: Layout, dtype: str, ranks, tokens):
         self.layout, self.dtype = layout, dtype

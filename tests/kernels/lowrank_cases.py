@@ -156,3 +156,35 @@ def nan_buffers(kv_heads, n_rows, d, dtype, device="cpu"):
     """out_k, out_v filled with NaN: an element a kernel should write and did not stays NaN."""
     out_k = torch.full((kv_heads, n_rows, d), math.nan, dtype=dtype, device=device)
     return out_k, out_k.clone()
+
+
+def bits_layer(kv_heads, d, block_tokens, seed):
+    """One layer of per-component bit codes (milo_kernels.bits' tables): component counts taken in turn from
+    a pool with 0, odd counts and d, each component at a random width 0..8 (0: dropped, no table row),
+    its parameters, basis and codes at odd byte offsets with random bytes between them (and in the codes'
+    padding bits). Output rows leave a 2-row gap before every block.
+    Returns uint8 data, components [C, 4], segments [S, 6], channel_scale [2, kv_heads, d] and N."""
+    gen = torch.Generator().manual_seed(seed)
+    count_pool = [d, 0, 1, 3, d - 1] + torch.randint(0, d + 1, (11,), generator=gen).tolist()
+    data, components, segments, row = [], [], [], 2
+    junk = lambda n: data.extend(torch.randint(0, 256, (n,), generator=gen).tolist())  # noqa: E731
+    for tokens in block_tokens:
+        for kind in (0, 1):
+            for head in range(kv_heads):
+                widths = torch.randint(0, 9, (count_pool[len(segments) % len(count_pool)],), generator=gen)
+                first = len(components)
+                for w in widths[widths > 0].tolist():
+                    scale = 6.0 / (2 ** w - 1)
+                    params = torch.tensor([scale, -3.0, 2.0 / 255, -1.0]) * (0.5 + torch.rand(4, generator=gen))
+                    junk(int(torch.randint(1, 4, (), generator=gen)))
+                    at = len(data)
+                    data.extend(params.half().view(torch.uint8).tolist())
+                    junk(d + 1)  # the basis codes and one byte of padding
+                    junk(-(-tokens * w // 8))
+                    components.append([at, at + 8, at + 9 + d, w])
+                segments.append([first, len(components) - first, tokens, row, head, kind])
+        row += tokens + 2
+    junk(3)
+    channel_scale = 0.5 + 1.5 * torch.rand(2, kv_heads, d, generator=gen)
+    return (torch.tensor(data, dtype=torch.uint8), torch.tensor(components, dtype=torch.int64).reshape(-1, 4),
+            torch.tensor(segments, dtype=torch.int64), channel_scale, row)

@@ -13,6 +13,7 @@ from milo_kernels.aot import Variant, compile_variant, occupancy  # noqa: E402
 SUBSET = [  # the paper's head dim in the two formats checked for spills, plus one of each other kind
     Variant("fp16", False, 128), Variant("int8", False, 128),
     Variant("int4", True, 64), Variant("int2", False, 256), Variant("bf16", True, 256),
+    Variant("bits", False, 128), Variant("bits", True, 64),  # the bit-code kernel (milo_kernels.bits)
 ]
 
 

@@ -228,3 +228,53 @@ def test_stat_shows_the_codec_and_its_mean_widths(tmp_path, capsys):
     assert main(["stat", str(path)]) == 0
     out = capsys.readouterr().out
     assert "codec        bits" in out and "mean code width of the stored components" in out
+
+
+def test_kernel_tables_rebuild_each_layer_as_the_reference_decodes(tmp_path):
+    """The codec's tables drive milo_kernels.bits straight from the stored bytes of several blocks in one
+    buffer: each layer equals the reference decode with keys rotated at their rows (the Triton kernel too,
+    on CUDA or under TRITON_INTERPRET=1; tests/kernels/test_reconstruct_bits.py holds it to the reference)."""
+    from milo_kernels import apply_rope
+    from milo_kernels.bits import reconstruct_bits_layer
+
+    path, layout, _ = bits_store(tmp_path)
+    L, H, d = layout.num_layers, layout.num_kv_heads, layout.head_dim
+    from milo_kernels.triton_kernel import interpreting
+    kernel_here = torch.cuda.is_available() or interpreting()
+    backends = ["reference"] + (["triton"] if kernel_here else [])
+    with MiloStore.open(path) as store:
+        codec, ids = store.codec, [2, 0, 3]
+        stored = store.stored_blocks(ids)
+        data = torch.cat([torch.tensor([7], dtype=torch.uint8), *stored])  # block 2 starts at an odd byte
+        rows = [0] + np.cumsum([int(codec.tokens[i]) for i in ids]).tolist()
+        n = rows[-1]
+        angles = torch.arange(n)[:, None] * torch.rand(d // 2).repeat(2)
+        cos, sin = angles.cos(), angles.sin()
+        for layer in range(L):
+            tables, at, first = [], 1, 0
+            for i, block, row in zip(ids, stored, rows):
+                tables.append(codec.kernel_tables(i, layer, row, base=at, first=first))
+                at, first = at + block.numel(), first + len(tables[-1][0])
+            components, segments = (torch.cat(t) for t in zip(*tables))
+            want = torch.cat([codec.decode_dense(i, block)[layer] for i, block in zip(ids, stored)], dim=2)  # [2, H, n, d]
+            want[0] = apply_rope(want[0], cos, sin)
+            for backend in backends:
+                device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+                out = [torch.full((H, n, d), float("nan"), device=device) for _ in range(2)]
+                reconstruct_bits_layer(data.to(device), components, segments, codec.channel_scale(layer).to(device),
+                                       *out, cos.to(device), sin.to(device), backend=backend)
+                scale = float(want.abs().max())
+                torch.testing.assert_close(torch.stack(out).cpu(), want, rtol=1e-2, atol=1e-2 * scale)
+
+
+def test_a_share_of_a_bits_store_reads_its_stored_bytes(tmp_path):
+    """tools/bench_share_reads counts what a bits store's offsets count (bytes), and a share of a bits block is the
+    whole block (its bytes are not laid out by layer): it once counted 1.7x the block bytes, as fp16 by layer."""
+    import runpy
+    from pathlib import Path
+    tool = runpy.run_path(str(Path(__file__).resolve().parents[2] / "tools" / "bench_share_reads.py"), run_name="tool")
+    path, layout, _ = bits_store(tmp_path)
+    with MiloStore.open(path, tier="disk") as store:
+        for layers, heads in ((range(2), range(2)), (range(1), range(2)), (range(2), range(1))):
+            ranges = [r for b in (0, 2) for r in tool["share_ranges"](store, b, layers, heads)]
+            assert tool["read_ranges"](store, ranges) == int(store.block_bytes([0, 2]).sum())

@@ -349,6 +349,44 @@ def test_batched_rows_equal_alone_through_the_triton_kernel(tmp_path):
     assert "worst" in run.stdout
 
 
+BITS_CHECK = """
+import torch, sys
+sys.path.insert(0, {tests!r})
+from test_engine import random_qwen2, REQUESTS
+from milo_infer.bench import synthetic_model
+from milo_infer.runtime.engine import Engine
+from milo_kernels import reconstruct_layer
+from milo_store import MiloStore
+loaded = random_qwen2()
+paths = synthetic_model.synthetic_stores({root!r}, loaded, demos=24, block_size=8, demo_tokens=5, ratios=(),
+                                         bits_ratios=(0.2,))
+with MiloStore.open(paths["bits-r0.2"]) as store:
+    codes = Engine(loaded, {{"s": store}}, device_cache_bytes=1 << 30)
+    decoded = Engine(loaded, {{"s": store}}, rebuild=lambda *a, **kw: reconstruct_layer(*a, **kw))
+    plans = [codes.plan("s", r) for r in REQUESTS[:3]]
+    got, want = codes.logits(plans), decoded.logits([decoded.plan("s", p.request) for p in plans])
+    worst = max(float((g - w).abs().max()) for g, w in zip(got, want))
+    batch = codes.batch()
+    batch.admit([codes.plan("s", REQUESTS[0])])
+    batch.step()
+    hits, moved = batch.fetch_stats["device_hits"], batch.fetch_stats["bytes"]
+print("worst", worst, "hits", hits, "moved", moved)
+assert worst <= {atol} and hits > 0 and moved == 0
+"""
+
+
+def test_a_bits_store_answers_from_its_codes_through_the_triton_kernel(tmp_path):
+    """Under the interpreter (a GPU runs it for real): the engine rebuilds a bits store from its stored codes
+    (`staged_codes`) to the logits the host decode gives, and the device tier then serves its stored bytes."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "MILO_KERNEL": "triton"}
+    # the kernel multiplies fp16 tiles (as for INT8/INT4 factors), the host decode in fp32: 1.4e-4 here
+    code = BITS_CHECK.format(tests=str(Path(__file__).parent), root=str(tmp_path), atol=2e-3)
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "worst" in run.stdout
+
+
 def test_the_device_tier_serves_blocks_again_without_reading_them(setup):
     loaded, store = setup
     plain = Engine(loaded, {"s": store})

@@ -3,6 +3,8 @@
 A tensor-parallel or pipeline-parallel worker's cache holds only its heads or its layers: what it
 rebuilds must be exactly that slice of the whole prefix, from every tier and every factor encoding.
 """
+import os
+
 import pytest
 import torch
 
@@ -100,3 +102,60 @@ def test_rows_sharing_blocks_rebuild_as_each_alone_through_the_kernel(built, nam
                 want_k, want_v = torch.zeros(1, H, T, d, dtype=dtype), torch.zeros(1, H, T, d, dtype=dtype)
                 alone.fill(layer, want_k, want_v)
                 assert torch.equal(k[r], want_k[0]) and torch.equal(v[r], want_v[0]), (name, layer, SHARING[r:r + 1])
+
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+@pytest.fixture(scope="module")
+def bits_built(tmp_path_factory):
+    torch.manual_seed(0)
+    loaded = synthetic_model.random_model("tiny")  # 2 layers, 2 KV heads
+    paths = synthetic_model.synthetic_stores(tmp_path_factory.mktemp("bits"), loaded, demos=24, block_size=8,
+                                             demo_tokens=5, ratios=(), bits_ratios=(0.2,))
+    return paths["bits-r0.2"], layer_rope_tables(loaded.model, 512)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET and os.environ.get("MILO_KERNEL") == "triton"),
+                    reason="needs CUDA, or MILO_KERNEL=triton with TRITON_INTERPRET=1")
+def test_a_bits_store_rebuilds_from_its_codes_as_from_its_decoded_factors(bits_built):
+    """Where the Triton kernel rebuilds, a bits store's blocks are staged as their stored bytes and rebuilt from the
+    codes (`staged_codes`): every row, whole and in a share of heads, as the decoded factors rebuild it (the kernels'
+    reference on the host), and the bytes moved are the stored ones."""
+    from milo_infer.runtime.prefix import rebuild_layer
+    from milo_infer.runtime.staged_codes import StagedCodes
+
+    path, rope = bits_built
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with MiloStore.open(path) as store:
+        prefix = StorePrefix("s", store, rope, device, torch.float32)
+        rows = [prefix.place(blocks) for blocks in [[0, 2], [2, 1], [1]]] + [prefix.nothing_placed()]
+        T, (H, d) = max(row.prefix_tokens for row in rows), (store.layout.num_kv_heads, store.layout.head_dim)
+        for share in (None, KVShare(range(0, 2), range(1, 2))):
+            codes = PrefixRebuild(rows, rope, device, share=share)
+            assert rebuild_layer is codes.rebuild and set(codes.fetched) == set() and isinstance(codes.codes[prefix], StagedCodes)
+            assert codes.fetch_stats["bytes"] == int(store.block_bytes([0, 2, 1]).sum())
+            reference = PrefixRebuild(rows, rope, device, share=share,
+                                      rebuild=lambda *a, **kw: reconstruct_layer(*a, **kw, backend="reference"))
+            heads = codes.share.heads
+            for layer in range(store.layout.num_layers):
+                got = [torch.full((len(rows), len(heads), T, d), float("nan"), device=device) for _ in range(2)]
+                want = [g.clone() for g in got]
+                codes.fill(layer, *got)
+                reference.fill(layer, *want)
+                for g, w in zip(got, want):
+                    torch.testing.assert_close(g.cpu(), w.cpu(), rtol=2e-3, atol=2e-3 * float(w.nan_to_num().abs().max()),
+                                               equal_nan=True)
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or INTERPRET, reason="runs in this process")
+def test_bits_rebuild_from_codes_under_the_interpreter():
+    pytest.importorskip("triton")
+    import subprocess
+    import sys
+    from pathlib import Path
+    repo = Path(__file__).resolve().parents[3]
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "from_its_codes",
+                             __file__], cwd=repo, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "TRITON_INTERPRET": "1", "MILO_KERNEL": "triton", "PYTHONPATH": str(repo)})
+    assert result.returncode == 0 and " passed" in result.stdout, result.stdout[-4000:] + result.stderr[-2000:]
