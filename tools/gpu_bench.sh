@@ -47,7 +47,7 @@ if [ "$DEVICE" = cpu ]; then  # tiny shapes: the pipeline, not the numbers
   EXTRA=(--kv-cache-memory 4M --threads 1); SERVE_EXTRA=(--kv-cache-memory 4M --threads 1); BENCH_S=240; SERVE_S=240
 else
   SHAPE=qwen2.5-7b; SHOTS=512; BLOCK=32; TOKENS=20; BATCHES=1,8,32,max; QUERIES=16; ROUNDS=1; CLIENTS=1,16,64
-  REQUESTS=32; EXTRA=(); SERVE_EXTRA=(); BENCH_S=150; SERVE_S=100
+  REQUESTS=32; EXTRA=(); SERVE_EXTRA=(); BENCH_S=${BENCH_S:-150}; SERVE_S=${SERVE_S:-100}
 fi
 status=0
 echo "== throughput on $("$PY" -c "import torch; print(torch.cuda.get_device_name() if '$DEVICE' == 'cuda' else 'cpu')")"
