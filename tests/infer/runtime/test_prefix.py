@@ -113,7 +113,8 @@ def bits_built(tmp_path_factory):
     loaded = synthetic_model.random_model("tiny")  # 2 layers, 2 KV heads
     paths = synthetic_model.synthetic_stores(tmp_path_factory.mktemp("bits"), loaded, demos=24, block_size=8,
                                              demo_tokens=5, ratios=(), bits_ratios=(0.2,))
-    return paths["bits-r0.2"], layer_rope_tables(loaded.model, 512)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the engine keeps its tables on its device
+    return paths["bits-r0.2"], layer_rope_tables(loaded.model, 512, device=device)
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET and os.environ.get("MILO_KERNEL") == "triton"),
