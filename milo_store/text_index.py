@@ -26,6 +26,8 @@ them into the same weights, by the same float64 expression.
 """
 import math
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
@@ -36,6 +38,7 @@ SEGMENTED_VERSION = 2  # format 4: the vocabulary and idf here, per-document pos
 K1, B, EPSILON = 1.5, 0.75, 0.25
 ARRAYS = ("terms", "term_starts", "posting_starts", "posting_docs", "posting_weights", "block_starts")
 VOCABULARY_ARRAYS = ("terms", "term_starts", "idf")
+CACHED_POSTING_BYTES = 32 << 20  # per format-4 index: the weighed postings of the terms queried last
 SEGMENT_ARRAYS = ("terms", "term_starts", "posting_starts", "posting_docs", "posting_tf", "doc_lengths")
 
 # Runs of letters and digits (any script); everything else, "_" included, splits.
@@ -85,7 +88,12 @@ def _okapi_idf(document_frequencies: list[int], n: int) -> np.ndarray:
 
 def _okapi_weights(idf, tf, dl, avgdl: float):
     """BM25Okapi's term weight, the float64 expression its ``get_scores`` evaluates, element by element."""
-    return idf * (tf * (K1 + 1) / (tf + K1 * (1 - B + B * dl / avgdl)))
+    return idf * _okapi_saturation(tf, dl, avgdl)
+
+
+def _okapi_saturation(tf, dl, avgdl: float):
+    """The factor of BM25Okapi's weight beside the idf (what a term frequency ``tf`` in a document of ``dl`` terms counts)."""
+    return tf * (K1 + 1) / (tf + K1 * (1 - B + B * dl / avgdl))
 
 
 def _sorted_terms(ids: dict[str, int]) -> tuple[list[str], np.ndarray, dict[str, np.ndarray]]:
@@ -172,7 +180,13 @@ class SortedTerms:
     """Binary search of a sorted vocabulary held as UTF-8 bytes and their starts (touches about log2(V) entries)."""
 
     def __init__(self, terms: np.ndarray, term_starts: np.ndarray):
-        self.terms, self.term_starts = terms, term_starts
+        # plain views of the same (mapped) bytes: indexing an np.memmap costs microseconds a step
+        self.terms, self.term_starts = terms.view(np.ndarray), term_starts.view(np.ndarray)
+
+    def keys(self) -> list[bytes]:
+        """Every term's UTF-8 bytes, in order (reads the whole vocabulary)."""
+        data, starts = self.terms.tobytes(), self.term_starts.tolist()
+        return [data[a:z] for a, z in zip(starts, starts[1:])]
 
     def find(self, term: str) -> int | None:
         key, lo, hi = term.encode(), 0, len(self.term_starts) - 1
@@ -222,7 +236,14 @@ class SegmentedTextIndex:
     """Query side of a format-4 store's index: the corpus-wide vocabulary and idf, and each text segment's
     postings, combined at query time into BM25Okapi's scores to the bit (the weight is the same float64
     expression of the same idf, term frequency, length and mean length that a format-3 index precomputes,
-    and a query adds its terms' weights in query order, segment by segment: every document is in one)."""
+    and each demonstration's weights are added in query order, from 0, as a format-3 query adds them:
+    every demonstration is in one segment).
+
+    A query looks its terms up once, in the vocabulary, and finds where their postings lie in the segments
+    in a table built at its first query (`TermTable`): a term costs a slice per segment holding it and a few
+    array operations over its postings, not a binary search per segment. Its documents and weights are then
+    kept (up to `CACHED_POSTING_BYTES`, the terms queried last), so a term asked again, as the common ones
+    are, costs what it costs in a format-3 index."""
 
     def __init__(self, vocabulary: dict[str, np.ndarray], attrs: dict, segments: list[dict[str, np.ndarray]],
                  block_starts: np.ndarray):
@@ -241,22 +262,122 @@ class SegmentedTextIndex:
         if first != self.num_docs or len(self.idf) != len(vocabulary["term_starts"]) - 1 or int(block_starts[-1]) != first:
             raise ValueError(f"segments hold {first} demonstrations, the vocabulary counts {self.num_docs} and the "
                              f"blocks {int(block_starts[-1])}")
+        self._table: TermTable | None = None
+        self._cache: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()  # least recently used first
+        self._cached_bytes = 0
+        self._lock = threading.Lock()
 
     def term_id(self, term: str) -> int | None:
         return self.vocabulary.find(term)
 
+    def term_table(self) -> "TermTable":
+        """Where each term's postings lie in the segments (`TermTable`): built once, at the first query; threads
+        racing build equal tables and one is kept."""
+        table = self._table
+        if table is None:
+            table = self._table = TermTable(self)
+        return table
+
     def doc_scores(self, query: str) -> np.ndarray:
         """BM25 score of every demonstration (in store order) for ``query``; terms absent from the corpus add nothing."""
-        scores = np.zeros(self.num_docs)
-        for term in tokenize(query):
-            t = self.vocabulary.find(term)
-            if t is None:
-                continue
-            idf = self.idf[t]
-            for first, terms, starts, docs, tf, lengths in self.segments:
-                local = terms.find(term)
-                if local is not None:
-                    a, z = int(starts[local]), int(starts[local + 1])
-                    d = docs[a:z]
-                    scores[first + d] += _okapi_weights(idf, tf[a:z], lengths[d], self.avgdl)
-        return scores
+        ids = [t for t in map(self.vocabulary.find, tokenize(query)) if t is not None]
+        if not ids:
+            return np.zeros(self.num_docs)
+        postings = self._weighted_postings(ids)
+        d = np.concatenate([postings[t][0] for t in ids])
+        weights = np.concatenate([postings[t][1] for t in ids])
+        # bincount adds each demonstration's weights from 0 in their order, the query's: as a format-3 query
+        return np.bincount(d, weights, minlength=self.num_docs)
+
+    def _weighted_postings(self, ids: list[int]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """Each of these terms' postings, as (documents in store order, BM25 weights): from the cache of the
+        terms queried last (up to `CACHED_POSTING_BYTES`), the others weighed now."""
+        with self._lock:
+            found = {t: self._cache[t] for t in set(ids) if t in self._cache}
+            for t in found:
+                self._cache.move_to_end(t)
+        missing = sorted(set(ids) - found.keys())
+        if missing:
+            weighed = self._weigh(np.array(missing, dtype=np.int64))
+            found.update(zip(missing, weighed))
+            with self._lock:
+                for t, (d, w) in zip(missing, weighed):
+                    if t not in self._cache and d.nbytes + w.nbytes <= CACHED_POSTING_BYTES:
+                        self._cache[t] = (d, w)
+                        self._cached_bytes += d.nbytes + w.nbytes
+                while self._cached_bytes > CACHED_POSTING_BYTES:
+                    _, (d, w) = self._cache.popitem(last=False)
+                    self._cached_bytes -= d.nbytes + w.nbytes
+        return found
+
+    def _weigh(self, ids: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per term of ``ids`` (distinct), its postings from every segment as (documents in store order, BM25
+        weights, the float64 expression of `_okapi_weights`, so bit for bit)."""
+        table = self.term_table()
+        runs, runs_per_term = _ranges(table.run_starts[ids], table.run_starts[ids + 1])
+        segment, begin, count = table.run_segment[runs], table.run_begin[runs], table.run_count[runs]
+        docs = [np.zeros(0, dtype=np.int32)]
+        for k, a, z in zip(segment.tolist(), begin.tolist(), (begin + count).tolist()):
+            docs.append(self.segments[k][3][a:z])
+        d = np.concatenate(docs, dtype=np.int64)
+        d += np.repeat(table.segment_first[segment], count)  # store order
+        weights = table.saturation_tf1[d]  # most postings count their term once: the others, from the table
+        in_all = table.posting_first[segment] + begin  # the runs' first postings among all segments'
+        found, per_run = _ranges(np.searchsorted(table.repeated_at, in_all),
+                                 np.searchsorted(table.repeated_at, in_all + count))
+        at = np.repeat(np.cumsum(count) - count - in_all, per_run) + table.repeated_at[found]
+        weights[at] = _okapi_saturation(table.repeated_tf[found], table.lengths[d[at]], self.avgdl)
+        weights *= np.repeat(np.repeat(self.idf.view(np.ndarray)[ids], runs_per_term), count)
+        per_term = np.bincount(np.repeat(np.arange(len(ids)), runs_per_term), count, len(ids)).astype(np.int64)
+        cuts = np.cumsum(per_term)[:-1]
+        parts = list(zip(np.split(d, cuts), np.split(weights, cuts)))
+        for part in parts:
+            for a in part:
+                a.flags.writeable = False
+        return parts
+
+
+def _ranges(starts: np.ndarray, stops: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the integers of every range [starts[i], stops[i]) concatenated, each range's length)."""
+    counts = stops - starts
+    ends = np.cumsum(counts)
+    return np.arange(ends[-1] if len(ends) else 0) + np.repeat(starts - ends + counts, counts), counts
+
+
+class TermTable:
+    """What lets a query over a `SegmentedTextIndex` take its terms' postings from every segment as slices,
+    where a binary search per term and segment made format 4's queries ~9x slower than format 3's
+    (docs/benchmarks.md): each vocabulary term's runs of postings, one per segment holding it, in store order
+    (``run_starts`` [V + 1] into ``run_segment``, ``run_begin``, ``run_count``); each segment's first
+    document and first posting among all segments'; every document's length and its BM25 saturation at
+    term frequency 1 (`_okapi_saturation`: most postings' weight over the idf); and the postings whose
+    term frequency is not 1 (``repeated_at``, among all segments', and ``repeated_tf``). Reads each
+    segment's vocabulary, posting starts, term frequencies and lengths whole, once: ~24 bytes a
+    (term, segment), 12 a document and 12 a repeated posting, beside the postings' documents, which stay
+    mapped and are read per query."""
+
+    def __init__(self, index: SegmentedTextIndex):
+        ids = {key: i for i, key in enumerate(index.vocabulary.keys())}
+        terms, segment, begin, count = [np.zeros(0, dtype=np.int64)], [], [], []
+        posting_first, repeated_at, repeated_tf = [0], [np.zeros(0, dtype=np.int64)], [np.zeros(0, dtype=np.int32)]
+        for k, (_, vocab, starts, _, tf, _) in enumerate(index.segments):
+            found = np.array([ids.get(key, -1) for key in vocab.keys()], dtype=np.int64)
+            kept = found >= 0  # a term the vocabulary lacks is never queried
+            terms.append(found[kept])
+            segment.append(np.full(int(kept.sum()), k, dtype=np.int64))
+            begin.append(np.asarray(starts[:-1])[kept])
+            count.append(np.diff(starts)[kept])
+            repeated = np.flatnonzero(tf != 1)
+            repeated_at.append(repeated + posting_first[-1])
+            repeated_tf.append(tf[repeated])
+            posting_first.append(posting_first[-1] + len(tf))
+        term = np.concatenate(terms)
+        by_term = np.argsort(term, kind="stable")  # segments stay in store order within a term
+        self.run_starts = np.searchsorted(term[by_term], np.arange(len(index.idf) + 1))
+        self.run_segment, self.run_begin, self.run_count = (np.concatenate([terms[0], *a])[by_term]
+                                                            for a in (segment, begin, count))
+        self.segment_first = np.array([first for first, *_ in index.segments], dtype=np.int64)
+        self.posting_first = np.array(posting_first[:-1], dtype=np.int64)
+        self.repeated_at, self.repeated_tf = np.concatenate(repeated_at), np.concatenate(repeated_tf)
+        self.lengths = np.concatenate([np.zeros(0, dtype=np.int32)] + [s[5] for s in index.segments])
+        self.saturation_tf1 = _okapi_saturation(1, self.lengths, index.avgdl)

@@ -8,7 +8,11 @@ real short intent queries. Queries: Banking77 test utterances. One thread. rank-
 retrieval used before the stored index) is measured beside it on the same corpus up to
 ``--oracle-max``. Mount (open + map and checksum the index + the retriever) and its RSS are measured in
 a fresh process, RSS as the growth over the process after imports and a warm-up mount; so are
-``milo-store ls`` (first 20 blocks) and ``stat`` (their work, without the interpreter's start). Stores are deleted afterwards.
+``milo-store ls`` (first 20 blocks) and ``stat`` (their work, without the interpreter's start), the first
+query (where a format-4 index reads its segments' vocabularies into its term table), then every query,
+each beside the same query on a format-3 index of the same demonstrations (built in that process, in
+memory; it must select the same blocks), so the ratio of the two is measured in one run. Stores are
+deleted afterwards.
 
 Run: ``PYTHONPATH=. .venv/bin/python tools/bench_scale.py [--sizes 10000 90000 1000000]``.
 """
@@ -73,9 +77,10 @@ def probe_mount(path: str, queries: list[str], k: int) -> dict:
 
     import torch
 
-    from milo_infer.runtime.retrieval import store_retriever
+    from milo_infer.runtime.retrieval import BM25BlockRetriever, store_retriever
     from milo_store import MiloStore
     from milo_store.report import block_rows, describe
+    from milo_store.text_index import TextIndex, build_text_index
 
     torch.set_num_threads(1)
     with MiloStore.open(path, tier="disk", verify=False) as store:
@@ -98,7 +103,16 @@ def probe_mount(path: str, queries: list[str], k: int) -> dict:
         with MiloStore.open(path, tier="disk", verify=False) as s:
             fn(s)
         out[f"cli_{name}_s"] = time.perf_counter() - t
-    retrieve, lookup = [], []
+    t = time.perf_counter()
+    retriever.select("first query", k=k)  # a format-4 index builds its term table here
+    out["first_query_s"] = time.perf_counter() - t
+    out["rss_after_first_query"] = rss_bytes() - base
+    # format 3's index of the same demonstrations (built here, in memory), queried beside it: the ratio
+    examples = store.examples()
+    index3 = TextIndex(build_text_index(examples["input"], examples["block"], store.num_blocks))
+    group_starts = index3.block_starts[np.searchsorted(store.block_group, np.arange(store.num_groups + 1))]
+    format3 = BM25BlockRetriever.from_index(index3, group_starts, store.group_tokens())
+    retrieve, lookup, retrieve3 = [], [], []
     for q in queries:
         t = time.perf_counter()
         groups = retriever.select(q, k=k)
@@ -106,10 +120,13 @@ def probe_mount(path: str, queries: list[str], k: int) -> dict:
         for b in store.blocks_of(groups):
             store.block(b)
         t2 = time.perf_counter()
+        if format3.select(q, k=k) != groups:
+            raise AssertionError(f"format 3's index selects other blocks for {q!r}")
+        retrieve3.append(time.perf_counter() - t2)
         retrieve.append(t1 - t)
         lookup.append(t2 - t1)
-    out["rss_after_queries"] = rss_bytes() - base
     out["retrieve_ms"], out["lookup_ms"] = percentiles(retrieve), percentiles(lookup)
+    out["format3_retrieve_ms"] = percentiles(retrieve3)
     store.close()
     return out
 
@@ -164,11 +181,13 @@ def report(row: dict) -> None:
     mb = 1 / 2 ** 20
     r50, r99 = row["retrieve_ms"]
     l50, l99 = row["lookup_ms"]
+    f50, f99 = row["format3_retrieve_ms"]
     line = (f"N={row['demonstrations']:>8} blocks={row['blocks']:>6} vocab={row['vocabulary']:>6} "
             f"segments={row['segments']:>3} | index build "
             f"{row['index_build_s']:6.2f} s, {row['index_bytes'] * mb:7.1f} MiB | store build {row['store_build_s']:6.1f} s"
             f" | mount {row['mount_s_verify_False'] * 1e3:7.1f} ms ({row['mount_s_verify_True'] * 1e3:7.1f} ms with"
-            f" index CRC) | retrieve p50 {r50:6.2f} p99 {r99:6.2f} ms | lookup p50 {l50:5.2f} p99 {l99:5.2f} ms | RSS at"
+            f" index CRC) | first query {row['first_query_s'] * 1e3:6.1f} ms | retrieve p50 {r50:6.2f} p99 {r99:6.2f}"
+            f" ms (format 3's index p50 {f50:6.2f} p99 {f99:6.2f} ms: {r50 / f50:.2f}x) | lookup p50 {l50:5.2f} p99 {l99:5.2f} ms | RSS at"
             f" mount +{row['rss_mount_verify_False'] * mb:6.1f} MiB (+{row['rss_mount_verify_True'] * mb:6.1f} MiB"
             f" with CRC; {row['rss_mount_verify_True'] / row['index_bytes']:.2f}x index) | ls {row['cli_ls_s'] * 1e3:.0f} ms,"
             f" stat {row['cli_stat_s'] * 1e3:.0f} ms")

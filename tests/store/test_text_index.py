@@ -104,6 +104,54 @@ def test_segmented_scores_are_bm25okapis_bit_for_bit(docs, query, rnd):
     assert all((index.term_id(w) is None) == (w not in " ".join(texts).split()) for w in WORDS + ["unseen"])
 
 
+def test_a_segmented_query_searches_only_the_vocabulary_and_reads_the_segments_vocabularies_once(monkeypatch):
+    """Format 4's queries were ~20x slower than format 3's at 90k demonstrations (docs/benchmarks.md): each
+    query term was binary-searched again in every segment's own vocabulary. A query searches the corpus
+    vocabulary once per term and no segment's; the segments' vocabularies are read whole once, at the first
+    query, into the index's term table."""
+    rng = np.random.default_rng(0)
+    texts = [" ".join(rng.choice(WORDS, size=rng.integers(1, 8))) for _ in range(200)]
+    vocabulary, attrs = text_index.vocabulary(texts)
+    postings = [text_index.segment_postings(texts[a:a + 25]) for a in range(0, 200, 25)]
+    index = text_index.SegmentedTextIndex(vocabulary, attrs, postings, np.array([0, len(texts)]))
+    names = {index.term_id(w): w for w in WORDS}
+    searched, read = [], []
+    find, keys = text_index.SortedTerms.find, text_index.SortedTerms.keys
+    monkeypatch.setattr(text_index.SortedTerms, "find", lambda self, term: searched.append(self) or find(self, term))
+    monkeypatch.setattr(text_index.SortedTerms, "keys", lambda self: read.append(self) or keys(self))
+    weighed = []
+    weigh = text_index.SegmentedTextIndex._weigh
+    monkeypatch.setattr(text_index.SegmentedTextIndex, "_weigh",
+                        lambda self, ids: weighed.append(sorted(names[t] for t in ids))
+                        or weigh(self, ids))
+    oracle = BM25Okapi([tokenize(t) for t in texts])
+    for query, new_terms in (("lost card", ["card", "lost"]), ("card card pin über", ["pin", "über"]),
+                             ("unseen", None), ("atm fee top up rate", ["atm", "fee", "rate", "top", "up"]),
+                             ("lost card card", None)):
+        searched.clear()
+        weighed.clear()
+        np.testing.assert_array_equal(index.doc_scores(query), oracle.get_scores(tokenize(query)))
+        assert searched == [index.vocabulary] * len(tokenize(query)), query
+        assert weighed == ([new_terms] if new_terms else []), query  # postings read once per term, then kept
+    assert len(read) == 1 + len(postings)  # at the first query that found a term, never again
+    assert {id(r) for r in read} == {id(index.vocabulary), *(id(seg[1]) for seg in index.segments)}
+
+
+def test_segmented_scores_stay_bm25okapis_when_the_postings_cache_overflows(monkeypatch):
+    monkeypatch.setattr(text_index, "CACHED_POSTING_BYTES", 600)  # a few small terms, evicted as others come
+    rng = np.random.default_rng(1)
+    texts = [" ".join(rng.choice(WORDS, size=rng.integers(1, 8))) for _ in range(120)]
+    vocabulary, attrs = text_index.vocabulary(texts)
+    postings = [text_index.segment_postings(texts[a:a + 40]) for a in range(0, 120, 40)]
+    index = text_index.SegmentedTextIndex(vocabulary, attrs, postings, np.array([0, len(texts)]))
+    oracle = BM25Okapi([tokenize(t) for t in texts])
+    for _ in range(30):
+        query = list(rng.choice(WORDS, size=rng.integers(1, 6)))
+        np.testing.assert_array_equal(index.doc_scores(" ".join(query)), oracle.get_scores(query))
+        assert index._cached_bytes <= 600 and index._cached_bytes == sum(d.nbytes + w.nbytes for d, w in index._cache.values())
+    assert index._cache  # some terms fit
+
+
 def test_corrupted_index_bytes_are_named_at_map_and_by_verify(indexed_store):
     weights = indexed_store / "indexes" / "bm25" / "idf" / "c" / "0"
     raw = bytearray(weights.read_bytes())
