@@ -251,7 +251,8 @@ def write_store(path, staging: Staging, num_blocks: int, layout: Layout, config:
         widths, tokens = np.zeros(shape, dtype=np.uint8), np.zeros(source.num_blocks, dtype=np.int64)
         if encoded:
             widths[encoded], tokens[encoded] = store_codec.plan_widths(
-                source.factors, encoded, layout, source.scale, config.ratio, config.key_share, value_attention, read)
+                source.factors, encoded, layout, source.scale, config.ratio,
+                None if config.kv_split == "shared" else config.key_share, value_attention, read)
         for i, j in reused.items():
             widths[i], tokens[i] = previous.codec.widths[j], previous.block_tokens[j]
         codec = store_codec(layout, widths, source.scale, tokens)

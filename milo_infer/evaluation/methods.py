@@ -37,7 +37,8 @@ BASES = {
     "example-svd": {"codec": "example-svd"},
     "example-asvd": {"codec": "example-svd", "query_aware": True},  # activation-aware, as ASVD
     # each block's query-weighted SVD, one code width per component (milo_store/codecs/bits.py); it takes
-    # no quantization and of the modifiers only -ks<share>
+    # no quantization and of the modifiers only -ks<share> (keys' share of the budget) or -shared (one pool
+    # for keys and values, both measured as the attention output's error over the assembled context)
     "bits": {"codec": "bits", "query_aware": True},
 }
 OWN_WIDTHS = ("bits",)  # bases whose codec sets its own widths: no +quant, no allocation modifier but -ks
@@ -100,8 +101,8 @@ def method_fields(name: str) -> dict:
         raise ValueError(f"unknown method {name!r}: one quantization per method")
     if quant and quant[0] not in QUANTS:
         raise ValueError(f"unknown method {name!r}: +{quant[0]} is not a quantization ({', '.join(QUANTS)})")
-    if base in OWN_WIDTHS and (quant or any(not w.startswith("ks") for w in mods)):
-        raise ValueError(f"method {name!r}: {base} chooses its own code widths; it takes only -ks<share>")
+    if base in OWN_WIDTHS and (quant or any(not w.startswith("ks") and w != "shared" for w in mods)):
+        raise ValueError(f"method {name!r}: {base} chooses its own code widths; it takes only -ks<share> or -shared")
     if quant:
         fields["dtype"] = QUANTS[quant[0]]
     kinds = []

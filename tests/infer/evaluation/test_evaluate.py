@@ -163,12 +163,15 @@ def test_method_names_compose_a_base_modifiers_and_a_quantization():
             method_config(bad, 0.5)
 
 
-def test_the_bits_method_names_its_codec_and_takes_only_a_key_share():
+def test_the_bits_method_names_its_codec_and_takes_only_a_key_share_or_one_pool():
     c = method_config("bits-ks0.3", 0.125)
     assert (c.codec, c.dtype, c.query_aware, c.key_share) == ("bits", "float16", True, 0.3)
     assert store_name("bits", 0.125) == "bits-r0.125"
-    for bad in ("bits+int4", "bits-energy", "bits-qaw"):
-        with pytest.raises(ValueError, match="only -ks<share>"):
+    pooled = method_config("bits-shared", 0.125)
+    assert (pooled.codec, pooled.kv_split, pooled.key_share) == ("bits", "shared", 0.5)
+    assert build_config("--ratio", "0.125", "--codec", "bits", "--kv-split", "shared").kv_split == "shared"
+    for bad in ("bits+int4", "bits-energy", "bits-qaw", "bits-shared-ks0.3"):
+        with pytest.raises(ValueError, match="only -ks<share>|one modifier of each kind"):
             method_config(bad, 0.125)
 
 
