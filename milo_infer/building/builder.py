@@ -289,7 +289,7 @@ def commit(out: Path, loaded: LoadedModel, demos, task, config: BuildConfig, pla
     attend = None
     if STORE_CODECS.get(config.compression.codec) is not None:  # a store codec that measures values through attention
         attend = value_attention(loaded, anchor_ids, calibration_query_ids(loaded.tokenizer, task, demos))
-        if config.compression.kv_split == "shared":  # one pool: every error measured in context
+        if config.compression.in_context or config.compression.kv_split == "shared":  # errors measured in context
             attend.in_context = context_attention(loaded, anchor_ids, anchor_kv,
                                                   context_query_ids(loaded.tokenizer, task, demos))
     bars = StageBars(progress)

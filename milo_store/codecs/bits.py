@@ -114,16 +114,19 @@ class BitsCodec:
     def plan_widths(factors: Callable[[int], BlockFactors], blocks: list[int], layout: Layout, weights: torch.Tensor,
                     ratio: float, key_share: float | None = 0.5,
                     value_attention: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
-                    read: Callable[[int], None] = lambda done: None) -> tuple[np.ndarray, np.ndarray]:
+                    read: Callable[[int], None] = lambda done: None, in_context: bool = False
+                    ) -> tuple[np.ndarray, np.ndarray]:
         """(widths uint8 [N, L, 2, H, d], tokens [N]) for ``blocks`` (N of them) so that their bytes, the
         weights' and their index's included, take at most ``ratio`` of their fp16 full K/V (an update plans
         its new blocks alone: the kept ones keep their widths). ``factors(i)``: block i's factors of
         X diag(s), B divided by s (`baselines.WeightedBlocks`). ``value_attention(i, keys)``: attention
         probabilities [L, H, M, T] of calibration queries over block i's pre-RoPE keys [L, H, T, d] (None:
-        values' errors are their weighted squared errors, as keys' always are). ``key_share`` None: keys and
-        values in one pool, both measured as the error of the attention output over the assembled context
-        (``value_attention.in_context``, `ContextAttention`; keys through their scores, `attended_key_errors`)."""
-        if key_share is None and getattr(value_attention, "in_context", None) is None:
+        values' errors are their weighted squared errors, as keys' always are). ``in_context``: every
+        component's error is the attention output's over the assembled context (``value_attention.in_context``,
+        `ContextAttention`; keys through their scores, `attended_key_errors`), which ``key_share`` None (keys
+        and values in one pool) needs."""
+        in_context = in_context or key_share is None
+        if in_context and getattr(value_attention, "in_context", None) is None:
             raise ValueError("one pool for keys and values needs calibration attention in context (value_attention.in_context)")
         L, H, d = layout.num_layers, layout.num_kv_heads, layout.head_dim
         U, num_blocks = L * 2 * H, len(blocks)
@@ -135,7 +138,7 @@ class BitsCodec:
             T, n = c.shape[-2], c.shape[-1]
             tokens[i] = T
             e = column_errors(c.reshape(U, T, n)).reshape(L, 2, H, n, -1)
-            if key_share is None:
+            if in_context:
                 e = _output_errors(block, c, V, weights, value_attention.in_context)
             elif value_attention is not None:
                 keys = (c[:, 0] @ V[:, 0].transpose(-1, -2)) / weights[:, 0].unsqueeze(-2)

@@ -126,21 +126,27 @@ def with_context(in_context):
 
 
 @settings(max_examples=8, deadline=None)
-@given(st.integers(0, 2**16), st.lists(st.integers(1, 40), min_size=1, max_size=4), st.floats(0.03, 1.0))
-def test_one_pool_never_spends_past_the_budget(tmp_path_factory, seed, tokens, ratio):
-    """Keys and values in one pool, both measured through attention in context: everything counted stays
-    within ρ, and the pool's split between keys and values follows the errors, not a fixed share."""
+@given(st.integers(0, 2**16), st.lists(st.integers(1, 40), min_size=1, max_size=4), st.floats(0.03, 1.0),
+       st.sampled_from([None, 0.3]))
+def test_errors_in_context_never_spend_past_the_budget(tmp_path_factory, seed, tokens, ratio, key_share):
+    """Errors measured through attention in context, keys and values in one pool (None) or on their own
+    shares: everything counted stays within ρ, and the blocks round-trip."""
     layout = Layout(2, 1, 8)
     staging, _ = staged(tmp_path_factory.mktemp("s"), layout, tokens, seed)
     source = WeightedBlocks(staging, len(tokens), channel_scale(layout, seed))
     blocks, attend = list(range(len(tokens))), with_context(fake_context(seed))
     full = 2 * sum(tokens) * layout.units_per_block * layout.head_dim
     try:
-        widths, planned = BitsCodec.plan_widths(source.factors, blocks, layout, source.scale, ratio, None, attend)
+        widths, planned = BitsCodec.plan_widths(source.factors, blocks, layout, source.scale, ratio, key_share, attend,
+                                                in_context=True)
     except BudgetError:
         return
     codec = BitsCodec(layout, widths, source.scale, planned)
     assert codec.accounting(2)["total_bytes"] <= ratio * full + 1e-6
+    if key_share is not None:  # each kind within its own share of what the components may spend
+        spent = component_bytes(planned[:, None, None, None, None], widths, 8)
+        budget = ratio * full - BitsCodec.fixed_bytes(layout, planned, ratio)
+        assert spent[:, :, 0].sum() <= key_share * budget + 1e-6
     for i in blocks:
         assert codec.decode_dense(i, codec.encode(i, source.factors(i))).shape == (2, 2, 1, tokens[i], 8)
 

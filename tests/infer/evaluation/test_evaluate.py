@@ -169,9 +169,13 @@ def test_the_bits_method_names_its_codec_and_takes_only_a_key_share_or_one_pool(
     assert store_name("bits", 0.125) == "bits-r0.125"
     pooled = method_config("bits-shared", 0.125)
     assert (pooled.codec, pooled.kv_split, pooled.key_share) == ("bits", "shared", 0.5)
+    measured = method_config("bits-ks0.25-ctx", 0.125)
+    assert (measured.in_context, measured.key_share) == (True, 0.25) and not method_config("bits", 0.125).in_context
+    with pytest.raises(ValueError, match="apply to the bits codec"):
+        method_config("milo-ctx", 0.125)
     assert build_config("--ratio", "0.125", "--codec", "bits", "--kv-split", "shared").kv_split == "shared"
     for bad in ("bits+int4", "bits-energy", "bits-qaw", "bits-shared-ks0.3"):
-        with pytest.raises(ValueError, match="only -ks<share>|one modifier of each kind"):
+        with pytest.raises(ValueError, match="only -ks<share>, -shared or -ctx|one modifier of each kind"):
             method_config(bad, 0.125)
 
 
