@@ -77,15 +77,17 @@ def test_full_rank_matches_identity_and_bytes_are_measured(built, default_model,
 
 @pytest.mark.slow
 def test_a_bits_store_is_built_from_the_shared_staging_and_answers(built, default_model, tmp_path):
-    """The bits codec through the real build (calibration attention from the model) and the engine's
-    rebuild (its blocks decoded to fp16 factors): near-full-rank it answers as the full cache does."""
+    """The bits codec through the real build (calibration attention from the model, in context for one
+    pool) and the engine's rebuild (its blocks decoded to fp16 factors): near-full-rank it answers as the
+    full cache does."""
     root, _, task, queries = built
     base = BuildConfig(block_size=4, context_blocks=1, order="corpus")
     names = {store_name("bits", r): method_config("bits", r) for r in (0.9, 0.25)}
+    names[store_name("bits-shared", 0.25)] = method_config("bits-shared", 0.25)  # errors in context, one pool
     summaries = encode_once(default_model, load_corpus(DEMO)[:8], task, base, names, root, progress=False)
     assert all(s["blocks_encoded_now"] == 0 for s in summaries.values())  # the shared SVD staging, no encoding
     full = evaluate(default_model, root / "full", queries, task, k=2, predictions=tmp_path / "full.jsonl")
-    for name, ratio in (("bits-r0.9", 0.9), ("bits-r0.25", 0.25)):
+    for name, ratio in (("bits-r0.9", 0.9), ("bits-r0.25", 0.25), ("bits-shared-r0.25", 0.25)):
         result = evaluate(default_model, root / name, queries, task, k=2, predictions=tmp_path / f"{name}.jsonl")
         assert result["n"] == 2 and result["store_ratio"] <= ratio
         assert result["query_kv_bytes_stored"] < result["query_kv_bytes_full"]
