@@ -56,8 +56,9 @@ def calibration_query_ids(tokenizer, task, demos) -> list[list[int]]:
             for d in demos[::step][:CALIBRATION_QUERIES]]
 
 
-# One pool for keys and values (`milo eval` method ``bits-shared``): each block's components are measured
-# as the attention output over the context the model answers from takes their error: the anchor's exact
+# Errors in context (`milo eval` methods ``bits-<...>-ctx`` and ``bits-shared``, one pool for keys and values):
+# each block's components are measured as the attention output over the context the model answers from
+# takes their error (docs/results.md, "One pool for keys and values": it measured worse): the anchor's exact
 # K/V and the block as one of CONTEXT_BLOCKS alike blocks (eval's k), queried by the last token of
 # CONTEXT_QUERIES demonstrations' inputs (the token whose output picks the answer), in every layer.
 CONTEXT_BLOCKS = 6
@@ -79,15 +80,14 @@ def context_attention(loaded, anchor_ids: list[int], anchor_kv: torch.Tensor, qu
     scaling = float(decoder_layers(model)[0].self_attn.scaling)
     anchor_kv = anchor_kv.float().cpu()
     A = anchor_kv.shape[-2]
-    tables: dict[int, object] = {}
+    rope = {"rows": 0, "tables": None}  # grown to the longest block seen
 
     def in_context(i: int, layer: int, keys: torch.Tensor, values: torch.Tensor) -> ContextAttention:
         H, T, d = keys.shape
         n_rows = A + T + int(offsets.max()) + 1
-        if n_rows not in tables:
-            tables.clear()
-            tables[n_rows] = layer_rope_tables(model, n_rows)
-        cos, sin = tables[n_rows].layer(layer)
+        if n_rows > rope["rows"]:
+            rope.update(rows=n_rows, tables=layer_rope_tables(model, n_rows))
+        cos, sin = rope["tables"].layer(layer)
         cos, sin = cos.float().cpu(), sin.float().cpu()
         here = slice(A, A + T)
         q = apply_rope(queries[layer].transpose(0, 1), cos[A + T + offsets], sin[A + T + offsets], interleaved)

@@ -127,7 +127,8 @@ class BitsCodec:
         and values in one pool) needs."""
         in_context = in_context or key_share is None
         if in_context and getattr(value_attention, "in_context", None) is None:
-            raise ValueError("one pool for keys and values needs calibration attention in context (value_attention.in_context)")
+            raise ValueError("errors measured in context (one pool for keys and values measures so) need "
+                             "calibration attention in context (value_attention.in_context)")
         L, H, d = layout.num_layers, layout.num_kv_heads, layout.head_dim
         U, num_blocks = L * 2 * H, len(blocks)
         errors = np.zeros((num_blocks, L, 2, H, d, len(WIDTHS)))
