@@ -90,6 +90,9 @@ class CompressionConfig:
     key_share: float = 0.5  # share of the budget for keys when kv_split is "separate"
     full_rank: bool = False  # keep every singular direction (the exactness reference for the codec)
     query_aware: bool = False  # SVD of X diag(s), s = what each channel's error costs (svd, example-svd)
+    # bits: every component's error as the attention output over the assembled context takes it (keys too);
+    # kv_split "shared" (one pool for keys and values) always measures so
+    in_context: bool = False
 
     def __post_init__(self):
         if self.codec not in STORE_CODECS:
@@ -104,6 +107,8 @@ class CompressionConfig:
             raise ValueError(f"the {self.codec} codec is query-aware (query_aware=True) and decodes to float16 factors")
         if self.policy == "frontier" and (self.codec != "svd" or self.full_rank):
             raise ValueError("the frontier policy (low-rank or raw per unit) applies to the svd codec below full rank")
+        if self.in_context and self.codec != "bits":
+            raise ValueError(f"errors measured in context (in_context) apply to the bits codec, not {self.codec!r}")
         if not 0 < self.key_share < 1 or (self.key_share != 0.5 and self.kv_split != "separate"):
             raise ValueError(f"key share {self.key_share} must be in (0, 1), and needs kv_split 'separate'")
 
@@ -116,7 +121,7 @@ def quant_layout(layout: Layout, dtype: str) -> Layout:
 # Fields added after stores were first written, with their defaults: a store's allocation record
 # holds them only when they differ, so the records of existing stores (and every key derived from
 # them: reuse checks, prediction logs) stay what they were.
-LATER_FIELDS = {"query_aware": False}
+LATER_FIELDS = {"query_aware": False, "in_context": False}
 
 
 def allocation_record(config: CompressionConfig | dict) -> dict:
@@ -251,7 +256,9 @@ def write_store(path, staging: Staging, num_blocks: int, layout: Layout, config:
         widths, tokens = np.zeros(shape, dtype=np.uint8), np.zeros(source.num_blocks, dtype=np.int64)
         if encoded:
             widths[encoded], tokens[encoded] = store_codec.plan_widths(
-                source.factors, encoded, layout, source.scale, config.ratio, config.key_share, value_attention, read)
+                source.factors, encoded, layout, source.scale, config.ratio,
+                None if config.kv_split == "shared" else config.key_share, value_attention, read,
+                in_context=config.in_context or config.kv_split == "shared")
         for i, j in reused.items():
             widths[i], tokens[i] = previous.codec.widths[j], previous.block_tokens[j]
         codec = store_codec(layout, widths, source.scale, tokens)

@@ -15,6 +15,7 @@ with measured distortion instead of the Gaussian log-variance rule. The error ma
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -65,6 +66,41 @@ def attended_column_errors(c: torch.Tensor, probs: torch.Tensor, widths=WIDTHS) 
     c = c.float()
     p = probs.float()
     return torch.stack([(p @ (roundtrip_columns(c, w) - c)).double().pow(2).sum(-2) for w in widths], dim=-1)
+
+
+@dataclass
+class ContextAttention:
+    """Calibration queries' attention in one layer over a block placed in the context the model answers
+    from (the anchor and several blocks): ``probs`` [H, M, T] on the block's tokens, ``output`` [H, M, d]
+    the whole context's attention output (values unweighted), ``score_gradient(directions [H, n, d])``
+    [H, M, T, n]: how each query's score on each token moves per unit of a pre-RoPE key direction."""
+    probs: torch.Tensor
+    output: torch.Tensor
+    score_gradient: Callable[[torch.Tensor], torch.Tensor]
+
+
+def attended_key_errors(c: torch.Tensor, grad: torch.Tensor, probs: torch.Tensor, values: torch.Tensor,
+                        output: torch.Tensor, widths=WIDTHS) -> torch.Tensor:
+    """Squared error of the attention output ``output`` [..., M, e] when key coefficients c [..., T, n] are
+    stored at each width (``widths[0]`` = 0: dropped): [..., n, len(widths)], fp64, in the units of
+    `attended_column_errors` over ``values`` [..., T, e] (so keys and values can share one budget).
+
+    A score error Δs moves the output, to first order, by Σₜ Pₜ (Δsₜ - Σ P Δs) vₜ = Σₜ Pₜ Δsₜ (vₜ - O);
+    column j's coefficient error δc moves query m's score on token t by δcₜ ``grad`` [m, t, j] (∂score/∂cⱼ
+    at token t, RoPE included). A dropped column's error (δc = -c, structured) is summed exactly; rounding
+    noise, nearly independent across tokens, by its expectation Σₜ δcₜ² Σₘ (Pₘₜ gₘₜⱼ)² ‖vₜ - Oₘ‖².
+    """
+    if widths[0] != 0:
+        raise ValueError("the first width must be 0 (a dropped column)")
+    c, p, values, output = c.float(), probs.float(), values.float(), output.float()
+    a = p.unsqueeze(-1) * grad.float()  # [..., M, T, n]
+    x = a * c.unsqueeze(-3)
+    moved = torch.einsum("...mtn,...te->...mne", x, values) - x.sum(-2).unsqueeze(-1) * output.unsqueeze(-2)
+    dropped = moved.double().pow(2).sum((-3, -1))  # [..., n]
+    spread = (values.unsqueeze(-3) - output.unsqueeze(-2)).pow(2).sum(-1)  # [..., M, T]
+    weight = torch.einsum("...mtn,...mt->...tn", a.pow(2), spread).double()
+    rounded = [(weight * (roundtrip_columns(c, w) - c).double().pow(2)).sum(-2) for w in widths[1:]]
+    return torch.stack([dropped, *rounded], dim=-1)
 
 
 def column_bytes(tokens, bits):

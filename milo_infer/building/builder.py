@@ -35,7 +35,7 @@ from milo_store.urls import is_url, local_sidecar
 from milo_store.writer import StoreLock, check_target
 
 from ..models import LoadedModel, channel_scales
-from .calibration import calibration_query_ids, value_attention
+from .calibration import calibration_query_ids, context_attention, context_query_ids, value_attention
 from ..tasks.corpus import Demonstration, TaskSpec
 from .config import BuildConfig, BuildError, corpus_fingerprint
 from .distributed import World
@@ -289,6 +289,9 @@ def commit(out: Path, loaded: LoadedModel, demos, task, config: BuildConfig, pla
     attend = None
     if STORE_CODECS.get(config.compression.codec) is not None:  # a store codec that measures values through attention
         attend = value_attention(loaded, anchor_ids, calibration_query_ids(loaded.tokenizer, task, demos))
+        if config.compression.in_context or config.compression.kv_split == "shared":  # errors measured in context
+            attend.in_context = context_attention(loaded, anchor_ids, anchor_kv,
+                                                  context_query_ids(loaded.tokenizer, task, demos))
     bars = StageBars(progress)
     try:
         return write_store(out, share.staging, len(plan.blocks), layout, config.compression, attrs=attrs,

@@ -70,8 +70,8 @@ def default_compression(ratio: float, seed: int = 0, *, codec: str | None = None
     records 1.0 (as `milo eval`'s raw methods do).
     """
     codec = codec or auto_codec(ratio, dtype, query_aware, allocation)
-    if key_share is None:
-        key_share = BITS_KEY_SHARE if codec == "bits" else 0.5
+    if key_share is None:  # one pool (kv_split "shared") has no keys' share
+        key_share = BITS_KEY_SHARE if codec == "bits" and allocation.get("kv_split") != "shared" else 0.5
     dtype = dtype or auto_dtype(ratio, codec)
     chosen = default_allocation(dtype, ratio) if codec == "svd" else {}
     if key_share != 0.5:  # a key share needs separate budgets

@@ -77,7 +77,9 @@ def add_arguments(p):
                         "defaults to frontier, head otherwise)")
     p.add_argument("--kv-split", choices=KV_SPLITS,
                    help="budget keys and values apart or together (default: shared where the "
-                        "policy defaults to frontier, separate otherwise or with --key-share)")
+                        "policy defaults to frontier, separate otherwise or with --key-share; with --codec bits, "
+                        "shared is one pool whose errors are the attention output's in context: measured worse "
+                        "at 8x, docs/results.md)")
     p.add_argument("--key-share", type=float,
                    help="with --kv-split separate: the share of the byte budget given to keys (default 0.5; "
                         "0.25 for the bits codec, where values need the bytes: docs/results.md)")

@@ -37,7 +37,9 @@ BASES = {
     "example-svd": {"codec": "example-svd"},
     "example-asvd": {"codec": "example-svd", "query_aware": True},  # activation-aware, as ASVD
     # each block's query-weighted SVD, one code width per component (milo_store/codecs/bits.py); it takes
-    # no quantization and of the modifiers only -ks<share>
+    # no quantization and of the modifiers only -ks<share> (keys' share of the budget), -shared (one pool
+    # for keys and values, both measured as the attention output's error over the assembled context) and
+    # -ctx (every error measured so, each kind on its own share)
     "bits": {"codec": "bits", "query_aware": True},
 }
 OWN_WIDTHS = ("bits",)  # bases whose codec sets its own widths: no +quant, no allocation modifier but -ks
@@ -54,6 +56,7 @@ MODIFIERS = {  # word -> (kind, fields); kinds in canonical order
     "shared": ("split", {"kv_split": "shared"}),  # one budget for K and V instead of half each
     "ks": ("split", None),  # ks<share>: the keys' share of a separate budget, e.g. ks0.3
     "qaw": ("qaw", {"query_aware": True}),  # SVD of X diag(s): channels weighted by what their error costs
+    "ctx": ("ctx", {"in_context": True}),  # bits: errors measured through attention over the assembled context
 }
 KINDS = list(dict.fromkeys(kind for kind, _ in MODIFIERS.values()))
 EXAMPLES = ("full", "default", "bits", "raw+int8", "raw+kivi", "milo", "milo-fullrank", "milo-energy", "milo-layer",
@@ -100,8 +103,8 @@ def method_fields(name: str) -> dict:
         raise ValueError(f"unknown method {name!r}: one quantization per method")
     if quant and quant[0] not in QUANTS:
         raise ValueError(f"unknown method {name!r}: +{quant[0]} is not a quantization ({', '.join(QUANTS)})")
-    if base in OWN_WIDTHS and (quant or any(not w.startswith("ks") for w in mods)):
-        raise ValueError(f"method {name!r}: {base} chooses its own code widths; it takes only -ks<share>")
+    if base in OWN_WIDTHS and (quant or any(not w.startswith("ks") and w not in ("shared", "ctx") for w in mods)):
+        raise ValueError(f"method {name!r}: {base} chooses its own code widths; it takes only -ks<share>, -shared or -ctx")
     if quant:
         fields["dtype"] = QUANTS[quant[0]]
     kinds = []

@@ -24,7 +24,8 @@ from ..allocation import BudgetError
 from ..codec import BlockFactors
 from ..layout import Layout, full_kv_bytes, index_bytes
 from ..quant import quantize
-from ..rate_distortion import WIDTHS, allocate_bits, attended_column_errors, column_errors, quantize_columns
+from ..rate_distortion import (WIDTHS, ContextAttention, allocate_bits, attended_column_errors, attended_key_errors,
+                               column_errors, quantize_columns)
 from .bits_reference import decode_unit_reference
 
 WIDTHS_ARRAY, WEIGHTS_ARRAY = "widths", "channel_weights"  # uint8 [N, L, 2, H, d]; float32 [L, 2, H, d]
@@ -112,15 +113,23 @@ class BitsCodec:
 
     @staticmethod
     def plan_widths(factors: Callable[[int], BlockFactors], blocks: list[int], layout: Layout, weights: torch.Tensor,
-                    ratio: float, key_share: float = 0.5,
+                    ratio: float, key_share: float | None = 0.5,
                     value_attention: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
-                    read: Callable[[int], None] = lambda done: None) -> tuple[np.ndarray, np.ndarray]:
+                    read: Callable[[int], None] = lambda done: None, in_context: bool = False
+                    ) -> tuple[np.ndarray, np.ndarray]:
         """(widths uint8 [N, L, 2, H, d], tokens [N]) for ``blocks`` (N of them) so that their bytes, the
         weights' and their index's included, take at most ``ratio`` of their fp16 full K/V (an update plans
         its new blocks alone: the kept ones keep their widths). ``factors(i)``: block i's factors of
         X diag(s), B divided by s (`baselines.WeightedBlocks`). ``value_attention(i, keys)``: attention
         probabilities [L, H, M, T] of calibration queries over block i's pre-RoPE keys [L, H, T, d] (None:
-        values' errors are their weighted squared errors, as keys' always are)."""
+        values' errors are their weighted squared errors, as keys' always are). ``in_context``: every
+        component's error is the attention output's over the assembled context (``value_attention.in_context``,
+        `ContextAttention`; keys through their scores, `attended_key_errors`), which ``key_share`` None (keys
+        and values in one pool) needs."""
+        in_context = in_context or key_share is None
+        if in_context and getattr(value_attention, "in_context", None) is None:
+            raise ValueError("errors measured in context (one pool for keys and values measures so) need "
+                             "calibration attention in context (value_attention.in_context)")
         L, H, d = layout.num_layers, layout.num_kv_heads, layout.head_dim
         U, num_blocks = L * 2 * H, len(blocks)
         errors = np.zeros((num_blocks, L, 2, H, d, len(WIDTHS)))
@@ -131,7 +140,9 @@ class BitsCodec:
             T, n = c.shape[-2], c.shape[-1]
             tokens[i] = T
             e = column_errors(c.reshape(U, T, n)).reshape(L, 2, H, n, -1)
-            if value_attention is not None:
+            if in_context:
+                e = _output_errors(block, c, V, weights, value_attention.in_context)
+            elif value_attention is not None:
                 keys = (c[:, 0] @ V[:, 0].transpose(-1, -2)) / weights[:, 0].unsqueeze(-2)
                 e[:, 1] = attended_column_errors(c[:, 1], value_attention(block, keys))
             errors[i, ..., :n, :] = e.numpy()
@@ -140,6 +151,10 @@ class BitsCodec:
             read(i + 1)
         budget = ratio * full_kv_bytes(layout, tokens) - BitsCodec.fixed_bytes(layout, tokens, ratio)
         choice = np.zeros(errors.shape[:-1], dtype=np.int64)
+        if key_share is None:  # one pool: keys' and values' errors are both the attention output's
+            finite = np.where(np.isfinite(costs), costs, 1e30).reshape(-1, len(WIDTHS))
+            choice[:] = allocate_bits(errors.reshape(-1, len(WIDTHS)), finite, budget).reshape(choice.shape)
+            return np.array(WIDTHS, dtype=np.uint8)[choice], tokens
         for kind, share in ((0, key_share), (1, 1 - key_share)):
             e = errors[:, :, kind].reshape(-1, len(WIDTHS))
             k = costs[:, :, kind].reshape(-1, len(WIDTHS))
@@ -256,6 +271,22 @@ class BitsCodec:
             mine = torch.from_numpy(unit == u)
             out[u] = decode_unit_reference(codes[mine], params[mine], basis[mine], w[u])
         return out.reshape(L, 2, H, T, d)
+
+
+def _output_errors(block: int, c: torch.Tensor, V: torch.Tensor, weights: torch.Tensor,
+                   in_context: Callable[[int, int, torch.Tensor, torch.Tensor], ContextAttention]) -> torch.Tensor:
+    """Errors [L, 2, H, n, len(WIDTHS)] of every component at every width as the attention output over the
+    assembled context takes them, layer by layer, in the weighted values' space (keys' and values' alike)."""
+    out = []
+    for layer in range(c.shape[0]):
+        ck, cv, Vk, Vv = c[layer, 0], c[layer, 1], V[layer, 0], V[layer, 1]
+        sk, sv = weights[layer, 0].unsqueeze(-2), weights[layer, 1].unsqueeze(-2)  # [H, 1, d]
+        weighted_values = cv @ Vv.transpose(-1, -2)  # [H, T, d]
+        ctx = in_context(block, layer, (ck @ Vk.transpose(-1, -2)) / sk, weighted_values / sv)
+        directions = (Vk / weights[layer, 0].unsqueeze(-1)).transpose(-1, -2)  # [H, n, d]: key per unit coefficient
+        keys = attended_key_errors(ck, ctx.score_gradient(directions), ctx.probs, weighted_values, ctx.output * sv)
+        out.append(torch.stack((keys, attended_column_errors(cv, ctx.probs)), dim=0))
+    return torch.stack(out)
 
 
 def _weighted_parts(f: BlockFactors, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,7 +10,8 @@ from milo_store.codec import reconstruct, unpack_block
 from milo_store.codecs import BitsCodec, LowRankCodec, open_codec
 from milo_store.codecs.bits import component_bytes
 from milo_store.quant import quantize
-from milo_store.rate_distortion import WIDTHS, roundtrip_columns
+from milo_store.allocation import BudgetError
+from milo_store.rate_distortion import WIDTHS, ContextAttention, roundtrip_columns
 from milo_store.synthetic import block_location, staged_synthetic_blocks
 
 
@@ -102,6 +103,68 @@ def test_allocation_never_spends_past_the_budget(tmp_path_factory, seed, tokens,
             err += float(((y - x) * source.scale.unsqueeze(-2)).pow(2).sum())
         errors.append(err)
     assert errors[1] <= errors[0] * 1.05 + 1e-6  # measured errors: quantizing the basis adds a little
+
+
+def fake_context(seed, queries=3, rest=0.5, scale=1.0):
+    """A `ContextAttention` source without a model: random queries on a block's keys, the block holding
+    ``1 - rest`` of the mass, a random rest of the output; scores' gradient without RoPE."""
+    def in_context(i, layer, keys, values):
+        g = torch.Generator().manual_seed(seed + 7 * i + layer)
+        H, T, d = keys.shape
+        q = torch.randn(H, queries, d, generator=g) * scale
+        probs = torch.softmax(q @ keys.transpose(-1, -2), dim=-1) * (1 - rest)
+        output = probs @ values + rest * torch.randn(H, queries, d, generator=g)
+        gradient = lambda dirs: (q @ dirs.transpose(-1, -2)).unsqueeze(2).expand(H, queries, T, dirs.shape[1])  # noqa: E731
+        return ContextAttention(probs, output, gradient)
+    return in_context
+
+
+def with_context(in_context):
+    attend = lambda i, keys: None  # noqa: E731 (one pool reads only the attention in context)
+    attend.in_context = in_context
+    return attend
+
+
+@settings(max_examples=8, deadline=None)
+@given(st.integers(0, 2**16), st.lists(st.integers(1, 40), min_size=1, max_size=4), st.floats(0.03, 1.0),
+       st.sampled_from([None, 0.3]))
+def test_errors_in_context_never_spend_past_the_budget(tmp_path_factory, seed, tokens, ratio, key_share):
+    """Errors measured through attention in context, keys and values in one pool (None) or on their own
+    shares: everything counted stays within ρ, and the blocks round-trip."""
+    layout = Layout(2, 1, 8)
+    staging, _ = staged(tmp_path_factory.mktemp("s"), layout, tokens, seed)
+    source = WeightedBlocks(staging, len(tokens), channel_scale(layout, seed))
+    blocks, attend = list(range(len(tokens))), with_context(fake_context(seed))
+    full = 2 * sum(tokens) * layout.units_per_block * layout.head_dim
+    try:
+        widths, planned = BitsCodec.plan_widths(source.factors, blocks, layout, source.scale, ratio, key_share, attend,
+                                                in_context=True)
+    except BudgetError:
+        return
+    codec = BitsCodec(layout, widths, source.scale, planned)
+    assert codec.accounting(2)["total_bytes"] <= ratio * full + 1e-6
+    if key_share is not None:  # each kind within its own share of what the components may spend
+        spent = component_bytes(planned[:, None, None, None, None], widths, 8)
+        budget = ratio * full - BitsCodec.fixed_bytes(layout, planned, ratio)
+        assert spent[:, :, 0].sum() <= key_share * budget + 1e-6
+    for i in blocks:
+        assert codec.decode_dense(i, codec.encode(i, source.factors(i))).shape == (2, 2, 1, tokens[i], 8)
+
+
+def test_one_pool_follows_where_attention_takes_the_error(tmp_path):
+    """Keys that no score reads (zero queries: uniform attention, no score moves) get no bytes, and the
+    values all of them; a share fixed in advance would have spent a quarter on the keys."""
+    layout = Layout(1, 1, 8)
+    staging, _ = staged(tmp_path, layout, [40, 40], 0)
+    source = WeightedBlocks(staging, 2, channel_scale(layout, 0))
+    with pytest.raises(ValueError, match="in context"):
+        BitsCodec.plan_widths(source.factors, [0, 1], layout, source.scale, 0.2, None, lambda i, keys: None)
+    widths, _ = BitsCodec.plan_widths(source.factors, [0, 1], layout, source.scale, 0.2, None,
+                                      with_context(fake_context(0, queries=3, scale=0.0)))
+    assert widths[:, :, 0].sum() == 0 and widths[:, :, 1].sum() > 0
+    widths, _ = BitsCodec.plan_widths(source.factors, [0, 1], layout, source.scale, 0.2, None,
+                                      with_context(fake_context(0, queries=3)))
+    assert widths[:, :, 0].sum() > 0
 
 
 def bits_store(tmp_path, tokens=(23, 40, 9, 31), ratio=0.2, seed=0):

@@ -3,8 +3,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from milo_store.rate_distortion import (SCALE_BYTES, WIDTHS, allocate_bits, attended_column_errors, column_bytes,
-                                        column_errors,
+from milo_store.rate_distortion import (SCALE_BYTES, WIDTHS, allocate_bits, attended_column_errors, attended_key_errors,
+                                        column_bytes, column_errors,
                                         dequantize_columns, fit_transform, pack_columns, quantize_columns,
                                         roundtrip_columns, unpack_columns, zstd_bytes)
 
@@ -136,3 +136,53 @@ def test_attended_errors_are_the_attention_outputs_error(seed, tokens, n, querie
     # attention spread over every token sees at most the mean square over tokens (Cauchy-Schwarz)
     spread = torch.full((2, 1, tokens), 1.0 / tokens)
     assert (attended_column_errors(c, spread)[..., 1:] <= column_errors(c)[..., 1:] / tokens * 1.0001 + 1e-9).all()
+
+
+def _keys_attended(seed, tokens, n, queries, size):
+    """Keys c Vᵀ (V orthonormal [d, n]), queries of size ``size`` (small: scores move little), values."""
+    g = torch.Generator().manual_seed(seed)
+    d, e = n + 2, 5
+    c = torch.randn(tokens, n, generator=g) * 3
+    V = torch.linalg.qr(torch.randn(d, n, generator=g))[0]
+    q, values = torch.randn(queries, d, generator=g) * size, torch.randn(tokens, e, generator=g)
+
+    def output(coefficients):
+        probs = torch.softmax(q @ (coefficients @ V.T).T, dim=-1)
+        return probs, probs @ values
+
+    grad = (q @ V).unsqueeze(1).expand(queries, tokens, n)  # ∂(q·k_t)/∂c_tj without RoPE
+    return c, V, values, output, grad
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2**16), st.integers(2, 30), st.integers(1, 5), st.integers(1, 6))
+def test_key_errors_are_the_outputs_first_order_change(seed, tokens, n, queries):
+    """A dropped key column's error is the attention output's actual change while the scores move little;
+    the widest code costs less than dropping."""
+    c, V, values, output, grad = _keys_attended(seed, tokens, n, queries, 1e-3)
+    probs, out = output(c)
+    e = attended_key_errors(c, grad, probs, values, out)
+    assert e.shape == (n, len(WIDTHS)) and (e >= 0).all()
+    for j in range(n):
+        dropped = c.clone()
+        dropped[:, j] = 0
+        actual = (output(dropped)[1] - out).double().pow(2).sum()
+        torch.testing.assert_close(e[j, 0], actual, rtol=2e-2, atol=1e-18)
+    assert (e[:, -1] <= e[:, 0] * 1.0001 + 1e-24).all()
+    with pytest.raises(ValueError, match="first width must be 0"):
+        attended_key_errors(c, grad, probs, values, out, widths=(1, 2))
+
+
+def test_key_rounding_errors_are_the_expected_output_change():
+    """Noise that is independent across tokens moves the output, on average, by the rounding estimate."""
+    c, V, values, output, grad = _keys_attended(3, 200, 3, 4, 1e-3)
+    probs, out = output(c)
+    e = attended_key_errors(c, grad, probs, values, out, widths=(0, 2))
+    g = torch.Generator().manual_seed(0)
+    delta = (roundtrip_columns(c, 2) - c)[:, 1]
+    trials = []
+    for _ in range(200):  # the same squared error per token, signs shuffled: independent noise
+        noisy = c.clone()
+        noisy[:, 1] += delta * (torch.randint(0, 2, (len(delta),), generator=g) * 2 - 1)
+        trials.append(float((output(noisy)[1] - out).double().pow(2).sum()))
+    assert abs(np.mean(trials) / float(e[1, 1]) - 1) < 0.2

@@ -77,15 +77,17 @@ def test_full_rank_matches_identity_and_bytes_are_measured(built, default_model,
 
 @pytest.mark.slow
 def test_a_bits_store_is_built_from_the_shared_staging_and_answers(built, default_model, tmp_path):
-    """The bits codec through the real build (calibration attention from the model) and the engine's
-    rebuild (its blocks decoded to fp16 factors): near-full-rank it answers as the full cache does."""
+    """The bits codec through the real build (calibration attention from the model, in context for one
+    pool) and the engine's rebuild (its blocks decoded to fp16 factors): near-full-rank it answers as the
+    full cache does."""
     root, _, task, queries = built
     base = BuildConfig(block_size=4, context_blocks=1, order="corpus")
     names = {store_name("bits", r): method_config("bits", r) for r in (0.9, 0.25)}
+    names[store_name("bits-shared", 0.25)] = method_config("bits-shared", 0.25)  # errors in context, one pool
     summaries = encode_once(default_model, load_corpus(DEMO)[:8], task, base, names, root, progress=False)
     assert all(s["blocks_encoded_now"] == 0 for s in summaries.values())  # the shared SVD staging, no encoding
     full = evaluate(default_model, root / "full", queries, task, k=2, predictions=tmp_path / "full.jsonl")
-    for name, ratio in (("bits-r0.9", 0.9), ("bits-r0.25", 0.25)):
+    for name, ratio in (("bits-r0.9", 0.9), ("bits-r0.25", 0.25), ("bits-shared-r0.25", 0.25)):
         result = evaluate(default_model, root / name, queries, task, k=2, predictions=tmp_path / f"{name}.jsonl")
         assert result["n"] == 2 and result["store_ratio"] <= ratio
         assert result["query_kv_bytes_stored"] < result["query_kv_bytes_full"]
@@ -163,12 +165,19 @@ def test_method_names_compose_a_base_modifiers_and_a_quantization():
             method_config(bad, 0.5)
 
 
-def test_the_bits_method_names_its_codec_and_takes_only_a_key_share():
+def test_the_bits_method_names_its_codec_and_takes_only_a_key_share_or_one_pool():
     c = method_config("bits-ks0.3", 0.125)
     assert (c.codec, c.dtype, c.query_aware, c.key_share) == ("bits", "float16", True, 0.3)
     assert store_name("bits", 0.125) == "bits-r0.125"
-    for bad in ("bits+int4", "bits-energy", "bits-qaw"):
-        with pytest.raises(ValueError, match="only -ks<share>"):
+    pooled = method_config("bits-shared", 0.125)
+    assert (pooled.codec, pooled.kv_split, pooled.key_share) == ("bits", "shared", 0.5)
+    measured = method_config("bits-ks0.25-ctx", 0.125)
+    assert (measured.in_context, measured.key_share) == (True, 0.25) and not method_config("bits", 0.125).in_context
+    with pytest.raises(ValueError, match="apply to the bits codec"):
+        method_config("milo-ctx", 0.125)
+    assert build_config("--ratio", "0.125", "--codec", "bits", "--kv-split", "shared").kv_split == "shared"
+    for bad in ("bits+int4", "bits-energy", "bits-qaw", "bits-shared-ks0.3"):
+        with pytest.raises(ValueError, match="only -ks<share>, -shared or -ctx|one modifier of each kind"):
             method_config(bad, 0.125)
 
 
