@@ -93,6 +93,35 @@ def _load_a(CODES, SCALES, n_scales, t, c, t_ok, c_ok, columns, tokens, key, BIT
     return a
 
 
+def _store_rows(K, V, COS, SIN, head, rows, mask, c1, c2, acc1, acc2, kind,
+                skh, skn, skd, svh, svn, svd, scn, scd, ssn, ssd):
+    """Write finished rows of both kernels: a key's RoPE pairs (c1, c2) rotated in fp32 at its rows'
+    positions, a value as it is."""
+    if kind == 0:
+        cos1 = tl.load(COS + rows[:, None] * scn + c1[None, :] * scd, mask=mask, other=0.0)
+        cos2 = tl.load(COS + rows[:, None] * scn + c2[None, :] * scd, mask=mask, other=0.0)
+        sin1 = tl.load(SIN + rows[:, None] * ssn + c1[None, :] * ssd, mask=mask, other=0.0)
+        sin2 = tl.load(SIN + rows[:, None] * ssn + c2[None, :] * ssd, mask=mask, other=0.0)
+        out = K + head * skh + rows[:, None] * skn
+        tl.store(out + c1[None, :] * skd, (acc1 * cos1 - acc2 * sin1).to(K.dtype.element_ty), mask=mask)
+        tl.store(out + c2[None, :] * skd, (acc2 * cos2 + acc1 * sin2).to(K.dtype.element_ty), mask=mask)
+    else:
+        out = V + head * svh + rows[:, None] * svn
+        tl.store(out + c1[None, :] * svd, acc1.to(V.dtype.element_ty), mask=mask)
+        tl.store(out + c2[None, :] * svd, acc2.to(V.dtype.element_ty), mask=mask)
+
+
+def _jit_with(kernel, **helpers):
+    """Jit ``kernel`` with its device helpers jitted and bound in its own copy of this module's globals, where
+    both the compiler and the interpreter look callees up (the interpreter ignores closures). A function made
+    from a code object carries no annotations, so the constexprs are copied over: without them nothing compiles
+    on a GPU (seen on an H200, 2026-12-04)."""
+    scope = {**globals(), **{name: triton.jit(fn) for name, fn in helpers.items()}}
+    bound = types.FunctionType(kernel.__code__, scope)
+    bound.__annotations__ = kernel.__annotations__
+    return triton.jit(bound)
+
+
 @functools.cache
 def kernel_for(interpret: bool):
     """Build the JIT kernel lazily: triton decides interpreter vs compiler when the decorator runs.
@@ -178,25 +207,10 @@ def kernel_for(interpret: bool):
                     acc1 = tl.dot(a, b1, acc1)
                     acc2 = tl.dot(a, b2, acc2)
 
-        rows = row0 + t
-        mask = t_ok[:, None] & h_ok[None, :]
-        if kind == 0:
-            cos1 = tl.load(COS + rows[:, None] * scn + c1[None, :] * scd, mask=mask, other=0.0)
-            cos2 = tl.load(COS + rows[:, None] * scn + c2[None, :] * scd, mask=mask, other=0.0)
-            sin1 = tl.load(SIN + rows[:, None] * ssn + c1[None, :] * ssd, mask=mask, other=0.0)
-            sin2 = tl.load(SIN + rows[:, None] * ssn + c2[None, :] * ssd, mask=mask, other=0.0)
-            out = K + head * skh + rows[:, None] * skn
-            tl.store(out + c1[None, :] * skd, (acc1 * cos1 - acc2 * sin1).to(K.dtype.element_ty), mask=mask)
-            tl.store(out + c2[None, :] * skd, (acc2 * cos2 + acc1 * sin2).to(K.dtype.element_ty), mask=mask)
-        else:
-            out = V + head * svh + rows[:, None] * svn
-            tl.store(out + c1[None, :] * svd, acc1.to(V.dtype.element_ty), mask=mask)
-            tl.store(out + c2[None, :] * svd, acc2.to(V.dtype.element_ty), mask=mask)
+        _store_rows(K, V, COS, SIN, head, row0 + t, t_ok[:, None] & h_ok[None, :], c1, c2, acc1, acc2, kind,
+                    skh, skn, skd, svh, svn, svd, scn, scd, ssn, ssd)
 
-    scope = {**globals(), "_scale_count": triton.jit(_scale_count), "_load_a": triton.jit(_load_a)}
-    bound = types.FunctionType(reconstruct_kernel.__code__, scope)
-    bound.__annotations__ = reconstruct_kernel.__annotations__  # the constexprs: a code object carries none
-    return triton.jit(bound)
+    return _jit_with(reconstruct_kernel, _scale_count=_scale_count, _load_a=_load_a, _store_rows=_store_rows)
 
 
 def kernel():
@@ -275,25 +289,10 @@ def bits_kernel_for(interpret: bool):
         unit = SCALE + kind * sxk + head * sxh
         acc1 = acc1 * tl.load(unit + c1 * sxd, mask=h_ok, other=0.0)[None, :]
         acc2 = acc2 * tl.load(unit + c2 * sxd, mask=h_ok, other=0.0)[None, :]
-        rows = row0 + t
-        mask = t_ok[:, None] & h_ok[None, :]
-        if kind == 0:
-            cos1 = tl.load(COS + rows[:, None] * scn + c1[None, :] * scd, mask=mask, other=0.0)
-            cos2 = tl.load(COS + rows[:, None] * scn + c2[None, :] * scd, mask=mask, other=0.0)
-            sin1 = tl.load(SIN + rows[:, None] * ssn + c1[None, :] * ssd, mask=mask, other=0.0)
-            sin2 = tl.load(SIN + rows[:, None] * ssn + c2[None, :] * ssd, mask=mask, other=0.0)
-            out = K + head * skh + rows[:, None] * skn
-            tl.store(out + c1[None, :] * skd, (acc1 * cos1 - acc2 * sin1).to(K.dtype.element_ty), mask=mask)
-            tl.store(out + c2[None, :] * skd, (acc2 * cos2 + acc1 * sin2).to(K.dtype.element_ty), mask=mask)
-        else:
-            out = V + head * svh + rows[:, None] * svn
-            tl.store(out + c1[None, :] * svd, acc1.to(V.dtype.element_ty), mask=mask)
-            tl.store(out + c2[None, :] * svd, acc2.to(V.dtype.element_ty), mask=mask)
+        _store_rows(K, V, COS, SIN, head, row0 + t, t_ok[:, None] & h_ok[None, :], c1, c2, acc1, acc2, kind,
+                    skh, skn, skd, svh, svn, svd, scn, scd, ssn, ssd)
 
-    scope = {**globals(), "_half": triton.jit(_half)}
-    bound = types.FunctionType(reconstruct_bits_kernel.__code__, scope)
-    bound.__annotations__ = reconstruct_bits_kernel.__annotations__  # the constexprs: a code object carries none
-    return triton.jit(bound)
+    return _jit_with(reconstruct_bits_kernel, _half=_half, _store_rows=_store_rows)
 
 
 def bits_kernel():
