@@ -290,10 +290,13 @@ def test_query_aware_applies_only_to_svd_and_example_svd():
 
 
 def test_allocation_record_leaves_later_fields_out_at_their_defaults():
-    """Stores written before query_aware existed keep the record (and the keys derived from it)."""
+    """Stores written before query_aware (or in_context) existed keep the record (and the keys derived from it)."""
     from dataclasses import asdict
     from milo_store.compress import allocation_record
     plain = CompressionConfig(ratio=0.25, dtype="int8")
-    assert allocation_record(plain) == {k: v for k, v in asdict(plain).items() if k != "query_aware"}
+    later = ("query_aware", "in_context")
+    assert allocation_record(plain) == {k: v for k, v in asdict(plain).items() if k not in later}
     assert allocation_record(CompressionConfig(query_aware=True))["query_aware"] is True
+    in_context = CompressionConfig(codec="bits", query_aware=True, dtype="float16", in_context=True)
+    assert allocation_record(in_context)["in_context"] is True
     assert allocation_record({**asdict(plain), "query_aware": False}) == allocation_record(plain)  # a stored record
