@@ -93,6 +93,19 @@ def _load_a(CODES, SCALES, n_scales, t, c, t_ok, c_ok, columns, tokens, key, BIT
     return a
 
 
+def _rope_pairs(D, INTERLEAVED, BLOCK_H):
+    """This program's BLOCK_H RoPE pairs of a head of D channels: which exist, and their two channels c1 and c2
+    (neighbours when INTERLEAVED, else D / 2 apart)."""
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    if INTERLEAVED:
+        c1 = 2 * h
+        c2 = 2 * h + 1
+    else:
+        c1 = h
+        c2 = h + D // 2
+    return h < D // 2, c1, c2
+
+
 def _store_rows(K, V, COS, SIN, head, rows, mask, c1, c2, acc1, acc2, kind,
                 skh, skn, skd, svh, svn, svd, scn, scd, ssn, ssd):
     """Write finished rows of both kernels: a key's RoPE pairs (c1, c2) rotated in fp32 at its rows'
@@ -144,15 +157,8 @@ def kernel_for(interpret: bool):
         t0 = tl.load(tile + 6).to(tl.int32)
 
         t = t0 + tl.arange(0, BLOCK_T)  # token index inside the segment
-        h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # RoPE pairs: channels c1[h] and c2[h]
         t_ok = t < tokens
-        h_ok = h < D // 2
-        if INTERLEAVED:
-            c1 = 2 * h
-            c2 = 2 * h + 1
-        else:
-            c1 = h
-            c2 = h + D // 2
+        h_ok, c1, c2 = _rope_pairs(D, INTERLEAVED, BLOCK_H)
 
         # where each part of the segment starts (docs/format.md); fp16 parts are read through F16
         hdr = F16 + src // 2
@@ -210,7 +216,8 @@ def kernel_for(interpret: bool):
         _store_rows(K, V, COS, SIN, head, row0 + t, t_ok[:, None] & h_ok[None, :], c1, c2, acc1, acc2, kind,
                     skh, skn, skd, svh, svn, svd, scn, scd, ssn, ssd)
 
-    return _jit_with(reconstruct_kernel, _scale_count=_scale_count, _load_a=_load_a, _store_rows=_store_rows)
+    return _jit_with(reconstruct_kernel, _scale_count=_scale_count, _load_a=_load_a, _rope_pairs=_rope_pairs,
+                     _store_rows=_store_rows)
 
 
 def kernel():
@@ -244,15 +251,8 @@ def bits_kernel_for(interpret: bool):
         t0 = tl.load(tile + 6).to(tl.int32)
 
         t = t0 + tl.arange(0, BLOCK_T)
-        h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # RoPE pairs: channels c1[h] and c2[h]
         t_ok = t < tokens
-        h_ok = h < D // 2
-        if INTERLEAVED:
-            c1 = 2 * h
-            c2 = 2 * h + 1
-        else:
-            c1 = h
-            c2 = h + D // 2
+        h_ok, c1, c2 = _rope_pairs(D, INTERLEAVED, BLOCK_H)
 
         acc1 = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
         acc2 = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
@@ -292,7 +292,7 @@ def bits_kernel_for(interpret: bool):
         _store_rows(K, V, COS, SIN, head, row0 + t, t_ok[:, None] & h_ok[None, :], c1, c2, acc1, acc2, kind,
                     skh, skn, skd, svh, svn, svd, scn, scd, ssn, ssd)
 
-    return _jit_with(reconstruct_bits_kernel, _half=_half, _store_rows=_store_rows)
+    return _jit_with(reconstruct_bits_kernel, _half=_half, _rope_pairs=_rope_pairs, _store_rows=_store_rows)
 
 
 def bits_kernel():
