@@ -47,8 +47,10 @@ def queries(n: int) -> list[str]:
 
 
 def build_stores(model: LoadedModel, root: Path) -> dict[str, Path]:
-    """``raw`` (every unit raw, fp32: the identity) and ``r05`` (what `milo build --ratio 0.5` writes)."""
-    configs = {"raw": default_compression(1.0, codec="raw", dtype="float32"), "r05": default_compression(0.5)}
+    """``raw`` (every unit raw, fp32: the identity), ``r05`` (what `milo build --ratio 0.5` writes) and ``bits``
+    (the bits codec at ratio 0.125, decoded on the host at read)."""
+    configs = {"raw": default_compression(1.0, codec="raw", dtype="float32"), "r05": default_compression(0.5),
+               "bits": default_compression(0.125, codec="bits")}
     encode_once(model, demonstrations(), TASK, BuildConfig(block_size=BLOCK, context_blocks=CONTEXT), configs, root,
                 progress=False)
     return {name: root / name for name in configs}

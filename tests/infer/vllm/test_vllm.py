@@ -29,6 +29,8 @@ from tests.infer.vllm.vllm_server import vllm_python, vllm_server
 
 SHOTS, BLOCK, CONTEXT, K = 64, 8, 2, 4  # 8 blocks of 8 demonstrations; 4 retrieved: ~850-token prompts
 N_QUERIES = 20
+SERVED = ("raw", "r05", "bits", "bad")  # the stores of the module's one vLLM server
+ANSWERED = ("raw", "r05", "bits")  # those whose answers through vLLM are compared with milo's engine
 LOGPROB_TOL = 0.01  # vLLM in fp32 against K/V encoded in fp32, stored in fp16 (seen: under 0.002)
 
 
@@ -46,7 +48,8 @@ def stores(default_model, banking77, tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a shared 2-core machine: more threads only thrash
     root = tmp_path_factory.mktemp("vllm-stores")
-    configs = {"raw": default_compression(1.0, codec="raw", dtype="float16"), "r05": default_compression(0.5)}
+    configs = {"raw": default_compression(1.0, codec="raw", dtype="float16"), "r05": default_compression(0.5),
+               "bits": default_compression(0.125, codec="bits")}  # the bits codec: decoded on the host at read
     encode_once(default_model, train[:SHOTS], task,
                 BuildConfig(block_size=BLOCK, context_blocks=CONTEXT), configs, root, progress=False)
     opened = {name: MiloStore.open(root / name) for name in configs}
@@ -61,7 +64,7 @@ def stores(default_model, banking77, tmp_path_factory):
 def server(stores, default_model, tmp_path_factory):
     vllm_python()  # skip before anything starts where vLLM is not installed
     log = tmp_path_factory.mktemp("vllm") / "vllm.log"
-    with vllm_server([stores["root"] / name for name in ("raw", "r05", "bad")], log, tier="disk") as url:
+    with vllm_server([stores["root"] / name for name in SERVED], log, tier="disk") as url:
         yield url
 
 
@@ -91,7 +94,7 @@ def model_name():
 @pytest.fixture(scope="module")
 def prompts(stores, default_model):
     return {name: VllmPrompts(name, stores["opened"].get(name) or MiloStore.open(stores["root"] / name, tier="disk"),
-                              default_model.tokenizer, settings=EngineSettings(k=K)) for name in ("raw", "r05", "bad")}
+                              default_model.tokenizer, settings=EngineSettings(k=K)) for name in SERVED}
 
 
 # -- the request check, no vLLM ------------------------------------------------------------------
@@ -168,7 +171,7 @@ def answers(server, prompts, stores, default_model, banking77, model_name):
     requests = queries(banking77)
     out = {"prefill": [complete(server, prompts["raw"].prompt(r).body(model_name, use_store=False))
                        ["choices"][0]["text"].strip() for r in requests]}
-    for name in ("raw", "r05"):
+    for name in ANSWERED:
         results = [complete(server, prompts[name].prompt(r).body(model_name)) for r in requests]
         assert all(cached(r) > 0 for r in results)
         out[f"vllm-{name}"] = [r["choices"][0]["text"].strip() for r in results]
@@ -183,10 +186,29 @@ def agreement(a, b) -> float:
 
 def test_connector_answers_as_milo_does(answers):
     """The same store through vLLM and through milo's engine (both fp32) gives the same answers."""
-    for name in ("raw", "r05"):
+    for name in ANSWERED:
         assert agreement(answers[f"vllm-{name}"], answers[f"milo-{name}"]) >= 0.9, name
     # and block-wise encoding's distance from prefill is measured, not hidden: it is not zero here
     print({name: agreement(answers[name], answers["prefill"]) for name in answers})
+
+
+def test_a_bits_store_loads_what_milos_engine_rebuilds(server, prompts, stores, default_model, banking77, model_name):
+    """The bits codec's blocks, decoded on the host (`MiloStore.blocks`) and rebuilt by the connector, give vLLM
+    the first-token logprobs milo's own engine computes over the same store and blocks (unconstrained, both)."""
+    requests = queries(banking77, 6)
+    engine = Engine(default_model, {"bits": stores["opened"]["bits"]}, settings=EngineSettings(k=K))
+    plans = [engine.plan("bits", r) for r in requests]
+    for plan, logits in zip(plans, engine.logits(plans)):
+        prompt = prompts["bits"].prompt(plan.request)
+        assert prompt.blocks == plan.blocks
+        body = {**prompt.body(model_name, max_tokens=1, logprobs=5), "return_tokens_as_token_ids": True}
+        body.pop("structured_outputs", None)  # milo's logits are not constrained to the labels: nor are vLLM's here
+        result = complete(server, body)
+        assert cached(result) == prompt.prefix_tokens
+        milo = torch.log_softmax(logits[-1].float(), dim=-1)
+        theirs = {int(token.removeprefix("token_id:")): lp for token, lp in first_logprobs(result).items()}
+        assert len(theirs) >= 5 and all(math.isclose(lp, milo[t].item(), abs_tol=LOGPROB_TOL)
+                                        for t, lp in theirs.items()), (theirs, milo.topk(5))
 
 
 def test_concurrent_requests_sharing_blocks(server, prompts, banking77, model_name):

