@@ -139,12 +139,14 @@ def test_attended_errors_are_the_attention_outputs_error(seed, tokens, n, querie
 
 
 def _keys_attended(seed, tokens, n, queries, size):
-    """Keys c Vᵀ (V orthonormal [d, n]), queries of size ``size`` (small: scores move little), values."""
+    """Keys c Vᵀ (V orthonormal [d, n]), queries of size ``size`` (small: scores move little), values; in float64,
+    so that an output's small change is not float32's rounding."""
     g = torch.Generator().manual_seed(seed)
     d, e = n + 2, 5
-    c = torch.randn(tokens, n, generator=g) * 3
-    V = torch.linalg.qr(torch.randn(d, n, generator=g))[0]
-    q, values = torch.randn(queries, d, generator=g) * size, torch.randn(tokens, e, generator=g)
+    c = torch.randn(tokens, n, generator=g, dtype=torch.float64) * 3
+    V = torch.linalg.qr(torch.randn(d, n, generator=g, dtype=torch.float64))[0]
+    q = torch.randn(queries, d, generator=g, dtype=torch.float64) * size
+    values = torch.randn(tokens, e, generator=g, dtype=torch.float64)
 
     def output(coefficients):
         probs = torch.softmax(q @ (coefficients @ V.T).T, dim=-1)
@@ -158,8 +160,9 @@ def _keys_attended(seed, tokens, n, queries, size):
 @given(st.integers(0, 2**16), st.integers(2, 30), st.integers(1, 5), st.integers(1, 6))
 def test_key_errors_are_the_outputs_first_order_change(seed, tokens, n, queries):
     """A dropped key column's error is the attention output's actual change while the scores move little;
-    the widest code costs less than dropping."""
-    c, V, values, output, grad = _keys_attended(seed, tokens, n, queries, 1e-3)
+    the widest code costs less than dropping. (Queries of 1e-4: the second-order rest stays under 0.3% of the
+    change in 1,500 draws; at 1e-3 a draw reached 2.6%.)"""
+    c, V, values, output, grad = _keys_attended(seed, tokens, n, queries, 1e-4)
     probs, out = output(c)
     e = attended_key_errors(c, grad, probs, values, out)
     assert e.shape == (n, len(WIDTHS)) and (e >= 0).all()
