@@ -340,8 +340,8 @@ assert worst <= {atol}
 
 
 # Interpreter checks of the engine's Triton path on CPU tensors. On a GPU machine the compiled path runs instead
-# (tests/infer/runtime/test_prefix.py on CUDA; 2026-12-04 on the H200): there the engine's tensors would be CUDA's,
-# and that image's Triton interpreter refused the kernel's loaded rank as a loop bound.
+# (tests/infer/runtime/test_prefix.py on CUDA; 2026-12-04 on the H200), and that image's Triton interpreter refused
+# the kernel's loaded rank as a loop bound, with CUDA hidden from the subprocess too.
 cpu_interpreter = pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU interpreter check; CUDA runs the "
                                      "compiled kernel in test_prefix.py")
 INTERPRETER_ENV = {"TRITON_INTERPRET": "1", "MILO_KERNEL": "triton"}
