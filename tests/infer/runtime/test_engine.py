@@ -215,7 +215,8 @@ def test_a_finished_batch_frees_its_cache_without_the_garbage_collector(setup):
 def test_a_row_cancelled_before_its_rebuild_keeps_its_pages_until_then(setup):
     """Its admission's rebuild still writes its pages: a row given them before would be overwritten."""
     loaded, store = setup
-    engine = free_form(Engine(loaded, {"s": store}, settings=EngineSettings(max_new_tokens=4), max_rows=2))
+    engine = free_form(Engine(loaded, {"s": store}, settings=EngineSettings(max_new_tokens=4), max_rows=2,
+                              shared_blocks=False))  # a row holding its own prefix: its admission's rebuild writes it
     plans = [engine.plan("s", r) for r in REQUESTS[:3]]
     batch, done = engine.batch(), {}
     events = batch.admit(plans[:2])
@@ -266,7 +267,7 @@ def test_streamed_deltas_add_up_to_the_answer(setup):
 
 def test_a_block_several_rows_retrieved_is_fetched_once(setup):
     loaded, store = setup
-    engine = Engine(loaded, {"s": store})
+    engine = Engine(loaded, {"s": store}, shared_blocks=False)  # each row its own copy (test_shared_blocks: held once)
     plans = [engine.plan("s", Request("topic1 topic2", k=2)), engine.plan("s", Request("topic2 topic3", k=2))]
     assert set(plans[0].blocks) & set(plans[1].blocks)
     batch = engine.batch()
@@ -451,7 +452,7 @@ def test_a_row_on_scattered_pages_answers_as_alone(setup):
     from milo_infer.runtime.pages import PAGE_TOKENS, run_start
 
     loaded, store = setup
-    engine = Engine(loaded, {"s": store})
+    engine = Engine(loaded, {"s": store}, shared_blocks=False)  # rows holding their own prefixes in their pages
     first = [engine.plan("s", r) for r in (REQUESTS[1], REQUESTS[0], REQUESTS[1])]  # 1, 2 and 1 pages
     late = engine.plan("s", REQUESTS[3])
     assert PAGE_TOKENS < late.prefix_tokens and late.prompt_tokens + late.max_new_tokens <= 2 * PAGE_TOKENS
