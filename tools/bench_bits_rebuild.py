@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from milo_kernels import reconstruct_layer  # noqa: E402
 from milo_kernels.bits import reconstruct_bits_layer  # noqa: E402
 from milo_store import Layout, factorize_block, full_kv_bytes  # noqa: E402
-from milo_store.codec import pack_block  # noqa: E402
+from milo_store.codecs.lowrank import pack_block  # noqa: E402
 from milo_store.codecs import BitsCodec  # noqa: E402
 
 

@@ -5,13 +5,13 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from milo_store import CompressionConfig, Layout, MiloStore, StoreCorruptedError, factorize_block, write_store
-from milo_store.baselines import WeightedBlocks
-from milo_store.codec import reconstruct, unpack_block
+from milo_store.codecs.baselines import WeightedBlocks
+from milo_store.codecs.lowrank_reference import reconstruct, unpack_block
 from milo_store.codecs import BitsCodec, LowRankCodec, open_codec
 from milo_store.codecs.bits import component_bytes
-from milo_store.quant import quantize
-from milo_store.allocation import BudgetError
-from milo_store.rate_distortion import WIDTHS, ContextAttention, roundtrip_columns
+from milo_store.codecs.quant import quantize
+from milo_store.codecs.allocation import BudgetError
+from milo_store.codecs.rate_distortion import WIDTHS, ContextAttention, roundtrip_columns
 from milo_store.synthetic import block_location, staged_synthetic_blocks
 
 
@@ -335,7 +335,7 @@ def test_a_share_of_a_bits_store_reads_its_stored_bytes(tmp_path):
     whole block (its bytes are not laid out by layer): it once counted 1.7x the block bytes, as fp16 by layer."""
     import runpy
     from pathlib import Path
-    tool = runpy.run_path(str(Path(__file__).resolve().parents[2] / "tools" / "bench_share_reads.py"), run_name="tool")
+    tool = runpy.run_path(str(Path(__file__).resolve().parents[3] / "tools" / "bench_share_reads.py"), run_name="tool")
     path, layout, _ = bits_store(tmp_path)
     with MiloStore.open(path, tier="disk") as store:
         for layers, heads in ((range(2), range(2)), (range(1), range(2)), (range(2), range(1))):
