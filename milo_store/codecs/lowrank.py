@@ -64,7 +64,7 @@ def factorize_block(keys: torch.Tensor, values: torch.Tensor, codec: str = "svd"
 def pack_block(f: BlockFactors, ranks: np.ndarray, dtype: str = "float16") -> torch.Tensor:
     """Concatenate each segment's first r columns (ranks [L, 2, H]) into one flat tensor of ``dtype``.
 
-    ``int8``, ``int4`` and ``int2`` pack each segment's bytes as quant.py lays them out (a uint8 tensor).
+    ``int8``, ``int4`` and ``int2`` pack each segment's bytes as `quant` lays them out (a uint8 tensor).
     A unit at ``RAW_RANK`` is packed raw: X = A diag(Σ) Bᵀ itself (exact given full-rank factors).
     """
     tdtype = TORCH_DTYPES[dtype]
