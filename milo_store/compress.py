@@ -1,199 +1,21 @@
-"""Pass two of a build: allocate ranks over every staged spectrum, then write the store.
+"""Pass two's writing: the store a build planned (`codecs.plan_store`), written block by block.
 
-Pass two reads a *source* of store blocks (see baselines.py): the staged blocks themselves for
-``svd``, ``identity`` and ``raw`` (every unit raw, docs/format.md), or a baseline computed from the
-staged SVD factors (``global-proj``, ``example-svd``), optionally query-aware (baselines.py).
-Allocation and writing are the same for all of them.
+The codec room plans (the source of every block, its ranks or widths, the codec that encodes it);
+this module writes its blocks, the demonstrations' text and the index through `StoreWriter`, keeping
+an update's reused blocks in place or copying them from the previous version.
 """
-from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import torch
 
-from .allocation import allocate_ranks
-from .baselines import BASELINES, ExampleSplit, GlobalProjection, WeightedBlocks
-from . import codecs
-from .codec import CODECS, BlockFactors, measured_losses, pack_block
-from .codecs import LowRankCodec
-from .format import GROUP_BYTES, QUANTIZED, TORCH_DTYPES, value_bytes
-from .layout import RAW_RANK, Layout, full_kv_bytes
 from . import segments, text_index
+from .codecs import CompressionConfig, allocation_record, demonstration_blocks, plan_store, quant_layout
+from .layout import Layout
 from .staging import Staging
 from .store import MiloStore
 from .writer import StoreWriter
-
-STORE_CODECS = CODECS + ("raw",) + BASELINES + tuple(codecs.STORE_CODECS)  # raw: every unit raw (its K/V quantized
-# like factors); bits: codecs/bits.py
-
-
-def staging_codec(codec: str) -> str:
-    """What pass one stages for a store codec: the baselines derive from the same SVD factors as svd;
-    raw stores read the exact K/V an identity staging holds."""
-    return "identity" if codec in ("identity", "raw") else "svd"
-
-
-class StagedBlocks:
-    """Pass-two source of ``svd`` and ``identity``: one store block per staged block, as staged."""
-
-    block_group = None
-
-    def __init__(self, staging: Staging, num_blocks: int):
-        self.staging, self.num_blocks = staging, num_blocks
-
-    scale = None  # no query-aware weights
-
-    def spectrum(self, i: int) -> tuple[int, torch.Tensor]:
-        return self.staging.spectrum(i)
-
-    def factors(self, i: int) -> BlockFactors:
-        return self.staging.get(i)
-
-
-def pass_two_source(staging: Staging, num_blocks: int, config: "CompressionConfig", examples: dict | None = None,
-                    channel_scale: torch.Tensor | None = None):
-    """The store blocks ``config.codec`` writes from ``num_blocks`` staged blocks.
-
-    ``example-svd`` needs ``examples`` with each demonstration's ``block`` and ``tokens``; the other
-    codecs ignore them. A query-aware config also needs ``channel_scale`` [L, 2, H, d]
-    (`milo_infer.models.channel_scales`), and no other config takes one.
-    """
-    if config.query_aware and channel_scale is None:
-        raise ValueError("a query-aware store needs a channel scale [layers, 2, kv_heads, head_dim] "
-                         "(milo_infer.models.channel_scales: from the model's queries and o_proj)")
-    if not config.query_aware and channel_scale is not None:
-        raise ValueError("a channel scale is only for query-aware stores (query_aware=True)")
-    if config.codec == "global-proj":
-        return GlobalProjection(staging, num_blocks)
-    if config.codec in ("svd", "bits") and config.query_aware:
-        return WeightedBlocks(staging, num_blocks, channel_scale)
-    if config.codec == "example-svd":
-        if examples is None or "tokens" not in examples:
-            raise ValueError(f"{config.codec} needs the demonstrations' blocks and token counts (examples['tokens'])")
-        return ExampleSplit(staging, examples["block"], examples["tokens"], num_blocks, channel_scale)
-    return StagedBlocks(staging, num_blocks)
-
-
-@dataclass
-class CompressionConfig:
-    ratio: float = 0.5
-    codec: str = "svd"
-    policy: str = "entropy"
-    scope: str = "head"
-    kv_split: str = "separate"
-    r_min: int = 1
-    r_max: int | None = None
-    eps: float = 1e-3
-    seed: int = 0
-    dtype: str = "float16"
-    key_share: float = 0.5  # share of the budget for keys when kv_split is "separate"
-    full_rank: bool = False  # keep every singular direction (the exactness reference for the codec)
-    query_aware: bool = False  # SVD of X diag(s), s = what each channel's error costs (svd, example-svd)
-    # bits: every component's error as the attention output over the assembled context takes it (keys too);
-    # kv_split "shared" (one pool for keys and values) always measures so
-    in_context: bool = False
-
-    def __post_init__(self):
-        if self.codec not in STORE_CODECS:
-            raise ValueError(f"unknown codec {self.codec!r}; expected one of {STORE_CODECS}")
-        if not 0 < self.ratio <= 1:
-            raise ValueError(f"ratio must be in (0, 1]; got {self.ratio}")
-        if self.dtype not in TORCH_DTYPES:
-            raise ValueError(f"unknown factor dtype {self.dtype!r}; expected one of {tuple(TORCH_DTYPES)}")
-        if self.query_aware and self.codec not in ("svd", "example-svd", "bits"):
-            raise ValueError(f"query-aware weighting applies to the svd, example-svd and bits codecs, not {self.codec!r}")
-        if codecs.for_config(self.codec) is not None and (not self.query_aware or self.dtype != "float16"):
-            raise ValueError(f"the {self.codec} codec is query-aware (query_aware=True) and decodes to float16 factors")
-        if self.policy == "frontier" and (self.codec != "svd" or self.full_rank):
-            raise ValueError("the frontier policy (low-rank or raw per unit) applies to the svd codec below full rank")
-        if self.in_context and self.codec != "bits":
-            raise ValueError(f"errors measured in context (in_context) apply to the bits codec, not {self.codec!r}")
-        if not 0 < self.key_share < 1 or (self.key_share != 0.5 and self.kv_split != "separate"):
-            raise ValueError(f"key share {self.key_share} must be in (0, 1), and needs kv_split 'separate'")
-
-
-def quant_layout(layout: Layout, dtype: str) -> Layout:
-    """The layout of a store whose factors are ``dtype`` (quantized ones count bytes)."""
-    return replace(layout, quant=dtype if dtype in QUANTIZED else None)
-
-
-# Fields added after stores were first written, with their defaults: a store's allocation record
-# holds them only when they differ, so the records of existing stores (and every key derived from
-# them: reuse checks, prediction logs) stay what they were.
-LATER_FIELDS = {"query_aware": False, "in_context": False}
-
-
-def allocation_record(config: CompressionConfig | dict) -> dict:
-    """The ``allocation`` attribute a store written with ``config`` carries; given a stored record,
-    the same record as a store written now would carry it (for comparisons and keys)."""
-    record = asdict(config) if isinstance(config, CompressionConfig) else dict(config or {})
-    return {k: v for k, v in record.items() if not (k in LATER_FIELDS and v == LATER_FIELDS[k])}
-
-
-def check_budget(layout: Layout, tokens, config: CompressionConfig) -> None:
-    """Raise BudgetError now if ``config.ratio`` cannot hold r_min everywhere (before any encoding).
-
-    It runs the allocator itself on empty spectra, so every pool's budget (scope, K/V split, key
-    share, per-token scales) is checked as pass two will check it. Exact for block-level codecs;
-    example-svd's finer units are checked again when it allocates.
-    """
-    if (store_codec := codecs.for_config(config.codec)) is not None:  # its widths may all be 0: its index bounds it
-        store_codec.fixed_bytes(quant_layout(layout, config.dtype), tokens, config.ratio)
-        return
-    if config.codec in ("identity", "raw") or config.full_rank:
-        return
-    layout = quant_layout(layout, config.dtype)
-    tokens = np.asarray(tokens, dtype=np.int64)
-    itemsize = value_bytes(config.dtype)
-    silent = np.zeros((len(tokens), layout.num_layers, 2, layout.num_kv_heads, layout.head_dim))
-    allocate_ranks(silent, tokens, layout, config.ratio, policy="entropy", scope=config.scope,
-                   kv_split=config.kv_split, r_min=config.r_min, r_max=config.r_max, bytes_per_value=itemsize,
-                   key_share=config.key_share)
-
-
-def plan_ranks(staging: Staging, num_blocks: int, layout: Layout, config: CompressionConfig,
-               examples: dict | None = None, channel_scale: torch.Tensor | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(ranks [N, L, 2, H], tokens [N]) of the store blocks ``config`` writes from the staged blocks."""
-    return _plan(pass_two_source(staging, num_blocks, config, examples, channel_scale),
-                 quant_layout(layout, config.dtype), config)
-
-
-def _plan(source, layout: Layout, config: CompressionConfig, read: Callable[[int], None] = lambda done: None,
-          blocks: list[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Ranks and tokens of ``blocks`` (default: every block of the source), allocated together;
-    ``read(n)`` after the n-th staged block is read."""
-    blocks = list(range(source.num_blocks)) if blocks is None else blocks
-    N, d = len(blocks), layout.head_dim
-    tokens = np.zeros(N, dtype=np.int64)
-    full = np.zeros(N, dtype=np.int64)  # columns each block's factors hold: its full rank
-    spectra = np.zeros((N, layout.num_layers, 2, layout.num_kv_heads, d))
-    measured = {}  # frontier: what quantizing each direction and each raw form loses, measured per block
-    if config.policy == "frontier":
-        measured = {"loss": np.zeros_like(spectra), "raw_error": np.zeros(spectra.shape[:4])}
-    for i, b in enumerate(blocks):
-        if measured:
-            f = source.factors(b)
-            tokens[i], s = f.tokens, f.S
-            loss, raw_error = measured_losses(f, config.dtype, source.scale)
-            measured["loss"][i, ..., :s.shape[-1]], measured["raw_error"][i] = loss.numpy(), raw_error.numpy()
-        else:
-            tokens[i], s = source.spectrum(b)
-        full[i] = s.shape[-1]
-        spectra[i, ..., :full[i]] = s.double().numpy()
-        read(i + 1)
-    if config.codec == "raw":
-        return np.full(spectra.shape[:4], RAW_RANK, dtype=np.int16), tokens
-    if config.codec == "identity" or config.full_rank:
-        return np.broadcast_to(full.reshape(-1, 1, 1, 1), spectra.shape[:4]).astype(np.int16), tokens
-    ratio = config.ratio
-    if source.block_group is not None:  # the group index is not in allocation's index: take it off the budget
-        ratio -= GROUP_BYTES * N / full_kv_bytes(layout, tokens)
-    itemsize = value_bytes(config.dtype)
-    ranks = allocate_ranks(spectra, tokens, layout, ratio, policy=config.policy, scope=config.scope,
-                           kv_split=config.kv_split, r_min=config.r_min, r_max=config.r_max, eps=config.eps,
-                           seed=config.seed, bytes_per_value=itemsize, key_share=config.key_share, **measured)
-    return ranks, tokens
 
 
 READ_AHEAD_BYTES = 64 << 20  # kept blocks read from the previous version at once (one round of GETs from a URL)
@@ -224,7 +46,7 @@ def write_store(path, staging: Staging, num_blocks: int, layout: Layout, config:
     ``examples`` holds lists ``input``, ``output``, ``id``, ``block`` (the staged block of each
     demonstration) and, for ``example-svd``, ``tokens`` (each one's token count).
     In such a store a demonstration's ``block`` is its own store block and ``block_group`` names the
-    staged one. ``channel_scale`` is a query-aware store's (see `pass_two_source`).
+    staged one. ``channel_scale`` is a query-aware store's (see `codecs.planning.pass_two_source`).
 
     An update names the store version it replaces (``previous``, the one at ``path``) and ``reused``
     {block: block of the previous version whose bytes it keeps}: those blocks keep their ranks and
@@ -239,39 +61,15 @@ def write_store(path, staging: Staging, num_blocks: int, layout: Layout, config:
     """
     layout = quant_layout(layout, config.dtype)
     reused = dict(reused or {})
-    store_codec = codecs.for_config(config.codec)  # None: the low-rank codec's allocation and packing
-    if reused and (previous is None or config.codec in BASELINES):
-        raise ValueError("reused blocks come from a previous version of a store of block-level codec "
-                         f"(not {', '.join(BASELINES)}, whose blocks depend on the whole corpus)")
     if previous is not None and purge is None:
         purge = set(range(previous.num_blocks)) - set(reused.values())
-    if store_codec is not None and previous is not None:  # new blocks are factored under the store's own weights
-        channel_scale = previous.codec.weights
-    source = pass_two_source(staging, num_blocks, config, examples, channel_scale)
-    encoded = [i for i in range(source.num_blocks) if i not in reused]
     progress = progress or (lambda stage, done, total: None)
-    read = lambda done: progress("allocating", done, len(encoded) + 1)  # noqa: E731
-    if store_codec is not None:
-        shape = (source.num_blocks, layout.num_layers, 2, layout.num_kv_heads, layout.head_dim)
-        widths, tokens = np.zeros(shape, dtype=np.uint8), np.zeros(source.num_blocks, dtype=np.int64)
-        if encoded:
-            widths[encoded], tokens[encoded] = store_codec.plan_widths(
-                source.factors, encoded, layout, source.scale, config.ratio,
-                None if config.kv_split == "shared" else config.key_share, value_attention, read,
-                in_context=config.in_context or config.kv_split == "shared")
-        for i, j in reused.items():
-            widths[i], tokens[i] = previous.codec.widths[j], previous.block_tokens[j]
-        codec = store_codec(layout, widths, source.scale, tokens)
-        ranks = codec.ranks
-    else:
-        ranks = np.zeros((source.num_blocks, layout.num_layers, 2, layout.num_kv_heads), dtype=np.int16)
-        tokens = np.zeros(source.num_blocks, dtype=np.int64)
-        if encoded:
-            ranks[encoded], tokens[encoded] = _plan(source, layout, config, read, encoded)
-        for i, j in reused.items():
-            ranks[i], tokens[i] = previous.ranks[j], previous.block_tokens[j]
-        codec = LowRankCodec(layout, config.dtype, ranks, tokens)
-    progress("allocating", len(encoded) + 1, len(encoded) + 1)
+    source, codec = plan_store(staging, num_blocks, layout, config, examples=examples, channel_scale=channel_scale,
+                               previous=previous, reused=reused, value_attention=value_attention,
+                               read=lambda done, total: progress("allocating", done, total + 1))
+    ranks, tokens = codec.ranks, codec.tokens
+    encoded = sum(i not in reused for i in range(source.num_blocks))
+    progress("allocating", encoded + 1, encoded + 1)
     attrs = {**(attrs or {}), "codec": config.codec, "allocation": allocation_record(config)}
     with StoreWriter(path, layout, ranks, tokens, dtype=config.dtype, attrs=attrs, force=force, lock=lock,
                      block_group=source.block_group, previous=previous, purge=purge or (), codec=codec) as w:
@@ -289,8 +87,7 @@ def write_store(path, staging: Staging, num_blocks: int, layout: Layout, config:
         if anchor_kv is not None:
             w.write_anchor(anchor_kv)
         if examples is not None or token_ids is not None:
-            blocks = source.example_block if isinstance(source, ExampleSplit) else (examples or {}).get("block", [])
-            write_text(w, examples or {}, blocks, token_ids, tokens, previous, reused)
+            write_text(w, examples or {}, demonstration_blocks(source, examples), token_ids, tokens, previous, reused)
         committed = w.commit()
     progress("writing", source.num_blocks + 1, source.num_blocks + 1)
     return committed

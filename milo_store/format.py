@@ -30,7 +30,7 @@ CHECKED_ARRAYS = (RANKS, TOKENS, CHECKSUMS, BLOCK_GROUP, ANCHOR, TOKEN_IDS, CHUN
 GROUP_BYTES = 4  # index bytes per block that a block_group array adds
 MAX_CHUNK_BYTES = 8 << 20  # format 4: a chunk holds whole blocks up to this (a larger block has one of its own)
 # numpy cannot hold bfloat16: its bits go to disk as uint16 and are viewed back as torch.bfloat16.
-# Quantized stores (int8, int4, int2) keep raw segment bytes (codes and their fp16 scales, quant.py)
+# Quantized stores (int8, int4, int2) keep raw segment bytes (codes and their fp16 scales, codecs/quant.py)
 # in a uint8 array.
 QUANTIZED = ("int8", "int4", "int2")
 NUMPY_DTYPES = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32, **{q: np.uint8 for q in QUANTIZED}}

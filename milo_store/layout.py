@@ -5,7 +5,7 @@ inside a layer, segments are ordered (kind, head) with keys (kind 0) before valu
 segment of rank r over T tokens with head dim d is ``A [T, r]`` row-major, ``Σ [r]``, ``B [d, r]``
 row-major: r * (T + d + 1) values. Everything here derives from the ranks and token counts alone.
 
-A quantized layout (``quant`` set) counts bytes instead, laid out by ``quant.py``: an ``int8``
+A quantized layout (``quant`` set) counts bytes instead, laid out by ``codecs/quant.py``: an ``int8``
 segment is r * (T' + d + 10) bytes with T' = T rounded up to even. ``int4`` and ``int2`` segments
 (KIVI-style: key factors per channel in spans of SCALE_SPAN tokens, value factors per
 token) cost ``unit_size`` bytes per rank unit plus, for values, a fixed ``fixed_size`` (each token's

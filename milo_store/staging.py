@@ -19,7 +19,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from .checksum import crc32c
-from .codec import BlockFactors
+from .codecs import BlockFactors
 
 FINGERPRINT = "fingerprint.json"
 TENSORS = ("A", "S", "B")

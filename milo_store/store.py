@@ -14,8 +14,8 @@ tier is the sources composed in front of it, once, at mount (``compose_source``)
 
 Reads bypass zarr's codec pipeline on purpose: the factor array is uncompressed with the default
 chunk key encoding, so a block's bytes are plain byte ranges of at most a few files, and reading them
-into place is about 30× faster than a zarr slice (docs/design.md, "Store"). Integrity comes from the
-per-block CRC32C, checked on every read unless ``verify=False`` (always for bytes that crossed a
+into place is about 30× faster than a zarr slice (docs/benchmarks.md, "Store: reading chunk files").
+Integrity comes from the per-block CRC32C, checked on every read unless ``verify=False`` (always for bytes that crossed a
 network, which are refetched when damaged). Every other array but the indexes (which carry their own)
 is checked against the CRC32C of its values in the attributes (``fmt.ARRAY_CHECKSUMS``, format
 version 3) whenever it is read: ranks, block tokens, checksums and block groups at mount, the anchor, token ids and demonstrations

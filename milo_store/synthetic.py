@@ -11,8 +11,8 @@ import numpy as np
 import torch
 
 from . import format as fmt
-from .codec import factorize_block
-from .compress import CompressionConfig, staging_codec, write_store
+from .codecs import CompressionConfig, factorize_block, staging_codec
+from .compress import write_store
 from .layout import Layout
 from .staging import Staging
 from .store import MiloStore

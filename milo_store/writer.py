@@ -293,7 +293,7 @@ class StoreWriter:
         self.next_block += 1
 
     def write_block(self, packed: torch.Tensor) -> None:
-        """Append the next block's packed factors (flat, as codec.pack_block returns them) to a new chunk."""
+        """Append the next block's packed factors (flat, as the codec's ``encode`` returns them) to a new chunk."""
         i = self.next_block
         if i >= len(self.block_tokens):
             raise StoreError(f"all {len(self.block_tokens)} blocks are written already")

@@ -11,7 +11,10 @@ functions, which would otherwise hide a circle):
   `building`; `server` and `vllm` (milo's HTTP front and vLLM's connector, two front ends of `runtime`)
   only `models`, `tasks` and `runtime`, never each other; `cli` any room;
 * no module imports another package's CLI modules (a CLI only parses and prints; what two packages
-  share lives in a library module).
+  share lives in a library module);
+* inside milo_store, two rooms (docs/design.md's map): the storage room reaches the codec room
+  (`milo_store.codecs`) only through the names its package exports, never a codec's module, and the codec
+  room imports of storage only `format` and `layout` (the value types and segment layout it encodes into).
 """
 import ast
 from pathlib import Path
@@ -36,6 +39,10 @@ ROOMS = {  # milo_infer's room -> the rooms it may import; a room not named here
     "server": {"models", "tasks", "runtime"},
     "vllm": {"models", "tasks", "runtime"},
 }
+
+
+CODEC_ROOM = "milo_store.codecs"
+CODEC_ROOM_READS = {"milo_store.format", "milo_store.layout"}  # the storage modules the codec room may import
 
 
 def room(module: str) -> str | None:
@@ -119,10 +126,25 @@ def import_problems(root: Path) -> list[str]:
                 problems.append(f"{module} imports {target}: {top} must not import {other}")
             if is_cli(target) and other != top:
                 problems.append(f"{module} imports {target}: another package's CLI module")
+            problems += store_room_problems(module, target)
             mine, theirs = room(module), room(target)
             if mine in ROOMS and theirs is not None and theirs != mine and theirs not in ROOMS[mine]:
                 problems.append(f"{module} imports {target}: the {mine} room must not import the {theirs} room")
     return problems
+
+
+def store_room_problems(module: str, target: str) -> list[str]:
+    """The milo_store rooms' rule for one import: storage uses the codec room's package, codecs read format and layout."""
+    def in_codecs(name):
+        return name == CODEC_ROOM or name.startswith(CODEC_ROOM + ".")
+
+    if not (module.startswith("milo_store.") and target.startswith("milo_store.")) or in_codecs(module) == in_codecs(target):
+        return []
+    if in_codecs(target) and target != CODEC_ROOM:
+        return [f"{module} imports {target}: the storage room reaches codecs only through {CODEC_ROOM}"]
+    if in_codecs(module) and target not in CODEC_ROOM_READS:
+        return [f"{module} imports {target}: the codec room reads only {', '.join(sorted(CODEC_ROOM_READS))} of storage"]
+    return []
 
 
 def test_the_packages_import_structure_holds():
@@ -161,6 +183,14 @@ def write_tree(root: Path, files: dict[str, str]) -> Path:
       "tools/t.py": "from milo_store.cli import common\n"},
      ["milo_infer.evaluation.demo imports milo_store.cli.common: another package's CLI module",
       "tools.t imports milo_store.cli.common: another package's CLI module"]),
+    ({"milo_store/__init__.py": "from .codecs import lowrank\n", "milo_store/store.py": "from .codecs.bits import X\n",
+      "milo_store/writer.py": "from .codecs import open_codec\n", "milo_store/codecs/__init__.py": "",
+      "milo_store/codecs/bits.py": "from ..writer import StoreWriter\nfrom ..layout import Layout\n",
+      "milo_store/codecs/lowrank.py": "from .. import format as fmt\n", "milo_store/format.py": "",
+      "milo_store/layout.py": ""},
+     ["milo_store.codecs.bits imports milo_store.writer: the codec room reads only milo_store.format, milo_store.layout "
+      "of storage", "milo_store.store imports milo_store.codecs.bits: the storage room reaches codecs only through "
+      "milo_store.codecs"]),  # the package itself may name its modules; the codec room reads format and layout
     ({"milo_infer/__init__.py": "", "milo_infer/cli/__init__.py": "", "milo_infer/cli/main.py": "from . import bench\n",
       "milo_infer/cli/bench.py": "from .. import models\n", "milo_infer/models.py": "import torch\n"},
      []),  # a package's CLI modules may import each other and the library below them

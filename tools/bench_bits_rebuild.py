@@ -15,19 +15,18 @@ the INT4 block; ``--threads`` CPU threads (1 on a shared machine).
     python tools/bench_bits_rebuild.py --ratio 0.125 --threads 1
 """
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from milo_infer.bench.throughput import median_seconds  # noqa: E402
 from milo_kernels import reconstruct_layer  # noqa: E402
 from milo_kernels.bits import reconstruct_bits_layer  # noqa: E402
 from milo_store import Layout, factorize_block, full_kv_bytes  # noqa: E402
-from milo_store.codec import pack_block  # noqa: E402
+from milo_store.codecs.lowrank import pack_block  # noqa: E402
 from milo_store.codecs import BitsCodec  # noqa: E402
 
 
@@ -50,16 +49,6 @@ def lowrank_segments(layout, ranks, T):
     bounds = layout.layer_offsets(ranks, T)
     return [torch.from_numpy(layout.layer_segments(ranks[None, l], [T], [0], [int(bounds[l])]))
             for l in range(layout.num_layers)]
-
-
-def timed(fn, iters):
-    fn()
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main():
@@ -120,10 +109,10 @@ def main():
             reconstruct_layer(int4_data, int4_segments[l], *out, cos, sin, quant="int4")
         sync()
 
-    rows = {"bits, from codes": timed(from_codes, args.iters),
-            "bits, host decode + reconstruct": timed(host_decode, args.iters),
-            f"int4 low-rank (rank {rank})": timed(lowrank_int4, args.iters)}
-    tables_s = timed(lambda: rebuild_tables(codec, layout), args.iters)
+    rows = {"bits, from codes": median_seconds(from_codes, args.iters, warmup=1),
+            "bits, host decode + reconstruct": median_seconds(host_decode, args.iters, warmup=1),
+            f"int4 low-rank (rank {rank})": median_seconds(lowrank_int4, args.iters, warmup=1)}
+    tables_s = median_seconds(lambda: rebuild_tables(codec, layout), args.iters, warmup=1)
     base = rows[f"int4 low-rank (rank {rank})"]
     print(f"block: {L} layers x {H} KV heads, d {d}, {T} tokens; ratio {args.ratio}: bits {stored.numel()} bytes "
           f"({stored.numel() / full:.3f} of fp16, mean stored width {float(widths[widths > 0].mean()):.2f}, "

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from milo_format import segment_size  # noqa: E402
 from milo_kernels import RAW_RANK, reconstruct_layer, reconstruct_layer_naive  # noqa: E402
 from milo_kernels import plan as planning, reconstruct as rk, triton_kernel  # noqa: E402
-from milo_store.quant import pack_raw_segment, pack_segment  # noqa: E402
+from milo_store.codecs.quant import pack_raw_segment, pack_segment  # noqa: E402
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 # tiles around the default (64, 16, 32, 8 warps); docs/benchmarks.md lists which of them spill (compile_kernels.py)

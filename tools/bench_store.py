@@ -17,18 +17,10 @@ import numpy as np
 import torch
 import zarr
 
+from milo_infer.bench.throughput import median_seconds
 from milo_store import CompressionConfig, Layout, MiloStore, Staging, factorize_block, write_store
 from milo_store import format as fmt
 from milo_store.synthetic import synthetic_block_kv
-
-
-def timed(fn, repeat):
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def main():
@@ -63,7 +55,7 @@ def main():
     t = time.perf_counter()
     path = write_store(root / "store", staging, len(kv), layout, CompressionConfig(ratio=args.ratio), force=True)
     write_s = time.perf_counter() - t
-    open_s = {tier: timed(lambda: MiloStore.open(path, tier=tier).close(), 3) for tier in ("disk", "host")}
+    open_s = {tier: median_seconds(lambda: MiloStore.open(path, tier=tier).close(), 3) for tier in ("disk", "host")}
 
     stores = {"host": MiloStore.open(path, tier="host"), "disk": MiloStore.open(path, tier="disk"),
               "disk (no verify)": MiloStore.open(path, tier="disk", verify=False)}
@@ -78,7 +70,7 @@ def main():
                 for i in q:
                     read_block(int(i))
         run()  # warm the page cache
-        return timed(run, 3) / len(queries)
+        return median_seconds(run, 3) / len(queries)
 
     rows = {name: per_query(s.block) for name, s in stores.items()}
     # the same byte ranges, raw: preadv into a preallocated buffer, no checks

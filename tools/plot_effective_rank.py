@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from milo_store import MiloStore
-from milo_store.codec import reconstruct, unpack_block
+from milo_store.codecs.lowrank_reference import reconstruct, unpack_block
 
 
 def rank_for_energy(x: torch.Tensor, energy: float) -> int:

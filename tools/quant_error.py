@@ -11,7 +11,7 @@ import argparse
 import torch
 from safetensors.torch import load_file
 
-from milo_store.quant import quantize, quantize_token_spans
+from milo_store.codecs.quant import quantize, quantize_token_spans
 
 GROUPINGS = {  # name -> (bits, dim or None for per-column token spans, span tokens)
     "int8, one scale per column": (8, 0, None),

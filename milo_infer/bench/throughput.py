@@ -177,7 +177,11 @@ def measure(sessions: dict[str, TimedSession], queries: list[str], k: int, batch
     return rows
 
 
-def _median_time(fn, repeat: int, sync) -> float:
+def median_seconds(fn, repeat: int, sync=lambda: None, warmup: int = 0) -> float:
+    """Median wall seconds of ``repeat`` calls of ``fn`` after ``warmup`` untimed ones; ``sync()`` before and
+    after each (a device's queue drained), so the clock holds the work itself."""
+    for _ in range(warmup):
+        fn()
     times = []
     for _ in range(repeat):
         sync()
@@ -202,13 +206,13 @@ def link_bandwidth(store: MiloStore, device: torch.device, nbytes: int, repeat: 
         sync = lambda: torch.cuda.synchronize(device)  # noqa: E731
         dst = torch.empty_like(src, device=device)
         pinned = src.pin_memory()
-        out["H2D pinned"] = _median_time(lambda: dst.copy_(pinned, non_blocking=True), repeat, sync)
-        out["H2D pageable"] = _median_time(lambda: dst.copy_(src), repeat, sync)
+        out["H2D pinned"] = median_seconds(lambda: dst.copy_(pinned, non_blocking=True), repeat, sync)
+        out["H2D pageable"] = median_seconds(lambda: dst.copy_(src), repeat, sync)
     else:
         dst = torch.empty_like(src)
-        out["memcpy"] = _median_time(lambda: dst.copy_(src), repeat, lambda: None)
+        out["memcpy"] = median_seconds(lambda: dst.copy_(src), repeat, lambda: None)
         store.read_range(0, n, dst)  # warm the page cache
-        out["preadv (page cache)"] = _median_time(lambda: store.read_range(0, n, dst), repeat, lambda: None)
+        out["preadv (page cache)"] = median_seconds(lambda: store.read_range(0, n, dst), repeat, lambda: None)
     return {name: n * size / s / 1e9 for name, s in out.items()}
 
 
@@ -237,7 +241,7 @@ def kernel_speedup(session: TimedSession, block_ids: list[int], repeat: int = 3)
     times = {}
     for name, backend in (("reference", "reference"), ("kernel", "auto")):  # "auto": the device's own kernel
         run(backend)  # warm up (Triton compiles on first use)
-        times[name] = _median_time(lambda: run(backend), repeat, sync)
+        times[name] = median_seconds(lambda: run(backend), repeat, sync)
     return times
 
 

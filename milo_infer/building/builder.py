@@ -28,9 +28,9 @@ import torch
 from tqdm import tqdm
 
 from milo_store import Layout, MiloStore, Staging, factorize_block, text_index, write_store
-from milo_store.allocation import BudgetError
+from milo_store.codecs.allocation import BudgetError
 from milo_store.codecs import STORE_CODECS
-from milo_store.compress import check_budget, staging_codec
+from milo_store.codecs.planning import check_budget, staging_codec
 from milo_store.urls import is_url, local_sidecar
 from milo_store.writer import StoreLock, check_target
 

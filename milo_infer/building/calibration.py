@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from milo_kernels.naive import apply_rope
-from milo_store.rate_distortion import ContextAttention
+from milo_store.codecs.rate_distortion import ContextAttention
 
 from ..models import attention_of, capture_queries, decoder_layers, layer_rope_tables
 

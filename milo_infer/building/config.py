@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from milo_store import CompressionConfig
-from milo_store.compress import staging_codec
+from milo_store.codecs.planning import staging_codec
 
 from ..tasks.corpus import TaskSpec
 

@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 
 from milo_store import CompressionConfig, MiloStore, Staging, StoreError, factorize_block
-from milo_store.compress import allocation_record, staging_codec
+from milo_store.codecs.planning import allocation_record, staging_codec
 
 from .builder import build_store
 from .config import BuildConfig, corpus_fingerprint

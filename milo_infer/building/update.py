@@ -32,7 +32,7 @@ import numpy as np
 
 from milo_store import CompressionConfig, MiloStore
 from milo_store.blockcache import BlockCache
-from milo_store.compress import BASELINES, allocation_record, staging_codec
+from milo_store.codecs.planning import BASELINES, allocation_record, staging_codec
 from milo_store.errors import LostRaceError, NotAStoreError
 from milo_store.format import FORMAT_VERSION
 from milo_store.urls import is_url, local_sidecar

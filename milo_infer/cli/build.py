@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 
 from milo_store import CompressionConfig
-from milo_store.allocation import KV_SPLITS, POLICIES, SCOPES
+from milo_store.codecs.allocation import KV_SPLITS, POLICIES, SCOPES
 from milo_store.commandline import print_json
 from milo_store.report import human_bytes
-from milo_store.codec import CODECS
+from milo_store.codecs.lowrank import CODECS
 from milo_store.codecs import STORE_CODECS
 from milo_store.format import TORCH_DTYPES
 from milo_store.urls import is_url, local_sidecar

@@ -1,7 +1,7 @@
 """The errors that describe the user's input or environment, not a bug: `milo` prints them as one line
 on stderr and exits 2, with no traceback. Apart from `main` so that a subcommand's own entry point
 (`python -m milo_infer.cli.bench`) reports them the same way without importing `main`."""
-from milo_store.allocation import BudgetError
+from milo_store.codecs.allocation import BudgetError
 from milo_store.errors import StoreError
 from milo_store.staging import StagingError
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from milo_store import MiloStore
-from milo_store.compress import allocation_record
+from milo_store.codecs.planning import allocation_record
 
 from ..tasks.corpus import Demonstration, TaskSpec
 from ..models import LoadedModel

@@ -32,7 +32,7 @@ BASES = {
     # segments), no factors; its ratio is the format's (raw+int8 ~0.5, raw+int4 ~0.3, raw+kivi ~0.19)
     "raw": {"codec": "raw", "ratio": 1.0},
     "milo": {"codec": "svd"},
-    # the paper's baselines at equal measured bytes (milo_store/baselines.py)
+    # the paper's baselines at equal measured bytes (milo_store/codecs/baselines.py)
     "global-proj": {"codec": "global-proj"},
     "example-svd": {"codec": "example-svd"},
     "example-asvd": {"codec": "example-svd", "query_aware": True},  # activation-aware, as ASVD
@@ -50,7 +50,7 @@ QUANTS = {"int8": "int8", "int4": "int4", "kivi": "int2"}
 PLAIN_BASES = ("full", "raw")  # no allocation to modify: every unit is stored whole
 MODIFIERS = {  # word -> (kind, fields); kinds in canonical order
     "fullrank": ("fullrank", {"full_rank": True, "ratio": 1.0}),  # every direction: the codec's rounding alone
-    # entropy is the default; frontier chooses low rank or raw per unit (milo_store/allocation.py)
+    # entropy is the default; frontier chooses low rank or raw per unit (milo_store/codecs/allocation.py)
     **{p: ("policy", {"policy": p}) for p in ("energy", "uniform", "random", "frontier")},
     **{s: ("scope", {"scope": s}) for s in ("layer", "global")},  # head is the default
     "shared": ("split", {"kv_split": "shared"}),  # one budget for K and V instead of half each

@@ -41,11 +41,11 @@ import torch
 from milo_kernels import reconstruct_layer
 from milo_kernels.naive import apply_rope
 from milo_store import Staging
-from milo_store.baselines import dense, weights
-from milo_store.codec import BlockFactors, pack_block
-from milo_store.compress import pass_two_source, plan_ranks, quant_layout
+from milo_store.codecs.baselines import dense, weights
+from milo_store.codecs.lowrank import BlockFactors, pack_block
+from milo_store.codecs.planning import pass_two_source, plan_ranks, quant_layout
 from milo_store.layout import Layout, full_kv_bytes, index_bytes
-from milo_store.rate_distortion import (WIDTHS, allocate_bits, attended_column_errors, column_bytes, column_errors, fit_transform,
+from milo_store.codecs.rate_distortion import (WIDTHS, allocate_bits, attended_column_errors, column_bytes, column_errors, fit_transform,
                                         pack_columns, quantize_columns, dequantize_columns, roundtrip_columns,
                                         zstd_bytes)
 from milo_store.staging import FINGERPRINT

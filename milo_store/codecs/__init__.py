@@ -1,4 +1,15 @@
-"""The codec room: how a store's block bytes are planned, encoded and decoded (issue 45).
+"""The codec room: how a store's block bytes are planned, encoded, quantized, allocated and decoded.
+
+It holds one module per codec beside its naive reference decode, the parts they share, and pass two's
+planning; the storage room (the rest of `milo_store`) reaches it only through the names exported here:
+
+- `lowrank` (+ `lowrank_reference`): SVD factors packed at given ranks, and `LowRankCodec`;
+- `bits` (+ `bits_reference`): `BitsCodec`, one code width per query-weighted component;
+- `transform` (+ `transform_reference`): the study's corpus-basis codec, not a store codec yet;
+- `baselines`: global-proj and example-svd, pass-two sources over the same staged SVD factors;
+- shared parts: `quant` (INT8/INT4/INT2 segment bytes), `allocation` (ranks under a byte budget),
+  `rate_distortion` (per-column widths by measured distortion);
+- `planning`: pass two's planning (`CompressionConfig`, `plan_store`); `registry`: which codec a store holds.
 
 Every store has one *store codec*, chosen from its attributes (`open_codec`) or from a build's
 configuration (`for_config`). Writer, reader and pass two call it through one small protocol, so that
@@ -19,30 +30,21 @@ nothing outside this room asks which codec a store holds:
 - ``arrays()``: the codec's own metadata arrays, written checked beside the index; ``fixed_bytes`` and
   ``index_bytes``: what they add to the store's counted bytes.
 
-Codecs: `lowrank.LowRankCodec` (every store written before issue 45: svd, identity, raw and the
-baselines; its bytes are the kernels' segments) and `bits.BitsCodec` (per-block bases with one code
-width per component, docs/format.md "Bits stores"). `transform.TransformCodec` (a corpus basis) is the
-study's, not a store codec yet.
+`lowrank.LowRankCodec` holds every store written before issue 45 (svd, identity, raw and the baselines;
+its bytes are the kernels' segments); `bits.BitsCodec` per-block bases (docs/format.md "Bits stores").
 """
 from __future__ import annotations
 
+from .allocation import BudgetError, allocate_ranks
 from .bits import BitsCodec
-from .lowrank import LowRankCodec
+from .lowrank import BlockFactors, LowRankCodec, factorize_block, pack_block
+from .lowrank_reference import reconstruct, unpack_block
+from .planning import (CompressionConfig, allocation_record, check_budget, demonstration_blocks, plan_ranks,
+                       plan_store, quant_layout, staging_codec)
+from .registry import STORE_CODECS, for_config, open_codec
 
-STORE_CODECS = {BitsCodec.name: BitsCodec}  # codecs with their own block format; every other name is low-rank
-
-
-def open_codec(meta: dict, layout, dtype: str, ranks, tokens, read_array):
-    """The codec of a mounted store (``read_array(name)``: a checked metadata array of the store)."""
-    cls = STORE_CODECS.get(meta.get("codec"))
-    if cls is None:
-        return LowRankCodec(layout, dtype, ranks, tokens)
-    return cls.open(meta, layout, ranks, tokens, read_array)
-
-
-def for_config(codec: str):
-    """The class whose ``write_store`` pass two runs for a build of ``codec`` (None: the low-rank pass two)."""
-    return STORE_CODECS.get(codec)
-
-
-__all__ = ["BitsCodec", "LowRankCodec", "STORE_CODECS", "open_codec", "for_config"]
+__all__ = [
+    "BudgetError", "allocate_ranks", "BitsCodec", "BlockFactors", "LowRankCodec", "factorize_block", "pack_block",
+    "reconstruct", "unpack_block", "CompressionConfig", "allocation_record", "check_budget", "demonstration_blocks",
+    "plan_ranks", "plan_store", "quant_layout", "staging_codec", "STORE_CODECS", "for_config", "open_codec",
+]

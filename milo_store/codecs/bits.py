@@ -20,11 +20,11 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..allocation import BudgetError
-from ..codec import BlockFactors
 from ..layout import Layout, full_kv_bytes, index_bytes
-from ..quant import quantize
-from ..rate_distortion import (WIDTHS, ContextAttention, allocate_bits, attended_column_errors, attended_key_errors,
+from .allocation import BudgetError
+from .lowrank import BlockFactors
+from .quant import quantize
+from .rate_distortion import (WIDTHS, ContextAttention, allocate_bits, attended_column_errors, attended_key_errors,
                                column_errors, quantize_columns)
 from .bits_reference import decode_unit_reference
 

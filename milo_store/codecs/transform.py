@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..rate_distortion import (WIDTHS, Transform, allocate_bits, column_bytes, column_errors, fit_transform,
+from .rate_distortion import (WIDTHS, Transform, allocate_bits, column_bytes, column_errors, fit_transform,
                                pack_columns, quantize_columns, unpack_columns)
 from .transform_reference import decode_reference
 

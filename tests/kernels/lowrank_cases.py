@@ -108,12 +108,12 @@ def run_under_interpreter(test_file, keyword=None):
 
 
 def quantized_layer(kv_heads, d, block_tokens, quant, seed, rank_pool):
-    """One layer packed as ``quant`` segments (milo_store.quant.pack_segment): ranks taken in turn from
+    """One layer packed as ``quant`` segments (milo_store.codecs.quant.pack_segment): ranks taken in turn from
     ``rank_pool`` (ragged; RAW_RANK packs a raw segment, pack_raw_segment), shuffled storage order, even
     gaps of random bytes between segments and at the end (headers stay 2-byte aligned). Output rows
     leave a 2-row gap before every block.
     Returns uint8 factors, segments [S, 6] with byte offsets, and the number of output rows N."""
-    from milo_store.quant import pack_raw_segment, pack_segment
+    from milo_store.codecs.quant import pack_raw_segment, pack_segment
 
     gen = torch.Generator().manual_seed(seed)
     rows, row = [], 2

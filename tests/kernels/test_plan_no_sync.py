@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("triton")
 from milo_kernels import plan as planning, reconstruct as rk, triton_kernel  # noqa: E402
-from milo_store.quant import pack_segment  # noqa: E402
+from milo_store.codecs.quant import pack_segment  # noqa: E402
 
 
 class Recorder:

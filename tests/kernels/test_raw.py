@@ -19,7 +19,7 @@ from milo_format import QUANT_BITS, segment_size
 from milo_kernels import RAW_RANK, decode_layer, reconstruct_layer, reconstruct_layer_naive
 from milo_kernels.cpu import rope
 from milo_store import Layout
-from milo_store.quant import pack_raw_segment, roundtrip
+from milo_store.codecs.quant import pack_raw_segment, roundtrip
 
 CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")

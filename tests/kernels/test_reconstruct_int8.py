@@ -16,7 +16,7 @@ from lowrank_cases import (check_outputs, nan_buffers, quantized_layer, rope_tab
 from milo_kernels import reconstruct_layer, reconstruct_layer_naive
 import numpy as np
 
-from milo_store.quant import pack_segment
+from milo_store.codecs.quant import pack_segment
 
 REPO = Path(__file__).resolve().parents[2]
 CUDA = torch.cuda.is_available()

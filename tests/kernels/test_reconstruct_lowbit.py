@@ -15,7 +15,7 @@ import torch
 from lowrank_cases import nan_buffers, quantized_layer, rope_tables, run_under_interpreter, target_mask
 from milo_kernels import dequantize_lowbit_segment, reconstruct_layer, reconstruct_layer_naive
 from milo_store import Layout
-from milo_store.quant import pack_segment
+from milo_store.codecs.quant import pack_segment
 
 REPO = Path(__file__).resolve().parents[2]
 CUDA = torch.cuda.is_available()

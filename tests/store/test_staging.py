@@ -3,7 +3,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from milo_store.codec import factorize_block
+from milo_store.codecs.lowrank import factorize_block
 from milo_store.staging import Staging, StagingError
 
 

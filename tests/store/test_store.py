@@ -13,7 +13,7 @@ from milo_store.format import FORMAT_VERSION, array_checksum
 from milo_store.layout import RAW_RANK
 from milo_store.synthetic import block_location, build_synthetic_store
 
-from .conftest import LAYOUT, TOKENS
+from .conftest import LAYOUT, TOKENS, bits_store, synthetic_store
 from .format3 import format3_copy
 
 
@@ -128,18 +128,20 @@ def test_the_lock_file_goes_with_the_lock_and_a_racer_on_the_removed_file_is_ref
 
 # -- corruption: every case is a clear error, never wrong data ------------------------------------
 
-def test_flipped_byte_is_detected_and_named(small_store):
-    chunk, at = block_location(small_store, 2)
+@pytest.mark.parametrize("build", [synthetic_store, lambda tmp_path: bits_store(tmp_path)[0]], ids=["lowrank", "bits"])
+def test_a_damaged_block_is_detected_and_named_never_decoded(tmp_path, build):
+    path = build(tmp_path)
+    chunk, at = block_location(path, 2)
     raw = bytearray(chunk.read_bytes())
     raw[at + 5] ^= 0x40
     chunk.write_bytes(bytes(raw))
     with pytest.raises(StoreCorruptedError, match="block 2 fails its checksum"):
-        MiloStore.open(small_store, tier="host")
-    with MiloStore.open(small_store, tier="disk") as store:
+        MiloStore.open(path, tier="host")
+    with MiloStore.open(path, tier="disk") as store:
         store.block(1)
         with pytest.raises(StoreCorruptedError, match="block 2"):
             store.block(2)
-        assert store.verify_all() == [f"{small_store}: block 2 fails its checksum (corrupted factor bytes)"]
+        assert store.verify_all() == [f"{path}: block 2 fails its checksum (corrupted factor bytes)"]
 
 
 def test_truncated_chunk_is_detected(small_store, tmp_path):

@@ -6,12 +6,12 @@ from hypothesis import given, settings, strategies as st
 
 from milo_store import MiloStore
 from milo_store.report import block_rows, describe
-from milo_store.allocation import allocate_ranks
-from milo_store.codec import factorize_block, measured_losses, pack_block
-from milo_store.compress import CompressionConfig
+from milo_store.codecs.allocation import allocate_ranks
+from milo_store.codecs.lowrank import factorize_block, measured_losses, pack_block
+from milo_store.codecs.planning import CompressionConfig
 from milo_store.format import FORMAT_VERSION
 from milo_store.layout import RAW_RANK, Layout, compressed_bytes
-from milo_store.quant import pack_raw_segment, roundtrip
+from milo_store.codecs.quant import pack_raw_segment, roundtrip
 from milo_store.synthetic import build_synthetic_store
 
 DTYPES = ["float16", "int8", "int4", "int2"]
@@ -194,8 +194,8 @@ def test_measured_losses_predict_the_written_weighted_error(dtype, kind, toleran
     rank, where a token's range spans all d columns."""
     from milo_kernels.lowbit import dequantize_lowbit_segment
     from milo_kernels.naive import dequantize_int8_segment
-    from milo_store.baselines import unweigh, weigh
-    from milo_store.quant import pack_segment
+    from milo_store.codecs.baselines import unweigh, weigh
+    from milo_store.codecs.quant import pack_segment
 
     g = torch.Generator().manual_seed(4)
     T, d = 200, 32

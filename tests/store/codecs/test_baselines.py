@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from milo_store import CompressionConfig, Layout, MiloStore, Staging, factorize_block, write_store
-from milo_store.baselines import SCALE_FLOOR, ExampleSplit, GlobalProjection, WeightedBlocks, weights
-from milo_store.compress import StagedBlocks
-from milo_store.codec import unpack_block, reconstruct
+from milo_store.codecs.baselines import SCALE_FLOOR, ExampleSplit, GlobalProjection, WeightedBlocks, weights
+from milo_store.codecs.planning import StagedBlocks
+from milo_store.codecs.lowrank_reference import unpack_block, reconstruct
 from milo_store.synthetic import staged_synthetic_blocks
 from milo_store.writer import StoreWriter
 
@@ -292,7 +292,7 @@ def test_query_aware_applies_only_to_svd_and_example_svd():
 def test_allocation_record_leaves_later_fields_out_at_their_defaults():
     """Stores written before query_aware (or in_context) existed keep the record (and the keys derived from it)."""
     from dataclasses import asdict
-    from milo_store.compress import allocation_record
+    from milo_store.codecs.planning import allocation_record
     plain = CompressionConfig(ratio=0.25, dtype="int8")
     later = ("query_aware", "in_context")
     assert allocation_record(plain) == {k: v for k, v in asdict(plain).items() if k not in later}

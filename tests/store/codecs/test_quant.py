@@ -2,9 +2,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from milo_store import CompressionConfig, Layout, MiloStore
-from milo_store.codec import reconstruct
+from milo_store.codecs.lowrank_reference import reconstruct
 from milo_kernels import dequantize_int8_segment
-from milo_store.quant import pack_segment
+from milo_store.codecs.quant import pack_segment
 from milo_store.synthetic import build_synthetic_store
 
 
@@ -58,7 +58,7 @@ def test_quant_error_tool_orders_the_groupings_by_bits(tmp_path):
     from pathlib import Path
     from safetensors.torch import save_file
     from milo_store import factorize_block
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tools"))
     from quant_error import errors
     g = torch.Generator().manual_seed(0)
     k, v = torch.randn(2, 2, 300, 16, generator=g), torch.randn(2, 2, 300, 16, generator=g)

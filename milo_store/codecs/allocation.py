@@ -29,7 +29,7 @@ whole compressed set, index included, lands at the target ratio.
 """
 import numpy as np
 
-from .layout import RAW_RANK, Layout, full_kv_bytes, index_bytes
+from ..layout import RAW_RANK, Layout, full_kv_bytes, index_bytes
 
 POLICIES = ("entropy", "energy", "uniform", "random", "frontier")
 SCOPES = ("head", "layer", "global")  # per (layer, head[, kind]); per layer[, kind]; whole store[, per kind]

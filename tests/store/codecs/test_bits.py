@@ -5,23 +5,14 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from milo_store import CompressionConfig, Layout, MiloStore, StoreCorruptedError, factorize_block, write_store
-from milo_store.baselines import WeightedBlocks
-from milo_store.codec import reconstruct, unpack_block
+from milo_store.codecs.baselines import WeightedBlocks
+from milo_store.codecs.lowrank_reference import reconstruct, unpack_block
 from milo_store.codecs import BitsCodec, LowRankCodec, open_codec
 from milo_store.codecs.bits import component_bytes
-from milo_store.quant import quantize
-from milo_store.allocation import BudgetError
-from milo_store.rate_distortion import WIDTHS, ContextAttention, roundtrip_columns
-from milo_store.synthetic import block_location, staged_synthetic_blocks
-
-
-def staged(tmp_path, layout, tokens, seed=0):
-    return staged_synthetic_blocks(tmp_path / f"staging-{seed}", layout, tokens, seed)
-
-
-def channel_scale(layout, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.exp(torch.randn(layout.num_layers, 2, layout.num_kv_heads, layout.head_dim, generator=g))
+from milo_store.codecs.quant import quantize
+from milo_store.codecs.allocation import BudgetError
+from milo_store.codecs.rate_distortion import WIDTHS, ContextAttention, roundtrip_columns
+from ..conftest import bits_store, channel_scale, staged
 
 
 def dense(flat, layout, ranks, T):
@@ -167,16 +158,6 @@ def test_one_pool_follows_where_attention_takes_the_error(tmp_path):
     assert widths[:, :, 0].sum() > 0
 
 
-def bits_store(tmp_path, tokens=(23, 40, 9, 31), ratio=0.2, seed=0):
-    """A bits store over synthetic blocks, its layout and its pass-two source (what the blocks encode)."""
-    layout = Layout(2, 2, 16)
-    staging, _ = staged(tmp_path, layout, list(tokens), seed)
-    config = CompressionConfig(codec="bits", ratio=ratio, query_aware=True)
-    path = write_store(tmp_path / "s", staging, len(tokens), layout, config, channel_scale=channel_scale(layout, seed),
-                       anchor_kv=torch.randn(2, 2, 2, 3, 16), attrs={"model": {"name": "synthetic"}})
-    return path, layout, WeightedBlocks(staging, len(tokens), channel_scale(layout, seed))
-
-
 def test_store_round_trip_on_every_tier(tmp_path):
     path, layout, source = bits_store(tmp_path)
     decoded = {}
@@ -198,21 +179,6 @@ def test_store_round_trip_on_every_tier(tmp_path):
     with MiloStore.open(path) as store:  # the codec's arrays are checked metadata
         assert {"widths", "channel_weights"} <= set(store.meta["array_checksums"])
         assert store.verify_all() == []
-
-
-def test_a_damaged_block_is_detected_never_decoded(tmp_path):
-    path, _, _ = bits_store(tmp_path)
-    chunk, at = block_location(path, 2)
-    raw = bytearray(chunk.read_bytes())
-    raw[at + 3] ^= 0x10
-    chunk.write_bytes(bytes(raw))
-    with pytest.raises(StoreCorruptedError, match="block 2 fails its checksum"):
-        MiloStore.open(path, tier="host")
-    with MiloStore.open(path, tier="disk") as store:
-        store.block(1)
-        with pytest.raises(StoreCorruptedError, match="block 2"):
-            store.block(2)
-        assert store.verify_all() == [f"{path}: block 2 fails its checksum (corrupted factor bytes)"]
 
 
 def test_damaged_widths_are_corruption(tmp_path):
@@ -335,7 +301,7 @@ def test_a_share_of_a_bits_store_reads_its_stored_bytes(tmp_path):
     whole block (its bytes are not laid out by layer): it once counted 1.7x the block bytes, as fp16 by layer."""
     import runpy
     from pathlib import Path
-    tool = runpy.run_path(str(Path(__file__).resolve().parents[2] / "tools" / "bench_share_reads.py"), run_name="tool")
+    tool = runpy.run_path(str(Path(__file__).resolve().parents[3] / "tools" / "bench_share_reads.py"), run_name="tool")
     path, layout, _ = bits_store(tmp_path)
     with MiloStore.open(path, tier="disk") as store:
         for layers, heads in ((range(2), range(2)), (range(1), range(2)), (range(2), range(1))):

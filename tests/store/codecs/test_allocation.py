@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from milo_store.allocation import BudgetError, allocate_ranks
+from milo_store.codecs.allocation import BudgetError, allocate_ranks
 from milo_store.layout import Layout, compressed_bytes, full_kv_bytes, index_bytes
 
 POLICIES = ["entropy", "energy", "uniform", "random"]

@@ -20,18 +20,27 @@ the queries for keys, from ``o_proj`` for values; `milo_infer.models.channel_sca
 SVD'd and the allocator sees its spectrum, so rank goes where the error costs most; B' = diag(1/s) B
 undoes the weighting, and the segment A Σ B'ᵀ ≈ X is an ordinary one.
 
-A *pass-two source* is what compress.py allocates and writes from: ``num_blocks`` store blocks,
+A *pass-two source* is what `planning` allocates and writes from: ``num_blocks`` store blocks,
 ``block_group`` (or None), ``spectrum(i)`` -> (tokens, singular values [L, 2, H, n]) for allocation,
 and ``factors(i)`` -> the block's BlockFactors at n columns (n is also its full rank).
 """
+from typing import Protocol
+
 import numpy as np
 import torch
 
-from .codec import BlockFactors, factorize_block
-from .staging import Staging
+from .lowrank import BlockFactors, factorize_block
 
 BASELINES = ("global-proj", "example-svd")
 SCALE_FLOOR = 1e-3  # smallest channel weight, relative to its kind's largest: bounds 1/s
+
+
+class StagedFactors(Protocol):
+    """Pass one's staged blocks as pass two reads them (`milo_store.staging.Staging`, in the storage room)."""
+
+    def get(self, i: int) -> BlockFactors: ...
+
+    def spectrum(self, i: int) -> tuple[int, torch.Tensor]: ...
 
 
 def dense(f: BlockFactors) -> torch.Tensor:
@@ -50,7 +59,7 @@ class GlobalProjection:
 
     block_group = None
 
-    def __init__(self, staging: Staging, num_blocks: int):
+    def __init__(self, staging: StagedFactors, num_blocks: int):
         self.staging, self.num_blocks = staging, num_blocks
         self.tokens = np.zeros(num_blocks, dtype=np.int64)
         cov = None
@@ -85,7 +94,7 @@ class ExampleSplit:
     is divided by it after (see `weights`).
     """
 
-    def __init__(self, staging: Staging, example_block: list[int], example_tokens: list[int], num_groups: int,
+    def __init__(self, staging: StagedFactors, example_block: list[int], example_tokens: list[int], num_groups: int,
                  channel_scale: torch.Tensor | None = None):
         self.staging = staging
         per_group, self.example_block = split_examples(example_block, example_tokens, num_groups)
@@ -128,7 +137,7 @@ class WeightedBlocks:
 
     block_group = None
 
-    def __init__(self, staging: Staging, num_blocks: int, channel_scale: torch.Tensor):
+    def __init__(self, staging: StagedFactors, num_blocks: int, channel_scale: torch.Tensor):
         self.staging, self.num_blocks, self.scale = staging, num_blocks, weights(channel_scale)
         self._i, self._x = None, None
 

@@ -5,7 +5,7 @@ from hypothesis import given, settings, strategies as st
 
 from milo_store.codecs.transform import TransformCodec
 from milo_store.codecs.transform_reference import decode_reference
-from milo_store.rate_distortion import WIDTHS, column_errors, quantize_columns
+from milo_store.codecs.rate_distortion import WIDTHS, column_errors, quantize_columns
 
 
 def blocks(seed: int, units: int, d: int, lengths: list[int]) -> list[torch.Tensor]:

@@ -2,7 +2,8 @@ import numpy as np
 import torch
 from hypothesis import given, settings, strategies as st
 
-from milo_store.codec import factorize_block, pack_block, reconstruct, unpack_block
+from milo_store.codecs.lowrank import factorize_block, pack_block
+from milo_store.codecs.lowrank_reference import reconstruct, unpack_block
 from milo_store.layout import Layout
 
 shapes = st.tuples(st.integers(1, 3), st.integers(1, 3), st.integers(1, 70), st.sampled_from([8, 16, 32]))

@@ -3,7 +3,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from milo_store.rate_distortion import (SCALE_BYTES, WIDTHS, allocate_bits, attended_column_errors, attended_key_errors,
+from milo_store.codecs.rate_distortion import (SCALE_BYTES, WIDTHS, allocate_bits, attended_column_errors, attended_key_errors,
                                         column_bytes, column_errors,
                                         dequantize_columns, fit_transform, pack_columns, quantize_columns,
                                         roundtrip_columns, unpack_columns, zstd_bytes)

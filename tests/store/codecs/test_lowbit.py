@@ -7,10 +7,10 @@ from hypothesis import given, settings, strategies as st
 from milo_format import SCALE_SPAN, segment_size
 from milo_kernels import dequantize_lowbit_segment
 from milo_store import CompressionConfig, Layout, MiloStore
-from milo_store.allocation import BudgetError, allocate_ranks
-from milo_store.compress import check_budget, quant_layout
+from milo_store.codecs.allocation import BudgetError, allocate_ranks
+from milo_store.codecs.planning import check_budget, quant_layout
 from milo_store.layout import compressed_bytes
-from milo_store.quant import pack_segment
+from milo_store.codecs.quant import pack_segment
 from milo_store.synthetic import build_synthetic_store
 
 BITS = {"int4": 4, "int2": 2}

@@ -14,7 +14,7 @@ starts aligned every header is 2-byte aligned, as a GPU kernel reading it in pla
 import torch
 
 from milo_format import SCALE_SPAN, QUANT_BITS, lowbit_rows
-from .format import TORCH_DTYPES
+from ..format import TORCH_DTYPES
 
 
 def quantize(x: torch.Tensor, dim: int = 0, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
