@@ -47,7 +47,7 @@ from .pages import (GROWTH_HEADROOM, PAGE_TOKENS, PageAllocator, kv_budget_bytes
                     window_pages_needed, window_skip, window_table)
 from .planning import STOP_STRINGS, EngineSettings, MountedStore, QueryPlan, Request
 from .prefetch import TransferPool
-from .prefix import UNREADABLE, PrefixRebuild, rebuild_layer
+from .prefix import FETCH_STATS, UNREADABLE, PrefixRebuild, rebuild_layer
 from .shared_blocks import HeldBlock, layers_reached, own_run, own_table
 from .timing import StageClock
 
@@ -438,7 +438,7 @@ class Batch:
                                       {"retrieve": p.retrieve_seconds}, next_position=x.prompt_tokens,
                                       held=seat.held, own_from=x.prefix_tokens if seat.held else 0))
         placed = [b for s in seated for b in s.executed.blocks]
-        self.fetch_stats = {**(rebuild.fetch_stats if rebuild is not None else {"bytes": 0, "buffer_bytes": 0}),
+        self.fetch_stats = {**(rebuild.fetch_stats if rebuild is not None else dict.fromkeys(FETCH_STATS, 0)),
                             "rows": len(seated), "blocks": len(placed),
                             "unique_blocks": len({(s.executed.mount, b) for s in seated for b in s.executed.blocks}),
                             "unreadable_blocks": self.unreadable_blocks,
@@ -950,6 +950,7 @@ class Batch:
         of its rows' pages, so they wait for it. An admission all of whose rows ended and none of whose blocks a row
         holds is given up: a block it was to create is never written, so no row may find it (it goes once no other
         rebuild writes to it). The pools and the blocks no row holds stay (`idle`)."""
+        self._leave([row for row in self.rows if row.finished and row.held])
         given_up = [a for a in self.admissions
                     if all(row.finished for row in a.rows) and not any(b.block.rows for b in a.builds)]
         for a in given_up:
@@ -964,7 +965,10 @@ class Batch:
         for block in [b for b in self.retired if not b.builders]:
             self.retired.remove(block)
             self._give_pages(block)
-        leaving = [row for row in self.rows if row.finished and (row.held or row.admission not in self.admissions)]
+        self._leave([row for row in self.rows if row.finished and row.admission not in self.admissions])
+
+    def _leave(self, leaving: list[Row]) -> None:
+        """These rows give their pages back and let go of their held blocks."""
         window = self.window_alloc
         for row in leaving:
             self.pages.give(list(dict.fromkeys(row.pages)))
@@ -973,6 +977,7 @@ class Batch:
             for block, _ in row.held:
                 block.rows -= 1
         self.rows = [row for row in self.rows if row not in leaving]
+
 
     def idle(self) -> None:
         """Nothing to answer for a while (an idle server's loop, `milo_infer.server.scheduler`): drop the pools if no

@@ -39,6 +39,8 @@ from .timing import StageClock
 
 
 UNREADABLE = (StoreError, OSError)  # a block failing its checksum; a read that failed after its retries
+FETCH_STATS = ("rows", "blocks", "unique_blocks", "device_hits", "memory_hits", "block_cache_hits", "object_store_reads",
+               "remote_bytes", "remote_gets", "buffer_bytes", "staged_bytes", "bytes")  # `PrefixRebuild.fetch_stats`
 
 
 def rebuild_layer(factors, segments, out_k, out_v, cos, sin, *, interleaved, quant, plan=None) -> None:
