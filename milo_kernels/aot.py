@@ -54,11 +54,11 @@ def kernel_and_arguments(v: Variant, config: dict):
     out = OUTPUT.get(v.dtype, "*fp16")
     if v.dtype == "bits":
         args = dict(DATA="*u8", COMPONENTS="*i64", TILES="*i64", SCALE="*fp32", K=out, V=out, COS="*fp32",
-                    SIN="*fp32", D="i32")
+                    SIN="*fp32", D="i32", ROT_HALF="i32")
         return bits_kernel_for(False), args, dict(INTERLEAVED=v.interleaved, **tiles)
     factor = FACTORS[v.dtype]
     args = dict(F=factor, F16="*fp16" if v.dtype in QUANT_BITS else factor, TILES="*i64", K=out, V=out,
-                COS="*fp32", SIN="*fp32", D="i32")
+                COS="*fp32", SIN="*fp32", D="i32", ROT_HALF="i32")
     return kernel_for(False), args, dict(BITS=QUANT_BITS.get(v.dtype, 0), SPAN=SCALE_SPAN, INTERLEAVED=v.interleaved,
                                          IEEE_DOT=v.dtype == "fp32", **tiles)
 
