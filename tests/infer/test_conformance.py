@@ -87,6 +87,10 @@ WRONG = {  # family -> a description that misreads it, and the check that must s
     "minimax_m2": (dict(keys=("k_proj",)), "capture keys"),  # the projection's norm dropped
     "dots1": (dict(queries=("q_proj",)), "query_scales"),  # q_norm dropped
     "cohere2": (dict(unwindowed_nope=False), "capture keys"),  # its full layers rotated
+    "glm4_moe": (dict(interleaved=True, regroup_tables=True), "capture keys"),  # GLM-4's interleaved pairs
+    "phi": (dict(interleaved=True), "capture keys"),  # its rotary over interleaved pairs
+    "stablelm": (dict(keys=("no_norm", "k_proj")), "capture keys"),  # its LayerNorm per head dropped (the fallback read)
+    "nemotron": (dict(keywords_kept=False), "logits"),  # the engine's batch kept from its attention
 }
 
 
@@ -96,6 +100,19 @@ def test_a_wrong_description_fails_its_check(family, tmp_path, monkeypatch):
     monkeypatch.setitem(FAMILIES, family, dataclasses.replace(FAMILIES[family], **change))
     r = conformance(families.tiny_model(family), tmp_path)
     assert not r.passed and any(check in failure for failure in r.failures()), r.failures()
+
+
+@pytest.mark.parametrize("family", ["minimax_m2", "nemotron"])
+def test_a_rotary_width_one_pair_short_fails_its_check(family, tmp_path, monkeypatch):
+    """Rotate-half partial rotary rebuilt as pairs (j, j + rotary_dim/2 - 1) over one pair fewer: the stored keys
+    come back turned unlike the model's."""
+    from milo_infer.runtime.prefix import StorePrefix
+
+    real = StorePrefix.rope_layout.fget
+    monkeypatch.setattr(StorePrefix, "rope_layout", property(lambda self: {
+        **real(self), "rotary_dim": real(self)["rotary_dim"] - 2}))
+    r = conformance(families.tiny_model(family), tmp_path)
+    assert any("capture keys" in failure for failure in r.failures()), r.failures()
 
 
 WINDOWED = {  # families whose tiny config has no window, with one that bites (8 tokens of rows of ~40)
