@@ -165,7 +165,12 @@ MLA = ("multi-head latent attention (MLA): its cache holds a compressed latent a
        "not per-head K/V before RoPE")
 MROPE = ("multimodal RoPE (rope_parameters' mrope_section): its rotary module turns each part of a head by "
          "its own position row (time, height, width), which milo's one table per position does not describe")
-KEY_NORM_AFTER_ROPE = "its key norm follows RoPE, so a cached key is not a rotation of a stored one"
+KEY_NORM_AFTER_ROPE = ("its query and key RMSNorms follow RoPE, each with a weight per channel, so a score "
+                       "<wq*R(m)q, wk*R(n)k> depends on m and n, not on m - n alone: a block's K/V past the first layer "
+                       "change with the absolute positions it was encoded at, and no stored block placed elsewhere is "
+                       "what the model computes there (tried: keys stored as k/rms(k) before RoPE, the norm's weight "
+                       "on each layer's tables, rebuild its cache to fp32 rounding; placed at new positions, a tiny "
+                       "model's layer-1 keys were off by 19-97% of their size)")
 REFUSED: dict[str, str] = {
     "qwen3_next": HYBRID_LINEAR, "qwen3_5": HYBRID_LINEAR, "qwen3_5_text": HYBRID_LINEAR, "qwen3_5_moe": HYBRID_LINEAR,
     "qwen3_5_moe_text": HYBRID_LINEAR, "falcon_h1": HYBRID_LINEAR, "jamba": HYBRID_LINEAR,

@@ -253,6 +253,31 @@ def test_the_first_families_identity_is_what_their_stores_hold(family):
     assert identity["rope"] == {"layout": "half", "theta": 10000.0, "scaling": None}
 
 
+@pytest.mark.parametrize("family, shifted_off", [("llama", False), ("hunyuan_v1_dense", True),
+                                                  ("hunyuan_v1_moe", True)])
+def test_only_a_norm_after_rope_makes_attention_depend_on_absolute_positions(family, shifted_off):
+    """Why Hunyuan is refused (`families.KEY_NORM_AFTER_ROPE`): the same tokens fed 17 positions later give
+    layer 1 other values (its query and key norms' weights sit between the two rotations), where Llama's are the
+    same to fp32 rounding. Placing a stored block anywhere relies on the latter."""
+    import transformers
+
+    from milo_infer.evaluation.conformance import model_cache
+
+    name = {"llama": "LlamaConfig", "hunyuan_v1_dense": "HunYuanDenseV1Config",
+            "hunyuan_v1_moe": "HunYuanMoEV1Config"}[family]
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, name)(**families.SHAPE, head_dim=16),
+                                                          dtype=torch.float32).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() == 1:  # norm weights away from 1, as `families.tiny_model` sets them
+                parameter.add_(torch.randn_like(parameter) * 0.1)
+    ids = torch.randint(3, 300, (24,)).tolist()
+    here, later = model_cache(model, ids, 0)[1][1], model_cache(model, ids, 17)[1][1]
+    off = float((here - later).abs().max() / here.abs().max())
+    assert (off > 0.05) if shifted_off else (off < 1e-5), off
+
+
 def refused_configs():
     """A config of each refused family transformers here has, with the reason it must be refused for."""
     import transformers
