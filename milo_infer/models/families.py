@@ -92,7 +92,8 @@ class Attention:
 PLAIN = Attention()  # Llama's: k_proj and v_proj outputs (biases included), rotate-half, every layer
 WINDOWED = replace(PLAIN, window=True)  # Mistral's: Llama's, config.sliding_window on every layer
 QK_NORM = Attention(keys=("k_norm",), queries=("q_norm",))  # the norm's output: per head (Qwen3), over the projection (OLMo 2)
-FUSED = Attention(fused="qkv_proj", window=True)  # Phi-3's: q, k and v slices of one projection
+FUSED = Attention(fused="qkv_proj", window=True, partial=True)  # Phi-3's: q, k and v slices of one projection;
+# Phi-4-mini's rotate-half over 3/4 of the head
 MOE = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
        "mlp_only_layers")  # Qwen's routing
 GRANITE = ("attention_multiplier", "embedding_multiplier", "residual_multiplier", "logits_scaling")

@@ -115,6 +115,15 @@ def test_a_rotary_width_one_pair_short_fails_its_check(family, tmp_path, monkeyp
     assert any("capture keys" in failure for failure in r.failures()), r.failures()
 
 
+def test_phi3_with_phi4_minis_partial_rotary_passes_every_check(tmp_path):
+    """Phi-4-mini's rotate-half over 3/4 of the head (12 of 16 channels here), on Phi-3's fused projection."""
+    loaded = families.tiny_model("phi3", rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                          "partial_rotary_factor": 0.75})
+    assert loaded.identity["rope"]["rotary_dim"] == 12
+    r = conformance(loaded, tmp_path)
+    assert r.passed, r.failures()
+
+
 WINDOWED = {  # families whose tiny config has no window, with one that bites (8 tokens of rows of ~40)
     "mistral": dict(sliding_window=8),  # every layer
     "qwen2": dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),  # the layers from max_window_layers
