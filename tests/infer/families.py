@@ -53,7 +53,7 @@ TINY = {
                                   max_window_layers=1)),  # k_norm per head; layer 1 slides
     "minimax_m2": ("MiniMaxM2Config", dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, rotary_dim=8)),
     # k_norm over the whole projection; rotate-half over half the head, as released (rotary_dim 64 of 128)
-    "glm4_moe": ("Glm4MoeConfig", dict(n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+    "glm4_moe": ("Glm4MoeConfig", dict(head_dim=16, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
                                        moe_intermediate_size=32, first_k_dense_replace=1, use_qk_norm=True)),
     # GLM-4.5: rotate-half over half the head, k_norm per head, a dense first layer
     "phi": ("PhiConfig", {}),  # Phi-2: rotate-half over half the head, biases, output projection "dense"

@@ -61,7 +61,8 @@ SERVED = {
 VLLM_OVERRIDES = {"gemma": dict(head_dim=256), "gemma3_text": dict(head_dim=64), "gpt_oss": dict(head_dim=64),
                   "ernie4_5": dict(head_dim=64, use_bias=False),  # vLLM's Ernie (a Llama) drops use_bias's biases
                   "cohere": dict(tie_word_embeddings=True),  # vLLM's Cohere always reads logits off the embeddings
-                  "seed_oss": dict(head_dim=64), "minimax_m2": dict(head_dim=64, rotary_dim=32)}
+                  "seed_oss": dict(head_dim=64), "minimax_m2": dict(head_dim=64, rotary_dim=32),
+                  "glm4_moe": dict(head_dim=64)}  # vLLM's GLM-4.5 reads head_dim, which GLM-4.5's config.json has
 RUNS = [(family, tp) for family, (_, sizes) in SERVED.items() for tp in sizes]
 TASK = TaskSpec(name="numbers", template="Message: {input}\nNumber: {output}\n", anchor="Number each message.",
                 answer_kind="number")
