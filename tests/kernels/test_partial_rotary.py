@@ -78,28 +78,44 @@ def test_cpu_rope_equals_the_reference(rotary_dim):
     torch.testing.assert_close(out, want)
 
 
+def nans(kv_heads, n, d, dtype, device="cpu"):
+    return [torch.full((kv_heads, n, d), math.nan, dtype=dtype, device=device) for _ in range(2)]
+
+
+def layer_case(shape, dtype, seed):
+    """A packed layer of ``shape`` (raw segments among its ranks), its tables, and the reference's rebuild."""
+    kv_heads, d, rotary_dim, block_tokens = SHAPES[shape]
+    factors, segments, n = random_layer(kv_heads, d, block_tokens, dtype, seed=seed, raw=True)
+    cos, sin = partial_tables(n, d, rotary_dim)
+    want = nans(kv_heads, n, d, dtype)
+    reconstruct_layer_naive(factors, segments, *want, cos, sin, rotary_dim=rotary_dim)
+    return factors, segments, cos, sin, want, target_mask(segments, kv_heads, n, d), rotary_dim
+
+
+def bits_case(shape, seed):
+    """A bit-code layer of ``shape``, its tables, and the reference's fp16 rebuild."""
+    kv_heads, d, rotary_dim, block_tokens = SHAPES[shape]
+    data, components, segments, scale, n = bits_layer(kv_heads, d, block_tokens, seed=seed)
+    cos, sin = partial_tables(n, d, rotary_dim)
+    want = nans(kv_heads, n, d, torch.float16)
+    reconstruct_bits_layer_naive(data, components, segments, scale, *want, cos, sin, rotary_dim=rotary_dim)
+    return (data, components, segments, scale), cos, sin, want, target_mask(segments, kv_heads, n, d), rotary_dim
+
+
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_cpu_rebuild_equals_the_reference(shape):
-    kv_heads, d, rotary_dim, block_tokens = SHAPES[shape]
-    factors, segments, n = random_layer(kv_heads, d, block_tokens, torch.float32, seed=7, raw=True)
-    cos, sin = partial_tables(n, d, rotary_dim)
-    want = [torch.full((kv_heads, n, d), math.nan) for _ in range(2)]
-    got = [torch.full((kv_heads, n, d), math.nan) for _ in range(2)]
-    reconstruct_layer_naive(factors, segments, *want, cos, sin, rotary_dim=rotary_dim)
+    factors, segments, cos, sin, want, mask, rotary_dim = layer_case(shape, torch.float32, seed=7)
+    got = [torch.full_like(x, math.nan) for x in want]
     reconstruct_layer(factors, segments, *got, cos, sin, rotary_dim=rotary_dim, backend="auto")
-    check(got, want, target_mask(segments, kv_heads, n, d), atol=1e-5, rtol=1e-5)
+    check(got, want, mask, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_cpu_bits_rebuild_equals_the_reference(shape):
-    kv_heads, d, rotary_dim, block_tokens = SHAPES[shape]
-    data, components, segments, scale, n = bits_layer(kv_heads, d, block_tokens, seed=3)
-    cos, sin = partial_tables(n, d, rotary_dim)
-    want = [torch.full((kv_heads, n, d), math.nan, dtype=torch.float16) for _ in range(2)]
-    got = [torch.full((kv_heads, n, d), math.nan, dtype=torch.float16) for _ in range(2)]
-    reconstruct_bits_layer_naive(data, components, segments, scale, *want, cos, sin, rotary_dim=rotary_dim)
+    (data, components, segments, scale), cos, sin, want, mask, rotary_dim = bits_case(shape, seed=3)
+    got = [torch.full_like(x, math.nan) for x in want]
     reconstruct_bits_layer(data, components, segments, scale, *got, cos, sin, rotary_dim=rotary_dim, backend="auto")
-    check(got, want, target_mask(segments, kv_heads, n, d), atol=2e-2, rtol=1e-2)
+    check(got, want, mask, atol=2e-2, rtol=1e-2)
 
 
 @needs_kernel
@@ -108,16 +124,12 @@ def test_kernel_rebuild_equals_the_reference(shape):
     from milo_kernels.plan import plan_layer
     from milo_kernels.reconstruct import launch
 
-    kv_heads, d, rotary_dim, block_tokens = SHAPES[shape]
-    factors, segments, n = random_layer(kv_heads, d, block_tokens, torch.float16, seed=5, raw=True)
-    cos, sin = partial_tables(n, d, rotary_dim)
-    want = [torch.full((kv_heads, n, d), math.nan, dtype=torch.float16) for _ in range(2)]
-    reconstruct_layer_naive(factors, segments, *want, cos, sin, rotary_dim=rotary_dim)
-    got = [torch.full((kv_heads, n, d), math.nan, dtype=torch.float16, device=DEVICE) for _ in range(2)]
+    factors, segments, cos, sin, want, mask, rotary_dim = layer_case(shape, torch.float16, seed=5)
+    got = [torch.full_like(x, math.nan, device=DEVICE) for x in want]
     factors, cos, sin = factors.to(DEVICE), cos.to(DEVICE), sin.to(DEVICE)
     plan = plan_layer(factors, segments, *got, cos, sin, block_t=16, block_r=16)
     launch(plan, factors, *got, cos, sin, rotary_dim=rotary_dim)
-    check(got, want, target_mask(segments, kv_heads, n, d), atol=2e-2, rtol=1e-2)
+    check(got, want, mask, atol=2e-2, rtol=1e-2)
 
 
 @needs_kernel
@@ -125,16 +137,12 @@ def test_kernel_rebuild_equals_the_reference(shape):
 def test_bits_kernel_rebuild_equals_the_reference(shape):
     from milo_kernels.bits import launch_bits, plan_bits_layer
 
-    kv_heads, d, rotary_dim, block_tokens = SHAPES[shape]
-    data, components, segments, scale, n = bits_layer(kv_heads, d, block_tokens, seed=4)
-    cos, sin = partial_tables(n, d, rotary_dim)
-    want = [torch.full((kv_heads, n, d), math.nan, dtype=torch.float16) for _ in range(2)]
-    reconstruct_bits_layer_naive(data, components, segments, scale, *want, cos, sin, rotary_dim=rotary_dim)
-    got = [torch.full((kv_heads, n, d), math.nan, dtype=torch.float16, device=DEVICE) for _ in range(2)]
+    (data, components, segments, scale), cos, sin, want, mask, rotary_dim = bits_case(shape, seed=4)
+    got = [torch.full_like(x, math.nan, device=DEVICE) for x in want]
     data, scale, cos, sin = data.to(DEVICE), scale.to(DEVICE), cos.to(DEVICE), sin.to(DEVICE)
     plan = plan_bits_layer(data, components, segments, scale, *got, cos, sin)
     launch_bits(plan, data, scale, *got, cos, sin, rotary_dim=rotary_dim)
-    check(got, want, target_mask(segments, kv_heads, n, d), atol=5e-2, rtol=1e-2)
+    check(got, want, mask, atol=5e-2, rtol=1e-2)
 
 
 @pytest.mark.skipif(CUDA or INTERPRET, reason="the kernel tests run in this process")
