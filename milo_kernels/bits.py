@@ -168,7 +168,7 @@ def launch_bits(plan: BitsPlan, data, channel_scale, out_k, out_v, cos, sin, *, 
     triton_kernel.bits_kernel()[grid](
         data, plan.components, plan.tiles, channel_scale, out_k, out_v, cos, sin, d, (rotary_dim or d) // 2,
         *channel_scale.stride(), *out_k.stride(), *out_v.stride(), *cos.stride(), *sin.stride(),
-        INTERLEAVED=bool(interleaved), BLOCK_T=plan.block_t, BLOCK_R=plan.block_r, BLOCK_H=plan.block_h,
+        INTERLEAVED=bool(interleaved), PARTIAL=rotary_dim not in (None, d), BLOCK_T=plan.block_t, BLOCK_R=plan.block_r, BLOCK_H=plan.block_h,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
 

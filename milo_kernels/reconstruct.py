@@ -102,6 +102,7 @@ def launch(plan: Plan, factors, out_k, out_v, cos, sin, *, interleaved=False, ro
         BITS=plan.bits,
         SPAN=SCALE_SPAN,
         INTERLEAVED=bool(interleaved),
+        PARTIAL=rotary_dim not in (None, d),
         IEEE_DOT=factors.dtype == torch.float32,
         BLOCK_T=plan.block_t,
         BLOCK_R=plan.block_r,
