@@ -30,14 +30,20 @@ class Variant:
     dtype: str
     interleaved: bool
     d: int
+    partial: bool = False  # rotate-half over the first rotary_dim channels only (the kernels' PARTIAL)
 
     @property
     def name(self) -> str:
-        return f"{self.dtype}-{'inter' if self.interleaved else 'half'}-d{self.d}"
+        layout = "inter" if self.interleaved else "partial" if self.partial else "half"
+        return f"{self.dtype}-{layout}-d{self.d}"
 
 
-def variants(dtypes=tuple(FACTORS), head_dims=HEAD_DIMS, layouts=(False, True)) -> list[Variant]:
-    return [Variant(t, i, d) for t in dtypes for d in head_dims for i in layouts]
+LAYOUTS = {"half": (False, False), "inter": (True, False), "partial": (False, True)}  # (interleaved, partial)
+
+
+def variants(dtypes=tuple(FACTORS), head_dims=HEAD_DIMS, layouts=tuple(LAYOUTS)) -> list[Variant]:
+    return [Variant(t, LAYOUTS[layout][0], d, LAYOUTS[layout][1]) for t in dtypes for d in head_dims
+            for layout in layouts]
 
 
 def launch_config(v: Variant) -> dict:
@@ -54,12 +60,13 @@ def kernel_and_arguments(v: Variant, config: dict):
     out = OUTPUT.get(v.dtype, "*fp16")
     if v.dtype == "bits":
         args = dict(DATA="*u8", COMPONENTS="*i64", TILES="*i64", SCALE="*fp32", K=out, V=out, COS="*fp32",
-                    SIN="*fp32", D="i32")
-        return bits_kernel_for(False), args, dict(INTERLEAVED=v.interleaved, **tiles)
+                    SIN="*fp32", D="i32", ROT_HALF="i32")
+        return bits_kernel_for(False), args, dict(INTERLEAVED=v.interleaved, PARTIAL=v.partial, **tiles)
     factor = FACTORS[v.dtype]
     args = dict(F=factor, F16="*fp16" if v.dtype in QUANT_BITS else factor, TILES="*i64", K=out, V=out,
-                COS="*fp32", SIN="*fp32", D="i32")
+                COS="*fp32", SIN="*fp32", D="i32", ROT_HALF="i32")
     return kernel_for(False), args, dict(BITS=QUANT_BITS.get(v.dtype, 0), SPAN=SCALE_SPAN, INTERLEAVED=v.interleaved,
+                                         PARTIAL=v.partial,
                                          IEEE_DOT=v.dtype == "fp32", **tiles)
 
 

@@ -27,7 +27,7 @@ from . import triton_kernel
 from .cpu import reconstruct_bits_layer_cpu
 from .naive import reconstruct_bits_layer_naive
 from .plan import _upload, check_tensors
-from .reconstruct import kernel_backend
+from .reconstruct import check_rope_layout, kernel_backend
 
 COMPONENT_COLUMNS = ("params_offset", "basis_offset", "codes_offset", "width")
 BITS_SEGMENT_COLUMNS = ("first_component", "components", "tokens", "dst_row", "head", "kind")
@@ -153,10 +153,12 @@ def plan_bits_layer(data, components, segments, channel_scale, out_k, out_v, cos
     return plan_bits_tables(data, components, segments, out_k.shape[-1], **tiles)
 
 
-def launch_bits(plan: BitsPlan, data, channel_scale, out_k, out_v, cos, sin, *, interleaved=False) -> None:
+def launch_bits(plan: BitsPlan, data, channel_scale, out_k, out_v, cos, sin, *, interleaved=False,
+                rotary_dim=None) -> None:
     """One Triton launch for a planned layer; checks metadata only (no host sync)."""
     triton_kernel.require_triton(data)
     check_buffers(data, channel_scale, out_k, out_v, cos, sin)
+    check_rope_layout(out_k.shape[-1], interleaved, rotary_dim)
     n_heads, n_rows, d = out_k.shape
     if d != plan.d or n_rows < plan.need_rows or n_heads < plan.need_heads or plan.tiles.device != data.device:
         raise ValueError("buffers do not match the plan (d, rows, heads or device differ)")
@@ -164,23 +166,24 @@ def launch_bits(plan: BitsPlan, data, channel_scale, out_k, out_v, cos, sin, *, 
         return
     grid = (len(plan.tiles), triton_kernel.triton.cdiv(d // 2, plan.block_h))
     triton_kernel.bits_kernel()[grid](
-        data, plan.components, plan.tiles, channel_scale, out_k, out_v, cos, sin, d,
+        data, plan.components, plan.tiles, channel_scale, out_k, out_v, cos, sin, d, (rotary_dim or d) // 2,
         *channel_scale.stride(), *out_k.stride(), *out_v.stride(), *cos.stride(), *sin.stride(),
-        INTERLEAVED=bool(interleaved), BLOCK_T=plan.block_t, BLOCK_R=plan.block_r, BLOCK_H=plan.block_h,
+        INTERLEAVED=bool(interleaved), PARTIAL=rotary_dim not in (None, d), BLOCK_T=plan.block_t, BLOCK_R=plan.block_r, BLOCK_H=plan.block_h,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
 
 
 def reconstruct_bits_layer(data, components, segments, channel_scale, out_k, out_v, cos, sin, *,
-                           interleaved=False, backend: str | None = None) -> None:
+                           interleaved=False, rotary_dim=None, backend: str | None = None) -> None:
     """Write every segment's X (keys rotated) into out_k / out_v: the Triton kernel for CUDA tensors (or
     ``backend="triton"``, MILO_KERNEL=triton), the batched CPU path for CPU tensors (`cpu`), the plain-PyTorch
-    definition for ``backend="reference"`` (MILO_KERNEL=reference)."""
+    definition for ``backend="reference"`` (MILO_KERNEL=reference). The RoPE layout is `reconstruct_layer`'s."""
     choice = kernel_backend(data.device, backend)
     if choice == "triton":
         plan = plan_bits_layer(data, components, segments, channel_scale, out_k, out_v, cos, sin)
-        launch_bits(plan, data, channel_scale, out_k, out_v, cos, sin, interleaved=interleaved)
+        launch_bits(plan, data, channel_scale, out_k, out_v, cos, sin, interleaved=interleaved, rotary_dim=rotary_dim)
     else:
         comps, segs = check_bits_layer(data, components, segments, channel_scale, out_k, out_v, cos, sin)
+        check_rope_layout(out_k.shape[-1], interleaved, rotary_dim)
         rebuild = reconstruct_bits_layer_naive if choice == "reference" else reconstruct_bits_layer_cpu
-        rebuild(data, comps, segs, channel_scale, out_k, out_v, cos, sin, interleaved=interleaved)
+        rebuild(data, comps, segs, channel_scale, out_k, out_v, cos, sin, interleaved=interleaved, rotary_dim=rotary_dim)

@@ -23,7 +23,7 @@ from milo_format import RAW_RANK, segment_size
 from .naive import dequantize_int8_segment, raw_segment
 
 
-def reconstruct_layer_cpu(factors, segments, out_k, out_v, cos, sin, *, interleaved=False) -> None:
+def reconstruct_layer_cpu(factors, segments, out_k, out_v, cos, sin, *, interleaved=False, rotary_dim=None) -> None:
     """Same contract as `naive.reconstruct_layer_naive`: write every segment's rows, touch no others. ``cos`` None:
     keys are written unrotated (`reconstruct.decode_layer`, whose fp32 outputs the products are written into)."""
     d = out_k.shape[-1]
@@ -40,7 +40,7 @@ def reconstruct_layer_cpu(factors, segments, out_k, out_v, cos, sin, *, interlea
             _product(factors, src, rank, tokens, d, out=x[g])
         rows = slice(dst, dst + tokens)
         if kind == 0:
-            x = rope(x, cos[rows], sin[rows], interleaved)
+            x = rope(x, cos[rows], sin[rows], interleaved, rotary_dim=rotary_dim)
         out = out_k if kind == 0 else out_v
         for g, (_, _, head) in enumerate(members):
             out[head, rows].copy_(x[g])
@@ -66,9 +66,10 @@ def _product(factors, src: int, rank: int, tokens: int, d: int, out: torch.Tenso
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
-         out: torch.Tensor | None = None) -> torch.Tensor:
+         out: torch.Tensor | None = None, *, rotary_dim: int | None = None) -> torch.Tensor:
     """x·cos + rotate(x)·sin for fp32 x [..., T, d], without materialising rotate(x); into ``out`` (fp32, x's
-    shape, not overlapping x) when given.
+    shape, not overlapping x) when given. ``rotary_dim``: rotate-half over the first rotary_dim channels only
+    (`naive.rotate`); the rest are x·cos, cos being 1 there.
 
     rotate(x) is (-x2, x1) over the RoPE pairs (halves, or even/odd channels when interleaved), so the
     sin term is two fused multiply-adds on the halves of the result.
@@ -77,15 +78,16 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
     if interleaved:
         x1, x2, o1, o2, s1, s2 = (t[..., i::2] for t, i in ((x, 0), (x, 1), (out, 0), (out, 1), (sin, 0), (sin, 1)))
     else:
-        h = x.shape[-1] // 2
-        x1, x2, o1, o2, s1, s2 = x[..., :h], x[..., h:], out[..., :h], out[..., h:], sin[..., :h], sin[..., h:]
+        r = x.shape[-1] if rotary_dim is None else rotary_dim
+        h = r // 2
+        x1, x2, o1, o2, s1, s2 = x[..., :h], x[..., h:r], out[..., :h], out[..., h:r], sin[..., :h], sin[..., h:r]
     o1.addcmul_(x2, s1, value=-1)
     o2.addcmul_(x1, s2)
     return out
 
 
 def reconstruct_bits_layer_cpu(data, components, segments, channel_scale, out_k, out_v, cos, sin, *,
-                               interleaved=False) -> None:
+                               interleaved=False, rotary_dim=None) -> None:
     """Same contract as `naive.reconstruct_bits_layer_naive`, batched for a CPU: the codes of every component of
     one (width, tokens) are unpacked at once with numpy (unpackbits over their bytes, not a gather per bit),
     then each segment is one fp32 product of its coefficients and basis, rotated if a key."""
@@ -115,5 +117,5 @@ def reconstruct_bits_layer_cpu(data, components, segments, channel_scale, out_k,
         at += c
         rows = slice(row, row + t)
         if kind == 0:
-            x = rope(x, cos[rows], sin[rows], interleaved)
+            x = rope(x, cos[rows], sin[rows], interleaved, rotary_dim=rotary_dim)
         (out_k if kind == 0 else out_v)[head, rows] = x.to(out_k.dtype)

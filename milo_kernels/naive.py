@@ -4,19 +4,26 @@ import torch
 from milo_format import INT8_HEADER, RAW_RANK, segment_size
 
 
-def rotate(x: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
-    """The RoPE partner of each channel: rotate-half (HF Llama/Qwen) or interleaved pairs (GPT-J)."""
+def rotate(x: torch.Tensor, interleaved: bool = False, rotary_dim: int | None = None) -> torch.Tensor:
+    """The RoPE partner of each channel: rotate-half (HF Llama/Qwen) or interleaved pairs (GPT-J).
+
+    ``rotary_dim``: rotate-half over only the first ``rotary_dim`` channels, pairs (j, j + rotary_dim/2) (GLM-4.5,
+    Phi-2, StableLM): the channels after them have no partner (0). None: the whole head."""
     if interleaved:
         x1, x2 = x[..., 0::2], x[..., 1::2]
         return torch.stack((-x2, x1), dim=-1).flatten(-2)
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+    r = x.shape[-1] if rotary_dim is None else rotary_dim
+    x1, x2 = x[..., :r // 2], x[..., r // 2:r]
+    return torch.cat((-x2, x1, torch.zeros_like(x[..., r:])), dim=-1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
-    """Rotate x [..., T, d] by full-width tables cos, sin [T, d] (computed in fp32, returned in x's dtype)."""
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False,
+               rotary_dim: int | None = None) -> torch.Tensor:
+    """Rotate x [..., T, d] by full-width tables cos, sin [T, d] (computed in fp32, returned in x's dtype); the
+    layout is ``interleaved`` and ``rotary_dim``'s (`rotate`). A partial rotary's tables are the identity (cos 1,
+    sin 0) on the channels it does not turn."""
     xf = x.float()
-    return (xf * cos + rotate(xf, interleaved) * sin).to(x.dtype)
+    return (xf * cos + rotate(xf, interleaved, rotary_dim) * sin).to(x.dtype)
 
 
 def raw_segment(factors: torch.Tensor, src: int, tokens: int, d: int) -> torch.Tensor:
@@ -43,7 +50,7 @@ def dequantize_int8_segment(raw: torch.Tensor, rank: int, tokens: int, d: int):
     return a, s, b
 
 
-def reconstruct_layer_naive(factors, segments, out_k, out_v, cos, sin, *, interleaved=False) -> None:
+def reconstruct_layer_naive(factors, segments, out_k, out_v, cos, sin, *, interleaved=False, rotary_dim=None) -> None:
     """Rebuild each segment as X = A diag(Σ) Bᵀ in fp32, rotate keys at their output rows, write in place.
 
     A segment row is (src_offset, rank, tokens, dst_row, head, kind); its factors are packed at
@@ -68,7 +75,7 @@ def reconstruct_layer_naive(factors, segments, out_k, out_v, cos, sin, *, interl
             x = (a * s) @ b.T
         rows = slice(row, row + tokens)
         if kind == 0:
-            x = apply_rope(x, cos[rows], sin[rows], interleaved)
+            x = apply_rope(x, cos[rows], sin[rows], interleaved, rotary_dim)
         out = out_k if kind == 0 else out_v
         out[head, rows] = x.to(out.dtype)
 
@@ -84,7 +91,7 @@ def unpack_codes(data: torch.Tensor, offset: torch.Tensor, width: torch.Tensor, 
 
 
 def reconstruct_bits_layer_naive(data, components, segments, channel_scale, out_k, out_v, cos, sin, *,
-                                 interleaved=False) -> None:
+                                 interleaved=False, rotary_dim=None) -> None:
     """X = Σⱼ (codeⱼ · scaleⱼ + minⱼ)(basisⱼ · b_scaleⱼ + b_minⱼ)ᵀ of each segment in fp32, channels times
     channel_scale[kind, head], keys rotated at their output rows (milo_kernels.bits documents the tables).
     Inputs are not validated here (`bits.reconstruct_bits_layer` does that); this is the oracle, kept literal."""
@@ -97,6 +104,6 @@ def reconstruct_bits_layer_naive(data, components, segments, channel_scale, out_
         x = (codes.T @ basis) * channel_scale[kind, head].float()
         rows = slice(row, row + tokens)
         if kind == 0:
-            x = apply_rope(x, cos[rows], sin[rows], interleaved)
+            x = apply_rope(x, cos[rows], sin[rows], interleaved, rotary_dim)
         out = out_k if kind == 0 else out_v
         out[head, rows] = x.to(out.dtype)

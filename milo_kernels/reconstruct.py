@@ -26,7 +26,7 @@ from .plan import Plan, check_all, check_tensors, factor_bits, plan_layer
 BACKENDS = ("auto", "reference", "triton")  # "auto": Triton for CUDA tensors, the batched CPU path otherwise
 
 
-def reconstruct_layer(factors, segments, out_k, out_v, cos, sin, *, interleaved=False, quant=None,
+def reconstruct_layer(factors, segments, out_k, out_v, cos, sin, *, interleaved=False, rotary_dim=None, quant=None,
                       plan: "Plan | None" = None, backend: str | None = None) -> None:
     """Write X = A diag(Σ) Bᵀ of every segment (X itself when raw, rank RAW_RANK) to out[head, dst_row:
     dst_row + tokens], keys rotated by RoPE.
@@ -37,19 +37,34 @@ def reconstruct_layer(factors, segments, out_k, out_v, cos, sin, *, interleaved=
     Only the segments' rows are written. ``plan``: these segments' plan from `plan_layers`, used by the
     Triton backend instead of planning again (the other backends take the segments). ``backend``: one
     of BACKENDS, for callers that must choose (a comparison of backends); None takes `default_backend`.
+    The RoPE layout: ``interleaved`` pairs (2i, 2i + 1), else rotate-half's (j, j + rotary_dim/2) over the first
+    ``rotary_dim`` channels (None: the whole head; `naive.rotate`).
     """
     bits = factor_bits(factors.dtype, quant)
     backend = kernel_backend(factors.device, backend)
     if backend in ("reference", "cpu"):
         segs = check_all(factors, segments, out_k, out_v, cos, sin, bits)
+        check_rope_layout(out_k.shape[-1], interleaved, rotary_dim)
         if bits in (4, 2):  # the CPU and reference paths rebuild expanded fp16 factors
             factors, segs = dequantize_lowbit_layer(factors, segs, out_k.shape[-1], quant)
         rebuild = reconstruct_layer_naive if backend == "reference" else reconstruct_layer_cpu
-        rebuild(factors, segs, out_k, out_v, cos, sin, interleaved=interleaved)
+        rebuild(factors, segs, out_k, out_v, cos, sin, interleaved=interleaved, rotary_dim=rotary_dim)
     else:
         if plan is None:
             plan = plan_layer(factors, segments, out_k, out_v, cos, sin, quant=quant)
-        launch(plan, factors, out_k, out_v, cos, sin, interleaved=interleaved)
+        launch(plan, factors, out_k, out_v, cos, sin, interleaved=interleaved, rotary_dim=rotary_dim)
+
+
+def check_rope_layout(d: int, interleaved: bool, rotary_dim: int | None) -> None:
+    """Refuse a RoPE layout the kernels cannot pair: a rotate-half rotary_dim that is odd, not in 1..d, or given
+    with interleaved pairs (whose partial rotary is carried by identity tables alone)."""
+    if rotary_dim is None:
+        return
+    if interleaved:
+        raise ValueError(f"rotary_dim={rotary_dim} is for rotate-half pairs; interleaved pairs turn a partial "
+                         "rotary by identity tables past it, with rotary_dim None")
+    if not (isinstance(rotary_dim, int) and 0 < rotary_dim <= d and rotary_dim % 2 == 0):
+        raise ValueError(f"rotary_dim must be an even number of channels in 2..{d} (the head), got {rotary_dim!r}")
 
 
 def decode_layer(factors, segments, out_k, out_v, *, quant=None) -> None:
@@ -66,10 +81,11 @@ def decode_layer(factors, segments, out_k, out_v, *, quant=None) -> None:
     reconstruct_layer_cpu(factors, segs, out_k, out_v, None, None)
 
 
-def launch(plan: Plan, factors, out_k, out_v, cos, sin, *, interleaved=False) -> None:
+def launch(plan: Plan, factors, out_k, out_v, cos, sin, *, interleaved=False, rotary_dim=None) -> None:
     """One Triton launch for a planned layer. Checks metadata only: no host sync, safe to graph-capture."""
     triton_kernel.require_triton(factors)
     check_tensors(factors, out_k, out_v, cos, sin)
+    check_rope_layout(out_k.shape[-1], interleaved, rotary_dim)
     n_heads, n_rows, d = out_k.shape
     if (d != plan.d or factors.numel() < plan.need_numel or n_rows < plan.need_rows
             or n_heads < plan.need_heads or plan.tiles.device != factors.device
@@ -81,11 +97,12 @@ def launch(plan: Plan, factors, out_k, out_v, cos, sin, *, interleaved=False) ->
     header = factors[:factors.numel() // 2 * 2].view(torch.float16) if plan.quantized else factors
     grid = (len(plan.tiles), triton_kernel.triton.cdiv(d // 2, plan.block_h))
     triton_kernel.kernel()[grid](
-        factors, header, plan.tiles, out_k, out_v, cos, sin, d,
+        factors, header, plan.tiles, out_k, out_v, cos, sin, d, (rotary_dim or d) // 2,
         *out_k.stride(), *out_v.stride(), *cos.stride(), *sin.stride(),
         BITS=plan.bits,
         SPAN=SCALE_SPAN,
         INTERLEAVED=bool(interleaved),
+        PARTIAL=rotary_dim not in (None, d),
         IEEE_DOT=factors.dtype == torch.float32,
         BLOCK_T=plan.block_t,
         BLOCK_R=plan.block_r,

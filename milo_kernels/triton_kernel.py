@@ -93,13 +93,20 @@ def _load_a(CODES, SCALES, n_scales, t, c, t_ok, c_ok, columns, tokens, key, BIT
     return a
 
 
-def _rope_pairs(D, INTERLEAVED, BLOCK_H):
+def _rope_pairs(D, ROT_HALF, INTERLEAVED, PARTIAL, BLOCK_H):
     """This program's BLOCK_H RoPE pairs of a head of D channels: which exist, and their two channels c1 and c2
-    (neighbours when INTERLEAVED, else D / 2 apart)."""
+    (neighbours when INTERLEAVED, else D / 2 apart; when PARTIAL, rotate-half over the first 2 * ROT_HALF channels
+    only, ROT_HALF apart, and the unturned channels 2 * ROT_HALF .. D - 1 paired too, (h + ROT_HALF, h + D / 2) for
+    pairs h >= ROT_HALF, so that every channel is written once: their tables are the identity). PARTIAL is a
+    constexpr so the whole-head kernels compile as they did without it (one occupancy step kept: sm_90's INT4)."""
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     if INTERLEAVED:
         c1 = 2 * h
         c2 = 2 * h + 1
+    elif PARTIAL:
+        turned = h < ROT_HALF
+        c1 = tl.where(turned, h, h + ROT_HALF)
+        c2 = tl.where(turned, h + ROT_HALF, h + D // 2)
     else:
         c1 = h
         c2 = h + D // 2
@@ -143,9 +150,10 @@ def kernel_for(interpret: bool):
     globals, where both the compiler and the interpreter look callees up (the interpreter ignores closures).
     """
 
-    def reconstruct_kernel(F, F16, TILES, K, V, COS, SIN, D,
+    def reconstruct_kernel(F, F16, TILES, K, V, COS, SIN, D, ROT_HALF,
                            skh, skn, skd, svh, svn, svd, scn, scd, ssn, ssd,
-                           BITS: tl.constexpr, SPAN: tl.constexpr, INTERLEAVED: tl.constexpr, IEEE_DOT: tl.constexpr,
+                           BITS: tl.constexpr, SPAN: tl.constexpr, INTERLEAVED: tl.constexpr, PARTIAL: tl.constexpr,
+                           IEEE_DOT: tl.constexpr,
                            BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
         tile = TILES + tl.program_id(0) * 7
         src = tl.load(tile)
@@ -158,7 +166,7 @@ def kernel_for(interpret: bool):
 
         t = t0 + tl.arange(0, BLOCK_T)  # token index inside the segment
         t_ok = t < tokens
-        h_ok, c1, c2 = _rope_pairs(D, INTERLEAVED, BLOCK_H)
+        h_ok, c1, c2 = _rope_pairs(D, ROT_HALF, INTERLEAVED, PARTIAL, BLOCK_H)
 
         # where each part of the segment starts (docs/format.md); fp16 parts are read through F16
         hdr = F16 + src // 2
@@ -237,9 +245,10 @@ def bits_kernel_for(interpret: bool):
     """The kernel that rebuilds K/V from per-component bit codes (`milo_kernels.bits` documents its tables),
     built lazily like `kernel_for`, its constexpr annotations kept."""
 
-    def reconstruct_bits_kernel(DATA, COMPONENTS, TILES, SCALE, K, V, COS, SIN, D,
+    def reconstruct_bits_kernel(DATA, COMPONENTS, TILES, SCALE, K, V, COS, SIN, D, ROT_HALF,
                                 sxk, sxh, sxd, skh, skn, skd, svh, svn, svd, scn, scd, ssn, ssd,
-                                INTERLEAVED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
+                                INTERLEAVED: tl.constexpr, PARTIAL: tl.constexpr, BLOCK_T: tl.constexpr,
+                                BLOCK_R: tl.constexpr,
                                 BLOCK_H: tl.constexpr):
         tile = TILES + tl.program_id(0) * 7
         first = tl.load(tile)
@@ -252,7 +261,7 @@ def bits_kernel_for(interpret: bool):
 
         t = t0 + tl.arange(0, BLOCK_T)
         t_ok = t < tokens
-        h_ok, c1, c2 = _rope_pairs(D, INTERLEAVED, BLOCK_H)
+        h_ok, c1, c2 = _rope_pairs(D, ROT_HALF, INTERLEAVED, PARTIAL, BLOCK_H)
 
         acc1 = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
         acc2 = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)

@@ -1,6 +1,6 @@
 """Compile every reconstruction-kernel variant the query path can launch for sm_80 and sm_90, without a GPU.
 
-Per variant (factor dtype x RoPE layout x head dim, with the tiles
+Per variant (factor dtype x RoPE layout (rotate-half, interleaved, partial rotate-half) x head dim, with the tiles
 `milo_kernels.plan.tile_config` picks): compile seconds, registers per thread, spill bytes,
 shared memory and the occupancy they allow. Exits 1 if a variant fails to compile or spills.
 
@@ -16,7 +16,7 @@ from pathlib import Path
 os.environ.setdefault("TRITON_ALWAYS_COMPILE", "1")  # time the compiler, not triton's cache
 os.environ.pop("TRITON_INTERPRET", None)  # the interpreter cannot compile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from milo_kernels.aot import FACTORS, HEAD_DIMS, SM, compile_variant, variants  # noqa: E402
+from milo_kernels.aot import FACTORS, HEAD_DIMS, LAYOUTS, SM, compile_variant, variants  # noqa: E402
 
 COLUMNS = ("variant", "cc", "block_t", "block_r", "block_h", "num_warps", "num_stages", "compile_s", "registers",
            "spill_bytes", "shared_bytes", "blocks_per_sm", "occupancy", "limited_by")
@@ -27,11 +27,11 @@ def main():
     p.add_argument("--cc", type=int, nargs="+", default=sorted(SM), choices=sorted(SM))
     p.add_argument("--dtype", nargs="+", default=list(FACTORS), choices=list(FACTORS))
     p.add_argument("--head-dim", type=int, nargs="+", default=list(HEAD_DIMS))
-    p.add_argument("--layout", nargs="+", default=["half", "inter"], choices=["half", "inter"],
-                   help="RoPE layout: rotate-half or interleaved pairs")
+    p.add_argument("--layout", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS),
+                   help="RoPE layout: rotate-half, interleaved pairs, or rotate-half over the first rotary_dim channels")
     p.add_argument("--json", action="store_true", help="print one JSON list instead of the table")
     args = p.parse_args()
-    todo = variants(args.dtype, args.head_dim, [layout == "inter" for layout in args.layout])
+    todo = variants(args.dtype, args.head_dim, args.layout)
     rows, failed = [], 0
     if not args.json:
         print(" ".join(f"{c:>{width(c)}}" for c in COLUMNS), flush=True)

@@ -62,7 +62,8 @@ class TimedSession(MiloSession):
         super().__init__(loaded, store, **({"rebuild": copy_identity_layer} if copy_identity else {}), **kwargs)
 
 
-def copy_identity_layer(factors, segments, out_k, out_v, cos, sin, *, interleaved=False, **_) -> None:
+def copy_identity_layer(factors, segments, out_k, out_v, cos, sin, *, interleaved=False, rotary_dim=None,
+                        **_) -> None:
     """The full-KV baseline's fill: an identity segment's A is X itself, so per kind gather every segment's
     rows in one cat, rotate the keys, and scatter all rows to their (head, row) in one indexed write: a
     handful of launches a layer, as a real offload's copy would be."""
@@ -80,7 +81,7 @@ def copy_identity_layer(factors, segments, out_k, out_v, cos, sin, *, interleave
             where = where.pin_memory().to(out.device, non_blocking=True)
         rows, heads = where
         if kind == 0:
-            x = rope(x.float(), cos[rows], sin[rows], interleaved)
+            x = rope(x.float(), cos[rows], sin[rows], interleaved, rotary_dim=rotary_dim)
         out[heads, rows] = x.to(out.dtype)
 
 
@@ -236,7 +237,7 @@ def kernel_speedup(session: TimedSession, block_ids: list[int], repeat: int = 3)
     def run(backend):
         for l, (factors, segments) in enumerate(layers):
             reconstruct_layer(factors, segments, out_k, out_v, *engine.rope.layer(l),
-                              interleaved=session.mounted.prefix.rope_interleaved, quant=layout.quant, backend=backend)
+                              **session.mounted.prefix.rope_layout, quant=layout.quant, backend=backend)
 
     times = {}
     for name, backend in (("reference", "reference"), ("kernel", "auto")):  # "auto": the device's own kernel

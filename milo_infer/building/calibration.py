@@ -31,7 +31,7 @@ def value_attention(loaded, anchor_ids: list[int], query_ids: list[list[int]]
         captured = [capture_queries(model, anchor_ids + ids)[:, len(anchor_ids):] for ids in query_ids]
     queries = torch.cat(captured, dim=1).float()  # [L, M, Hq, d]
     positions = torch.cat([torch.arange(len(ids)) for ids in query_ids])
-    interleaved = attention_of(model.config).interleaved
+    layout = attention_of(model.config).rope_layout(model.config)
     scaling = float(decoder_layers(model)[0].self_attn.scaling)
 
     def attend(i: int, keys: torch.Tensor) -> torch.Tensor:
@@ -41,8 +41,8 @@ def value_attention(loaded, anchor_ids: list[int], query_ids: list[list[int]]
         for layer in range(L):
             cos, sin = rope.layer(layer)
             cos, sin = cos.float().cpu(), sin.float().cpu()
-            q = apply_rope(queries[layer].transpose(0, 1), cos[T + positions], sin[T + positions], interleaved)
-            k = apply_rope(keys[layer].float(), cos[:T], sin[:T], interleaved)
+            q = apply_rope(queries[layer].transpose(0, 1), cos[T + positions], sin[T + positions], **layout)
+            k = apply_rope(keys[layer].float(), cos[:T], sin[:T], **layout)
             out.append(torch.softmax(q.reshape(H, -1, d) @ k.transpose(-1, -2) * scaling, dim=-1))
         return torch.stack(out)
 
@@ -76,7 +76,7 @@ def context_attention(loaded, anchor_ids: list[int], anchor_kv: torch.Tensor, qu
         last = [capture_queries(model, anchor_ids + ids)[:, -1:] for ids in query_ids]
     queries = torch.cat(last, dim=1).float()  # [L, M', Hq, d]
     offsets = torch.tensor([len(ids) - 1 for ids in query_ids])
-    interleaved = attention_of(model.config).interleaved
+    layout = attention_of(model.config).rope_layout(model.config)
     scaling = float(decoder_layers(model)[0].self_attn.scaling)
     anchor_kv = anchor_kv.float().cpu()
     A = anchor_kv.shape[-2]
@@ -90,10 +90,10 @@ def context_attention(loaded, anchor_ids: list[int], anchor_kv: torch.Tensor, qu
         cos, sin = rope["tables"].layer(layer)
         cos, sin = cos.float().cpu(), sin.float().cpu()
         here = slice(A, A + T)
-        q = apply_rope(queries[layer].transpose(0, 1), cos[A + T + offsets], sin[A + T + offsets], interleaved)
+        q = apply_rope(queries[layer].transpose(0, 1), cos[A + T + offsets], sin[A + T + offsets], **layout)
         q = q.reshape(H, -1, d)  # [H, M, d]: query heads grouped by the KV head they read
-        anchor_scores = q @ apply_rope(anchor_kv[layer, 0], cos[:A], sin[:A], interleaved).transpose(-1, -2) * scaling
-        scores = q @ apply_rope(keys.float(), cos[here], sin[here], interleaved).transpose(-1, -2) * scaling
+        anchor_scores = q @ apply_rope(anchor_kv[layer, 0], cos[:A], sin[:A], **layout).transpose(-1, -2) * scaling
+        scores = q @ apply_rope(keys.float(), cos[here], sin[here], **layout).transpose(-1, -2) * scaling
         top = torch.maximum(anchor_scores.amax(-1, keepdim=True) if A else scores.amax(-1, keepdim=True),
                             scores.amax(-1, keepdim=True))
         anchor_w, block_w = (anchor_scores - top).exp(), (scores - top).exp()
@@ -102,7 +102,7 @@ def context_attention(loaded, anchor_ids: list[int], anchor_kv: torch.Tensor, qu
 
         def score_gradient(directions: torch.Tensor) -> torch.Tensor:
             n = directions.shape[1]
-            rotated = apply_rope(directions.unsqueeze(2).expand(H, n, T, d), cos[here], sin[here], interleaved)
+            rotated = apply_rope(directions.unsqueeze(2).expand(H, n, T, d), cos[here], sin[here], **layout)
             return torch.einsum("hmd,hntd->hmtn", q, rotated) * scaling
 
         return ContextAttention(probs=block_w / total, output=output, score_gradient=score_gradient)

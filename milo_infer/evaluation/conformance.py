@@ -215,13 +215,15 @@ def plain_logits(model, keys, values, query_ids: list[int], prefix_tokens: int) 
 
 
 RECORDING = "milo_record_queries"
+_RECORDED: list[dict] = []  # where the `attended_query_scales` call in progress keeps each layer's queries (not a
+# forward keyword: StableLM's decoder layers do not hand their keywords on to the attention)
 
 
-def _recording_attention(module, query, key, value, attention_mask, milo_queries=None, **kwargs):
+def _recording_attention(module, query, key, value, attention_mask, **kwargs):
     """The model's own eager attention (windows, sinks, soft-cap as its modeling file has them), keeping what each
     layer's attention is given as queries (after RoPE and any norm)."""
-    if milo_queries is not None:
-        milo_queries[module.layer_idx] = query.detach()
+    if _RECORDED:
+        _RECORDED[-1][module.layer_idx] = query.detach()
     eager = sys.modules[type(module).__module__].eager_attention_forward
     return eager(module, query, key, value, attention_mask, **kwargs)
 
@@ -241,10 +243,11 @@ def attended_query_scales(model, ids: list[int]) -> torch.Tensor:
     seen: dict[int, torch.Tensor] = {}
     before = config._attn_implementation
     config._attn_implementation = RECORDING
+    _RECORDED.append(seen)
     try:
-        model(input_ids=torch.tensor([ids], device=next(model.parameters()).device), use_cache=False,
-              milo_queries=seen)
+        model(input_ids=torch.tensor([ids], device=next(model.parameters()).device), use_cache=False)
     finally:
+        _RECORDED.pop()
         config._attn_implementation = before
     energy = torch.stack([seen[layer].double()[0].transpose(0, 1).unflatten(1, (H, n_rep)).square().mean(dim=(0, 2))
                           for layer in range(config.num_hidden_layers)]).cpu()  # [L, H, d]
@@ -252,4 +255,4 @@ def attended_query_scales(model, ids: list[int]) -> torch.Tensor:
     carried = torch.tensor([float(tables.layer(l)[0][0, 0]) ** 2 for l in range(config.num_hidden_layers)],
                            dtype=torch.float64)
     energy = energy / carried[:, None, None]
-    return rope_pairs(energy, attention_of(config).interleaved).sqrt().float()
+    return rope_pairs(energy, **attention_of(config).rope_layout(config)).sqrt().float()

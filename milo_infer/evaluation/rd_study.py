@@ -71,7 +71,7 @@ class StudyInput:
     calibration_positions: torch.Tensor  # [Nc]
     rope: object  # RopeTables over every position needed
     scaling: float  # the attention's score scale
-    interleaved: bool
+    rope_layout: dict  # the kernels' RoPE layout arguments (`Attention.rope_layout`)
 
     @property
     def fit(self) -> list[int]:
@@ -133,11 +133,7 @@ def prepare(loaded, store, staging: Staging, test, task, num_queries: int, calib
                       calibration_positions=torch.cat(calibration_positions) if calibration_positions else
                       torch.zeros(0, dtype=torch.int64),
                       rope=layer_rope_tables(model, longest), scaling=float(decoder_layers(model)[0].self_attn.scaling),
-                      interleaved=_interleaved(model))
-
-
-def _interleaved(model) -> bool:
-    return attention_of(model.config).interleaved
+                      rope_layout=attention_of(model.config).rope_layout(model.config))
 
 
 def attention_probs(data: StudyInput, x: torch.Tensor, queries: torch.Tensor, positions: torch.Tensor
@@ -148,9 +144,9 @@ def attention_probs(data: StudyInput, x: torch.Tensor, queries: torch.Tensor, po
     out = []
     for layer in range(L):
         cos, sin = data.rope.layer(layer)
-        q = apply_rope(queries[layer].transpose(0, 1), cos[T + positions], sin[T + positions], data.interleaved)
+        q = apply_rope(queries[layer].transpose(0, 1), cos[T + positions], sin[T + positions], **data.rope_layout)
         q = q.reshape(H, -1, d)
-        k = apply_rope(x[layer, 0].float(), cos[:T], sin[:T], data.interleaved)
+        k = apply_rope(x[layer, 0].float(), cos[:T], sin[:T], **data.rope_layout)
         out.append(torch.softmax(q @ k.transpose(-1, -2) * data.scaling, dim=-1))
     return torch.stack(out)
 
@@ -170,11 +166,11 @@ def attention_error(data: StudyInput, exact: torch.Tensor, decoded: torch.Tensor
     for layer in range(L):
         cos, sin = data.rope.layer(layer)
         q = apply_rope(q_all[layer].transpose(0, 1), cos[T + data.query_positions], sin[T + data.query_positions],
-                       data.interleaved)  # [Hq, Nq, d]
+                       **data.rope_layout)  # [Hq, Nq, d]
         q = q.reshape(H, n_rep * q.shape[1], d)
         results = []
         for x in (exact, decoded):
-            k = apply_rope(x[layer, 0].float(), cos[:T], sin[:T], data.interleaved)
+            k = apply_rope(x[layer, 0].float(), cos[:T], sin[:T], **data.rope_layout)
             p = torch.softmax(q @ k.transpose(-1, -2) * data.scaling, dim=-1)
             results.append(p @ x[layer, 1].float())
         out["attention"] += float((results[1] - results[0]).double().pow(2).sum())

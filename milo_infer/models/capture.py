@@ -3,6 +3,7 @@ and the query-aware channel weights, which read its queries the same way."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Iterator
 
 import torch
@@ -16,11 +17,12 @@ def decoder_layers(model) -> torch.nn.ModuleList:
     return base.layers
 
 
-def _module(attention: torch.nn.Module, names: tuple[str, ...]) -> torch.nn.Module:
-    """The first of ``names`` the attention module has (a description lists the tap first, its fallback after)."""
-    for name in names:
+def _module(attention: torch.nn.Module, names: tuple[str, ...]) -> tuple[torch.nn.Module, bool]:
+    """The first of ``names`` the attention module has (a description lists the tap first, its fallback after), and
+    whether it is the first (the tap, not its fallback)."""
+    for index, name in enumerate(names):
         if (found := getattr(attention, name, None)) is not None:
-            return found
+            return found, index == 0
     raise AttributeError(f"{type(attention).__name__} has none of {', '.join(names)}: its family's description "
                          "(milo_infer/models/families.py) does not fit this transformers version")
 
@@ -39,11 +41,37 @@ def _taps(model, spec: Attention, what: str):
             taps.append((getattr(attention, spec.fused), lambda out, a=start, b=start + sizes[what]: out[..., a:b]))
         else:
             names = {"q": spec.queries, "k": spec.keys, "v": (spec.values,)}[what]
-            if spec.heads_first and what != "v":  # [batch, heads, tokens, d] -> [batch, tokens, heads, d]
-                taps.append((_module(attention, names), lambda out: out.transpose(1, 2)))
+            module, first = _module(attention, names)
+            if spec.heads_first and what != "v" and first:  # [batch, heads, tokens, d] -> [batch, tokens, heads, d]
+                taps.append((module, lambda out: out.transpose(1, 2)))
             else:
-                taps.append((_module(attention, names), lambda out: out))
+                taps.append((module, lambda out: out))
     return taps
+
+
+def hand_on_attention_keywords(model) -> None:
+    """Hand each decoder layer's forward keywords that it does not name itself on to its ``self_attn``, as most
+    families' layers do and StableLM's and Nemotron's do not: the engine's attention reads its batch from one
+    (``milo_pack``), and a layer that kept it would attend plain SDPA over the engine's pools. Once per model."""
+    for layer in decoder_layers(model):
+        if getattr(layer, "_milo_hands_on_keywords", False):
+            continue
+        named = set(inspect.signature(layer.forward).parameters)
+        held: dict = {}
+
+        def keep(module, args, kwargs, held=held, named=named):
+            held.update({k: v for k, v in kwargs.items() if k not in named})
+
+        def hand_on(module, args, kwargs, held=held):
+            return args, {**held, **kwargs}
+
+        def release(module, args, output, held=held):
+            held.clear()  # the batch is not kept past the layer's forward
+
+        layer.register_forward_pre_hook(keep, with_kwargs=True)
+        layer.self_attn.register_forward_pre_hook(hand_on, with_kwargs=True)
+        layer.register_forward_hook(release)
+        layer._milo_hands_on_keywords = True
 
 
 class CapturedKV:
@@ -89,14 +117,16 @@ def capture_kv(model, spec: Attention | None = None) -> Iterator[CapturedKV]:
             handle.remove()
 
 
-def rope_pairs(energy: torch.Tensor, interleaved: bool) -> torch.Tensor:
+def rope_pairs(energy: torch.Tensor, interleaved: bool, rotary_dim: int | None = None) -> torch.Tensor:
     """Each channel's value replaced by the mean over its RoPE pair: (j, j + d/2) rotate-half, (2i, 2i + 1)
-    interleaved."""
+    interleaved; with a rotate-half ``rotary_dim``, (j, j + rotary_dim/2) over the first rotary_dim channels, each
+    channel after them its own (nothing turns it)."""
     d = energy.shape[-1]
     if interleaved:
         return energy.unflatten(-1, (d // 2, 2)).mean(-1).repeat_interleave(2, dim=-1)
-    pair = (energy[..., :d // 2] + energy[..., d // 2:]) / 2
-    return torch.cat((pair, pair), dim=-1)
+    r = d if rotary_dim is None else rotary_dim
+    pair = (energy[..., :r // 2] + energy[..., r // 2:r]) / 2
+    return torch.cat((pair, pair, energy[..., r:]), dim=-1)
 
 
 def query_channel_scales(model, input_ids, spec: Attention | None = None) -> torch.Tensor:
@@ -126,19 +156,21 @@ def query_channel_scales(model, input_ids, spec: Attention | None = None) -> tor
         energy[layer] = q.square().mean(dim=(0, 2)).cpu()
 
     _forward_reading_queries(model, spec, ids, store)
-    return rope_pairs(energy, spec.interleaved).sqrt().float()
+    return rope_pairs(energy, **spec.rope_layout(config)).sqrt().float()
 
 
-def output_channel_scales(model) -> torch.Tensor:
-    """Value channel weights [L, H_kv, d]: the RMS over query heads of o_proj's column norms.
+def output_channel_scales(model, spec: Attention | None = None) -> torch.Tensor:
+    """Value channel weights [L, H_kv, d]: the RMS over query heads of o_proj's column norms (the family's output
+    projection's).
 
     Attention mixes values row-wise, so an error in value channel j of a KV head reaches the layer's
     output through o_proj's column for channel j of each query head sharing that KV head; its size
     there is that column's norm, pooled as an RMS over those heads. No activations are needed.
     """
     config = model.config
+    spec = spec or attention_of(config)
     H, d = config.num_key_value_heads, head_dim(config)
-    norms = [layer.self_attn.o_proj.weight.detach().double().square().sum(dim=0)
+    norms = [getattr(layer.self_attn, spec.output).weight.detach().double().square().sum(dim=0)
              .reshape(H, config.num_attention_heads // H, d).mean(dim=1).sqrt() for layer in decoder_layers(model)]
     return torch.stack(norms).float().cpu()
 

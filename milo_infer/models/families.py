@@ -34,11 +34,16 @@ class Attention:
     interleaved: bool = False  # RoPE turns channel pairs (2i, 2i + 1) (Cohere), not rotate-half's (j, j + d/2)
     regroup_tables: bool = False  # its rotary module makes rotate-half tables, which its attention re-lays for
     # interleaved pairs (Helium)
-    partial: bool = False  # only the first rotary_dim channels rotate (GLM: interleaved pairs, which keep the
-    # kernels' pairing: the channels after them take identity tables); rotate-half partial rotary is refused
+    partial: bool = False  # only the first rotary_dim channels rotate (config partial_rotary_factor), the channels
+    # after them taking identity tables: interleaved pairs (GLM-4) keep the kernels' pairing as they are; rotate-half
+    # pairs (j, j + rotary_dim/2) (GLM-4.5, Phi-2) are the kernels' rotary_dim layout (`rope_layout`)
     identity: tuple[str, ...] = ()  # config fields beyond the common ones that change its K/V (hashed into the
     # store's config_hash; none for llama, qwen2 and mistral, whose stores predate this field)
-    heads_first: bool = False  # its key and query taps output [batch, heads, tokens, d] (a norm after the transpose)
+    heads_first: bool = False  # its key and query taps output [batch, heads, tokens, d] (a norm after the transpose;
+    # a fallback projection, the tap of a config without the norm, outputs [batch, tokens, heads * d] as any)
+    output: str = "o_proj"  # the projection of the attention's output (Phi's ``dense``): the value weights read it
+    keywords_kept: bool = False  # its decoder layers keep their forward keywords from their attention (StableLM,
+    # Nemotron): `loading.LoadedModel` hands them on, the engine's batch among them
     unwindowed_nope: bool = False  # when a window is on, its full-attention layers do not rotate (Cohere 2, Exaone 4)
     half_tables: bool = False  # its rotary module makes one table per rotate-half pair, applied to both halves (gpt-oss)
     sinks: bool = False  # each query head has a learned sink logit in its softmax, attended by nothing (gpt-oss)
@@ -49,9 +54,11 @@ class Attention:
     # by a block's offset attends one copy held at 0..T-1 for every row (`milo_infer.runtime.shared_blocks`); False:
     # each row holds its own copy (a norm after RoPE, say, would not commute with turning the query)
 
-    def __post_init__(self):
-        if self.partial and not self.interleaved:
-            raise ValueError("partial rotary keeps the kernels' pairing only with interleaved pairs")
+    def rope_layout(self, config) -> dict:
+        """The kernels' RoPE layout arguments for this model (``milo_kernels`` ``interleaved`` and ``rotary_dim``):
+        a rotate-half partial rotary names its width; interleaved pairs and a whole-head rotary need none."""
+        partial = self.partial and not self.interleaved and rotary_dim(config) != head_dim(config)
+        return {"interleaved": self.interleaved, "rotary_dim": rotary_dim(config) if partial else None}
 
     def nope_layers(self, config) -> list[int]:
         """The layers whose keys are cached as computed, not rotated."""
@@ -88,7 +95,8 @@ class Attention:
 PLAIN = Attention()  # Llama's: k_proj and v_proj outputs (biases included), rotate-half, every layer
 WINDOWED = replace(PLAIN, window=True)  # Mistral's: Llama's, config.sliding_window on every layer
 QK_NORM = Attention(keys=("k_norm",), queries=("q_norm",))  # the norm's output: per head (Qwen3), over the projection (OLMo 2)
-FUSED = Attention(fused="qkv_proj", window=True)  # Phi-3's: q, k and v slices of one projection
+FUSED = Attention(fused="qkv_proj", window=True, partial=True)  # Phi-3's: q, k and v slices of one projection;
+# Phi-4-mini's rotate-half over 3/4 of the head
 MOE = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
        "mlp_only_layers")  # Qwen's routing
 GRANITE = ("attention_multiplier", "embedding_multiplier", "residual_multiplier", "logits_scaling")
@@ -127,8 +135,21 @@ FAMILIES: dict[str, Attention] = {
     "dots1": replace(QK_NORM, identity=("n_routed_experts", "n_shared_experts", "num_experts_per_tok",
                                         "moe_intermediate_size", "first_k_dense_replace", "norm_topk_prob",
                                         "routed_scaling_factor")),  # Qwen3's attention, sliding layers by layer_types
-    "minimax_m2": replace(QK_NORM, identity=("num_local_experts", "num_experts_per_tok")),  # k_norm over the
-    # whole projection (OLMo 2's); its released checkpoints' rotary_dim 64 of 128 is refused as partial rotary
+    "minimax_m2": replace(QK_NORM, partial=True, identity=("num_local_experts", "num_experts_per_tok")),  # k_norm
+    # over the whole projection (OLMo 2's); its released checkpoints turn rotary_dim 64 of 128, rotate-half
+    "glm4_moe": Attention(keys=("k_norm", "k_proj"), queries=("q_norm", "q_proj"), partial=True, identity=(
+        "use_qk_norm", "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "moe_intermediate_size",
+        "first_k_dense_replace", "norm_topk_prob", "routed_scaling_factor", "n_group", "topk_group")),  # GLM-4.5/4.6:
+    # rotate-half over half the head (GLM-4's dense models pair interleaved), k_norm per head where use_qk_norm
+    "phi": Attention(keys=("k_layernorm", "k_proj"), queries=("q_layernorm", "q_proj"), heads_first=True,
+                     partial=True, output="dense", identity=("layer_norm_eps", "qk_layernorm")),  # Phi-2: biases,
+    # a LayerNorm per head where qk_layernorm, an output projection named dense, a parallel MLP
+    "stablelm": Attention(keys=("k_layernorm", "k_proj"), queries=("q_layernorm", "q_proj"), heads_first=True,
+                          partial=True, keywords_kept=True, identity=(
+                              "layer_norm_eps", "use_qkv_bias", "qk_layernorm", "use_parallel_residual")),  # a
+    # quarter of the head rotates
+    "nemotron": replace(PLAIN, partial=True, keywords_kept=True, identity=("norm_eps", "mlp_bias")),  # half the head
+    # rotates; LayerNorm1P
     "ministral": PLAIN,  # layer_types: sliding layers, or all
     "gemma2": replace(PLAIN, softcap="attn_logit_softcapping", query_scalar="query_pre_attn_scalar",
                       identity=("attn_logit_softcapping", "query_pre_attn_scalar")),
@@ -146,11 +167,14 @@ HYBRID_LINEAR = ("hybrid linear attention: its linear-attention layers keep a re
                  "that could be stored and placed at new positions")
 MLA = ("multi-head latent attention (MLA): its cache holds a compressed latent and one shared RoPE key per token, "
        "not per-head K/V before RoPE")
-PARTIAL = ("partial rotary embedding with rotate-half pairs (j, j + rotary_dim/2) over the first channels: milo's "
-           "kernels pair (j, j + d/2)")
 MROPE = ("multimodal RoPE (rope_parameters' mrope_section): its rotary module turns each part of a head by "
          "its own position row (time, height, width), which milo's one table per position does not describe")
-KEY_NORM_AFTER_ROPE = "its key norm follows RoPE, so a cached key is not a rotation of a stored one"
+KEY_NORM_AFTER_ROPE = ("its query and key RMSNorms follow RoPE, each with a weight per channel, so a score "
+                       "<wq*R(m)q, wk*R(n)k> depends on m and n, not on m - n alone: a block's K/V past the first layer "
+                       "change with the absolute positions it was encoded at, and no stored block placed elsewhere is "
+                       "what the model computes there (tried: keys stored as k/rms(k) before RoPE, the norm's weight "
+                       "on each layer's tables, rebuild its cache to fp32 rounding; placed at new positions, a tiny "
+                       "model's layer-1 keys were off by 19-97% of their size)")
 REFUSED: dict[str, str] = {
     "qwen3_next": HYBRID_LINEAR, "qwen3_5": HYBRID_LINEAR, "qwen3_5_text": HYBRID_LINEAR, "qwen3_5_moe": HYBRID_LINEAR,
     "qwen3_5_moe_text": HYBRID_LINEAR, "falcon_h1": HYBRID_LINEAR, "jamba": HYBRID_LINEAR,
@@ -159,8 +183,6 @@ REFUSED: dict[str, str] = {
                "supported"),
     "deepseek_v2": MLA, "deepseek_v3": MLA,
     "hunyuan_v1_dense": KEY_NORM_AFTER_ROPE,
-    "stablelm": PARTIAL, "nemotron": PARTIAL, "phi": PARTIAL,
-    "glm4_moe": PARTIAL + " (GLM-4.5/4.6: partial_rotary_factor 0.5; GLM-4's dense models pair interleaved)",
     "hunyuan_v1_moe": KEY_NORM_AFTER_ROPE,
     "llama4_text": ("chunked local attention in 3 of 4 layers (attention_chunk_size, layer_types "
                     "'chunked_attention'): a placed block would be attended beyond the chunk the model sees; "
@@ -188,6 +210,13 @@ def _family_problem(model_type) -> str:
 
 def head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def rotary_dim(config) -> int:
+    """How many of a head's first channels RoPE turns (head_dim for a whole-head rotary)."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    factor = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    return int(head_dim(config) * factor)
 
 
 def check_supported(config) -> None:
@@ -234,7 +263,11 @@ def _check_config(config) -> None:
             )
         factor = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
         if factor != 1.0 and not (spec is not None and spec.partial):
-            problems.append(f"partial rotary embedding (partial_rotary_factor={factor}) is not supported: {PARTIAL}")
+            problems.append(f"partial rotary embedding (partial_rotary_factor={factor}) is not supported: its "
+                            f"family's attention is not described as partial")
+        elif factor != 1.0 and (rotary_dim(config) % 2 or not 0 < rotary_dim(config) <= head_dim(config)):
+            problems.append(f"partial_rotary_factor={factor} turns {rotary_dim(config)} of {head_dim(config)} "
+                            "channels: RoPE pairs channels, so it needs an even number within the head")
     heads = getattr(config, "num_attention_heads", None)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     if heads and kv_heads and heads % kv_heads:

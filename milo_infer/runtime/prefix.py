@@ -43,9 +43,11 @@ FETCH_STATS = ("rows", "blocks", "unique_blocks", "device_hits", "memory_hits", 
                "remote_bytes", "remote_gets", "buffer_bytes", "staged_bytes", "bytes")  # `PrefixRebuild.fetch_stats`
 
 
-def rebuild_layer(factors, segments, out_k, out_v, cos, sin, *, interleaved, quant, plan=None) -> None:
+def rebuild_layer(factors, segments, out_k, out_v, cos, sin, *, interleaved, quant, plan=None,
+                  rotary_dim=None) -> None:
     """The default rebuild: the kernels' reconstruction (Triton on CUDA, the CPU path otherwise)."""
-    reconstruct_layer(factors, segments, out_k, out_v, cos, sin, interleaved=interleaved, quant=quant, plan=plan)
+    reconstruct_layer(factors, segments, out_k, out_v, cos, sin, interleaved=interleaved, rotary_dim=rotary_dim,
+                      quant=quant, plan=plan)
 
 
 @dataclass(frozen=True)
@@ -124,16 +126,26 @@ class StorePrefix:
 
     def __init__(self, name: str, store: MiloStore, rope: RopeTables, device, dtype):
         self.name, self.store, self.layout = name, store, store.layout
-        self.rope_interleaved = store.meta["model"]["rope"]["layout"] == "interleaved"
+        record = store.meta["model"]["rope"]
+        self.rope_interleaved = record["layout"] == "interleaved"
+        # rotate-half over the first rotary_dim channels only (None: the whole head, or interleaved pairs, whose
+        # partial rotary the identity tables past it carry): the kernels' ``rotary_dim``
+        self.rope_rotary_dim = record.get("rotary_dim") if not self.rope_interleaved else None
         anchor = store.anchor_kv()  # [L, 2, H, Ta, d], keys pre-RoPE
         if anchor is None:
             raise IncompatibleStoreError(f"{store.path} has no anchor K/V: not a store `milo build` wrote")
         Ta = anchor.shape[3]
-        keys = torch.stack([apply_rope(anchor[l, 0].float(), cos[:Ta].cpu(), sin[:Ta].cpu(), self.rope_interleaved)
+        keys = torch.stack([apply_rope(anchor[l, 0].float(), cos[:Ta].cpu(), sin[:Ta].cpu(), **self.rope_layout)
                             for l, (cos, sin) in enumerate(map(rope.layer, range(len(anchor))))])
         self.anchor_k = keys.to(device, dtype)
         self.anchor_v = anchor[:, 1].to(device, dtype)
         self.anchor_len = Ta
+
+    @property
+    def rope_layout(self) -> dict:
+        """The kernels' RoPE layout arguments for this store's keys: ``apply_rope(x, cos, sin, **rope_layout)``,
+        ``reconstruct_layer(..., **rope_layout)``."""
+        return {"interleaved": self.rope_interleaved, "rotary_dim": self.rope_rotary_dim}
 
     def place(self, blocks: list[int], with_segments: bool = True,
               unread: frozenset[int] = frozenset()) -> BlockPlacement:
@@ -344,10 +356,10 @@ class PrefixRebuild:
                     v[:, :m.anchor_len] = m.anchor_v[layer, heads]
                 if kernel_plans is None:  # rebuilt from its stored codes
                     self.codes[m].rebuild(segments[layer], scales[m], k[:, :row.prefix_tokens], v[:, :row.prefix_tokens],
-                                          cos, sin, interleaved=m.rope_interleaved)
+                                          cos, sin, **m.rope_layout)
                 elif self.shared is None and len(segments[layer]):
                     self.rebuild(factors[m], segments[layer], k[:, :row.prefix_tokens], v[:, :row.prefix_tokens],
-                                 cos, sin, interleaved=m.rope_interleaved, quant=m.layout.quant,
+                                 cos, sin, **m.rope_layout, quant=m.layout.quant,
                                  plan=kernel_plans.get(layer))
             if self.shared is not None:
                 self._fill_shared(layer, factors, k_buf, v_buf, cos, sin)
@@ -366,10 +378,12 @@ class PrefixRebuild:
                 for r in rows:
                     k, v = k_buf[r][:, at], v_buf[r][:, at]
                     if k.dtype == torch.float32:
-                        rope(decoded[0][:, block], cos[at], sin[at], m.rope_interleaved, out=k)
+                        rope(decoded[0][:, block], cos[at], sin[at], m.rope_interleaved, out=k,
+                             rotary_dim=m.rope_rotary_dim)
                     else:
                         if keys is None:
-                            keys = rope(decoded[0][:, block], cos[at], sin[at], m.rope_interleaved)
+                            keys = rope(decoded[0][:, block], cos[at], sin[at], m.rope_interleaved,
+                                        rotary_dim=m.rope_rotary_dim)
                         k.copy_(keys)
                     v.copy_(decoded[1][:, block])
         if layer == self.share.layers[-1]:

@@ -65,5 +65,5 @@ class StagedCodes:
     def channel_scale(self, layer: int, heads: range) -> torch.Tensor:
         return self.codec.channel_scale(layer)[:, heads.start:heads.stop].contiguous().to(self.device)
 
-    def rebuild(self, plan, scale, out_k, out_v, cos, sin, *, interleaved: bool) -> None:
-        launch_bits(plan, self.data, scale, out_k, out_v, cos, sin, interleaved=interleaved)
+    def rebuild(self, plan, scale, out_k, out_v, cos, sin, *, interleaved: bool, rotary_dim=None) -> None:
+        launch_bits(plan, self.data, scale, out_k, out_v, cos, sin, interleaved=interleaved, rotary_dim=rotary_dim)

@@ -51,8 +51,15 @@ TINY = {
     "dots1": ("Dots1Config", dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                   n_shared_experts=1, first_k_dense_replace=1, sliding_window=8,
                                   max_window_layers=1)),  # k_norm per head; layer 1 slides
-    "minimax_m2": ("MiniMaxM2Config", dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2)),  # k_norm
-    # over the whole projection
+    "minimax_m2": ("MiniMaxM2Config", dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, rotary_dim=8)),
+    # k_norm over the whole projection; rotate-half over half the head, as released (rotary_dim 64 of 128)
+    "glm4_moe": ("Glm4MoeConfig", dict(head_dim=16, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                                       moe_intermediate_size=32, first_k_dense_replace=1, use_qk_norm=True)),
+    # GLM-4.5: rotate-half over half the head, k_norm per head, a dense first layer
+    "phi": ("PhiConfig", {}),  # Phi-2: rotate-half over half the head, biases, output projection "dense"
+    "stablelm": ("StableLmConfig", dict(qk_layernorm=True, use_qkv_bias=True)),  # a quarter of the head, a
+    # LayerNorm per head (StableLM 2 12B's)
+    "nemotron": ("NemotronConfig", {}),  # rotate-half over half the head, LayerNorm1P
     # windows of 8 tokens: the conformance rows (an anchor and two blocks) are ~40 tokens, so every window bites
     "ministral": ("MinistralConfig", dict(head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"])),
     "gemma2": ("Gemma2Config", dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=24,

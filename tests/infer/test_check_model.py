@@ -34,6 +34,15 @@ def test_a_supported_model_passes_with_a_deviation_per_layer(qwen3_dir, capsys):
     assert "PASS" in out.splitlines()[-1]
 
 
+@pytest.mark.parametrize("family", ["glm4_moe", "minimax_m2", "phi", "stablelm", "nemotron"])
+def test_a_rotate_half_partial_rotary_family_passes_on_its_own_weights(family, tmp_path, capsys):
+    """Issue 56's families, saved and loaded back as a user's directory (MiniMax-M2's config keeps its released
+    rotary_dim field, StableLM's and Nemotron's layers get the engine's batch handed on once loaded)."""
+    assert milo(["check-model", saved(family, tmp_path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["passed"] and report["model_type"] == family
+
+
 def test_json_names_each_layers_deviations_and_tolerance(qwen3_dir, capsys):
     assert milo(["check-model", qwen3_dir, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)

@@ -92,6 +92,10 @@ WRONG = {  # family -> a description that misreads it, and the check that must s
     "minimax_m2": (dict(keys=("k_proj",)), "capture keys"),  # the projection's norm dropped
     "dots1": (dict(queries=("q_proj",)), "query_scales"),  # q_norm dropped
     "cohere2": (dict(unwindowed_nope=False), "capture keys"),  # its full layers rotated
+    "glm4_moe": (dict(interleaved=True, regroup_tables=True), "capture keys"),  # GLM-4's interleaved pairs
+    "phi": (dict(interleaved=True), "capture keys"),  # its rotary over interleaved pairs
+    "stablelm": (dict(keys=("no_norm", "k_proj")), "capture keys"),  # its LayerNorm per head dropped (the fallback read)
+    "nemotron": (dict(keywords_kept=False), "logits"),  # the engine's batch kept from its attention
 }
 
 
@@ -101,6 +105,28 @@ def test_a_wrong_description_fails_its_check(family, tmp_path, monkeypatch):
     monkeypatch.setitem(FAMILIES, family, dataclasses.replace(FAMILIES[family], **change))
     r = conformance(families.tiny_model(family), tmp_path)
     assert not r.passed and any(check in failure for failure in r.failures()), r.failures()
+
+
+@pytest.mark.parametrize("family", ["minimax_m2", "nemotron"])
+def test_a_rotary_width_one_pair_short_fails_its_check(family, tmp_path, monkeypatch):
+    """Rotate-half partial rotary rebuilt as pairs (j, j + rotary_dim/2 - 1) over one pair fewer: the stored keys
+    come back turned unlike the model's."""
+    from milo_infer.runtime.prefix import StorePrefix
+
+    real = StorePrefix.rope_layout.fget
+    monkeypatch.setattr(StorePrefix, "rope_layout", property(lambda self: {
+        **real(self), "rotary_dim": real(self)["rotary_dim"] - 2}))
+    r = conformance(families.tiny_model(family), tmp_path)
+    assert any("capture keys" in failure for failure in r.failures()), r.failures()
+
+
+def test_phi3_with_phi4_minis_partial_rotary_passes_every_check(tmp_path):
+    """Phi-4-mini's rotate-half over 3/4 of the head (12 of 16 channels here), on Phi-3's fused projection."""
+    loaded = families.tiny_model("phi3", rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                          "partial_rotary_factor": 0.75})
+    assert loaded.identity["rope"]["rotary_dim"] == 12
+    r = conformance(loaded, tmp_path)
+    assert r.passed, r.failures()
 
 
 WINDOWED = {  # families whose tiny config has no window, with one that bites (8 tokens of rows of ~40)
@@ -239,6 +265,31 @@ def test_the_first_families_identity_is_what_their_stores_hold(family):
     identity = config_identity(config, torch.float32)
     assert identity["config_hash"].startswith(PINNED[family])
     assert identity["rope"] == {"layout": "half", "theta": 10000.0, "scaling": None}
+
+
+@pytest.mark.parametrize("family, shifted_off", [("llama", False), ("hunyuan_v1_dense", True),
+                                                  ("hunyuan_v1_moe", True)])
+def test_only_a_norm_after_rope_makes_attention_depend_on_absolute_positions(family, shifted_off):
+    """Why Hunyuan is refused (`families.KEY_NORM_AFTER_ROPE`): the same tokens fed 17 positions later give
+    layer 1 other values (its query and key norms' weights sit between the two rotations), where Llama's are the
+    same to fp32 rounding. Placing a stored block anywhere relies on the latter."""
+    import transformers
+
+    from milo_infer.evaluation.conformance import model_cache
+
+    name = {"llama": "LlamaConfig", "hunyuan_v1_dense": "HunYuanDenseV1Config",
+            "hunyuan_v1_moe": "HunYuanMoEV1Config"}[family]
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, name)(**families.SHAPE, head_dim=16),
+                                                          dtype=torch.float32).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() == 1:  # norm weights away from 1, as `families.tiny_model` sets them
+                parameter.add_(torch.randn_like(parameter) * 0.1)
+    ids = torch.randint(3, 300, (24,)).tolist()
+    here, later = model_cache(model, ids, 0)[1][1], model_cache(model, ids, 17)[1][1]
+    off = float((here - later).abs().max() / here.abs().max())
+    assert (off > 0.05) if shifted_off else (off < 1e-5), off
 
 
 def refused_configs():

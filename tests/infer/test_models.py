@@ -201,7 +201,7 @@ def chunked_llama():
     (LlamaConfig(**TINY, rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
      "partial_rotary_factor=0.5"),
     (LlamaConfig(**{**TINY, "num_key_value_heads": 3}), "not a multiple of num_key_value_heads=3"),
-    (MiniMaxM2Config(**TINY, head_dim=128, rotary_dim=64), "partial_rotary_factor=0.5"),  # as released
+    (MiniMaxM2Config(**TINY, head_dim=128, rotary_dim=63), "turns 63 of 128 channels"),  # RoPE pairs channels
 ])
 def test_unsupported_configs_are_refused(config, message):
     """(Sliding windows are supported: `test_windowed_configs_pass_and_hash_their_windows`.)"""
@@ -212,7 +212,8 @@ def test_unsupported_configs_are_refused(config, message):
 
 def test_supported_configs_pass():
     for config in (LlamaConfig(**TINY), Qwen2Config(**TINY), MistralConfig(**TINY, sliding_window=None),
-                   MistralConfig(**TINY, sliding_window=TINY["max_position_embeddings"])):
+                   MistralConfig(**TINY, sliding_window=TINY["max_position_embeddings"]),
+                   MiniMaxM2Config(**TINY, head_dim=128, rotary_dim=64)):  # MiniMax-M2 as released
         check_supported(config)
 
 

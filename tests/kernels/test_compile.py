@@ -14,6 +14,7 @@ SUBSET = [  # the paper's head dim in the two formats checked for spills, plus o
     Variant("fp16", False, 128), Variant("int8", False, 128),
     Variant("int4", True, 64), Variant("int2", False, 256), Variant("bf16", True, 256),
     Variant("bits", False, 128), Variant("bits", True, 64),  # the bit-code kernel (milo_kernels.bits)
+    Variant("int4", False, 128, partial=True), Variant("bits", False, 128, partial=True),  # rotary_dim < d
 ]
 
 

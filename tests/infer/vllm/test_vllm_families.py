@@ -51,11 +51,17 @@ SERVED = {
     "gemma3_text": ("a window of 8 on alternate layers (vLLM's hybrid KV cache manager: the window layers' own KV "
                     "cache group, pages only for the blocks the window reaches), RoPE per layer type", (1,)),
     "gpt_oss": ("a window of 8 on alternate layers, a sink per head, experts", (1,)),
+    "glm4_moe": ("rotate-half over half the head (GLM-4.5), k_norm per head, shared and routed experts", (1,)),
+    "phi": ("rotate-half over half the head, biases, an output projection named dense", (1,)),
+    "stablelm": ("rotate-half over a quarter of the head, q/k/v biases", (1,)),
+    "nemotron": ("rotate-half over half the head, LayerNorm1P", (1,)),
 }
 VLLM_OVERRIDES = {"gemma": dict(head_dim=256), "gemma3_text": dict(head_dim=64), "gpt_oss": dict(head_dim=64),
                   "ernie4_5": dict(head_dim=64, use_bias=False),  # vLLM's Ernie (a Llama) drops use_bias's biases
                   "cohere": dict(tie_word_embeddings=True),  # vLLM's Cohere always reads logits off the embeddings
-                  "seed_oss": dict(head_dim=64)}
+                  "seed_oss": dict(head_dim=64),
+                  "glm4_moe": dict(head_dim=64),  # vLLM's GLM-4.5 reads head_dim, which GLM-4.5's config.json has
+                  "stablelm": dict(qk_layernorm=False)}  # vLLM 0.32's StableLM has no per-head LayerNorm (2 12B's)
 RUNS = [(family, tp) for family, (_, sizes) in SERVED.items() for tp in sizes]
 TASK = TaskSpec(name="numbers", template="Message: {input}\nNumber: {output}\n", anchor="Number each message.",
                 answer_kind="number")
