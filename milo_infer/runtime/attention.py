@@ -174,7 +174,9 @@ class Merge:
             token = held.token[pairs]
             cos, sin = held.rope.turn(layer.index)
             offset = held.offset[pairs]
-            q = rope(query[0][:, held.packed[token]].float(), cos[offset], -sin[offset], held.interleaved)
+            layout = held.rope_layout
+            q = rope(query[0][:, held.packed[token]].float(), cos[offset], -sin[offset], layout["interleaved"],
+                     rotary_dim=layout["rotary_dim"])
             parts, sums = [], []
             for b, (lo, hi) in blocks:
                 mask = None if low is None else (torch.arange(b.tokens, device=q.device)[None, :] >= low[lo:hi, None])

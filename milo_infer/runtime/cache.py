@@ -81,7 +81,8 @@ class HeldQueries:
     """What the tokens of a forward's rows that place held blocks attend there: every (token, block) pair, grouped by
     block (``blocks``), with the token (an index into ``packed``, the tokens' places in the packed sequence), the block's
     first column in the token's row (``offset``) and the token's position. ``rope`` turns a query back by an offset
-    (`RopeTables.turn`), ``interleaved`` its pairing. Made once a forward per page group; each layer reads it."""
+    (`RopeTables.turn`), ``rope_layout`` its pairing (`StorePrefix.rope_layout`). Made once a forward per page group;
+    each layer reads it."""
     packed: torch.Tensor  # int64 [S], device
     blocks: list[HeldColumns]
     token: torch.Tensor  # int64 [P], device: into packed
@@ -89,7 +90,7 @@ class HeldQueries:
     offset_host: torch.Tensor  # int64 [P]
     position_host: torch.Tensor  # int64 [P]
     rope: object
-    interleaved: bool
+    rope_layout: dict
     reaches: dict = field(default_factory=dict)  # per window: the pairs its layers attend (`attention.Merge`)
 
 

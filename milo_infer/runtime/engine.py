@@ -53,7 +53,7 @@ from .timing import StageClock
 
 log = logging.getLogger("milo.engine")
 LOAD_ERROR_POLICIES = ("recompute", "fail")
-Rebuild = Callable[..., None]  # (factors, segments, out_k, out_v, cos, sin, *, interleaved, quant, plan)
+Rebuild = Callable[..., None]  # (factors, segments, out_k, out_v, cos, sin, *, interleaved, rotary_dim, quant, plan)
 
 
 class Engine:
@@ -783,7 +783,7 @@ class Batch:
                            token=torch.from_numpy(np.concatenate(token) if token else np.zeros(0, np.int64)).to(e.device),
                            offset=offset_host.to(e.device), offset_host=offset_host,
                            position_host=torch.from_numpy(np.concatenate(position) if position else np.zeros(0, np.int64)),
-                           rope=e.rope, interleaved=placing[0][0].executed.placement.prefix.rope_interleaved)
+                           rope=e.rope, rope_layout=placing[0][0].executed.placement.prefix.rope_layout)
 
     def _forward(self, pack: Pack, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
                  joining: list[Row]) -> torch.Tensor:
