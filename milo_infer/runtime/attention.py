@@ -128,18 +128,28 @@ def sdpa_rows(query, key, value, pack: Pack, layer: LayerAttention | None) -> to
 def partial_attention(q, k, v, mask, layer: LayerAttention) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of q [Hq, n, d] over k, v [H, C, d] (GQA) in fp32, soft-capped as the layer says, and each
     query's log-sum-exp of its scores: what merges with its attention over other columns (`Merge`). ``mask`` [n, C]
-    (None: every column). A query that sees nothing gets log-sum-exp −inf and output 0."""
+    (None: every column); each query must see a column. On the CPU without a soft-cap this is the kernel SDPA runs
+    there, which returns the log-sum-exp beside the output (1.5x the scores written out, issue 54)."""
     Hq, n, d = q.shape
     H, C = k.shape[0], k.shape[1]
     scale = layer.scaling if layer.scaling is not None else d ** -0.5
-    scores = torch.bmm(q.float().reshape(H, Hq // H * n, d), k.float().transpose(1, 2)) * scale
+    grouped = q.float().reshape(H, Hq // H * n, d)
+    if mask is not None:
+        mask = mask.expand(Hq // H, n, C).reshape(-1, C)
+    if layer.softcap is None and q.device.type == "cpu":
+        bias = None if mask is None else torch.zeros(mask.shape, device=q.device).masked_fill_(~mask, float("-inf"))
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            grouped[None], k.float()[None], v.float()[None], 0.0, False, attn_mask=bias, scale=scale)
+        return out[0].reshape(Hq, n, d), lse[0].reshape(Hq, n)
+    scores = torch.bmm(grouped * scale, k.float().transpose(1, 2))
     if layer.softcap is not None:
         scores = torch.tanh(scores / layer.softcap) * layer.softcap
     if mask is not None:
-        scores = scores.view(H, Hq // H, n, C).masked_fill(~mask, float("-inf")).view(H, -1, C)
-    lse = torch.logsumexp(scores, dim=-1)
-    weights = torch.exp(scores - lse.masked_fill(torch.isinf(lse), 0)[..., None])
-    return torch.bmm(weights, v.float()).view(Hq, n, d), lse.view(Hq, n)
+        scores.masked_fill_(~mask, float("-inf"))
+    top = scores.amax(dim=-1, keepdim=True)
+    weights = scores.sub_(top).exp_()
+    total = weights.sum(dim=-1, keepdim=True)
+    return torch.bmm(weights, v.float()).div_(total).view(Hq, n, d), (top + total.log()).view(Hq, n)
 
 
 class Merge:
