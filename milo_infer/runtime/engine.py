@@ -928,21 +928,30 @@ class Batch:
                         recomputed_blocks=[b for b in p.blocks if b not in x.blocks])
         return RowEvent(p, delta, True, reason, answer)
 
-    def _count_held(self, staged: int) -> None:
-        """The K/V bytes of this step: the columns rows need (each held block's once), the pages in use, and the
-        blocks held against the rows' placements."""
-        e, each = self.engine, self.engine.group_page_bytes
-        held = [b for b in self.held.values() if b.rows]
-        needed = sum(self._needed_bytes(r) for r in self.rows) + sum(
-            b.tokens * (each[False] + (each[True] if b.window_pages is not None else 0)) for b in held) // PAGE_TOKENS
+    def held_counts(self) -> dict:
+        """Now: the K/V bytes of the pages in use (``kv_bytes_held``: rows' own and held blocks', those no row holds
+        any more among them), the distinct blocks rows hold (``held_blocks``, anchors not counted) and the blocks
+        the running rows place (``placed_blocks``: rows × k)."""
+        each = self.engine.group_page_bytes
         in_use = (self.pages.in_use * each[False] + self.window_alloc.in_use * each[True]
-                  if self.window_alloc is not None else self.pages.in_use * e.page_bytes)
+                  if self.window_alloc is not None else self.pages.in_use * self.engine.page_bytes)
+        return {"kv_bytes_held": in_use,
+                "held_blocks": sum(b.block is not None and b.rows > 0 for b in self.held.values()),
+                "placed_blocks": sum(len(r.executed.blocks) for r in self.rows if not r.finished)}
+
+    def _count_held(self, staged: int) -> None:
+        """The most K/V bytes this batch needed and held, and blocks it held and placed, counted at this step: the
+        columns rows need (each held block's once), with the factors ``staged`` for this step's rebuilds."""
+        each = self.engine.group_page_bytes
+        needed = sum(self._needed_bytes(r) for r in self.rows) + sum(
+            b.tokens * (each[False] + (each[True] if b.window_pages is not None else 0))
+            for b in self.held.values() if b.rows) // PAGE_TOKENS
         self.kv_bytes_needed = max(self.kv_bytes_needed, needed)
         self.peak_kv_bytes = max(self.peak_kv_bytes, needed + staged)
-        self.kv_bytes_held = max(self.kv_bytes_held, in_use)
-        counts = {"held_blocks": sum(b.block is not None for b in held),
-                  "placed_blocks": sum(len(r.executed.blocks) for r in self.rows if not r.finished)}
-        self.most_held = {name: max(self.most_held[name], n) for name, n in counts.items()}
+        now = self.held_counts()
+        self.kv_bytes_held = max(self.kv_bytes_held, now.pop("kv_bytes_held"))
+        self.most_held = {name: max(self.most_held[name], n) for name, n in now.items()}
+
 
     def _free_finished(self) -> None:
         """Finished and cancelled rows give their pages back (nothing else moves) and let go of their held blocks,

@@ -77,6 +77,7 @@ class MiloSession:
         forwards without wait and rebuild). On CUDA, transfer runs on a side stream, overlapped."""
         return self.answer_batch([text])[0]
 
-    def answer_batch(self, texts: list[str]) -> list[Answer]:
-        """Each query retrieves its own blocks; all of them run as one batch (shared blocks fetched once)."""
-        return self.engine.answer([self.plan(t) for t in texts])
+    def answer_batch(self, texts: list[str], stats: dict | None = None) -> list[Answer]:
+        """Each query retrieves its own blocks; all of them run as one batch (shared blocks fetched once and held
+        once); ``stats`` gains the batch's (`Engine.answer`)."""
+        return self.engine.answer([self.plan(t) for t in texts], stats)
