@@ -6,8 +6,11 @@ client sees it): queries/s, p50/p99 latency, p50 time to first token, and the me
 the server's own ``milo:batch_size`` histogram. Beside each level, the in-process engine answers the
 same queries in batches of that size through one running batch (no HTTP, no queue): the server's overhead
 is 1 - server q/s / engine q/s. ``--memory-requests`` more requests then trace the server's
-resident memory (VmRSS) before and after each quarter of them. Prints a markdown table; ``--out``
-also writes JSON. ``--synthetic SHAPE`` serves stores `milo bench --synthetic SHAPE` built, with the random model
+resident memory (VmRSS) before and after each quarter of them. ``--shared-blocks on,off`` serves each store once
+with blocks held once for every row and once with each row holding its own copy (`milo serve --shared-blocks`),
+one after the other in the same run, and reports the most K/V bytes each level held and the distinct blocks held
+against the blocks placed then (the server's `milo:kv_cache_bytes_held`, `milo:held_blocks` and
+`milo:placed_blocks`, read every 0.2 s). Prints a markdown table; ``--out`` also writes JSON. ``--synthetic SHAPE`` serves stores `milo bench --synthetic SHAPE` built, with the random model
 of that shape (``--model synthetic:SHAPE``) and queries naming their blocks' topics (tools/gpu_bench.sh). Run:
 
     HF_HUB_OFFLINE=1 .venv/bin/python tools/bench_serve.py stores/banking77 stores/banking77-r025 \\
@@ -22,6 +25,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -95,14 +99,47 @@ def resident_bytes(pid: int) -> int:
     raise RuntimeError("no VmRSS")
 
 
-def batch_histogram(base: str) -> tuple[float, float]:
-    """(sum, count) of the server's batch-size histogram."""
+def server_metrics(base: str, names: tuple[str, ...]) -> dict[str, float]:
+    """These unlabelled series of the server's /metrics."""
     values = {}
     for line in httpx.get(base + "/metrics").text.splitlines():
-        for name in ("milo:batch_size_sum", "milo:batch_size_count"):
-            if line.startswith(name + " "):
-                values[name] = float(line.split()[1])
+        name, _, value = line.partition(" ")
+        if name in names:
+            values[name] = float(value)
+    return values
+
+
+def batch_histogram(base: str) -> tuple[float, float]:
+    """(sum, count) of the server's batch-size histogram."""
+    values = server_metrics(base, ("milo:batch_size_sum", "milo:batch_size_count"))
     return values["milo:batch_size_sum"], values["milo:batch_size_count"]
+
+
+HELD = ("milo:kv_cache_bytes_held", "milo:held_blocks", "milo:placed_blocks")
+
+
+class HeldWatch:
+    """The most K/V bytes the server held while it runs (and the blocks held and placed at that moment), read from its
+    /metrics every ``period`` seconds on a thread of its own."""
+
+    def __init__(self, base: str, period: float = 0.2):
+        self.base, self.period, self.most = base, period, dict.fromkeys(HELD, 0.0)
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True, name="bench-serve-held")
+
+    def _watch(self) -> None:
+        while not self.done.wait(self.period):
+            now = server_metrics(self.base, HELD)
+            if now.get(HELD[0], 0.0) > self.most[HELD[0]]:
+                self.most = {name: now.get(name, 0.0) for name in HELD}
+
+    def __enter__(self) -> "HeldWatch":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        self.thread.join()
 
 
 async def load(base: str, model: str, queries: list[str], concurrency: int) -> dict:
@@ -147,27 +184,30 @@ def engine_qps(engine, name: str, queries: list[str], size: int) -> float:
     return len(plans) / (time.perf_counter() - start)
 
 
-def bench_store(store: str, queries: list[str], loaded, args, on_level=lambda result: None) -> dict:
-    """One store's levels (and memory trace); ``on_level`` gets the result so far after each level, so a run cut
-    short by a timeout leaves what it measured."""
+def bench_store(store: str, queries: list[str], loaded, args, on_level=lambda result: None,
+                shared: str = "on") -> dict:
+    """One store's levels (and memory trace), served with ``--shared-blocks shared``; ``on_level`` gets the result so
+    far after each level, so a run cut short by a timeout leaves what it measured."""
     from milo_infer.runtime.engine import Engine
     from milo_store import MiloStore
 
     model = store_name(store)
     started = time.perf_counter()
-    process, base = start_server(store, args)
-    print(f"  {model}: milo serve answered /health in {time.perf_counter() - started:.1f} s", file=sys.stderr,
-          flush=True)
+    process, base = start_server(store, args, ("--shared-blocks", shared))
+    print(f"  {model} (shared blocks {shared}): milo serve answered /health in {time.perf_counter() - started:.1f} s",
+          file=sys.stderr, flush=True)
     mounted = MiloStore.open(store)
     engine = Engine(loaded, {model: mounted}, settings=EngineSettings(k=args.k), max_rows=args.max_batch,
-                    attention=args.attention,
+                    attention=args.attention, shared_blocks=shared == "on",
                     **({"kv_cache_memory": parse_kv_memory(args.kv_cache_memory)} if args.kv_cache_memory else {}))
     rows = []
     try:
         asyncio.run(load(base, model, queries[:8], 4))  # warm-up
         for concurrency in args.concurrency:
             before = batch_histogram(base)
-            row = asyncio.run(load(base, model, queries[:args.requests], concurrency))
+            with HeldWatch(base) as held:
+                row = asyncio.run(load(base, model, queries[:args.requests], concurrency))
+            row["kv_bytes_held"], row["held_blocks"], row["placed_blocks"] = (held.most[name] for name in HELD)
             after = batch_histogram(base)
             row["mean_batch"] = (after[0] - before[0]) / max(1.0, after[1] - before[1])
             row["engine_qps"] = engine_qps(engine, model, queries[:args.requests], min(concurrency, args.max_batch))
@@ -175,8 +215,8 @@ def bench_store(store: str, queries: list[str], loaded, args, on_level=lambda re
             rows.append({"concurrency": concurrency, **row})
             print(f"  {model} c={concurrency}: {row['qps']:.1f} q/s (engine {row['engine_qps']:.1f}), "
                   f"{time.perf_counter() - started:.1f} s since the server started", file=sys.stderr, flush=True)
-            on_level({"store": model, "path": store, "levels": rows, "memory": None, "exit_status": None,
-                      "partial": True})
+            on_level({"store": model, "path": store, "shared_blocks": shared, "levels": rows, "memory": None,
+                      "exit_status": None, "partial": True})
         memory = None
         if args.memory_requests:  # resident memory before, and after each quarter of the run
             rss = [resident_bytes(process.pid)]
@@ -189,17 +229,22 @@ def bench_store(store: str, queries: list[str], loaded, args, on_level=lambda re
         mounted.close()
         process.send_signal(signal.SIGTERM)
         code = process.wait(120)
-    return {"store": model, "path": store, "levels": rows, "memory": memory, "exit_status": code}
+    return {"store": model, "path": store, "shared_blocks": shared, "levels": rows, "memory": memory,
+            "exit_status": code}
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| store | clients | q/s | p50 s | p99 s | TTFT p50 s | mean batch | engine q/s | overhead |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| store | shared blocks | clients | q/s | vs 1 client | p50 s | p99 s | TTFT p50 s | mean batch | engine q/s "
+             "| overhead | K/V held MiB (most) | blocks held / placed then |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
+        alone = next((lv["qps"] for lv in r["levels"] if lv["concurrency"] == 1), None)
         for lv in r["levels"]:
-            lines.append(f"| {r['store']} | {lv['concurrency']} | {lv['qps']:.1f} | {lv['p50_s']:.3f} | {lv['p99_s']:.3f} "
-                         f"| {lv['ttft_p50_s']:.3f} | {lv['mean_batch']:.1f} | {lv['engine_qps']:.1f} "
-                         f"| {lv['overhead'] * 100:.0f}% |")
+            lines.append(f"| {r['store']} | {r['shared_blocks']} | {lv['concurrency']} | {lv['qps']:.2f} | "
+                         + (f"{lv['qps'] / alone:.2f}x" if alone else "n/a")
+                         + f" | {lv['p50_s']:.3f} | {lv['p99_s']:.3f} | {lv['ttft_p50_s']:.3f} | {lv['mean_batch']:.1f} "
+                         f"| {lv['engine_qps']:.2f} | {lv['overhead'] * 100:.0f}% | {lv['kv_bytes_held'] / 2**20:.0f} "
+                         f"| {lv['held_blocks']:.0f} / {lv['placed_blocks']:.0f} |")
     for r in results:
         if r["memory"]:
             m = r["memory"]
@@ -226,6 +271,9 @@ def main():
     ap.add_argument("--attention", default="auto", help="the server's and the engine's --attention")
     ap.add_argument("--start-timeout", type=float, default=300, help="seconds a server may take to answer /health")
     ap.add_argument("--threads", type=int, default=0, help="torch threads of the server (0: torch's choice)")
+    ap.add_argument("--shared-blocks", type=lambda s: s.split(","), default=["on"], metavar="on,off",
+                    help="serve each store with blocks held once (on), each row's own copy (off), or both, one after "
+                         "the other (default on)")
     ap.add_argument("--out", default=None, help="also write the results here as JSON")
     args = ap.parse_args()
     from milo_infer.bench.synthetic_model import device_model, synthetic_queries
@@ -250,8 +298,9 @@ def main():
         if args.out:
             Path(args.out).write_text(json.dumps(results + ([partial] if partial else []), indent=2))
     for store in args.stores:
-        results.append(bench_store(store, queries, loaded, args, on_level=save))
-        save()
+        for shared in args.shared_blocks:
+            results.append(bench_store(store, queries, loaded, args, on_level=save, shared=shared))
+            save()
     print(table(results))
 
 
