@@ -929,13 +929,16 @@ class Batch:
         return RowEvent(p, delta, True, reason, answer)
 
     def held_counts(self) -> dict:
-        """Now: the K/V bytes of the pages in use (``kv_bytes_held``: rows' own and held blocks', those no row holds
-        any more among them), the distinct blocks rows hold (``held_blocks``, anchors not counted) and the blocks
-        the running rows place (``placed_blocks``: rows × k)."""
+        """Now: the K/V bytes of the pages rows hold (``kv_bytes_held``: their own, and the held blocks they place,
+        each once), of the held blocks no row holds any more, kept for the next rows until their pages are needed
+        (``kv_bytes_kept``), the distinct blocks rows hold (``held_blocks``, anchors not counted) and the blocks the
+        running rows place (``placed_blocks``: rows × k)."""
         each = self.engine.group_page_bytes
-        in_use = (self.pages.in_use * each[False] + self.window_alloc.in_use * each[True]
-                  if self.window_alloc is not None else self.pages.in_use * self.engine.page_bytes)
-        return {"kv_bytes_held": in_use,
+        full, window = (each[False], each[True]) if self.window_alloc is not None else (self.engine.page_bytes, 0)
+        in_use = self.pages.in_use * full + (self.window_alloc.in_use * window if self.window_alloc is not None else 0)
+        kept = sum(pages_for(b.tokens) * (full + (window if b.window_pages is not None else 0))
+                   for b in self.held.values() if not b.rows)
+        return {"kv_bytes_held": in_use - kept, "kv_bytes_kept": kept,
                 "held_blocks": sum(b.block is not None and b.rows > 0 for b in self.held.values()),
                 "placed_blocks": sum(len(r.executed.blocks) for r in self.rows if not r.finished)}
 
@@ -949,8 +952,9 @@ class Batch:
         self.kv_bytes_needed = max(self.kv_bytes_needed, needed)
         self.peak_kv_bytes = max(self.peak_kv_bytes, needed + staged)
         now = self.held_counts()
-        self.kv_bytes_held = max(self.kv_bytes_held, now.pop("kv_bytes_held"))
-        self.most_held = {name: max(self.most_held[name], n) for name, n in now.items()}
+        self.kv_bytes_held = max(self.kv_bytes_held, now["kv_bytes_held"])
+        self.most_held = {name: max(self.most_held[name], now[name]) for name in self.most_held}
+
 
 
     def _free_finished(self) -> None:

@@ -57,8 +57,10 @@ class ServerMetrics:
                                        M, registry=r)
         self.unique_block_share = Gauge("milo:unique_block_share",
                                         "Unique blocks over requested blocks, last admission", registry=r)
-        self.kv_bytes_held = Gauge("milo:kv_cache_bytes_held", "K/V bytes of the pages in use now: rows' own, and "
-                                   "blocks held once for every row placing them", registry=r)
+        self.kv_bytes_held = Gauge("milo:kv_cache_bytes_held", "K/V bytes of the pages the running rows hold now: "
+                                   "their own, and the blocks they place, each held once", registry=r)
+        self.kv_bytes_kept = Gauge("milo:kv_cache_bytes_kept", "K/V bytes of held blocks no running row places, kept "
+                                   "for the next rows until their pages are needed", registry=r)
         self.held_blocks = Gauge("milo:held_blocks", "Distinct blocks the running rows hold once, now", registry=r)
         self.placed_blocks = Gauge("milo:placed_blocks", "Blocks the running rows place (rows x k), now", registry=r)
         self.factor_bytes_staged = Counter("milo:factor_bytes_staged", "Factor bytes staged on the device to rebuild "
@@ -117,8 +119,8 @@ class ServerMetrics:
 
     def held(self, counts: dict) -> None:
         """The running batch's `held_counts` (none: another process holds the K/V)."""
-        for name, gauge in (("kv_bytes_held", self.kv_bytes_held), ("held_blocks", self.held_blocks),
-                            ("placed_blocks", self.placed_blocks)):
+        for name, gauge in (("kv_bytes_held", self.kv_bytes_held), ("kv_bytes_kept", self.kv_bytes_kept),
+                            ("held_blocks", self.held_blocks), ("placed_blocks", self.placed_blocks)):
             if name in counts:
                 gauge.set(counts[name])
 

@@ -59,6 +59,7 @@ def test_rows_hold_each_block_once_and_count_it_once(setup):
     in_use = sum(pages_for(p.prompt_tokens + p.max_new_tokens) - p.prefix_tokens // PAGE_TOKENS for p in plans) + sum(
         pages_for(b.tokens) for b in blocks.values())
     assert batch.kv_bytes_held == in_use * page_bytes == batch.pages.in_use * page_bytes
+    assert batch.held_counts()["kv_bytes_kept"] == 0
     alone = own.batch()
     alone.admit([own.plan("s", r) for r in SHARING])
     alone.step()
@@ -102,6 +103,8 @@ def test_a_row_joining_later_reuses_held_blocks_without_a_read(setup):
     batch = held.batch()
     first = run(held, batch, [held.plan("s", SHARING[0])])
     assert all(b.rows == 0 for b in batch.held.values()) and len(batch.held) == 3  # kept after their row left
+    counts = batch.held_counts()
+    assert counts["kv_bytes_held"] == 0 and counts["kv_bytes_kept"] == batch.pages.in_use * held.page_bytes > 0
     again = held.plan("s", SHARING[0])
     second = run(held, batch, [again])
     assert batch.fetch_stats["bytes"] == 0 and batch.fetch_stats["staged_bytes"] == 0  # nothing read or staged

@@ -120,8 +120,9 @@ def test_factor_bytes_staged_add_up_and_a_batch_that_holds_no_kv_leaves_the_gaug
     metrics = ServerMetrics(["demo"])
     for staged in (300, 200):
         metrics.admitted([], {"blocks": 2, "unique_blocks": 2, "staged_bytes": staged}, [])
-    metrics.held({"kv_bytes_held": 4096, "held_blocks": 3, "placed_blocks": 12})
+    metrics.held({"kv_bytes_held": 4096, "kv_bytes_kept": 1024, "held_blocks": 3, "placed_blocks": 12})
     metrics.held({})  # milo serve --vllm: vLLM's server holds the K/V
     value = metrics.registry.get_sample_value
     assert value("milo:factor_bytes_staged_total") == 500
-    assert (value("milo:kv_cache_bytes_held"), value("milo:held_blocks"), value("milo:placed_blocks")) == (4096, 3, 12)
+    assert [value(f"milo:{name}") for name in ("kv_cache_bytes_held", "kv_cache_bytes_kept", "held_blocks",
+                                               "placed_blocks")] == [4096, 1024, 3, 12]
