@@ -116,15 +116,18 @@ def profile_rows(loaded, store, texts, args) -> list[dict]:
     out = []
     for size in args.profile:
         for layout in args.layouts:
-            engine = Engine(loaded, {"s": store}, EngineSettings(k=args.k), attention="rows", max_rows=size)
-            if layout == "churn":
-                out.append({"layout": layout, "columns": None, **profile_churn(engine, "s", texts, size, args.steps)})
-                continue
-            batch = decoding_batch(engine, "s", texts, size, scattered=layout == "scattered")
-            batch.step()  # warm up: first touch of the new tokens' columns
-            out.append({"layout": layout, "columns": sum(r.next_position for r in batch.rows) // size,
-                        **profile_steps(batch, args.steps)})
-            del batch, engine
+            for shared in args.shared_blocks:
+                engine = Engine(loaded, {"s": store}, EngineSettings(k=args.k), attention="rows", max_rows=size,
+                                shared_blocks=shared == "on")
+                if layout == "churn":
+                    out.append({"layout": layout, "shared": shared, "columns": None,
+                                **profile_churn(engine, "s", texts, size, args.steps)})
+                    continue
+                batch = decoding_batch(engine, "s", texts, size, scattered=layout == "scattered")
+                batch.step()  # warm up: first touch of the new tokens' columns
+                out.append({"layout": layout, "shared": shared, "columns": sum(r.next_position for r in batch.rows) // size,
+                            "kv_bytes_held": batch.held_counts()["kv_bytes_held"], **profile_steps(batch, args.steps)})
+                del batch, engine
     return out
 
 
@@ -233,13 +236,15 @@ def print_comparison(rows: list[dict], args) -> None:
 def print_profile(rows: list[dict], args) -> None:
     print(f"store {args.store}, k {args.k}, {args.threads} thread(s), {args.steps} steps each; shares of a decode "
           f"step's wall time (%), exclusive per stage (milo_infer/bench/step_profile.py)")
-    print("| rows | pages | columns a row | step ms | " + " | ".join(STAGES) + " | SDPA calls a step |")
-    print("|---" * (len(STAGES) + 5) + "|")
+    print("| rows | pages | shared blocks | columns a row | K/V held MiB | step ms | " + " | ".join(STAGES)
+          + " | SDPA calls a step |")
+    print("|---" * (len(STAGES) + 7) + "|")
     for r in rows:
         shares = " | ".join(f"{100 * r['seconds'][s] / r['step']:.1f}" for s in STAGES)
         pages = r["layout"] if "scattered" not in r else f"churn ({100 * r['scattered']:.0f}% scattered)"
-        print(f"| {r['rows']} | {pages} | {r['columns'] or '-'} | {1e3 * r['step'] / r['steps']:.0f} | {shares} | "
-              f"{r['calls']['row_sdpa'] // r['steps']} |")
+        held = f"{r['kv_bytes_held'] / 2**20:.0f}" if "kv_bytes_held" in r else "-"
+        print(f"| {r['rows']} | {pages} | {r['shared']} | {r['columns'] or '-'} | {held} | "
+              f"{1e3 * r['step'] / r['steps']:.0f} | {shares} | {r['calls']['row_sdpa'] // r['steps']} |")
 
 
 def main(argv=None) -> int:
@@ -270,6 +275,8 @@ def main(argv=None) -> int:
     ap.add_argument("--compare-pools", action="store_true",
                     help="--profile: instead, time a served batch alternately with its pools dropped whenever no row "
                          "holds a page and kept")
+    ap.add_argument("--shared-blocks", type=lambda t: t.split(","), default=["on"], metavar="on,off",
+                    help="--profile: blocks held once for every row (on), each row's own copy (off), or both (default on)")
     ap.add_argument("--dataset", default=None,
                     help="--profile: ask this dataset's test queries (MILO_DATA) instead of the demo corpus")
     args = ap.parse_args(argv)

@@ -51,6 +51,8 @@ def add_arguments(p):
     p.add_argument("--kv-cache-memory", type=kv_memory, default=None, metavar="SIZE",
                    help="the engines' KV budget: bytes (8G) or a share of free device memory (0.5); as milo serve")
     p.add_argument("--attention", choices=ATTENTIONS, default="auto", help="as milo serve (default auto)")
+    p.add_argument("--shared-blocks", choices=("on", "off"), default="on",
+                   help="as milo serve: blocks held once for every row (on) or each row's own copy (off; default on)")
     p.add_argument("--device", default=None, help="compute device (default: cuda if available, else cpu)")
     p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's)")
     p.add_argument("--out", required=True, metavar="DIR", help="folder for the reports (and the stores)")
@@ -137,6 +139,7 @@ def run(args) -> int:
 
     report = throughput.run_bench(loaded, paths, queries, ks=ks, batches=batches, rounds=args.rounds, ratios=ratios,
                                   tier=args.tier, kv_cache_memory=args.kv_cache_memory, attention=args.attention,
+                                  shared_blocks=args.shared_blocks == "on",
                                   progress=lambda line: print(line, file=sys.stderr, flush=True), on_batch=write)
     md = write(report)
     png = plot(report, out / "bench.png")
