@@ -51,3 +51,25 @@ def test_a_served_batch_refills_its_rows_and_times_their_admissions(engine):
     assert sum(out["seconds"].values()) == pytest.approx(out["step"], rel=0.05, abs=1e-3)
     assert out["calls"]["admission"] >= 1 and out["calls"]["prefix_rebuild"] >= layers  # rows joined and were rebuilt
     assert out["seconds"]["admission"] > 0 and out["seconds"]["prefix_rebuild"] > 0
+
+
+def test_the_op_profile_counts_a_steps_ops_syncs_and_uploads_and_names_where_they_come_from(engine):
+    """milo_infer/bench/op_profile.py (tools/profile_step.py): one report shape on the CPU and CUDA; on the CPU the
+    CUDA-only counts are None, the rest counted per step."""
+    from milo_infer.bench.op_profile import format_report, profile_decode
+
+    batch = decoding_batch(engine, "s", TEXTS, 3)
+    out = profile_decode(batch, 2, top=40)
+    assert out["rows"] == 3 and out["steps"] == 2 and out["attention"] == "rows"
+    assert all(out[k] is None for k in ("launches", "kernels", "device_busy_ms", "device_idle_ms", "h2d", "d2h"))
+    assert len(out["ops"]) == 40 and out["ops"][0]["host_ms"] >= out["ops"][-1]["host_ms"] >= 0
+    assert out["step_ms"] == pytest.approx(out["host_ms_in_ops"] + out["host_gap_ms"])
+    layers = engine.model_config.num_hidden_layers
+    calls = {op["name"]: op["calls"] for op in out["ops"]}
+    assert calls["aten::scaled_dot_product_attention"] == 3 * layers  # one a row and layer
+    # the step builds its ids and kept indices from Python, and one position and one pool-column tensor a row
+    assert out["host_tensors"] >= 2 + 2 * 3 and out["copies"] > 0
+    assert out["syncs"] >= 3  # each row's next token read from its logits
+    assert any(where.startswith("milo_infer/runtime/engine.py") for where in out["sites"]["host_tensors"])
+    text = format_report(out)
+    assert "n/a (CUDA only)" in text and "host tensors built" in text and "longest host gaps" in text
