@@ -23,6 +23,7 @@ sys.path.insert(0, str(ROOT))
 from milo_infer.bench import synthetic_model  # noqa: E402
 from milo_infer.bench.op_profile import format_report, profile_decode  # noqa: E402
 from milo_infer.bench.step_profile import decoding_batch  # noqa: E402
+from milo_infer.cli import kv_memory  # noqa: E402
 from milo_infer.runtime.attention import ATTENTIONS  # noqa: E402
 from milo_infer.runtime.engine import Engine  # noqa: E402
 from milo_infer.runtime.planning import EngineSettings  # noqa: E402
@@ -44,14 +45,12 @@ def main(argv=None) -> int:
     ap.add_argument("--scattered", action="store_true", help="rows on scattered pages (what served rows get)")
     ap.add_argument("--top", type=int, default=15, help="ops listed (default 15)")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--kv-cache-memory", type=float, default=None, help="the engines' KV budget: bytes, or a share")
+    ap.add_argument("--kv-cache-memory", type=kv_memory, default=None, help="the engine's KV budget: 8G, or a share")
     ap.add_argument("--stores", default=None, help="where the store is built (default: a temporary directory)")
     ap.add_argument("--out", default=None, help="write the reports as JSON here")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     loaded = synthetic_model.device_model(args.synthetic, args.device)
-    budget = args.kv_cache_memory
-    budget = int(budget) if budget is not None and budget > 1 else budget
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.stores or tmp)
         paths = synthetic_model.synthetic_stores(root, loaded, demos=args.shots, block_size=args.block_size,
@@ -61,7 +60,7 @@ def main(argv=None) -> int:
         reports = []
         with MiloStore.open(paths[f"milo-r{args.ratio:g}"]) as store:
             engine = Engine(loaded, {"s": store}, EngineSettings(k=args.k), attention=args.attention,
-                            max_rows=max(args.rows), kv_cache_memory=budget)
+                            max_rows=max(args.rows), kv_cache_memory=args.kv_cache_memory)
             for rows in args.rows:
                 batch = decoding_batch(engine, "s", texts, rows, scattered=args.scattered)
                 report = profile_decode(batch, args.steps, top=args.top)

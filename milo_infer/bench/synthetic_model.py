@@ -7,6 +7,7 @@ import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from milo_store import CompressionConfig, Layout, Staging, factorize_block, write_store
@@ -65,7 +66,8 @@ def synthetic_stores(root, loaded: LoadedModel, *, demos: int, block_size: int, 
     """Every method's store over the same synthetic K/V, with the attrs a session checks (model, task).
 
     Each block holds ``block_size`` fake demonstrations of ``demo_tokens`` tokens about one topic word,
-    so BM25 retrieval of a query naming topics picks distinct blocks. ``methods``: "all" (the full store
+    so BM25 retrieval of a query naming topics picks distinct blocks; the stores keep token ids (the
+    demonstrations' text, `demonstration_token_ids`) for the ``prefill`` method. ``methods``: "all" (the full store
     and MILO's), or "milo" (MILO's alone: no identity staging). ``bits_ratios``: also a bits-codec store
     (`bits-r<ρ>`) at each, its channel weights drawn at random.
 
@@ -110,6 +112,7 @@ def synthetic_stores(root, loaded: LoadedModel, *, demos: int, block_size: int, 
     examples = {"input": [f"demonstration {i} about topic{i // block_size}" for i in range(demos)],
                 "output": [SYNTHETIC_LABELS[i % len(SYNTHETIC_LABELS)] for i in range(demos)],
                 "id": [str(i) for i in range(demos)], "block": [i // block_size for i in range(demos)]}
+    token_ids = demonstration_token_ids(loaded.tokenizer, task, examples, demo_tokens)
     g = torch.Generator().manual_seed(seed)
     anchor = torch.randn(layout.num_layers, 2, layout.num_kv_heads, len(anchor_ids), layout.head_dim, generator=g)
     attrs = {"model": ident, "task": dataclasses.asdict(task),
@@ -121,9 +124,20 @@ def synthetic_stores(root, loaded: LoadedModel, *, demos: int, block_size: int, 
                                        {"channel_scale": weights}) for ratio in bits_ratios})
     with ThreadPoolExecutor(min(workers, len(configs))) as pool:
         written = {name: pool.submit(write_store, root / name, stagings[staging_codec(config.codec)], n_blocks, layout,
-                                     config, attrs=attrs, anchor_kv=anchor, examples=examples, force=True, **extra)
+                                     config, attrs=attrs, anchor_kv=anchor, examples=examples, token_ids=token_ids,
+                                     force=True, **extra)
                    for name, (config, extra) in configs.items()}
         return {name: future.result() for name, future in written.items()}
+
+
+def demonstration_token_ids(tokenizer, task: TaskSpec, examples: dict, demo_tokens: int) -> np.ndarray:
+    """The token ids a store keeps for its blocks (what a ``prefill`` request feeds the model): each
+    demonstration's text in the task's template, cut or repeated to its ``demo_tokens`` tokens."""
+    ids = []
+    for text, label in zip(examples["input"], examples["output"]):
+        own = tokenizer(task.template.format(input=text, output=label), add_special_tokens=False).input_ids
+        ids += (own * -(-demo_tokens // len(own)))[:demo_tokens]
+    return np.asarray(ids, dtype=np.int32)
 
 
 def synthetic_queries(n: int, n_blocks: int, k: int) -> list[str]:
