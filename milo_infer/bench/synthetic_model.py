@@ -62,12 +62,13 @@ def device_model(shape: str, device=None) -> LoadedModel:
 
 def synthetic_stores(root, loaded: LoadedModel, *, demos: int, block_size: int, demo_tokens: int, ratios,
                      seed: int = 0, bits_ratios=(), methods: str = "all", device=None,
-                     workers: int = 4) -> dict[str, Path]:
+                     workers: int = 4, token_ids: bool = True) -> dict[str, Path]:
     """Every method's store over the same synthetic K/V, with the attrs a session checks (model, task).
 
     Each block holds ``block_size`` fake demonstrations of ``demo_tokens`` tokens about one topic word,
     so BM25 retrieval of a query naming topics picks distinct blocks; the stores keep token ids (the
-    demonstrations' text, `demonstration_token_ids`) for the ``prefill`` method. ``methods``: "all" (the full store
+    demonstrations' text, `demonstration_token_ids`) for the ``prefill`` method (``token_ids=False``: none, as
+    a store written before they were kept). ``methods``: "all" (the full store
     and MILO's), or "milo" (MILO's alone: no identity staging). ``bits_ratios``: also a bits-codec store
     (`bits-r<ρ>`) at each, its channel weights drawn at random.
 
@@ -112,7 +113,7 @@ def synthetic_stores(root, loaded: LoadedModel, *, demos: int, block_size: int, 
     examples = {"input": [f"demonstration {i} about topic{i // block_size}" for i in range(demos)],
                 "output": [SYNTHETIC_LABELS[i % len(SYNTHETIC_LABELS)] for i in range(demos)],
                 "id": [str(i) for i in range(demos)], "block": [i // block_size for i in range(demos)]}
-    token_ids = demonstration_token_ids(loaded.tokenizer, task, examples, demo_tokens)
+    ids = demonstration_token_ids(loaded.tokenizer, task, examples, demo_tokens) if token_ids else None
     g = torch.Generator().manual_seed(seed)
     anchor = torch.randn(layout.num_layers, 2, layout.num_kv_heads, len(anchor_ids), layout.head_dim, generator=g)
     attrs = {"model": ident, "task": dataclasses.asdict(task),
@@ -124,7 +125,7 @@ def synthetic_stores(root, loaded: LoadedModel, *, demos: int, block_size: int, 
                                        {"channel_scale": weights}) for ratio in bits_ratios})
     with ThreadPoolExecutor(min(workers, len(configs))) as pool:
         written = {name: pool.submit(write_store, root / name, stagings[staging_codec(config.codec)], n_blocks, layout,
-                                     config, attrs=attrs, anchor_kv=anchor, examples=examples, token_ids=token_ids,
+                                     config, attrs=attrs, anchor_kv=anchor, examples=examples, token_ids=ids,
                                      force=True, **extra)
                    for name, (config, extra) in configs.items()}
         return {name: future.result() for name, future in written.items()}
