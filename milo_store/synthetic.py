@@ -11,13 +11,14 @@ import numpy as np
 import torch
 
 from . import format as fmt
-from .codec import BlockFactors, factorize_block
+from .codec import factorize_block
 from .compress import CompressionConfig, staging_codec, write_store
 from .layout import Layout
 from .staging import Staging
 from .store import MiloStore
 from .urls import local_sidecar
 from .writer import StoreLock
+from . import BlockFactors  # the package's export: where it lives moves (issue 57)
 
 
 def spectral_draws(layout: Layout, tokens: int, generator: torch.Generator, key_decay: float = 0.15,

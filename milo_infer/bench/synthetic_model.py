@@ -11,7 +11,6 @@ import numpy as np
 import torch
 
 from milo_store import CompressionConfig, Layout, Staging, factorize_block, write_store
-from milo_store.compress import staging_codec
 from milo_store.synthetic import synthetic_block_factors
 
 from .throughput import store_configs
@@ -124,9 +123,9 @@ def synthetic_stores(root, loaded: LoadedModel, *, demos: int, block_size: int, 
     configs.update({f"bits-r{ratio}": (CompressionConfig(codec="bits", ratio=ratio, query_aware=True),
                                        {"channel_scale": weights}) for ratio in bits_ratios})
     with ThreadPoolExecutor(min(workers, len(configs))) as pool:
-        written = {name: pool.submit(write_store, root / name, stagings[staging_codec(config.codec)], n_blocks, layout,
-                                     config, attrs=attrs, anchor_kv=anchor, examples=examples, token_ids=ids,
-                                     force=True, **extra)
+        written = {name: pool.submit(write_store, root / name, stagings["svd" if config.codec != "identity" else "identity"],
+                                     n_blocks, layout, config, attrs=attrs, anchor_kv=anchor, examples=examples,
+                                     token_ids=ids, force=True, **extra)
                    for name, (config, extra) in configs.items()}
         return {name: future.result() for name, future in written.items()}
 
