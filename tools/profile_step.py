@@ -23,9 +23,9 @@ sys.path.insert(0, str(ROOT))
 from milo_infer.bench import synthetic_model  # noqa: E402
 from milo_infer.bench.op_profile import format_report, profile_decode  # noqa: E402
 from milo_infer.bench.step_profile import decoding_batch  # noqa: E402
-from milo_infer.cli import kv_memory  # noqa: E402
 from milo_infer.runtime.attention import ATTENTIONS  # noqa: E402
 from milo_infer.runtime.engine import Engine  # noqa: E402
+from milo_infer.runtime.pages import parse_kv_memory  # noqa: E402
 from milo_infer.runtime.planning import EngineSettings  # noqa: E402
 from milo_store import MiloStore  # noqa: E402
 
@@ -45,7 +45,8 @@ def main(argv=None) -> int:
     ap.add_argument("--scattered", action="store_true", help="rows on scattered pages (what served rows get)")
     ap.add_argument("--top", type=int, default=15, help="ops listed (default 15)")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--kv-cache-memory", type=kv_memory, default=None, help="the engine's KV budget: 8G, or a share")
+    ap.add_argument("--kv-cache-memory", type=parse_kv_memory, default=None,
+                    help="the engine's KV budget: 8G, or a share of the free memory")
     ap.add_argument("--stores", default=None, help="where the store is built (default: a temporary directory)")
     ap.add_argument("--out", default=None, help="write the reports as JSON here")
     args = ap.parse_args(argv)
