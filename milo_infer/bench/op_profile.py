@@ -45,6 +45,8 @@ def profile_decode(batch, steps: int, *, warmup: int = 1, top: int = 15) -> dict
     cuda = batch.engine.device.type == "cuda"
     report = summarise(profiled_steps(batch, steps, cuda, stacks=False), steps, cuda, top)
     traced = profiled_steps(batch, 1, cuda, stacks=True)
+    spans = step_spans(traced)
+    traced = [e for e in traced if inside(e, spans)]
     report["sites"] = {kind: dict(collections.Counter(site(e) for e in traced if pick(e)).most_common(8))
                        for kind, pick in (("syncs", lambda e: e.name in SYNCS),
                                           ("host_tensors", lambda e: e.name == "aten::lift_fresh"),
@@ -72,8 +74,10 @@ def summarise(events, steps: int, cuda: bool, top: int = 15) -> dict:
     if len(marks) != steps:
         raise RuntimeError(f"the profile holds {len(marks)} steps, {steps} were run")
     thread = marks[0].thread
-    host = [e for e in events if e.device_type == DeviceType.CPU and e.name != STEP and not e.is_python_function]
-    device = [e for e in events if e.device_type != DeviceType.CPU]
+    spans = step_spans(events)  # not the synchronisation between steps, nor the profiler's own start and stop
+    host = [e for e in events if e.device_type == DeviceType.CPU and e.name != STEP and not e.is_python_function
+            and inside(e, spans)]
+    device = [e for e in events if e.device_type != DeviceType.CPU and inside(e, spans)]
     per = 1.0 / steps
     step_us = sum(m.time_range.end - m.time_range.start for m in marks)
     names = collections.Counter(e.name for e in host)
@@ -107,6 +111,17 @@ def summarise(events, steps: int, cuda: bool, top: int = 15) -> dict:
            for kind, direction in MEMCPY.items()},
         "syncs": count(SYNCS), "syncs_by_op": {k: names[k] * per for k in sorted(SYNCS) if names[k]},
     }
+
+
+def step_spans(events) -> list[tuple[float, float]]:
+    return [(e.time_range.start, e.time_range.end) for e in events
+            if e.name == STEP and e.device_type == DeviceType.CPU]
+
+
+def inside(event, spans) -> bool:
+    """Whether ``event`` started within a step (a kernel runs after its launch, but before the step's logits
+    reach the host, which the step waits for)."""
+    return any(lo <= event.time_range.start <= hi for lo, hi in spans)
 
 
 def is_memcpy(event) -> bool:
