@@ -85,21 +85,23 @@ def summarise(events, steps: int, cuda: bool, top: int = 15) -> dict:
     def count(keys) -> float:
         return sum(names[k] for k in keys) * per
 
-    ops = collections.defaultdict(lambda: [0, 0.0, 0.0])  # name -> calls, self host us, device us
+    ops = collections.defaultdict(lambda: [0, 0.0, 0.0, 0])  # name -> host calls, self host us, device us, runs
     for e in host:
         op = ops[e.name]
         op[0] += 1
         op[1] += e.self_cpu_time_total
     for e in device:
-        ops[e.name][2] += e.time_range.end - e.time_range.start
+        op = ops[e.name]
+        op[2] += e.time_range.end - e.time_range.start
+        op[3] += 1
     ranked = sorted(ops.items(), key=lambda kv: -(kv[1][2] if cuda else kv[1][1]))
     gaps, gap_us = host_gaps(marks, [e for e in host if e.thread == thread])
     busy_us = union_us([(e.time_range.start, e.time_range.end) for e in device]) if cuda else None
     return {
         "steps": steps, "step_ms": step_us * per / 1e3,
-        "ops": [{"name": name, "calls": calls * per, "host_ms": host_us * per / 1e3,
-                 "device_ms": device_us * per / 1e3 if cuda else None}
-                for name, (calls, host_us, device_us) in ranked[:top]],
+        "ops": [{"name": name, "calls": (calls or runs) * per, "host_ms": host_us * per / 1e3,
+                 "device_ms": device_us * per / 1e3 if cuda else None}  # a kernel's calls: its runs
+                for name, (calls, host_us, device_us, runs) in ranked[:top]],
         "host_ms_in_ops": (step_us - gap_us) * per / 1e3, "host_gap_ms": gap_us * per / 1e3,
         "longest_host_gaps": gaps[:5],
         "launches": count(LAUNCHES) if cuda else None,

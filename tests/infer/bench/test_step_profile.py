@@ -75,3 +75,32 @@ def test_the_op_profile_counts_a_steps_ops_syncs_and_uploads_and_names_where_the
     assert any(where.startswith("milo_infer/runtime/engine.py") for where in out["sites"]["host_tensors"])
     text = format_report(out)
     assert "n/a (CUDA only)" in text and "host tensors built" in text and "longest host gaps" in text
+
+
+def test_a_cuda_profile_counts_launches_kernels_copies_syncs_and_the_devices_idle_time_inside_steps():
+    """The CUDA half of the report, from a made-up profile of one step: what ran between steps (the
+    synchronisation the profiler adds, a later kernel) counts for nothing."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from milo_infer.bench.op_profile import STEP, summarise
+
+    def event(name, start, end, device=DeviceType.CPU):
+        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end),
+                               thread=1, is_python_function=False, self_cpu_time_total=end - start)
+    cuda = DeviceType.CUDA
+    events = [event(STEP, 0, 1000), event("aten::mm", 10, 200), event("cudaLaunchKernel", 20, 30),
+              event("cudaLaunchKernel", 210, 220), event("aten::_local_scalar_dense", 300, 900),
+              event("cudaStreamSynchronize", 310, 890), event("gemm", 100, 400, cuda),
+              event("Memcpy HtoD (Pageable -> Device)", 500, 510, cuda),
+              event("Memcpy DtoH (Device -> Pageable)", 850, 880, cuda),
+              event("cudaDeviceSynchronize", 1001, 1100), event("gemm", 1200, 1300, cuda)]
+    out = summarise(events, 1, cuda=True)
+    assert (out["launches"], out["kernels"], out["h2d"], out["d2h"], out["d2d"]) == (2, 1, 1, 1, 0)
+    assert out["syncs"] == 2 and out["syncs_by_op"] == {"aten::_local_scalar_dense": 1, "cudaStreamSynchronize": 1}
+    assert out["device_busy_ms"] == pytest.approx(0.34) and out["device_idle_ms"] == pytest.approx(0.66)
+    assert out["host_gap_ms"] == pytest.approx(0.2) and out["host_ms_in_ops"] == pytest.approx(0.8)
+    assert out["longest_host_gaps"][0] == {"ms": pytest.approx(0.1), "after": "aten::_local_scalar_dense",
+                                           "before": "step end"}
+    assert out["ops"][0] == {"name": "gemm", "calls": 1, "host_ms": 0, "device_ms": pytest.approx(0.3)}
