@@ -170,7 +170,9 @@ def bench_store(store: str, queries: list[str], loaded, args, on_level=lambda re
     started = time.perf_counter()
     process, base = start_server(store, args)
     ready_s = time.perf_counter() - started
-    print(f"  {model}: milo serve answered /health in {ready_s:.1f} s", file=sys.stderr, flush=True)
+    warmup_s = server_metric(base, "milo:warmup_seconds")
+    print(f"  {model}: milo serve answered /health in {ready_s:.1f} s (its warm-up: {warmup_s or 0:.1f} s)",
+          file=sys.stderr, flush=True)
     mounted = MiloStore.open(store)
     engine = Engine(loaded, {model: mounted}, settings=EngineSettings(k=args.k), max_rows=args.max_batch,
                     attention=args.attention,
@@ -193,8 +195,8 @@ def bench_store(store: str, queries: list[str], loaded, args, on_level=lambda re
             rows.append({"concurrency": concurrency, **row})
             print(f"  {model} c={concurrency}: {row['qps']:.1f} q/s (engine {row['engine_qps']:.1f}), "
                   f"{time.perf_counter() - started:.1f} s since the server started", file=sys.stderr, flush=True)
-            on_level({"store": model, "path": store, "ready_s": ready_s, "levels": rows, "memory": None,
-                      "exit_status": None, "partial": True})
+            on_level({"store": model, "path": store, "ready_s": ready_s, "warmup_s": warmup_s, "levels": rows,
+                      "memory": None, "exit_status": None, "partial": True})
         memory = None
         if args.memory_requests:  # resident memory before, and after each quarter of the run
             rss = [resident_bytes(process.pid)]
@@ -207,7 +209,8 @@ def bench_store(store: str, queries: list[str], loaded, args, on_level=lambda re
         mounted.close()
         process.send_signal(signal.SIGTERM)
         code = process.wait(120)
-    return {"store": model, "path": store, "ready_s": ready_s, "levels": rows, "memory": memory, "exit_status": code}
+    return {"store": model, "path": store, "ready_s": ready_s, "warmup_s": warmup_s, "levels": rows, "memory": memory,
+            "exit_status": code}
 
 
 def table(results: list[dict]) -> str:

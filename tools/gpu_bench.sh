@@ -58,12 +58,12 @@ SHARED_ARGS=()
 if [ -n "${SHARED:-}" ]; then SHARED_ARGS=(--shared-blocks "$SHARED"); fi
 if [ "$DEVICE" = cpu ]; then  # tiny shapes: the pipeline, not the numbers
   SHAPE=tiny; SHOTS=64; BLOCK=8; TOKENS=12; BATCHES=1,2,max; QUERIES=2; CLIENTS=1,2; REQUESTS=4; PROFILE_ROWS=1,2
-  DISTINCT_SHOTS=256; DISTINCT_BLOCK=4; MAX_BATCH=8
+  DISTINCT_SHOTS=256; DISTINCT_BLOCK=4; MAX_BATCH=8; WARMUP=all  # the warm-up's path, though rows compile nothing
   EXTRA=(--kv-cache-memory 4M --threads 1); SERVE_EXTRA=(--kv-cache-memory 4M --threads 1)
   PROFILE_S=120; SWEEP_S=240; DISTINCT_S=240; SERVE_S=240
 else
   SHAPE=qwen2.5-7b; SHOTS=512; BLOCK=32; TOKENS=20; BATCHES=8,32,256,max; QUERIES=16; CLIENTS=1,16,64; REQUESTS=32
-  PROFILE_ROWS=8,32; DISTINCT_SHOTS=2048; DISTINCT_BLOCK=32; MAX_BATCH=64; EXTRA=(); SERVE_EXTRA=()
+  PROFILE_ROWS=8,32; DISTINCT_SHOTS=2048; DISTINCT_BLOCK=32; MAX_BATCH=64; WARMUP=auto; EXTRA=(); SERVE_EXTRA=()
   PROFILE_S=${PROFILE_S:-75}; SWEEP_S=${SWEEP_S:-200}; DISTINCT_S=${DISTINCT_S:-130}; SERVE_S=${SERVE_S:-170}
 fi
 status=0
@@ -103,7 +103,7 @@ s.synthetic_stores('$STORES/sweep', l, demos=$SHOTS, block_size=$BLOCK, demo_tok
   echo "== serve: milo serve over the rho 0.5 store, warmed up, $CLIENTS streaming clients, each level twice"
   timeout -k 10 "$SERVE_S" "$PY" tools/bench_serve.py "$SERVED" --synthetic "$SHAPE" --device "$DEVICE" --k 8 \
     --max-batch "$MAX_BATCH" --concurrency "$CLIENTS" --requests "$REQUESTS" --memory-requests 0 --client-warmup 0 \
-    --repeat --attention "$ATTENTION" --start-timeout "$((SERVE_S - 20))" --out "$REPORTS/serve.json" \
+    --repeat --warmup "$WARMUP" --attention "$ATTENTION" --start-timeout "$((SERVE_S - 20))" --out "$REPORTS/serve.json" \
     ${SERVE_EXTRA[@]+"${SERVE_EXTRA[@]}"} ${SHARED_ARGS[@]+"${SHARED_ARGS[@]}"}
   code=$?; said "$code" "the serve run" "$SERVE_S" "$REPORTS/serve.json"; [ "$code" = 0 ] || status=$code
 fi
