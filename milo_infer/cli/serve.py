@@ -14,10 +14,10 @@ from milo_store import MiloStore
 from milo_store.blockcache import parse_size
 
 from ..server import MAX_BODY_BYTES
+from ..server.warmup import WARMUP_MODES, should_warm, warm_engine, warm_sizes
 from ..runtime.attention import ATTENTIONS
 from ..runtime.engine import LOAD_ERROR_POLICIES
 from ..runtime.planning import EngineSettings
-from ..server.warmup import WARMUP_MODES, should_warm, warm_engine, warm_sizes
 from ..runtime.session import place_model
 from . import CommandError, add_tier_arguments, at_least, checked_device, kv_memory, load_model_arg, mount_options
 

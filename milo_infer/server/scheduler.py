@@ -170,6 +170,7 @@ class EngineLoop:
             self.warming = False
 
     def _count_compiles(self) -> None:
+        """Graphs compiled since the last count (shapes the warm-up never took) go to the metrics."""
         graphs = compiled_graphs()
         if graphs > self._graphs:
             self.metrics.compiled_after_warmup.inc(graphs - self._graphs)
