@@ -47,7 +47,8 @@ def warm_engine(engine, sizes: list[int], decode_steps: int = DECODE_STEPS) -> d
     started, graphs = time.perf_counter(), compiled_graphs()
     batches, failed = 0, []
     for name, mounted in engine.stores.items():
-        texts = [t for t in mounted.store.examples()["input"] if t.strip()] or ["warm up"]
+        inputs = mounted.store.example_array("input") if mounted.store.num_examples() else []
+        texts = [str(t) for t in inputs[:4 * max(sizes)] if str(t).strip()] or ["warm up"]
         for size in sizes:
             try:
                 batch = engine.batch()
