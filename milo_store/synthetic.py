@@ -18,22 +18,45 @@ from .staging import Staging
 from .store import MiloStore
 from .urls import local_sidecar
 from .writer import StoreLock
+from . import BlockFactors  # the package's export: where it lives moves (issue 57)
+
+
+def spectral_draws(layout: Layout, tokens: int, generator: torch.Generator, key_decay: float = 0.15,
+                   value_decay: float = 0.05):
+    """For K then V: (U [L, H, T, n], s [L, H, n], V [L, H, d, n]), n = min(T, d), U and V with orthonormal
+    columns and s decreasing (~ exp(-decay * j), a per-head random scale), on the generator's device: the
+    singular triplets of the block `synthetic_block_kv` returns."""
+    L, H, d = layout.num_layers, layout.num_kv_heads, layout.head_dim
+    on = {"generator": generator, "device": generator.device}
+
+    def one(decay):
+        n = min(tokens, d)
+        u = torch.linalg.qr(torch.randn(L, H, tokens, n, **on))[0]
+        v = torch.linalg.qr(torch.randn(L, H, d, n, **on))[0]
+        scale = torch.rand(L, H, 1, **on) * 4 + 1
+        return u, scale * torch.exp(-decay * torch.arange(n, device=generator.device)) * tokens ** 0.5, v
+
+    return one(key_decay), one(value_decay)
 
 
 def synthetic_block_kv(layout: Layout, tokens: int, generator: torch.Generator,
                        key_decay: float = 0.15, value_decay: float = 0.05) -> tuple[torch.Tensor, torch.Tensor]:
-    """K, V [L, H, T, d] in fp32 with singular values ~ exp(-decay * j) and a per-head random scale."""
-    L, H, d = layout.num_layers, layout.num_kv_heads, layout.head_dim
+    """K, V [L, H, T, d] in fp32 with singular values ~ exp(-decay * j) and a per-head random scale (on the
+    generator's device)."""
+    return tuple((u * s.unsqueeze(-2)) @ v.transpose(-1, -2)
+                 for u, s, v in spectral_draws(layout, tokens, generator, key_decay, value_decay))
 
-    def one(decay):
-        n = min(tokens, d)
-        u = torch.linalg.qr(torch.randn(L, H, tokens, n, generator=generator))[0]
-        v = torch.linalg.qr(torch.randn(L, H, d, n, generator=generator))[0]
-        scale = torch.rand(L, H, 1, generator=generator) * 4 + 1
-        s = scale * torch.exp(-decay * torch.arange(n)) * tokens ** 0.5
-        return (u * s.unsqueeze(-2)) @ v.transpose(-1, -2)
 
-    return one(key_decay), one(value_decay)
+def synthetic_block_factors(layout: Layout, tokens: int, generator: torch.Generator
+                            ) -> tuple[BlockFactors, torch.Tensor, torch.Tensor]:
+    """A synthetic block's SVD factors, known from its draw (no SVD to run: U diag(s) Vᵀ with orthonormal U, V
+    and s decreasing is its own SVD, up to each column's sign), and its K, V: the same draws, in the same
+    order, as `synthetic_block_kv`, so one generator gives the same K/V either way. What a benchmark builds
+    many blocks of a large model's shape with, on the device."""
+    (uk, sk, vk), (uv, sv, vv) = spectral_draws(layout, tokens, generator)
+    k, v = ((u * s.unsqueeze(-2)) @ w.transpose(-1, -2) for u, s, w in ((uk, sk, vk), (uv, sv, vv)))
+    factors = BlockFactors(A=torch.stack((uk, uv), 1), S=torch.stack((sk, sv), 1), B=torch.stack((vk, vv), 1))
+    return factors, k, v
 
 
 def build_synthetic_store(path, layout: Layout, block_tokens, config: CompressionConfig | None = None, *,

@@ -98,6 +98,7 @@ SMOKE = {
     "plot_effective_rank.py": Run(lambda i: [i.identity_store, "--out", i.fresh("rank.png")]),
     "plot_ranks.py": Run(lambda i: [i.synthetic_store, "--out", i.fresh("ranks.png")]),
     "plot_results.py": Run(lambda i: [i.results, "--out", i.fresh("accuracy.png")]),
+    "profile_step.py": Run(lambda i: ["--rows", "1,2", "--steps", "1", "--shots", "16", "--out", i.fresh("prof.json")]),
     "quant_error.py": Run(lambda i: [i.staged_block, "--layers", "0,1"]),
     "rd_study.py": Run(lambda i: ["--model", i.tiny_model, "--shots", "64", "--queries", "2", "--calibration", "2",
                                   "--ratios", "0.25", "--sweep-ratio", "0", "--work", i.fresh("rd")],

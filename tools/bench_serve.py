@@ -6,11 +6,14 @@ client sees it): queries/s, p50/p99 latency, p50 time to first token, and the me
 the server's own ``milo:batch_size`` histogram. Beside each level, the in-process engine answers the
 same queries in batches of that size through one running batch (no HTTP, no queue): the server's overhead
 is 1 - server q/s / engine q/s. ``--memory-requests`` more requests then trace the server's
-resident memory (VmRSS) before and after each quarter of them. ``--shared-blocks on,off`` serves each store once
-with blocks held once for every row and once with each row holding its own copy (`milo serve --shared-blocks`),
-one after the other in the same run, and reports the most K/V bytes each level held and the distinct blocks held
-against the blocks placed then (the server's `milo:kv_cache_bytes_held`, `milo:held_blocks` and
-`milo:placed_blocks`, read every 0.2 s). Prints a markdown table; ``--out`` also writes JSON. ``--synthetic SHAPE`` serves stores `milo bench --synthetic SHAPE` built, with the random model
+resident memory (VmRSS) before and after each quarter of them. ``--warmup``/``--warmup-rows`` are the server's
+(its start's warm-up, timed to /health's 200); ``--client-warmup 0`` leaves out the clients' own warm-up requests
+and ``--repeat`` runs each level twice in a row, so the first level's q/s beside its repeat's shows what the
+first traffic paid for compiling (issue 55). ``--shared-blocks on,off`` serves each store once with blocks held
+once for every row and once with each row holding its own copy (`milo serve --shared-blocks`), one after the
+other in the same run, and reports the most K/V bytes each level held and the distinct blocks held against the
+blocks placed then (the server's `milo:kv_cache_bytes_held`, `milo:held_blocks` and `milo:placed_blocks`, read
+every 0.2 s; issue 54). Prints a markdown table; ``--out`` also writes JSON. ``--synthetic SHAPE`` serves stores `milo bench --synthetic SHAPE` built, with the random model
 of that shape (``--model synthetic:SHAPE``) and queries naming their blocks' topics (tools/gpu_bench.sh). Run:
 
     HF_HUB_OFFLINE=1 .venv/bin/python tools/bench_serve.py stores/banking77 stores/banking77-r025 \\
@@ -71,7 +74,9 @@ def start_server(store: str, args, extra: tuple[str, ...] = ()) -> tuple[subproc
                                 "--model", args.model, "--k", str(args.k), *extra,
                                 *(("--device", args.device) if args.device else ()),
                                 *(("--kv-cache-memory", args.kv_cache_memory) if args.kv_cache_memory else ()),
-                                "--attention", args.attention],
+                                "--attention", args.attention,
+                                *(("--warmup", args.warmup) if args.warmup else ()),
+                                *(("--warmup-rows", str(args.warmup_rows)) if args.warmup_rows else ())],
                                env=server_env(args.threads), stdout=subprocess.DEVNULL, stderr=log)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + args.start_timeout
@@ -99,8 +104,13 @@ def resident_bytes(pid: int) -> int:
     raise RuntimeError("no VmRSS")
 
 
+def server_metric(base: str, name: str) -> float | None:
+    """One unlabelled sample of the server's /metrics (None: it has no such metric)."""
+    return server_metrics(base, (name,)).get(name)
+
+
 def server_metrics(base: str, names: tuple[str, ...]) -> dict[str, float]:
-    """These unlabelled series of the server's /metrics."""
+    """These unlabelled samples of the server's /metrics (those it has)."""
     values = {}
     for line in httpx.get(base + "/metrics").text.splitlines():
         name, _, value = line.partition(" ")
@@ -109,18 +119,12 @@ def server_metrics(base: str, names: tuple[str, ...]) -> dict[str, float]:
     return values
 
 
-def batch_histogram(base: str) -> tuple[float, float]:
-    """(sum, count) of the server's batch-size histogram."""
-    values = server_metrics(base, ("milo:batch_size_sum", "milo:batch_size_count"))
-    return values["milo:batch_size_sum"], values["milo:batch_size_count"]
-
-
 HELD = ("milo:kv_cache_bytes_held", "milo:held_blocks", "milo:placed_blocks")
 
 
 class HeldWatch:
-    """The most K/V bytes the server held while it runs (and the blocks held and placed at that moment), read from its
-    /metrics every ``period`` seconds on a thread of its own."""
+    """The most K/V bytes the server's rows held while it runs (and the blocks held and placed at that moment), read
+    from its /metrics every ``period`` seconds on a thread of its own."""
 
     def __init__(self, base: str, period: float = 0.2):
         self.base, self.period, self.most = base, period, dict.fromkeys(HELD, 0.0)
@@ -140,6 +144,16 @@ class HeldWatch:
     def __exit__(self, *exc) -> None:
         self.done.set()
         self.thread.join()
+
+
+def batch_histogram(base: str) -> tuple[float, float]:
+    """(sum, count) of the server's batch-size histogram."""
+    values = {}
+    for line in httpx.get(base + "/metrics").text.splitlines():
+        for name in ("milo:batch_size_sum", "milo:batch_size_count"):
+            if line.startswith(name + " "):
+                values[name] = float(line.split()[1])
+    return values["milo:batch_size_sum"], values["milo:batch_size_count"]
 
 
 async def load(base: str, model: str, queries: list[str], concurrency: int) -> dict:
@@ -194,15 +208,18 @@ def bench_store(store: str, queries: list[str], loaded, args, on_level=lambda re
     model = store_name(store)
     started = time.perf_counter()
     process, base = start_server(store, args, ("--shared-blocks", shared))
-    print(f"  {model} (shared blocks {shared}): milo serve answered /health in {time.perf_counter() - started:.1f} s",
-          file=sys.stderr, flush=True)
+    ready_s = time.perf_counter() - started
+    warmup_s = server_metric(base, "milo:warmup_seconds")
+    print(f"  {model} (shared blocks {shared}): milo serve answered /health in {ready_s:.1f} s (its warm-up: "
+          f"{warmup_s or 0:.1f} s)", file=sys.stderr, flush=True)
     mounted = MiloStore.open(store)
     engine = Engine(loaded, {model: mounted}, settings=EngineSettings(k=args.k), max_rows=args.max_batch,
                     attention=args.attention, shared_blocks=shared == "on",
                     **({"kv_cache_memory": parse_kv_memory(args.kv_cache_memory)} if args.kv_cache_memory else {}))
     rows = []
     try:
-        asyncio.run(load(base, model, queries[:8], 4))  # warm-up
+        if args.client_warmup:
+            asyncio.run(load(base, model, queries[:args.client_warmup], 4))
         for concurrency in args.concurrency:
             before = batch_histogram(base)
             with HeldWatch(base) as held:
@@ -210,13 +227,17 @@ def bench_store(store: str, queries: list[str], loaded, args, on_level=lambda re
             row["kv_bytes_held"], row["held_blocks"], row["placed_blocks"] = (held.most[name] for name in HELD)
             after = batch_histogram(base)
             row["mean_batch"] = (after[0] - before[0]) / max(1.0, after[1] - before[1])
+            if args.repeat:  # the same level again at once: what it runs at with nothing left to compile
+                row["repeat_qps"] = asyncio.run(load(base, model, queries[:args.requests], concurrency))["qps"]
+                row["first_over_repeat"] = row["qps"] / row["repeat_qps"]
+            row["compiled_after_warmup"] = server_metric(base, "milo:compiled_graphs_after_warmup_total")
             row["engine_qps"] = engine_qps(engine, model, queries[:args.requests], min(concurrency, args.max_batch))
             row["overhead"] = 1 - row["qps"] / row["engine_qps"]
             rows.append({"concurrency": concurrency, **row})
             print(f"  {model} c={concurrency}: {row['qps']:.1f} q/s (engine {row['engine_qps']:.1f}), "
                   f"{time.perf_counter() - started:.1f} s since the server started", file=sys.stderr, flush=True)
-            on_level({"store": model, "path": store, "shared_blocks": shared, "levels": rows, "memory": None,
-                      "exit_status": None, "partial": True})
+            on_level({"store": model, "path": store, "shared_blocks": shared, "ready_s": ready_s,
+                      "warmup_s": warmup_s, "levels": rows, "memory": None, "exit_status": None, "partial": True})
         memory = None
         if args.memory_requests:  # resident memory before, and after each quarter of the run
             rss = [resident_bytes(process.pid)]
@@ -229,22 +250,25 @@ def bench_store(store: str, queries: list[str], loaded, args, on_level=lambda re
         mounted.close()
         process.send_signal(signal.SIGTERM)
         code = process.wait(120)
-    return {"store": model, "path": store, "shared_blocks": shared, "levels": rows, "memory": memory,
-            "exit_status": code}
+    return {"store": model, "path": store, "shared_blocks": shared, "ready_s": ready_s, "warmup_s": warmup_s,
+            "levels": rows, "memory": memory, "exit_status": code}
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| store | shared blocks | clients | q/s | vs 1 client | p50 s | p99 s | TTFT p50 s | mean batch | engine q/s "
-             "| overhead | K/V held MiB (most) | blocks held / placed then |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| store | shared blocks | ready s | clients | q/s | vs 1 client | repeated q/s | p50 s | p99 s | TTFT p50 s "
+             "| mean batch | engine q/s | overhead | compiled after warm-up | K/V held MiB (most) | blocks held / placed then |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         alone = next((lv["qps"] for lv in r["levels"] if lv["concurrency"] == 1), None)
         for lv in r["levels"]:
-            lines.append(f"| {r['store']} | {r['shared_blocks']} | {lv['concurrency']} | {lv['qps']:.2f} | "
-                         + (f"{lv['qps'] / alone:.2f}x" if alone else "n/a")
-                         + f" | {lv['p50_s']:.3f} | {lv['p99_s']:.3f} | {lv['ttft_p50_s']:.3f} | {lv['mean_batch']:.1f} "
-                         f"| {lv['engine_qps']:.2f} | {lv['overhead'] * 100:.0f}% | {lv['kv_bytes_held'] / 2**20:.0f} "
-                         f"| {lv['held_blocks']:.0f} / {lv['placed_blocks']:.0f} |")
+            repeat = f"{lv['repeat_qps']:.2f}" if "repeat_qps" in lv else "-"
+            ratio = f"{lv['qps'] / alone:.2f}x" if alone else "-"
+            late = lv.get("compiled_after_warmup")
+            lines.append(f"| {r['store']} | {r['shared_blocks']} | {r['ready_s']:.1f} | {lv['concurrency']} | {lv['qps']:.2f} "
+                         f"| {ratio} | {repeat} "
+                         f"| {lv['p50_s']:.3f} | {lv['p99_s']:.3f} | {lv['ttft_p50_s']:.3f} | {lv['mean_batch']:.1f} "
+                         f"| {lv['engine_qps']:.2f} | {lv['overhead'] * 100:.0f}% | {'-' if late is None else f'{late:.0f}'} "
+                         f"| {lv['kv_bytes_held'] / 2**20:.0f} | {lv['held_blocks']:.0f} / {lv['placed_blocks']:.0f} |")
     for r in results:
         if r["memory"]:
             m = r["memory"]
@@ -271,6 +295,11 @@ def main():
     ap.add_argument("--attention", default="auto", help="the server's and the engine's --attention")
     ap.add_argument("--start-timeout", type=float, default=300, help="seconds a server may take to answer /health")
     ap.add_argument("--threads", type=int, default=0, help="torch threads of the server (0: torch's choice)")
+    ap.add_argument("--warmup", default=None, help="the server's --warmup (default: its own default)")
+    ap.add_argument("--warmup-rows", type=int, default=None, help="the server's --warmup-rows")
+    ap.add_argument("--client-warmup", type=int, default=8,
+                    help="requests (4 at a time) sent before the levels (default 8; 0: none, the first level is first)")
+    ap.add_argument("--repeat", action="store_true", help="run each level twice in a row (first vs repeated q/s)")
     ap.add_argument("--shared-blocks", type=lambda s: s.split(","), default=["on"], metavar="on,off",
                     help="serve each store with blocks held once (on), each row's own copy (off), or both, one after "
                          "the other (default on)")

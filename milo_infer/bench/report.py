@@ -26,16 +26,18 @@ def render_markdown(report: dict) -> str:
                      + f" | {r['bytes_moved'] / 2**20:.2f} | {r['bytes_without_union'] / 2**20:.2f} | "
                      f"{r['unique_block_share']:.0%} | {r['peak_kv_bytes'] / 2**20:.1f} | {r['transfer_gbps']:.2f} | "
                      f"{r['speedup']:.2f} | "
-                     f"{1 / r['ratio']:.2f} |")
+                     + (f"{1 / r['ratio']:.2f} |" if r["ratio"] else "n/a |"))
     sharing = "blocks held once" if report.get("shared_blocks", True) else "each row its own copy"
     lines += ["", f"per forward (step) and memory; {report['attention']} attention, {sharing}, KV budget "
                   f"{report['kv_budget_bytes'] / 2**20:.0f} MiB, the largest batch that fits: {report['largest_batch']}",
-              "", "| method | k | batch | steps | transfer ms/step | rebuild ms/step | model ms/step | K/V MiB needed "
-                  "| K/V MiB held | blocks held / placed | factors staged MiB | K/V MiB allocated | device peak MiB |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "", "| method | k | batch | steps | first token ms | transfer ms/step | rebuild ms/step | model ms/step "
+                  "| K/V MiB needed | K/V MiB held | blocks held / placed | factors staged MiB | K/V MiB allocated "
+                  "| device peak MiB |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in report["rows"]:
         step, peak = r["ms_per_step"], r["device_peak_bytes"]
-        lines.append(f"| {r['method']} | {r['k']} | {r['batch']} | {r['steps']:.0f} | {step['transfer']:.2f} | "
+        lines.append(f"| {r['method']} | {r['k']} | {r['batch']} | {r['steps']:.0f} | {r['first_token_ms']:.1f} | "
+                     f"{step['transfer']:.2f} | "
                      f"{step['rebuild']:.2f} | {step['model']:.2f} | {r['kv_bytes_needed'] / 2**20:.1f} | "
                      f"{r['kv_bytes_held'] / 2**20:.1f} | {r['held_blocks']} / {r['placed_blocks']} | "
                      f"{r['staged_bytes'] / 2**20:.1f} | "
@@ -68,7 +70,7 @@ def plot(report: dict, path) -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    rows = [r for r in report["rows"] if r["method"] != "full-gemm"]
+    rows = [r for r in report["rows"] if r["method"] not in ("full-gemm", "prefill")]  # prefill moves no bytes
     batch = rows[0]["batch"]
     fig, ax = plt.subplots(figsize=(5, 3.6))
     rho = np.linspace(0.15, 1.0, 100)

@@ -7,7 +7,10 @@ one encoding whose bytes are measured, never computed:
 * ``full``: the identity-codec fp16 store with its K/V *copied* into the cache and keys rotated, the
   work a full-KV offload does; ``full-gemm``: the same store rebuilt by the kernel as X·I (what the
   unmodified pipeline does with an identity store, kept to show what that costs);
-* ``milo-r<ρ>``: SVD factors at ratio ρ, rebuilt by `milo_kernels.reconstruct_layer`.
+* ``milo-r<ρ>``: SVD factors at ratio ρ, rebuilt by `milo_kernels.reconstruct_layer`;
+* ``prefill`` (``prefill=True``): what a user does without milo: the same retrieval, and the model prefills each
+  row's retrieved demonstrations' tokens (the store's token ids) before the query; nothing is read or rebuilt.
+  Its time to first token is the one milo's rebuild should beat most.
 
 Methods run interleaved, round after round, and each figure is the median over rounds, so drifting
 load on a shared machine hits all methods alike. Beside them, in the same run: the raw bandwidth of
@@ -87,8 +90,8 @@ def copy_identity_layer(factors, segments, out_k, out_v, cos, sin, *, interleave
 
 # --- methods and stores --------------------------------------------------------------------------
 
-def method_names(ratios) -> list[str]:
-    return ["full", "full-gemm"] + [f"milo-r{r:g}" for r in ratios]
+def method_names(ratios, prefill: bool = False) -> list[str]:
+    return ["full", "full-gemm"] + (["prefill"] if prefill else []) + [f"milo-r{r:g}" for r in ratios]
 
 
 def store_configs(ratios, query_aware: bool = True) -> dict[str, CompressionConfig]:
@@ -102,7 +105,8 @@ def store_configs(ratios, query_aware: bool = True) -> dict[str, CompressionConf
 
 
 def store_of(method: str) -> str:
-    return "full" if method.startswith("full") else method
+    """The store a method answers from (prefill: the full store's retrieval and token ids)."""
+    return "full" if method.startswith("full") or method == "prefill" else method
 
 
 def real_stores(root, loaded: LoadedModel, demos: list[Demonstration], task: TaskSpec, ratios,
@@ -148,7 +152,7 @@ def measure(sessions: dict[str, TimedSession], queries: list[str], k: int, batch
         per_step = {stage: [] for stage in STAGES}
         for _, _, answers, stats in runs:
             for stage in STAGES:
-                total = sum(a.seconds[stage] for a in answers)
+                total = sum(a.seconds.get(stage, 0.0) for a in answers)  # a prefill row reads nothing
                 per_query[stage].append(total / n)
                 per_step[stage].append(total / stats["steps"])
         answers, stats = runs[0][2], runs[0][3]
@@ -159,6 +163,8 @@ def measure(sessions: dict[str, TimedSession], queries: list[str], k: int, batch
             "method": name, "k": k, "batch": batch, "queries": n,
             "qps": n / wall, "tok_s": statistics.median(r[1] for r in runs) / wall,
             "tokens_per_query": statistics.median(r[1] for r in runs) / n,
+            "first_token_ms": 1e3 * statistics.median(statistics.median(a.first_token_seconds for a in r[2])
+                                                      for r in runs),
             "ms": {stage: 1e3 * statistics.median(v) for stage, v in per_query.items()},
             "bytes_moved": moved, "bytes_without_union": statistics.mean(a.kv_bytes_stored for a in answers),
             "unique_block_share": stats["unique_blocks"] / stats["blocks"] if stats["blocks"] else 1.0,
@@ -265,12 +271,13 @@ def largest_batch(session: TimedSession, query: str, k: int) -> int:
 def run_bench(loaded: LoadedModel, store_paths: dict[str, Path], queries: list[str], *, ks=(2, 4, 8), batches=(1, 4),
               rounds: int = 3, ratios=(0.5, 0.25), tier: str = "host", device=None, max_batch: int = 256,
               kv_cache_memory: int | float | None = None, attention: str = "auto", shared_blocks: bool = True,
-              progress=print, on_batch=None) -> dict:
+              progress=print, on_batch=None, prefill: bool = False) -> dict:
     """Every (k, batch) × method, the transfer path's raw bandwidth and the kernel's speedup; one report. A batch
     of ``"max"`` is the most rows of the largest k that fit the KV budget (at most ``max_batch``); a batch
     larger than the queries answers them over again. ``kv_cache_memory``, ``attention`` and ``shared_blocks`` are the
     engines' (`Engine`). ``on_batch`` gets the report so far after each (k, batch), its ``partial`` saying how much (the
-    link, kernel and crossover figures come at the end), so a run cut short leaves what it measured."""
+    link, kernel and crossover figures come at the end), so a run cut short leaves what it measured. ``prefill``:
+    the ``prefill`` method too (its stores must keep their token ids)."""
     stores = {name: MiloStore.open(path, tier=tier) for name, path in store_paths.items()}
     try:
         started, graphs = time.perf_counter(), compiled_graphs()
@@ -282,8 +289,8 @@ def run_bench(loaded: LoadedModel, store_paths: dict[str, Path], queries: list[s
         batches = list(dict.fromkeys(fits if b == "max" else b for b in batches))
         sessions = {m: TimedSession(loaded, stores[store_of(m)], device=device, copy_identity=m == "full",
                                     max_rows=max(batches), kv_cache_memory=kv_cache_memory, attention=attention,
-                                    shared_blocks=shared_blocks)
-                    for m in method_names(ratios)}
+                                    shared_blocks=shared_blocks, prefill=m == "prefill")
+                    for m in method_names(ratios, prefill)}
         first = next(iter(sessions.values()))
         dev = first.device
         for s in sessions.values():  # warm up: first-touch allocations, lazy imports, kernel compilation

@@ -50,6 +50,9 @@ def add_arguments(p):
     p.add_argument("--tier", choices=("host", "disk", "cached"), default="host", help="where factors are read from")
     p.add_argument("--kv-cache-memory", type=kv_memory, default=None, metavar="SIZE",
                    help="the engines' KV budget: bytes (8G) or a share of free device memory (0.5); as milo serve")
+    p.add_argument("--prefill", action="store_true",
+                   help="also the prefill method: the model prefills each row's retrieved demonstrations (what a "
+                        "user does without milo), with its time to first token")
     p.add_argument("--attention", choices=ATTENTIONS, default="auto", help="as milo serve (default auto)")
     p.add_argument("--shared-blocks", choices=("on", "off"), default="on",
                    help="as milo serve: blocks held once for every row (on) or each row's own copy (off; default on)")
@@ -139,7 +142,7 @@ def run(args) -> int:
 
     report = throughput.run_bench(loaded, paths, queries, ks=ks, batches=batches, rounds=args.rounds, ratios=ratios,
                                   tier=args.tier, kv_cache_memory=args.kv_cache_memory, attention=args.attention,
-                                  shared_blocks=args.shared_blocks == "on",
+                                  shared_blocks=args.shared_blocks == "on", prefill=args.prefill,
                                   progress=lambda line: print(line, file=sys.stderr, flush=True), on_batch=write)
     md = write(report)
     png = plot(report, out / "bench.png")

@@ -6,6 +6,7 @@ engine loop failed for good). A store's new version (`milo update`) is swapped i
 (--reload-interval, POST /admin/reload).
 """
 import os
+import sys
 
 import torch
 
@@ -13,6 +14,7 @@ from milo_store import MiloStore
 from milo_store.blockcache import parse_size
 
 from ..server import MAX_BODY_BYTES
+from ..server.warmup import WARMUP_MODES, should_warm, warm_engine, warm_sizes
 from ..runtime.attention import ATTENTIONS
 from ..runtime.engine import LOAD_ERROR_POLICIES
 from ..runtime.planning import EngineSettings
@@ -72,11 +74,18 @@ def add_arguments(p):
     p.add_argument("--reload-interval", type=float, default=None, metavar="S",
                    help="how often to look for a store's new version (milo update, a rebuild) and swap it in without "
                         "failing a request; 0: only on POST /admin/reload (default 30; not with --vllm)")
+    p.add_argument("--warmup", choices=WARMUP_MODES, default="auto",
+                   help="before /health answers 200, run batches of 1, 2, 4, ... rows up to --max-batch (or "
+                        "--warmup-rows) of each store's own demonstrations through prefill and decoding, so compiled "
+                        "attention compiles its shapes before traffic: all, none, or auto (the default: only when "
+                        "the attention is flex, since the per-row loop compiles nothing)")
+    p.add_argument("--warmup-rows", type=int, default=None, metavar="N",
+                   help="warm batches of at most N rows (default --max-batch)")
     p.add_argument("--drain-s", type=float, default=30.0, help="on SIGTERM, how long in-flight requests may finish")
 
 
 def run(args) -> int:
-    at_least(args, 1, "k", "token_budget", "max_batch", "max_queue", "max_body_bytes", "threads")
+    at_least(args, 1, "k", "token_budget", "max_batch", "max_queue", "max_body_bytes", "threads", "warmup_rows")
     at_least(args, 0, "recompute")
     if args.batch_wait_ms < 0 or args.drain_s < 0 or (args.reload_interval or 0) < 0:
         raise CommandError("--batch-wait-ms, --drain-s and --reload-interval cannot be negative")
@@ -102,6 +111,8 @@ def run(args) -> int:
             raise CommandError("--kv-cache-memory, --attention and --shared-blocks are milo's own engine's: vLLM "
                                "keeps its own KV cache, sized where it starts (--kv-cache-memory-bytes, "
                                "--gpu-memory-utilization)")
+        if args.warmup == "all" or args.warmup_rows:
+            raise CommandError("--warmup is milo's own engine's: vLLM compiles and captures its graphs where it starts")
         if args.reload_interval:
             raise CommandError("--reload-interval is milo's own engine's: vLLM's connector keeps the store versions "
                                "it mounted at its start (restart vLLM, then milo serve, to serve a new version)")
@@ -128,6 +139,21 @@ def run(args) -> int:
     swap = {} if args.vllm else {
         "locations": store_locations(args.store), "open_store": lambda location: MiloStore.open(location, **options),
         "reload_interval_s": DEFAULT_RELOAD_S if args.reload_interval is None else args.reload_interval}
+    warmup = None if args.vllm or not should_warm(args.warmup, engine.attention) else warming(
+        engine, warm_sizes(args.max_batch, args.warmup_rows))
     app = create_app(engine, api_key=args.api_key or None, max_batch=args.max_batch, batch_wait_ms=args.batch_wait_ms,
-                     max_queue=args.max_queue, max_body_bytes=args.max_body_bytes, **swap)
+                     max_queue=args.max_queue, max_body_bytes=args.max_body_bytes, warmup=warmup, **swap)
     return serve(app, host=args.host, port=args.port, drain_s=args.drain_s)
+
+
+def warming(engine, sizes: list[int]):
+    """The start's warm-up (`milo_infer.server.warmup`), saying what it does and how long it took."""
+    def warm() -> dict:
+        print(f"milo serve: warming up ({engine.attention} attention): batches of {', '.join(map(str, sizes))} rows "
+              f"per store; /health answers 503 until done", file=sys.stderr, flush=True)
+        result = warm_engine(engine, sizes)
+        print(f"milo serve: warmed up in {result['seconds']:.1f} s ({result['batches']} batches, {result['graphs']} "
+              f"graphs compiled{', ' + str(len(result['failed'])) + ' batches failed' if result['failed'] else ''})",
+              file=sys.stderr, flush=True)
+        return result
+    return warm

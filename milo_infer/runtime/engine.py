@@ -728,10 +728,10 @@ class Batch:
                 if not n:
                     continue
                 budget -= n
-                positions = torch.from_numpy(row.executed.positions[row.fed:row.fed + n])
-            else:
-                n, positions = 1, torch.tensor([row.next_position])
-            keys = int(positions[-1]) + 1
+                span = row.executed.positions[row.fed:row.fed + n]
+                positions, keys = torch.from_numpy(span), int(span[-1]) + 1
+            else:  # the keys from the host's own count: reading a tensor back is a sync where it is on a device
+                n, positions, keys = 1, torch.tensor([row.next_position]), row.next_position + 1
             # a token sees the columns up to its own position: the prefix before it (recomputed columns already
             # hold their fresh K/V when it comes) and the row's tokens fed before it
             mask = None if n == 1 else (torch.arange(keys)[None, :] <= positions[:, None]).to(e.device)

@@ -93,10 +93,13 @@ KEYED = [Depends(require_key)]  # every route but /health
 
 @router.get("/health")
 async def health(request: HTTPRequest):
-    """200 ``ok``; 503 ``failed`` (the engine loop cannot go on), ``draining``, or ``degraded`` with a
-    ``detail`` when the engine forwards to a server that does not answer (``upstream_problem``, vLLM's)."""
+    """200 ``ok``; 503 ``warming`` (the start's warm-up is compiling: `milo_infer.server.warmup`), ``failed``
+    (the engine loop cannot go on), ``draining``, or ``degraded`` with a ``detail`` when the engine forwards to
+    a server that does not answer (``upstream_problem``, vLLM's)."""
     state = request.app.state
     loop = state.engine_loop
+    if loop.warming and loop.failure is None and not loop.draining:
+        return JSONResponse({"status": "warming"}, status_code=503)
     if not loop.healthy:
         return JSONResponse({"status": "failed" if loop.failure else "draining"}, status_code=503)
     upstream_problem = getattr(state.engine, "upstream_problem", None)
@@ -308,12 +311,14 @@ async def internal_error(request: HTTPRequest, error: Exception):
 
 def create_app(engine, *, api_key: str | None = None, max_batch: int = 16, batch_wait_ms: float = 5.0,
                max_queue: int = 256, max_body_bytes: int = MAX_BODY_BYTES, locations: dict[str, str] | None = None,
-               open_store=None, reload_interval_s: float = 0.0) -> FastAPI:
+               open_store=None, reload_interval_s: float = 0.0, warmup=None) -> FastAPI:
     """An app serving ``engine``'s mounted stores; its engine loop starts and stops with the app's lifespan.
     ``app.state.engine_loop.drain()`` starts draining: ``/health`` and new requests answer 503 from then on.
     With ``locations`` (each store's directory or URL, by name) and ``open_store`` (opens one), the stores
     are hot-swapped to their new versions (`reload.StoreReloader`): every ``reload_interval_s`` seconds
-    (0: never by itself) and on ``POST /admin/reload``; without, that endpoint answers 400."""
+    (0: never by itself) and on ``POST /admin/reload``; without, that endpoint answers 400. ``warmup`` (a
+    callable returning {"seconds": ...}) runs on the engine loop's thread first; ``/health`` answers 503
+    ``warming`` until it ends, and requests queue meanwhile."""
     app = FastAPI(title="milo serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     state = app.state
     state.engine, state.api_key, state.max_body_bytes, state.started = engine, api_key, max_body_bytes, int(time.time())
@@ -323,7 +328,7 @@ def create_app(engine, *, api_key: str | None = None, max_batch: int = 16, batch
     state.reloader = (StoreReloader(engine, locations, open_store, state.metrics, reload_interval_s, state.planning)
                       if locations is not None else None)
     state.engine_loop = EngineLoop(engine, state.metrics, max_batch=max_batch, batch_wait_s=batch_wait_ms / 1000,
-                                   max_queue=max_queue)
+                                   max_queue=max_queue, warmup=warmup)
     app.include_router(router)
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(StarletteHTTPException, http_error)

@@ -78,6 +78,10 @@ class ServerMetrics:
         self.aborted = Counter("milo:request_aborted", "Requests whose client left before the answer", M, registry=r)
         self.reloads = Counter("milo:store_reloads", "New store versions found: swapped in, or failed to mount (the "
                                "old version kept serving)", M + ["result"], registry=r)
+        self.warmup_seconds = Gauge("milo:warmup_seconds", "How long the start's warm-up took (0: none ran)",
+                                    registry=r)
+        self.compiled_after_warmup = Counter("milo:compiled_graphs_after_warmup", "Graphs torch.compile made after "
+                                             "the warm-up, under traffic (shapes the warm-up never took)", registry=r)
         self.errors = Counter("milo:request_errors", "Requests answered with an error, by its code", ["code"],
                               registry=r)
         ProcessCollector(registry=r)

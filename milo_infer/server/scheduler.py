@@ -25,6 +25,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ..runtime.attention import compiled_graphs
 from ..runtime.interface import RowEvent, ServingEngine
 from ..runtime.errors import RequestError
 from ..runtime.planning import QueryPlan
@@ -65,7 +66,7 @@ class Ticket:
 
 class EngineLoop:
     def __init__(self, engine: ServingEngine, metrics: ServerMetrics, *, max_batch: int = 16, batch_wait_s: float = 0.005,
-                 max_queue: int = 256):
+                 max_queue: int = 256, warmup: Callable[[], dict] | None = None):
         if max_batch < 1 or max_queue < 1 or batch_wait_s < 0:
             raise ValueError(f"max_batch and max_queue must be at least 1 and batch_wait_s not negative; got "
                              f"{max_batch}, {max_queue}, {batch_wait_s}")
@@ -82,10 +83,13 @@ class EngineLoop:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="milo-engine-loop", daemon=True)
         self._counted_fetch_stats: dict | None = None  # the batch's fetch_stats the metrics last counted
+        self.warmup = warmup  # run on the loop's thread before its first batch (`milo_infer.server.warmup`)
+        self.warming = warmup is not None  # /health answers 503 "warming"; requests queue meanwhile
+        self._graphs = compiled_graphs()  # compiles counted so far (those after warming go to the metrics)
 
     @property
     def healthy(self) -> bool:
-        return self.failure is None and not self.draining and self._thread.is_alive()
+        return self.failure is None and not self.draining and not self.warming and self._thread.is_alive()
 
     @property
     def idle(self) -> bool:
@@ -138,6 +142,7 @@ class EngineLoop:
     def _run(self) -> None:
         ending: Exception = ShuttingDown("the server stopped before this request was answered")
         try:
+            self._warm()
             batch = self.engine.batch()
             while not self._stop.is_set():
                 if not self._iterate(batch):
@@ -150,6 +155,26 @@ class EngineLoop:
             self._end_all(ending)
             self.metrics.set_running(Counter())
             self.metrics.set_waiting(Counter())
+
+    def _warm(self) -> None:
+        """Run the warm-up (a failure is logged: traffic may still be served, only slower at first), then count
+        compiles from here on."""
+        try:
+            if self.warmup is not None:
+                result = self.warmup()
+                self.metrics.warmup_seconds.set(result["seconds"])
+        except Exception:
+            log.exception("the warm-up failed; the server starts unwarmed")
+        finally:
+            self._graphs = compiled_graphs()
+            self.warming = False
+
+    def _count_compiles(self) -> None:
+        """Graphs compiled since the last count (shapes the warm-up never took) go to the metrics."""
+        graphs = compiled_graphs()
+        if graphs > self._graphs:
+            self.metrics.compiled_after_warmup.inc(graphs - self._graphs)
+            self._graphs = graphs
 
     def _iterate(self, batch) -> bool:
         """Drop cancelled rows, admit queued plans up to ``max_batch`` rows, one decode step. False when the batch
@@ -174,6 +199,7 @@ class EngineLoop:
         finally:
             self.metrics.set_running(Counter(t.plan.store for t in self._running.values()))
             self._report_waiting()
+            self._count_compiles()
 
     def _take(self, free: int, *, idle: bool) -> list[Ticket]:
         """Up to ``free`` queued tickets, not cancelled; an idle loop blocks for the first, then gathers."""

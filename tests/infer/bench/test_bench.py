@@ -225,21 +225,34 @@ def test_bad_arguments_are_one_line_errors(tmp_path, capsys, argv, message):
 
 
 def test_the_gpu_sweep_runs_on_the_cpu_at_tiny_shapes(tmp_path):
-    """tools/gpu_bench.sh --device cpu: the whole pipeline the GPU runs (milo bench at batches 1, 2 and the largest
-    that fits the KV budget, then milo serve over the ρ 0.5 and the full store with the random model), in ~1 minute."""
+    """tools/gpu_bench.sh --device cpu: the four parts the GPU runs, at tiny shapes (~70 s here): the decode step's op
+    profile, milo bench at batches 1, 2 and the largest that fits the KV budget (shared blocks) with the prefill
+    method, the distinct-block regime (64 blocks, batches 4 and 8), then milo serve over the ρ 0.5 store with the
+    random model, each level twice."""
     result = subprocess.run(["bash", "tools/gpu_bench.sh", "--device", "cpu"], cwd=REPO, capture_output=True, text=True,
-                            timeout=600, env={**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path)})
+                            timeout=900, env={**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path)})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    report = json.loads((tmp_path / "gpu_bench" / "throughput" / "bench.json").read_text())
+    reports = tmp_path / "gpu_bench"
+    profile = json.loads((reports / "profile.json").read_text())
+    assert [r["rows"] for r in profile["reports"]] == [1, 2] and "longest host gaps" in (reports / "profile.txt").read_text()
+    report = json.loads((reports / "throughput-on" / "bench.json").read_text())
     largest = report["largest_batch"]
     assert largest > 2 and report["kv_budget_bytes"] == 4 << 20
-    assert {(r["method"], r["batch"]) for r in report["rows"]} == {
-        (m, b) for m in ("full", "full-gemm", "milo-r0.5", "milo-r0.25") for b in (1, 2, largest)}
-    assert all(r["kv_bytes_allocated"] <= 4 << 20 for r in report["rows"])
-    served = json.loads((tmp_path / "gpu_bench" / "serve.json").read_text())
-    assert [s["store"] for s in served] == ["milo-r0.5", "full"] and all(s["exit_status"] == 0 for s in served)
-    assert all([lv["concurrency"] for lv in s["levels"]] == [1, 2] and all(lv["qps"] > 0 for lv in s["levels"])
-               for s in served)
+    methods = ("full", "full-gemm", "prefill", "milo-r0.5")
+    assert {(r["method"], r["batch"]) for r in report["rows"]} == {(m, b) for m in methods for b in (1, 2, largest)}
+    assert all(r["kv_bytes_allocated"] <= 4 << 20 and r["first_token_ms"] > 0 for r in report["rows"])
+    assert all(r["bytes_moved"] == 0 for r in report["rows"] if r["method"] == "prefill")
+    distinct = json.loads((reports / "distinct" / "bench.json").read_text())
+    assert distinct["store_blocks"] == 64 and {(r["method"], r["batch"]) for r in distinct["rows"]} == {
+        (m, b) for m in methods for b in (4, 8)}
+    served = json.loads((reports / "serve.json").read_text())
+    assert [s["store"] for s in served] == ["milo-r0.5"] and all(s["exit_status"] == 0 for s in served)
+    assert 0 < served[0]["warmup_s"] < served[0]["ready_s"]  # --warmup all: the server warmed before /health's 200
+    assert served[0]["shared_blocks"] == "on" and all(0 < lv["held_blocks"] <= lv["placed_blocks"]
+                                                     for lv in served[0]["levels"])
+    levels = served[0]["levels"]
+    assert [lv["concurrency"] for lv in levels] == [1, 2] and all(lv["qps"] > 0 < lv["repeat_qps"] for lv in levels)
+    assert all(lv["compiled_after_warmup"] == 0 for lv in levels)  # the CPU's per-row attention compiles nothing
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the script runs the full benchmark")
@@ -274,6 +287,7 @@ def test_a_server_that_does_not_start_says_why(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", "/carried/wheels")
     assert bench_serve.server_env()["PYTHONPATH"] == f"{REPO}{os.pathsep}/carried/wheels"
     args = argparse.Namespace(max_batch=2, batch_wait_ms=5.0, model="synthetic:tiny", k=2, device="cpu",
-                              kv_cache_memory=None, attention="auto", threads=1, start_timeout=120)
+                              kv_cache_memory=None, attention="auto", threads=1, start_timeout=120, warmup=None,
+                              warmup_rows=None)
     with pytest.raises(SystemExit, match=r"(?s)did not start \(exit 2\); its stderr ends:\n.*no-such-store"):
         bench_serve.start_server(str(tmp_path / "no-such-store"), args)

@@ -75,7 +75,8 @@ def test_prefill_answers_report_the_tokens_prefilled_and_time_to_first_token(set
 
 def test_a_store_without_token_ids_cannot_be_prefilled(tmp_path):
     loaded = random_qwen2()
-    paths = synthetic_model.synthetic_stores(tmp_path, loaded, demos=16, block_size=8, demo_tokens=5, ratios=(0.5,))
+    paths = synthetic_model.synthetic_stores(tmp_path, loaded, demos=16, block_size=8, demo_tokens=5, ratios=(0.5,),
+                                             token_ids=False)
     with MiloStore.open(paths["full"]) as store:
         engine = Engine(loaded, {"s": store})
         with pytest.raises(RequestError, match="keeps no token ids"):

@@ -128,7 +128,8 @@ def test_a_negative_recompute_or_a_store_without_token_ids_is_a_request_error(se
     with pytest.raises(RequestError, match="recompute must be 0 or more"):
         Engine(loaded, {"s": store}).plan("s", Request("refund", k=1, recompute=-1))
     qwen = random_qwen2()
-    paths = synthetic_model.synthetic_stores(tmp_path, qwen, demos=16, block_size=8, demo_tokens=5, ratios=(0.5,))
+    paths = synthetic_model.synthetic_stores(tmp_path, qwen, demos=16, block_size=8, demo_tokens=5, ratios=(0.5,),
+                                             token_ids=False)
     with MiloStore.open(paths["full"]) as bare:
         engine = Engine(qwen, {"s": bare})
         assert len(engine.plan("s", Request("topic1", k=1)).recompute) == 0  # nothing asked, nothing needed
