@@ -248,7 +248,7 @@ def test_the_gpu_sweep_runs_on_the_cpu_at_tiny_shapes(tmp_path):
     served = json.loads((reports / "serve.json").read_text())
     assert [s["store"] for s in served] == ["milo-r0.5"] and all(s["exit_status"] == 0 for s in served)
     assert 0 < served[0]["warmup_s"] < served[0]["ready_s"]  # --warmup all: the server warmed before /health's 200
-    assert served[0]["shared_blocks"] == "on" and all(0 < lv["held_blocks"] <= lv["placed_blocks"]
+    assert served[0]["shared_blocks"] == "on" and all(lv["held_blocks"] <= lv["placed_blocks"]  # sampled: may see none
                                                      for lv in served[0]["levels"])
     levels = served[0]["levels"]
     assert [lv["concurrency"] for lv in levels] == [1, 2] and all(lv["qps"] > 0 < lv["repeat_qps"] for lv in levels)
