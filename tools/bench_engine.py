@@ -137,7 +137,8 @@ def sdpa_rows_at(commit: str):
                             capture_output=True, text=True).stdout
     function = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == "sdpa_rows")
     namespace = {"torch": torch, "PAGE_TOKENS": PAGE_TOKENS, "pages_for": pages_for, "Pack": object,
-                 "LayerAttention": attention.LayerAttention, "scored_attention": attention.scored_attention}
+                 "LayerAttention": attention.LayerAttention, "scored_attention": attention.scored_attention,
+                 "Merge": attention.Merge, "partial_attention": attention.partial_attention}
     exec(compile(ast.Module([function], type_ignores=[]), f"{commit}:attention.py", "exec"), namespace)
     rows = namespace["sdpa_rows"]
     if function.args.args[4].arg == "scaling":  # before each layer's window, soft-cap and sinks were passed
@@ -151,7 +152,8 @@ def compare_rows(loaded, store, texts, args) -> list[dict]:
     before, now, out = sdpa_rows_at(args.compare), attention.sdpa_rows, []
     for size in args.profile:
         for layout in args.layouts:
-            engine = Engine(loaded, {"s": store}, EngineSettings(k=args.k), attention="rows", max_rows=size)
+            engine = Engine(loaded, {"s": store}, EngineSettings(k=args.k), attention="rows", max_rows=size,
+                            shared_blocks=False)  # the per-row loop of each row's own copy
             batch = decoding_batch(engine, "s", texts, size, scattered=layout == "scattered")
             seconds = {"before": [], "now": []}
             try:
@@ -177,11 +179,12 @@ def per_row_rebuild(*args, **kwargs) -> None:
 
 def churn_configurations(which: str) -> dict:
     """The two served batches a --compare-rebuild or --compare-pools run alternates: {name: (Engine keywords, what is
-    done after each step)}, before first."""
+    done after each step)}, before first; both of rows holding their own copies of their prefixes (issue 47's)."""
+    own = {"shared_blocks": False}
     if which == "rebuild":  # each row's prefix rebuilt on its own, against each block decoded once per admission
-        return {"per_row": ({"rebuild": per_row_rebuild}, None), "shared": ({}, None)}
+        return {"per_row": ({"rebuild": per_row_rebuild, **own}, None), "shared": (own, None)}
     # the pools dropped as soon as no row holds a page (as before issue 47), against kept until the batch is idle
-    return {"dropped": ({}, lambda batch: batch.idle()), "kept": ({}, None)}
+    return {"dropped": (own, lambda batch: batch.idle()), "kept": (own, None)}
 
 
 def compare_churns(loaded, store, texts, args, which: str) -> list[dict]:
