@@ -55,6 +55,8 @@ SMOKE = {
                           needs=("banking77", "tiny")),
     "bench_build_parallel.py": Help("runs `milo build` as fresh subprocesses per setting and round (a torch start "
                                     "and a model load each); bench_build.py runs the same build in process"),
+    "bench_shared_blocks.py": Run(lambda i: [i.tiny_store, "--model", i.tiny_model, "--k", "1", "--queries", "3",
+                                            "--batch", "1,2"], needs=("tiny",)),
     "bench_dtype.py": Run(lambda i: [i.tiny_store, "--model", i.tiny_model, "--queries", "2", "--alone", "1",
                                      "--rounds", "1", "--k", "1"], needs=("banking77", "tiny")),
     "bench_engine.py": Run(lambda i: [[i.tiny_store, "--model", i.tiny_model, "--k", "1", "--queries", "1",
