@@ -141,15 +141,83 @@ def partial_attention(q, k, v, mask, layer: LayerAttention) -> tuple[torch.Tenso
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             grouped[None], k.float()[None], v.float()[None], 0.0, False, attn_mask=bias, scale=scale)
         return out[0].reshape(Hq, n, d), lse[0].reshape(Hq, n)
-    scores = torch.bmm(grouped * scale, k.float().transpose(1, 2))
+    out, lse = softmax_parts(torch.bmm(grouped * scale, k.float().transpose(1, 2)), v.float(), mask, layer)
+    return out.view(Hq, n, d), lse.view(Hq, n)
+
+
+def softmax_parts(scores, v, mask, layer: LayerAttention) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax of fp32 ``scores`` [..., m, C] (soft-capped as the layer says; ``mask`` broadcast to them, None: every
+    column) times ``v`` [..., C, d], and each row's log-sum-exp. A row that sees nothing: log-sum-exp −inf, output
+    not a number (callers never read one)."""
     if layer.softcap is not None:
         scores = torch.tanh(scores / layer.softcap) * layer.softcap
     if mask is not None:
-        scores.masked_fill_(~mask, float("-inf"))
+        scores = scores.masked_fill(~mask, float("-inf"))
     top = scores.amax(dim=-1, keepdim=True)
-    weights = scores.sub_(top).exp_()
+    weights = scores.sub_(top.masked_fill(torch.isinf(top), 0)).exp_()
     total = weights.sum(dim=-1, keepdim=True)
-    return torch.bmm(weights, v.float()).div_(total).view(Hq, n, d), (top + total.log()).view(Hq, n)
+    return torch.matmul(weights, v).div_(total), (top + total.log()).squeeze(-1)
+
+
+@dataclass
+class HeldReach:
+    """What the layers of one window (None: every column) attend of a forward's held blocks: the pairs (indices into
+    `HeldQueries`' arrays), each block with its run of them, each pair's first column seen in its block (None: every
+    one), and the blocks padded to one shape (`padded`, made once where asked)."""
+    pairs: torch.Tensor
+    blocks: list
+    low: torch.Tensor | None
+    made: tuple | None = None
+
+    def padded(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each block's pool columns [E, T] (padding: column 0), which are its own [E, T], where each pair goes in
+        [E × n] (n: the most pairs a block has) and each padded pair's first column seen [E, n]."""
+        if self.made is None:
+            E, n, T = len(self.blocks), max(hi - lo for _, (lo, hi) in self.blocks), max(b.tokens for b, _ in self.blocks)
+            columns = torch.zeros(E, T, dtype=torch.long, device=device)
+            seen = torch.zeros(E, T, dtype=torch.bool, device=device)
+            slot = torch.empty(len(self.pairs), dtype=torch.long, device=device)
+            low = torch.zeros(E, n, dtype=torch.long, device=device)
+            for e, (b, (lo, hi)) in enumerate(self.blocks):
+                columns[e, :b.tokens] = b.indices(device)
+                seen[e, :b.tokens] = True
+                slot[lo:hi] = e * n + torch.arange(hi - lo, device=device)
+                if self.low is not None:
+                    low[e, :hi - lo] = self.low[lo:hi]
+            self.made = columns, seen, slot, low
+        return self.made
+
+
+def held_parts_by_block(q, reach: HeldReach, key, value, layer: LayerAttention):
+    """Each held block's part in turn (the CPU's: no padding, and SDPA's own kernel per block): [Hq, P, d], [Hq, P]."""
+    parts, sums = [], []
+    for b, (lo, hi) in reach.blocks:
+        mask = None if reach.low is None else torch.arange(b.tokens, device=q.device)[None, :] >= reach.low[lo:hi, None]
+        o, s = partial_attention(q[:, lo:hi], b.of(key), b.of(value), mask, layer)
+        parts.append(o)
+        sums.append(s)
+    return torch.cat(parts, dim=1), torch.cat(sums, dim=1)
+
+
+def held_parts_padded(q, reach: HeldReach, key, value, layer: LayerAttention):
+    """Every held block's part in one batched product (CUDA's: a few launches a layer however many blocks), the
+    blocks' pairs and tokens padded to the most any has and the padding masked out: [Hq, P, d], [Hq, P]."""
+    Hq, P, d = q.shape
+    H = key.shape[0]
+    columns, seen, slot, low = reach.padded(q.device)
+    E, T = columns.shape
+    n = low.shape[1]
+    grouped = q.new_zeros(Hq, E * n, d)
+    grouped[:, slot] = q.float()
+    grouped = grouped.view(H, Hq // H, E, n, d).permute(2, 0, 1, 3, 4)  # [E, H, G, n, d]
+    k = key.index_select(1, columns.flatten()).view(H, E, T, d).transpose(0, 1).float()  # [E, H, T, d]
+    v = value.index_select(1, columns.flatten()).view(H, E, T, d).transpose(0, 1).float()
+    scale = layer.scaling if layer.scaling is not None else d ** -0.5
+    scores = torch.matmul(grouped.reshape(E, H, -1, d) * scale, k.transpose(-1, -2)).view(E, H, Hq // H, n, T)
+    mask = seen[:, None, None, None, :] & (torch.arange(T, device=q.device) >= low[:, None, None, :, None])
+    out, lse = softmax_parts(scores, v[:, :, None], mask, layer)  # [E, H, G, n, d], [E, H, G, n]
+    out = out.permute(1, 2, 0, 3, 4).reshape(Hq, E * n, d)[:, slot]
+    return out, lse.permute(1, 2, 0, 3).reshape(Hq, E * n)[:, slot]
 
 
 class Merge:
@@ -180,20 +248,14 @@ class Merge:
             held.reaches[layer.window] = self.held_reach(layer.window)
         reach = held.reaches[layer.window]
         if reach is not None:
-            pairs, blocks, low = reach
-            token = held.token[pairs]
+            token = held.token[reach.pairs]
             cos, sin = held.rope.turn(layer.index)
-            offset = held.offset[pairs]
+            offset = held.offset[reach.pairs]
             layout = held.rope_layout
             q = rope(query[0][:, held.packed[token]].float(), cos[offset], -sin[offset], layout["interleaved"],
                      rotary_dim=layout["rotary_dim"])
-            parts, sums = [], []
-            for b, (lo, hi) in blocks:
-                mask = None if low is None else (torch.arange(b.tokens, device=q.device)[None, :] >= low[lo:hi, None])
-                o, s = partial_attention(q[:, lo:hi], b.of(key[0]), b.of(value[0]), mask, layer)
-                parts.append(o)
-                sums.append(s)
-            part, lse = torch.cat(parts, dim=1), torch.cat(sums, dim=1)
+            parts = held_parts_padded if q.device.type == "cuda" else held_parts_by_block
+            part, lse = parts(q, reach, key[0], value[0], layer)
             top = self.lse.scatter_reduce(1, token.expand_as(lse), lse, "amax")
             own = torch.exp(self.lse - top)
             weight = torch.exp(lse - top[:, token])
@@ -204,13 +266,13 @@ class Merge:
             self.acc.mul_(torch.sigmoid(self.lse - layer.sinks.float()[:, None])[..., None])
         out[0][:, held.packed] = self.acc.to(out.dtype)
 
-    def held_reach(self, window: int | None):
-        """The pairs a layer with ``window`` attends (indices into the held arrays), each block's run of them, and
-        each pair's first column seen in its block (None: all of every block): a window sees a block's columns from
-        its token's position − W + 1 on, and none of a block wholly before that. None when no pair is left."""
+    def held_reach(self, window: int | None) -> HeldReach | None:
+        """What a layer with ``window`` attends of the held blocks: a window sees a block's columns from its token's
+        position − W + 1 on, and none of a block wholly before that. None when no pair is left."""
         held = self.held
         if window is None:
-            return torch.arange(len(held.token), device=held.token.device), [(b, (b.start, b.stop)) for b in held.blocks], None
+            return HeldReach(torch.arange(len(held.token), device=held.token.device),
+                             [(b, (b.start, b.stop)) for b in held.blocks], None)
         low = held.position_host - window + 1 - held.offset_host  # the first column of its block a pair sees
         kept, blocks, at = [], [], 0
         for b in held.blocks:
@@ -223,7 +285,7 @@ class Merge:
             return None
         pairs = torch.cat(kept)
         first = low[pairs].clamp(min=0)
-        return pairs.to(held.token.device), blocks, (first.to(held.token.device) if bool(first.any()) else None)
+        return HeldReach(pairs.to(held.token.device), blocks, first.to(held.token.device) if bool(first.any()) else None)
 
 
 def scored_attention(query, key, value, mask, layer: LayerAttention) -> torch.Tensor:

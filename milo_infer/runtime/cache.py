@@ -75,6 +75,12 @@ class HeldColumns:
             return pool[:, self.run * PAGE_TOKENS:self.run * PAGE_TOKENS + self.tokens]
         return pool.index_select(1, self.gather)
 
+    def indices(self, device) -> torch.Tensor:
+        """Its pool columns, int64 [tokens] on ``device``."""
+        if self.run is not None:
+            return torch.arange(self.run * PAGE_TOKENS, self.run * PAGE_TOKENS + self.tokens, device=device)
+        return self.gather
+
 
 @dataclass
 class HeldQueries:

@@ -362,7 +362,21 @@ def test_rows_placing_held_blocks_equal_rows_holding_their_own(shared_case):
     (the window families' tiny windows of 8), sinks, soft-caps, NoPE layers, partial and interleaved rotary, RoPE per
     layer type, llama3 and YaRN scaling: every logit within 1e-4, in one batched prefill and decoding with rows
     joining one by one and leaving."""
-    family, loaded, store = shared_case
+    held_equal_own(*shared_case)
+
+
+@pytest.mark.parametrize("shared_case", ["llama", "gpt_oss", "gemma2", "gemma3_text", "smollm3", "glm4_moe", "cohere"],
+                         indirect=True)
+def test_the_held_blocks_padded_into_one_product_equal_too(shared_case, monkeypatch):
+    """CUDA's way (`attention.held_parts_padded`: every held block in one batched product, padded), here on the CPU:
+    windows, sinks, a soft-cap, NoPE, rotate-half partial and interleaved rotary."""
+    from milo_infer.runtime import attention
+
+    monkeypatch.setattr(attention, "held_parts_by_block", attention.held_parts_padded)
+    held_equal_own(*shared_case)
+
+
+def held_equal_own(family, loaded, store) -> None:
     settings = EngineSettings(k=4)
     held = Engine(loaded, {"s": store}, settings, shared_blocks=True, max_rows=4)
     own = Engine(loaded, {"s": store}, settings, shared_blocks=False, max_rows=4)
