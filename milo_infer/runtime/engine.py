@@ -27,6 +27,7 @@ import logging
 import threading
 import time
 import weakref
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -412,9 +413,10 @@ class Batch:
         seated: list[Seat] = []
         builds: dict[HeldBlock, Build] = {}
         self.seatings += 1
+        placing = Counter((x.placement.prefix, b) for x in map(self._executed, self.waiting) for b in set(x.blocks))
         while self.waiting and len(self.rows) + len(seated) < e.max_rows:
             plan = self.waiting[0]
-            seat = self._take(plan, self.executing.get(id(plan), plan), builds)
+            seat = self._take(plan, self._executed(plan), builds, placing)
             if seat is None:
                 break
             self.executing.pop(id(self.waiting.pop(0)), None)
@@ -450,11 +452,16 @@ class Batch:
             admission.settle()
         return events
 
-    def _take(self, plan: QueryPlan, executed: QueryPlan, builds: dict) -> "Seat | None":
+    def _executed(self, plan: QueryPlan) -> QueryPlan:
+        """What a waiting plan executes: itself, or it computing blocks that could not be read."""
+        return self.executing.get(id(plan), plan)
+
+    def _take(self, plan: QueryPlan, executed: QueryPlan, builds: dict, placing: Counter) -> "Seat | None":
         """Pages for ``executed``'s row and the held blocks it places (those new to the batch, or new at some window
-        layer, join ``builds``), or None when they do not fit even once the blocks no row holds are let go."""
+        layer, join ``builds``), or None when they do not fit even once the blocks no row holds are let go.
+        ``placing``: how many waiting plans place each (store prefix, block)."""
         need = pages_for(executed.prompt_tokens + executed.max_new_tokens)
-        if self._shares(executed):
+        if self._shares(executed, placing):
             wanted = self._placed_blocks(executed)
             skip = executed.prefix_tokens // PAGE_TOKENS  # pages wholly inside its prefix: none of them its own
             if self._fits_held(need - skip, wanted):
@@ -470,10 +477,16 @@ class Batch:
                 return None
         return Seat(plan, executed, self.pages.take(need), self._take_window(executed, need), [])
 
-    def _shares(self, plan: QueryPlan) -> bool:
-        """Its row places held blocks: sharing is on, it has a prefix, and it recomputes none of it."""
-        return (self.engine.shared_blocks and plan.prefix_tokens > 0 and plan.mount is not None
-                and not len(plan.recompute))
+    def _shares(self, plan: QueryPlan, placing: Counter) -> bool:
+        """Its row places held blocks: sharing is on, it recomputes none of its prefix, and a block of it is held
+        already or another waiting plan places it too. A row that would share none holds its own copy, as every row
+        did before: a lone query (or one whose blocks no other row has) is answered exactly as before, one attention
+        call a layer over its own columns, not one per block (docs/benchmarks.md, issue 54)."""
+        if not (self.engine.shared_blocks and plan.prefix_tokens > 0 and plan.mount is not None
+                and not len(plan.recompute)):
+            return False
+        prefix = plan.placement.prefix
+        return any((prefix, b) in self.held or placing[prefix, b] > 1 for b in plan.blocks)
 
     def _placed_blocks(self, plan: QueryPlan) -> list[tuple[tuple, int, int, frozenset]]:
         """(held key, offset, tokens, layers its row attends it at) of the anchor and each block ``plan`` places, in
@@ -611,7 +624,7 @@ class Batch:
                     block.layers -= build.layers
         again = []
         for plan, executed in own:  # seated now where its pages fit, else first in line
-            seat = self._take(plan, executed, builds)
+            seat = self._take(plan, executed, builds, Counter())
             if seat is not None:
                 kept.append(seat)
             else:

@@ -324,8 +324,9 @@ SHARED_ORDERS = [[3, 2, 1, 0], [0, 1, 2, 3], [2, 0], [1]]  # the same blocks at 
 
 
 def decoded_logits(engine: Engine, orders) -> list[list[torch.Tensor]]:
-    """Per row, every logits row its decoder was given, the rows joining one by one, each after the earlier ones ran
-    a step (the last once every earlier row has left: it finds their blocks held still, and reads none)."""
+    """Per row, every logits row its decoder was given: the first two rows admitted together (they place the same
+    blocks: held once), the others joining one by one, each after a step (the third finds its blocks held, the last
+    joins once every earlier row has left and finds its block kept, reading none)."""
     from milo_infer.runtime.engine import Batch
 
     seen, advance = {}, Batch._advance
@@ -338,10 +339,10 @@ def decoded_logits(engine: Engine, orders) -> list[list[torch.Tensor]]:
     batch = engine.batch()
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(Batch, "_advance", recording)
-        for i, plan in enumerate(plans):
+        for i, joining in enumerate([plans[:2], *([p] for p in plans[2:])], start=1):
             while i == len(plans) - 1 and len(batch):
                 batch.step()
-            batch.admit([plan])
+            batch.admit(joining)
             batch.step()
         while len(batch):
             batch.step()

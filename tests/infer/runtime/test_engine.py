@@ -55,15 +55,17 @@ def expected_peak_kv_bytes(engine: Engine, plans, decoded: bool = True) -> int:
     their prefixes, each store's union of blocks staged for the rebuild (its largest layer of factors: once
     on a CPU, prefetch depth + 1 times on CUDA), and on a CPU one layer of the distinct blocks decoded (fp32 K
     and V of the largest store's union, `PrefixRebuild`; ``decoded`` False: an engine whose rebuild is replaced).
-    With blocks held once (`Engine.shared_blocks`) a row's columns are its query's and answer's, and each distinct
-    block's and each store's anchor's are counted once."""
+    With blocks held once (`Engine.shared_blocks`) a row placing a block another row places too holds its query's
+    and answer's columns, and each block and anchor such rows place is counted once."""
     layout = engine.stores[plans[0].store].prefix.layout
     columns = sum(p.prompt_tokens + p.max_new_tokens for p in plans)
     if engine.shared_blocks:
-        columns -= sum(p.prefix_tokens for p in plans)
-        for name in {p.store for p in plans}:
+        placed = [(p.store, b) for p in plans for b in set(p.blocks)]
+        sharing = [p for p in plans if any(placed.count((p.store, b)) > 1 for b in p.blocks)]
+        columns -= sum(p.prefix_tokens for p in sharing)
+        for name in {p.store for p in sharing}:
             mounted = engine.stores[name]
-            union = list(dict.fromkeys(b for p in plans if p.store == name for b in p.blocks))
+            union = list(dict.fromkeys(b for p in sharing if p.store == name for b in p.blocks))
             columns += mounted.prefix.anchor_len + int(mounted.store.block_tokens[union].sum())
     itemsize = torch.empty(0, dtype=engine.dtype).element_size()
     cache = 2 * layout.num_layers * layout.num_kv_heads * columns * layout.head_dim * itemsize

@@ -101,49 +101,72 @@ def test_rows_placing_held_blocks_decode_as_rows_holding_their_own(setup):
 def test_a_row_joining_later_reuses_held_blocks_without_a_read(setup):
     held, own = engines(setup)
     batch = held.batch()
-    first = run(held, batch, [held.plan("s", SHARING[0])])
-    assert all(b.rows == 0 for b in batch.held.values()) and len(batch.held) == 3  # kept after their row left
+    first = run(held, batch, [held.plan("s", r) for r in SHARING[:2]])  # they share a block: held once
+    assert all(b.rows == 0 for b in batch.held.values()) and len(batch.held) == 4  # kept after their rows left
     counts = batch.held_counts()
     assert counts["kv_bytes_held"] == 0 and counts["kv_bytes_kept"] == batch.pages.in_use * held.page_bytes > 0
-    again = held.plan("s", SHARING[0])
-    second = run(held, batch, [again])
+    again = run(held, batch, [held.plan("s", SHARING[0])])  # alone, its blocks held: it places them
     assert batch.fetch_stats["bytes"] == 0 and batch.fetch_stats["staged_bytes"] == 0  # nothing read or staged
     assert set(FETCH_STATS) <= set(batch.fetch_stats)  # what a fetch reports, all of it, zero
-    assert list(first.values()) == list(second.values())
-    assert list(second.values()) == list(run(own, own.batch(), [own.plan("s", SHARING[0])]).values())
+    assert list(again.values())[0] == list(first.values())[0]
+    assert list(again.values()) == list(run(own, own.batch(), [own.plan("s", SHARING[0])]).values())
     batch.idle()  # nothing to answer: the blocks no row holds go, then the pools
     assert not batch.held and batch.pages.capacity == 0
 
 
+def test_a_lone_row_or_one_sharing_nothing_holds_its_own_copy(setup):
+    """A row none of whose blocks another row places or the batch holds is answered as before: its own copy of its
+    whole prefix in its pages, nothing held; beside rows that share, it keeps its own."""
+    held, own = engines(setup)
+    batch = held.batch()
+    batch.admit([held.plan("s", SHARING[0])])
+    assert not batch.held and batch.rows[0].own_from == 0 and not batch.rows[0].held
+    loner = Request("topic4", k=1)
+    plans = [held.plan("s", r) for r in (*SHARING[:2], loner)]
+    assert not set(plans[2].blocks) & (set(plans[0].blocks) | set(plans[1].blocks))
+    batch = held.batch()
+    batch.admit(plans)
+    assert [bool(row.held) for row in batch.rows] == [True, True, False]
+    assert batch.rows[2].plan.blocks[0] not in {key[1] for key in batch.held}
+    for a, b in zip(held.logits(plans), own.logits([own.plan("s", r) for r in (*SHARING[:2], loner)])):
+        assert (a - b).abs().max() <= ATOL
+
+
 def test_blocks_no_row_holds_go_when_their_pages_are_needed(setup):
-    """A budget that holds one row and its blocks: the next row's blocks take the pages of the last one's."""
+    """A budget that holds two rows sharing their blocks: the next two rows' blocks take the pages of the first
+    two's, as many as they need."""
     loaded, store = setup
     probe = Engine(loaded, {"s": store})
-    plans = [probe.plan("s", r) for r in (SHARING[0], Request("topic4 topic0", k=2))]
-    assert not set(plans[0].blocks) & set(plans[1].blocks)
-    need = max(pages_for(p.prompt_tokens + p.max_new_tokens) + 2 + len(p.blocks) for p in plans)
+    pairs = [[Request("topic1 topic2", k=2), Request("topic2 topic1", k=2)],
+             [Request("topic4 topic0", k=2), Request("topic0 topic4", k=2)]]
+    plans = [[probe.plan("s", r) for r in pair] for pair in pairs]
+    assert not set(plans[0][0].blocks) & set(plans[1][0].blocks)
+    need = max(sum(pages_for(p.prompt_tokens + p.max_new_tokens) for p in pair) + 2 + len(pair[0].blocks)
+               for pair in plans)
     held, own = engines(setup, kv_cache_memory=need * probe.page_bytes)
     batch = held.batch()
-    answers = [run(held, batch, [held.plan("s", p.request)]) for p in plans]
-    assert set(plans[1].blocks) | {None} <= {key[1] for key in batch.held}
-    assert not set(plans[0].blocks) <= {key[1] for key in batch.held}  # the first row's went, as many as needed
+    answers = [run(held, batch, [held.plan("s", r) for r in pair]) for pair in pairs]
+    assert set(plans[1][0].blocks) | {None} <= {key[1] for key in batch.held}
+    assert not set(plans[0][0].blocks) <= {key[1] for key in batch.held}  # the first rows' went, as many as needed
     assert batch.pages.in_use * held.page_bytes <= held.kv_budget
-    assert [list(a.values()) for a in answers] == [list(run(own, own.batch(), [own.plan("s", p.request)]).values())
-                                                  for p in plans]
+    assert [list(a.values()) for a in answers] == [list(run(own, own.batch(), [own.plan("s", r) for r in pair]).values())
+                                                  for pair in pairs]
 
 
 def test_a_cancelled_row_never_leaves_a_block_unwritten_for_the_next(setup):
-    """A row cancelled before its first forward: its admission is given up, and the blocks it was to write are no
-    row's to find (the next row reads them again)."""
+    """Rows cancelled before their first forward: their admission is given up, and the blocks it was to write are no
+    row's to find (the next rows read them again)."""
     held, own = engines(setup)
     batch = held.batch()
-    plan = held.plan("s", SHARING[0])
-    batch.admit([plan])
-    batch.cancel(plan)
+    plans = [held.plan("s", r) for r in SHARING[:2]]
+    batch.admit(plans)
+    assert batch.held
+    for plan in plans:
+        batch.cancel(plan)
     assert not batch.held and not batch.admissions and batch.pages.in_use == 0
-    answer = run(held, batch, [held.plan("s", SHARING[0])])
+    answer = run(held, batch, [held.plan("s", r) for r in SHARING[:2]])
     assert batch.fetch_stats["bytes"] > 0  # read again
-    assert list(answer.values()) == list(run(own, own.batch(), [own.plan("s", SHARING[0])]).values())
+    assert list(answer.values()) == list(run(own, own.batch(), [own.plan("s", r) for r in SHARING[:2]]).values())
 
 
 def test_logits_with_a_block_held_by_one_row_only_equal_the_row_alone(setup):
