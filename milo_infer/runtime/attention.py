@@ -33,7 +33,7 @@ the first GPU sweep, on an H200 on 2026-12-04, stalled after its first batch: th
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
@@ -159,87 +159,68 @@ def softmax_parts(scores, v, mask, layer: LayerAttention) -> tuple[torch.Tensor,
     return torch.matmul(weights, v).div_(total), (top + total.log()).squeeze(-1)
 
 
-SMALL_BLOCK = 256  # tokens: on the CPU a held block shorter than this is attended padded among others (one call for
-# them all), a longer one on its own (a view of its pages, no copy): a call there costs about what reading ~200
-# columns does (issue 54: a 128-block store's blocks of ~100 tokens, one call each, made a batch 0.82x as fast)
-ONE_GROUP = ("cuda",)  # device types whose held blocks are all padded into one call a layer (a launch is dear there)
+ONE_GROUP = ("cuda",)  # device types whose held blocks are all padded into one call a layer (a launch is dear there;
+# on the CPU one SDPA-kernel call a block on a view of its pages measured faster than padded calls, issue 54)
 
 
 @dataclass
 class PaddedBlocks:
-    """Held blocks attended in one call: their pool columns [E, T] (padding: column 0) and which are theirs [E, T],
-    their pairs (indices into what a layer attends), where each goes in [E × n] (``slot``; n: the most pairs one has),
-    and what each padded pair sees (``mask`` [E, 1, G·n, T], and as a score bias where SDPA's kernel takes one)."""
+    """Held blocks attended in one call: their pool columns [E, T] (padding: column 0), where each pair goes in [E × n]
+    (``slot``; n: the most pairs one has), and what each padded pair sees (``mask`` [E, 1, G·n, T])."""
     n: int
     columns: torch.Tensor
-    pairs: torch.Tensor
     slot: torch.Tensor
     mask: torch.Tensor
-    bias: torch.Tensor
 
 
 @dataclass
 class HeldReach:
     """What the layers of one window (None: every column) attend of a forward's held blocks: the pairs (indices into
     `HeldQueries`' arrays), each block with its run of them, each pair's first column seen in its block (None: every
-    one), and how they are attended on a device (`plan`, made once a forward)."""
+    one), and, on a device of `ONE_GROUP`, all of them padded into one call (`padded`, made once a forward)."""
     pairs: torch.Tensor
     blocks: list
     low: torch.Tensor | None
-    made: dict = field(default_factory=dict)
+    made: PaddedBlocks | None = None
 
-    def plan(self, device, groups: int) -> tuple[list, list[PaddedBlocks]]:
-        """The blocks attended one by one, and the groups padded into one call each: on a device of `ONE_GROUP` every
-        block in one group; elsewhere blocks of `SMALL_BLOCK` tokens or more one by one, the others grouped by their
-        pair counts rounded up to a power of two (padding at most doubles a group's queries). ``groups``: the query
-        heads per KV head."""
-        if device.type not in self.made:
-            whole = device.type in ONE_GROUP
-            singles, grouped = [], {}
-            for b, (lo, hi) in self.blocks:
-                if not whole and b.tokens >= SMALL_BLOCK:
-                    singles.append((b, (lo, hi)))
-                else:
-                    grouped.setdefault(0 if whole else power_of_two(hi - lo), []).append((b, (lo, hi)))
-            self.made[device.type] = singles, [self.padded(group, device, groups) for group in grouped.values()]
-        return self.made[device.type]
-
-    def padded(self, group: list, device, groups: int) -> PaddedBlocks:
-        E, n, T = len(group), max(hi - lo for _, (lo, hi) in group), max(b.tokens for b, _ in group)
-        columns = torch.zeros(E, T, dtype=torch.long, device=device)
-        seen = torch.zeros(E, T, dtype=torch.bool, device=device)
-        low = torch.zeros(E, n, dtype=torch.long, device=device)
-        pairs, slot = [], []
-        for e, (b, (lo, hi)) in enumerate(group):
-            columns[e, :b.tokens] = b.indices(device)
-            seen[e, :b.tokens] = True
-            pairs.append(torch.arange(lo, hi, device=device))
-            slot.append(e * n + torch.arange(hi - lo, device=device))
-            if self.low is not None:
-                low[e, :hi - lo] = self.low[lo:hi]
-        mask = seen[:, None, :] & (torch.arange(T, device=device) >= low[:, :, None])  # [E, n, T]
-        mask = mask[:, None].expand(E, groups, n, T).reshape(E, 1, groups * n, T)
-        bias = torch.zeros(mask.shape, device=device).masked_fill_(~mask, float("-inf"))
-        return PaddedBlocks(n, columns, torch.cat(pairs), torch.cat(slot), mask, bias)
+    def padded(self, device, groups: int) -> PaddedBlocks:
+        """Every block padded to the most pairs and tokens any has; ``groups``: the query heads per KV head."""
+        if self.made is None:
+            E = len(self.blocks)
+            n, T = max(hi - lo for _, (lo, hi) in self.blocks), max(b.tokens for b, _ in self.blocks)
+            columns = torch.zeros(E, T, dtype=torch.long, device=device)
+            seen = torch.zeros(E, T, dtype=torch.bool, device=device)
+            low = torch.zeros(E, n, dtype=torch.long, device=device)
+            slot = torch.empty(len(self.pairs), dtype=torch.long, device=device)
+            for e, (b, (lo, hi)) in enumerate(self.blocks):
+                columns[e, :b.tokens] = b.indices(device)
+                seen[e, :b.tokens] = True
+                slot[lo:hi] = e * n + torch.arange(hi - lo, device=device)
+                if self.low is not None:
+                    low[e, :hi - lo] = self.low[lo:hi]
+            mask = seen[:, None, :] & (torch.arange(T, device=device) >= low[:, :, None])  # [E, n, T]
+            mask = mask[:, None].expand(E, groups, n, T).reshape(E, 1, groups * n, T)
+            self.made = PaddedBlocks(n, columns, slot, mask)
+        return self.made
 
 
 def held_parts(q, reach: HeldReach, key, value, layer: LayerAttention) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each pair's part of the held blocks it attends, q [Hq, P, d] turned: [Hq, P, d] and its log-sum-exp [Hq, P]."""
-    Hq, P, d = q.shape
-    out = q.new_empty(Hq, P, d, dtype=torch.float32)
-    lse = q.new_empty(Hq, P, dtype=torch.float32)
-    singles, groups = reach.plan(q.device, Hq // key.shape[0])
-    for b, (lo, hi) in singles:
+    """Each pair's part of the held blocks it attends, q [Hq, P, d] turned: [Hq, P, d] and its log-sum-exp [Hq, P]:
+    one call a block (its pages' view), or on a device of `ONE_GROUP` every block in one padded call."""
+    if q.device.type in ONE_GROUP:
+        return padded_attention(q, reach.padded(q.device, q.shape[0] // key.shape[0]), key, value, layer)
+    parts, sums = [], []
+    for b, (lo, hi) in reach.blocks:
         mask = None if reach.low is None else torch.arange(b.tokens, device=q.device)[None, :] >= reach.low[lo:hi, None]
-        out[:, lo:hi], lse[:, lo:hi] = partial_attention(q[:, lo:hi], b.of(key), b.of(value), mask, layer)
-    for g in groups:
-        out[:, g.pairs], lse[:, g.pairs] = padded_attention(q[:, g.pairs], g, key, value, layer)
-    return out, lse
+        o, s = partial_attention(q[:, lo:hi], b.of(key), b.of(value), mask, layer)
+        parts.append(o)
+        sums.append(s)
+    return torch.cat(parts, dim=1), torch.cat(sums, dim=1)
 
 
 def padded_attention(q, g: PaddedBlocks, key, value, layer: LayerAttention) -> tuple[torch.Tensor, torch.Tensor]:
-    """The part of the held blocks padded into ``g`` for its pairs' queries q [Hq, p, d]: one call (SDPA's kernel on
-    the CPU without a soft-cap; the scores written out elsewhere); padded queries see nothing and are dropped."""
+    """The part of the held blocks padded into ``g`` for its pairs' queries q [Hq, p, d]: one product of every block's
+    padded queries with its padded keys, the scores written out; padded queries see nothing and are dropped."""
     Hq, _, d = q.shape
     H, (E, T), n = key.shape[0], g.columns.shape, g.n
     grouped = q.new_zeros(Hq, E * n, d, dtype=torch.float32)
@@ -248,11 +229,7 @@ def padded_attention(q, g: PaddedBlocks, key, value, layer: LayerAttention) -> t
     k = key.index_select(1, g.columns.flatten()).view(H, E, T, d).transpose(0, 1).float()  # [E, H, T, d]
     v = value.index_select(1, g.columns.flatten()).view(H, E, T, d).transpose(0, 1).float()
     scale = layer.scaling if layer.scaling is not None else d ** -0.5
-    if layer.softcap is None and q.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(grouped, k, v, 0.0, False,
-                                                                              attn_mask=g.bias, scale=scale)
-    else:
-        out, lse = softmax_parts(torch.matmul(grouped * scale, k.transpose(-1, -2)), v, g.mask, layer)
+    out, lse = softmax_parts(torch.matmul(grouped * scale, k.transpose(-1, -2)), v, g.mask, layer)
     out = out.reshape(E, H, Hq // H, n, d).permute(1, 2, 0, 3, 4).reshape(Hq, E * n, d)[:, g.slot]
     return out, lse.reshape(E, H, Hq // H, n).permute(1, 2, 0, 3).reshape(Hq, E * n)[:, g.slot]
 

@@ -366,19 +366,14 @@ def test_rows_placing_held_blocks_equal_rows_holding_their_own(shared_case):
     held_equal_own(*shared_case)
 
 
-@pytest.mark.parametrize("way", ["one group", "one call a block"])
 @pytest.mark.parametrize("shared_case", ["llama", "gpt_oss", "gemma2", "gemma3_text", "smollm3", "glm4_moe", "cohere"],
                          indirect=True)
-def test_held_blocks_attended_one_by_one_or_all_in_one_call_equal_too(shared_case, way, monkeypatch):
-    """The tiny blocks here are padded into a call per pair count on the CPU (`attention.SMALL_BLOCK`); CUDA's way,
-    every held block in one call (`attention.ONE_GROUP`), and a long block's, one call each, here on the CPU too:
-    windows, sinks, a soft-cap (its scores written out), NoPE, rotate-half partial and interleaved rotary."""
+def test_held_blocks_padded_into_one_call_equal_too(shared_case, monkeypatch):
+    """CUDA's way (`attention.ONE_GROUP`: every held block padded into one call a layer, the scores written out),
+    here on the CPU: windows, sinks, a soft-cap, NoPE, rotate-half partial and interleaved rotary."""
     from milo_infer.runtime import attention
 
-    if way == "one group":
-        monkeypatch.setattr(attention, "ONE_GROUP", ("cuda", "cpu"))
-    else:
-        monkeypatch.setattr(attention, "SMALL_BLOCK", 0)
+    monkeypatch.setattr(attention, "ONE_GROUP", ("cuda", "cpu"))
     held_equal_own(*shared_case)
 
 
