@@ -116,15 +116,18 @@ def profile_rows(loaded, store, texts, args) -> list[dict]:
     out = []
     for size in args.profile:
         for layout in args.layouts:
-            engine = Engine(loaded, {"s": store}, EngineSettings(k=args.k), attention="rows", max_rows=size)
-            if layout == "churn":
-                out.append({"layout": layout, "columns": None, **profile_churn(engine, "s", texts, size, args.steps)})
-                continue
-            batch = decoding_batch(engine, "s", texts, size, scattered=layout == "scattered")
-            batch.step()  # warm up: first touch of the new tokens' columns
-            out.append({"layout": layout, "columns": sum(r.next_position for r in batch.rows) // size,
-                        **profile_steps(batch, args.steps)})
-            del batch, engine
+            for shared in args.shared_blocks:
+                engine = Engine(loaded, {"s": store}, EngineSettings(k=args.k), attention="rows", max_rows=size,
+                                shared_blocks=shared == "on")
+                if layout == "churn":
+                    out.append({"layout": layout, "shared": shared, "columns": None,
+                                **profile_churn(engine, "s", texts, size, args.steps)})
+                    continue
+                batch = decoding_batch(engine, "s", texts, size, scattered=layout == "scattered")
+                batch.step()  # warm up: first touch of the new tokens' columns
+                out.append({"layout": layout, "shared": shared, "columns": sum(r.next_position for r in batch.rows) // size,
+                            "kv_bytes_held": batch.held_counts()["kv_bytes_held"], **profile_steps(batch, args.steps)})
+                del batch, engine
     return out
 
 
@@ -134,7 +137,8 @@ def sdpa_rows_at(commit: str):
                             capture_output=True, text=True).stdout
     function = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == "sdpa_rows")
     namespace = {"torch": torch, "PAGE_TOKENS": PAGE_TOKENS, "pages_for": pages_for, "Pack": object,
-                 "LayerAttention": attention.LayerAttention, "scored_attention": attention.scored_attention}
+                 "LayerAttention": attention.LayerAttention, "scored_attention": attention.scored_attention,
+                 "Merge": attention.Merge, "partial_attention": attention.partial_attention}
     exec(compile(ast.Module([function], type_ignores=[]), f"{commit}:attention.py", "exec"), namespace)
     rows = namespace["sdpa_rows"]
     if function.args.args[4].arg == "scaling":  # before each layer's window, soft-cap and sinks were passed
@@ -148,7 +152,8 @@ def compare_rows(loaded, store, texts, args) -> list[dict]:
     before, now, out = sdpa_rows_at(args.compare), attention.sdpa_rows, []
     for size in args.profile:
         for layout in args.layouts:
-            engine = Engine(loaded, {"s": store}, EngineSettings(k=args.k), attention="rows", max_rows=size)
+            engine = Engine(loaded, {"s": store}, EngineSettings(k=args.k), attention="rows", max_rows=size,
+                            shared_blocks=False)  # the per-row loop of each row's own copy
             batch = decoding_batch(engine, "s", texts, size, scattered=layout == "scattered")
             seconds = {"before": [], "now": []}
             try:
@@ -174,11 +179,12 @@ def per_row_rebuild(*args, **kwargs) -> None:
 
 def churn_configurations(which: str) -> dict:
     """The two served batches a --compare-rebuild or --compare-pools run alternates: {name: (Engine keywords, what is
-    done after each step)}, before first."""
+    done after each step)}, before first; both of rows holding their own copies of their prefixes (issue 47's)."""
+    own = {"shared_blocks": False}
     if which == "rebuild":  # each row's prefix rebuilt on its own, against each block decoded once per admission
-        return {"per_row": ({"rebuild": per_row_rebuild}, None), "shared": ({}, None)}
+        return {"per_row": ({"rebuild": per_row_rebuild, **own}, None), "shared": (own, None)}
     # the pools dropped as soon as no row holds a page (as before issue 47), against kept until the batch is idle
-    return {"dropped": ({}, lambda batch: batch.idle()), "kept": ({}, None)}
+    return {"dropped": (own, lambda batch: batch.idle()), "kept": (own, None)}
 
 
 def compare_churns(loaded, store, texts, args, which: str) -> list[dict]:
@@ -233,13 +239,15 @@ def print_comparison(rows: list[dict], args) -> None:
 def print_profile(rows: list[dict], args) -> None:
     print(f"store {args.store}, k {args.k}, {args.threads} thread(s), {args.steps} steps each; shares of a decode "
           f"step's wall time (%), exclusive per stage (milo_infer/bench/step_profile.py)")
-    print("| rows | pages | columns a row | step ms | " + " | ".join(STAGES) + " | SDPA calls a step |")
-    print("|---" * (len(STAGES) + 5) + "|")
+    print("| rows | pages | shared blocks | columns a row | K/V held MiB | step ms | " + " | ".join(STAGES)
+          + " | SDPA calls a step |")
+    print("|---" * (len(STAGES) + 7) + "|")
     for r in rows:
         shares = " | ".join(f"{100 * r['seconds'][s] / r['step']:.1f}" for s in STAGES)
         pages = r["layout"] if "scattered" not in r else f"churn ({100 * r['scattered']:.0f}% scattered)"
-        print(f"| {r['rows']} | {pages} | {r['columns'] or '-'} | {1e3 * r['step'] / r['steps']:.0f} | {shares} | "
-              f"{r['calls']['row_sdpa'] // r['steps']} |")
+        held = f"{r['kv_bytes_held'] / 2**20:.0f}" if "kv_bytes_held" in r else "-"
+        print(f"| {r['rows']} | {pages} | {r['shared']} | {r['columns'] or '-'} | {held} | "
+              f"{1e3 * r['step'] / r['steps']:.0f} | {shares} | {r['calls']['row_sdpa'] // r['steps']} |")
 
 
 def main(argv=None) -> int:
@@ -270,6 +278,8 @@ def main(argv=None) -> int:
     ap.add_argument("--compare-pools", action="store_true",
                     help="--profile: instead, time a served batch alternately with its pools dropped whenever no row "
                          "holds a page and kept")
+    ap.add_argument("--shared-blocks", type=lambda t: t.split(","), default=["on"], metavar="on,off",
+                    help="--profile: blocks held once for every row (on), each row's own copy (off), or both (default on)")
     ap.add_argument("--dataset", default=None,
                     help="--profile: ask this dataset's test queries (MILO_DATA) instead of the demo corpus")
     args = ap.parse_args(argv)

@@ -9,8 +9,11 @@ is 1 - server q/s / engine q/s. ``--memory-requests`` more requests then trace t
 resident memory (VmRSS) before and after each quarter of them. ``--warmup``/``--warmup-rows`` are the server's
 (its start's warm-up, timed to /health's 200); ``--client-warmup 0`` leaves out the clients' own warm-up requests
 and ``--repeat`` runs each level twice in a row, so the first level's q/s beside its repeat's shows what the
-first traffic paid for compiling (issue 55). Prints a markdown table; ``--out``
-also writes JSON. ``--synthetic SHAPE`` serves stores `milo bench --synthetic SHAPE` built, with the random model
+first traffic paid for compiling (issue 55). ``--shared-blocks on,off`` serves each store once with blocks held
+once for every row and once with each row holding its own copy (`milo serve --shared-blocks`), one after the
+other in the same run, and reports the most K/V bytes each level held and the distinct blocks held against the
+blocks placed then (the server's `milo:kv_cache_bytes_held`, `milo:held_blocks` and `milo:placed_blocks`, read
+every 0.2 s; issue 54). Prints a markdown table; ``--out`` also writes JSON. ``--synthetic SHAPE`` serves stores `milo bench --synthetic SHAPE` built, with the random model
 of that shape (``--model synthetic:SHAPE``) and queries naming their blocks' topics (tools/gpu_bench.sh). Run:
 
     HF_HUB_OFFLINE=1 .venv/bin/python tools/bench_serve.py stores/banking77 stores/banking77-r025 \\
@@ -25,6 +28,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -102,10 +106,44 @@ def resident_bytes(pid: int) -> int:
 
 def server_metric(base: str, name: str) -> float | None:
     """One unlabelled sample of the server's /metrics (None: it has no such metric)."""
+    return server_metrics(base, (name,)).get(name)
+
+
+def server_metrics(base: str, names: tuple[str, ...]) -> dict[str, float]:
+    """These unlabelled samples of the server's /metrics (those it has)."""
+    values = {}
     for line in httpx.get(base + "/metrics").text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    return None
+        name, _, value = line.partition(" ")
+        if name in names:
+            values[name] = float(value)
+    return values
+
+
+HELD = ("milo:kv_cache_bytes_held", "milo:held_blocks", "milo:placed_blocks")
+
+
+class HeldWatch:
+    """The most K/V bytes the server's rows held while it runs (and the blocks held and placed at that moment), read
+    from its /metrics every ``period`` seconds on a thread of its own."""
+
+    def __init__(self, base: str, period: float = 0.2):
+        self.base, self.period, self.most = base, period, dict.fromkeys(HELD, 0.0)
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True, name="bench-serve-held")
+
+    def _watch(self) -> None:
+        while not self.done.wait(self.period):
+            now = server_metrics(self.base, HELD)
+            if now.get(HELD[0], 0.0) > self.most[HELD[0]]:
+                self.most = {name: now.get(name, 0.0) for name in HELD}
+
+    def __enter__(self) -> "HeldWatch":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        self.thread.join()
 
 
 def batch_histogram(base: str) -> tuple[float, float]:
@@ -160,22 +198,23 @@ def engine_qps(engine, name: str, queries: list[str], size: int) -> float:
     return len(plans) / (time.perf_counter() - start)
 
 
-def bench_store(store: str, queries: list[str], loaded, args, on_level=lambda result: None) -> dict:
-    """One store's levels (and memory trace); ``on_level`` gets the result so far after each level, so a run cut
-    short by a timeout leaves what it measured."""
+def bench_store(store: str, queries: list[str], loaded, args, on_level=lambda result: None,
+                shared: str = "on") -> dict:
+    """One store's levels (and memory trace), served with ``--shared-blocks shared``; ``on_level`` gets the result so
+    far after each level, so a run cut short by a timeout leaves what it measured."""
     from milo_infer.runtime.engine import Engine
     from milo_store import MiloStore
 
     model = store_name(store)
     started = time.perf_counter()
-    process, base = start_server(store, args)
+    process, base = start_server(store, args, ("--shared-blocks", shared))
     ready_s = time.perf_counter() - started
     warmup_s = server_metric(base, "milo:warmup_seconds")
-    print(f"  {model}: milo serve answered /health in {ready_s:.1f} s (its warm-up: {warmup_s or 0:.1f} s)",
-          file=sys.stderr, flush=True)
+    print(f"  {model} (shared blocks {shared}): milo serve answered /health in {ready_s:.1f} s (its warm-up: "
+          f"{warmup_s or 0:.1f} s)", file=sys.stderr, flush=True)
     mounted = MiloStore.open(store)
     engine = Engine(loaded, {model: mounted}, settings=EngineSettings(k=args.k), max_rows=args.max_batch,
-                    attention=args.attention,
+                    attention=args.attention, shared_blocks=shared == "on",
                     **({"kv_cache_memory": parse_kv_memory(args.kv_cache_memory)} if args.kv_cache_memory else {}))
     rows = []
     try:
@@ -183,7 +222,9 @@ def bench_store(store: str, queries: list[str], loaded, args, on_level=lambda re
             asyncio.run(load(base, model, queries[:args.client_warmup], 4))
         for concurrency in args.concurrency:
             before = batch_histogram(base)
-            row = asyncio.run(load(base, model, queries[:args.requests], concurrency))
+            with HeldWatch(base) as held:
+                row = asyncio.run(load(base, model, queries[:args.requests], concurrency))
+            row["kv_bytes_held"], row["held_blocks"], row["placed_blocks"] = (held.most[name] for name in HELD)
             after = batch_histogram(base)
             row["mean_batch"] = (after[0] - before[0]) / max(1.0, after[1] - before[1])
             if args.repeat:  # the same level again at once: what it runs at with nothing left to compile
@@ -195,8 +236,8 @@ def bench_store(store: str, queries: list[str], loaded, args, on_level=lambda re
             rows.append({"concurrency": concurrency, **row})
             print(f"  {model} c={concurrency}: {row['qps']:.1f} q/s (engine {row['engine_qps']:.1f}), "
                   f"{time.perf_counter() - started:.1f} s since the server started", file=sys.stderr, flush=True)
-            on_level({"store": model, "path": store, "ready_s": ready_s, "warmup_s": warmup_s, "levels": rows,
-                      "memory": None, "exit_status": None, "partial": True})
+            on_level({"store": model, "path": store, "shared_blocks": shared, "ready_s": ready_s,
+                      "warmup_s": warmup_s, "levels": rows, "memory": None, "exit_status": None, "partial": True})
         memory = None
         if args.memory_requests:  # resident memory before, and after each quarter of the run
             rss = [resident_bytes(process.pid)]
@@ -209,21 +250,25 @@ def bench_store(store: str, queries: list[str], loaded, args, on_level=lambda re
         mounted.close()
         process.send_signal(signal.SIGTERM)
         code = process.wait(120)
-    return {"store": model, "path": store, "ready_s": ready_s, "warmup_s": warmup_s, "levels": rows, "memory": memory,
-            "exit_status": code}
+    return {"store": model, "path": store, "shared_blocks": shared, "ready_s": ready_s, "warmup_s": warmup_s,
+            "levels": rows, "memory": memory, "exit_status": code}
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| store | ready s | clients | q/s | repeated q/s | p50 s | p99 s | TTFT p50 s | mean batch | engine q/s "
-             "| overhead | compiled after warm-up |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| store | shared blocks | ready s | clients | q/s | vs 1 client | repeated q/s | p50 s | p99 s | TTFT p50 s "
+             "| mean batch | engine q/s | overhead | compiled after warm-up | K/V held MiB (most) | blocks held / placed then |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
+        alone = next((lv["qps"] for lv in r["levels"] if lv["concurrency"] == 1), None)
         for lv in r["levels"]:
-            repeat = f"{lv['repeat_qps']:.1f}" if "repeat_qps" in lv else "-"
+            repeat = f"{lv['repeat_qps']:.2f}" if "repeat_qps" in lv else "-"
+            ratio = f"{lv['qps'] / alone:.2f}x" if alone else "-"
             late = lv.get("compiled_after_warmup")
-            lines.append(f"| {r['store']} | {r['ready_s']:.1f} | {lv['concurrency']} | {lv['qps']:.1f} | {repeat} "
+            lines.append(f"| {r['store']} | {r['shared_blocks']} | {r['ready_s']:.1f} | {lv['concurrency']} | {lv['qps']:.2f} "
+                         f"| {ratio} | {repeat} "
                          f"| {lv['p50_s']:.3f} | {lv['p99_s']:.3f} | {lv['ttft_p50_s']:.3f} | {lv['mean_batch']:.1f} "
-                         f"| {lv['engine_qps']:.1f} | {lv['overhead'] * 100:.0f}% | {'-' if late is None else f'{late:.0f}'} |")
+                         f"| {lv['engine_qps']:.2f} | {lv['overhead'] * 100:.0f}% | {'-' if late is None else f'{late:.0f}'} "
+                         f"| {lv['kv_bytes_held'] / 2**20:.0f} | {lv['held_blocks']:.0f} / {lv['placed_blocks']:.0f} |")
     for r in results:
         if r["memory"]:
             m = r["memory"]
@@ -255,6 +300,9 @@ def main():
     ap.add_argument("--client-warmup", type=int, default=8,
                     help="requests (4 at a time) sent before the levels (default 8; 0: none, the first level is first)")
     ap.add_argument("--repeat", action="store_true", help="run each level twice in a row (first vs repeated q/s)")
+    ap.add_argument("--shared-blocks", type=lambda s: s.split(","), default=["on"], metavar="on,off",
+                    help="serve each store with blocks held once (on), each row's own copy (off), or both, one after "
+                         "the other (default on)")
     ap.add_argument("--out", default=None, help="also write the results here as JSON")
     args = ap.parse_args()
     from milo_infer.bench.synthetic_model import device_model, synthetic_queries
@@ -279,8 +327,9 @@ def main():
         if args.out:
             Path(args.out).write_text(json.dumps(results + ([partial] if partial else []), indent=2))
     for store in args.stores:
-        results.append(bench_store(store, queries, loaded, args, on_level=save))
-        save()
+        for shared in args.shared_blocks:
+            results.append(bench_store(store, queries, loaded, args, on_level=save, shared=shared))
+            save()
     print(table(results))
 
 

@@ -8,7 +8,7 @@
 #   2. sweep    (SWEEP_S, 200 s): the shared-block regime, 512 demonstrations in 16 blocks: full-KV offload (the
 #      identity store copied, "full", and rebuilt as X·I, "full-gemm"), "prefill" (the model prefills each row's
 #      retrieved demonstrations: what a user does without milo, with its time to first token) and MILO at rho 0.5,
-#      at batches 8, 32, 256 and the largest the KV budget seats -> throughput/bench.md;
+#      at batches 8, 32, 256 and the largest the KV budget seats -> throughput-MODE/bench.md (SHARED, below);
 #   3. distinct (DISTINCT_S, 130 s): the distinct-block regime, 2,048 demonstrations in 64 blocks (built on the
 #      device, issue 55: 200 s before), batches of 4 and 8 whose rows' blocks are all distinct, the same methods
 #      -> distinct/bench.md;
@@ -22,8 +22,9 @@
 #
 #   --device cpu   the same four parts at tiny shapes on the CPU, in about two minutes (tests/infer/bench runs it)
 #   ATTENTION=rows  the per-row SDPA loop instead of FlexAttention (the GPU's default) in every part
-#   SHARED=on|off   issue 54's switch (blocks shared by rows): passed as --shared-blocks to every part once the
-#                   engine takes it (left unset, nothing is passed)
+#   SHARED=on,off   blocks held once for every row (on), each row's own copy (off), or both (issue 54): the sweep
+#                   runs once per mode (reports in throughput-MODE), serve serves each mode in turn, the profile and
+#                   the distinct-block run take the first (default on; on,off fits one device run with PARTS=sweep)
 #   PARTS="profile sweep distinct serve"   the parts to run (default all four)
 #
 # Packages the device image lacks travel as wheels in .whl (tools/gpu_wheels.py fetches them where pip
@@ -54,8 +55,8 @@ trap 'rm -rf "$STORES"' EXIT
 mkdir -p "$REPORTS"
 PARTS=${PARTS:-profile sweep distinct serve}
 ATTENTION=${ATTENTION:-auto}
-SHARED_ARGS=()
-if [ -n "${SHARED:-}" ]; then SHARED_ARGS=(--shared-blocks "$SHARED"); fi
+SHARED=${SHARED:-on}
+FIRST_SHARED=${SHARED%%,*}
 if [ "$DEVICE" = cpu ]; then  # tiny shapes: the pipeline, not the numbers
   SHAPE=tiny; SHOTS=64; BLOCK=8; TOKENS=12; BATCHES=1,2,max; QUERIES=2; CLIENTS=1,2; REQUESTS=4; PROFILE_ROWS=1,2
   DISTINCT_SHOTS=256; DISTINCT_BLOCK=4; MAX_BATCH=8; WARMUP=all  # the warm-up's path, though rows compile nothing
@@ -75,23 +76,25 @@ if wants profile; then
   timeout -k 10 "$PROFILE_S" "$PY" tools/profile_step.py --synthetic "$SHAPE" --device "$DEVICE" --rows "$PROFILE_ROWS" \
     --steps 3 --shots "$SHOTS" --block-size "$BLOCK" --demo-tokens "$TOKENS" --k 8 --attention "$ATTENTION" \
     --stores "$STORES/profile" --out "$REPORTS/profile.json" ${EXTRA[@]+"${EXTRA[@]}"} \
-    ${SHARED_ARGS[@]+"${SHARED_ARGS[@]}"} | tee "$REPORTS/profile.txt"
+    --shared-blocks "$FIRST_SHARED" | tee "$REPORTS/profile.txt"
   code=${PIPESTATUS[0]}; said "$code" "the profile" "$PROFILE_S" "$REPORTS/profile.txt"; [ "$code" = 0 ] || status=$code
 fi
 if wants sweep; then
-  echo "== sweep (shared blocks): $SHOTS demonstrations in blocks of $BLOCK, batches $BATCHES, with prefill"
-  timeout -k 10 "$SWEEP_S" "$PY" -m milo_infer.cli.bench --synthetic "$SHAPE" --device "$DEVICE" --shots "$SHOTS" \
-    --block-size "$BLOCK" --demo-tokens "$TOKENS" --stores "$STORES/sweep" --k 8 --batch "$BATCHES" \
-    --n-queries "$QUERIES" --rounds 1 --ratios 0.5 --prefill --attention "$ATTENTION" --out "$REPORTS/throughput" \
-    ${EXTRA[@]+"${EXTRA[@]}"} ${SHARED_ARGS[@]+"${SHARED_ARGS[@]}"} "$@"
-  code=$?; said "$code" "the sweep" "$SWEEP_S" "$REPORTS/throughput/bench.md"; [ "$code" = 0 ] || status=$code
+  for mode in ${SHARED//,/ }; do
+    echo "== sweep (rows sharing blocks; held once: $mode): $SHOTS demonstrations in blocks of $BLOCK, batches $BATCHES, with prefill"
+    timeout -k 10 "$SWEEP_S" "$PY" -m milo_infer.cli.bench --synthetic "$SHAPE" --device "$DEVICE" --shots "$SHOTS" \
+      --block-size "$BLOCK" --demo-tokens "$TOKENS" --stores "$STORES/sweep" --k 8 --batch "$BATCHES" \
+      --n-queries "$QUERIES" --rounds 1 --ratios 0.5 --prefill --attention "$ATTENTION" \
+      --out "$REPORTS/throughput-$mode" --shared-blocks "$mode" ${EXTRA[@]+"${EXTRA[@]}"} "$@"
+    code=$?; said "$code" "the sweep" "$SWEEP_S" "$REPORTS/throughput-$mode/bench.md"; [ "$code" = 0 ] || status=$code
+  done
 fi
 if wants distinct; then
   echo "== distinct blocks: $DISTINCT_SHOTS demonstrations in blocks of $DISTINCT_BLOCK, batches 4 and 8"
   timeout -k 10 "$DISTINCT_S" "$PY" -m milo_infer.cli.bench --synthetic "$SHAPE" --device "$DEVICE" \
     --shots "$DISTINCT_SHOTS" --block-size "$DISTINCT_BLOCK" --demo-tokens "$TOKENS" --stores "$STORES/distinct" --k 8 \
     --batch 4,8 --n-queries 8 --rounds 1 --ratios 0.5 --prefill --attention "$ATTENTION" --out "$REPORTS/distinct" \
-    ${EXTRA[@]+"${EXTRA[@]}"} ${SHARED_ARGS[@]+"${SHARED_ARGS[@]}"} "$@"
+    --shared-blocks "$FIRST_SHARED" ${EXTRA[@]+"${EXTRA[@]}"} "$@"
   code=$?; said "$code" "the distinct-block run" "$DISTINCT_S" "$REPORTS/distinct/bench.md"; [ "$code" = 0 ] || status=$code
 fi
 if wants serve; then
@@ -104,7 +107,7 @@ s.synthetic_stores('$STORES/sweep', l, demos=$SHOTS, block_size=$BLOCK, demo_tok
   timeout -k 10 "$SERVE_S" "$PY" tools/bench_serve.py "$SERVED" --synthetic "$SHAPE" --device "$DEVICE" --k 8 \
     --max-batch "$MAX_BATCH" --concurrency "$CLIENTS" --requests "$REQUESTS" --memory-requests 0 --client-warmup 0 \
     --repeat --warmup "$WARMUP" --attention "$ATTENTION" --start-timeout "$((SERVE_S - 20))" --out "$REPORTS/serve.json" \
-    ${SERVE_EXTRA[@]+"${SERVE_EXTRA[@]}"} ${SHARED_ARGS[@]+"${SHARED_ARGS[@]}"}
+    --shared-blocks "$SHARED" ${SERVE_EXTRA[@]+"${SERVE_EXTRA[@]}"}
   code=$?; said "$code" "the serve run" "$SERVE_S" "$REPORTS/serve.json"; [ "$code" = 0 ] || status=$code
 fi
 exit "$status"

@@ -43,6 +43,8 @@ def main(argv=None) -> int:
     ap.add_argument("--k", type=int, default=4, help="blocks retrieved per row (default 4)")
     ap.add_argument("--ratio", type=float, default=0.5, help="the MILO store's ratio (default 0.5)")
     ap.add_argument("--scattered", action="store_true", help="rows on scattered pages (what served rows get)")
+    ap.add_argument("--shared-blocks", choices=("on", "off"), default="on",
+                    help="blocks held once for every row (on) or each row's own copy (off; default on)")
     ap.add_argument("--top", type=int, default=15, help="ops listed (default 15)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--kv-cache-memory", type=parse_kv_memory, default=None,
@@ -61,7 +63,8 @@ def main(argv=None) -> int:
         reports = []
         with MiloStore.open(paths[f"milo-r{args.ratio:g}"]) as store:
             engine = Engine(loaded, {"s": store}, EngineSettings(k=args.k), attention=args.attention,
-                            max_rows=max(args.rows), kv_cache_memory=args.kv_cache_memory)
+                            max_rows=max(args.rows), kv_cache_memory=args.kv_cache_memory,
+                            shared_blocks=args.shared_blocks == "on")
             for rows in args.rows:
                 batch = decoding_batch(engine, "s", texts, rows, scattered=args.scattered)
                 report = profile_decode(batch, args.steps, top=args.top)

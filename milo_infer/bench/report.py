@@ -27,16 +27,20 @@ def render_markdown(report: dict) -> str:
                      f"{r['unique_block_share']:.0%} | {r['peak_kv_bytes'] / 2**20:.1f} | {r['transfer_gbps']:.2f} | "
                      f"{r['speedup']:.2f} | "
                      + (f"{1 / r['ratio']:.2f} |" if r["ratio"] else "n/a |"))
-    lines += ["", f"per forward (step) and memory; {report['attention']} attention, KV budget "
+    sharing = "blocks held once" if report.get("shared_blocks", True) else "each row its own copy"
+    lines += ["", f"per forward (step) and memory; {report['attention']} attention, {sharing}, KV budget "
                   f"{report['kv_budget_bytes'] / 2**20:.0f} MiB, the largest batch that fits: {report['largest_batch']}",
               "", "| method | k | batch | steps | first token ms | transfer ms/step | rebuild ms/step | model ms/step "
-                  "| K/V MiB needed | K/V MiB allocated | device peak MiB |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "| K/V MiB needed | K/V MiB held | blocks held / placed | factors staged MiB | K/V MiB allocated "
+                  "| device peak MiB |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in report["rows"]:
         step, peak = r["ms_per_step"], r["device_peak_bytes"]
         lines.append(f"| {r['method']} | {r['k']} | {r['batch']} | {r['steps']:.0f} | {r['first_token_ms']:.1f} | "
                      f"{step['transfer']:.2f} | "
                      f"{step['rebuild']:.2f} | {step['model']:.2f} | {r['kv_bytes_needed'] / 2**20:.1f} | "
+                     f"{r['kv_bytes_held'] / 2**20:.1f} | {r['held_blocks']} / {r['placed_blocks']} | "
+                     f"{r['staged_bytes'] / 2**20:.1f} | "
                      f"{r['kv_bytes_allocated'] / 2**20:.1f} | " + (f"{peak / 2**20:.0f} |" if peak else "n/a |"))
     if "partial" in report:  # a run still going (or cut short): the figures below come at its end
         lines += ["", f"PARTIAL: {report['partial']}; the transfer path, kernel and crossover figures come at the end"]

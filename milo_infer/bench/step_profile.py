@@ -11,7 +11,10 @@ another stage (exclusive time, so the stages add up to the step):
 - ``pool_writes``: writing the new tokens' K/V to their pool columns (`PagedLayer.update`, less the rebuild);
 - ``gathers``: the per-row attention loop less its SDPA calls: a view of a row's columns when its pages are
   consecutive, a gather of its scattered pages when not (`attention.sdpa_rows`);
-- ``row_sdpa``: the SDPA calls themselves, one per row and layer;
+- ``row_sdpa``: the SDPA calls themselves, one per row and layer (a row placing held blocks: its own columns'
+  part, `attention.partial_attention`);
+- ``held_blocks``: the held blocks' part for every row placing them (`attention.Merge.finish`: the queries turned,
+  one product per held block, the merge by log-sum-exp);
 - ``model``: the rest of the model's forward: projections, MLP, norms, RoPE, the LM head, transformers' Python;
 - ``decoding``: choosing each row's next token (`Batch._advance`);
 - ``engine``: the rest of `Batch.step` (the ids and positions tensors, logits to the host, bookkeeping).
@@ -31,8 +34,8 @@ from ..runtime import attention, cache, engine
 from ..runtime.pages import run_start
 from ..runtime.planning import Request
 
-STAGES = ("scheduler", "admission", "pool_growth", "prefix_rebuild", "pool_writes", "gathers", "row_sdpa", "model",
-          "decoding", "engine")
+STAGES = ("scheduler", "admission", "pool_growth", "prefix_rebuild", "pool_writes", "gathers", "row_sdpa",
+          "held_blocks", "model", "decoding", "engine")
 TIMED = [  # (owner, attribute, stage)
     (engine.Batch, "step", "engine"),
     (engine.Batch, "_pack", "scheduler"),
@@ -45,6 +48,8 @@ TIMED = [  # (owner, attribute, stage)
     (cache.PagedLayer, "update", "pool_writes"),
     (attention, "sdpa_rows", "gathers"),
     (torch.nn.functional, "scaled_dot_product_attention", "row_sdpa"),
+    (attention, "partial_attention", "row_sdpa"),
+    (attention.Merge, "finish", "held_blocks"),
 ]
 
 

@@ -44,7 +44,7 @@ from ..building.config import BuildConfig, default_compression
 from ..building.shared_staging import encode_once
 from ..models import LoadedModel
 from ..runtime.attention import compiled_graphs
-from ..runtime.pages import pages_for
+from ..runtime.pages import PAGE_TOKENS, pages_for
 from ..runtime.prefetch import LayerPrefetcher
 from ..runtime.session import MiloSession
 from ..tasks.corpus import Demonstration, TaskSpec
@@ -169,7 +169,9 @@ def measure(sessions: dict[str, TimedSession], queries: list[str], k: int, batch
             "bytes_moved": moved, "bytes_without_union": statistics.mean(a.kv_bytes_stored for a in answers),
             "unique_block_share": stats["unique_blocks"] / stats["blocks"] if stats["blocks"] else 1.0,
             "peak_kv_bytes": stats["peak_kv_bytes"], "kv_bytes_needed": stats["kv_bytes_needed"],
-            "kv_bytes_allocated": stats["kv_bytes_allocated"],
+            "kv_bytes_allocated": stats["kv_bytes_allocated"], "kv_bytes_held": stats["kv_bytes_held"],
+            "held_blocks": stats["held_blocks"], "placed_blocks": stats["placed_blocks"],
+            "staged_bytes": stats["staged_bytes"],
             "steps": statistics.median(r[3]["steps"] for r in runs),
             "ms_per_step": {stage: 1e3 * statistics.median(v) for stage, v in per_step.items()},
             "device_peak_bytes": device_peak[name] or None,
@@ -253,33 +255,41 @@ def kernel_speedup(session: TimedSession, block_ids: list[int], repeat: int = 3)
 
 
 def largest_batch(session: TimedSession, query: str, k: int) -> int:
-    """The most rows like ``query``'s plan at ``k`` that the engine's KV budget seats at once."""
+    """The most rows like ``query``'s plan at ``k`` that the engine's KV budget seats at once: each its whole context
+    and answer, or, with blocks held once, its query and answer beside every block of the store held once."""
     session.k = k
     plan = session.plan(query)
-    return max(1, session.engine.kv_pages // pages_for(plan.prompt_tokens + plan.max_new_tokens))
+    engine = session.engine
+    if not engine.shared_blocks:
+        return max(1, engine.kv_pages // pages_for(plan.prompt_tokens + plan.max_new_tokens))
+    store = session.mounted.prefix
+    held = pages_for(store.anchor_len) + sum(pages_for(int(t)) for t in store.store.block_tokens)
+    own = pages_for(plan.prompt_tokens + plan.max_new_tokens) - plan.prefix_tokens // PAGE_TOKENS
+    return max(1, (engine.kv_pages - held) // own)
 
 
 def run_bench(loaded: LoadedModel, store_paths: dict[str, Path], queries: list[str], *, ks=(2, 4, 8), batches=(1, 4),
               rounds: int = 3, ratios=(0.5, 0.25), tier: str = "host", device=None, max_batch: int = 256,
-              kv_cache_memory: int | float | None = None, attention: str = "auto", progress=print,
-              on_batch=None, prefill: bool = False) -> dict:
+              kv_cache_memory: int | float | None = None, attention: str = "auto", shared_blocks: bool = True,
+              progress=print, on_batch=None, prefill: bool = False) -> dict:
     """Every (k, batch) × method, the transfer path's raw bandwidth and the kernel's speedup; one report. A batch
     of ``"max"`` is the most rows of the largest k that fit the KV budget (at most ``max_batch``); a batch
-    larger than the queries answers them over again. ``kv_cache_memory`` and ``attention`` are the engines'
-    (`Engine`). ``on_batch`` gets the report so far after each (k, batch), its ``partial`` saying how much (the
+    larger than the queries answers them over again. ``kv_cache_memory``, ``attention`` and ``shared_blocks`` are the
+    engines' (`Engine`). ``on_batch`` gets the report so far after each (k, batch), its ``partial`` saying how much (the
     link, kernel and crossover figures come at the end), so a run cut short leaves what it measured. ``prefill``:
     the ``prefill`` method too (its stores must keep their token ids)."""
     stores = {name: MiloStore.open(path, tier=tier) for name, path in store_paths.items()}
     try:
         started, graphs = time.perf_counter(), compiled_graphs()
         ks = sorted({min(k, stores["full"].num_blocks) for k in ks})
-        probe = TimedSession(loaded, stores["full"], device=device, kv_cache_memory=kv_cache_memory, attention=attention)
+        probe = TimedSession(loaded, stores["full"], device=device, kv_cache_memory=kv_cache_memory, attention=attention,
+                             shared_blocks=shared_blocks)
         fits = min(max_batch, largest_batch(probe, queries[0], max(ks)))
         del probe
         batches = list(dict.fromkeys(fits if b == "max" else b for b in batches))
         sessions = {m: TimedSession(loaded, stores[store_of(m)], device=device, copy_identity=m == "full",
                                     max_rows=max(batches), kv_cache_memory=kv_cache_memory, attention=attention,
-                                    prefill=m == "prefill")
+                                    shared_blocks=shared_blocks, prefill=m == "prefill")
                     for m in method_names(ratios, prefill)}
         first = next(iter(sessions.values()))
         dev = first.device
@@ -292,7 +302,8 @@ def run_bench(loaded: LoadedModel, store_paths: dict[str, Path], queries: list[s
                   "layout": dataclasses.asdict(first.layout), "store_blocks": first.store.num_blocks,
                   "block_tokens": first.store.block_tokens.tolist(), "tier": tier, "rounds": rounds,
                   "threads": torch.get_num_threads(), "ratios": list(ratios), "largest_batch": fits,
-                  "kv_budget_bytes": first.engine.kv_budget, "attention": first.engine.attention}
+                  "kv_budget_bytes": first.engine.kv_budget, "attention": first.engine.attention,
+                  "shared_blocks": first.engine.shared_blocks}
         sweep = [(k, b) for k in ks for b in batches]
         for done, (k, b) in enumerate(sweep, 1):
             started, graphs = time.perf_counter(), compiled_graphs()

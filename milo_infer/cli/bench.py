@@ -54,6 +54,8 @@ def add_arguments(p):
                    help="also the prefill method: the model prefills each row's retrieved demonstrations (what a "
                         "user does without milo), with its time to first token")
     p.add_argument("--attention", choices=ATTENTIONS, default="auto", help="as milo serve (default auto)")
+    p.add_argument("--shared-blocks", choices=("on", "off"), default="on",
+                   help="as milo serve: blocks held once for every row (on) or each row's own copy (off; default on)")
     p.add_argument("--device", default=None, help="compute device (default: cuda if available, else cpu)")
     p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's)")
     p.add_argument("--out", required=True, metavar="DIR", help="folder for the reports (and the stores)")
@@ -140,7 +142,7 @@ def run(args) -> int:
 
     report = throughput.run_bench(loaded, paths, queries, ks=ks, batches=batches, rounds=args.rounds, ratios=ratios,
                                   tier=args.tier, kv_cache_memory=args.kv_cache_memory, attention=args.attention,
-                                  prefill=args.prefill,
+                                  shared_blocks=args.shared_blocks == "on", prefill=args.prefill,
                                   progress=lambda line: print(line, file=sys.stderr, flush=True), on_batch=write)
     md = write(report)
     png = plot(report, out / "bench.png")

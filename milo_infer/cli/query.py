@@ -1,8 +1,8 @@
 """Answer a query from a store: retrieve blocks, rebuild their K/V, let the model answer.
 
 Prints the answer, and with --show-blocks the blocks used and their demonstrations; --json gives
-everything (answer, blocks and their demonstrations, KV bytes full vs moved, seconds per stage) for
-programs. Only the retrieved blocks' demonstrations are read, and only when they are shown. Several
+everything (answer, blocks and their demonstrations, KV bytes full vs moved, seconds per stage, and the batch's
+K/V bytes held, distinct blocks held against blocks placed and factor bytes staged) for programs. Only the retrieved blocks' demonstrations are read, and only when they are shown. Several
 queries are answered as one batch. A query that shares no term with any demonstration is answered from
 arbitrary blocks: a warning on stderr says so, and ``retrieval_matched`` is false in --json.
 """
@@ -52,10 +52,13 @@ def run(args) -> int:
         if not hit:
             print(f"milo query: warning: {text!r} shares no term with any demonstration: retrieval matched nothing, "
                   "the blocks are arbitrary", file=sys.stderr)
+    stats: dict = {}
     try:
-        answers = session.answer_batch(args.text)
+        answers = session.answer_batch(args.text, stats)
     except ValueError as e:  # e.g. a token budget smaller than any block, a query longer than the model's context
         raise CommandError(str(e)) from None
+    batch = {"rows": len(answers), "kv_bytes_held": stats["kv_bytes_held"], "held_blocks": stats["held_blocks"],
+             "placed_blocks": stats["placed_blocks"], "factor_bytes_staged": stats["staged_bytes"]}
     shown = args.show_blocks or args.json
     demos = block_demonstrations(store, [b for a in answers for b in a.blocks]) if shown else {}
     results = []
@@ -63,7 +66,7 @@ def run(args) -> int:
         result = {"query": text, "answer": a.text, "retrieval_matched": hit, "blocks": a.blocks,
                   "prefix_tokens": a.prefix_tokens,
                   "kv_bytes_full": a.kv_bytes_full, "kv_bytes_stored": a.kv_bytes_stored,
-                  "seconds": {k: round(v, 4) for k, v in a.seconds.items()}}
+                  "seconds": {k: round(v, 4) for k, v in a.seconds.items()}, "batch": batch}
         if shown:
             result["block_demonstrations"] = [{"block": b, "demonstrations": [f"{i} => {o}" for i, o in demos[b]]}
                                               for b in a.blocks]
@@ -83,4 +86,6 @@ def run(args) -> int:
                     print(f"    {line}")
                 if len(blk["demonstrations"]) > 5:
                     print(f"    ... {len(blk['demonstrations']) - 5} more")
+    print(f"K/V held {batch['kv_bytes_held'] / 2**20:.2f} MiB for {batch['held_blocks']} distinct blocks of "
+          f"{batch['placed_blocks']} placed; factors staged {batch['factor_bytes_staged'] / 2**20:.2f} MiB")
     return 0

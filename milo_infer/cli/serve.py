@@ -54,6 +54,10 @@ def add_arguments(p):
     p.add_argument("--attention", choices=ATTENTIONS, default="auto",
                    help="flex: one FlexAttention call per layer for every row; rows: one SDPA call per row "
                         "(default auto: flex on a GPU, rows on a CPU)")
+    p.add_argument("--shared-blocks", choices=("on", "off"), default="on",
+                   help="on: a block the running rows place is held and rebuilt once for all of them, each row "
+                        "attending it at its own offset; off: every row holds its own copy (the same answers; for "
+                        "comparison; default on)")
     p.add_argument("--k", type=int, default=6, help="groups to retrieve per query unless a request says (default 6)")
     p.add_argument("--token-budget", type=int, default=None, help="default cap on retrieved tokens")
     p.add_argument("--recompute", type=int, default=0, metavar="N",
@@ -103,9 +107,10 @@ def run(args) -> int:
         if args.on_load_error:
             raise CommandError("--on-load-error is milo's own engine's: vLLM's policy is set where it starts "
                                "(python -m milo_infer.vllm.launch ... --load-failure recompute|fail)")
-        if args.kv_cache_memory is not None or args.attention != "auto":
-            raise CommandError("--kv-cache-memory and --attention are milo's own engine's: vLLM sizes its KV cache "
-                               "where it starts (--kv-cache-memory-bytes, --gpu-memory-utilization)")
+        if args.kv_cache_memory is not None or args.attention != "auto" or args.shared_blocks != "on":
+            raise CommandError("--kv-cache-memory, --attention and --shared-blocks are milo's own engine's: vLLM "
+                               "keeps its own KV cache, sized where it starts (--kv-cache-memory-bytes, "
+                               "--gpu-memory-utilization)")
         if args.warmup == "all" or args.warmup_rows:
             raise CommandError("--warmup is milo's own engine's: vLLM compiles and captures its graphs where it starts")
         if args.reload_interval:
@@ -127,7 +132,8 @@ def run(args) -> int:
         try:
             engine = Engine(loaded, stores, settings, device=device, device_cache_bytes=args.device_cache,
                             on_load_error=args.on_load_error or "recompute", max_rows=args.max_batch,
-                            kv_cache_memory=args.kv_cache_memory, attention=args.attention)
+                            kv_cache_memory=args.kv_cache_memory, attention=args.attention,
+                            shared_blocks=args.shared_blocks == "on")
         except ValueError as e:  # a setting the engine cannot run with (a KV budget too small for one page)
             raise CommandError(str(e)) from None
     swap = {} if args.vllm else {

@@ -50,6 +50,9 @@ class Attention:
     softcap: str | None = None  # a config field: scores are capped to cap·tanh(score/cap) before the softmax (Gemma 2)
     query_scalar: str | None = None  # a config field: scores are scaled by its inverse square root, not 1/sqrt(d)
     window_refused: str | None = None  # why an active window is refused (its modeling file applies it half-way)
+    query_turns: bool = True  # its cached keys are a rotation of what the store keeps, so a row's query turned back
+    # by a block's offset attends one copy held at 0..T-1 for every row (`milo_infer.runtime.shared_blocks`); False:
+    # each row holds its own copy (a norm after RoPE, say, would not commute with turning the query)
 
     def rope_layout(self, config) -> dict:
         """The kernels' RoPE layout arguments for this model (``milo_kernels`` ``interleaved`` and ``rotary_dim``):

@@ -22,6 +22,7 @@ class RopeTables:
         self.cos, self.sin, self.num_layers, self.nope = cos, sin, num_layers, frozenset(nope)
         self.by_layer = dict(by_layer or {})
         self._identity = (torch.ones_like(cos), torch.zeros_like(sin)) if self.nope else None
+        self._turns: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not 0 <= index < self.num_layers:
@@ -29,6 +30,17 @@ class RopeTables:
         if index in self.nope:
             return self._identity
         return self.by_layer.get(index, (self.cos, self.sin))
+
+    def turn(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotation alone of layer ``index``'s tables: (cos, sin) over their magnitude, which scaled RoPE (YaRN's,
+        LongRoPE's attention factor) folds into them. Turning an already rotated query back by an offset p with these
+        (x·cos[p] − rotate(x)·sin[p]) moves it by −p and leaves its scale as it was: what attends a block held at
+        positions 0..T-1 for a row that places it at p (`milo_infer.runtime.attention`)."""
+        cos, sin = self.layer(index)
+        if id(cos) not in self._turns:
+            magnitude = torch.hypot(cos, sin)
+            self._turns[id(cos)] = (cos / magnitude, sin / magnitude)
+        return self._turns[id(cos)]
 
 
 def layer_rope_tables(model, n_rows: int, device=None) -> RopeTables:

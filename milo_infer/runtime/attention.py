@@ -40,7 +40,9 @@ from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attent
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from .cache import Pack
+from milo_kernels.cpu import rope
+
+from .cache import HeldQueries, Pack
 from .pages import PAGE_TOKENS, pages_for
 
 ATTENTION = "milo_pages"
@@ -63,6 +65,7 @@ class LayerAttention:
     window: int | None = None
     softcap: float | None = None
     sinks: torch.Tensor | None = None  # [Hq]
+    index: int = 0  # the layer's: which RoPE tables turn a query to a held block
 
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, milo_pack=None,
@@ -75,7 +78,7 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
             raise ValueError("milo_pages attention outside the engine runs SDPA, which has no soft-cap or sinks")
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       sliding_window=sliding_window, **kwargs)
-    layer = LayerAttention(scaling, sliding_window, softcap, s_aux)
+    layer = LayerAttention(scaling, sliding_window, softcap, s_aux, module.layer_idx)
     attend = flex_rows if milo_pack.attention == "flex" else sdpa_rows
     return attend(query, key, value, milo_pack.attended(), layer).transpose(1, 2).contiguous(), None
 
@@ -90,22 +93,26 @@ def sdpa_rows(query, key, value, pack: Pack, layer: LayerAttention | None) -> to
     layer = layer or LayerAttention()
     out = torch.empty_like(query)
     Hq, H, d = query.shape[1], key.shape[1], query.shape[3]
+    held = Merge.of(pack.held, query)
     for s in pack.segments:
-        # a window layer reads the columns from the first its earliest token's window reaches
-        lo = 0 if layer.window is None else max(0, int(s.positions.min()) - layer.window + 1)
+        # a window layer reads the columns from the first its earliest token's window reaches; a row placing held
+        # blocks reads its own pages from its prefix's end
+        lo = max(s.first, 0 if layer.window is None else int(s.positions.min()) - layer.window + 1)
         if s.run is not None:
             at = slice(s.run * PAGE_TOKENS + lo, s.run * PAGE_TOKENS + s.keys)
             k, v = key[:, :, at], value[:, :, at]
         else:
             at = s.gather[lo:] if lo else s.gather
             k, v = key.index_select(2, at), value.index_select(2, at)
-        mask = s.mask
+        mask = s.mask[:, lo:] if s.mask is not None and lo else s.mask
         if layer.window is not None:
             columns = torch.arange(lo, s.keys, device=query.device)
             inside = columns[None, :] > s.positions.to(query.device)[:, None] - layer.window
-            mask = inside if mask is None else mask[:, lo:] & inside
+            mask = inside if mask is None else mask & inside
         q = query[:, :, s.start:s.stop]
-        if layer.softcap is not None or layer.sinks is not None:
+        if s.shared_at is not None:  # its own columns now, its held blocks' below: merged by log-sum-exp
+            held.own(s.shared_at, *partial_attention(q[0], k[0], v[0], mask, layer))
+        elif layer.softcap is not None or layer.sinks is not None:
             out[:, :, s.start:s.stop] = scored_attention(q, k, v, mask, layer)
         elif mask is None and s.stop - s.start == 1:
             out[:, :, s.start:s.stop] = torch.nn.functional.scaled_dot_product_attention(
@@ -113,7 +120,185 @@ def sdpa_rows(query, key, value, pack: Pack, layer: LayerAttention | None) -> to
         else:
             out[:, :, s.start:s.stop] = torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, scale=layer.scaling, enable_gqa=True)
+    if held is not None:
+        held.finish(out, query, key, value, layer)
     return out
+
+
+def partial_attention(q, k, v, mask, layer: LayerAttention) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of q [Hq, n, d] over k, v [H, C, d] (GQA) in fp32, soft-capped as the layer says, and each
+    query's log-sum-exp of its scores: what merges with its attention over other columns (`Merge`). ``mask`` [n, C]
+    (None: every column); each query must see a column. On the CPU without a soft-cap this is the kernel SDPA runs
+    there, which returns the log-sum-exp beside the output (1.5x the scores written out, issue 54)."""
+    Hq, n, d = q.shape
+    H, C = k.shape[0], k.shape[1]
+    scale = layer.scaling if layer.scaling is not None else d ** -0.5
+    grouped = q.float().reshape(H, Hq // H * n, d)
+    if mask is not None:
+        mask = mask.expand(Hq // H, n, C).reshape(-1, C)
+    if layer.softcap is None and q.device.type == "cpu":
+        bias = None if mask is None else torch.zeros(mask.shape, device=q.device).masked_fill_(~mask, float("-inf"))
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            grouped[None], k.float()[None], v.float()[None], 0.0, False, attn_mask=bias, scale=scale)
+        return out[0].reshape(Hq, n, d), lse[0].reshape(Hq, n)
+    out, lse = softmax_parts(torch.bmm(grouped * scale, k.float().transpose(1, 2)), v.float(), mask, layer)
+    return out.view(Hq, n, d), lse.view(Hq, n)
+
+
+def softmax_parts(scores, v, mask, layer: LayerAttention) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax of fp32 ``scores`` [..., m, C] (soft-capped as the layer says; ``mask`` broadcast to them, None: every
+    column) times ``v`` [..., C, d], and each row's log-sum-exp. A row that sees nothing: log-sum-exp −inf, output
+    not a number (callers never read one)."""
+    if layer.softcap is not None:
+        scores = torch.tanh(scores / layer.softcap) * layer.softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    top = scores.amax(dim=-1, keepdim=True)
+    weights = scores.sub_(top.masked_fill(torch.isinf(top), 0)).exp_()
+    total = weights.sum(dim=-1, keepdim=True)
+    return torch.matmul(weights, v).div_(total), (top + total.log()).squeeze(-1)
+
+
+ONE_GROUP = ("cuda",)  # device types whose held blocks are all padded into one call a layer (a launch is dear there;
+# on the CPU one SDPA-kernel call a block on a view of its pages measured faster than padded calls, issue 54)
+
+
+@dataclass
+class PaddedBlocks:
+    """Held blocks attended in one call: their pool columns [E, T] (padding: column 0), where each pair goes in [E × n]
+    (``slot``; n: the most pairs one has), and what each padded pair sees (``mask`` [E, 1, G·n, T])."""
+    n: int
+    columns: torch.Tensor
+    slot: torch.Tensor
+    mask: torch.Tensor
+
+
+@dataclass
+class HeldReach:
+    """What the layers of one window (None: every column) attend of a forward's held blocks: the pairs (indices into
+    `HeldQueries`' arrays), each block with its run of them, each pair's first column seen in its block (None: every
+    one), and, on a device of `ONE_GROUP`, all of them padded into one call (`padded`, made once a forward)."""
+    pairs: torch.Tensor
+    blocks: list
+    low: torch.Tensor | None
+    made: PaddedBlocks | None = None
+
+    def padded(self, device, groups: int) -> PaddedBlocks:
+        """Every block padded to the most pairs and tokens any has; ``groups``: the query heads per KV head."""
+        if self.made is None:
+            E = len(self.blocks)
+            n, T = max(hi - lo for _, (lo, hi) in self.blocks), max(b.tokens for b, _ in self.blocks)
+            columns = torch.zeros(E, T, dtype=torch.long, device=device)
+            seen = torch.zeros(E, T, dtype=torch.bool, device=device)
+            low = torch.zeros(E, n, dtype=torch.long, device=device)
+            slot = torch.empty(len(self.pairs), dtype=torch.long, device=device)
+            for e, (b, (lo, hi)) in enumerate(self.blocks):
+                columns[e, :b.tokens] = b.indices(device)
+                seen[e, :b.tokens] = True
+                slot[lo:hi] = e * n + torch.arange(hi - lo, device=device)
+                if self.low is not None:
+                    low[e, :hi - lo] = self.low[lo:hi]
+            mask = seen[:, None, :] & (torch.arange(T, device=device) >= low[:, :, None])  # [E, n, T]
+            mask = mask[:, None].expand(E, groups, n, T).reshape(E, 1, groups * n, T)
+            self.made = PaddedBlocks(n, columns, slot, mask)
+        return self.made
+
+
+def held_parts(q, reach: HeldReach, key, value, layer: LayerAttention) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each pair's part of the held blocks it attends, q [Hq, P, d] turned: [Hq, P, d] and its log-sum-exp [Hq, P]:
+    one call a block (its pages' view), or on a device of `ONE_GROUP` every block in one padded call."""
+    if q.device.type in ONE_GROUP:
+        return padded_attention(q, reach.padded(q.device, q.shape[0] // key.shape[0]), key, value, layer)
+    parts, sums = [], []
+    for b, (lo, hi) in reach.blocks:
+        mask = None if reach.low is None else torch.arange(b.tokens, device=q.device)[None, :] >= reach.low[lo:hi, None]
+        o, s = partial_attention(q[:, lo:hi], b.of(key), b.of(value), mask, layer)
+        parts.append(o)
+        sums.append(s)
+    return torch.cat(parts, dim=1), torch.cat(sums, dim=1)
+
+
+def padded_attention(q, g: PaddedBlocks, key, value, layer: LayerAttention) -> tuple[torch.Tensor, torch.Tensor]:
+    """The part of the held blocks padded into ``g`` for its pairs' queries q [Hq, p, d]: one product of every block's
+    padded queries with its padded keys, the scores written out; padded queries see nothing and are dropped."""
+    Hq, _, d = q.shape
+    H, (E, T), n = key.shape[0], g.columns.shape, g.n
+    grouped = q.new_zeros(Hq, E * n, d, dtype=torch.float32)
+    grouped[:, g.slot] = q.float()
+    grouped = grouped.view(H, Hq // H, E, n, d).permute(2, 0, 1, 3, 4).reshape(E, H, Hq // H * n, d)
+    k = key.index_select(1, g.columns.flatten()).view(H, E, T, d).transpose(0, 1).float()  # [E, H, T, d]
+    v = value.index_select(1, g.columns.flatten()).view(H, E, T, d).transpose(0, 1).float()
+    scale = layer.scaling if layer.scaling is not None else d ** -0.5
+    out, lse = softmax_parts(torch.matmul(grouped * scale, k.transpose(-1, -2)), v, g.mask, layer)
+    out = out.reshape(E, H, Hq // H, n, d).permute(1, 2, 0, 3, 4).reshape(Hq, E * n, d)[:, g.slot]
+    return out, lse.reshape(E, H, Hq // H, n).permute(1, 2, 0, 3).reshape(Hq, E * n)[:, g.slot]
+
+
+class Merge:
+    """The attention of the tokens whose rows place held blocks: over their own columns first (``own``), then over
+    every held block they place, each block once for all its tokens, their queries turned back by the block's offset
+    in their rows (``finish``: ⟨R(m)q, R(p+i)k⟩ = ⟨R(m−p)q, R(i)k⟩, and a block is held at positions 0..T-1); the
+    parts merge by their log-sum-exps, and a sink logit (gpt-oss) joins once per token, at the end."""
+
+    def __init__(self, held: HeldQueries, query: torch.Tensor):
+        Hq, d, S = query.shape[1], query.shape[3], len(held.packed)
+        self.held = held
+        self.acc = query.new_zeros(Hq, S, d, dtype=torch.float32)
+        self.lse = query.new_full((Hq, S), float("-inf"), dtype=torch.float32)
+
+    @classmethod
+    def of(cls, held: HeldQueries | None, query: torch.Tensor) -> "Merge | None":
+        return None if held is None else cls(held, query)
+
+    def own(self, at: int, out: torch.Tensor, lse: torch.Tensor) -> None:
+        self.acc[:, at:at + out.shape[1]] = out
+        self.lse[:, at:at + out.shape[1]] = lse
+
+    def finish(self, out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               layer: LayerAttention) -> None:
+        """Merge every held block's part into the tokens' own and write them to ``out`` [1, Hq, T, d]."""
+        held = self.held
+        if layer.window not in held.reaches:
+            held.reaches[layer.window] = self.held_reach(layer.window)
+        reach = held.reaches[layer.window]
+        if reach is not None:
+            token = held.token[reach.pairs]
+            cos, sin = held.rope.turn(layer.index)
+            offset = held.offset[reach.pairs]
+            layout = held.rope_layout
+            q = rope(query[0][:, held.packed[token]].float(), cos[offset], -sin[offset], layout["interleaved"],
+                     rotary_dim=layout["rotary_dim"])
+            part, lse = held_parts(q, reach, key[0], value[0], layer)
+            top = self.lse.scatter_reduce(1, token.expand_as(lse), lse, "amax")
+            own = torch.exp(self.lse - top)
+            weight = torch.exp(lse - top[:, token])
+            total = own.index_add(1, token, weight)
+            self.acc.mul_(own[..., None]).index_add_(1, token, part * weight[..., None]).div_(total[..., None])
+            self.lse = top + torch.log(total)
+        if layer.sinks is not None:  # softmax over [scores, sink]: the scores' weights shrink by 1 / (1 + e^(sink - lse))
+            self.acc.mul_(torch.sigmoid(self.lse - layer.sinks.float()[:, None])[..., None])
+        out[0][:, held.packed] = self.acc.to(out.dtype)
+
+    def held_reach(self, window: int | None) -> HeldReach | None:
+        """What a layer with ``window`` attends of the held blocks: a window sees a block's columns from its token's
+        position − W + 1 on, and none of a block wholly before that. None when no pair is left."""
+        held = self.held
+        if window is None:
+            return HeldReach(torch.arange(len(held.token), device=held.token.device),
+                             [(b, (b.start, b.stop)) for b in held.blocks], None)
+        low = held.position_host - window + 1 - held.offset_host  # the first column of its block a pair sees
+        kept, blocks, at = [], [], 0
+        for b in held.blocks:
+            seen = torch.nonzero(low[b.start:b.stop] < b.tokens).flatten() + b.start
+            if len(seen):
+                kept.append(seen)
+                blocks.append((b, (at, at + len(seen))))
+                at += len(seen)
+        if not kept:
+            return None
+        pairs = torch.cat(kept)
+        first = low[pairs].clamp(min=0)
+        return HeldReach(pairs.to(held.token.device), blocks, first.to(held.token.device) if bool(first.any()) else None)
 
 
 def scored_attention(query, key, value, mask, layer: LayerAttention) -> torch.Tensor:
@@ -155,26 +340,30 @@ def flex_layout(pack: Pack, pool_pages: int, device, window: int | None = None) 
     full = torch.zeros(rows, 1, q_blocks, dtype=torch.int32)
     first = torch.zeros(rows, 1, q_blocks, dtype=torch.int32)  # where in the row's table the partial pages start
     partial = torch.zeros(rows, 1, q_blocks, dtype=torch.int32)
-    widest = max(len(s.pages) for s in segments)
+    own_first = torch.tensor([s.first for s in segments] + [0] * (rows - len(segments)), dtype=torch.int32)
+    skips = [s.first // PAGE_TOKENS for s in segments]  # a row placing held blocks: its table from its own pages on
+    widest = max(len(s.pages) - skip for s, skip in zip(segments, skips))
     tables = torch.zeros(rows, widest, dtype=torch.int32)
-    for r, s in enumerate(segments):
+    for r, (s, skip) in enumerate(zip(segments, skips)):
         n = s.stop - s.start
         index[r, :n] = torch.arange(s.start, s.stop)
         positions[r, :n] = s.positions.to(torch.int32)
-        pages = torch.tensor(s.pages)
+        pages = torch.tensor(s.pages[skip:])
         owner[pages] = r
-        logical[pages] = torch.arange(len(pages), dtype=torch.int32)
+        logical[pages] = skip + torch.arange(len(pages), dtype=torch.int32)
         tables[r, :len(pages)] = pages.to(torch.int32)
         for b in range(q_blocks):
             seen = s.positions[b * Q_BLOCK:(b + 1) * Q_BLOCK]
             if not len(seen):
                 continue
-            if window is None:  # pages wholly before the block's first position are seen whole by all its tokens
+            if window is None and not s.first:  # pages wholly before the block's first position are seen whole
                 full[r, 0, b] = first[r, 0, b] = (int(seen.min()) + 1) // PAGE_TOKENS
-            else:
-                first[r, 0, b] = max(0, int(seen.min()) - window + 1) // PAGE_TOKENS
-            partial[r, 0, b] = pages_for(int(seen.max()) + 1) - first[r, 0, b]
+            else:  # indices into the row's table, which starts at its page ``skip``
+                reach = 0 if window is None else max(0, int(seen.min()) - window + 1) // PAGE_TOKENS
+                first[r, 0, b] = max(reach, skip) - skip
+            partial[r, 0, b] = pages_for(int(seen.max()) + 1) - skip - first[r, 0, b]
     tables, full, first, partial = tables.to(device), full.to(device), first.to(device), partial.to(device)
+    own_first = own_first.to(device)
     j = torch.arange(P, device=device)
     # each block's partial pages are its table's from ``first`` on; entries past its count are unused
     after = (first[:, 0, :, None].long() + j).clamp(max=widest - 1)  # [rows, blocks, P]
@@ -185,12 +374,13 @@ def flex_layout(pack: Pack, pool_pages: int, device, window: int | None = None) 
     def mask(b, h, q, kv):
         page = kv // PAGE_TOKENS
         column = logical[page] * PAGE_TOKENS + kv % PAGE_TOKENS
-        return (owner[page] == b) & (column <= positions[b, q])
+        return (owner[page] == b) & (column <= positions[b, q]) & (column >= own_first[b])
 
     def window_mask(b, h, q, kv):
         page = kv // PAGE_TOKENS
         column = logical[page] * PAGE_TOKENS + kv % PAGE_TOKENS
-        return (owner[page] == b) & (column <= positions[b, q]) & (column > positions[b, q] - window)
+        return ((owner[page] == b) & (column <= positions[b, q]) & (column > positions[b, q] - window)
+                & (column >= own_first[b]))
 
     block_mask = BlockMask.from_kv_blocks(partial, partial_index, full, full_index, BLOCK_SIZE=(Q_BLOCK, PAGE_TOKENS),
                                           mask_mod=mask if window is None else window_mask,
@@ -203,7 +393,7 @@ def flex_rows(query, key, value, pack: Pack, layer: LayerAttention, compiled: bo
     """One FlexAttention call for every row: [1, Hq, T, d]. Sinks need the log-sum-exp, which compiled
     FlexAttention does not return on the CPU (torch 2.13): there a sink layer runs the per-row loop."""
     layer = layer or LayerAttention()
-    if layer.sinks is not None and compiled and query.device.type == "cpu":
+    if (layer.sinks is not None or pack.held is not None) and compiled and query.device.type == "cpu":
         return sdpa_rows(query, key, value, pack, layer)
     name = "flex" if layer.window is None else f"flex window {layer.window}"
     layout = pack.scratch.get(name)
@@ -220,14 +410,24 @@ def flex_rows(query, key, value, pack: Pack, layer: LayerAttention, compiled: bo
 
         def score_mod(score, b, h, q_index, kv_index):
             return torch.tanh(score / cap) * cap
-    aux = AuxRequest(lse=True) if layer.sinks is not None else None
+    aux = AuxRequest(lse=True) if layer.sinks is not None or pack.held is not None else None
     out = attend(q, key, value, score_mod=score_mod, block_mask=layout["block_mask"], scale=layer.scaling,
                  enable_gqa=True, return_aux=aux)
-    if aux is not None:  # softmax over [scores, sink]: the scores' weights shrink by 1 / (1 + e^(sink - lse))
+    held = None
+    if aux is not None:
         out, lse = out[0], out[1].lse
-        out = out * torch.sigmoid(lse.float() - layer.sinks.float().reshape(1, -1, 1))[..., None].to(out.dtype)
+        if pack.held is not None:  # the own columns' part of the rows placing held blocks, merged with theirs
+            held = Merge(pack.held, query)
+            lse_tokens = lse.transpose(1, 2).reshape(rows * tokens, Hq)[layout["taken"]].T  # [Hq, T]
+            own = out.transpose(1, 2).reshape(rows * tokens, Hq, d)[layout["taken"]].transpose(0, 1)  # [Hq, T, d]
+            held.own(0, own[:, pack.held.packed].float(), lse_tokens[:, pack.held.packed].float())
+        if layer.sinks is not None:  # softmax over [scores, sink]: the weights shrink by 1 / (1 + e^(sink - lse))
+            out = out * torch.sigmoid(lse.float() - layer.sinks.float().reshape(1, -1, 1))[..., None].to(out.dtype)
     out = out.transpose(1, 2).reshape(rows * tokens, Hq, d)[layout["taken"]]  # [T, Hq, d]
-    return out.transpose(0, 1)[None]
+    out = out.transpose(0, 1)[None]
+    if held is not None:
+        held.finish(out, query, key, value, layer)
+    return out
 
 
 def flex_pool_pages(pages: int, limit: int) -> int:

@@ -35,8 +35,11 @@ from .pages import PAGE_TOKENS, pages_for, run_start
 @dataclass
 class Segment:
     """One row's tokens in a pack: ``start:stop`` of the packed sequence, its pages (``run``: the first one when
-    they are consecutive, else None), the columns [0, keys) it reads, its tokens' positions and the bool mask
-    [tokens, keys] it needs (None: every column, i.e. one token at the end)."""
+    they are consecutive, else None), the columns [first, keys) it reads from them, its tokens' positions and the
+    bool mask [tokens, keys] it needs (None: every column, i.e. one token at the end). A row that places blocks
+    held once for every row (`milo_infer.runtime.shared_blocks`) reads its own pages from ``first`` (its prefix's
+    end) and those blocks through `HeldQueries`; its tokens are ``shared_at`` on there (None: a row holding its own
+    copy of its whole prefix)."""
     pages: list[int]
     device_pages: torch.Tensor  # int64 [n]: the same, on the device
     run: int | None
@@ -45,6 +48,8 @@ class Segment:
     keys: int
     positions: torch.Tensor  # int64 [tokens], on the host
     mask: torch.Tensor | None
+    first: int = 0
+    shared_at: int | None = None
 
     @functools.cached_property
     def gather(self) -> torch.Tensor:
@@ -52,6 +57,47 @@ class Segment:
         attention (a row on scattered pages gathers them)."""
         return (self.device_pages[:pages_for(self.keys), None] * PAGE_TOKENS
                 + torch.arange(PAGE_TOKENS, device=self.device_pages.device)).flatten()[:self.keys]
+
+
+@dataclass(frozen=True)
+class HeldColumns:
+    """One held block's columns in a pool (a run: ``run`` is its first page; else ``gather``, on the device), its
+    tokens, and where the (token, block) pairs that attend it lie in `HeldQueries`' arrays."""
+    run: int | None
+    gather: torch.Tensor | None
+    tokens: int
+    start: int
+    stop: int
+
+    def of(self, pool: torch.Tensor) -> torch.Tensor:
+        """Its columns of ``pool`` [H, columns, d]: a view when they are a run."""
+        if self.run is not None:
+            return pool[:, self.run * PAGE_TOKENS:self.run * PAGE_TOKENS + self.tokens]
+        return pool.index_select(1, self.gather)
+
+    def indices(self, device) -> torch.Tensor:
+        """Its pool columns, int64 [tokens] on ``device``."""
+        if self.run is not None:
+            return torch.arange(self.run * PAGE_TOKENS, self.run * PAGE_TOKENS + self.tokens, device=device)
+        return self.gather
+
+
+@dataclass
+class HeldQueries:
+    """What the tokens of a forward's rows that place held blocks attend there: every (token, block) pair, grouped by
+    block (``blocks``), with the token (an index into ``packed``, the tokens' places in the packed sequence), the block's
+    first column in the token's row (``offset``) and the token's position. ``rope`` turns a query back by an offset
+    (`RopeTables.turn`), ``rope_layout`` its pairing (`StorePrefix.rope_layout`). Made once a forward per page group;
+    each layer reads it."""
+    packed: torch.Tensor  # int64 [S], device
+    blocks: list[HeldColumns]
+    token: torch.Tensor  # int64 [P], device: into packed
+    offset: torch.Tensor  # int64 [P], device
+    offset_host: torch.Tensor  # int64 [P]
+    position_host: torch.Tensor  # int64 [P]
+    rope: object
+    rope_layout: dict
+    reaches: dict = field(default_factory=dict)  # per window: the pairs its layers attend (`attention.Merge`)
 
 
 @dataclass
@@ -75,6 +121,7 @@ class Pack:
     scratch: dict = field(default_factory=dict)
     window: "Pack | None" = None  # the window layers' segments and columns, on their page tables (None: no
     # layer holds pages of its own)
+    held: HeldQueries | None = None  # what rows placing held blocks attend there (None: no such row)
     in_window: bool = False  # the layer running now is a window layer: its attention reads ``window``
 
     def attended(self) -> "Pack":
@@ -125,6 +172,10 @@ class PagedLayer(CacheLayerMixin):
         ks, vs, scattered = [], [], []
         rows = prefixes.window_rows if self.windowed and prefixes.window_rows is not None else prefixes.rows
         for pages, length in rows:
+            if pages is None:  # a held block no layer of this group rebuilds: nothing to write
+                ks.append(self.k_pool[:, :0])
+                vs.append(self.v_pool[:, :0])
+                continue
             start = run_start(pages[:pages_for(length)])
             if start is not None:  # in place
                 at = slice(start * PAGE_TOKENS, start * PAGE_TOKENS + length)

@@ -27,9 +27,11 @@ import logging
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
+import numpy as np
 import torch
 import transformers
 
@@ -37,21 +39,22 @@ from milo_store import IncompatibleStoreError, MiloStore, StoreError
 
 from ..models import FAMILIES, LoadedModel, check_compatible, layer_rope_tables
 from .attention import ATTENTION, choose_attention, flex_pool_pages
-from .cache import Pack, PagedCache, PrefixFill, Segment, column_bytes, pool_columns
+from .cache import HeldQueries, Pack, PagedCache, PrefixFill, Segment, column_bytes, pool_columns
 from .decoding import GreedyDecoder, LabelDecoder
 from .device_tier import DeviceTier
 from .errors import AdmissionOutOfMemory, BlockLoadError, RequestError, RowFailed
 from .interface import Answer, RowEvent
-from .pages import (GROWTH_HEADROOM, PAGE_TOKENS, PageAllocator, kv_budget_bytes, pages_for, run_start,
+from .pages import (GROWTH_HEADROOM, PAGE_TOKENS, PageAllocator, kv_budget_bytes, pages_for,
                     window_pages_needed, window_skip, window_table)
 from .planning import STOP_STRINGS, EngineSettings, MountedStore, QueryPlan, Request
 from .prefetch import TransferPool
-from .prefix import UNREADABLE, PrefixRebuild, rebuild_layer
+from .prefix import FETCH_STATS, UNREADABLE, PrefixRebuild, rebuild_layer
+from .shared_blocks import HeldBlock, layers_reached, own_run, own_table
 from .timing import StageClock
 
 log = logging.getLogger("milo.engine")
 LOAD_ERROR_POLICIES = ("recompute", "fail")
-Rebuild = Callable[..., None]  # (factors, segments, out_k, out_v, cos, sin, *, interleaved, quant, plan)
+Rebuild = Callable[..., None]  # (factors, segments, out_k, out_v, cos, sin, *, interleaved, rotary_dim, quant, plan)
 
 
 class Engine:
@@ -70,12 +73,17 @@ class Engine:
     "auto" (flex on CUDA, rows on the CPU: `milo_infer.runtime.attention`). ``window_reach``: a model with
     sliding-window layers reads and rebuilds, at each window layer, only the blocks its window reaches from a row's
     first fed token, and holds pages there only from the first its windows reach (False: every block and page at
-    every layer, the same answers; what `tools/bench_windows.py` compares against)."""
+    every layer, the same answers; what `tools/bench_windows.py` compares against). ``shared_blocks``: a block that
+    rows place is held once and attended by each of them at its own offset, by turning its query
+    (`milo_infer.runtime.shared_blocks`); False: every row holds and attends its own copy of its whole prefix, the
+    same answers (what `tools/bench_serve.py --shared-blocks off` compares against). A family whose keys are not a
+    rotation of what the store keeps always takes the per-row path (`families.Attention.query_turns`)."""
 
     def __init__(self, loaded: LoadedModel, stores: dict[str, MiloStore], settings: EngineSettings = EngineSettings(),
                  *, device=None, prefetch_depth: int = 2, rebuild: Rebuild = rebuild_layer,
                  device_cache_bytes: int = 0, on_load_error: str = "fail", max_rows: int = 16,
-                 kv_cache_memory: int | float | None = None, attention: str = "auto", window_reach: bool = True):
+                 kv_cache_memory: int | float | None = None, attention: str = "auto", window_reach: bool = True,
+                 shared_blocks: bool = True):
         if on_load_error not in LOAD_ERROR_POLICIES:
             raise ValueError(f"on_load_error must be one of {', '.join(LOAD_ERROR_POLICIES)}, got {on_load_error!r}")
         if max_rows < 1:
@@ -102,6 +110,7 @@ class Engine:
         self.rope = layer_rope_tables(self.model, self.max_positions, device=self.device)  # each layer's tables
         self.identity, self.swapping = loaded.identity, threading.Lock()
         self.windows = model_windows(self.model_config) if window_reach else None
+        self.shared_blocks = shared_blocks and query_turns(self.model_config)
         self.stores = {name: self.mount(name, store) for name, store in stores.items()}
         self.device_tier = DeviceTier(device_cache_bytes, self.device) if device_cache_bytes else None
         self.attention = choose_attention(attention, self.device)
@@ -193,8 +202,11 @@ class Engine:
     def answer(self, plans: list[QueryPlan], stats: dict | None = None) -> list[Answer]:
         """Answer these plans as one batch, to completion; answers in the plans' order (a row that ends with an
         error raises it). ``stats`` (a dict the caller owns) gains the batch's fetch statistics, summed, and its
-        peak K/V bytes (its rows' columns and the staged factors), the most its rows' columns took and the most its
-        pages took (what it allocated), maxed, and its forwards (``steps``), summed."""
+        peak K/V bytes (its rows' columns and the staged factors), the most its rows' columns took, the most its
+        pages took (what it allocated) and the most pages it held (``kv_bytes_held``), the most distinct blocks it
+        held and the block placements of its rows then (``held_blocks``, ``placed_blocks``), maxed, and its forwards
+        (``steps``), summed."""
+
         batch = self.batch()
         done = {}
         events = batch.admit(plans)
@@ -213,6 +225,9 @@ class Engine:
             stats["peak_kv_bytes"] = max(stats.get("peak_kv_bytes", 0), batch.peak_kv_bytes)
             stats["kv_bytes_allocated"] = max(stats.get("kv_bytes_allocated", 0), batch.kv_bytes_allocated)
             stats["kv_bytes_needed"] = max(stats.get("kv_bytes_needed", 0), batch.kv_bytes_needed)
+            stats["kv_bytes_held"] = max(stats.get("kv_bytes_held", 0), batch.kv_bytes_held)
+            for name in ("held_blocks", "placed_blocks"):  # at the step that held the most
+                stats[name] = max(stats.get(name, 0), batch.most_held[name])
             stats["steps"] = stats.get("steps", 0) + batch.steps
         return [done[id(p)] for p in plans]
 
@@ -250,6 +265,13 @@ class Row:
     sent: int = 0  # characters of text already given out as deltas
     cancelled: bool = False
     device_pages: dict = field(default_factory=dict, repr=False)
+    held: list[tuple[HeldBlock, int]] = field(default_factory=list)  # the held blocks it places, each at its offset
+    # (none: it holds its own copy of its whole prefix)
+    own_from: int = 0  # its first own column: past its prefix when it places held blocks
+
+    def waits_for(self) -> list["Admission"]:
+        """The admissions whose rebuilds must fill before its first forward: its own, and its held blocks' builders."""
+        return [self.admission, *(a for block, _ in self.held for a in block.builders)]
 
     def pages_on_device(self, device, window: bool = False) -> torch.Tensor:
         if window not in self.device_pages:
@@ -272,21 +294,55 @@ class Row:
 
 @dataclass(eq=False)
 class Admission:
-    """Rows seated together: their blocks were read as one union, and their prefixes are rebuilt into their
-    pages by the first forward that feeds any of them. Once rebuilt (or given up) it lets go of its rows and
-    its rebuild (`settle`): its rows still point at it, and a cycle would keep them, their plans (an old store
-    version among them) and the staged factors alive until the garbage collector ran."""
+    """Rows seated together: their blocks were read as one union, and what they need rebuilt (the prefixes of rows
+    holding their own, then the held blocks new to the batch: ``blocks``) is rebuilt into its pages by the first
+    forward that feeds any row that waits for it (None: nothing to rebuild). Once rebuilt (or given up) it lets go
+    of its rows, blocks and rebuild (`settle`): its rows still point at it, and a cycle would keep them, their plans
+    (an old store version among them) and the staged factors alive until the garbage collector ran."""
     rebuild: PrefixRebuild | None
     rows: list[Row]
     clock: StageClock
     started: float
     filled: bool = False
     bytes_moved_each: int = 0  # each row's share of the bytes its fetch moved
+    builds: list["Build"] = field(default_factory=list)  # the held blocks (or their layers) it writes
+
+    def fill(self, windowed: bool) -> PrefixFill:
+        """Its rebuild's destinations, in its placements' order: rows holding their own prefixes, then held blocks."""
+        own = [row for row in self.rows if not row.held]
+        blocks = [build.block for build in self.builds]
+        rows = [(row.pages, row.executed.prefix_tokens) for row in own] + [(b.pages, b.tokens) for b in blocks]
+        window = ([(row.window_pages, row.executed.prefix_tokens) for row in own]
+                  + [(b.window_pages, b.tokens) for b in blocks]) if windowed else None
+        return PrefixFill(self.rebuild, rows, window)
 
     def settle(self) -> None:
-        if self.rows:
+        if self.rows and self.rebuild is not None:
             self.bytes_moved_each = self.rebuild.fetch_stats["bytes"] // len(self.rows)
-        self.rows, self.rebuild = [], None
+        for build in self.builds:
+            build.block.builders.remove(self)
+        self.rows, self.rebuild, self.builds = [], None, []
+
+
+@dataclass(frozen=True)
+class Seat:
+    """A waiting plan given pages: submitted and as executed, its page tables, the held blocks it places."""
+    plan: QueryPlan
+    executed: QueryPlan
+    pages: list[int]
+    window_pages: list[int] | None
+    held: list[tuple[HeldBlock, int]]
+
+
+@dataclass(frozen=True)
+class Build:
+    """A held block an admission writes: at ``layers`` (all it holds, when ``created`` by it; else the window layers
+    a later row reached first)."""
+    block: HeldBlock
+    layers: frozenset
+    created: bool
+
+
 
 
 class Batch:
@@ -295,18 +351,23 @@ class Batch:
     fit wait, oldest first; one that could never fit ends at once with a `RequestError`); ``step`` runs one
     forward that feeds every running row's next token and the next chunk (at most ``settings.prefill_chunk``
     tokens in all) of the rows being prefilled, rebuilding the prefixes of rows fed for the first time; a
-    finished or cancelled row gives its pages back at once. ``fetch_stats`` describes the last admission,
+    finished or cancelled row gives its pages back at once. With ``engine.shared_blocks`` a row's blocks and its
+    store's anchor are held once for every row that places them (``held``: `milo_infer.runtime.shared_blocks`) and
+    its own pages hold its query and answer only. ``fetch_stats`` describes the last admission,
     ``peak_kv_bytes`` the most K/V it needed at once: the columns its seated rows need (each row's context and
-    answer budget) and, in a forward that rebuilds prefixes, the factors staged for it (the transfer buffers on
-    CUDA, a layer of gathered factors on CPU), ``kv_bytes_needed`` the columns alone; ``kv_bytes_allocated`` the
-    most its pools took (those columns rounded up to pages, and pages no row holds now until the pools go);
-    ``steps`` counts its forwards.
+    answer budget, a held block's once) and, in a forward that rebuilds prefixes, the factors staged for it (the
+    transfer buffers on CUDA, a layer of gathered factors on CPU), ``kv_bytes_needed`` the columns alone;
+    ``kv_bytes_allocated`` the most its pools took (those columns rounded up to pages, and pages no row holds now
+    until the pools go), ``kv_bytes_held`` the most its pages in use took (held blocks no row holds any more
+    among them); ``most_held`` the most distinct blocks it held at once and the most block placements its rows
+    made at once; ``steps`` counts its forwards.
     ``keep_all`` keeps the logits of every fed query token (``query_logits``)."""
 
     def __init__(self, engine: Engine, keep_all: bool = False):
         self.engine, self.keep_all = engine, keep_all
         self.rows: list[Row] = []  # rows holding pages
         self.waiting: list[QueryPlan] = []  # plans admitted that did not fit yet
+        self.executing: dict[int, QueryPlan] = {}  # id(waiting plan) -> what it executes, where not the plan itself
         windowed = bool(engine.window_layers)
         bytes_each = engine.group_page_bytes
         # the full layers' pages (every layer's without windows) and the window layers' (one budget of bytes)
@@ -314,11 +375,16 @@ class Batch:
         self.window_alloc = PageAllocator(engine.kv_budget // bytes_each[True]) if windowed else None
         self.cache: PagedCache | None = None
         self.admissions: list[Admission] = []  # not yet rebuilt
+        self.held: dict[tuple, HeldBlock] = {}  # (mounted version's prefix, block; None: its anchor)
+        self.retired: list[HeldBlock] = []  # blocks of given-up admissions: their pages go once nothing writes them
+        self.seatings = 0  # `_seat` calls so far: when a held block was last placed
         self.fetch_stats: dict = {}
         self.unreadable_blocks = 0  # blocks the last admission could not read
         self.peak_kv_bytes = 0
         self.kv_bytes_allocated = 0
         self.kv_bytes_needed = 0
+        self.kv_bytes_held = 0
+        self.most_held = {"held_blocks": 0, "placed_blocks": 0}
         self.steps = 0
         self.query_logits: dict[int, torch.Tensor] = {}  # id(plan) -> [T_query, vocab] fp32, with keep_all
 
@@ -327,42 +393,6 @@ class Batch:
         return len(self.waiting) + sum(not row.finished for row in self.rows)
 
     # -- admission -----------------------------------------------------------------------------
-    def _fetch(self, plans: list[QueryPlan], clock: StageClock) -> PrefixRebuild:
-        """Read these plans' blocks: the union of each store's once (raises what an unreadable block raises)."""
-        e = self.engine
-        return PrefixRebuild([p.placement for p in plans], e.rope, e.device, depth=e.prefetch_depth,
-                             tier=e.device_tier, pools=e.transfers, rebuild=e.rebuild, clock=clock)
-
-    def _readable(self, plans: list[QueryPlan], clock: StageClock):
-        """``plans`` with their blocks read: (submitted, executed) pairs, the rebuild, and an error event for
-        each row that cannot run. Where the union cannot be read, its blocks are read one by one to find the
-        unreadable ones; a row needing one recomputes it (`MountedStore.without_blocks`) or fails with
-        `BlockLoadError`, as the engine's ``on_load_error`` says; the other rows load as planned."""
-        e = self.engine
-        self.unreadable_blocks = 0
-        try:
-            return [(p, p) for p in plans], self._fetch(plans, clock), []
-        except UNREADABLE:
-            pass
-        wanted: dict[MountedStore, list[int]] = {}  # each mounted version's blocks
-        for p in plans:
-            wanted.setdefault(p.mount, []).extend(p.blocks)
-        unreadable = {mounted: mounted.prefix.unreadable(blocks) for mounted, blocks in wanted.items()}
-        pairs, failed = [], []
-        for p in plans:
-            bad = {b: err for b, err in unreadable[p.mount].items() if b in p.blocks}
-            for b, err in bad.items():
-                e.report_unreadable(p.store, p.mount.version, b, err)
-            try:
-                if bad and e.on_load_error == "fail":
-                    b, err = next(iter(bad.items()))
-                    raise BlockLoadError(f"store {p.store!r}: block {b} cannot be read ({err})") from err
-                pairs.append((p, p.mount.without_blocks(p, set(bad)) if bad else p))
-            except BlockLoadError as err:
-                failed.append(RowEvent(p, "", True, "error", error=err))
-        self.unreadable_blocks = sum(len(bad) for bad in unreadable.values())
-        return pairs, (self._fetch([x for _, x in pairs], clock) if pairs else None), failed
-
     @torch.inference_mode()
     def admit(self, plans: list[QueryPlan]) -> list[RowEvent]:
         """Seat rows whose pages fit and read their blocks (their prefixes are rebuilt and their queries
@@ -378,37 +408,258 @@ class Batch:
         return events + self._seat()
 
     def _seat(self) -> list[RowEvent]:
-        """Give pages to waiting plans, oldest first while they fit, and read their blocks as one union."""
+        """Give pages to waiting plans, oldest first while they fit, and read what they need rebuilt as one union."""
         e = self.engine
-        seated: list[tuple[QueryPlan, list[int]]] = []
-        windows: dict[int, list[int] | None] = {}
+        seated: list[Seat] = []
+        builds: dict[HeldBlock, Build] = {}
+        self.seatings += 1
+        placing = Counter((x.placement.prefix, b) for x in map(self._executed, self.waiting) for b in set(x.blocks))
         while self.waiting and len(self.rows) + len(seated) < e.max_rows:
             plan = self.waiting[0]
-            need = pages_for(plan.prompt_tokens + plan.max_new_tokens)
-            if not self._fits(need, self._window_skip(plan)):
+            seat = self._take(plan, self._executed(plan), builds, placing)
+            if seat is None:
                 break
-            seated.append((self.waiting.pop(0), self.pages.take(need)))
-            windows[id(plan)] = self._take_window(plan, need)
+            self.executing.pop(id(self.waiting.pop(0)), None)
+            seated.append(seat)
         if not seated:
             return []
-        pages = {id(p): taken for p, taken in seated}
         clock, started = StageClock(e.device), time.perf_counter()
-        pairs, rebuild, events = self._readable([p for p, _ in seated], clock)
-        for event in events:  # rows that cannot run give their pages back
-            self.pages.give(pages.pop(id(event.plan)))
-            if self.window_alloc is not None:
-                self.window_alloc.give(list(dict.fromkeys(windows.pop(id(event.plan)))))
-        for p, x in pairs:  # a block computed instead of read moves the row's first fed token back: reach it
-            if self.window_alloc is not None and self._window_skip(x) < self._window_skip(p):
-                self.window_alloc.give(list(dict.fromkeys(windows[id(p)])))
-                windows[id(p)] = self._take_window(x, len(pages[id(p)]))
-        if not pairs:
+        seated, rebuild, events = self._read(seated, builds, clock)
+        if not seated:
             return events
-        self.fetch_stats = {**rebuild.fetch_stats, "unreadable_blocks": self.unreadable_blocks,
-                            "bytes_without_union": sum(x.placement.kv_bytes_stored for _, x in pairs)}
+        self._grow_pools()
+        admission = Admission(rebuild, [], clock, started, filled=rebuild is None, builds=list(builds.values()))
+        for build in admission.builds:
+            build.block.builders.append(admission)
+        for seat in seated:
+            p, x = seat.plan, seat.executed
+            trie = p.mount.queries.trie
+            decoder = (LabelDecoder(trie, e.tokenizer, p.max_new_tokens) if trie is not None else
+                       GreedyDecoder(e.tokenizer, STOP_STRINGS + tuple(p.request.stop), p.max_new_tokens))
+            admission.rows.append(Row(p, x, decoder, seat.pages, seat.window_pages, admission,
+                                      {"retrieve": p.retrieve_seconds}, next_position=x.prompt_tokens,
+                                      held=seat.held, own_from=x.prefix_tokens if seat.held else 0))
+        placed = [b for s in seated for b in s.executed.blocks]
+        self.fetch_stats = {**(rebuild.fetch_stats if rebuild is not None else dict.fromkeys(FETCH_STATS, 0)),
+                            "rows": len(seated), "blocks": len(placed),
+                            "unique_blocks": len({(s.executed.mount, b) for s in seated for b in s.executed.blocks}),
+                            "unreadable_blocks": self.unreadable_blocks,
+                            "bytes_without_union": sum(s.executed.placement.kv_bytes_stored for s in seated)}
+        self.rows += admission.rows
+        if rebuild is not None:
+            self.admissions.append(admission)
+        else:  # every block it places is held and written already
+            admission.settle()
+        return events
+
+    def _executed(self, plan: QueryPlan) -> QueryPlan:
+        """What a waiting plan executes: itself, or it computing blocks that could not be read."""
+        return self.executing.get(id(plan), plan)
+
+    def _take(self, plan: QueryPlan, executed: QueryPlan, builds: dict, placing: Counter) -> "Seat | None":
+        """Pages for ``executed``'s row and the held blocks it places (those new to the batch, or new at some window
+        layer, join ``builds``), or None when they do not fit even once the blocks no row holds are let go.
+        ``placing``: how many waiting plans place each (store prefix, block)."""
+        need = pages_for(executed.prompt_tokens + executed.max_new_tokens)
+        if self._shares(executed, placing):
+            wanted = self._placed_blocks(executed)
+            skip = executed.prefix_tokens // PAGE_TOKENS  # pages wholly inside its prefix: none of them its own
+            if self._fits_held(need - skip, wanted):
+                own = self.pages.take(need - skip)
+                window = own_table(self.window_alloc.take(need - skip), skip) if self.window_alloc is not None else None
+                return Seat(plan, executed, own_table(own, skip), window, self._hold(wanted, builds))
+            if self._fits_held(need - skip, wanted, now=False):  # fits the budget, not now: it waits
+                return None
+            # more than the budget holds as blocks in pages: as a row of its own (that fits: `check_fits`)
+        skip = self._window_skip(executed)
+        while not self._fits(need, skip):
+            if not self._let_go(set()):
+                return None
+        return Seat(plan, executed, self.pages.take(need), self._take_window(executed, need), [])
+
+    def _shares(self, plan: QueryPlan, placing: Counter) -> bool:
+        """Its row places held blocks: sharing is on, it recomputes none of its prefix, and a block of it is held
+        already or another waiting plan places it too. A row that would share none holds its own copy, as every row
+        did before: a lone query (or one whose blocks no other row has) is answered exactly as before, one attention
+        call a layer over its own columns, not one per block (docs/benchmarks.md, issue 54)."""
+        if not (self.engine.shared_blocks and plan.prefix_tokens > 0 and plan.mount is not None
+                and not len(plan.recompute)):
+            return False
+        prefix = plan.placement.prefix
+        return any((prefix, b) in self.held or placing[prefix, b] > 1 for b in plan.blocks)
+
+    def _placed_blocks(self, plan: QueryPlan) -> list[tuple[tuple, int, int, frozenset]]:
+        """(held key, offset, tokens, layers its row attends it at) of the anchor and each block ``plan`` places, in
+        context order. The anchor is held at every layer (a page or so): a fill always finds its destination."""
+        e, prefix = self.engine, plan.placement.prefix
+        ends = plan.placement.block_ends()
+        L = e.kv_shape[0]
+        return [((prefix, None), 0, prefix.anchor_len, frozenset(range(L)))] + [
+            ((prefix, b), int(dst), int(end - dst), layers_reached(e.windows, L, int(dst), int(end - dst),
+                                                                   plan.prefix_tokens))
+            for b, dst, end in zip(plan.blocks, plan.placement.dst_rows, ends)]
+
+    def _new_pages(self, wanted) -> tuple[int, int]:
+        """Pages the blocks ``wanted`` add to the full and the window layers' pools: those not held yet, and window
+        pages of those held without any that some window layer of the row now attends."""
+        full = window = 0
+        for key, _, tokens, layers in wanted:
+            held = self.held.get(key)
+            if held is None:
+                full += pages_for(tokens)
+            if (self.window_alloc is not None and (held is None or held.window_pages is None)
+                    and layers & self.engine.window_layers):
+                window += pages_for(tokens)
+        return full, window
+
+    def _fits_held(self, own: int, wanted, now: bool = True) -> bool:
+        """A row of ``own`` pages placing the blocks ``wanted`` fits now, once blocks no row holds (other than
+        ``wanted``'s) are let go as needed; ``now`` False: whether it would fit an empty batch."""
+        e, each = self.engine, self.engine.group_page_bytes
+        while True:
+            full, window = self._new_pages(wanted) if now else (
+                sum(pages_for(t) for _, _, t, _ in wanted),
+                sum(pages_for(t) for _, _, t, layers in wanted if layers & e.window_layers))
+            used_full = (self.pages.in_use if now else 0) + own + full
+            if self.window_alloc is None:
+                fits = used_full <= self.pages.limit
+            else:
+                used_window = (self.window_alloc.in_use if now else 0) + own + window
+                fits = (used_full <= self.pages.limit and used_window <= self.window_alloc.limit
+                        and used_full * each[False] + used_window * each[True] <= e.kv_budget)
+            if fits or not now or not self._let_go({key for key, _, _, _ in wanted}):
+                return fits
+
+    def _hold(self, wanted, builds: dict) -> list[tuple[HeldBlock, int]]:
+        """Take the blocks ``wanted`` for a row: a held one once more, a new one with its pages (and window pages
+        where a window layer attends it); what is to be written at which layers joins ``builds``."""
+        held = []
+        for key, offset, tokens, layers in wanted:
+            block = self.held.get(key)
+            created = block is None
+            if created:
+                block = self.held[key] = HeldBlock(*key, tokens, self.pages.take(pages_for(tokens)))
+            added = layers - block.layers
+            if added & self.engine.window_layers and block.window_pages is None and self.window_alloc is not None:
+                block.window_pages = self.window_alloc.take(pages_for(tokens))
+            if added:
+                block.layers |= added
+                before = builds.get(block)
+                builds[block] = Build(block, added | (before.layers if before else frozenset()),
+                                      created or (before is not None and before.created))
+            block.rows += 1
+            block.used = self.seatings
+            held.append((block, offset))
+        return held
+
+    def _let_go(self, keep: set) -> bool:
+        """Give back the pages of the least recently placed held block no row holds (none of ``keep``'s): False when
+        there is none."""
+        idle = [b for key, b in self.held.items() if b.cached and key not in keep]
+        if not idle:
+            return False
+        self._drop(min(idle, key=lambda b: b.used))
+        return True
+
+    def _drop(self, block: HeldBlock) -> None:
+        del self.held[block.key]
+        self._give_pages(block)
+
+    def _give_pages(self, block: HeldBlock) -> None:
+        self.pages.give(block.pages)
+        if block.window_pages is not None:
+            self.window_alloc.give(block.window_pages)
+
+    def _release(self, seat: "Seat") -> None:
+        """A seat taken and not run: its pages back, its blocks one row fewer."""
+        self.pages.give(list(dict.fromkeys(seat.pages)))
+        if self.window_alloc is not None and seat.window_pages is not None:
+            self.window_alloc.give(list(dict.fromkeys(seat.window_pages)))
+        for block, _ in seat.held:
+            block.rows -= 1
+
+    def _read(self, seated: list["Seat"], builds: dict, clock: StageClock):
+        """Read what ``seated`` need rebuilt as one union: rows holding their own prefixes, then the held blocks in
+        ``builds``. Where it cannot be read, its blocks are read one by one to find the unreadable ones; a row needing
+        one recomputes it (`MountedStore.without_blocks`: a row holding its own prefix keeps its seat; a row placing
+        held blocks lets them go and is seated as one holding its own, or waits first in line where that does not fit
+        now) or fails with `BlockLoadError`, as the engine's ``on_load_error`` says; the other rows load as planned. Returns the seats left, the rebuild (None:
+        nothing to rebuild) and an error event per row that cannot run."""
+        e = self.engine
+        self.unreadable_blocks = 0
+        try:
+            return seated, self._fetch(seated, builds, clock), []
+        except UNREADABLE:
+            pass
+        wanted: dict[MountedStore, list[int]] = {}  # each mounted version's blocks
+        for s in seated:
+            wanted.setdefault(s.executed.mount, []).extend(s.executed.blocks)
+        unreadable = {mounted: mounted.prefix.unreadable(blocks) for mounted, blocks in wanted.items()}
+        kept, failed, own = [], [], []
+        for s in seated:
+            p = s.executed
+            bad = {b: err for b, err in unreadable[p.mount].items() if b in p.blocks}
+            for b, err in bad.items():
+                e.report_unreadable(p.store, p.mount.version, b, err)
+            if not bad:
+                kept.append(s)
+            elif e.on_load_error == "fail":
+                self._release(s)
+                b, err = next(iter(bad.items()))
+                error = BlockLoadError(f"store {p.store!r}: block {b} cannot be read ({err})")
+                error.__cause__ = err
+                failed.append(RowEvent(s.plan, "", True, "error", error=error))
+            elif s.held:  # a row of its own from now on, which computes them
+                self._release(s)
+                own.append((s.plan, p.mount.without_blocks(p, set(bad))))
+            else:
+                kept.append(self._recomputing(s, p.mount.without_blocks(p, set(bad))))
+        bad_keys = {(mounted.prefix, b) for mounted, found in unreadable.items() for b in found}
+        for block, build in list(builds.items()):  # never written: gone, or back to the layers it had
+            if block.key in bad_keys or (build.created and not block.rows):
+                del builds[block]
+                if build.created:
+                    self._drop(block)
+                else:
+                    block.layers -= build.layers
+        again = []
+        for plan, executed in own:  # seated now where its pages fit, else first in line
+            seat = self._take(plan, executed, builds, Counter())
+            if seat is not None:
+                kept.append(seat)
+            else:
+                again.append((plan, executed))
+        self.waiting[:0] = [plan for plan, _ in again]
+        self.executing.update((id(plan), executed) for plan, executed in again)
+
+        self.unreadable_blocks = sum(len(found) for found in unreadable.values())
+        return kept, (self._fetch(kept, builds, clock) if kept else None), failed
+
+    def _recomputing(self, seat: "Seat", executed: QueryPlan) -> "Seat":
+        """``seat`` (a row holding its own prefix) executing ``executed``, which computes blocks instead of reading
+        them: that moves the row's first fed token back, so its window layers' pages start where it reaches."""
+        if self.window_alloc is not None and self._window_skip(executed) < self._window_skip(seat.executed):
+            self.window_alloc.give(list(dict.fromkeys(seat.window_pages)))
+            return replace(seat, executed=executed,
+                           window_pages=self._take_window(executed, len(seat.pages)))
+        return replace(seat, executed=executed)
+
+    def _fetch(self, seated: list["Seat"], builds: dict, clock: StageClock) -> PrefixRebuild | None:
+        """Read the union of the blocks to rebuild (raises what an unreadable block raises): each own row's prefix,
+        then each held block in ``builds``, in that order (`Admission.fill`)."""
+        e = self.engine
+        placements = ([s.executed.placement for s in seated if not s.held]
+                      + [build.block.placement(build.layers, e.kv_shape[0]) for build in builds.values()])
+        if not placements:
+            return None
+        return PrefixRebuild(placements, e.rope, e.device, depth=e.prefetch_depth, tier=e.device_tier,
+                             pools=e.transfers, rebuild=e.rebuild, clock=clock)
+
+    def _grow_pools(self) -> None:
+        """Grow the pools to the allocators' capacities (with headroom): a new pool, or one the seated rows outgrew."""
+        e, window = self.engine, self.window_alloc
         if self.cache is None:
             self.cache = PagedCache(e.kv_shape[0], e.kv_shape[1:], e.dtype, e.device, e.window_layers)
-        window = self.window_alloc
         if self.pages.capacity > self.cache.pages or (window is not None and window.capacity > self.cache.window_pages):
             # growing a pool that holds rows copies every layer's pools (2 s for 600 pages of the default model
             # on a CPU; in a served run at 64 clients each row a little longer than the one that left grew it
@@ -423,16 +674,6 @@ class Batch:
                 self._flex_pool_sizes()
             self.cache.resize(self.pages.capacity, window.capacity if window is not None else None)
             self.kv_bytes_allocated = max(self.kv_bytes_allocated, self.cache.allocated_bytes)
-        admission = Admission(rebuild, [], clock, started)
-        for p, x in pairs:
-            trie = p.mount.queries.trie
-            decoder = (LabelDecoder(trie, e.tokenizer, p.max_new_tokens) if trie is not None else
-                       GreedyDecoder(e.tokenizer, STOP_STRINGS + tuple(p.request.stop), p.max_new_tokens))
-            admission.rows.append(Row(p, x, decoder, pages[id(p)], windows[id(p)], admission,
-                                      {"retrieve": p.retrieve_seconds}, next_position=x.prompt_tokens))
-        self.rows += admission.rows
-        self.admissions.append(admission)
-        return events
 
     def _flex_pool_sizes(self) -> None:
         """Grow the pools to their next power of two of pages (`attention.flex_pool_pages`), within the budget:
@@ -477,6 +718,7 @@ class Batch:
     def cancel(self, plan: QueryPlan) -> None:
         """The row of ``plan`` leaves now, giving its pages back (a client that went away)."""
         self.waiting = [p for p in self.waiting if p is not plan]
+        self.executing.pop(id(plan), None)
         for row in self.rows:
             if row.plan is plan:
                 row.cancelled = True
@@ -489,6 +731,8 @@ class Batch:
         budget, at = e.settings.prefill_chunk, 0
         segments, columns, fed = [], [], []
         window_segments, window_columns = [], []
+        placing: list[tuple[Row, torch.Tensor, int, int]] = []  # rows placing held blocks: tokens' places there
+        shared = 0
         for row in self.rows:
             if row.finished or row in held:
                 continue
@@ -504,37 +748,65 @@ class Batch:
             # a token sees the columns up to its own position: the prefix before it (recomputed columns already
             # hold their fresh K/V when it comes) and the row's tokens fed before it
             mask = None if n == 1 else (torch.arange(keys)[None, :] <= positions[:, None]).to(e.device)
-            segments.append(Segment(row.pages, row.pages_on_device(e.device), run_start(row.pages), at, at + n, keys,
-                                    positions, mask))
+            shared_at = None
+            if row.held:
+                shared_at, shared = shared, shared + n
+                placing.append((row, positions, at, shared_at))
+            segments.append(Segment(row.pages, row.pages_on_device(e.device), own_run(row.pages, row.own_from), at,
+                                    at + n, keys, positions, mask, row.own_from, shared_at))
             columns.append(pool_columns(row.pages, positions))
             if row.window_pages is not None:
                 window_segments.append(Segment(row.window_pages, row.pages_on_device(e.device, window=True),
-                                               run_start(row.window_pages), at, at + n, keys, positions, mask))
+                                               own_run(row.window_pages, row.own_from), at, at + n, keys, positions,
+                                               mask, row.own_from, shared_at))
                 window_columns.append(pool_columns(row.window_pages, positions))
             fed.append((row, n, at))
             at += n
 
-        def pack_of(segments, columns) -> Pack:
+        def pack_of(segments, columns, window: bool) -> Pack:
             return Pack(segments, torch.cat(columns).to(e.device) if columns else torch.zeros(0, dtype=torch.long),
-                        attention=e.attention)
-        pack = pack_of(segments, columns)
+                        attention=e.attention, held=self._held_queries(placing, window) if placing else None)
+        pack = pack_of(segments, columns, False)
         if self.window_alloc is not None:
-            pack.window = pack_of(window_segments, window_columns)
+            pack.window = pack_of(window_segments, window_columns, True)
         return pack, fed
+
+    def _held_queries(self, placing, window: bool) -> HeldQueries:
+        """Every (token, held block) pair of ``placing``'s rows, grouped by block: what their attention at one page
+        group's layers reads (at the window layers' only the blocks held there)."""
+        e = self.engine
+        uses: dict[HeldBlock, list] = {}
+        for row, positions, _, shared_at in placing:
+            for block, offset in row.held:
+                if not window or block.window_pages is not None:
+                    uses.setdefault(block, []).append((shared_at, offset, positions))
+        token, offset, position, blocks, start = [], [], [], [], 0
+        for block, pairs in uses.items():
+            for shared_at, p, positions in pairs:
+                n = len(positions)
+                token.append(np.arange(shared_at, shared_at + n))
+                offset.append(np.full(n, p))
+                position.append(positions.numpy())
+            stop = start + sum(len(positions) for _, _, positions in pairs)
+            blocks.append(block.columns(window, start, stop, e.device))
+            start = stop
+        packed = np.concatenate([np.arange(at, at + len(positions)) for _, positions, at, _ in placing])
+        offset_host = torch.from_numpy(np.concatenate(offset) if offset else np.zeros(0, np.int64))
+        return HeldQueries(packed=torch.from_numpy(packed).to(e.device), blocks=blocks,
+                           token=torch.from_numpy(np.concatenate(token) if token else np.zeros(0, np.int64)).to(e.device),
+                           offset=offset_host.to(e.device), offset_host=offset_host,
+                           position_host=torch.from_numpy(np.concatenate(position) if position else np.zeros(0, np.int64)),
+                           rope=e.rope, rope_layout=placing[0][0].executed.placement.prefix.rope_layout)
 
     def _forward(self, pack: Pack, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
                  joining: list[Row]) -> torch.Tensor:
         """One model call over the packed ``ids`` [1, T] at ``positions`` through the paged cache, rebuilding the
         prefixes of ``joining`` rows' admissions first; logits [K, V] at the ``keep`` indices."""
         e = self.engine
-        todo = list(dict.fromkeys(row.admission for row in joining if not row.admission.filled))
-        pack.fills = [PrefixFill(a.rebuild, [(row.pages, row.executed.prefix_tokens) for row in a.rows],
-                                 [(row.window_pages, row.executed.prefix_tokens) for row in a.rows]
-                                 if self.window_alloc is not None else None) for a in todo]
+        todo = list(dict.fromkeys(a for row in joining for a in row.waits_for() if not a.filled))
+        pack.fills = [a.fill(self.window_alloc is not None) for a in todo]
         staged = sum(a.rebuild.fetch_stats["buffer_bytes"] for a in todo)
-        needed = sum(self._needed_bytes(r) for r in self.rows)
-        self.kv_bytes_needed = max(self.kv_bytes_needed, needed)
-        self.peak_kv_bytes = max(self.peak_kv_bytes, needed + staged)
+        self._count_held(staged)
         self.cache.pack, self.cache.updated = pack, 0
         try:
             with e.paged_attention():
@@ -619,7 +891,12 @@ class Batch:
         """Bytes of K/V ``row``'s columns take: its context and answer budget at every full layer, and at each
         window layer those from the first page its windows reach (and its spill page)."""
         e, columns = self.engine, row.executed.prompt_tokens + row.executed.max_new_tokens
+        if row.held:  # its query and answer: its blocks are counted once, with the batch's held blocks
+            each = e.group_page_bytes
+            per_page = each[False] + each[True] if row.window_pages is not None else e.page_bytes
+            return (columns - row.own_from) * per_page // PAGE_TOKENS
         if row.window_pages is None:
+
             return columns * e.page_bytes // PAGE_TOKENS
         skip = self._window_skip(row.executed)
         window_columns = columns - skip * PAGE_TOKENS + (PAGE_TOKENS if skip else 0)
@@ -664,29 +941,80 @@ class Batch:
                         recomputed_blocks=[b for b in p.blocks if b not in x.blocks])
         return RowEvent(p, delta, True, reason, answer)
 
+    def held_counts(self) -> dict:
+        """Now: the K/V bytes of the pages rows hold (``kv_bytes_held``: their own, and the held blocks they place,
+        each once), of the held blocks no row holds any more, kept for the next rows until their pages are needed
+        (``kv_bytes_kept``), the distinct blocks rows hold (``held_blocks``, anchors not counted) and the blocks the
+        running rows place (``placed_blocks``: rows × k)."""
+        each = self.engine.group_page_bytes
+        full, window = (each[False], each[True]) if self.window_alloc is not None else (self.engine.page_bytes, 0)
+        in_use = self.pages.in_use * full + (self.window_alloc.in_use * window if self.window_alloc is not None else 0)
+        kept = sum(pages_for(b.tokens) * (full + (window if b.window_pages is not None else 0))
+                   for b in self.held.values() if not b.rows)
+        return {"kv_bytes_held": in_use - kept, "kv_bytes_kept": kept,
+                "held_blocks": sum(b.block is not None and b.rows > 0 for b in self.held.values()),
+                "placed_blocks": sum(len(r.executed.blocks) for r in self.rows if not r.finished)}
+
+    def _count_held(self, staged: int) -> None:
+        """The most K/V bytes this batch needed and held, and blocks it held and placed, counted at this step: the
+        columns rows need (each held block's once), with the factors ``staged`` for this step's rebuilds."""
+        each = self.engine.group_page_bytes
+        needed = sum(self._needed_bytes(r) for r in self.rows) + sum(
+            b.tokens * (each[False] + (each[True] if b.window_pages is not None else 0))
+            for b in self.held.values() if b.rows) // PAGE_TOKENS
+        self.kv_bytes_needed = max(self.kv_bytes_needed, needed)
+        self.peak_kv_bytes = max(self.peak_kv_bytes, needed + staged)
+        now = self.held_counts()
+        self.kv_bytes_held = max(self.kv_bytes_held, now["kv_bytes_held"])
+        self.most_held = {name: max(self.most_held[name], now[name]) for name in self.most_held}
+
+
+
     def _free_finished(self) -> None:
-        """Finished and cancelled rows give their pages back (nothing else moves), except a row whose admission
-        is still to be rebuilt: that rebuild writes every one of its rows' pages, so they wait for it. The pools
-        stay (`idle`)."""
-        given_up = [a for a in self.admissions if all(row.finished for row in a.rows)]  # every row cancelled
+        """Finished and cancelled rows give their pages back (nothing else moves) and let go of their held blocks,
+        except a row holding its own prefix whose admission is still to be rebuilt: that rebuild writes every one
+        of its rows' pages, so they wait for it. An admission all of whose rows ended and none of whose blocks a row
+        holds is given up: a block it was to create is never written, so no row may find it (it goes once no other
+        rebuild writes to it). The pools and the blocks no row holds stay (`idle`)."""
+        self._leave([row for row in self.rows if row.finished and row.held])
+        given_up = [a for a in self.admissions
+                    if all(row.finished for row in a.rows) and not any(b.block.rows for b in a.builds)]
         for a in given_up:
             self.admissions.remove(a)
+            for build in a.builds:
+                if build.created:
+                    self.held.pop(build.block.key, None)
+                    self.retired.append(build.block)
+                else:
+                    build.block.layers -= build.layers
             a.settle()
-        leaving = [row for row in self.rows if row.finished and row.admission not in self.admissions]
+        for block in [b for b in self.retired if not b.builders]:
+            self.retired.remove(block)
+            self._give_pages(block)
+        self._leave([row for row in self.rows if row.finished and row.admission not in self.admissions])
+
+    def _leave(self, leaving: list[Row]) -> None:
+        """These rows give their pages back and let go of their held blocks."""
         window = self.window_alloc
         for row in leaving:
-            self.pages.give(row.pages)
+            self.pages.give(list(dict.fromkeys(row.pages)))
             if window is not None:
                 window.give(row.window_pages_held())
+            for block, _ in row.held:
+                block.rows -= 1
         self.rows = [row for row in self.rows if row not in leaving]
+
 
     def idle(self) -> None:
         """Nothing to answer for a while (an idle server's loop, `milo_infer.server.scheduler`): drop the pools if no
         row holds a page. A batch keeps them when its last row leaves: a lone query after another would grow them
         again, zero-filling every page (issue 47: ~0.25 s for the 4,992 columns of a 512-shot Banking77 row at k 6
         on this CPU)."""
+        for block in [b for b in self.held.values() if b.cached]:
+            self._drop(block)
         window = self.window_alloc
         released = self.pages.release()
+
         if window is not None:
             released = window.release() or released
         if released and self.cache is not None:
@@ -699,6 +1027,14 @@ def model_windows(config) -> list[int | None] | None:
     spec = FAMILIES.get(getattr(config, "model_type", None))
     windows = spec.windows(config) if spec is not None else None
     return windows if windows and any(w is not None for w in windows) else None
+
+
+def query_turns(config) -> bool:
+    """Whether a row's query turned back by a block's offset attends a block held at 0..T-1 exactly (its family's
+    keys are a rotation of what the store keeps); a model whose family is not described (a test's stand-in) is taken
+    to rotate as Llama's does."""
+    spec = FAMILIES.get(getattr(config, "model_type", None))
+    return spec is None or spec.query_turns
 
 
 def cache_keyword(model) -> str:

@@ -58,6 +58,10 @@ class RunningBatch(Protocol):
     def idle(self) -> None:
         """Nothing was asked for a while: let go of what is kept for the next rows (the engine's K/V pools)."""
 
+    def held_counts(self) -> dict:
+        """Now: the K/V bytes its pages hold, the distinct blocks its rows hold once and the blocks they place
+        (`engine.Batch.held_counts`; empty where another process holds the K/V)."""
+
     def __len__(self) -> int: ...
 
 

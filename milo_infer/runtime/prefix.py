@@ -39,6 +39,8 @@ from .timing import StageClock
 
 
 UNREADABLE = (StoreError, OSError)  # a block failing its checksum; a read that failed after its retries
+FETCH_STATS = ("rows", "blocks", "unique_blocks", "device_hits", "memory_hits", "block_cache_hits", "object_store_reads",
+               "remote_bytes", "remote_gets", "buffer_bytes", "staged_bytes", "bytes")  # `PrefixRebuild.fetch_stats`
 
 
 def rebuild_layer(factors, segments, out_k, out_v, cos, sin, *, interleaved, quant, plan=None,
@@ -62,6 +64,8 @@ class BlockPlacement:
     # placed them, which rebuilds them (None: a placement with no store behind it, as a test's fake engine makes)
     reach: tuple[tuple[int, ...], ...] | None = None  # per layer, the blocks (indices into ``blocks``) the row's
     # windows reach: only those are read and rebuilt at that layer (None: every block at every layer)
+    anchor: bool = True  # the rebuild writes the anchor first (False: a block alone at positions 0..T-1, as the
+    # engine holds a block that rows share: `milo_infer.runtime.shared_blocks`)
 
     def reached_by_windows(self, first_position: int, windows: list[int | None]) -> list[list[int]]:
         """Per layer, which of ``blocks`` (indices into it) the row's tokens can attend, the first of them fed at
@@ -174,6 +178,20 @@ class StorePrefix:
             except UNREADABLE as err:
                 found[b] = err
         return found
+
+    def alone(self, block: int, reach: tuple[tuple[int, ...], ...] | None = None) -> BlockPlacement:
+        """``block`` by itself at positions 0..T-1, without the anchor: the one copy rows that place it share (each
+        row's query is turned to it, `milo_infer.runtime.attention`); ``reach``: the layers it is rebuilt at."""
+        placed = self.place([block])
+        tokens = int(self.store.block_tokens[block])
+        segments = placed.segments.copy()
+        segments[:, :, 3] -= self.anchor_len
+        return replace(placed, dst_rows=placed.dst_rows - self.anchor_len, segments=segments, prefix_tokens=tokens,
+                       anchor=False, reach=reach)
+
+    def anchor_alone(self) -> BlockPlacement:
+        """The anchor by itself (at positions 0..Ta-1 in every row): the copy every row of this version shares."""
+        return replace(self.nothing_placed(), prefix_tokens=self.anchor_len)
 
     def nothing_placed(self) -> BlockPlacement:
         """No prefix at all, not even the anchor: a row whose model computes every token (prefill)."""
@@ -333,8 +351,9 @@ class PrefixRebuild:
                 if not row.prefix_tokens:  # a prefill row: no prefix, not even the anchor
                     continue
                 m = row.prefix
-                k[:, :m.anchor_len] = m.anchor_k[layer, heads]
-                v[:, :m.anchor_len] = m.anchor_v[layer, heads]
+                if row.anchor:
+                    k[:, :m.anchor_len] = m.anchor_k[layer, heads]
+                    v[:, :m.anchor_len] = m.anchor_v[layer, heads]
                 if kernel_plans is None:  # rebuilt from its stored codes
                     self.codes[m].rebuild(segments[layer], scales[m], k[:, :row.prefix_tokens], v[:, :row.prefix_tokens],
                                           cos, sin, **m.rope_layout)

@@ -37,14 +37,16 @@ class MiloSession:
     """One store, one engine; its ``k`` may be changed between calls. ``prefill``: the model prefills
     [anchor][retrieved blocks][query] from their token ids, reading no K/V; ``settings.recompute``: the
     first tokens of each retrieved block the model computes again over the rebuilt context. ``max_rows``,
-    ``kv_cache_memory`` and ``attention`` are the engine's (`Engine`)."""
+    ``kv_cache_memory``, ``attention`` and ``shared_blocks`` are the engine's (`Engine`)."""
 
     def __init__(self, loaded: LoadedModel, store: MiloStore, settings: EngineSettings = EngineSettings(), *,
                  device=None, prefetch_depth: int = 2, rebuild=rebuild_layer, prefill: bool = False,
-                 max_rows: int = 16, kv_cache_memory: int | float | None = None, attention: str = "auto"):
+                 max_rows: int = 16, kv_cache_memory: int | float | None = None, attention: str = "auto",
+                 shared_blocks: bool = True):
         self.store, self.prefill = store, prefill
         self.engine = Engine(loaded, {"store": store}, settings, device=device, prefetch_depth=prefetch_depth,
-                             rebuild=rebuild, max_rows=max_rows, kv_cache_memory=kv_cache_memory, attention=attention)
+                             rebuild=rebuild, max_rows=max_rows, kv_cache_memory=kv_cache_memory, attention=attention,
+                             shared_blocks=shared_blocks)
         self.mounted = self.engine.stores["store"]
         self.retriever = self.mounted.queries.retriever
         self.device, self.layout = self.engine.device, store.layout
@@ -77,6 +79,7 @@ class MiloSession:
         forwards without wait and rebuild). On CUDA, transfer runs on a side stream, overlapped."""
         return self.answer_batch([text])[0]
 
-    def answer_batch(self, texts: list[str]) -> list[Answer]:
-        """Each query retrieves its own blocks; all of them run as one batch (shared blocks fetched once)."""
-        return self.engine.answer([self.plan(t) for t in texts])
+    def answer_batch(self, texts: list[str], stats: dict | None = None) -> list[Answer]:
+        """Each query retrieves its own blocks; all of them run as one batch (shared blocks fetched once and held
+        once); ``stats`` gains the batch's (`Engine.answer`)."""
+        return self.engine.answer([self.plan(t) for t in texts], stats)

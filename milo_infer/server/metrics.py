@@ -57,6 +57,14 @@ class ServerMetrics:
                                        M, registry=r)
         self.unique_block_share = Gauge("milo:unique_block_share",
                                         "Unique blocks over requested blocks, last admission", registry=r)
+        self.kv_bytes_held = Gauge("milo:kv_cache_bytes_held", "K/V bytes of the pages the running rows hold now: "
+                                   "their own, and the blocks they place, each held once", registry=r)
+        self.kv_bytes_kept = Gauge("milo:kv_cache_bytes_kept", "K/V bytes of held blocks no running row places, kept "
+                                   "for the next rows until their pages are needed", registry=r)
+        self.held_blocks = Gauge("milo:held_blocks", "Distinct blocks the running rows hold once, now", registry=r)
+        self.placed_blocks = Gauge("milo:placed_blocks", "Blocks the running rows place (rows x k), now", registry=r)
+        self.factor_bytes_staged = Counter("milo:factor_bytes_staged", "Factor bytes staged on the device to rebuild "
+                                           "admitted rows' blocks (a window layer's unreached blocks none)", registry=r)
         self.blocks_read = Counter("milo:blocks_read", "Blocks admissions read (shared blocks once), by the tier each "
                                    "was found in", ["tier"], registry=r)
         self.object_store_bytes = Counter("milo:object_store_bytes", "Bytes fetched from store URLs' object stores",
@@ -106,11 +114,19 @@ class ServerMetrics:
         if fetch_stats.get("unique_blocks"):
             for tier, blocks in tier_reads(fetch_stats).items():
                 self.blocks_read.labels(tier).inc(blocks)
+        self.factor_bytes_staged.inc(fetch_stats.get("staged_bytes", 0))
         self.object_store_bytes.inc(fetch_stats.get("remote_bytes", 0))
         self.object_store_gets.inc(fetch_stats.get("remote_gets", 0))
         self.unreadable_blocks.inc(fetch_stats.get("unreadable_blocks", 0))
         if fetch_stats.get("blocks"):
             self.unique_block_share.set(fetch_stats["unique_blocks"] / fetch_stats["blocks"])
+
+    def held(self, counts: dict) -> None:
+        """The running batch's `held_counts` (none: another process holds the K/V)."""
+        for name, gauge in (("kv_bytes_held", self.kv_bytes_held), ("kv_bytes_kept", self.kv_bytes_kept),
+                            ("held_blocks", self.held_blocks), ("placed_blocks", self.placed_blocks)):
+            if name in counts:
+                gauge.set(counts[name])
 
     def finished(self, store: str, answer, finish_reason: str, seconds: float) -> None:
         self.success.labels(store, finish_reason).inc()

@@ -189,6 +189,7 @@ class EngineLoop:
                 self._deliver(batch.step())
             elif not tickets:  # idle for a poll: its K/V pools go (a busy loop keeps them for the next rows)
                 batch.idle()
+            self.metrics.held(batch.held_counts())
             return True
         except Exception as e:
             log.exception("a batch of %d request(s) failed; they fail, the loop goes on with a new batch",

@@ -131,6 +131,9 @@ class VllmBatch:
     def idle(self) -> None:
         """vLLM's server keeps its own KV blocks: nothing is held here."""
 
+    def held_counts(self) -> dict:
+        return {}  # vLLM's server holds the K/V
+
     def admit(self, plans: list[QueryPlan]) -> list[RowEvent]:
         for plan in plans:
             row = _Row(plan, time.perf_counter())

@@ -14,9 +14,14 @@ import dataclasses
 import pytest
 import torch
 
-from milo_infer.evaluation.conformance import check_conformance
+from milo_infer.building.builder import build_store
+from milo_infer.building.config import BuildConfig
+from milo_infer.evaluation.conformance import Deviation, check_conformance
 from milo_infer.models import (FAMILIES, REFUSED, UnsupportedModelError, check_supported, config_identity,
                                config_layer_rope_tables, layer_rope_tables)
+from milo_infer.runtime.engine import Engine
+from milo_infer.runtime.planning import EngineSettings, Request
+from milo_store import CompressionConfig, MiloStore
 from tests.infer import families
 
 QUERY = "my card was charged twice"
@@ -305,3 +310,82 @@ def test_refused_families_name_their_reason(config, reason):
     with pytest.raises(UnsupportedModelError) as info:
         check_supported(config)
     assert reason in str(info.value)
+
+
+def identity_store(loaded, path) -> MiloStore:
+    """An identity store of four blocks of two demonstrations, as `check_conformance` builds one."""
+    config = BuildConfig(block_size=2, context_blocks=1, order="corpus",
+                         compression=CompressionConfig(ratio=1.0, codec="identity", dtype="float32"))
+    build_store(path, loaded, families.demonstrations(8), families.TASK, config, progress=False)
+    return MiloStore.open(path)
+
+
+SHARED_ORDERS = [[3, 2, 1, 0], [0, 1, 2, 3], [2, 0], [1]]  # the same blocks at other offsets; block 3 in two rows
+
+
+def decoded_logits(engine: Engine, orders) -> list[list[torch.Tensor]]:
+    """Per row, every logits row its decoder was given: the first two rows admitted together (they place the same
+    blocks: held once), the others joining one by one, each after a step (the third finds its blocks held, the last
+    joins once every earlier row has left and finds its block kept, reading none)."""
+    from milo_infer.runtime.engine import Batch
+
+    seen, advance = {}, Batch._advance
+
+    def recording(self, row, logits):
+        seen.setdefault(id(row.plan), []).append(logits.clone())
+        return advance(self, row, logits)
+
+    plans = [engine.plan("s", Request(text=QUERY), block_ids=order) for order in orders]
+    batch = engine.batch()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Batch, "_advance", recording)
+        for i, joining in enumerate([plans[:2], *([p] for p in plans[2:])], start=1):
+            while i == len(plans) - 1 and len(batch):
+                batch.step()
+            batch.admit(joining)
+            batch.step()
+        while len(batch):
+            batch.step()
+    return [seen[id(p)] for p in plans]
+
+
+@pytest.fixture(scope="module", params=list(families.TINY))
+def shared_case(request, tmp_path_factory):
+    loaded = families.tiny_model(request.param)
+    store = identity_store(loaded, tmp_path_factory.mktemp(request.param) / "identity")
+    yield request.param, loaded, store
+    store.close()
+
+
+def test_rows_placing_held_blocks_equal_rows_holding_their_own(shared_case):
+    """Blocks held once and attended by turning each row's query (issue 54) against every row holding its own copy:
+    the same block at other offsets in other rows, a block only one row places, windows that cut a held block
+    (the window families' tiny windows of 8), sinks, soft-caps, NoPE layers, partial and interleaved rotary, RoPE per
+    layer type, llama3 and YaRN scaling: every logit within 1e-4, in one batched prefill and decoding with rows
+    joining one by one and leaving."""
+    held_equal_own(*shared_case)
+
+
+@pytest.mark.parametrize("shared_case", ["llama", "gpt_oss", "gemma2", "gemma3_text", "smollm3", "glm4_moe", "cohere"],
+                         indirect=True)
+def test_held_blocks_padded_into_one_call_equal_too(shared_case, monkeypatch):
+    """CUDA's way (`attention.ONE_GROUP`: every held block padded into one call a layer, the scores written out),
+    here on the CPU: windows, sinks, a soft-cap, NoPE, rotate-half partial and interleaved rotary."""
+    from milo_infer.runtime import attention
+
+    monkeypatch.setattr(attention, "ONE_GROUP", ("cuda", "cpu"))
+    held_equal_own(*shared_case)
+
+
+def held_equal_own(family, loaded, store) -> None:
+    settings = EngineSettings(k=4)
+    held = Engine(loaded, {"s": store}, settings, shared_blocks=True, max_rows=4)
+    own = Engine(loaded, {"s": store}, settings, shared_blocks=False, max_rows=4)
+    assert held.shared_blocks and not own.shared_blocks
+    prefill = [[held.plan("s", Request(text=QUERY), block_ids=o) for o in SHARED_ORDERS],
+               [own.plan("s", Request(text=QUERY), block_ids=o) for o in SHARED_ORDERS]]
+    for a, b in zip(held.logits(prefill[0]), own.logits(prefill[1])):
+        assert Deviation.of(a, b).relative <= 1e-4, family
+    for a, b in zip(decoded_logits(held, SHARED_ORDERS), decoded_logits(own, SHARED_ORDERS)):
+        assert len(a) == len(b) > 0
+        assert max(Deviation.of(x, y).relative for x, y in zip(a, b)) <= 1e-4, family

@@ -76,6 +76,10 @@ def test_a_query_retrieval_cannot_match_is_answered_with_a_warning(store, query,
     assert "retrieval matched nothing, the blocks are arbitrary" in err
     code, out, err = query(store, QUERY, "--json")
     assert code == 0 and json.loads(out)["retrieval_matched"] is True and "matched nothing" not in err
+    result = json.loads(out)  # one row: it holds its own copy of its blocks, nothing held once; its factors staged
+    batch, blocks = result["batch"], result["blocks"]
+    assert batch["rows"] == 1 and batch["held_blocks"] == 0 and batch["placed_blocks"] == len(blocks) > 0
+    assert batch["kv_bytes_held"] > 0 and 0 < batch["factor_bytes_staged"] <= result["kv_bytes_stored"]
 
 
 def test_a_query_longer_than_the_model_is_told_so_not_to_lower_k(store, query):

@@ -174,7 +174,8 @@ def test_copy_identity_layer_equals_the_kernel_on_an_identity_block():
 
 def test_per_step_times_and_kv_bytes_are_the_runs_own(report):
     """Per forward: the same stage seconds over the batches' forwards; the pools' bytes: the rows' columns
-    rounded up to pages, so at least those columns and whole pages."""
+    rounded up to pages (each held block's once, rounded up itself, and held blocks kept for later rows besides),
+    so at least those columns and whole pages."""
     from milo_infer.runtime.pages import PAGE_TOKENS
 
     for r in report["rows"]:
@@ -184,7 +185,9 @@ def test_per_step_times_and_kv_bytes_are_the_runs_own(report):
         lay = report["layout"]
         itemsize = 2 if report["device"].startswith("cuda") else 4
         page = PAGE_TOKENS * 2 * lay["num_layers"] * lay["num_kv_heads"] * lay["head_dim"] * itemsize
-        assert 0 < r["kv_bytes_needed"] <= r["kv_bytes_allocated"] < r["kv_bytes_needed"] + page * r["batch"]
+        held = 1 + report["store_blocks"] if report["shared_blocks"] else 0  # an anchor, blocks: a page each at most
+        assert 0 < r["kv_bytes_needed"] <= r["kv_bytes_allocated"] < r["kv_bytes_needed"] + page * (r["batch"] + held)
+        assert 0 < r["kv_bytes_held"] <= r["kv_bytes_allocated"] and r["held_blocks"] <= r["placed_blocks"]
         assert r["kv_bytes_allocated"] % page == 0
         assert r["device_peak_bytes"] is None or r["device_peak_bytes"] >= r["kv_bytes_allocated"]
     assert report["attention"] == ("flex" if report["device"].startswith("cuda") else "rows")
@@ -232,7 +235,7 @@ def test_the_gpu_sweep_runs_on_the_cpu_at_tiny_shapes(tmp_path):
     reports = tmp_path / "gpu_bench"
     profile = json.loads((reports / "profile.json").read_text())
     assert [r["rows"] for r in profile["reports"]] == [1, 2] and "longest host gaps" in (reports / "profile.txt").read_text()
-    report = json.loads((reports / "throughput" / "bench.json").read_text())
+    report = json.loads((reports / "throughput-on" / "bench.json").read_text())
     largest = report["largest_batch"]
     assert largest > 2 and report["kv_budget_bytes"] == 4 << 20
     methods = ("full", "full-gemm", "prefill", "milo-r0.5")
@@ -245,6 +248,8 @@ def test_the_gpu_sweep_runs_on_the_cpu_at_tiny_shapes(tmp_path):
     served = json.loads((reports / "serve.json").read_text())
     assert [s["store"] for s in served] == ["milo-r0.5"] and all(s["exit_status"] == 0 for s in served)
     assert 0 < served[0]["warmup_s"] < served[0]["ready_s"]  # --warmup all: the server warmed before /health's 200
+    assert served[0]["shared_blocks"] == "on" and all(lv["held_blocks"] <= lv["placed_blocks"]  # sampled: may see none
+                                                     for lv in served[0]["levels"])
     levels = served[0]["levels"]
     assert [lv["concurrency"] for lv in levels] == [1, 2] and all(lv["qps"] > 0 < lv["repeat_qps"] for lv in levels)
     assert all(lv["compiled_after_warmup"] == 0 for lv in levels)  # the CPU's per-row attention compiles nothing

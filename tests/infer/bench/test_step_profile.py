@@ -17,12 +17,33 @@ TEXTS = ["topic1 topic2 q", "topic3 a much longer question about topic0", "topic
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+def setup(tmp_path_factory):
     loaded = random_llama()
     paths = synthetic_model.synthetic_stores(tmp_path_factory.mktemp("profile"), loaded, demos=64, block_size=8,
                                              demo_tokens=20, ratios=(0.5,))
     with MiloStore.open(paths["milo-r0.5"]) as store:
-        yield Engine(loaded, {"s": store}, EngineSettings(k=4), attention="rows", max_rows=4)
+        yield loaded, store
+
+
+@pytest.fixture(scope="module")
+def engine(setup):
+    """Rows each holding their own copy of their prefix: the page layouts and per-row SDPA calls counted here."""
+    loaded, store = setup
+    return Engine(loaded, {"s": store}, EngineSettings(k=4), attention="rows", max_rows=4, shared_blocks=False)
+
+
+def test_with_blocks_held_once_their_part_is_a_stage_of_its_own(setup):
+    """Rows placing held blocks: each row's own columns are an attention call a layer (``row_sdpa``), the held
+    blocks' part one more a layer for all of them (``held_blocks``); the stages still add up to the step."""
+    loaded, store = setup
+    engine = Engine(loaded, {"s": store}, EngineSettings(k=4), attention="rows", max_rows=4)
+    batch = decoding_batch(engine, "s", TEXTS, 3)
+    assert all(row.held for row in batch.rows)
+    out = profile_steps(batch, 2)
+    layers = engine.model_config.num_hidden_layers
+    assert sum(out["seconds"].values()) == pytest.approx(out["step"], rel=0.05, abs=1e-3)
+    assert out["calls"]["held_blocks"] == 2 * layers and out["seconds"]["held_blocks"] > 0
+    assert out["calls"]["row_sdpa"] >= 2 * layers * 3  # each row's own part, and each held block's
 
 
 @pytest.mark.parametrize("scattered", [False, True], ids=["consecutive", "scattered"])

@@ -208,7 +208,8 @@ def test_the_per_row_loop_answers_as_it_did_before_issue_47(setup, monkeypatch, 
     from milo_infer.runtime.engine import Engine
 
     loaded, store = setup
-    engine = free_form(Engine(loaded, {"s": store}, settings=EngineSettings(max_new_tokens=6), attention="rows"))
+    engine = free_form(Engine(loaded, {"s": store}, settings=EngineSettings(max_new_tokens=6), attention="rows",
+                              shared_blocks=False))  # the loop over each row's own copy of its prefix
     answers, logits = decode(engine, scattered)
     monkeypatch.setattr(attention, "sdpa_rows", reference_rows)
     before, before_logits = decode(engine, scattered)

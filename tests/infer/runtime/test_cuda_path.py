@@ -90,7 +90,8 @@ def test_answer_reports_every_stage_and_the_model_excludes_rebuild(tiny, monkeyp
         a = session.answer(synthetic_model.synthetic_queries(1, 3, 3)[0])
     assert set(a.seconds) == {"retrieve", "read", "transfer", "wait", "rebuild", "model"}
     assert all(v >= 0 for v in a.seconds.values()) and a.seconds["rebuild"] > 0 and a.seconds["model"] > 0
-    # the segment tables are host tensors planned before the forward: one per layer, none moved per layer
+    # the segment tables are host tensors planned before the forward: one per layer (a lone row holds its own copy of
+    # its prefix), none moved per layer
     assert seen == [(torch.device("cpu"), None)] * store.layout.num_layers  # CPU: no Triton plan
 
 

@@ -54,9 +54,19 @@ def expected_peak_kv_bytes(engine: Engine, plans, decoded: bool = True) -> int:
     V of every layer and KV head for each row's prompt and answer budget) plus, in the forward that rebuilds
     their prefixes, each store's union of blocks staged for the rebuild (its largest layer of factors: once
     on a CPU, prefetch depth + 1 times on CUDA), and on a CPU one layer of the distinct blocks decoded (fp32 K
-    and V of the largest store's union, `PrefixRebuild`; ``decoded`` False: an engine whose rebuild is replaced)."""
+    and V of the largest store's union, `PrefixRebuild`; ``decoded`` False: an engine whose rebuild is replaced).
+    With blocks held once (`Engine.shared_blocks`) a row placing a block another row places too holds its query's
+    and answer's columns, and each block and anchor such rows place is counted once."""
     layout = engine.stores[plans[0].store].prefix.layout
     columns = sum(p.prompt_tokens + p.max_new_tokens for p in plans)
+    if engine.shared_blocks:
+        placed = [(p.store, b) for p in plans for b in set(p.blocks)]
+        sharing = [p for p in plans if any(placed.count((p.store, b)) > 1 for b in p.blocks)]
+        columns -= sum(p.prefix_tokens for p in sharing)
+        for name in {p.store for p in sharing}:
+            mounted = engine.stores[name]
+            union = list(dict.fromkeys(b for p in sharing if p.store == name for b in p.blocks))
+            columns += mounted.prefix.anchor_len + int(mounted.store.block_tokens[union].sum())
     itemsize = torch.empty(0, dtype=engine.dtype).element_size()
     cache = 2 * layout.num_layers * layout.num_kv_heads * columns * layout.head_dim * itemsize
     layers_staged = engine.prefetch_depth + 1 if engine.device.type == "cuda" else 1
@@ -215,7 +225,8 @@ def test_a_finished_batch_frees_its_cache_without_the_garbage_collector(setup):
 def test_a_row_cancelled_before_its_rebuild_keeps_its_pages_until_then(setup):
     """Its admission's rebuild still writes its pages: a row given them before would be overwritten."""
     loaded, store = setup
-    engine = free_form(Engine(loaded, {"s": store}, settings=EngineSettings(max_new_tokens=4), max_rows=2))
+    engine = free_form(Engine(loaded, {"s": store}, settings=EngineSettings(max_new_tokens=4), max_rows=2,
+                              shared_blocks=False))  # a row holding its own prefix: its admission's rebuild writes it
     plans = [engine.plan("s", r) for r in REQUESTS[:3]]
     batch, done = engine.batch(), {}
     events = batch.admit(plans[:2])
@@ -266,7 +277,7 @@ def test_streamed_deltas_add_up_to_the_answer(setup):
 
 def test_a_block_several_rows_retrieved_is_fetched_once(setup):
     loaded, store = setup
-    engine = Engine(loaded, {"s": store})
+    engine = Engine(loaded, {"s": store}, shared_blocks=False)  # each row its own copy (test_shared_blocks: held once)
     plans = [engine.plan("s", Request("topic1 topic2", k=2)), engine.plan("s", Request("topic2 topic3", k=2))]
     assert set(plans[0].blocks) & set(plans[1].blocks)
     batch = engine.batch()
@@ -451,7 +462,7 @@ def test_a_row_on_scattered_pages_answers_as_alone(setup):
     from milo_infer.runtime.pages import PAGE_TOKENS, run_start
 
     loaded, store = setup
-    engine = Engine(loaded, {"s": store})
+    engine = Engine(loaded, {"s": store}, shared_blocks=False)  # rows holding their own prefixes in their pages
     first = [engine.plan("s", r) for r in (REQUESTS[1], REQUESTS[0], REQUESTS[1])]  # 1, 2 and 1 pages
     late = engine.plan("s", REQUESTS[3])
     assert PAGE_TOKENS < late.prefix_tokens and late.prompt_tokens + late.max_new_tokens <= 2 * PAGE_TOKENS

@@ -155,3 +155,25 @@ def test_an_admission_without_memory_is_put_off_in_halves_and_fails_only_what_ca
     assert tried == [4, 2, 1, 3, 1, 2, 1, 1]
     assert list(errors) == [id(plans[3])] and isinstance(errors[id(plans[3])], AdmissionOutOfMemory)
     assert [text[id(p)].strip() for p in plans[:3]] == alone[:3]
+
+
+def test_rows_holding_blocks_once_recompute_an_unreadable_one_alone(stores):
+    """Rows sharing blocks, two of them the damaged one: those two let their held blocks go and compute it as rows of
+    their own; the row that does not need it keeps the blocks it shares with them, held once, and its logits."""
+    loaded, clean, damaged, bad = stores
+    engine, reference = Engine(loaded, {"s": damaged}, on_load_error="recompute"), Engine(loaded, {"s": clean})
+    good = [b for b in range(clean.num_blocks) if b != bad][:2]
+    orders = [[good[0], bad], [good[0], good[1]], [good[1], bad]]
+    plans = [engine.plan("s", Request("my card is gone"), block_ids=o) for o in orders]
+    batch = Batch(engine, keep_all=True)
+    got = batch.prefill_logits(plans)
+    held = {id(row.plan): bool(row.held) for row in batch.rows}
+    assert [held[id(p)] for p in plans] == [False, True, False]  # only the row without it holds blocks once
+    assert {key[1] for key in batch.held} == {None, *good}
+    assert batch.fetch_stats["unreadable_blocks"] == 1
+    mounted = reference.stores["s"]
+    want = reference.logits([mounted.without_blocks(p, {bad}) if bad in o else p
+                             for p, o in zip([reference.plan("s", Request("my card is gone"), block_ids=o)
+                                              for o in orders], orders)])
+    for ours, theirs in zip(got, want):
+        assert torch.isfinite(ours).all() and (ours - theirs).abs().max() <= ATOL

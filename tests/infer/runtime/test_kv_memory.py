@@ -59,7 +59,7 @@ def rows_need(engine: Engine, plans) -> tuple[int, int]:
 
 def test_the_kv_buffers_of_16_long_rows_take_their_need_rounded_to_a_page(long_context):
     loaded, store = long_context
-    engine = Engine(loaded, {"s": store}, EngineSettings(k=K))
+    engine = Engine(loaded, {"s": store}, EngineSettings(k=K), shared_blocks=False)  # each row all its columns
     assert engine.max_positions == POSITIONS
     plans = [engine.plan("s", Request(q)) for q in long_queries()]
     assert min(len(p.blocks) for p in plans) == K and min(p.prompt_tokens for p in plans) > 1000

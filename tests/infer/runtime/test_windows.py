@@ -112,7 +112,7 @@ def test_a_window_layer_holds_pages_from_the_first_its_window_reaches(stores):
     spill page for the columns before; its full layers every page (red with window_reach off: every layer every
     page)."""
     loaded, store = stores("gemma3_text")
-    engine = Engine(loaded, {"s": store})
+    engine = Engine(loaded, {"s": store}, shared_blocks=False)  # rows holding their own prefixes
     plans = [engine.plan("s", Request(text=q), block_ids=list(range(store.num_blocks))) for q in QUERIES]
     batch = engine.batch()
     batch.admit(plans)
@@ -159,7 +159,8 @@ def test_a_block_computed_instead_of_read_moves_the_reach_and_the_window_pages_b
     with MiloStore.open(tmp_path / "bad", tier="disk") as damaged:
         got = {}
         for reach in (True, False):
-            engine = Engine(loaded, {"s": damaged}, on_load_error="recompute", window_reach=reach)
+            engine = Engine(loaded, {"s": damaged}, on_load_error="recompute", window_reach=reach,
+                            shared_blocks=False)
             plans = [engine.plan("s", Request(text=q), block_ids=list(range(store.num_blocks))) for q in QUERIES]
             if reach:
                 batch = engine.batch()

@@ -138,5 +138,9 @@ class FakeBatch:
     def idle(self):
         self._check_thread()
 
+    def held_counts(self):
+        blocks = [b for plan, *_ in self.rows.values() for b in plan.blocks]
+        return {"kv_bytes_held": 100 * len(set(blocks)), "held_blocks": len(set(blocks)), "placed_blocks": len(blocks)}
+
     def __len__(self):
         return len(self.rows)

@@ -97,3 +97,32 @@ def test_block_reads_are_counted_by_the_tier_that_held_them():
     assert value("milo:object_store_bytes_total") == 4096 and value("milo:object_store_gets_total") == 2
     assert value("milo:unreadable_blocks_total") == 1
     assert value("milo:num_requests_running", {"model_name": "demo"}) == 0
+
+
+def test_kv_held_and_blocks_held_against_placed_are_the_running_batchs():
+    """While a row decodes, the gauges are its batch's `held_counts`; once it leaves, they fall to nothing."""
+    with serving(FakeEngine(step_s=0.02), batch_wait_ms=0) as served:
+        m = lambda name: metric(served.base, name)  # noqa: E731
+        with httpx.stream("POST", served.base + "/v1/completions", timeout=10,
+                          json={"model": "demo", "prompt": "w " * 30, "max_tokens": 30, "stream": True}) as r:
+            lines = r.iter_lines()
+            next(lines)
+            next(lines)  # a step later: the loop has counted the batch
+            assert (m("milo:held_blocks"), m("milo:placed_blocks"), m("milo:kv_cache_bytes_held")) == (2, 2, 200)
+            list(lines)
+        deadline = time.monotonic() + 5
+        while m("milo:placed_blocks") != 0:
+            assert time.monotonic() < deadline, "the gauges did not fall once the row left"
+            time.sleep(0.02)
+
+
+def test_factor_bytes_staged_add_up_and_a_batch_that_holds_no_kv_leaves_the_gauges():
+    metrics = ServerMetrics(["demo"])
+    for staged in (300, 200):
+        metrics.admitted([], {"blocks": 2, "unique_blocks": 2, "staged_bytes": staged}, [])
+    metrics.held({"kv_bytes_held": 4096, "kv_bytes_kept": 1024, "held_blocks": 3, "placed_blocks": 12})
+    metrics.held({})  # milo serve --vllm: vLLM's server holds the K/V
+    value = metrics.registry.get_sample_value
+    assert value("milo:factor_bytes_staged_total") == 500
+    assert [value(f"milo:{name}") for name in ("kv_cache_bytes_held", "kv_cache_bytes_kept", "held_blocks",
+                                               "placed_blocks")] == [4096, 1024, 3, 12]
