@@ -275,8 +275,8 @@ class Merge:
             total = own.index_add(1, token, weight)
             self.acc.mul_(own[..., None]).index_add_(1, token, part * weight[..., None]).div_(total[..., None])
             self.lse = top + torch.log(total)
-        if layer.sinks is not None:  # softmax over [scores, sink]: the scores' weights shrink by 1 / (1 + e^(sink - lse))
-            self.acc.mul_(torch.sigmoid(self.lse - layer.sinks.float()[:, None])[..., None])
+        if layer.sinks is not None:
+            self.acc.mul_(sink_share(self.lse, layer.sinks)[..., None])
         out[0][:, held.packed] = self.acc.to(out.dtype)
 
     def held_reach(self, window: int | None) -> HeldReach | None:
@@ -302,22 +302,18 @@ class Merge:
 
 
 def scored_attention(query, key, value, mask, layer: LayerAttention) -> torch.Tensor:
-    """Softmax attention written out, in fp32: the scores soft-capped, a sink logit per head beside them."""
-    n_rep = query.shape[1] // key.shape[1]
-    k = key.repeat_interleave(n_rep, dim=1).float()
-    v = value.repeat_interleave(n_rep, dim=1).float()
-    scale = layer.scaling if layer.scaling is not None else query.shape[-1] ** -0.5
-    scores = query.float() @ k.transpose(-1, -2) * scale
-    if layer.softcap is not None:
-        scores = torch.tanh(scores / layer.softcap) * layer.softcap
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
+    """One row's attention [1, Hq, n, d] where SDPA takes no soft-cap or sinks: `partial_attention` (fp32), a sink
+    logit per head joined by its log-sum-exp."""
+    out, lse = partial_attention(query[0], key[0], value[0], mask, layer)
     if layer.sinks is not None:
-        sink = layer.sinks.float().reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
-        weights = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
-    else:
-        weights = scores.softmax(dim=-1)
-    return (weights @ v).to(query.dtype)
+        out = out * sink_share(lse, layer.sinks)[..., None]
+    return out.to(query.dtype)[None]
+
+
+def sink_share(lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """What softmax over [scores, sink] leaves the scores' weights, 1 / (1 + e^(sink − lse)), for log-sum-exps
+    [..., Hq, n] and a sink logit per head [Hq]."""
+    return torch.sigmoid(lse.float() - sinks.float()[:, None])
 
 
 def power_of_two(n: int) -> int:
@@ -421,8 +417,8 @@ def flex_rows(query, key, value, pack: Pack, layer: LayerAttention, compiled: bo
             lse_tokens = lse.transpose(1, 2).reshape(rows * tokens, Hq)[layout["taken"]].T  # [Hq, T]
             own = out.transpose(1, 2).reshape(rows * tokens, Hq, d)[layout["taken"]].transpose(0, 1)  # [Hq, T, d]
             held.own(0, own[:, pack.held.packed].float(), lse_tokens[:, pack.held.packed].float())
-        if layer.sinks is not None:  # softmax over [scores, sink]: the weights shrink by 1 / (1 + e^(sink - lse))
-            out = out * torch.sigmoid(lse.float() - layer.sinks.float().reshape(1, -1, 1))[..., None].to(out.dtype)
+        if layer.sinks is not None:
+            out = out * sink_share(lse, layer.sinks)[..., None].to(out.dtype)
     out = out.transpose(1, 2).reshape(rows * tokens, Hq, d)[layout["taken"]]  # [T, Hq, d]
     out = out.transpose(0, 1)[None]
     if held is not None:
