@@ -583,8 +583,8 @@ class Batch:
         ``builds``. Where it cannot be read, its blocks are read one by one to find the unreadable ones; a row needing
         one recomputes it (`MountedStore.without_blocks`: a row holding its own prefix keeps its seat; a row placing
         held blocks lets them go and is seated as one holding its own, or waits first in line where that does not fit
-        now) or fails with `BlockLoadError`, as the engine's ``on_load_error`` says; the other rows load as planned. Returns the seats left, the rebuild (None:
-        nothing to rebuild) and an error event per row that cannot run."""
+        now) or fails with `BlockLoadError`, as the engine's ``on_load_error`` says; the other rows load as planned.
+        Returns the seats left, the rebuild (None: nothing to rebuild) and an error event per row that cannot run."""
         e = self.engine
         self.unreadable_blocks = 0
         try:
@@ -631,7 +631,6 @@ class Batch:
                 again.append((plan, executed))
         self.waiting[:0] = [plan for plan, _ in again]
         self.executing.update((id(plan), executed) for plan, executed in again)
-
         self.unreadable_blocks = sum(len(found) for found in unreadable.values())
         return kept, (self._fetch(kept, builds, clock) if kept else None), failed
 
@@ -947,21 +946,24 @@ class Batch:
         (``kv_bytes_kept``), the distinct blocks rows hold (``held_blocks``, anchors not counted) and the blocks the
         running rows place (``placed_blocks``: rows × k)."""
         each = self.engine.group_page_bytes
-        full, window = (each[False], each[True]) if self.window_alloc is not None else (self.engine.page_bytes, 0)
-        in_use = self.pages.in_use * full + (self.window_alloc.in_use * window if self.window_alloc is not None else 0)
-        kept = sum(pages_for(b.tokens) * (full + (window if b.window_pages is not None else 0))
-                   for b in self.held.values() if not b.rows)
+        in_use = self.pages.in_use * each[False] + (self.window_alloc.in_use * each[True]
+                                                    if self.window_alloc is not None else 0)
+        kept = sum(pages_for(b.tokens) * self._page_bytes(b) for b in self.held.values() if not b.rows)
         return {"kv_bytes_held": in_use - kept, "kv_bytes_kept": kept,
                 "held_blocks": sum(b.block is not None and b.rows > 0 for b in self.held.values()),
                 "placed_blocks": sum(len(r.executed.blocks) for r in self.rows if not r.finished)}
 
+    def _page_bytes(self, block: HeldBlock) -> int:
+        """Bytes a page of ``block`` takes in the pools it is held in (the window layers' only once it has pages there;
+        every layer's in the full pools where window layers have none of their own)."""
+        each = self.engine.group_page_bytes
+        return each[False] + (each[True] if block.window_pages is not None else 0)
+
     def _count_held(self, staged: int) -> None:
         """The most K/V bytes this batch needed and held, and blocks it held and placed, counted at this step: the
         columns rows need (each held block's once), with the factors ``staged`` for this step's rebuilds."""
-        each = self.engine.group_page_bytes
         needed = sum(self._needed_bytes(r) for r in self.rows) + sum(
-            b.tokens * (each[False] + (each[True] if b.window_pages is not None else 0))
-            for b in self.held.values() if b.rows) // PAGE_TOKENS
+            b.tokens * self._page_bytes(b) for b in self.held.values() if b.rows) // PAGE_TOKENS
         self.kv_bytes_needed = max(self.kv_bytes_needed, needed)
         self.peak_kv_bytes = max(self.peak_kv_bytes, needed + staged)
         now = self.held_counts()
