@@ -12,7 +12,9 @@ FACTORED_VERSION = 1  # every unit factored; metadata arrays unchecked
 RAW_FORMAT_VERSION = 2  # may hold raw units (rank RAW_RANK), which a version-1 reader would misread
 CHECKED_VERSION = 3  # may hold raw units; every array under a checksum (ARRAY_CHECKSUMS); one factor array
 FORMAT_VERSION = 4  # every store written now: blocks and text in immutable chunks a version references (EXTENTS)
-READABLE_VERSIONS = (FACTORED_VERSION, RAW_FORMAT_VERSION, CHECKED_VERSION, FORMAT_VERSION)
+LAYERS_VERSION = 5  # format 4 whose layers are not all alike (per-layer shapes, K = V, shared layers): its layout
+# names each layer (`milo_store.layers`), its anchor lies unit by unit, and K = V layers' gains are an array
+READABLE_VERSIONS = (FACTORED_VERSION, RAW_FORMAT_VERSION, CHECKED_VERSION, FORMAT_VERSION, LAYERS_VERSION)
 ATTRS_KEY = "milo"
 ARRAY_CHECKSUMS = "array_checksums"  # attribute {array path: CRC32C of its values} for every array but factors and indexes
 FACTORS, RANKS, TOKENS, CHECKSUMS, ANCHOR = "factors", "ranks", "block_tokens", "checksums", "anchor_kv"
@@ -25,7 +27,9 @@ CHUNK_IDS, CHUNK_SIZES = "chunk_ids", "chunk_sizes"  # str [C], int64 [C]
 EXTENTS = "extents"  # int64 [N, 3]: block i is bytes [offset, offset + length) of chunk (chunk, offset, length)
 SEGMENTS = "segments"  # int64 [S, 5]: (chunk, first block, blocks, demonstrations, header CRC32C) per text segment
 CHUNKS = "chunks"  # a directory's (or a URL's root's) folder of chunk files, each named by its id
+KEY_GAIN = "key_gain"  # format 5: float32 [L, d], a K = V layer's gain per channel (its keys = values × gain)
 CHECKED_ARRAYS = (RANKS, TOKENS, CHECKSUMS, BLOCK_GROUP, ANCHOR, TOKEN_IDS, CHUNK_IDS, CHUNK_SIZES, EXTENTS, SEGMENTS,
+                  KEY_GAIN,
                   *(f"{EXAMPLES}/{k}" for k in ("input", "output", "id", "block")))  # under ARRAY_CHECKSUMS
 GROUP_BYTES = 4  # index bytes per block that a block_group array adds
 MAX_CHUNK_BYTES = 8 << 20  # format 4: a chunk holds whole blocks up to this (a larger block has one of its own)

@@ -21,10 +21,12 @@ def describe(store: MiloStore) -> dict:
     acc = store.accounting()
     r = store.ranks.astype(np.int64)
     raw = r == RAW_RANK
+    present = np.broadcast_to(store.layout.present, r.shape)
     kinds = tuple(enumerate(("key", "value")))
-    hist = {kind: [np.bincount(r[:, l, k][~raw[:, l, k]], minlength=store.layout.head_dim + 1).tolist()
+    hist = {kind: [np.bincount(r[:, l, k][~raw[:, l, k] & present[:, l, k]], minlength=store.layout.head_dim + 1).tolist()
                    for l in range(store.layout.num_layers)] for k, kind in kinds}
-    factored = np.ma.masked_array(r, raw)  # mean ranks are over factored units; raw ones are counted apart
+    factored = np.ma.masked_array(r, raw | ~present)  # mean ranks are over stored factored units; raw ones apart
+    raw_share = np.ma.masked_array(raw, ~present)
     return {
         "path": str(store.path), "format_version": store.meta["format_version"],
         "model": store.meta.get("model"), "codec": store.meta.get("codec"), "allocation": store.meta.get("allocation"),
@@ -40,9 +42,28 @@ def describe(store: MiloStore) -> dict:
         "mean_rank_per_layer": {kind: [None if x is np.ma.masked else round(float(x), 2)
                                        for x in factored[:, :, k].mean(axis=(0, 2))] for k, kind in kinds},
         "rank_histogram_per_layer": hist,
-        "raw_share_per_layer": {kind: [round(float(x), 4) for x in raw[:, :, k].mean(axis=(0, 2))] for k, kind in kinds},
+        "raw_share_per_layer": {kind: [None if x is np.ma.masked else round(float(x), 4)
+                                       for x in raw_share[:, :, k].mean(axis=(0, 2))] for k, kind in kinds},
+        "layer_groups": layer_groups(store, acc),
         **store.codec.summary(),  # what the codec adds (a bits store: its mean code width per layer)
     }
+
+
+def layer_groups(store: MiloStore, acc: dict) -> list[dict]:
+    """The store's layers by what they hold (`Layout.layer_groups`: 'kv HxD', 'v HxD' for K = V, 'shared'), each
+    group's stored factor bytes and its fp16 K/V (what a store holding every layer in full would keep)."""
+    layout, tokens = store.layout, store.block_tokens
+    groups = layout.layer_groups()
+    per_layer = None
+    if len(groups) > 1:  # block bytes by layer: the low-rank codec's segments (one group: every factor byte)
+        per_layer = (layout.segment_sizes(store.ranks, tokens).sum(axis=(0, 2, 3)) * store.itemsize)
+    out = []
+    for name, layers in groups.items():
+        spec = layout.layers[layers[0]]
+        full = 2 * int(tokens.sum()) * spec.kv_heads * spec.head_dim * 2 * len(layers)  # K and V, fp16
+        stored = acc["factor_bytes"] if per_layer is None else int(per_layer[layers].sum())
+        out.append({"group": name, "layers": layers, "factor_bytes": stored, "full_fp16_bytes": full})
+    return out
 
 
 def demonstrations_per_block(store: MiloStore, start: int, stop: int) -> np.ndarray:

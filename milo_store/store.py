@@ -55,14 +55,16 @@ class MiloStore:
         # the version this mount pinned: a store URL's manifest version, a directory's attributes digest
         self.version = version if version is not None else fmt.attributes_version(meta)
         self.format_version = meta["format_version"]
-        lay = meta["layout"]
-        quant = lay.get("quant", "int8" if lay.get("quantized") else None)  # "quantized": stores before int4/int2
-        self.layout = Layout(lay["num_layers"], lay["num_kv_heads"], lay["head_dim"], quant)
+        try:
+            self.layout = Layout.from_record(meta["layout"], (meta.get("model") or {}).get("rope"))
+        except (KeyError, TypeError, ValueError) as e:
+            raise StoreCorruptedError(f"{path}: its layout record cannot be read ({type(e).__name__}: {e})") from e
         self.dtype = meta["factor_dtype"]
         self.torch_dtype = fmt.TORCH_DTYPES[self.dtype]
         self.itemsize = fmt.value_bytes(self.dtype)
         self._array_checksums = self._recorded_checksums()
         self._token_ids = None
+        self._key_gains = None
         self.ranks = np.asarray(self._read_array(fmt.RANKS), dtype=np.int16)
         self.block_tokens = np.asarray(self._read_array(fmt.TOKENS), dtype=np.int64)
         self.checksums = np.asarray(self._read_array(fmt.CHECKSUMS), dtype=np.uint32)
@@ -218,7 +220,11 @@ class MiloStore:
             raise StoreCorruptedError(f"{self.path}: index shapes disagree: ranks {self.ranks.shape}, expected {want}; "
                                       f"checksums {self.checksums.shape}")
         if n and (self.block_tokens.min() < 1 or not self.layout.ranks_in_range(self.ranks)):
-            raise StoreCorruptedError(f"{self.path}: index holds impossible token counts or ranks")
+            raise StoreCorruptedError(f"{self.path}: index holds impossible token counts or ranks (a rank past its "
+                                      "unit's width, or a unit its layer does not store)")
+        if not self.layout.uniform and self.meta["format_version"] < fmt.LAYERS_VERSION:
+            raise StoreCorruptedError(f"{self.path}: a version-{self.meta['format_version']} store cannot hold layers "
+                                      "of different kinds or shapes")
         if fmt.store_version(self.ranks) > self.meta["format_version"]:
             raise StoreCorruptedError(f"{self.path}: a version-{self.meta['format_version']} store cannot hold raw units")
         if problem := fmt.check_block_group(self.block_group, n):
@@ -374,10 +380,43 @@ class MiloStore:
         return np.bincount(self.block_group, weights=self.block_tokens, minlength=self.num_groups).astype(np.int64)
 
     def anchor_kv(self) -> torch.Tensor | None:
-        """The uncompressed anchor K/V [L, 2, H, T_anchor, d] (pre-RoPE keys), or None."""
+        """The uncompressed anchor K/V on the layout's grid [L, 2, H, T_anchor, d] (pre-RoPE keys; a K = V layer's keys
+        its values times its gain; zeros where a layer stores nothing), or None."""
         if fmt.ANCHOR not in self.group:
             return None
-        return fmt.from_numpy(self._read_array(fmt.ANCHOR), fmt.anchor_dtype(self.dtype))
+        anchor = fmt.from_numpy(self._read_array(fmt.ANCHOR), fmt.anchor_dtype(self.dtype))
+        if self.layout.uniform:
+            return anchor
+        tokens = int(self.meta["anchor_tokens"])
+        try:
+            grid = self.layout.unpack_units(anchor, tokens)
+        except ValueError as e:
+            raise StoreCorruptedError(f"{self.path}: its anchor does not fit its layout ({e})") from e
+        for l, spec in enumerate(self.layout.layers):
+            if spec.keys_from_values:
+                values = grid[l, 1, :spec.kv_heads, :, :spec.head_dim]
+                grid[l, 0, :spec.kv_heads, :, :spec.head_dim] = (values.float() * self.key_gain(l)).to(grid.dtype)
+        return grid
+
+    def key_gain(self, layer: int) -> torch.Tensor:
+        """A K = V layer's gain [d] (fp32): its keys are its values times it (docs/format.md, "Layers")."""
+        spec = self.layout.layers[layer]
+        if not spec.keys_from_values:
+            raise ValueError(f"layer {layer} stores its own keys: it has no key gain")
+        return self.key_gains()[layer, :spec.head_dim]
+
+    def key_gains(self) -> torch.Tensor | None:
+        """Every K = V layer's gain, fp32 [L, d] (zeros at other layers), read and checked once; None without such
+        layers."""
+        if not any(spec.keys_from_values for spec in self.layout.layers):
+            return None
+        if self._key_gains is None:
+            gains = np.asarray(self._read_array(fmt.KEY_GAIN), dtype=np.float32)
+            if gains.shape != (self.layout.num_layers, self.layout.head_dim):
+                raise StoreCorruptedError(f"{self.path}: {fmt.KEY_GAIN} has shape {gains.shape}, expected "
+                                          f"{(self.layout.num_layers, self.layout.head_dim)}")
+            self._key_gains = torch.from_numpy(gains)
+        return self._key_gains
 
     def token_ids(self, i: int) -> np.ndarray | None:
         """The token ids block i was encoded from, or None when the store does not keep them."""

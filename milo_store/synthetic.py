@@ -29,14 +29,28 @@ def spectral_draws(layout: Layout, tokens: int, generator: torch.Generator, key_
     L, H, d = layout.num_layers, layout.num_kv_heads, layout.head_dim
     on = {"generator": generator, "device": generator.device}
 
-    def one(decay):
-        n = min(tokens, d)
+    def one(decay, width=d):
+        n = min(tokens, width)
         u = torch.linalg.qr(torch.randn(L, H, tokens, n, **on))[0]
-        v = torch.linalg.qr(torch.randn(L, H, d, n, **on))[0]
+        v = torch.linalg.qr(torch.randn(L, H, width, n, **on))[0]
         scale = torch.rand(L, H, 1, **on) * 4 + 1
         return u, scale * torch.exp(-decay * torch.arange(n, device=generator.device)) * tokens ** 0.5, v
 
-    return one(key_decay), one(value_decay)
+    def on_layout(kind, decay):
+        """A layout whose layers differ: each width's units drawn at that width, zero where a layer stores none."""
+        n = min(tokens, d)
+        u, s, v = (torch.zeros(L, H, *shape, device=generator.device) for shape in ((tokens, n), (n,), (d, n)))
+        widths = layout.widths[:, kind, 0]
+        for width in sorted(set(widths[layout.present[:, kind].any(1)].tolist())):
+            units = torch.from_numpy(layout.present[:, kind] & (widths == width)[:, None]).to(generator.device)
+            uw, sw, vw = one(decay, width)
+            r = sw.shape[-1]
+            u[units, :, :r], s[units, :r], v[units, :width, :r] = uw[units], sw[units], vw[units]
+        return u, s, v
+
+    if layout.uniform:
+        return one(key_decay), one(value_decay)
+    return on_layout(0, key_decay), on_layout(1, value_decay)
 
 
 def synthetic_block_kv(layout: Layout, tokens: int, generator: torch.Generator,

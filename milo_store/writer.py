@@ -165,7 +165,8 @@ class StoreWriter:
         if self.ranks.shape != (len(self.block_tokens), layout.num_layers, 2, layout.num_kv_heads):
             raise ValueError(f"ranks shape {self.ranks.shape} does not match {len(self.block_tokens)} blocks of {layout}")
         if not layout.ranks_in_range(self.ranks):
-            raise ValueError(f"ranks must be {RAW_RANK} (raw) or in [0, head_dim={layout.head_dim}]; got "
+            raise ValueError(f"ranks must be {RAW_RANK} (raw) or in [0, head_dim={layout.head_dim}] (a unit's own "
+                             f"width), and 0 where a layer stores no such unit; got "
                              f"{int(self.ranks.min())}..{int(self.ranks.max())}")
         if dtype not in fmt.NUMPY_DTYPES:
             raise ValueError(f"unknown factor dtype {dtype!r}; expected one of {tuple(fmt.NUMPY_DTYPES)}")
@@ -341,14 +342,30 @@ class StoreWriter:
         self.group.create_array(name, data=data, **kwargs)
         self.array_checksums[name] = fmt.array_checksum(data)
 
-    def write_anchor(self, anchor_kv: torch.Tensor) -> None:
-        """The anchor (instruction prefix) K/V, uncompressed: [L, 2, H, T_anchor, d], pre-RoPE keys."""
+    def write_anchor(self, anchor_kv: torch.Tensor, key_gain: torch.Tensor | None = None) -> None:
+        """The anchor (instruction prefix) K/V, uncompressed, on the layout's grid [L, 2, H, T_anchor, d], pre-RoPE
+        keys: kept whole where every layer is alike, else unit by unit (`Layout.pack_units`: nothing where a layer
+        stores nothing). ``key_gain`` [L, d]: each K = V layer's gain (zeros elsewhere), which such a layout needs."""
+        if any(spec.keys_from_values for spec in self.layout.layers):
+            if key_gain is None:
+                raise ValueError("a layout with K = V layers keeps their key gain beside the anchor")
+            self._write_key_gain(key_gain)
         want = (self.layout.num_layers, 2, self.layout.num_kv_heads)
         if tuple(anchor_kv.shape[:3]) != want or anchor_kv.shape[-1] != self.layout.head_dim:
             raise ValueError(f"anchor K/V must be [L, 2, H, T, d] with L, H, d = {want[0]}, {want[2]}, "
                              f"{self.layout.head_dim}; got {tuple(anchor_kv.shape)}")
-        data = fmt.to_numpy(anchor_kv.to(fmt.TORCH_DTYPES[fmt.anchor_dtype(self.dtype)]))
-        self._create_checked(fmt.ANCHOR, data, compressors=None)
+        anchor = anchor_kv.to(fmt.TORCH_DTYPES[fmt.anchor_dtype(self.dtype)])
+        if not self.layout.uniform:
+            self.attrs["anchor_tokens"] = int(anchor.shape[3])
+            anchor = self.layout.pack_units(anchor)
+        self._create_checked(fmt.ANCHOR, fmt.to_numpy(anchor), compressors=None)
+
+    def _write_key_gain(self, gain: torch.Tensor) -> None:
+        """Each K = V layer's gain per channel, fp32 [L, d] (zeros at other layers): its keys are its values times it."""
+        want = (self.layout.num_layers, self.layout.head_dim)
+        if tuple(gain.shape) != want:
+            raise ValueError(f"key gain must be [L, d] = {want}; got {tuple(gain.shape)}")
+        self._create_checked(fmt.KEY_GAIN, gain.detach().float().cpu().numpy())
 
     def write_index(self, name: str, arrays: dict, attrs: dict) -> None:
         """A named index under ``indexes/<name>``: 1-D arrays, each one uncompressed chunk so a reader can
@@ -389,14 +406,14 @@ class StoreWriter:
             self._create_checked(fmt.SEGMENTS, np.asarray(self.segments, dtype=np.int64).reshape(-1, 5))
             for name, data in self.codec.arrays().items():
                 self._create_checked(name, data)
+            if any(spec.keys_from_values for spec in self.layout.layers) and fmt.KEY_GAIN not in self.array_checksums:
+                raise StoreError("a store with K = V layers keeps their key gain (write_anchor's key_gain)")
+            version = fmt.FORMAT_VERSION if self.layout.uniform else fmt.LAYERS_VERSION
             self.group.attrs[fmt.ATTRS_KEY] = {
-                **self.attrs, **self.codec.attrs(), "format_version": fmt.FORMAT_VERSION, "factor_dtype": self.dtype,
-                fmt.ARRAY_CHECKSUMS: self.array_checksums,
-                "layout": {"num_layers": self.layout.num_layers, "num_kv_heads": self.layout.num_kv_heads,
-                           "head_dim": self.layout.head_dim, "quant": self.layout.quant,
-                           "quantized": self.layout.quant == "int8"}}  # what readers before INT4 look for
+                **self.attrs, **self.codec.attrs(), "format_version": version, "factor_dtype": self.dtype,
+                fmt.ARRAY_CHECKSUMS: self.array_checksums, "layout": self.layout.record()}
             if self.remote is not None:
-                url = self.remote.publish(self.tmp, fmt.FORMAT_VERSION)
+                url = self.remote.publish(self.tmp, version)
                 shutil.rmtree(self.tmp, ignore_errors=True)
                 return url
             for chunk_id in self.chunk_ids:

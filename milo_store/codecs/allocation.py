@@ -75,10 +75,13 @@ def allocate_ranks(spectra: np.ndarray, tokens: np.ndarray, layout: Layout, rati
             raise ValueError(f"loss {loss.shape} and raw_error {raw_error.shape} must match spectra {spectra.shape}")
     if (L, K, H) != (layout.num_layers, 2, layout.num_kv_heads) or len(tokens) != N:
         raise ValueError(f"spectra shape {spectra.shape} does not match layout {layout} and {len(tokens)} blocks")
-    d = layout.head_dim
-    cap = np.minimum(np.minimum(tokens, d), n if r_max is None else min(r_max, n))  # [N]
-    if r_min > cap.min(initial=d):
-        raise ValueError(f"r_min={r_min} exceeds the largest possible rank {int(cap.min())} of some block")
+    # per unit [N, L, 2, H]: its largest rank, 0 where its layer stores no such unit (`Layout.present`)
+    width = np.broadcast_to(layout.widths, layout.present.shape)
+    cap = np.minimum(np.minimum(tokens.reshape(N, 1, 1, 1), width), n if r_max is None else min(r_max, n)) * layout.present
+    if layout.present.any() and r_min > cap[:, layout.present].min(initial=r_min):
+        raise ValueError(f"r_min={r_min} exceeds the largest possible rank {int(cap[:, layout.present].min())} of "
+                         "some block")
+    floor = np.where(layout.present, r_min, 0) + np.zeros_like(cap)  # every stored unit starts at r_min
     t, kind = tokens.reshape(N, 1, 1, 1), np.arange(2).reshape(2, 1)  # per block and kind -> [N, L, 2, H]
     cost = np.broadcast_to(layout.unit_size(t, kind), (N, L, K, H)).astype(np.float64)
     fixed = np.broadcast_to(layout.fixed_size(t, kind), (N, L, K, H))
@@ -86,7 +89,8 @@ def allocate_ranks(spectra: np.ndarray, tokens: np.ndarray, layout: Layout, rati
 
     full = full_kv_bytes(layout, tokens, 2)
     spendable = ratio * full - index_bytes(layout, N)  # bytes the factors may take, store-wide
-    ranks = np.full((N, L, K, H), r_min, dtype=np.int64)
+    unit_full = layout.unit_bytes(tokens, 2)  # each unit's fp16 bytes: its share of the budget
+    ranks = floor.astype(np.int64)
     keep = [1, 3] if scope == "head" else [1] if scope == "layer" else []
     if kv_split == "separate":
         keep = sorted(keep + [2])
@@ -98,8 +102,7 @@ def allocate_ranks(spectra: np.ndarray, tokens: np.ndarray, layout: Layout, rati
             sel[axis] = slice(i, i + 1)
         sel = tuple(sel)
         sub = spectra[sel]  # [N', L', K', H', n] with pool axes of size 1
-        pool_tokens = int(np.broadcast_to(tokens.reshape(-1, 1, 1, 1), sub.shape[:4]).sum())
-        budget_values = spendable * (pool_tokens * d * 2) / full / bytes_per_value
+        budget_values = spendable * int(unit_full[sel].sum()) / full / bytes_per_value if full else 0.0
         if kv_split == "separate":
             kind = g[keep.index(2)]
             budget_values *= 2 * (key_share if kind == 0 else 1 - key_share)
@@ -107,9 +110,8 @@ def allocate_ranks(spectra: np.ndarray, tokens: np.ndarray, layout: Layout, rati
         where = ", ".join(names[a][i] if a == 2 else names[a].format(i) for a, i in zip(keep, g)) or "the store"
         try:
             raw = None if policy != "frontier" else (loss[sel], raw_cost[sel], raw_error[sel])
-            ranks[sel] = _allocate_pool(sub, cost[sel], fixed[sel] / bytes_per_value,
-                                         np.broadcast_to(cap.reshape(-1, 1, 1, 1), sub.shape[:4]),
-                                         budget_values, policy, r_min, eps, rng, raw)
+            ranks[sel] = _allocate_pool(sub, cost[sel], fixed[sel] / bytes_per_value, cap[sel], budget_values,
+                                         policy, floor[sel], eps, rng, raw)
         except BudgetError as e:
             unit = "bytes" if layout.quantized else "values"
             raise BudgetError(f"ratio {ratio}: the budget of {where} holds {e.args[0]:.0f} {unit} but rank {r_min} "
@@ -117,19 +119,21 @@ def allocate_ranks(spectra: np.ndarray, tokens: np.ndarray, layout: Layout, rati
     return ranks.astype(np.int16)
 
 
-def _allocate_pool(spectra, cost, first, cap, budget_values, policy, r_min, eps, rng, raw=None) -> np.ndarray:
+def _allocate_pool(spectra, cost, first, cap, budget_values, policy, floor, eps, rng, raw=None) -> np.ndarray:
     """Greedy fill of one pool: ranks shaped like cost, spending at most ``budget_values``.
 
-    A unit's rank step costs ``cost``, and its first step ``first`` more (per-token scales). ``raw``
-    (frontier only): (loss, raw cost, raw error) of each unit. Raises BudgetError(budget, need, note)
-    when r_min everywhere does not fit.
+    A unit's rank step costs ``cost``, and its first step ``first`` more (per-token scales); it starts at
+    ``floor`` (r_min; 0 for a unit its layer does not store, whose ``cap`` is 0 too). ``raw`` (frontier only):
+    (loss, raw cost, raw error) of each unit. Raises BudgetError(budget, need, note) when the floors do not fit.
     """
     shape = cost.shape
     s, cost, first, cap = spectra.reshape(-1, spectra.shape[-1]), cost.reshape(-1), first.reshape(-1), cap.reshape(-1)
-    need = r_min * cost.sum() + (first.sum() if r_min > 0 else 0.0)
+    floor = floor.reshape(-1)
+    need = (floor * cost).sum() + first[floor > 0].sum()
     left = budget_values - need
     if left < 0:
-        note = f", {first.sum():.0f} of them per-token value scales" if r_min > 0 and first.any() else ""
+        scales = first[floor > 0].sum()
+        note = f", {scales:.0f} of them per-token value scales" if scales else ""
         raise BudgetError(budget_values, need, note)
     if policy == "frontier":  # the error each step removes; a ladder ends before a step that removes nothing
         loss, raw_cost, raw_error = raw
@@ -137,7 +141,7 @@ def _allocate_pool(spectra, cost, first, cap, budget_values, policy, r_min, eps,
         ends = (gain <= 0) | (np.arange(s.shape[1])[None, :] >= cap[:, None])
         cap = np.where(ends.any(1), ends.argmax(1), s.shape[1])
     units, steps = np.nonzero(np.arange(s.shape[1])[None, :] < cap[:, None])  # candidate increments
-    mask = steps >= r_min
+    mask = steps >= floor[units]
     units, steps = units[mask], steps[mask]
     step_cost = cost[units] + first[units] * (steps == 0)
     sigma2 = s[units, steps] ** 2
@@ -156,14 +160,14 @@ def _allocate_pool(spectra, cost, first, cap, budget_values, policy, r_min, eps,
         units, steps, key, step_cost = units[live], steps[live], key[live], step_cost[live]
     to_raw = np.zeros(len(units), dtype=bool)
     if policy == "frontier":
-        units, steps, key, step_cost, to_raw = _with_raw_steps(gain, (s ** 2).sum(1), cost, first, cap, r_min,
+        units, steps, key, step_cost, to_raw = _with_raw_steps(gain, (s ** 2).sum(1), cost, first, cap, floor,
                                                                raw_cost.reshape(-1), raw_error.reshape(-1), units,
                                                                steps, key, step_cost)
     order = np.lexsort((to_raw, steps, units, -key))
     units, steps, step_cost, to_raw = units[order], steps[order], step_cost[order], to_raw[order]
     spent = np.cumsum(step_cost)
     take = int(np.searchsorted(spent, left, side="right"))
-    ranks = np.full(len(cost), r_min, dtype=np.int64)
+    ranks = floor.astype(np.int64)
     np.add.at(ranks, units[:take][~to_raw[:take]], 1)
     raw_units = units[:take][to_raw[:take]]
     # The prefix stops at the first increment that does not fit; cheaper units' next steps may still fit.
@@ -180,7 +184,7 @@ def _allocate_pool(spectra, cost, first, cap, budget_values, policy, r_min, eps,
     return ranks.reshape(shape)
 
 
-def _with_raw_steps(gain, energy, cost, first, cap, r_min, raw_cost, raw_error, units, steps, key, step_cost):
+def _with_raw_steps(gain, energy, cost, first, cap, floor, raw_cost, raw_error, units, steps, key, step_cost):
     """The frontier's candidate steps: each unit's ladder up to its tangent rank j*, then one step to raw.
 
     E_r (squared error at rank r) = ``energy`` (Σ σ², the raw error's scale) minus what the first r
@@ -193,7 +197,7 @@ def _with_raw_steps(gain, energy, cost, first, cap, r_min, raw_cost, raw_error, 
     rank = np.arange(n + 1)
     error = energy[:, None] - np.concatenate((np.zeros((len(gain), 1)), np.cumsum(gain, 1)), 1)
     spent = rank * cost[:, None] + (rank > 0) * first[:, None]
-    rung = (rank >= r_min) & (rank <= cap[:, None]) & (spent < raw_cost[:, None])
+    rung = (rank >= floor[:, None]) & (rank <= cap[:, None]) & (spent < raw_cost[:, None])
     rate = np.where(rung, (error - raw_error[:, None]) / np.maximum(raw_cost[:, None] - spent, 1e-300), np.inf)
     j = rate.argmin(1)
     best = rate[np.arange(len(gain)), j]

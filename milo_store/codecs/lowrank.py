@@ -37,11 +37,13 @@ class BlockFactors:
 
 
 def factorize_block(keys: torch.Tensor, values: torch.Tensor, codec: str = "svd",
-                    max_rank: int | None = None) -> BlockFactors:
-    """Factor one block's K and V, each [L, H, T, d], in fp32.
+                    max_rank: int | None = None, layout: Layout | None = None) -> BlockFactors:
+    """Factor one block's K and V, each [L, H, T, d] on a layout's grid, in fp32.
 
     ``identity`` stores X itself as A with Σ = 1 and B = I: exact, and the same layout and kernel as
-    ``svd``, at (T + d + 1) / T times the bytes of the raw tensor.
+    ``svd``, at (T + d + 1) / T times the bytes of the raw tensor. With a ``layout`` whose layers are not all
+    alike, only the units it stores are factored, each over its own width (its factors zero past it, and an
+    absent unit's zero throughout).
     """
     if keys.shape != values.shape or keys.dim() != 4:
         raise ValueError(f"keys and values must both be [layers, kv_heads, tokens, head_dim]; "
@@ -49,23 +51,39 @@ def factorize_block(keys: torch.Tensor, values: torch.Tensor, codec: str = "svd"
     x = torch.stack((keys, values), dim=1).float()
     if not torch.isfinite(x).all():
         raise ValueError("block K/V contains NaN or Inf")
+    if codec not in CODECS:
+        raise ValueError(f"unknown codec {codec!r}; expected one of {CODECS}")
+    if layout is None or layout.uniform:
+        return BlockFactors(*_factors(x, codec, max_rank))
+    T, d = x.shape[-2:]  # only the units the layout stores, one batched call per width, into zero-padded factors
+    n = min(T, d) if codec == "svd" else d
+    n = n if max_rank is None else min(max_rank, n)
+    A, S, B = x.new_zeros(*x.shape[:-1], n), x.new_zeros(*x.shape[:-2], n), x.new_zeros(*x.shape[:-2], d, n)
+    width = np.broadcast_to(layout.widths, layout.present.shape)
+    for w in np.unique(width[layout.present]).tolist():
+        units = torch.from_numpy(layout.present & (width == w))
+        a, s, b = _factors(x[units][..., :w], codec, max_rank)
+        A[units, :, :a.shape[-1]], S[units, :s.shape[-1]], B[units, :w, :b.shape[-1]] = a, s, b
+    return BlockFactors(A=A, S=S, B=B)
+
+
+def _factors(x: torch.Tensor, codec: str, max_rank: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(A, Σ, B) of every [T, d] matrix of ``x`` [..., T, d]: its SVD (at most ``max_rank`` columns), or ``identity``'s
+    X, ones and I."""
     if codec == "identity":
         d = x.shape[-1]
-        eye = torch.eye(d).expand(*x.shape[:-2], d, d)
-        return BlockFactors(A=x, S=torch.ones(*x.shape[:-2], d), B=eye.contiguous())
-    if codec != "svd":
-        raise ValueError(f"unknown codec {codec!r}; expected one of {CODECS}")
+        return x, torch.ones(*x.shape[:-2], d), torch.eye(d).expand(*x.shape[:-2], d, d).contiguous()
     U, S, Vh = torch.linalg.svd(x, full_matrices=False)
     r = S.shape[-1] if max_rank is None else min(max_rank, S.shape[-1])
-    return BlockFactors(A=U[..., :r].contiguous(), S=S[..., :r].contiguous(),
-                        B=Vh[..., :r, :].transpose(-1, -2).contiguous())
+    return U[..., :r].contiguous(), S[..., :r].contiguous(), Vh[..., :r, :].transpose(-1, -2).contiguous()
 
 
-def pack_block(f: BlockFactors, ranks: np.ndarray, dtype: str = "float16") -> torch.Tensor:
+def pack_block(f: BlockFactors, ranks: np.ndarray, dtype: str = "float16", layout: Layout | None = None) -> torch.Tensor:
     """Concatenate each segment's first r columns (ranks [L, 2, H]) into one flat tensor of ``dtype``.
 
     ``int8``, ``int4`` and ``int2`` pack each segment's bytes as `quant` lays them out (a uint8 tensor).
-    A unit at ``RAW_RANK`` is packed raw: X = A diag(Σ) Bᵀ itself (exact given full-rank factors).
+    A unit at ``RAW_RANK`` is packed raw: X = A diag(Σ) Bᵀ itself (exact given full-rank factors). A ``layout``
+    whose units differ in width packs each unit's B (and raw X) over its own width only.
     """
     tdtype = TORCH_DTYPES[dtype]
     ranks = np.asarray(ranks)
@@ -79,21 +97,23 @@ def pack_block(f: BlockFactors, ranks: np.ndarray, dtype: str = "float16") -> to
         raise ValueError("a raw unit needs the block's full-rank factors")
     if tdtype in (torch.float16, torch.uint8) and f.S.numel() and float(f.S.max()) > torch.finfo(torch.float16).max:
         raise ValueError(f"a singular value ({float(f.S.max()):.3g}) overflows float16; store bfloat16 or float32")
+    widths = None if layout is None or layout.uniform else layout.widths
     parts = []
     for idx in np.ndindex(*ranks.shape):
         r = int(ranks[idx])
+        b = f.B[idx] if widths is None else f.B[idx][:widths[idx[0], idx[1], 0]]
         if r == RAW_RANK:  # the unit's K or V itself (docs/format.md, raw segments)
-            x = reconstruct(f.A[idx], f.S[idx], f.B[idx])
+            x = reconstruct(f.A[idx], f.S[idx], b)
             parts.append(quant.pack_raw_segment(x, dtype, idx[1]) if tdtype == torch.uint8 else x.reshape(-1))
         elif tdtype == torch.uint8:
-            parts.append(quant.pack_segment(f.A[idx][:, :r], f.S[idx][:r], f.B[idx][:, :r], dtype, kind=idx[1]))
+            parts.append(quant.pack_segment(f.A[idx][:, :r], f.S[idx][:r], b[:, :r], dtype, kind=idx[1]))
         else:
-            parts += [f.A[idx][:, :r].reshape(-1), f.S[idx][:r], f.B[idx][:, :r].reshape(-1)]
+            parts += [f.A[idx][:, :r].reshape(-1), f.S[idx][:r], b[:, :r].reshape(-1)]
     return torch.cat(parts).to(tdtype) if parts else torch.empty(0, dtype=tdtype)
 
 
-def measured_losses(f: BlockFactors, dtype: str,
-                    scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def measured_losses(f: BlockFactors, dtype: str, scale: torch.Tensor | None = None,
+                    layout: Layout | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """What storing a block in ``dtype`` loses, for the allocator's frontier policy (`allocation`).
 
     ``f``: the block's full-rank factors, A's and (diag(s) B)'s columns orthonormal (``scale`` s
@@ -101,13 +121,17 @@ def measured_losses(f: BlockFactors, dtype: str,
     quantized A and B columns lose, [L, 2, H, n] (first order: ||ΔA||² + ||diag(s) ΔB||²; B is INT8 per
     column in quantized stores), and the squared error of each unit's raw form ||(X̂ - X) diag(s)||²,
     [L, 2, H], both measured by quantizing as the writer does (exactly, except that a value's INT4/INT2
-    per-token groups are taken over all n columns, not the r kept).
+    per-token groups are taken over all n columns, not the r kept). A ``layout``'s absent units lose nothing, and
+    each unit is measured over its own width.
     """
     b_dtype = "int8" if dtype in quant.QUANT_BITS else dtype
     loss, raw_error = torch.zeros(f.S.shape), torch.zeros(f.S.shape[:3])
     for l, k, h in itertools.product(*map(range, f.S.shape[:3])):
-        a, b = f.A[l, k, h].float(), f.B[l, k, h].float()
-        w = torch.ones(b.shape[0]) if scale is None else scale[l, k, h].float()
+        if layout is not None and not layout.present[l, k, h]:
+            continue
+        width = f.B.shape[-2] if layout is None else int(layout.widths[l, k, 0])
+        a, b = f.A[l, k, h].float(), f.B[l, k, h, :width].float()
+        w = torch.ones(b.shape[0]) if scale is None else scale[l, k, h, :width].float()
         da = quant.roundtrip(a, dtype, k) - a
         db = (quant.roundtrip(b, b_dtype, 0) - b) * w[:, None]
         loss[l, k, h] = da.pow(2).sum(0) + db.pow(2).sum(0)
@@ -129,7 +153,7 @@ class LowRankCodec:
 
     def encode(self, i: int, f) -> torch.Tensor:
         """Block i's packed segments at its ranks from its factors (`pack_block`)."""
-        return pack_block(f, self.ranks[i], self.dtype)
+        return pack_block(f, self.ranks[i], self.dtype, self.layout)
 
     def decode(self, i: int, stored: torch.Tensor) -> torch.Tensor:
         return stored

@@ -126,13 +126,23 @@ def allocation_record(config: CompressionConfig | dict) -> dict:
     return {k: v for k, v in record.items() if not (k in LATER_FIELDS and v == LATER_FIELDS[k])}
 
 
+def check_layout(layout: Layout, config: CompressionConfig) -> None:
+    """Refuse a codec that needs every layer alike (one head size, keys and values in every layer) for a layout whose
+    layers differ (Gemma 4's): the bits codec's and the baselines' bases are per (layer, kind, head) of one width."""
+    if not layout.uniform and (for_config(config.codec) is not None or config.codec in BASELINES):
+        raise ValueError(f"the {config.codec} codec needs every layer to hold keys and values of one head size; this "
+                         f"model's layers differ ({', '.join(layout.layer_groups())}): build with --codec svd")
+
+
 def check_budget(layout: Layout, tokens, config: CompressionConfig) -> None:
-    """Raise BudgetError now if ``config.ratio`` cannot hold r_min everywhere (before any encoding).
+    """Raise BudgetError now if ``config.ratio`` cannot hold r_min everywhere (before any encoding), and ValueError
+    for a codec this layout cannot take (`check_layout`).
 
     It runs the allocator itself on empty spectra, so every pool's budget (scope, K/V split, key
     share, per-token scales) is checked as pass two will check it. Exact for block-level codecs;
     example-svd's finer units are checked again when it allocates.
     """
+    check_layout(layout, config)
     if (store_codec := for_config(config.codec)) is not None:  # its widths may all be 0: its index bounds it
         store_codec.fixed_bytes(quant_layout(layout, config.dtype), tokens, config.ratio)
         return
@@ -170,7 +180,7 @@ def _plan(source, layout: Layout, config: CompressionConfig, read: Callable[[int
         if measured:
             f = source.factors(b)
             tokens[i], s = f.tokens, f.S
-            loss, raw_error = measured_losses(f, config.dtype, source.scale)
+            loss, raw_error = measured_losses(f, config.dtype, source.scale, layout)
             measured["loss"][i, ..., :s.shape[-1]], measured["raw_error"][i] = loss.numpy(), raw_error.numpy()
         else:
             tokens[i], s = source.spectrum(b)
@@ -178,9 +188,10 @@ def _plan(source, layout: Layout, config: CompressionConfig, read: Callable[[int
         spectra[i, ..., :full[i]] = s.double().numpy()
         read(i + 1)
     if config.codec == "raw":
-        return np.full(spectra.shape[:4], RAW_RANK, dtype=np.int16), tokens
-    if config.codec == "identity" or config.full_rank:
-        return np.broadcast_to(full.reshape(-1, 1, 1, 1), spectra.shape[:4]).astype(np.int16), tokens
+        return np.where(layout.present, RAW_RANK, 0)[None].repeat(N, 0).astype(np.int16), tokens
+    if config.codec == "identity" or config.full_rank:  # each unit's every column (its width's, past T none)
+        width = np.broadcast_to(layout.widths, layout.present.shape)
+        return (np.minimum(full.reshape(-1, 1, 1, 1), width) * layout.present).astype(np.int16), tokens
     ratio = config.ratio
     if source.block_group is not None:  # the group index is not in allocation's index: take it off the budget
         ratio -= GROUP_BYTES * N / full_kv_bytes(layout, tokens)
@@ -204,6 +215,7 @@ def plan_store(staging: StagedFactors, num_blocks: int, layout: Layout, config: 
     ``value_attention(i, keys)``: calibration attention for a codec that measures values' errors through
     it (`bits`); the low-rank codec ignores it.
     """
+    check_layout(layout, config)
     reused = reused or {}
     if reused and (previous is None or config.codec in BASELINES):
         raise ValueError("reused blocks come from a previous version of a store of block-level codec "
