@@ -47,7 +47,7 @@ def rebuild_tables(codec, layout):
 def lowrank_segments(layout, ranks, T):
     """Per layer: the segment table of one block (ranks [L, 2, H]) read in place, rows from 0."""
     bounds = layout.layer_offsets(ranks, T)
-    return [torch.from_numpy(layout.layer_segments(ranks[None, l], [T], [0], [int(bounds[l])]))
+    return [torch.from_numpy(layout.layer_segments(l, ranks[None, l], [T], [0], [int(bounds[l])]))
             for l in range(layout.num_layers)]
 
 

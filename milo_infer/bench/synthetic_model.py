@@ -1,5 +1,6 @@
-"""The benchmark's workload without a real model or corpus: a Qwen2 model of a named shape with random
-weights, a byte-level tokenizer built in memory, and every method's store over synthetic K/V.
+"""The benchmark's workload without a real model or corpus: a model of a named shape (its family's config class
+and sizes) with random weights, a byte-level tokenizer built in memory, and every method's store over synthetic
+K/V on the model's layers (`milo_store.layers`: Gemma 4's per-layer shapes, K = V and shared layers too).
 
 Needs no files and no download, so tests and GPU runs can use it anywhere.
 """
@@ -10,12 +11,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from milo_store import CompressionConfig, Layout, Staging, factorize_block, write_store
+from milo_store import CompressionConfig, Staging, factorize_block, write_store
 from milo_store.synthetic import synthetic_block_factors
 
 from .throughput import store_configs
 from ..tasks.corpus import TaskSpec
-from ..models import LoadedModel, model_identity
+from ..models import LoadedModel, identity_layout, model_identity
 
 SHAPES = {
     # Qwen2.5-7B's decoder (vocab and positions included); random weights.
@@ -24,7 +25,22 @@ SHAPES = {
                        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
     "tiny": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=128, vocab_size=300, max_position_embeddings=4096),
+    # Gemma 4 E2B's decoder as shared/families-2026-notes.md gives it: 35 layers, four sliding ones of a KV head of 256
+    # to one full one of 512, the last 20 attending earlier layers' K/V; K = V on the full layers (attention_k_eq_v,
+    # on here to measure what it saves). Its vocabularies cut to 4,096 (the byte tokenizer's ids; the layers are
+    # E2B's, and 262,144 per-layer input rows would be 9 GB of random weights)
+    "gemma4-e2b": dict(num_hidden_layers=35, hidden_size=1536, num_attention_heads=8, num_key_value_heads=1,
+                       head_dim=256, global_head_dim=512, num_global_key_value_heads=1, attention_k_eq_v=True,
+                       num_kv_shared_layers=20, sliding_window=512, intermediate_size=6144, vocab_size=4096,
+                       vocab_size_per_layer_input=4096, hidden_size_per_layer_input=256,
+                       max_position_embeddings=32768),
+    "gemma4-tiny": dict(num_hidden_layers=6, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                        global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True, num_kv_shared_layers=2,
+                        sliding_window=64, intermediate_size=128, vocab_size=300, vocab_size_per_layer_input=300,
+                        hidden_size_per_layer_input=8, max_position_embeddings=4096,
+                        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2),
 }
+CONFIG_CLASS = {"gemma4-e2b": "Gemma4TextConfig", "gemma4-tiny": "Gemma4TextConfig"}  # the others: Qwen2Config
 SYNTHETIC_LABELS = tuple(f"c{i:02d}" for i in range(16))  # " c07" + newline: 5 generated tokens each
 
 
@@ -42,12 +58,12 @@ def byte_tokenizer():
 
 
 def random_model(shape: str, device="cpu", dtype=torch.float32) -> LoadedModel:
-    """A Qwen2 model of a named shape with random weights, initialised directly on ``device``."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    """A model of a named shape (`SHAPES`) with random weights, initialised directly on ``device``."""
+    import transformers
 
-    config = Qwen2Config(**SHAPES[shape], tie_word_embeddings=False)
+    config = getattr(transformers, CONFIG_CLASS.get(shape, "Qwen2Config"))(**SHAPES[shape], tie_word_embeddings=False)
     with torch.device(device):
-        model = Qwen2ForCausalLM._from_config(config, dtype=dtype)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.eval().requires_grad_(False)
     return LoadedModel(model=model, tokenizer=byte_tokenizer(), identity=model_identity(model))
 
@@ -79,7 +95,7 @@ def synthetic_stores(root, loaded: LoadedModel, *, demos: int, block_size: int, 
     """
     root = Path(root)
     ident = loaded.identity
-    layout = Layout(ident["num_layers"], ident["num_kv_heads"], ident["head_dim"])
+    layout = identity_layout(ident)
     n_blocks = -(-demos // block_size)
     task = TaskSpec(name="synthetic", template="Input: {input}\nLabel: {output}\n", anchor="Label each input.",
                     answer_kind="label", labels=SYNTHETIC_LABELS)
@@ -101,7 +117,7 @@ def synthetic_stores(root, loaded: LoadedModel, *, demos: int, block_size: int, 
                 continue
             staged = {"svd": factors}
             if "identity" in stagings:
-                staged["identity"] = factorize_block(k, v, codec="identity")
+                staged["identity"] = factorize_block(k, v, codec="identity", layout=layout)
             for c, f in staged.items():
                 f = dataclasses.replace(f, A=f.A.cpu(), S=f.S.cpu(), B=f.B.cpu())
                 pending.append(pool.submit(stagings[c].put, b, f))
@@ -118,14 +134,17 @@ def synthetic_stores(root, loaded: LoadedModel, *, demos: int, block_size: int, 
     attrs = {"model": ident, "task": dataclasses.asdict(task),
              "build": {"block_size": block_size, "synthetic": True, "anchor_token_ids": anchor_ids}}
     weights = torch.exp(0.5 * torch.randn(layout.num_layers, 2, layout.num_kv_heads, layout.head_dim, generator=g))
+    gain = None  # K = V layers' key gains (a random model's key norms' weights: drawn too)
+    if any(spec.keys_from_values for spec in layout.layers):
+        gain = torch.exp(0.1 * torch.randn(layout.num_layers, layout.head_dim, generator=g))
     configs = {name: (config, {}) for name, config in store_configs(ratios, query_aware=False).items()
                if config.codec in stagings}
     configs.update({f"bits-r{ratio}": (CompressionConfig(codec="bits", ratio=ratio, query_aware=True),
                                        {"channel_scale": weights}) for ratio in bits_ratios})
     with ThreadPoolExecutor(min(workers, len(configs))) as pool:
         written = {name: pool.submit(write_store, root / name, stagings["svd" if config.codec != "identity" else "identity"],
-                                     n_blocks, layout, config, attrs=attrs, anchor_kv=anchor, examples=examples,
-                                     token_ids=ids, force=True, **extra)
+                                     n_blocks, layout, config, attrs=attrs, anchor_kv=anchor, key_gain=gain,
+                                     examples=examples, token_ids=ids, force=True, **extra)
                    for name, (config, extra) in configs.items()}
         return {name: future.result() for name, future in written.items()}
 

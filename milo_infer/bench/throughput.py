@@ -235,17 +235,20 @@ def kernel_speedup(session: TimedSession, block_ids: list[int], repeat: int = 3)
     layers = []
     for l in range(layout.num_layers):
         factors, starts = prefetch.layer(l)
-        layers.append((factors.clone(), torch.from_numpy(layout.layer_segments(store.ranks[block_ids, l], tokens,
+        layers.append((factors.clone(), torch.from_numpy(layout.layer_segments(l, store.ranks[block_ids, l], tokens,
                                                                               dst, starts))))
     engine = session.engine
-    out_k = torch.empty(layout.num_kv_heads, int(tokens.sum()), layout.head_dim, dtype=engine.dtype, device=dev)
-    out_v = torch.empty_like(out_k)
+    outs = {(spec.kv_heads, spec.head_dim): [torch.empty(spec.kv_heads, int(tokens.sum()), spec.head_dim,
+                                                         dtype=engine.dtype, device=dev) for _ in range(2)]
+            for spec in layout.layers if spec.holds_cache}
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
 
     def run(backend):
         for l, (factors, segments) in enumerate(layers):
-            reconstruct_layer(factors, segments, out_k, out_v, *engine.rope.layer(l),
-                              **session.mounted.prefix.rope_layout, quant=layout.quant, backend=backend)
+            spec = layout.layers[l]
+            if spec.holds_cache:
+                reconstruct_layer(factors, segments, *outs[spec.kv_heads, spec.head_dim], *engine.rope.layer(l),
+                                  **spec.rope_layout(), quant=layout.quant, backend=backend)
 
     times = {}
     for name, backend in (("reference", "reference"), ("kernel", "auto")):  # "auto": the device's own kernel

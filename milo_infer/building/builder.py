@@ -28,13 +28,12 @@ import torch
 from tqdm import tqdm
 
 from milo_store import Layout, MiloStore, Staging, factorize_block, text_index, write_store
-from milo_store.codecs.allocation import BudgetError
 from milo_store.codecs import STORE_CODECS
 from milo_store.codecs.planning import check_budget, staging_codec
 from milo_store.urls import is_url, local_sidecar
 from milo_store.writer import StoreLock, check_target
 
-from ..models import LoadedModel, channel_scales
+from ..models import LoadedModel, channel_scales, identity_layout, key_gains
 from .calibration import calibration_query_ids, context_attention, context_query_ids, value_attention
 from ..tasks.corpus import Demonstration, TaskSpec
 from .config import BuildConfig, BuildError, corpus_fingerprint
@@ -121,11 +120,11 @@ def plan_blocks(identity: dict, anchor_ids: list[int], demo_ids: list[list[int]]
     if longest > identity["max_position_embeddings"]:
         raise BuildError(f"an encoding context of {longest} tokens exceeds the model's "
                          f"{identity['max_position_embeddings']}; use a smaller --block-size or fewer --context-blocks")
-    layout = Layout(identity["num_layers"], identity["num_kv_heads"], identity["head_dim"])
+    layout = identity_layout(identity)
     if encode:
         try:
             check_budget(layout, [len(block_ids[i]) for i in encode], config.compression)
-        except BudgetError as e:
+        except ValueError as e:  # a budget that cannot hold r_min, a codec this model's layers cannot take
             raise BuildError(str(e)) from None
     return BuildPlan(anchor_ids, demo_ids, blocks, block_ids, layout, encoding_units(encode, config.encode_batch),
                      fingerprint)
@@ -232,7 +231,7 @@ def encode_share(model, plan: BuildPlan, share: RankShare, config: BuildConfig, 
             encoded = encode_blocks(model, rows)
             t1 = time.perf_counter()
             for i, (keys, values) in zip(unit, encoded):
-                share.staging.put(i, factorize_block(keys, values, codec=codec))
+                share.staging.put(i, factorize_block(keys, values, codec=codec, layout=plan.layout))
             encode_s += t1 - t0
             factorize_s += time.perf_counter() - t1
         mine_blocks = [i for u in share.mine for i in u]
@@ -295,7 +294,8 @@ def commit(out: Path, loaded: LoadedModel, demos, task, config: BuildConfig, pla
     bars = StageBars(progress)
     try:
         return write_store(out, share.staging, len(plan.blocks), layout, config.compression, attrs=attrs,
-                           anchor_kv=anchor_kv, examples=examples, channel_scale=channel_scale,
+                           anchor_kv=anchor_kv, key_gain=previous.key_gains() if previous is not None else key_gains(model),
+                           examples=examples, channel_scale=channel_scale,
                            token_ids=np.concatenate([np.asarray(b, dtype=np.int32) for b in plan.block_ids]),
                            force=force, lock=share.lock, progress=bars, previous=previous, reused=reused,
                            purge=purge, value_attention=attend)
@@ -304,8 +304,8 @@ def commit(out: Path, loaded: LoadedModel, demos, task, config: BuildConfig, pla
 
 
 def encode_anchor(model, anchor_ids: list[int], layout: Layout) -> torch.Tensor:
-    """The anchor's K/V [L, 2, H, T, d] on the CPU. An empty anchor (no instruction, no tokenizer prefix)
-    has none, and a model refuses zero tokens."""
+    """The anchor's K/V [L, 2, H, T, d] on the CPU, on the layers' grid (`encode_blocks`). An empty anchor (no
+    instruction, no tokenizer prefix) has none, and a model refuses zero tokens."""
     if not anchor_ids:
         return torch.zeros(layout.num_layers, 2, layout.num_kv_heads, 0, layout.head_dim)
     return torch.stack(encode_blocks(model, [(anchor_ids, len(anchor_ids))])[0], dim=1).cpu()

@@ -5,7 +5,7 @@ import random
 
 import torch
 
-from ..models import capture_kv
+from ..models import capture_kv, model_layout
 from ..tasks.corpus import Demonstration, TaskSpec
 from .config import BuildError
 
@@ -39,7 +39,7 @@ def encoding_units(blocks, encode_batch: int) -> list[list[int]]:
 
 def encode_blocks(model, rows: list[tuple[list[int], int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Forward each row's ids in one batch; per row, its last ``captured`` tokens' pre-RoPE K and V,
-    each [L, H, T, d] fp32 on the model's device.
+    each [L, H, T, d] fp32 on the model's device, on its layers' grid (`model_layout`).
 
     Rows are right-padded: under the causal mask a real token never attends to the padding after
     it, so no padding mask is needed and its positions are 0..n-1 exactly as in a one-row pass.
@@ -51,8 +51,6 @@ def encode_blocks(model, rows: list[tuple[list[int], int]]) -> list[tuple[torch.
         batch[r, :len(ids)] = torch.tensor(ids)
     with capture_kv(model) as kv, torch.inference_mode():
         model(input_ids=batch.to(model.device), use_cache=False, logits_to_keep=1)
-    out = []
-    for r, (ids, captured) in enumerate(rows):
-        span = slice(len(ids) - captured, len(ids))
-        out.append(tuple(torch.stack([x[r, span].transpose(0, 1) for x in xs]).float() for xs in (kv.keys, kv.values)))
-    return out
+    layout = model_layout(model.config)
+    return [tuple(x.float() for x in kv.grid(r, slice(len(ids) - captured, len(ids)), layout))
+            for r, (ids, captured) in enumerate(rows)]

@@ -36,8 +36,8 @@ from milo_store import CompressionConfig, MiloStore
 
 from ..building.builder import build_store
 from ..building.config import BuildConfig
-from ..models import LoadedModel, attention_of, layer_rope_tables, query_channel_scales
-from ..models.capture import rope_pairs
+from ..models import LoadedModel, layer_rope_tables, layer_specs, query_channel_scales
+from ..models.capture import pooled_key_scales, query_energy
 from ..runtime.engine import Engine, cache_keyword
 from ..runtime.planning import Request
 from ..runtime.prefix import PrefixRebuild
@@ -133,8 +133,10 @@ def _check(loaded: LoadedModel, store: MiloStore, query: str, w: int) -> Conform
     report = Conformance(loaded.identity["name"], model.config.model_type, engine.dtype, n,
                          [{} for _ in range(model.config.num_hidden_layers)])
 
-    def record(check: str, got: list[torch.Tensor], want: list[torch.Tensor], kind: str) -> None:
+    def record(check: str, got: list, want: list, kind: str) -> None:
         for layer, (a, b) in enumerate(zip(got, want)):
+            if a is None:  # a layer that attends another's K/V holds none
+                continue
             key = f"{check} {kind}"
             dev = Deviation.of(a, b)
             report.layers[layer][key] = report.layers[layer][key].worst(dev) if key in report.layers[layer] else dev
@@ -146,8 +148,8 @@ def _check(loaded: LoadedModel, store: MiloStore, query: str, w: int) -> Conform
         cached_k, cached_v = model_cache(model, anchor + [t for c in context for t in ids[c]], 0)
         span = slice(starts[b], starts[b] + len(ids[b]))
         for kind, ours, theirs in (("keys", k, cached_k), ("values", v, cached_v)):
-            record("capture", [x[:, :, span] for x in ours], [x[:, :, span] for x in theirs], kind)
-            record("capture", [x[:, :, :len(anchor)] for x in ours], [x[:, :, :len(anchor)] for x in theirs], kind)
+            record("capture", cut(ours, span), cut(theirs, span), kind)
+            record("capture", cut(ours, slice(len(anchor))), cut(theirs, slice(len(anchor))), kind)
 
     order = list(range(n))[::-1]  # a query's prefix in another order: blocks at other positions than encoded
     k, v = rebuilt(engine, order)
@@ -157,8 +159,8 @@ def _check(loaded: LoadedModel, store: MiloStore, query: str, w: int) -> Conform
         row = anchor + [t for c in context for t in ids[c]]
         cached_k, cached_v = model_cache(model, row, at - starts[b])
         theirs, ours = slice(starts[b], starts[b] + len(ids[b])), slice(at, at + len(ids[b]))
-        record("reposition", [x[:, :, ours] for x in k], [x[:, :, theirs] for x in cached_k], "keys")
-        record("reposition", [x[:, :, ours] for x in v], [x[:, :, theirs] for x in cached_v], "values")
+        record("reposition", cut(k, ours), cut(cached_k, theirs), "keys")
+        record("reposition", cut(v, ours), cut(cached_v, theirs), "values")
         at += len(ids[b])
 
     plan = engine.plan("check", Request(text=query), block_ids=order)
@@ -171,14 +173,24 @@ def _check(loaded: LoadedModel, store: MiloStore, query: str, w: int) -> Conform
     return report
 
 
-def rebuilt(engine: Engine, blocks: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per layer, K and V [1, H, P, d] of [anchor][blocks] as the engine's rebuild writes them into its cache."""
+def cut(tensors: list, columns: slice) -> list:
+    """Each layer's [1, H, T, d] at ``columns`` (None stays None: a layer holding no K/V)."""
+    return [None if x is None else x[:, :, columns] for x in tensors]
+
+
+def rebuilt(engine: Engine, blocks: list[int]) -> tuple[list, list]:
+    """Per layer, K and V [1, H, P, d] of [anchor][blocks] as the engine's rebuild writes them into its cache (None at
+    a layer that attends another's)."""
     mounted = engine.stores["check"]
     rebuild = PrefixRebuild([mounted.prefix.place(blocks)], engine.rope, engine.device)
-    layout, P = mounted.prefix.layout, rebuild.rows[0].prefix_tokens
+    P = rebuild.rows[0].prefix_tokens
     keys, values = [], []
-    for layer in range(layout.num_layers):
-        k = torch.empty(1, layout.num_kv_heads, P, layout.head_dim, dtype=engine.dtype, device=engine.device)
+    for layer, spec in enumerate(mounted.prefix.layers):
+        if not spec.holds_cache:
+            keys.append(None)
+            values.append(None)
+            continue
+        k = torch.empty(1, spec.kv_heads, P, spec.head_dim, dtype=engine.dtype, device=engine.device)
         v = torch.empty_like(k)
         rebuild.fill(layer, k, v)
         keys.append(k)
@@ -187,17 +199,20 @@ def rebuilt(engine: Engine, blocks: list[int]) -> tuple[list[torch.Tensor], list
 
 
 @torch.inference_mode()
-def model_cache(model, ids: list[int], shift: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def model_cache(model, ids: list[int], shift: int) -> tuple[list, list]:
     """Per layer, the K and V [1, H, T, d] the model writes into its own cache for ``ids`` fed at positions
-    ``shift``, ``shift + 1``, ...: RoPE'd where the layer rotates, as its attention reads them. The cache is one
-    without a config, which keeps every token of every layer: a config's window layers would keep their last W
-    (the model still attends within its windows: its masks make them)."""
+    ``shift``, ``shift + 1``, ...: RoPE'd where the layer rotates, as its attention reads them (None at a layer that
+    attends another's: it writes none). The cache is one without a config, which keeps every token of every layer:
+    a config's window layers would keep their last W (the model still attends within its windows: its masks make
+    them)."""
     device = next(model.parameters()).device
     positions = torch.arange(len(ids), device=device)[None] + shift
     out = model(input_ids=torch.tensor([ids], device=device), position_ids=positions, use_cache=True,
                 logits_to_keep=1, **{cache_keyword(model): DynamicCache()})
     cache = out.cache if hasattr(out, "cache") else out.past_key_values  # transformers renamed it after 5.19
-    return [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers]
+    written = iter(cache.layers)  # the layers holding K/V, in order
+    held = [next(written) if spec.holds_cache else None for spec in layer_specs(model.config)]
+    return [None if c is None else c.keys for c in held], [None if c is None else c.values for c in held]
 
 
 @torch.inference_mode()
@@ -206,7 +221,8 @@ def plain_logits(model, keys, values, query_ids: list[int], prefix_tokens: int) 
     (every column kept, as `model_cache`'s)."""
     cache = DynamicCache()
     for layer, (k, v) in enumerate(zip(keys, values)):
-        cache.update(k, v, layer)
+        if k is not None:
+            cache.update(k, v, layer)
     device = next(model.parameters()).device
     positions = torch.arange(prefix_tokens, prefix_tokens + len(query_ids), device=device)[None]
     out = model(input_ids=torch.tensor([query_ids], device=device), position_ids=positions, use_cache=True,
@@ -239,7 +255,6 @@ def attended_query_scales(model, ids: list[int]) -> torch.Tensor:
     same rotated or not, so the attention's post-RoPE queries give what the pre-RoPE tap must, once a scale the
     rotary tables carry, YaRN's, is divided out: cos² + sin² at position 0)."""
     config = model.config
-    H, n_rep = config.num_key_value_heads, config.num_attention_heads // config.num_key_value_heads
     seen: dict[int, torch.Tensor] = {}
     before = config._attn_implementation
     config._attn_implementation = RECORDING
@@ -249,10 +264,7 @@ def attended_query_scales(model, ids: list[int]) -> torch.Tensor:
     finally:
         _RECORDED.pop()
         config._attn_implementation = before
-    energy = torch.stack([seen[layer].double()[0].transpose(0, 1).unflatten(1, (H, n_rep)).square().mean(dim=(0, 2))
-                          for layer in range(config.num_hidden_layers)]).cpu()  # [L, H, d]
     tables = layer_rope_tables(model, 1)
-    carried = torch.tensor([float(tables.layer(l)[0][0, 0]) ** 2 for l in range(config.num_hidden_layers)],
-                           dtype=torch.float64)
-    energy = energy / carried[:, None, None]
-    return rope_pairs(energy, **attention_of(config).rope_layout(config)).sqrt().float()
+    return pooled_key_scales(layer_specs(config), {  # each layer's [tokens, Hq, d] over its tables' carried scale
+        layer: query_energy(config, layer, seen[layer][0].transpose(0, 1)) / float(tables.layer(layer)[0][0, 0]) ** 2
+        for layer in range(config.num_hidden_layers)})

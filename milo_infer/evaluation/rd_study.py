@@ -207,7 +207,7 @@ def _decode_packed(packed: torch.Tensor, layout: Layout, ranks: np.ndarray, toke
     out = torch.zeros(L, 2, H, tokens, d)
     for layer in range(L):
         part = packed[offsets[layer]:offsets[layer + 1]].clone()  # a fresh (aligned) buffer per layer
-        segments = torch.from_numpy(layout.layer_segments(ranks[None, layer], np.array([tokens]), np.array([0]),
+        segments = torch.from_numpy(layout.layer_segments(layer, ranks[None, layer], np.array([tokens]), np.array([0]),
                                                           np.array([0])))
         reconstruct_layer(part, segments, out[layer, 0], out[layer, 1], cos, sin, quant=layout.quant,
                           backend="reference")

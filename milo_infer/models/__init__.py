@@ -14,11 +14,12 @@ Face model lays these out:
 * `rope`: the model's own cos/sin tables (`rope_tables`), and each layer's (`RopeTables`: NoPE layers
   rotate by identity tables).
 """
-from .capture import (CapturedKV, capture_kv, capture_queries, channel_scales, decoder_layers, output_channel_scales,
+from .capture import (CapturedKV, capture_kv, capture_queries, channel_scales, decoder_layers, key_gains,
+                      output_channel_scales,
                       query_channel_scales)
 from .families import (FAMILIES, REFUSED, SUPPORTED_ROPE_TYPES, Attention, UnsupportedModelError, attention_of,
-                       check_supported, head_dim)
-from .identity import IDENTITY_FIELDS, check_compatible, config_identity, model_identity
+                       check_supported, head_dim, layer_specs, model_layout)
+from .identity import IDENTITY_FIELDS, check_compatible, config_identity, identity_layout, model_identity
 from .loading import (LoadedModel, ModelUnavailable, _converted_gguf, cache_root, default_gguf_path, llama_as_qwen2,
                       load_model, model_directory, read_config)
 from .rope import RopeTables, config_layer_rope_tables, config_rope_tables, layer_rope_tables, rope_tables
@@ -27,6 +28,6 @@ __all__ = ["Attention", "CapturedKV", "FAMILIES", "IDENTITY_FIELDS", "LoadedMode
            "RopeTables", "SUPPORTED_ROPE_TYPES", "UnsupportedModelError", "attention_of", "cache_root", "capture_kv",
            "capture_queries",
            "channel_scales", "check_compatible", "check_supported", "config_identity", "config_layer_rope_tables",
-           "config_rope_tables", "decoder_layers", "default_gguf_path", "head_dim", "layer_rope_tables",
-           "llama_as_qwen2", "load_model", "model_directory", "model_identity", "output_channel_scales",
+           "config_rope_tables", "decoder_layers", "default_gguf_path", "head_dim", "identity_layout", "key_gains", "layer_rope_tables",
+           "layer_specs", "llama_as_qwen2", "load_model", "model_directory", "model_identity", "model_layout", "output_channel_scales",
            "query_channel_scales", "read_config", "rope_tables"]

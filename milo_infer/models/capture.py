@@ -8,7 +8,7 @@ from typing import Iterator
 
 import torch
 
-from .families import Attention, attention_of, head_dim
+from .families import Attention, attention_of, layer_specs
 
 
 def decoder_layers(model) -> torch.nn.ModuleList:
@@ -27,25 +27,28 @@ def _module(attention: torch.nn.Module, names: tuple[str, ...]) -> tuple[torch.n
                          "(milo_infer/models/families.py) does not fit this transformers version")
 
 
-def _taps(model, spec: Attention, what: str):
+def _taps(model, spec: Attention, what: str) -> dict:
     """Per layer, (module to hook, a function of its output giving the wanted part [batch, tokens, heads * d] or
-    [batch, tokens, heads, d]): ``what`` is "q", "k" or "v"."""
+    [batch, tokens, heads, d]): ``what`` is "q", "k" or "v". A layer that attends another's K/V (`layer_specs`'
+    shared layers) has no key or value tap."""
     config = model.config
-    d = head_dim(config)
-    sizes = {"q": config.num_attention_heads * d, "k": config.num_key_value_heads * d, "v": config.num_key_value_heads * d}
-    taps = []
-    for layer in decoder_layers(model):
+    taps = {}
+    for index, (layer, shape) in enumerate(zip(decoder_layers(model), layer_specs(config))):
         attention = layer.self_attn
+        if what != "q" and not shape.holds_cache:
+            continue
+        d = shape.head_dim
+        sizes = {"q": config.num_attention_heads * d, "k": shape.kv_heads * d, "v": shape.kv_heads * d}
         if spec.fused is not None:  # [q | k | v] along the last dimension
             start = {"q": 0, "k": sizes["q"], "v": sizes["q"] + sizes["k"]}[what]
-            taps.append((getattr(attention, spec.fused), lambda out, a=start, b=start + sizes[what]: out[..., a:b]))
+            taps[index] = (getattr(attention, spec.fused), lambda out, a=start, b=start + sizes[what]: out[..., a:b])
         else:
             names = {"q": spec.queries, "k": spec.keys, "v": (spec.values,)}[what]
             module, first = _module(attention, names)
             if spec.heads_first and what != "v" and first:  # [batch, heads, tokens, d] -> [batch, tokens, heads, d]
-                taps.append((module, lambda out: out.transpose(1, 2)))
+                taps[index] = (module, lambda out: out.transpose(1, 2))
             else:
-                taps.append((module, lambda out: out))
+                taps[index] = (module, lambda out: out)
     return taps
 
 
@@ -79,20 +82,36 @@ class CapturedKV:
 
     ``keys[l]`` is what layer ``l``'s RoPE turns (the family's key tap: ``k_proj``'s output with its bias, or
     ``k_norm``'s, or the k slice of a fused projection) and ``values[l]`` its values, both reshaped to
-    ``[batch, tokens, kv_heads, head_dim]``. A layer not yet run holds None. Each forward pass replaces the
-    previous one's tensors.
+    ``[batch, tokens, kv_heads, head_dim]`` of that layer (``layers``: `families.layer_specs`). A layer not yet run,
+    or one that attends another's K/V, holds None. Each forward pass replaces the previous one's tensors.
     """
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int):
-        self.keys: list[torch.Tensor | None] = [None] * num_layers
-        self.values: list[torch.Tensor | None] = [None] * num_layers
-        self._shape = (num_kv_heads, head_dim)
+    def __init__(self, layers):
+        self.layers = tuple(layers)
+        self.keys: list[torch.Tensor | None] = [None] * len(self.layers)
+        self.values: list[torch.Tensor | None] = [None] * len(self.layers)
 
     def _store(self, into: list, layer: int, part):
+        shape = (self.layers[layer].kv_heads, self.layers[layer].head_dim)
+
         def hook(module, inputs, output):
             x = part(output.detach())
-            into[layer] = x.reshape(*x.shape[:2], *self._shape)
+            into[layer] = x.reshape(*x.shape[:2], *shape)
         return hook
+
+    def grid(self, batch: int, tokens: slice, layout) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row ``batch``'s keys and values at ``tokens`` on ``layout``'s grid, each [L, H, T, d] on their device: zero
+        at a layer holding none (a shared layer) and past a layer's heads and width. A K = V layer's keys are there
+        too, which the layout does not store (`Layout.present`)."""
+        held = [x for x in self.values if x is not None]
+        T = len(range(*tokens.indices(held[0].shape[1])))
+        keys = torch.zeros(layout.num_layers, layout.num_kv_heads, T, layout.head_dim, device=held[0].device)
+        values = torch.zeros_like(keys)
+        for l, spec in enumerate(self.layers):
+            if spec.holds_cache:
+                keys[l, :spec.kv_heads, :, :spec.head_dim] = self.keys[l][batch, tokens].transpose(0, 1)
+                values[l, :spec.kv_heads, :, :spec.head_dim] = self.values[l][batch, tokens].transpose(0, 1)
+        return keys, values
 
 
 @contextlib.contextmanager
@@ -105,11 +124,11 @@ def capture_kv(model, spec: Attention | None = None) -> Iterator[CapturedKV]:
     """
     config = model.config
     spec = spec or attention_of(config)
-    captured = CapturedKV(config.num_hidden_layers, config.num_key_value_heads, head_dim(config))
+    captured = CapturedKV(layer_specs(config))
     handles = []
     try:
         for kind, into in (("k", captured.keys), ("v", captured.values)):
-            for index, (module, part) in enumerate(_taps(model, spec, kind)):
+            for index, (module, part) in _taps(model, spec, kind).items():
                 handles.append(module.register_forward_hook(captured._store(into, index, part)))
         yield captured
     finally:
@@ -130,7 +149,8 @@ def rope_pairs(energy: torch.Tensor, interleaved: bool, rotary_dim: int | None =
 
 
 def query_channel_scales(model, input_ids, spec: Attention | None = None) -> torch.Tensor:
-    """Key channel weights [L, H_kv, d]: the RMS of the pre-RoPE queries that read each key channel.
+    """Key channel weights [L, H_kv, d] on the layers' grid (`milo_store.layout.Layout`: zero past a layer's heads and
+    width): the RMS of the pre-RoPE queries that read each key channel.
 
     Query head g scores a key by (R_m q)·(R_n k) (RoPE R, the 1/√d all scores share left out), so a
     key error δk moves it by (R_m q)·(R_n δk). Taking channels as uncorrelated, its mean square over
@@ -140,28 +160,47 @@ def query_channel_scales(model, input_ids, spec: Attention | None = None) -> tor
     mean(q_j² + q_{j'}²) / 2. A pair's energy is the same rotated or not, so this s is the same
     from pre- or post-RoPE queries, and diag(s) commutes with R: the weighted error of the stored
     pre-RoPE keys is exactly that of the rotated keys the scores use. A per-channel s would be neither.
-    The queries are read where the family's description says (after ``q_norm`` where it has one).
+    The queries are read where the family's description says (after ``q_norm`` where it has one); a layer that
+    attends another's K/V adds its queries' energy to that layer's (both read its keys).
     """
     config = model.config
     spec = spec or attention_of(config)
-    L, H, d = config.num_hidden_layers, config.num_key_value_heads, head_dim(config)
-    n_rep = config.num_attention_heads // H
     ids = torch.as_tensor(input_ids, device=model.device).reshape(1, -1)
     if ids.numel() == 0:
         raise ValueError("query channel scales need at least one calibration token")
-    energy = torch.zeros(L, H, d, dtype=torch.float64)
+    layers, energy = layer_specs(config), {}
 
     def store(layer: int, q: torch.Tensor):
-        q = q.double().reshape(-1, H, n_rep, d)  # query heads h*n_rep.. read KV head h
-        energy[layer] = q.square().mean(dim=(0, 2)).cpu()
+        energy[layer] = query_energy(config, layer, q.reshape(-1, config.num_attention_heads, layers[layer].head_dim))
 
     _forward_reading_queries(model, spec, ids, store)
-    return rope_pairs(energy, **spec.rope_layout(config)).sqrt().float()
+    return pooled_key_scales(layers, energy)
+
+
+def query_energy(config, layer: int, q: torch.Tensor) -> torch.Tensor:
+    """Each key channel's mean square of the queries ``q`` [tokens, H_q, d] of ``layer`` that read it: [H_kv, d] (query
+    heads h·n_rep.. read KV head h)."""
+    H = layer_specs(config)[layer].kv_heads
+    return q.double().reshape(q.shape[0], H, q.shape[1] // H, q.shape[2]).square().mean(dim=(0, 2)).cpu()
+
+
+def pooled_key_scales(layers, energy: dict[int, torch.Tensor]) -> torch.Tensor:
+    """Key channel weights [L, H, d] on the layers' grid from each layer's query energy [H_l, d_l]: a layer holding K/V
+    takes the mean over its readers (itself and the layers that share its K/V), pooled over its RoPE pairs."""
+    weights, readers = _grid(layers, torch.float64), _readers(layers)
+    for l, shape in enumerate(layers):
+        owner = l if shape.holds_cache else shape.source
+        weights[owner, :shape.kv_heads, :shape.head_dim] += energy[l]
+    for l, shape in enumerate(layers):
+        if shape.holds_cache:
+            H, d = shape.kv_heads, shape.head_dim
+            weights[l, :H, :d] = rope_pairs(weights[l, :H, :d] / readers[l], **shape.rope_layout())
+    return weights.sqrt().float()
 
 
 def output_channel_scales(model, spec: Attention | None = None) -> torch.Tensor:
-    """Value channel weights [L, H_kv, d]: the RMS over query heads of o_proj's column norms (the family's output
-    projection's).
+    """Value channel weights [L, H_kv, d] on the layers' grid: the RMS over query heads of o_proj's column norms (the
+    family's output projection's; over the query heads of every layer that attends a layer's values).
 
     Attention mixes values row-wise, so an error in value channel j of a KV head reaches the layer's
     output through o_proj's column for channel j of each query head sharing that KV head; its size
@@ -169,10 +208,41 @@ def output_channel_scales(model, spec: Attention | None = None) -> torch.Tensor:
     """
     config = model.config
     spec = spec or attention_of(config)
-    H, d = config.num_key_value_heads, head_dim(config)
-    norms = [getattr(layer.self_attn, spec.output).weight.detach().double().square().sum(dim=0)
-             .reshape(H, config.num_attention_heads // H, d).mean(dim=1).sqrt() for layer in decoder_layers(model)]
-    return torch.stack(norms).float().cpu()
+    layers = layer_specs(config)
+    squares = _grid(layers, torch.float64)
+    for index, (layer, shape) in enumerate(zip(decoder_layers(model), layers)):
+        owner = index if shape.holds_cache else shape.source
+        H, d = shape.kv_heads, shape.head_dim
+        squares[owner, :H, :d] += (getattr(layer.self_attn, spec.output).weight.detach().double().square().sum(dim=0)
+                                   .reshape(H, config.num_attention_heads // H, d).mean(dim=1).cpu())
+    readers = _readers(layers)
+    return (squares / readers.reshape(-1, 1, 1)).sqrt().float()
+
+
+def _grid(layers, dtype) -> torch.Tensor:
+    """Zeros [L, H, d] on the layers' grid (the most heads and the widest head a layer holds)."""
+    held = [s for s in layers if s.holds_cache]
+    return torch.zeros(len(layers), max(s.kv_heads for s in held), max(s.head_dim for s in held), dtype=dtype)
+
+
+def _readers(layers) -> torch.Tensor:
+    """Per layer, how many layers attend its K/V: itself and those that share them (1 for a layer holding none)."""
+    count = torch.ones(len(layers), dtype=torch.float64)
+    for shape in layers:
+        if not shape.holds_cache:
+            count[shape.source] += 1
+    return count
+def key_gains(model) -> torch.Tensor | None:
+    """Each K = V layer's gain [L, d] on the layers' grid (zeros elsewhere): its key tap's weight (Gemma 4's k_norm),
+    the keys being the values (its weightless v_norm's output) times it; None where no layer is K = V."""
+    layers = layer_specs(model.config)
+    if not any(shape.keys_from_values for shape in layers):
+        return None
+    spec, gains = attention_of(model.config), _grid(layers, torch.float32)[:, 0]
+    for index, (layer, shape) in enumerate(zip(decoder_layers(model), layers)):
+        if shape.keys_from_values:
+            gains[index, :shape.head_dim] = _module(layer.self_attn, spec.keys)[0].weight.detach().float().cpu()
+    return gains
 
 
 def channel_scales(model, input_ids) -> torch.Tensor:
@@ -183,21 +253,22 @@ def channel_scales(model, input_ids) -> torch.Tensor:
 
 def capture_queries(model, input_ids, spec: Attention | None = None) -> torch.Tensor:
     """Pre-RoPE queries [L, T, H_q, d] of one forward pass over ``input_ids`` (read where the family's
-    description reads them, as `query_channel_scales` does): what a study of the error the model sees
-    scores stored keys with."""
+    description reads them, as `query_channel_scales` does; zero past a layer's width): what a study of the error the
+    model sees scores stored keys with."""
     config = model.config
     spec = spec or attention_of(config)
-    L, Hq, d = config.num_hidden_layers, config.num_attention_heads, head_dim(config)
+    layers, Hq = layer_specs(config), config.num_attention_heads
     ids = torch.as_tensor(input_ids, device=model.device).reshape(1, -1)
     if ids.numel() == 0:
         raise ValueError("capturing queries needs at least one token")
-    queries: list[torch.Tensor | None] = [None] * L
+    queries = torch.zeros(len(layers), ids.shape[1], Hq, max(shape.head_dim for shape in layers))
 
     def store(layer: int, q: torch.Tensor):
-        queries[layer] = q.float().reshape(-1, Hq, d).cpu()
+        d = layers[layer].head_dim
+        queries[layer, :, :, :d] = q.float().reshape(-1, Hq, d).cpu()
 
     _forward_reading_queries(model, spec, ids, store)
-    return torch.stack(queries)
+    return queries
 
 
 def _forward_reading_queries(model, spec: Attention, ids: torch.Tensor, store) -> None:
@@ -205,7 +276,7 @@ def _forward_reading_queries(model, spec: Attention, ids: torch.Tensor, store) -
     where the family's description reads them."""
     handles = []
     try:
-        for index, (module, part) in enumerate(_taps(model, spec, "q")):
+        for index, (module, part) in _taps(model, spec, "q").items():
             handles.append(module.register_forward_hook(
                 lambda module, inputs, output, index=index, part=part: store(index, part(output.detach()))))
         with torch.inference_mode():

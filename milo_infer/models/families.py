@@ -11,9 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from milo_store import Layout
+from milo_store.layers import ATTENTION, SHARED, LayerSpec
+
 # RoPE variants whose tables depend only on the position: "dynamic" and "longrope" recompute their
 # frequencies from the length of the current forward pass, so a stored key could not be re-rotated.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
+# "proportional" (Gemma 4's full layers) turns the first part of a head's frequencies and leaves the rest at zero.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn", "llama3", "proportional")
 
 
 class UnsupportedModelError(ValueError):
@@ -49,16 +53,21 @@ class Attention:
     sinks: bool = False  # each query head has a learned sink logit in its softmax, attended by nothing (gpt-oss)
     softcap: str | None = None  # a config field: scores are capped to cap·tanh(score/cap) before the softmax (Gemma 2)
     query_scalar: str | None = None  # a config field: scores are scaled by its inverse square root, not 1/sqrt(d)
+    scaling: float | None = None  # its scores' scale where it is a constant (Gemma 4's 1: queries and keys normalised)
     window_refused: str | None = None  # why an active window is refused (its modeling file applies it half-way)
     query_turns: bool = True  # its cached keys are a rotation of what the store keeps, so a row's query turned back
     # by a block's offset attends one copy held at 0..T-1 for every row (`milo_infer.runtime.shared_blocks`); False:
     # each row holds its own copy (a norm after RoPE, say, would not commute with turning the query)
+    keys_from_values: str | None = None  # a config flag: where on, its full-attention layers' keys are their values
+    # times the key norm's weight (Gemma 4's attention_k_eq_v: one projection, an RMSNorm with and one without a
+    # weight), so a store keeps the values alone (`milo_store.layers`)
+    kv_sharing: bool = False  # config.kv_sharing_modes: layers that "reuse" an earlier layer's K/V hold none (Gemma 4)
 
-    def rope_layout(self, config) -> dict:
-        """The kernels' RoPE layout arguments for this model (``milo_kernels`` ``interleaved`` and ``rotary_dim``):
-        a rotate-half partial rotary names its width; interleaved pairs and a whole-head rotary need none."""
-        partial = self.partial and not self.interleaved and rotary_dim(config) != head_dim(config)
-        return {"interleaved": self.interleaved, "rotary_dim": rotary_dim(config) if partial else None}
+    def rope_layout(self, config, layer: int = 0) -> dict:
+        """The kernels' RoPE layout arguments for ``layer`` of this model (``milo_kernels`` ``interleaved`` and
+        ``rotary_dim``): a rotate-half partial rotary names its width; interleaved pairs and a whole-head rotary need
+        none."""
+        return layer_specs(config)[layer].rope_layout()
 
     def nope_layers(self, config) -> list[int]:
         """The layers whose keys are cached as computed, not rotated."""
@@ -81,7 +90,7 @@ class Attention:
         """How its attention scores differ from Llama's: the scale (None: 1/sqrt(head_dim)), the soft-cap, and
         whether a sink logit per head sits beside them."""
         scalar = getattr(config, self.query_scalar) if self.query_scalar else None
-        return {"scaling": scalar ** -0.5 if scalar else None,
+        return {"scaling": scalar ** -0.5 if scalar else self.scaling,
                 "softcap": getattr(config, self.softcap) if self.softcap else None, "sinks": self.sinks}
 
     def unrotated_layers(self, config) -> list[int]:
@@ -161,6 +170,15 @@ FAMILIES: dict[str, Attention] = {
                          identity=("layer_norm_eps", "logit_scale")),
     "gpt_oss": Attention(half_tables=True, sinks=True,
                          identity=("num_local_experts", "num_experts_per_tok", "swiglu_limit")),
+    # Gemma 4: q/k norms per head before RoPE, values through a norm without weight, scale 1; per-layer head sizes and
+    # KV heads (transformers' per_layer_config); full layers' K = V where attention_k_eq_v; the last
+    # num_kv_shared_layers layers attend an earlier layer's K/V; full layers' proportional RoPE
+    "gemma4_text": Attention(keys=("k_norm",), values="v_norm", queries=("q_norm",), scaling=1.0,
+                             keys_from_values="attention_k_eq_v", kv_sharing=True, identity=(
+                                 "attention_k_eq_v", "num_kv_shared_layers", "hidden_size_per_layer_input",
+                                 "vocab_size_per_layer_input", "final_logit_softcapping", "enable_moe_block",
+                                 "num_experts", "top_k_experts", "moe_intermediate_size", "use_double_wide_mlp",
+                                 "use_bidirectional_attention")),
 }
 
 HYBRID_LINEAR = ("hybrid linear attention: its linear-attention layers keep a recurrent state, not per-token K/V "
@@ -187,9 +205,6 @@ REFUSED: dict[str, str] = {
     "llama4_text": ("chunked local attention in 3 of 4 layers (attention_chunk_size, layer_types "
                     "'chunked_attention'): a placed block would be attended beyond the chunk the model sees; "
                     "its other layers are NoPE with a query temperature that grows with the position"),
-    "gemma4_text": ("per-layer head sizes and RoPE (global_head_dim with proportional partial RoPE in its "
-                    "full-attention layers, beside sliding layers of another head size): milo stores one head size "
-                    "for every layer"),
     "qwen2_vl_text": MROPE, "qwen2_5_vl_text": MROPE, "qwen3_vl_text": MROPE,
 }
 
@@ -208,15 +223,68 @@ def _family_problem(model_type) -> str:
     return f"model_type {model_type!r} is not supported (supported: {', '.join(FAMILIES)})"
 
 
-def head_dim(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+def layer_config(config, layer: int):
+    """The config as ``layer`` reads it: its own view where the model's layers differ (transformers'
+    ``per_layer_config``: Gemma 4's full layers have their own head_dim and KV heads), else the config itself."""
+    return config.per_layer_config[layer] if getattr(config, "is_heterogeneous", False) else config
 
 
-def rotary_dim(config) -> int:
-    """How many of a head's first channels RoPE turns (head_dim for a whole-head rotary)."""
-    rope = getattr(config, "rope_parameters", None) or {}
+def head_dim(config, layer: int = 0) -> int:
+    """A head's channels at ``layer``."""
+    c = layer_config(config, layer)
+    return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+
+
+def kv_heads(config, layer: int = 0) -> int:
+    c = layer_config(config, layer)
+    return getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+
+
+def rotary_dim(config, layer: int = 0) -> int:
+    """How many of a head's first channels RoPE turns at ``layer`` (head_dim for a whole-head rotary): a RoPE per layer
+    type whose ``rope_type`` is "proportional" turns the whole head (its frequencies past the factor are zero)."""
+    rope = layer_rope_parameters(config, layer)
+    if rope.get("rope_type") == "proportional":
+        return head_dim(config, layer)
     factor = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
-    return int(head_dim(config) * factor)
+    return int(head_dim(config, layer) * factor)
+
+
+def layer_rope_parameters(config, layer: int) -> dict:
+    """The RoPE parameters ``layer`` turns by: its layer type's where the model has a RoPE per type."""
+    per_type = rope_per_layer_type(config)
+    return per_type[config.layer_types[layer]] if per_type else dict(getattr(config, "rope_parameters", None) or {})
+
+
+def model_layout(config) -> Layout:
+    """The store layout of this model's layers (`layer_specs` on their grid)."""
+    return Layout.of(layer_specs(config))
+
+
+def layer_specs(config) -> tuple[LayerSpec, ...]:
+    """What each layer of a store of this model holds (`milo_store.layers.LayerSpec`): the one per-layer description
+    capture, the RoPE tables, the store, the engine's cache and rebuild and the vLLM connector all read. A shared layer
+    (`Attention.kv_sharing`) holds nothing and names its source; it keeps its own heads, width and RoPE layout, which
+    are its source's (the same layer type)."""
+    spec = attention_of(config)
+    unrotated = set(spec.unrotated_layers(config))
+    types = list(getattr(config, "layer_types", None) or ())
+    sharing = list(config.kv_sharing_modes) if spec.kv_sharing else []
+    k_eq_v = bool(spec.keys_from_values and getattr(config, spec.keys_from_values, False))
+    layers = []
+    for l in range(config.num_hidden_layers):
+        d = head_dim(config, l)
+        turns = rotary_dim(config, l)
+        partial = spec.partial and not spec.interleaved and turns != d
+        rotary = dict(rotary="interleaved" if spec.interleaved else "half", rotary_dim=turns if partial else None,
+                      nope=l in unrotated)
+        kind, source = ATTENTION, None
+        if sharing and sharing[l] == "reuse":
+            kind = SHARED
+            source = next(j for j in range(l) if sharing[j] == "store" and types[j] == types[l])
+        layers.append(LayerSpec(kind, kv_heads(config, l), d, **rotary, source=source,
+                                keys_from_values=k_eq_v and kind == ATTENTION and types[l] == "full_attention"))
+    return tuple(layers)
 
 
 def check_supported(config) -> None:
@@ -269,11 +337,10 @@ def _check_config(config) -> None:
             problems.append(f"partial_rotary_factor={factor} turns {rotary_dim(config)} of {head_dim(config)} "
                             "channels: RoPE pairs channels, so it needs an even number within the head")
     heads = getattr(config, "num_attention_heads", None)
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    if heads and kv_heads and heads % kv_heads:
-        problems.append(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
-    if heads and head_dim(config) % 2:
-        problems.append(f"head_dim={head_dim(config)} is odd: RoPE pairs channels, so it needs an even head dimension")
+    for layer in range(config.num_hidden_layers) if heads else ():
+        found = _layer_problem(config, layer, heads)
+        if found and found not in problems:
+            problems.append(found)
     layer_types = getattr(config, "layer_types", None) or []
     other = sorted({kind for kind in layer_types} - {"full_attention", "sliding_attention"})
     if other:
@@ -281,11 +348,25 @@ def _check_config(config) -> None:
     if spec is not None and spec.window_refused and any(w is not None for w in spec.windows(config)):
         problems.append(f"sliding_window={config.sliding_window} is active, which milo cannot follow here: "
                         f"{spec.window_refused} (transformers' {model_type} modeling file); set it to null")
+    if getattr(config, "use_bidirectional_attention", None) == "all":
+        problems.append("use_bidirectional_attention='all': every token attends the tokens after it, so no block "
+                        "could be encoded before the blocks placed after it")
     if model_type == "olmoe" and getattr(config, "clip_qkv", None) is not None:
         problems.append(f"clip_qkv={config.clip_qkv} clamps keys after their norm, in place: not captured")
     if problems:
         name = getattr(config, "name_or_path", "") or model_type
         raise UnsupportedModelError(f"model {name!r} is not supported: " + "; ".join(problems))
+
+
+def _layer_problem(config, layer: int, heads: int) -> str | None:
+    """What makes ``layer``'s shape one RoPE cannot pair or GQA cannot group (None: nothing)."""
+    kv, d = kv_heads(config, layer), head_dim(config, layer)
+    where = f" (layer {layer})" if getattr(config, "is_heterogeneous", False) else ""
+    if heads % kv:
+        return f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}{where}"
+    if d % 2:
+        return f"head_dim={d} is odd{where}: RoPE pairs channels, so it needs an even head dimension"
+    return None
 
 
 def window_active(config) -> bool:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from milo_store import IncompatibleStoreError, MiloStore
 
-from .families import attention_of, head_dim, rope_per_layer_type
+from .families import attention_of, head_dim, model_layout, rope_per_layer_type
 
 
 def model_identity(model) -> dict:
@@ -29,12 +29,13 @@ def config_identity(config, dtype) -> dict:
     spec = attention_of(config)
     windows = spec.windows(config)
     rope = dict(config.rope_parameters or {})
+    layout = model_layout(config)
     kv_fields = {
         "model_type": config.model_type,
         "num_hidden_layers": config.num_hidden_layers,
         "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads,
-        "head_dim": head_dim(config),
+        "num_key_value_heads": layout.num_kv_heads if not layout.uniform else config.num_key_value_heads,
+        "head_dim": layout.head_dim if not layout.uniform else head_dim(config),
         "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size,
         "vocab_size": config.vocab_size,
@@ -47,6 +48,8 @@ def config_identity(config, dtype) -> dict:
     }
     if any(w is not None for w in windows):  # a block's encoding row attends within them: its K/V depend on them
         kv_fields["windows"] = windows
+    if not layout.uniform:  # what each layer holds (`milo_store.layers`); a uniform one's is the grid and the RoPE
+        kv_fields["layers"] = layout.record()["layers"]
     digest = hashlib.sha256(json.dumps(kv_fields, sort_keys=True, default=str).encode()).hexdigest()
     per_type = rope_per_layer_type(config)
     record = {
@@ -60,21 +63,32 @@ def config_identity(config, dtype) -> dict:
         record["nope_layers"] = nope  # stored as computed, never rotated
     if (factor := rope.get("partial_rotary_factor", 1.0)) != 1.0:
         record["rotary_dim"] = int(head_dim(config) * factor)  # the channels RoPE turns; the rest are kept
-    return {
+    identity = {
         "name": Path(str(config.name_or_path)).name or config.model_type,
         "model_type": config.model_type,
         "config_hash": digest,
         "num_layers": config.num_hidden_layers,
         "num_heads": config.num_attention_heads,
-        "num_kv_heads": config.num_key_value_heads,
-        "head_dim": head_dim(config),
+        "num_kv_heads": layout.num_kv_heads,
+        "head_dim": layout.head_dim,
         "rope": record,
         "max_position_embeddings": config.max_position_embeddings,
         "dtype": str(dtype).removeprefix("torch."),
     }
+    if not layout.uniform:  # each layer (a uniform model's: the grid and the RoPE record, `Layout.from_record`)
+        identity["layers"] = kv_fields["layers"]
+    return identity
 
 
-IDENTITY_FIELDS = ("config_hash", "num_layers", "num_kv_heads", "head_dim", "rope")  # what a store's K/V depend on
+def identity_layout(identity: dict):
+    """The store layout a model's identity describes (`milo_store.layout.Layout.from_record`)."""
+    from milo_store import Layout
+
+    return Layout.from_record(identity, identity["rope"])
+
+
+IDENTITY_FIELDS = ("config_hash", "num_layers", "num_kv_heads", "head_dim", "rope", "layers")  # what a store's K/V
+# depend on ("layers": only where they are not all alike)
 
 
 def check_compatible(store: MiloStore, identity: dict) -> None:

@@ -11,25 +11,28 @@ import importlib
 
 import torch
 
-from .families import attention_of, head_dim, rope_per_layer_type
+from .families import attention_of, layer_specs, rope_per_layer_type
 
 
 class RopeTables:
-    """Each layer's fp32 (cos, sin), [positions, head_dim]: ``cos``/``sin`` for the layers that rotate (``by_layer``
-    for those with a table of their own), identity tables for those in ``nope``."""
+    """Each layer's fp32 (cos, sin), [positions, that layer's head_dim]: ``cos``/``sin`` for the layers that rotate
+    (``by_layer`` for those with a table of their own), identity tables for those in ``nope``."""
 
     def __init__(self, cos: torch.Tensor, sin: torch.Tensor, num_layers: int, nope=(), by_layer=None):
         self.cos, self.sin, self.num_layers, self.nope = cos, sin, num_layers, frozenset(nope)
         self.by_layer = dict(by_layer or {})
-        self._identity = (torch.ones_like(cos), torch.zeros_like(sin)) if self.nope else None
+        self._identity: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per width
         self._turns: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not 0 <= index < self.num_layers:
             raise IndexError(f"layer {index} of a {self.num_layers}-layer model")
+        cos, sin = self.by_layer.get(index, (self.cos, self.sin))
         if index in self.nope:
-            return self._identity
-        return self.by_layer.get(index, (self.cos, self.sin))
+            if cos.shape[1] not in self._identity:
+                self._identity[cos.shape[1]] = (torch.ones_like(cos), torch.zeros_like(sin))
+            return self._identity[cos.shape[1]]
+        return cos, sin
 
     def turn(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The rotation alone of layer ``index``'s tables: (cos, sin) over their magnitude, which scaled RoPE (YaRN's,
@@ -54,26 +57,27 @@ def config_layer_rope_tables(config, n_rows: int, device=None) -> RopeTables:
 
 
 def _per_layer(config, tables_of) -> RopeTables:
-    """``tables_of(layer_type)``: the rotary module's tables for that type (None: the model's one RoPE)."""
+    """``tables_of(layer_type)``: the rotary module's tables for that type (None: the model's one RoPE), each laid
+    out for the head width of the layers it turns (`layer_specs`)."""
     per_type = rope_per_layer_type(config)
+    layers = layer_specs(config)
+    nope = [l for l, spec in enumerate(layers) if spec.nope]
     if not per_type:
-        return RopeTables(*_as_applied(config, *tables_of(None)), config.num_hidden_layers,
-                          attention_of(config).unrotated_layers(config))
-    tables = {kind: _as_applied(config, *tables_of(kind)) for kind in per_type}
+        return RopeTables(*_as_applied(config, *tables_of(None), layers[0].head_dim), config.num_hidden_layers, nope)
     kinds = list(config.layer_types)
-    first = tables[kinds[0]]
-    return RopeTables(*first, config.num_hidden_layers, attention_of(config).unrotated_layers(config),
+    width = {kind: layers[kinds.index(kind)].head_dim for kind in per_type if kind in kinds}
+    tables = {kind: _as_applied(config, *tables_of(kind), d) for kind, d in width.items()}
+    return RopeTables(*tables[kinds[0]], config.num_hidden_layers, nope,
                       by_layer={layer: tables[kind] for layer, kind in enumerate(kinds)})
 
 
-def _as_applied(config, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rotary module's tables laid out as the family's attention applies them to [head_dim] channels."""
+def _as_applied(config, cos, sin, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary module's tables laid out as the family's attention applies them to [d] channels."""
     spec = attention_of(config)
     if spec.half_tables:  # one table per pair (j, j + d/2): the same for both halves
         cos, sin = torch.cat((cos, cos), dim=1), torch.cat((sin, sin), dim=1)
     if spec.regroup_tables:  # [f_0 .. f_{r/2-1}, f_0 .. f_{r/2-1}] -> [f_0, f_0, f_1, f_1, ...]
         cos, sin = (t[:, :t.shape[1] // 2].repeat_interleave(2, dim=1) for t in (cos, sin))
-    d = head_dim(config)
     if cos.shape[1] != d:  # partial rotary: the channels past rotary_dim are kept as they are
         if not spec.partial or cos.shape[1] > d:
             raise ValueError(f"{config.model_type}: rotary tables of {cos.shape[1]} channels for heads of {d}")
@@ -102,6 +106,9 @@ def config_rope_tables(config, n_rows: int, device=None, layer_type=None) -> tup
     modeling = importlib.import_module(type(config).__module__.replace(".configuration_", ".modeling_"))
     rotary_classes = [obj for name, obj in vars(modeling).items() if name.endswith("RotaryEmbedding")
                       and isinstance(obj, type) and obj.__module__ == modeling.__name__]
+    if len(rotary_classes) > 1:  # a multimodal file's (Gemma 4's text and vision): the one named after the config
+        own = type(config).__name__.removesuffix("Config") + "RotaryEmbedding"
+        rotary_classes = [obj for obj in rotary_classes if obj.__name__ == own]
     if len(rotary_classes) != 1:
         raise ValueError(f"cannot tell the rotary embedding of model type {config.model_type!r} "
                          f"({len(rotary_classes)} candidates in {modeling.__name__})")

@@ -33,7 +33,7 @@ the first GPU sweep, on an H200 on 2026-12-04, stalled after its first batch: th
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
@@ -80,7 +80,7 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
                                       sliding_window=sliding_window, **kwargs)
     layer = LayerAttention(scaling, sliding_window, softcap, s_aux, module.layer_idx)
     attend = flex_rows if milo_pack.attention == "flex" else sdpa_rows
-    return attend(query, key, value, milo_pack.attended(), layer).transpose(1, 2).contiguous(), None
+    return attend(query, key, value, milo_pack.attended(module.layer_idx), layer).transpose(1, 2).contiguous(), None
 
 
 def sdpa_rows(query, key, value, pack: Pack, layer: LayerAttention | None) -> torch.Tensor:
@@ -181,11 +181,11 @@ class HeldReach:
     pairs: torch.Tensor
     blocks: list
     low: torch.Tensor | None
-    made: PaddedBlocks | None = None
+    made: dict = field(default_factory=dict)  # per groups: layers of one window may differ in KV heads (Gemma 4)
 
     def padded(self, device, groups: int) -> PaddedBlocks:
         """Every block padded to the most pairs and tokens any has; ``groups``: the query heads per KV head."""
-        if self.made is None:
+        if groups not in self.made:
             E = len(self.blocks)
             n, T = max(hi - lo for _, (lo, hi) in self.blocks), max(b.tokens for b, _ in self.blocks)
             columns = torch.zeros(E, T, dtype=torch.long, device=device)
@@ -200,8 +200,8 @@ class HeldReach:
                     low[e, :hi - lo] = self.low[lo:hi]
             mask = seen[:, None, :] & (torch.arange(T, device=device) >= low[:, :, None])  # [E, n, T]
             mask = mask[:, None].expand(E, groups, n, T).reshape(E, 1, groups * n, T)
-            self.made = PaddedBlocks(n, columns, slot, mask)
-        return self.made
+            self.made[groups] = PaddedBlocks(n, columns, slot, mask)
+        return self.made[groups]
 
 
 def held_parts(q, reach: HeldReach, key, value, layer: LayerAttention) -> tuple[torch.Tensor, torch.Tensor]:
@@ -265,9 +265,8 @@ class Merge:
             token = held.token[reach.pairs]
             cos, sin = held.rope.turn(layer.index)
             offset = held.offset[reach.pairs]
-            layout = held.rope_layout
-            q = rope(query[0][:, held.packed[token]].float(), cos[offset], -sin[offset], layout["interleaved"],
-                     rotary_dim=layout["rotary_dim"])
+            q = rope(query[0][:, held.packed[token]].float(), cos[offset], -sin[offset],
+                     **held.layers[layer.index].rope_layout())
             part, lse = held_parts(q, reach, key[0], value[0], layer)
             top = self.lse.scatter_reduce(1, token.expand_as(lse), lse, "amax")
             own = torch.exp(self.lse - top)

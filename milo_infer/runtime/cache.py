@@ -14,6 +14,10 @@ pages when they are consecutive, else into a scratch of one layer that is then s
 scatters each new token's K/V to its pool column, and the attention (`milo_infer.runtime.attention`) reads
 each row's columns only. A row that joins or leaves touches its own pages only.
 
+Each layer's pools have its own shape (`milo_store.layers.LayerSpec`: Gemma 4's full layers have other heads and
+widths than its sliding ones); a layer that attends another's K/V (a shared layer) has none and is never written:
+its attention reads its source's pools, which its model hands it.
+
 A model with sliding-window layers keeps them in pools of their own (``windowed``), each row with a page table
 of its own there (`pages.window_table`): it holds pages only from the one its windows first reach (from the
 row's first fed token: later tokens only move them forward), and its columns before that all map to one spill
@@ -28,6 +32,8 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
+
+from milo_store.layers import cache_values_per_token
 
 from .pages import PAGE_TOKENS, pages_for, run_start
 
@@ -87,8 +93,8 @@ class HeldQueries:
     """What the tokens of a forward's rows that place held blocks attend there: every (token, block) pair, grouped by
     block (``blocks``), with the token (an index into ``packed``, the tokens' places in the packed sequence), the block's
     first column in the token's row (``offset``) and the token's position. ``rope`` turns a query back by an offset
-    (`RopeTables.turn`), ``rope_layout`` its pairing (`StorePrefix.rope_layout`). Made once a forward per page group;
-    each layer reads it."""
+    (`RopeTables.turn`), ``layers`` say each layer's pairing (`LayerSpec.rope_layout`). Made once a forward per page
+    group; each layer reads it."""
     packed: torch.Tensor  # int64 [S], device
     blocks: list[HeldColumns]
     token: torch.Tensor  # int64 [P], device: into packed
@@ -96,7 +102,7 @@ class HeldQueries:
     offset_host: torch.Tensor  # int64 [P]
     position_host: torch.Tensor  # int64 [P]
     rope: object
-    rope_layout: dict
+    layers: tuple
     reaches: dict = field(default_factory=dict)  # per window: the pairs its layers attend (`attention.Merge`)
 
 
@@ -122,11 +128,11 @@ class Pack:
     window: "Pack | None" = None  # the window layers' segments and columns, on their page tables (None: no
     # layer holds pages of its own)
     held: HeldQueries | None = None  # what rows placing held blocks attend there (None: no such row)
-    in_window: bool = False  # the layer running now is a window layer: its attention reads ``window``
+    window_layers: frozenset = frozenset()  # the layers attending the window pools (a shared layer: its source's)
 
-    def attended(self) -> "Pack":
-        """What the layer running now attends: its own page tables' segments."""
-        return self.window if self.in_window else self
+    def attended(self, layer: int) -> "Pack":
+        """What ``layer`` attends: its own page tables' segments."""
+        return self.window if self.window is not None and layer in self.window_layers else self
 
 
 def pool_columns(pages: list[int], positions: torch.Tensor) -> torch.Tensor:
@@ -141,10 +147,11 @@ class PagedLayer(CacheLayerMixin):
     def __init__(self, index: int, cache: "PagedCache", shape, dtype, device, windowed: bool = False):
         super().__init__()
         self.windowed = windowed  # a window layer on page tables of its own
-        H, d = shape
         # a proxy, not a reference: a cycle would keep the pools (gigabytes) alive after the batch ends, until the
         # garbage collector next ran
         self.index, self.cache = index, weakref.proxy(cache)
+        self.holds = shape is not None  # a shared layer holds no pools (shape None)
+        H, d = shape or (0, 0)
         self.k_pool = torch.zeros(H, 0, d, dtype=dtype, device=device)
         self.v_pool = torch.zeros_like(self.k_pool)
         self.is_initialized = True
@@ -154,7 +161,7 @@ class PagedLayer(CacheLayerMixin):
 
     def resize(self, columns: int) -> None:
         """Hold ``columns`` columns: the existing ones kept (when it grows), the new ones zero."""
-        for name in ("k_pool", "v_pool"):
+        for name in ("k_pool", "v_pool") if self.holds else ():
             old = getattr(self, name)
             H, have, d = old.shape
             if columns == have:
@@ -198,10 +205,9 @@ class PagedLayer(CacheLayerMixin):
         """Rebuild the joining rows' prefixes of this layer, write the new tokens' K/V to their pool columns, and
         hand the whole pools to the attention (which reads each row's own columns)."""
         pack = self.cache.pack
-        pack.in_window = self.windowed and pack.window is not None
         for prefixes in pack.fills:
             self.fill(prefixes)
-        columns = pack.attended().columns
+        columns = pack.attended(self.index).columns
         self.k_pool[:, columns] = key_states[0]
         self.v_pool[:, columns] = value_states[0]
         self.cache.updated += 1
@@ -219,11 +225,14 @@ class PagedLayer(CacheLayerMixin):
 
 
 class PagedCache(Cache):
-    """One PagedLayer per model layer; ``pack`` is the forward in flight, ``updated`` counts the layers it wrote
-    (a model that ignored the cache writes none). The ``windowed`` layers hold pools of their own."""
+    """One PagedLayer per model layer, each of its layer's shape (``layers``: `milo_store.layers.LayerSpec`); ``pack``
+    is the forward in flight, ``updated`` counts the layers it wrote (a model that ignored the cache writes none; a
+    shared layer never writes). The ``windowed`` layers hold pools of their own."""
 
-    def __init__(self, num_layers: int, shape, dtype, device, windowed=frozenset()):
-        super().__init__(layers=[PagedLayer(l, self, shape, dtype, device, l in windowed) for l in range(num_layers)])
+    def __init__(self, layers, dtype, device, windowed=frozenset()):
+        super().__init__(layers=[PagedLayer(l, self, (spec.kv_heads, spec.head_dim) if spec.holds_cache else None,
+                                            dtype, device, l in windowed) for l, spec in enumerate(layers)])
+        self.writers = sum(spec.holds_cache for spec in layers)  # the layers a forward writes
         self.pack: Pack | None = None
         self.updated = 0
         self.page_counts = {False: 0, True: 0}  # pages the full layers' pools hold, and the window layers'
@@ -253,6 +262,6 @@ class PagedCache(Cache):
         return self.layers[layer].k_pool[:, where], self.layers[layer].v_pool[:, where]
 
 
-def column_bytes(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes one column of one row takes, K and V of every layer."""
-    return 2 * num_layers * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+def column_bytes(layers, dtype: torch.dtype) -> int:
+    """Bytes one column of one row takes: K and V of every layer holding its own (``layers``: `LayerSpec`s)."""
+    return cache_values_per_token(layers) * torch.empty(0, dtype=dtype).element_size()

@@ -114,15 +114,17 @@ class Engine:
         self.stores = {name: self.mount(name, store) for name, store in stores.items()}
         self.device_tier = DeviceTier(device_cache_bytes, self.device) if device_cache_bytes else None
         self.attention = choose_attention(attention, self.device)
-        layout = next(iter(stores.values())).layout
-        self.kv_shape = (layout.num_layers, layout.num_kv_heads, layout.head_dim)
-        self.page_bytes = PAGE_TOKENS * column_bytes(*self.kv_shape, self.dtype)
-        # window layers hold pages of their own, from the first their windows reach (`cache`, `Batch._seat`)
+        # what each layer holds: the one description the pools, the rebuild and the page bytes read (stores mounted
+        # together are of this model: `check_compatible`)
+        self.layers = next(iter(stores.values())).layout.layers
+        self.page_bytes = PAGE_TOKENS * column_bytes(self.layers, self.dtype)
+        # window layers hold pages of their own, from the first their windows reach (`cache`, `Batch._seat`); a shared
+        # layer attends its source's, of its own layer type and window
         self.window_layers = frozenset(l for l, w in enumerate(self.windows or ()) if w is not None)
         self.window_span = max((w for w in self.windows or () if w is not None), default=0)
-        layer_page = self.page_bytes // layout.num_layers
-        self.group_page_bytes = {False: layer_page * (layout.num_layers - len(self.window_layers)),
-                                 True: layer_page * len(self.window_layers)}
+        self.group_page_bytes = {windowed: PAGE_TOKENS * column_bytes(
+            [spec for l, spec in enumerate(self.layers) if (l in self.window_layers) == windowed], self.dtype)
+            for windowed in (False, True)}
         self.kv_budget = kv_budget_bytes(kv_cache_memory, self.device, reserved=device_cache_bytes)
         self.kv_pages = self.kv_budget // self.page_bytes
         if not self.kv_pages:
@@ -493,7 +495,7 @@ class Batch:
         context order. The anchor is held at every layer (a page or so): a fill always finds its destination."""
         e, prefix = self.engine, plan.placement.prefix
         ends = plan.placement.block_ends()
-        L = e.kv_shape[0]
+        L = len(e.layers)
         return [((prefix, None), 0, prefix.anchor_len, frozenset(range(L)))] + [
             ((prefix, b), int(dst), int(end - dst), layers_reached(e.windows, L, int(dst), int(end - dst),
                                                                    plan.prefix_tokens))
@@ -648,7 +650,7 @@ class Batch:
         then each held block in ``builds``, in that order (`Admission.fill`)."""
         e = self.engine
         placements = ([s.executed.placement for s in seated if not s.held]
-                      + [build.block.placement(build.layers, e.kv_shape[0]) for build in builds.values()])
+                      + [build.block.placement(build.layers, len(e.layers)) for build in builds.values()])
         if not placements:
             return None
         return PrefixRebuild(placements, e.rope, e.device, depth=e.prefetch_depth, tier=e.device_tier,
@@ -658,7 +660,7 @@ class Batch:
         """Grow the pools to the allocators' capacities (with headroom): a new pool, or one the seated rows outgrew."""
         e, window = self.engine, self.window_alloc
         if self.cache is None:
-            self.cache = PagedCache(e.kv_shape[0], e.kv_shape[1:], e.dtype, e.device, e.window_layers)
+            self.cache = PagedCache(e.layers, e.dtype, e.device, e.window_layers)
         if self.pages.capacity > self.cache.pages or (window is not None and window.capacity > self.cache.window_pages):
             # growing a pool that holds rows copies every layer's pools (2 s for 600 pages of the default model
             # on a CPU; in a served run at 64 clients each row a little longer than the one that left grew it
@@ -767,7 +769,7 @@ class Batch:
                         attention=e.attention, held=self._held_queries(placing, window) if placing else None)
         pack = pack_of(segments, columns, False)
         if self.window_alloc is not None:
-            pack.window = pack_of(window_segments, window_columns, True)
+            pack.window, pack.window_layers = pack_of(window_segments, window_columns, True), e.window_layers
         return pack, fed
 
     def _held_queries(self, placing, window: bool) -> HeldQueries:
@@ -795,7 +797,7 @@ class Batch:
                            token=torch.from_numpy(np.concatenate(token) if token else np.zeros(0, np.int64)).to(e.device),
                            offset=offset_host.to(e.device), offset_host=offset_host,
                            position_host=torch.from_numpy(np.concatenate(position) if position else np.zeros(0, np.int64)),
-                           rope=e.rope, rope_layout=placing[0][0].executed.placement.prefix.rope_layout)
+                           rope=e.rope, layers=e.layers)
 
     def _forward(self, pack: Pack, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
                  joining: list[Row]) -> torch.Tensor:
@@ -814,7 +816,7 @@ class Batch:
         finally:
             self.cache.pack = None
         self.steps += 1
-        if self.cache.updated != len(self.cache.layers):
+        if self.cache.updated != self.cache.writers:
             raise RuntimeError(f"the model did not use the milo cache (transformers {transformers.__version__} "
                                f"ignored {e.cache_kwarg}=): the answer would have no retrieved context")
         for a in todo:

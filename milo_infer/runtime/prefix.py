@@ -56,7 +56,8 @@ class BlockPlacement:
     store: str  # the mounted store's name
     blocks: list[int]  # store blocks, in context order
     dst_rows: np.ndarray  # int64 [n]: each block's first row in the assembled context
-    segments: np.ndarray  # int64 [L, n*2*H, 6]: SEGMENT_COLUMNS, src_offset relative to the block's layer slice
+    segments: tuple[np.ndarray, ...]  # per layer, int64 [n*S_l, 6]: SEGMENT_COLUMNS, src_offset relative to the
+    # block's layer slice (S_l: the units layer l stores, `Layout.segments_per_block`)
     prefix_tokens: int  # anchor + blocks
     kv_bytes_full: int  # fp16 K/V of the blocks
     kv_bytes_stored: int  # the factor bytes the blocks take in the store
@@ -93,23 +94,47 @@ class BlockPlacement:
         return list(range(len(self.blocks))) if self.reach is None else list(self.reach[layer])
 
 
+def tensor_parallel_heads(num_kv_heads: int, tp_size: int, tp_rank: int) -> range:
+    """The KV heads (the store's numbering) that tensor-parallel rank ``tp_rank`` of ``tp_size`` holds, as vLLM
+    shards them (its QKVParallelLinear): H / tp consecutive heads each where tp divides H; where H < tp,
+    each head is replicated on tp / H consecutive ranks."""
+    if num_kv_heads >= tp_size:
+        if num_kv_heads % tp_size:
+            raise ValueError(f"{num_kv_heads} KV heads do not split over {tp_size} tensor-parallel ranks")
+        per_rank = num_kv_heads // tp_size
+        return range(tp_rank * per_rank, (tp_rank + 1) * per_rank)
+    if tp_size % num_kv_heads:
+        raise ValueError(f"{tp_size} tensor-parallel ranks do not replicate {num_kv_heads} KV heads evenly")
+    head = tp_rank // (tp_size // num_kv_heads)
+    return range(head, head + 1)
+
+
 @dataclass(frozen=True)
 class KVShare:
     """The layers and KV heads of a store's layout that one cache holds, in the store's numbering: what a
-    `PrefixRebuild` stages and rebuilds. Its buffers hold ``len(heads)`` heads, head ``heads[0]`` first."""
+    `PrefixRebuild` stages and rebuilds. A layer's heads (`layer_heads`) are ``heads``, one run for every layer;
+    or, with ``tp`` (size, rank), that tensor-parallel rank's heads of each layer's own (layers may differ in
+    heads); or, with neither, each layer's own. Its buffers for a layer hold those heads, the first one first."""
     layers: range
-    heads: range
+    heads: range | None = None
+    tp: tuple[int, int] | None = None
 
     @classmethod
     def whole(cls, layout) -> "KVShare":
-        return cls(range(layout.num_layers), range(layout.num_kv_heads))
+        return cls(range(layout.num_layers))
+
+    def layer_heads(self, spec) -> range:
+        if self.tp is not None:
+            return tensor_parallel_heads(spec.kv_heads, *self.tp)
+        return self.heads if self.heads is not None else range(spec.kv_heads)
 
     def check(self, layout) -> None:
-        if not (self.layers and self.heads and self.layers.step == 1 and self.heads.step == 1
-                and 0 <= self.layers.start and self.layers.stop <= layout.num_layers
-                and 0 <= self.heads.start and self.heads.stop <= layout.num_kv_heads):
-            raise ValueError(f"{self} is not a run of the layout's {layout.num_layers} layers and "
-                             f"{layout.num_kv_heads} KV heads")
+        heads_fit = self.heads is None or (self.heads and self.heads.step == 1 and 0 <= self.heads.start and all(
+            self.heads.stop <= spec.kv_heads for spec in layout.layers if spec.holds_cache))
+        if not (self.layers and self.layers.step == 1 and 0 <= self.layers.start
+                and self.layers.stop <= layout.num_layers and heads_fit):
+            raise ValueError(f"{self} is not a run of the layout's {layout.num_layers} layers and of its layers' "
+                             f"KV heads")
 
 
 def prefix_token_ids(store: MiloStore, blocks: list[int]) -> list[int] | None:
@@ -122,30 +147,36 @@ def prefix_token_ids(store: MiloStore, blocks: list[int]) -> list[int] | None:
 
 
 class StorePrefix:
-    """A store's anchor K/V on the device, and where any blocks go after it."""
+    """A store's anchor K/V on the device, and where any blocks go after it. ``layers``: the store's description of
+    each layer (`milo_store.layers.LayerSpec`: what it holds, its heads, width and RoPE layout)."""
 
     def __init__(self, name: str, store: MiloStore, rope: RopeTables, device, dtype):
         self.name, self.store, self.layout = name, store, store.layout
-        record = store.meta["model"]["rope"]
-        self.rope_interleaved = record["layout"] == "interleaved"
-        # rotate-half over the first rotary_dim channels only (None: the whole head, or interleaved pairs, whose
-        # partial rotary the identity tables past it carry): the kernels' ``rotary_dim``
-        self.rope_rotary_dim = record.get("rotary_dim") if not self.rope_interleaved else None
-        anchor = store.anchor_kv()  # [L, 2, H, Ta, d], keys pre-RoPE
+        self.layers = store.layout.layers
+        anchor = store.anchor_kv()  # [L, 2, H, Ta, d] on the layout's grid, keys pre-RoPE
         if anchor is None:
             raise IncompatibleStoreError(f"{store.path} has no anchor K/V: not a store `milo build` wrote")
         Ta = anchor.shape[3]
-        keys = torch.stack([apply_rope(anchor[l, 0].float(), cos[:Ta].cpu(), sin[:Ta].cpu(), **self.rope_layout)
-                            for l, (cos, sin) in enumerate(map(rope.layer, range(len(anchor))))])
-        self.anchor_k = keys.to(device, dtype)
-        self.anchor_v = anchor[:, 1].to(device, dtype)
+        self.anchor_k, self.anchor_v = [], []  # per layer [H, Ta, d], keys rotated (None: a layer holding none)
+        for l, spec in enumerate(self.layers):
+            if not spec.holds_cache:
+                self.anchor_k.append(None)
+                self.anchor_v.append(None)
+                continue
+            k, v = (anchor[l, kind, :spec.kv_heads, :, :spec.head_dim] for kind in (0, 1))
+            cos, sin = rope.layer(l)
+            self.anchor_k.append(apply_rope(k.float(), cos[:Ta].cpu(), sin[:Ta].cpu(), **spec.rope_layout())
+                                 .to(device, dtype))
+            self.anchor_v.append(v.to(device, dtype))
         self.anchor_len = Ta
+        # a K = V layer's keys are its values times this gain ([d], fp32, on the device)
+        self.key_gain = {l: store.key_gain(l).to(device) for l, spec in enumerate(self.layers)
+                         if spec.keys_from_values}
 
-    @property
-    def rope_layout(self) -> dict:
-        """The kernels' RoPE layout arguments for this store's keys: ``apply_rope(x, cos, sin, **rope_layout)``,
-        ``reconstruct_layer(..., **rope_layout)``."""
-        return {"interleaved": self.rope_interleaved, "rotary_dim": self.rope_rotary_dim}
+    def rope_layout(self, layer: int) -> dict:
+        """The kernels' RoPE layout arguments for this store's keys at ``layer``: ``apply_rope(x, cos, sin,
+        **rope_layout(l))``, ``reconstruct_layer(..., **rope_layout(l))``."""
+        return self.layers[layer].rope_layout()
 
     def place(self, blocks: list[int], with_segments: bool = True,
               unread: frozenset[int] = frozenset()) -> BlockPlacement:
@@ -156,18 +187,20 @@ class StorePrefix:
         dst = self.anchor_len + np.concatenate(([0], np.cumsum(tokens)[:-1])).astype(np.int64)
         keep = [i for i, b in enumerate(blocks) if b not in unread]
         placed = [blocks[i] for i in keep]
-        L = self.layout.num_layers
         if with_segments and placed:
             zeros = np.zeros(len(placed), np.int64)
-            segments = np.stack([self.layout.layer_segments(self.store.ranks[placed, l], tokens[keep], dst[keep], zeros)
-                                 for l in range(L)])
+            segments = tuple(self.layout.layer_segments(l, self.store.ranks[placed, l], tokens[keep], dst[keep], zeros)
+                             for l in range(self.layout.num_layers))
         else:
-            segments = np.zeros((L, 0, 6), np.int64)
+            segments = self._no_segments()
         stored = int(self.store.block_bytes(placed).sum())
         return BlockPlacement(store=self.name, blocks=placed, dst_rows=dst[keep], segments=segments,
                               prefix_tokens=self.anchor_len + int(tokens.sum()),
                               kv_bytes_full=full_kv_bytes(self.layout, tokens[keep]), kv_bytes_stored=stored,
                               prefix=self)
+
+    def _no_segments(self) -> tuple[np.ndarray, ...]:
+        return tuple(np.zeros((0, 6), np.int64) for _ in range(self.layout.num_layers))
 
     def unreadable(self, blocks: list[int]) -> dict[int, Exception]:
         """Which of ``blocks`` cannot be read, each read alone, with what reading it raised."""
@@ -184,8 +217,9 @@ class StorePrefix:
         row's query is turned to it, `milo_infer.runtime.attention`); ``reach``: the layers it is rebuilt at."""
         placed = self.place([block])
         tokens = int(self.store.block_tokens[block])
-        segments = placed.segments.copy()
-        segments[:, :, 3] -= self.anchor_len
+        segments = tuple(table.copy() for table in placed.segments)
+        for table in segments:
+            table[:, 3] -= self.anchor_len
         return replace(placed, dst_rows=placed.dst_rows - self.anchor_len, segments=segments, prefix_tokens=tokens,
                        anchor=False, reach=reach)
 
@@ -196,8 +230,8 @@ class StorePrefix:
     def nothing_placed(self) -> BlockPlacement:
         """No prefix at all, not even the anchor: a row whose model computes every token (prefill)."""
         return BlockPlacement(store=self.name, blocks=[], dst_rows=np.zeros(0, np.int64),
-                              segments=np.zeros((self.layout.num_layers, 0, 6), np.int64), prefix_tokens=0,
-                              kv_bytes_full=0, kv_bytes_stored=0, prefix=self)
+                              segments=self._no_segments(), prefix_tokens=0, kv_bytes_full=0, kv_bytes_stored=0,
+                              prefix=self)
 
 
 class PrefixRebuild:
@@ -206,7 +240,7 @@ class PrefixRebuild:
     connector's), or one [H, ≥P_r, d] destination per row (the engine's pages). The blocks are read when it is made
     (a block that fails its checksum raises `StoreCorruptedError` here, before anything is written).
     ``share`` (default: every layer and head) is the part a worker's cache holds: ``fill`` takes only its
-    layers and writes only its heads (H = ``len(share.heads)``); only its layers are staged. ``rope`` holds each
+    layers and writes only its heads at each (H = ``len(heads(layer))``); only its layers are staged. ``rope`` holds each
     layer's tables (a NoPE layer's rotate by nothing). A row whose placement has a ``reach`` (window layers) is
     staged and rebuilt at each layer only for the blocks reached there; its other blocks' columns of that layer are
     left as they were (its attention reads them masked).
@@ -264,69 +298,73 @@ class PrefixRebuild:
             "staged_bytes": sum(pf.staged_bytes for pf in staged),
             "bytes": sum(pf.bytes_moved for pf in staged)}
         self.tables = []
-        layers, heads = self.share.layers, self.share.heads
+        layers, triton = self.share.layers, kernel_backend(torch.device(device)) == "triton"
         for row in rows:
             prefix = row.prefix
             if row.blocks and prefix in self.codes:  # per layer, the kernel's plan over the staged stored bytes
                 code = self.codes[prefix]
-                self.tables.append(({l: code.plan(row.blocks, row.dst_rows, l, heads) for l in layers}, None))
+                self.tables.append(({l: code.plan(row.blocks, row.dst_rows, l, self.heads(l)) for l in layers},
+                                    None))
                 continue
-            seg = row.segments.copy()
-            if row.blocks:
-                where = {b: i for i, b in enumerate(unions[prefix])}
-                at = [where[b] for b in row.blocks]
-                seg[:, :, 0] += np.repeat(self.fetched[prefix].starts[:, at], 2 * prefix.layout.num_kv_heads, axis=1)
-            # this share's heads (every layer orders its segments alike), numbered from the buffers' first
-            head = seg[0, :, 4]
-            ours = (head >= heads.start) & (head < heads.stop)
-            store = prefix.store
-            triton = kernel_backend(torch.device(device)) == "triton"
-            if row.reach is None:
-                seg = seg[:, ours]
-                seg[:, :, 4] -= heads.start
-                segments = torch.from_numpy(seg)
-                kernel_plans = (dict(zip(layers, plan_layers(segments[layers.start:layers.stop], prefix.layout.head_dim,
-                                                             factor_dtype=store.torch_dtype, device=device,
-                                                             quant=prefix.layout.quant)))
-                                if triton and row.blocks else {})
-            else:  # each layer's segments of the blocks its windows reach (a block's are 2H consecutive rows)
-                block_of = np.arange(seg.shape[1]) // (2 * prefix.layout.num_kv_heads)
-                segments, kernel_plans = {}, {}
+            where = {b: i for i, b in enumerate(unions[prefix])}
+            at = [where[b] for b in row.blocks]
+            segments, kernel_plans = {}, {}
+            for l in layers:
+                # the block's layer slice in the staged factors; this share's heads, numbered from the buffers' first
+                seg = row.segments[l].copy()
+                per_block, heads = prefix.layout.segments_per_block(l), self.heads(l)
+                if row.blocks:
+                    seg[:, 0] += np.repeat(self.fetched[prefix].starts[l, at], per_block)
+                kept = (seg[:, 4] >= heads.start) & (seg[:, 4] < heads.stop)
+                if row.reach is not None:  # the blocks its windows reach at this layer
+                    kept &= np.isin(np.arange(len(seg)) // max(1, per_block), row.layer_blocks(l))
+                seg = seg[kept]
+                seg[:, 4] -= heads.start
+                segments[l] = torch.from_numpy(seg)
+            if triton and row.blocks:  # planned in one pass per shape of table (every layer at once, most often)
+                alike: dict[tuple[int, int], list[int]] = {}
                 for l in layers:
-                    kept = seg[l, ours & np.isin(block_of, row.layer_blocks(l))]
-                    kept[:, 4] -= heads.start
-                    segments[l] = torch.from_numpy(kept)
-                    if triton and len(kept):
-                        kernel_plans[l] = plan_layers(segments[l][None], prefix.layout.head_dim,
-                                                      factor_dtype=store.torch_dtype, device=device,
-                                                      quant=prefix.layout.quant)[0]
+                    if len(segments[l]):
+                        alike.setdefault((len(segments[l]), prefix.layers[l].head_dim), []).append(l)
+                for (_, d), run in alike.items():
+                    kernel_plans.update(zip(run, plan_layers(torch.stack([segments[l] for l in run]), d,
+                                                             factor_dtype=prefix.store.torch_dtype, device=device,
+                                                             quant=prefix.layout.quant)))
             self.tables.append((segments, kernel_plans))
         self.shared = (self._shared_blocks() if rebuild is rebuild_layer and kernel_backend(device) == "cpu"
                        and all(row.reach is None for row in self.rows) else None)  # a window's reach: per row
-        # the CPU's decoded layer of the rows' distinct blocks (fp32 K and V): staged like the factors, and counted
-        self.decoded, self.decoded_shape = None, (2, len(heads), max((c for _, c, _ in (self.shared or {}).values()),
-                                                                     default=0), layout.head_dim)
+        # the CPU's decoded layer of the rows' distinct blocks (fp32 K and V on the layout's grid, each layer a corner
+        # of it): staged like the factors, and counted
+        width = max((len(self.heads(l)) for l in layers if layout.layers[l].holds_cache), default=0)
+        self.decoded, self.decoded_shape = None, (2, width, max((c for _, c, _ in (self.shared or {}).values()),
+                                                                default=0), layout.head_dim)
         self.fetch_stats["buffer_bytes"] += int(np.prod(self.decoded_shape)) * 4
 
+    def heads(self, layer: int) -> range:
+        """The KV heads of ``layer`` this rebuild writes (the share's), in the store's numbering."""
+        return self.share.layer_heads(self.rows[0].prefix.layers[layer])
+
     def _shared_blocks(self) -> dict:
-        """Per mounted version: one segment table [L, S, 6] of each block its rows place, once, one after another
+        """Per mounted version: per layer, one segment table of each block its rows place, once, one after another
         from row 0 (a scratch of their columns), and each (block's first scratch row, tokens, first row in the
         context, the rows placing it there)."""
-        per_block = 2 * len(self.share.heads)  # a block's segments: its keys', then its values', head by head
         seen: dict = {}  # (version, block) -> its first scratch row and tokens
-        shared: dict = {}  # version -> [tables], columns, {(scratch row, tokens, dst): [rows]}
+        shared: dict = {}  # version -> {layer: [tables]}, columns, {(scratch row, tokens, dst): [rows]}
         for r, (row, (segments, _)) in enumerate(zip(self.rows, self.tables)):
-            tables, columns, placed = shared.setdefault(row.prefix, ([], [0], {}))
+            tables, columns, placed = shared.setdefault(row.prefix, ({l: [] for l in self.share.layers}, [0], {}))
             for i, (block, dst) in enumerate(zip(row.blocks, row.dst_rows.tolist())):
                 if (row.prefix, block) not in seen:
-                    table = segments[:, i * per_block:(i + 1) * per_block].clone()
-                    table[:, :, 3] = columns[0]
-                    seen[row.prefix, block] = (columns[0], int(table[0, 0, 2]))
-                    columns[0] += int(table[0, 0, 2])
-                    tables.append(table)
+                    tokens = int(row.prefix.store.block_tokens[block])
+                    for l in self.share.layers:  # the block's rows: keys', then values', head by head
+                        per_block = len(segments[l]) // len(row.blocks)
+                        table = segments[l][i * per_block:(i + 1) * per_block].clone()
+                        table[:, 3] = columns[0]
+                        tables[l].append(table)
+                    seen[row.prefix, block] = (columns[0], tokens)
+                    columns[0] += tokens
                 placed.setdefault((*seen[row.prefix, block], dst), []).append(r)
-        return {m: (torch.cat(tables, dim=1), columns[0], placed) for m, (tables, columns, placed) in shared.items()
-                if tables}
+        return {m: ({l: torch.cat(t) for l, t in tables.items()}, columns[0], placed)
+                for m, (tables, columns, placed) in shared.items() if columns[0]}
 
     def union_reach(self, prefix: "StorePrefix", union: list[int]) -> dict[int, list[int]] | None:
         """Per layer of the share, the blocks of ``union`` (indices into it) some row of ``prefix`` rebuilds there;
@@ -341,28 +379,39 @@ class PrefixRebuild:
     def fill(self, layer: int, k_buf, v_buf) -> None:
         if layer not in self.share.layers:
             raise ValueError(f"layer {layer} is not in this rebuild's layers {self.share.layers}")
-        heads = slice(self.share.heads.start, self.share.heads.stop)
+        if not self.rows[0].prefix.layers[layer].holds_cache:  # a shared layer attends its source's: nothing here
+            return
+        heads = slice(self.heads(layer).start, self.heads(layer).stop)
         cos, sin = self.rope.layer(layer)
         with self.clock.device_stage("wait"):
             factors = {prefix: pf.layer(layer)[0] for prefix, pf in self.fetched.items()}
         with self.clock.device_stage("rebuild"):
-            scales = {m: code.channel_scale(layer, self.share.heads) for m, code in self.codes.items()}
+            scales = {m: code.channel_scale(layer, self.heads(layer)) for m, code in self.codes.items()}
             for row, (segments, kernel_plans), k, v in zip(self.rows, self.tables, k_buf, v_buf):
                 if not row.prefix_tokens:  # a prefill row: no prefix, not even the anchor
                     continue
                 m = row.prefix
                 if row.anchor:
-                    k[:, :m.anchor_len] = m.anchor_k[layer, heads]
-                    v[:, :m.anchor_len] = m.anchor_v[layer, heads]
+                    k[:, :m.anchor_len] = m.anchor_k[layer][heads]
+                    v[:, :m.anchor_len] = m.anchor_v[layer][heads]
                 if kernel_plans is None:  # rebuilt from its stored codes
                     self.codes[m].rebuild(segments[layer], scales[m], k[:, :row.prefix_tokens], v[:, :row.prefix_tokens],
-                                          cos, sin, **m.rope_layout)
+                                          cos, sin, **m.rope_layout(layer))
                 elif self.shared is None and len(segments[layer]):
                     self.rebuild(factors[m], segments[layer], k[:, :row.prefix_tokens], v[:, :row.prefix_tokens],
-                                 cos, sin, **m.rope_layout, quant=m.layout.quant,
+                                 cos, sin, **m.rope_layout(layer), quant=m.layout.quant,
                                  plan=kernel_plans.get(layer))
+                    if layer in m.key_gain:
+                        self._keys_from_values(row, layer, k, v, cos, sin)
             if self.shared is not None:
                 self._fill_shared(layer, factors, k_buf, v_buf, cos, sin)
+
+    def _keys_from_values(self, row: BlockPlacement, layer: int, k, v, cos, sin) -> None:
+        """A K = V layer's keys of the row's blocks: their rebuilt values times the store's gain, rotated."""
+        m, ends = row.prefix, row.block_ends()
+        for i in row.layer_blocks(layer):
+            at = slice(int(row.dst_rows[i]), int(ends[i]))
+            k[:, at] = rope(v[:, at].float() * m.key_gain[layer], cos[at], sin[at], **m.rope_layout(layer))
 
     def _fill_shared(self, layer: int, factors: dict, k_buf, v_buf, cos, sin) -> None:
         """The CPU's rebuild of this layer: each block decoded once (fp32, keys pre-RoPE), its keys rotated into each
@@ -370,20 +419,22 @@ class PrefixRebuild:
         if self.decoded is None:  # one buffer for every layer of this rebuild, not one a layer
             self.decoded = torch.empty(self.decoded_shape, dtype=torch.float32, device=cos.device)
         for m, (segments, columns, placed) in self.shared.items():
-            decoded = self.decoded[:, :, :columns]
+            spec = m.layers[layer]
+            decoded = self.decoded[:, :len(self.heads(layer)), :columns, :spec.head_dim]
             decode_layer(factors[m], segments[layer], decoded[0], decoded[1], quant=m.layout.quant)
+            if layer in m.key_gain:
+                torch.mul(decoded[1], m.key_gain[layer], out=decoded[0])
+            layout = spec.rope_layout()
             for (first, tokens, dst), rows in placed.items():
                 block, at = slice(first, first + tokens), slice(dst, dst + tokens)
                 keys = None
                 for r in rows:
                     k, v = k_buf[r][:, at], v_buf[r][:, at]
                     if k.dtype == torch.float32:
-                        rope(decoded[0][:, block], cos[at], sin[at], m.rope_interleaved, out=k,
-                             rotary_dim=m.rope_rotary_dim)
+                        rope(decoded[0][:, block], cos[at], sin[at], out=k, **layout)
                     else:
                         if keys is None:
-                            keys = rope(decoded[0][:, block], cos[at], sin[at], m.rope_interleaved,
-                                        rotary_dim=m.rope_rotary_dim)
+                            keys = rope(decoded[0][:, block], cos[at], sin[at], **layout)
                         k.copy_(keys)
                     v.copy_(decoded[1][:, block])
         if layer == self.share.layers[-1]:

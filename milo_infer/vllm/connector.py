@@ -52,7 +52,7 @@ from ..models import UnsupportedModelError, check_compatible, config_identity, c
 from ..models.families import vllm_problem
 from ..runtime.prefix import BlockPlacement, KVShare, PrefixRebuild, StorePrefix
 from ..runtime.timing import StageClock
-from .transfer import Load, LoadSchedule, PrefixClaims, tensor_parallel_heads
+from .transfer import Load, LoadSchedule, PrefixClaims
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -236,19 +236,20 @@ class MiloConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _worker_share(self) -> KVShare:
         """The layers and KV heads this worker's cache holds: its pipeline stage's layers (vLLM's own split)
-        and its tensor-parallel rank's heads."""
+        and its tensor-parallel rank's heads of each layer."""
         layout = next(iter(self._prefixes.values())).layout  # stores of one model share K/V shapes
         pp = get_pp_group()
         self.tp_rank, self.pp_rank = get_tensor_model_parallel_rank(), pp.rank_in_group
         share = KVShare(range(*get_pp_indices(layout.num_layers, self.pp_rank, pp.world_size)),
-                        tensor_parallel_heads(layout.num_kv_heads, get_tensor_model_parallel_world_size(), self.tp_rank))
+                        tp=(get_tensor_model_parallel_world_size(), self.tp_rank))
         model_config, parallel = self._vllm_config.model_config, self._vllm_config.parallel_config
-        if len(share.heads) != model_config.get_num_kv_heads(parallel):
-            raise RuntimeError(f"MiloConnector: rank {self.tp_rank} would rebuild {len(share.heads)} KV heads, "
+        heads = share.layer_heads(layout.layers[0])
+        if layout.uniform and len(heads) != model_config.get_num_kv_heads(parallel):
+            raise RuntimeError(f"MiloConnector: rank {self.tp_rank} would rebuild {len(heads)} KV heads, "
                                f"vLLM's cache holds {model_config.get_num_kv_heads(parallel)}")
-        logger.info("MiloConnector (worker tp %d, pp %d): layers %d..%d, KV heads %d..%d of %d", self.tp_rank,
-                    self.pp_rank, share.layers.start, share.layers.stop - 1, share.heads.start, share.heads.stop - 1,
-                    layout.num_kv_heads)
+        logger.info("MiloConnector (worker tp %d, pp %d): layers %d..%d, KV heads %d..%d of %d (the first layer's)",
+                    self.tp_rank, self.pp_rank, share.layers.start, share.layers.stop - 1, heads.start, heads.stop - 1,
+                    layout.layers[0].kv_heads)
         return share
 
     def _rows(self, loads: list[Load]) -> list[BlockPlacement]:
@@ -295,12 +296,11 @@ class MiloConnector(KVConnectorBase_V1, SupportsHMA):
         self._rebuild, self._loads = rebuild, loads
         self._slots = [[self._held(slots) for slots in load.slots] for load in loads]
         self._written = 0
-        if rebuild is not None:
-            longest = max(row.prefix_tokens for row in rebuild.rows)
-            head_dim = self._prefixes[loads[0].claim.store].layout.head_dim
-            self._buffers = tuple(torch.zeros(len(loads), len(self.share.heads), longest, head_dim,
-                                              dtype=self.dtype, device=self.device)
-                                  for _ in range(2))
+        if rebuild is not None:  # one pair of buffers per shape the share's layers hold
+            longest, layers = max(row.prefix_tokens for row in rebuild.rows), rebuild.rows[0].prefix.layers
+            shapes = {(len(rebuild.heads(l)), layers[l].head_dim) for l in self.share.layers if layers[l].holds_cache}
+            self._buffers = {shape: tuple(torch.zeros(len(loads), shape[0], longest, shape[1], dtype=self.dtype,
+                                                      device=self.device) for _ in range(2)) for shape in shapes}
             logger.debug("loading %d tokens for %d requests from the store",
                          sum(load.end - load.start for load in loads), len(loads))
 
@@ -322,9 +322,12 @@ class MiloConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._rebuild is None:
             return
-        layer = self._forward_context.no_compile_layers[layer_name]
-        k_buf, v_buf = self._buffers
-        self._rebuild.fill(extract_layer_index(layer_name), k_buf, v_buf)
+        layer, index = self._forward_context.no_compile_layers[layer_name], extract_layer_index(layer_name)
+        spec = self._rebuild.rows[0].prefix.layers[index]
+        if not spec.holds_cache:  # it attends its source layer's cache, written there
+            return
+        k_buf, v_buf = self._buffers[len(self._rebuild.heads(index)), spec.head_dim]
+        self._rebuild.fill(index, k_buf, v_buf)
         group = self.group_of[layer_name]
         with self._rebuild.clock.device_stage("write"):
             for r, (load, held) in enumerate(zip(self._loads, self._slots)):

@@ -22,6 +22,7 @@ import threading
 from pathlib import PurePosixPath
 
 from milo_store import Layout, MiloStore
+from milo_store.layers import cache_values_per_token
 
 from ..models import model_directory
 from ..runtime.pages import free_memory_bytes
@@ -72,7 +73,7 @@ def cpu_kv_cache_bytes(layout: Layout, max_model_len: int, workers: int, free_by
     """KV cache bytes for each CPU worker: ``KV_CACHE_SEQUENCES`` sequences of ``max_model_len`` tokens of the
     stores' model (every layer and head: a worker holding a share needs less), within
     ``KV_CACHE_SHARE_OF_FREE`` of the free memory shared by the ``workers``."""
-    per_token = layout.num_layers * 2 * layout.num_kv_heads * layout.head_dim * KV_BYTES_PER_VALUE
+    per_token = cache_values_per_token(layout.layers) * KV_BYTES_PER_VALUE
     wanted = KV_CACHE_SEQUENCES * max_model_len * per_token
     return max(1 << 20, min(wanted, int(free_bytes * KV_CACHE_SHARE_OF_FREE) // workers))
 

@@ -124,21 +124,6 @@ class PrefixClaims:
         return Claim(name, list(blocks), len(ids), store.version), ""
 
 
-def tensor_parallel_heads(num_kv_heads: int, tp_size: int, tp_rank: int) -> range:
-    """The KV heads (the store's numbering) that tensor-parallel rank ``tp_rank`` of ``tp_size`` holds, as vLLM
-    shards them (its QKVParallelLinear): H / tp consecutive heads each where tp divides H; where H < tp,
-    each head is replicated on tp / H consecutive ranks."""
-    if num_kv_heads >= tp_size:
-        if num_kv_heads % tp_size:
-            raise ValueError(f"{num_kv_heads} KV heads do not split over {tp_size} tensor-parallel ranks")
-        per_rank = num_kv_heads // tp_size
-        return range(tp_rank * per_rank, (tp_rank + 1) * per_rank)
-    if tp_size % num_kv_heads:
-        raise ValueError(f"{tp_size} tensor-parallel ranks do not replicate {num_kv_heads} KV heads evenly")
-    head = tp_rank // (tp_size // num_kv_heads)
-    return range(head, head + 1)
-
-
 def connector_config(stores: dict[str, str], *, load_failure: str = "recompute", **options) -> dict:
     """vLLM's ``--kv-transfer-config`` (as JSON) for the milo connector over ``stores`` (name: path or URL);
     ``options`` are the connector's extra keys (``tier``, ``memory_cache_bytes``, ``block_cache_dir``,

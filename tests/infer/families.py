@@ -71,6 +71,13 @@ TINY = {
     "cohere2": ("Cohere2Config", dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"])),
     "gpt_oss": ("GptOssConfig", dict(head_dim=16, sliding_window=8, num_local_experts=4, num_experts_per_tok=2,
                                      layer_types=["sliding_attention", "full_attention"])),  # sinks
+    # Gemma 4: sliding layers of 2 KV heads of 16 beside full layers of 1 of 32 whose K = V, proportional RoPE on the
+    # full layers, per-layer input embeddings; layers 2 and 3 attend layers 0's and 1's K/V (E2B's kv sharing)
+    "gemma4_text": ("Gemma4TextConfig", dict(num_hidden_layers=4, head_dim=16, global_head_dim=32,
+                                             num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=8,
+                                             layer_types=["sliding_attention", "full_attention"] * 2,
+                                             num_kv_shared_layers=2, hidden_size_per_layer_input=8,
+                                             vocab_size_per_layer_input=300)),
 }
 
 TASK = TaskSpec(name="topics", template="Message: {input}\nTopic: {output}\n", anchor="Name each message's topic.",

@@ -18,7 +18,7 @@ from milo_infer.building.builder import build_store
 from milo_infer.building.config import BuildConfig
 from milo_infer.evaluation.conformance import Deviation, check_conformance
 from milo_infer.models import (FAMILIES, REFUSED, UnsupportedModelError, check_supported, config_identity,
-                               config_layer_rope_tables, layer_rope_tables)
+                               config_layer_rope_tables, layer_rope_tables, layer_specs)
 from milo_infer.runtime.engine import Engine
 from milo_infer.runtime.planning import EngineSettings, Request
 from milo_store import CompressionConfig, MiloStore
@@ -43,7 +43,12 @@ def report(request, tmp_path_factory):
 
 
 def largest(report, name: str) -> float:
-    return max(layer[name].error for layer in report.layers)
+    """The largest deviation of check ``name`` over the layers, each layer holding K/V checked (a layer that attends
+    another's has none of its own to check)."""
+    held = [spec.holds_cache for spec in layer_specs(families.config(report.model_type))]
+    if not name.startswith("query"):
+        assert [name in layer for layer in report.layers] == held, name
+    return max(layer[name].error for layer in report.layers if name in layer)
 
 
 def test_every_accepted_family_has_a_tiny_model():
@@ -144,6 +149,44 @@ def test_windowed_variants_pass_every_check(family, tmp_path):
     assert any(w is not None for w in FAMILIES[family].windows(loaded.model.config))
     r = conformance(loaded, tmp_path)
     assert r.passed, r.failures()
+
+
+def test_gemma4_with_its_key_gain_dropped_fails_its_check(tmp_path, monkeypatch):
+    """A K = V layer's keys are its stored values times its key norm's weight: rebuilt with a gain of ones, the full
+    layers' keys come back unlike the model's (the sliding layers, which store their keys, still pass)."""
+    from milo_infer.building import builder
+
+    monkeypatch.setattr(builder, "key_gains", lambda model: torch.ones(4, 32) * (
+        torch.tensor([s.keys_from_values for s in layer_specs(model.config)])[:, None]))
+    r = conformance(families.tiny_model("gemma4_text"), tmp_path)
+    assert [f for f in r.failures() if "capture keys" in f] and all(f.startswith("layer 1 ") or "logits" in f
+                                                                    for f in r.failures()), r.failures()
+
+
+def test_gemma4_proportional_rope_read_as_a_partial_rotary_fails_its_check(tmp_path, monkeypatch):
+    """Its full layers' proportional RoPE turns pairs (j, j + d/2) of the whole head, the last three quarters of the
+    frequencies zero: read as a rotate-half over the first quarter, their keys come back turned unlike the model's."""
+    from milo_infer.models import families as described
+
+    real = described.rotary_dim
+    monkeypatch.setitem(FAMILIES, "gemma4_text", dataclasses.replace(FAMILIES["gemma4_text"], partial=True))
+    monkeypatch.setattr(described, "rotary_dim", lambda config, layer=0: (
+        described.head_dim(config, layer) // 4 if config.layer_types[layer] == "full_attention" else real(config, layer)))
+    r = conformance(families.tiny_model("gemma4_text"), tmp_path)
+    assert any(f.startswith("layer 1 capture keys") for f in r.failures()), r.failures()
+
+
+def test_gemma4_shared_layers_attending_the_full_layers_page_tables_fail_the_logits(tmp_path, monkeypatch):
+    """A layer that attends another's K/V reads its source's pools (the model hands it them), so it must read them
+    through its source's page tables: the tiny model's layer 2, which attends window layer 0's, given the full layers'
+    page tables attends the wrong columns."""
+    from milo_infer.runtime import engine
+
+    real = engine.model_windows
+    monkeypatch.setattr(engine, "model_windows", lambda config: [w if l < 2 else None
+                                                                 for l, w in enumerate(real(config))])
+    r = conformance(families.tiny_model("gemma4_text"), tmp_path)
+    assert any(f.startswith("logits") for f in r.failures()), r.failures()
 
 
 ENGINE_WRONG = {  # family -> what the engine's attention would leave out of what the layer hands it

@@ -44,7 +44,7 @@ def test_reconstruct_lowbit_layer_equals_reference_on_dequantized_factors(quant)
     factors = torch.cat(parts)
     dst = np.concatenate(([0], np.cumsum(block_tokens)[:-1]))
     starts = layout.block_offsets(ranks[:, None], np.array(block_tokens))[:-1]
-    segments = torch.from_numpy(layout.layer_segments(ranks, np.array(block_tokens), dst, starts))
+    segments = torch.from_numpy(layout.layer_segments(0, ranks, np.array(block_tokens), dst, starts))
     n = sum(block_tokens)
     cos, sin = rope_tables(n, d, False)
     out_k, out_v = (torch.full((heads, n, d), float("nan")) for _ in range(2))

@@ -160,7 +160,7 @@ def test_copy_identity_layer_equals_the_kernel_on_an_identity_block():
     k, v = synthetic_block_kv(layout, 9, torch.Generator().manual_seed(1))
     f = factorize_block(k, v, codec="identity")
     factors = pack_block(f, torch.full((1, 2, 2), 16).numpy(), "float32")
-    segments = torch.from_numpy(layout.layer_segments(torch.full((1, 2, 2), 16).numpy(), [9], [3], [0]))
+    segments = torch.from_numpy(layout.layer_segments(0, torch.full((1, 2, 2), 16).numpy(), [9], [3], [0]))
     angles = torch.arange(12.0)[:, None] * torch.rand(16)
     cos, sin = angles.cos(), angles.sin()
     outs = []

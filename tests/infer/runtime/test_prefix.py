@@ -31,7 +31,7 @@ def rebuilt(store: MiloStore, rope, share: KVShare | None) -> tuple[torch.Tensor
     prefix = StorePrefix("s", store, rope, "cpu", torch.float32)
     rows = [prefix.place(blocks) for blocks in ROWS]
     rebuild = PrefixRebuild(rows, rope, "cpu", share=share)
-    layers, heads = rebuild.share.layers, rebuild.share.heads
+    layers, heads = rebuild.share.layers, rebuild.heads(rebuild.share.layers[0])  # every layer alike here
     T = max(row.prefix_tokens for row in rows)
     k = torch.zeros(len(rows), len(layers), len(heads), T, store.layout.head_dim)
     v = torch.zeros_like(k)
@@ -92,8 +92,8 @@ def test_rows_sharing_blocks_rebuild_as_each_alone_through_the_kernel(built, nam
         rows = [prefix.place(blocks) for blocks in SHARING] + [prefix.nothing_placed()]
         shared = PrefixRebuild(rows, rope, "cpu")
         T, (H, d) = max(row.prefix_tokens for row in rows), (store.layout.num_kv_heads, store.layout.head_dim)
-        (table, _, placed), = shared.shared.values()  # 4 blocks decoded, some placed twice at one position
-        assert table.shape[1] == 4 * 2 * H and len(placed) > 4 and max(map(len, placed.values())) > 1
+        (tables, _, placed), = shared.shared.values()  # 4 blocks decoded, some placed twice at one position
+        assert tables[0].shape[0] == 4 * 2 * H and len(placed) > 4 and max(map(len, placed.values())) > 1
         for layer in range(store.layout.num_layers):
             k, v = torch.zeros(len(rows), H, T, d, dtype=dtype), torch.zeros(len(rows), H, T, d, dtype=dtype)
             shared.fill(layer, k, v)
@@ -138,7 +138,7 @@ def test_a_bits_store_rebuilds_from_its_codes_as_from_its_decoded_factors(bits_b
             assert codes.fetch_stats["bytes"] == int(store.block_bytes([0, 2, 1]).sum())
             reference = PrefixRebuild(rows, rope, device, share=share,
                                       rebuild=lambda *a, **kw: reconstruct_layer(*a, **kw, backend="reference"))
-            heads = codes.share.heads
+            heads = codes.heads(0)  # every layer alike here
             for layer in range(store.layout.num_layers):
                 got = [torch.full((len(rows), len(heads), T, d), float("nan"), device=device) for _ in range(2)]
                 want = [g.clone() for g in got]

@@ -21,7 +21,8 @@ import torch
 from milo_infer.models import ModelUnavailable
 from milo_infer.runtime.engine import Engine
 from milo_infer.runtime.planning import STOP_STRINGS, EngineSettings, Request
-from milo_infer.vllm.transfer import VllmPrompts, tensor_parallel_heads
+from milo_infer.runtime.prefix import tensor_parallel_heads
+from milo_infer.vllm.transfer import VllmPrompts
 from milo_store import MiloStore
 from tests.infer.vllm import parallel_model
 from tests.infer.vllm.vllm_server import vllm_python, vllm_server
