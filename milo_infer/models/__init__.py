@@ -12,7 +12,10 @@ Face model lays these out:
 * `capture`: `capture_kv` (pre-RoPE keys and values per layer), `capture_queries` (pre-RoPE queries) and the
   query-aware `channel_scales`;
 * `rope`: the model's own cos/sin tables (`rope_tables`), and each layer's (`RopeTables`: NoPE layers
-  rotate by identity tables).
+  rotate by identity tables);
+* `multimodal`: what loads a multimodal checkpoint's text model as a causal LM (`causal_lm_class`; `text_lm` holds
+  milo's own, `TextModelForCausalLM`), and its media tokens, refused in a corpus or a query (`media_tokens`,
+  `media_problem`).
 """
 from .capture import (CapturedKV, capture_kv, capture_queries, channel_scales, decoder_layers, output_channel_scales,
                       query_channel_scales)
@@ -21,12 +24,13 @@ from .families import (FAMILIES, REFUSED, SUPPORTED_ROPE_TYPES, Attention, Unsup
 from .identity import IDENTITY_FIELDS, check_compatible, config_identity, model_identity
 from .loading import (LoadedModel, ModelUnavailable, _converted_gguf, cache_root, default_gguf_path, llama_as_qwen2,
                       load_model, model_directory, read_config)
+from .multimodal import causal_lm_class, media_problem, media_tokens
 from .rope import RopeTables, config_layer_rope_tables, config_rope_tables, layer_rope_tables, rope_tables
 
 __all__ = ["Attention", "CapturedKV", "FAMILIES", "IDENTITY_FIELDS", "LoadedModel", "ModelUnavailable", "REFUSED",
-           "RopeTables", "SUPPORTED_ROPE_TYPES", "UnsupportedModelError", "attention_of", "cache_root", "capture_kv",
-           "capture_queries",
+           "RopeTables", "SUPPORTED_ROPE_TYPES", "UnsupportedModelError", "attention_of",
+           "cache_root", "capture_kv", "capture_queries", "causal_lm_class",
            "channel_scales", "check_compatible", "check_supported", "config_identity", "config_layer_rope_tables",
            "config_rope_tables", "decoder_layers", "default_gguf_path", "head_dim", "layer_rope_tables",
-           "llama_as_qwen2", "load_model", "model_directory", "model_identity", "output_channel_scales",
-           "query_channel_scales", "read_config", "rope_tables"]
+           "llama_as_qwen2", "load_model", "media_problem", "media_tokens", "model_directory", "model_identity",
+           "output_channel_scales", "query_channel_scales", "read_config", "rope_tables"]

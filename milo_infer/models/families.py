@@ -161,14 +161,18 @@ FAMILIES: dict[str, Attention] = {
                          identity=("layer_norm_eps", "logit_scale")),
     "gpt_oss": Attention(half_tables=True, sinks=True,
                          identity=("num_local_experts", "num_experts_per_tok", "swiglu_limit")),
+    # the text models of multimodal checkpoints (`multimodal.TextModelForCausalLM`): their multimodal RoPE takes
+    # each frequency from one of three position rows (mrope_section), equal for text, so it is one rotation per position
+    "qwen2_vl_text": PLAIN,  # Qwen2's attention: q/k/v biases
+    "qwen2_5_vl_text": PLAIN,
+    "qwen3_vl_text": QK_NORM,  # Qwen3's: k_norm per head; the rows' sections interleaved
+    "qwen3_vl_moe_text": replace(QK_NORM, identity=MOE),
 }
 
 HYBRID_LINEAR = ("hybrid linear attention: its linear-attention layers keep a recurrent state, not per-token K/V "
                  "that could be stored and placed at new positions")
 MLA = ("multi-head latent attention (MLA): its cache holds a compressed latent and one shared RoPE key per token, "
        "not per-head K/V before RoPE")
-MROPE = ("multimodal RoPE (rope_parameters' mrope_section): its rotary module turns each part of a head by "
-         "its own position row (time, height, width), which milo's one table per position does not describe")
 KEY_NORM_AFTER_ROPE = ("its query and key RMSNorms follow RoPE, each with a weight per channel, so a score "
                        "<wq*R(m)q, wk*R(n)k> depends on m and n, not on m - n alone: a block's K/V past the first layer "
                        "change with the absolute positions it was encoded at, and no stored block placed elsewhere is "
@@ -190,7 +194,6 @@ REFUSED: dict[str, str] = {
     "gemma4_text": ("per-layer head sizes and RoPE (global_head_dim with proportional partial RoPE in its "
                     "full-attention layers, beside sliding layers of another head size): milo stores one head size "
                     "for every layer"),
-    "qwen2_vl_text": MROPE, "qwen2_5_vl_text": MROPE, "qwen3_vl_text": MROPE,
 }
 
 

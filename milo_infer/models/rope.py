@@ -98,10 +98,10 @@ def rope_tables(model, n_rows: int, device=None, layer_type=None) -> tuple[torch
 
 def config_rope_tables(config, n_rows: int, device=None, layer_type=None) -> tuple[torch.Tensor, torch.Tensor]:
     """`rope_tables` without the model: its architecture's rotary module, made from ``config`` alone."""
-    # the config class's own package: gemma3_text's is gemma3's
+    # the config class's own package (gemma3_text's is gemma3's); a vision tower's rotary there (Qwen-VL's) is not it
     modeling = importlib.import_module(type(config).__module__.replace(".configuration_", ".modeling_"))
     rotary_classes = [obj for name, obj in vars(modeling).items() if name.endswith("RotaryEmbedding")
-                      and isinstance(obj, type) and obj.__module__ == modeling.__name__]
+                      and "Vision" not in name and isinstance(obj, type) and obj.__module__ == modeling.__name__]
     if len(rotary_classes) != 1:
         raise ValueError(f"cannot tell the rotary embedding of model type {config.model_type!r} "
                          f"({len(rotary_classes)} candidates in {modeling.__name__})")

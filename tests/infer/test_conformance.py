@@ -96,6 +96,9 @@ WRONG = {  # family -> a description that misreads it, and the check that must s
     "phi": (dict(interleaved=True), "capture keys"),  # its rotary over interleaved pairs
     "stablelm": (dict(keys=("no_norm", "k_proj")), "capture keys"),  # its LayerNorm per head dropped (the fallback read)
     "nemotron": (dict(keywords_kept=False), "logits"),  # the engine's batch kept from its attention
+    "qwen3_vl_text": (dict(keys=("k_proj",)), "capture keys"),  # k_norm dropped
+    "qwen2_5_vl_text": (dict(interleaved=True), "capture keys"),  # its multimodal RoPE read as interleaved pairs
+    "qwen3_vl_moe_text": (dict(queries=("q_proj",)), "query_scales"),  # q_norm dropped
 }
 
 
