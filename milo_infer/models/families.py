@@ -45,11 +45,16 @@ class Attention:
     keywords_kept: bool = False  # its decoder layers keep their forward keywords from their attention (StableLM,
     # Nemotron): `loading.LoadedModel` hands them on, the engine's batch among them
     unwindowed_nope: bool = False  # when a window is on, its full-attention layers do not rotate (Cohere 2, Exaone 4)
-    half_tables: bool = False  # its rotary module makes one table per rotate-half pair, applied to both halves (gpt-oss)
+    half_tables: bool = False  # its rotary module makes one table per pair, applied to both of its channels (gpt-oss's
+    # rotate-half halves; Llama 4's interleaved pairs, whose tables are complex)
     sinks: bool = False  # each query head has a learned sink logit in its softmax, attended by nothing (gpt-oss)
     softcap: str | None = None  # a config field: scores are capped to cap·tanh(score/cap) before the softmax (Gemma 2)
     query_scalar: str | None = None  # a config field: scores are scaled by its inverse square root, not 1/sqrt(d)
     window_refused: str | None = None  # why an active window is refused (its modeling file applies it half-way)
+    norm_after_rope: str | None = None  # a weightless norm its attention applies to queries and keys after RoPE, in the
+    # layers that have it (Llama 4's qk_norm): a rotation keeps a head's RMS, so the tap's output normed is what RoPE turns
+    first_chunk: bool = False  # exact within its first attention chunk only (Llama 4): its chunked layers are accepted
+    # and the store's positions capped (`chunked.first_chunk_positions`)
     query_turns: bool = True  # its cached keys are a rotation of what the store keeps, so a row's query turned back
     # by a block's offset attends one copy held at 0..T-1 for every row (`milo_infer.runtime.shared_blocks`); False:
     # each row holds its own copy (a norm after RoPE, say, would not commute with turning the query)
@@ -167,6 +172,11 @@ FAMILIES: dict[str, Attention] = {
     "qwen2_5_vl_text": PLAIN,
     "qwen3_vl_text": QK_NORM,  # Qwen3's: k_norm per head; the rows' sections interleaved
     "qwen3_vl_moe_text": replace(QK_NORM, identity=MOE),
+    "llama4_text": Attention(nope="no_rope_layers", interleaved=True, half_tables=True, norm_after_rope="qk_norm",
+                             first_chunk=True, identity=(
+                                 "no_rope_layers", "attention_chunk_size", "attn_temperature_tuning", "floor_scale",
+                                 "attn_scale", "use_qk_norm", "num_local_experts", "num_experts_per_tok", "moe_layers",
+                                 "intermediate_size_mlp")),  # Llama 4: complex RoPE tables, NoPE every 4th layer
 }
 
 HYBRID_LINEAR = ("hybrid linear attention: its linear-attention layers keep a recurrent state, not per-token K/V "
@@ -188,9 +198,6 @@ REFUSED: dict[str, str] = {
     "deepseek_v2": MLA, "deepseek_v3": MLA,
     "hunyuan_v1_dense": KEY_NORM_AFTER_ROPE,
     "hunyuan_v1_moe": KEY_NORM_AFTER_ROPE,
-    "llama4_text": ("chunked local attention in 3 of 4 layers (attention_chunk_size, layer_types "
-                    "'chunked_attention'): a placed block would be attended beyond the chunk the model sees; "
-                    "its other layers are NoPE with a query temperature that grows with the position"),
     "gemma4_text": ("per-layer head sizes and RoPE (global_head_dim with proportional partial RoPE in its "
                     "full-attention layers, beside sliding layers of another head size): milo stores one head size "
                     "for every layer"),
@@ -278,7 +285,8 @@ def _check_config(config) -> None:
     if heads and head_dim(config) % 2:
         problems.append(f"head_dim={head_dim(config)} is odd: RoPE pairs channels, so it needs an even head dimension")
     layer_types = getattr(config, "layer_types", None) or []
-    other = sorted({kind for kind in layer_types} - {"full_attention", "sliding_attention"})
+    attended = {"full_attention", "sliding_attention"} | ({"chunked_attention"} if spec and spec.first_chunk else set())
+    other = sorted({kind for kind in layer_types} - attended)
     if other:
         problems.append(f"layers of type {', '.join(map(repr, other))}: MILO attends full or sliding-window layers only")
     if spec is not None and spec.window_refused and any(w is not None for w in spec.windows(config)):

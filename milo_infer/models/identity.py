@@ -7,6 +7,7 @@ from pathlib import Path
 
 from milo_store import IncompatibleStoreError, MiloStore
 
+from .chunked import first_chunk_positions
 from .families import attention_of, head_dim, rope_per_layer_type
 
 
@@ -69,7 +70,7 @@ def config_identity(config, dtype) -> dict:
         "num_kv_heads": config.num_key_value_heads,
         "head_dim": head_dim(config),
         "rope": record,
-        "max_position_embeddings": config.max_position_embeddings,
+        "max_position_embeddings": first_chunk_positions(config) if spec.first_chunk else config.max_position_embeddings,
         "dtype": str(dtype).removeprefix("torch."),
     }
 

@@ -21,6 +21,7 @@ import torch
 
 from .families import FAMILIES, REFUSED, UnsupportedModelError, check_supported, head_dim
 from .capture import hand_on_attention_keywords
+from .chunked import without_temperature
 from .identity import model_identity
 from .multimodal import MEDIA_TOKENS, causal_lm_class, media_token_ids
 
@@ -47,7 +48,8 @@ class ModelUnavailable(RuntimeError):
 @dataclass
 class LoadedModel:
     """A model in eval mode, its tokenizer, and its `model_identity` record. A family whose decoder layers keep
-    their forward keywords from their attention has them handed on (`hand_on_attention_keywords`)."""
+    their forward keywords from their attention has them handed on (`hand_on_attention_keywords`); a Llama 4 model's
+    query temperature, 1 at every position milo lets it take, is turned off (`chunked.without_temperature`)."""
 
     model: torch.nn.Module
     tokenizer: object
@@ -57,6 +59,8 @@ class LoadedModel:
         spec = FAMILIES.get(getattr(getattr(self.model, "config", None), "model_type", None))
         if spec is not None and spec.keywords_kept:
             hand_on_attention_keywords(self.model)
+        if spec is not None and spec.first_chunk:
+            without_temperature(self.model)
 
 
 def cache_root() -> Path:

@@ -69,8 +69,8 @@ def _per_layer(config, tables_of) -> RopeTables:
 def _as_applied(config, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
     """The rotary module's tables laid out as the family's attention applies them to [head_dim] channels."""
     spec = attention_of(config)
-    if spec.half_tables:  # one table per pair (j, j + d/2): the same for both halves
-        cos, sin = torch.cat((cos, cos), dim=1), torch.cat((sin, sin), dim=1)
+    if spec.half_tables:  # one table per pair: (j, j + d/2) the same for both halves, (2i, 2i + 1) for both channels
+        cos, sin = ((t.repeat_interleave(2, dim=1) if spec.interleaved else torch.cat((t, t), dim=1)) for t in (cos, sin))
     if spec.regroup_tables:  # [f_0 .. f_{r/2-1}, f_0 .. f_{r/2-1}] -> [f_0, f_0, f_1, f_1, ...]
         cos, sin = (t[:, :t.shape[1] // 2].repeat_interleave(2, dim=1) for t in (cos, sin))
     d = head_dim(config)
@@ -113,5 +113,6 @@ def _rotary_tables(rotary, n_rows: int, device: torch.device, layer_type=None) -
     probe = torch.empty(0, dtype=torch.float32, device=device)  # only its dtype and device are read
     positions = torch.arange(n_rows, device=device)[None]
     with torch.no_grad():
-        cos, sin = rotary(probe, positions) if layer_type is None else rotary(probe, positions, layer_type)
+        tables = rotary(probe, positions) if layer_type is None else rotary(probe, positions, layer_type)
+    cos, sin = (tables.real, tables.imag) if torch.is_tensor(tables) else tables  # Llama 4's: e^{iθ} per pair
     return cos[0].float(), sin[0].float()

@@ -79,6 +79,11 @@ TINY = {
                                                     max_window_layers=1)),  # layer 1 slides
     "qwen3_vl_text": ("Qwen3VLTextConfig", dict(head_dim=16, rope_parameters=MROPE_INTERLEAVED)),
     "qwen3_vl_moe_text": ("Qwen3VLMoeTextConfig", dict(MOE, rope_parameters=MROPE_INTERLEAVED)),
+    # Llama 4: layer 0 chunked with complex interleaved RoPE and a weightless norm after it, layer 1 NoPE with the
+    # query temperature; chunks of 512 and floor_scale 512 cap its positions at 511, past every conformance row
+    "llama4_text": ("Llama4TextConfig", dict(head_dim=16, intermediate_size_mlp=96, num_local_experts=2,
+                                             no_rope_layers=[1, 0], attention_chunk_size=512, floor_scale=512,
+                                             rope_parameters=LLAMA3)),
 }
 
 TASK = TaskSpec(name="topics", template="Message: {input}\nTopic: {output}\n", anchor="Name each message's topic.",

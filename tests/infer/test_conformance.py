@@ -99,6 +99,7 @@ WRONG = {  # family -> a description that misreads it, and the check that must s
     "qwen3_vl_text": (dict(keys=("k_proj",)), "capture keys"),  # k_norm dropped
     "qwen2_5_vl_text": (dict(interleaved=True), "capture keys"),  # its multimodal RoPE read as interleaved pairs
     "qwen3_vl_moe_text": (dict(queries=("q_proj",)), "query_scales"),  # q_norm dropped
+    "llama4_text": (dict(norm_after_rope=None), "capture keys"),  # its weightless norm after RoPE left out
 }
 
 
