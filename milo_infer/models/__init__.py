@@ -13,6 +13,7 @@ Face model lays these out:
   query-aware `channel_scales`;
 * `rope`: the model's own cos/sin tables (`rope_tables`), and each layer's (`RopeTables`: NoPE layers
   rotate by identity tables);
+* `chunked`: Llama 4's positions capped at its first attention chunk, where milo is exact (`first_chunk_positions`);
 * `multimodal`: what loads a multimodal checkpoint's text model as a causal LM (`causal_lm_class`; `text_lm` holds
   milo's own, `TextModelForCausalLM`), and its media tokens, refused in a corpus or a query (`media_tokens`,
   `media_problem`).

@@ -5,6 +5,8 @@ why past the first chunk no stored block is what the model computes (measured on
 positions are capped so a build or query past them is refused, and that the query temperature milo turns off is the
 model's below the cap, even where the engine packs rows past floor_scale in one forward.
 """
+import json
+
 import pytest
 import torch
 import transformers
@@ -116,10 +118,11 @@ def test_rows_packed_past_floor_scale_answer_as_each_alone(tmp_path):
             assert Deviation.of(rows, engine.logits([plan])[0]).relative <= 1e-4
 
 
-def test_a_wrapped_llama4_checkpoint_is_loaded_as_its_text_model(tmp_path):
+def test_a_wrapped_llama4_checkpoint_is_loaded_as_its_text_model(tmp_path, capsys):
     """A tiny Llama 4 checkpoint (its vision tower beside the text model, saved in the released layout,
     language_model.model.*): loaded as Llama4ForCausalLM with its positions capped, answering text as the whole model,
-    its image token and bounds kept to be refused."""
+    its image token and bounds kept to be refused; `milo check-model` passes on it."""
+    from milo_infer.cli.main import main as milo
     from milo_infer.models import load_model, media_tokens
 
     vision = transformers.Llama4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -137,3 +140,8 @@ def test_a_wrapped_llama4_checkpoint_is_loaded_as_its_text_model(tmp_path):
     ids = torch.tensor([[5, 80, 23, 7, 190, 41, 3]])
     with torch.inference_mode():
         assert torch.allclose(loaded.model(input_ids=ids).logits, whole(input_ids=ids).logits, atol=1e-5)
+    corpus = tmp_path / "corpus.jsonl"  # short demonstrations: the shipped corpus's rows pass 511 tokens
+    corpus.write_text("".join(json.dumps({"input": d.input, "output": d.output}) + "\n"
+                              for d in families.demonstrations(8)))
+    assert milo(["check-model", str(tmp_path), "--corpus", str(corpus), "--shots", "8", "--block-size", "2"]) == 0
+    assert "PASS" in capsys.readouterr().out.splitlines()[-1]
