@@ -51,8 +51,9 @@ class Attention:
     softcap: str | None = None  # a config field: scores are capped to cap·tanh(score/cap) before the softmax (Gemma 2)
     query_scalar: str | None = None  # a config field: scores are scaled by its inverse square root, not 1/sqrt(d)
     window_refused: str | None = None  # why an active window is refused (its modeling file applies it half-way)
-    norm_after_rope: str | None = None  # a weightless norm its attention applies to queries and keys after RoPE, in the
-    # layers that have it (Llama 4's qk_norm): a rotation keeps a head's RMS, so the tap's output normed is what RoPE turns
+    norm_after_rope: str | None = None  # a weightless norm its attention applies to queries and keys after RoPE, in
+    # the layers that have it (Llama 4's qk_norm): a rotation keeps a head's RMS, so the tap's output normed is what
+    # RoPE turns
     first_chunk: bool = False  # exact within its first attention chunk only (Llama 4): its chunked layers are accepted
     # and the store's positions capped (`chunked.first_chunk_positions`)
     query_turns: bool = True  # its cached keys are a rotation of what the store keeps, so a row's query turned back

@@ -61,6 +61,7 @@ def config_identity(config, dtype) -> dict:
         record["nope_layers"] = nope  # stored as computed, never rotated
     if (factor := rope.get("partial_rotary_factor", 1.0)) != 1.0:
         record["rotary_dim"] = int(head_dim(config) * factor)  # the channels RoPE turns; the rest are kept
+    positions = first_chunk_positions(config) if spec.first_chunk else config.max_position_embeddings
     return {
         "name": Path(str(config.name_or_path)).name or config.model_type,
         "model_type": config.model_type,
@@ -70,7 +71,7 @@ def config_identity(config, dtype) -> dict:
         "num_kv_heads": config.num_key_value_heads,
         "head_dim": head_dim(config),
         "rope": record,
-        "max_position_embeddings": first_chunk_positions(config) if spec.first_chunk else config.max_position_embeddings,
+        "max_position_embeddings": positions,  # Llama 4's capped at its first chunk, where milo is exact
         "dtype": str(dtype).removeprefix("torch."),
     }
 

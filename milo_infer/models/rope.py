@@ -70,7 +70,7 @@ def _as_applied(config, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
     """The rotary module's tables laid out as the family's attention applies them to [head_dim] channels."""
     spec = attention_of(config)
     if spec.half_tables:  # one table per pair: (j, j + d/2) the same for both halves, (2i, 2i + 1) for both channels
-        cos, sin = ((t.repeat_interleave(2, dim=1) if spec.interleaved else torch.cat((t, t), dim=1)) for t in (cos, sin))
+        cos, sin = (t.repeat_interleave(2, dim=1) if spec.interleaved else torch.cat((t, t), dim=1) for t in (cos, sin))
     if spec.regroup_tables:  # [f_0 .. f_{r/2-1}, f_0 .. f_{r/2-1}] -> [f_0, f_0, f_1, f_1, ...]
         cos, sin = (t[:, :t.shape[1] // 2].repeat_interleave(2, dim=1) for t in (cos, sin))
     d = head_dim(config)

@@ -93,8 +93,8 @@ def test_a_context_past_the_first_chunk_is_refused(tmp_path):
 
 
 def test_the_temperature_milo_turns_off_is_the_models_below_floor_scale():
-    """Below floor_scale − 1 the temperature is log1p(0) · attn_scale + 1 = 1 exactly: the model's logits with it on
-    and off are equal to the bit; at floor_scale − 1 and past they are not (what turning it off would change there)."""
+    """Below floor_scale − 1 the temperature is log1p(0) · attn_scale + 1 = 1 exactly: the model's logits with it
+    on and off are equal to the bit; at floor_scale − 1 and past they are not (what turning it off would change)."""
     on = llama4(attention_chunk_size=1024, floor_scale=64)
     off = LoadedModel(model=llama4(attention_chunk_size=1024, floor_scale=64), tokenizer=None, identity={}).model
     assert not any(layer.self_attn.attn_temperature_tuning for layer in off.model.layers)
