@@ -15,7 +15,7 @@ is refused (`media_problem`).
 from __future__ import annotations
 
 MEDIA_TOKENS = "milo_media_tokens"  # the text config's attribute: {wrapper field name: token id}
-TEXT_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id")  # a wrapper's text tokens, not media
+TEXT_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id")  # not media
 
 
 def causal_lm_class(config) -> type:
@@ -33,7 +33,7 @@ def causal_lm_class(config) -> type:
 
 def media_token_ids(wrapper) -> dict[str, int]:
     """The token ids a multimodal wrapper config names beside its text model's (every ``*_token_id`` or
-    ``*_token_index`` field but bos, eos and pad): image, video and audio tokens and their bounds."""
+    ``*_token_index`` field but the text tokens, bos, eos, pad, ...): image, video and audio tokens and their bounds."""
     fields = wrapper.to_dict()
     return {name: value for name, value in sorted(fields.items()) if name.endswith(("_token_id", "_token_index"))
             and name not in TEXT_TOKENS and isinstance(value, int) and not isinstance(value, bool)}
