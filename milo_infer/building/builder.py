@@ -33,7 +33,7 @@ from milo_store.codecs.planning import check_budget, staging_codec
 from milo_store.urls import is_url, local_sidecar
 from milo_store.writer import StoreLock, check_target
 
-from ..models import LoadedModel, channel_scales, identity_layout, key_gains
+from ..models import LoadedModel, channel_scales, identity_layout, key_gains, media_tokens
 from .calibration import calibration_query_ids, context_attention, context_query_ids, value_attention
 from ..tasks.corpus import Demonstration, TaskSpec
 from .config import BuildConfig, BuildError, corpus_fingerprint
@@ -97,7 +97,7 @@ def plan_build(out, loaded: LoadedModel, demos: list[Demonstration], task: TaskS
     """Tokenize and group the corpus, and fail on every rank at once if any check fails: the
     arguments, the corpus, the longest encoding context, the byte budget, the number of processes."""
     with world.step():
-        anchor_ids, demo_ids = tokenize(loaded.tokenizer, task, demos)
+        anchor_ids, demo_ids = tokenize(loaded.tokenizer, task, demos, media_tokens(loaded.model.config))
         validate(demos, task, config, out, force, loaded.identity["max_position_embeddings"], anchor_ids, demo_ids,
                  check_out=world.rank == 0)
         blocks = group_blocks(len(demos), config.block_size, config.order, config.seed)

@@ -5,7 +5,7 @@ import random
 
 import torch
 
-from ..models import capture_kv, model_layout
+from ..models import capture_kv, media_problem, model_layout
 from ..tasks.corpus import Demonstration, TaskSpec
 from .config import BuildError
 
@@ -20,10 +20,17 @@ def group_blocks(n: int, block_size: int, order: str, seed: int) -> list[list[in
     return [idx[i:i + block_size] for i in range(0, n, block_size)]
 
 
-def tokenize(tokenizer, task: TaskSpec, demos: list[Demonstration]) -> tuple[list[int], list[list[int]]]:
-    """Anchor ids (with the tokenizer's special prefix, if any) and each demonstration's ids alone."""
+def tokenize(tokenizer, task: TaskSpec, demos: list[Demonstration],
+             media: dict[str, int] | None = None) -> tuple[list[int], list[list[int]]]:
+    """Anchor ids (with the tokenizer's special prefix, if any) and each demonstration's ids alone; a `BuildError`
+    where one holds a token of ``media`` (a multimodal checkpoint's image or video tokens: `models.media_tokens`)."""
     anchor = tokenizer(task.anchor, add_special_tokens=True).input_ids
-    return anchor, [tokenizer(task.render(d), add_special_tokens=False).input_ids for d in demos]
+    demo_ids = [tokenizer(task.render(d), add_special_tokens=False).input_ids for d in demos]
+    named = [("the task's anchor", anchor), *((f"demonstration {d.id!r}", ids) for d, ids in zip(demos, demo_ids))]
+    for what, ids in named:
+        if problem := media_problem(media or {}, ids, what):
+            raise BuildError(problem)
+    return anchor, demo_ids
 
 
 def encoding_units(blocks, encode_batch: int) -> list[list[int]]:

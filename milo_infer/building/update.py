@@ -38,7 +38,7 @@ from milo_store.format import FORMAT_VERSION
 from milo_store.urls import is_url, local_sidecar
 from milo_store.writer import StoreLock
 
-from ..models import LoadedModel, check_compatible
+from ..models import LoadedModel, check_compatible, media_tokens
 from ..tasks.corpus import Demonstration, TaskSpec
 from .builder import BuildPlan, commit, coordinate_ranks, encode_anchor, encode_share, plan_blocks, summarize
 from .config import BuildConfig, BuildError
@@ -105,7 +105,7 @@ def plan_update(previous: MiloStore, loaded: LoadedModel, add: list[Demonstratio
     examples = previous.examples()
     kept = [e for e, i in enumerate(examples["id"]) if i not in removed]
     demos = [Demonstration(examples["input"][e], examples["output"][e], examples["id"][e]) for e in kept] + add
-    anchor_ids, demo_ids = tokenize(loaded.tokenizer, task, demos)
+    anchor_ids, demo_ids = tokenize(loaded.tokenizer, task, demos, media_tokens(loaded.model.config))
     check_additions(add, source, task, set(examples["id"]) - removed,
                     (demo_ids[len(kept):], len(anchor_ids), loaded.identity["max_position_embeddings"]))
     old_block_ids = stored_block_ids(previous, examples, kept, demo_ids)

@@ -45,8 +45,11 @@ def _taps(model, spec: Attention, what: str) -> dict:
         else:
             names = {"q": spec.queries, "k": spec.keys, "v": (spec.values,)}[what]
             module, first = _module(attention, names)
+            norm = getattr(attention, spec.norm_after_rope, None) if spec.norm_after_rope and what != "v" else None
             if spec.heads_first and what != "v" and first:  # [batch, heads, tokens, d] -> [batch, tokens, heads, d]
                 taps[index] = (module, lambda out: out.transpose(1, 2))
+            elif norm is not None:  # it commutes with RoPE (weightless): normed per head before it as after
+                taps[index] = (module, lambda out, norm=norm, d=d: norm(out.unflatten(-1, (-1, d))))
             else:
                 taps[index] = (module, lambda out: out)
     return taps

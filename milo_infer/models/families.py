@@ -49,12 +49,18 @@ class Attention:
     keywords_kept: bool = False  # its decoder layers keep their forward keywords from their attention (StableLM,
     # Nemotron): `loading.LoadedModel` hands them on, the engine's batch among them
     unwindowed_nope: bool = False  # when a window is on, its full-attention layers do not rotate (Cohere 2, Exaone 4)
-    half_tables: bool = False  # its rotary module makes one table per rotate-half pair, applied to both halves (gpt-oss)
+    half_tables: bool = False  # its rotary module makes one table per pair, applied to both of its channels (gpt-oss's
+    # rotate-half halves; Llama 4's interleaved pairs, whose tables are complex)
     sinks: bool = False  # each query head has a learned sink logit in its softmax, attended by nothing (gpt-oss)
     softcap: str | None = None  # a config field: scores are capped to cap·tanh(score/cap) before the softmax (Gemma 2)
     query_scalar: str | None = None  # a config field: scores are scaled by its inverse square root, not 1/sqrt(d)
     scaling: float | None = None  # its scores' scale where it is a constant (Gemma 4's 1: queries and keys normalised)
     window_refused: str | None = None  # why an active window is refused (its modeling file applies it half-way)
+    norm_after_rope: str | None = None  # a weightless norm its attention applies to queries and keys after RoPE, in
+    # the layers that have it (Llama 4's qk_norm): a rotation keeps a head's RMS, so the tap's output normed is what
+    # RoPE turns
+    first_chunk: bool = False  # exact within its first attention chunk only (Llama 4): its chunked layers are accepted
+    # and the store's positions capped (`chunked.first_chunk_positions`)
     query_turns: bool = True  # its cached keys are a rotation of what the store keeps, so a row's query turned back
     # by a block's offset attends one copy held at 0..T-1 for every row (`milo_infer.runtime.shared_blocks`); False:
     # each row holds its own copy (a norm after RoPE, say, would not commute with turning the query)
@@ -179,14 +185,23 @@ FAMILIES: dict[str, Attention] = {
                                  "vocab_size_per_layer_input", "final_logit_softcapping", "enable_moe_block",
                                  "num_experts", "top_k_experts", "moe_intermediate_size", "use_double_wide_mlp",
                                  "use_bidirectional_attention")),
+    # the text models of multimodal checkpoints (`multimodal.TextModelForCausalLM`): their multimodal RoPE takes
+    # each frequency from one of three position rows (mrope_section), equal for text, so it is one rotation per position
+    "qwen2_vl_text": PLAIN,  # Qwen2's attention: q/k/v biases
+    "qwen2_5_vl_text": PLAIN,
+    "qwen3_vl_text": QK_NORM,  # Qwen3's: k_norm per head; the rows' sections interleaved
+    "qwen3_vl_moe_text": replace(QK_NORM, identity=MOE),
+    "llama4_text": Attention(nope="no_rope_layers", interleaved=True, half_tables=True, norm_after_rope="qk_norm",
+                             first_chunk=True, identity=(
+                                 "no_rope_layers", "attention_chunk_size", "attn_temperature_tuning", "floor_scale",
+                                 "attn_scale", "use_qk_norm", "num_local_experts", "num_experts_per_tok", "moe_layers",
+                                 "intermediate_size_mlp")),  # Llama 4: complex RoPE tables, NoPE every 4th layer
 }
 
 HYBRID_LINEAR = ("hybrid linear attention: its linear-attention layers keep a recurrent state, not per-token K/V "
                  "that could be stored and placed at new positions")
 MLA = ("multi-head latent attention (MLA): its cache holds a compressed latent and one shared RoPE key per token, "
        "not per-head K/V before RoPE")
-MROPE = ("multimodal RoPE (rope_parameters' mrope_section): its rotary module turns each part of a head by "
-         "its own position row (time, height, width), which milo's one table per position does not describe")
 KEY_NORM_AFTER_ROPE = ("its query and key RMSNorms follow RoPE, each with a weight per channel, so a score "
                        "<wq*R(m)q, wk*R(n)k> depends on m and n, not on m - n alone: a block's K/V past the first layer "
                        "change with the absolute positions it was encoded at, and no stored block placed elsewhere is "
@@ -202,10 +217,6 @@ REFUSED: dict[str, str] = {
     "deepseek_v2": MLA, "deepseek_v3": MLA,
     "hunyuan_v1_dense": KEY_NORM_AFTER_ROPE,
     "hunyuan_v1_moe": KEY_NORM_AFTER_ROPE,
-    "llama4_text": ("chunked local attention in 3 of 4 layers (attention_chunk_size, layer_types "
-                    "'chunked_attention'): a placed block would be attended beyond the chunk the model sees; "
-                    "its other layers are NoPE with a query temperature that grows with the position"),
-    "qwen2_vl_text": MROPE, "qwen2_5_vl_text": MROPE, "qwen3_vl_text": MROPE,
 }
 
 
@@ -342,7 +353,8 @@ def _check_config(config) -> None:
         if found and found not in problems:
             problems.append(found)
     layer_types = getattr(config, "layer_types", None) or []
-    other = sorted({kind for kind in layer_types} - {"full_attention", "sliding_attention"})
+    attended = {"full_attention", "sliding_attention"} | ({"chunked_attention"} if spec and spec.first_chunk else set())
+    other = sorted({kind for kind in layer_types} - attended)
     if other:
         problems.append(f"layers of type {', '.join(map(repr, other))}: MILO attends full or sliding-window layers only")
     if spec is not None and spec.window_refused and any(w is not None for w in spec.windows(config)):

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from milo_store import IncompatibleStoreError, MiloStore
 
+from .chunked import first_chunk_positions
 from .families import attention_of, head_dim, model_layout, rope_per_layer_type
 
 
@@ -63,6 +64,7 @@ def config_identity(config, dtype) -> dict:
         record["nope_layers"] = nope  # stored as computed, never rotated
     if (factor := rope.get("partial_rotary_factor", 1.0)) != 1.0:
         record["rotary_dim"] = int(head_dim(config) * factor)  # the channels RoPE turns; the rest are kept
+    positions = first_chunk_positions(config) if spec.first_chunk else config.max_position_embeddings
     identity = {
         "name": Path(str(config.name_or_path)).name or config.model_type,
         "model_type": config.model_type,
@@ -72,7 +74,7 @@ def config_identity(config, dtype) -> dict:
         "num_kv_heads": layout.num_kv_heads,
         "head_dim": layout.head_dim,
         "rope": record,
-        "max_position_embeddings": config.max_position_embeddings,
+        "max_position_embeddings": positions,  # Llama 4's capped at its first chunk, where milo is exact
         "dtype": str(dtype).removeprefix("torch."),
     }
     if not layout.uniform:  # each layer (a uniform model's: the grid and the RoPE record, `Layout.from_record`)

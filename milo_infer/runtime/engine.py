@@ -37,7 +37,7 @@ import transformers
 
 from milo_store import IncompatibleStoreError, MiloStore, StoreError
 
-from ..models import FAMILIES, LoadedModel, check_compatible, layer_rope_tables
+from ..models import FAMILIES, LoadedModel, check_compatible, layer_rope_tables, media_tokens
 from .attention import ATTENTION, choose_attention, flex_pool_pages
 from .cache import HeldQueries, Pack, PagedCache, PrefixFill, Segment, column_bytes, pool_columns
 from .decoding import GreedyDecoder, LabelDecoder
@@ -147,7 +147,7 @@ class Engine:
                 log.warning("store %r: its token ids cannot be read (%s): no block of it can be computed instead "
                             "of read", name, e)
         return MountedStore(name, store, self.tokenizer, self.rope, self.device, self.dtype,
-                            self.settings.aggregate, self.windows)
+                            self.settings.aggregate, self.windows, media_tokens(self.model_config))
 
     def swap(self, name: str, store: MiloStore) -> MountedStore:
         """Answer new plans for ``name`` from ``store`` (a newer version of it, already opened) from now on;

@@ -34,7 +34,7 @@ import torch
 
 from milo_store import MiloStore
 
-from ..models import RopeTables
+from ..models import RopeTables, media_problem
 from ..tasks.corpus import TaskSpec
 from .decoding import LabelTrie
 from .errors import BlockLoadError, RequestError
@@ -186,11 +186,12 @@ class MountedStore:
     """A store ready to answer from: its anchor and block placement on the device (``prefix``) and its
     queries' retrieval, rendering and labels (``queries``). ``windows`` (the model's, per layer; None: read every
     layer of every block) makes each plan's placement name the blocks each window layer reaches from the row's
-    first fed token (`BlockPlacement.windowed`): only those are read and rebuilt there."""
+    first fed token (`BlockPlacement.windowed`): only those are read and rebuilt there. A query holding one of
+    ``media`` (a multimodal checkpoint's image or video tokens: `models.media_tokens`) is refused."""
 
     def __init__(self, name: str, store: MiloStore, tokenizer, rope: RopeTables, device, dtype,
-                 aggregate: str = "max", windows: list[int | None] | None = None):
-        self.name, self.store, self.windows = name, store, windows
+                 aggregate: str = "max", windows: list[int | None] | None = None, media: dict[str, int] | None = None):
+        self.name, self.store, self.windows, self.media = name, store, windows, media or {}
         self.prefix = StorePrefix(name, store, rope, device, dtype)
         self.queries = StoreQueries(store, tokenizer, aggregate)
 
@@ -207,6 +208,8 @@ class MountedStore:
             raise RequestError(f"recompute must be 0 or more tokens per block, got {recompute}")
         groups, blocks = self.queries.choose(request, settings, block_ids)
         query_ids = self.queries.query_ids(request.text)
+        if problem := media_problem(self.media, query_ids, "the query"):
+            raise RequestError(problem)
         budget = self.queries.answer_budget(request, settings.max_new_tokens)
         seconds = time.perf_counter() - t
         placed = self.prefix.place(blocks, with_segments=not request.prefill)

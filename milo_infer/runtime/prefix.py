@@ -165,7 +165,7 @@ class StorePrefix:
                 continue
             k, v = (anchor[l, kind, :spec.kv_heads, :, :spec.head_dim] for kind in (0, 1))
             cos, sin = rope.layer(l)
-            self.anchor_k.append(apply_rope(k.float(), cos[:Ta].cpu(), sin[:Ta].cpu(), **spec.rope_layout())
+            self.anchor_k.append(apply_rope(k.float(), cos[:Ta].cpu(), sin[:Ta].cpu(), **self.rope_layout(l))
                                  .to(device, dtype))
             self.anchor_v.append(v.to(device, dtype))
         self.anchor_len = Ta
@@ -424,7 +424,7 @@ class PrefixRebuild:
             decode_layer(factors[m], segments[layer], decoded[0], decoded[1], quant=m.layout.quant)
             if layer in m.key_gain:
                 torch.mul(decoded[1], m.key_gain[layer], out=decoded[0])
-            layout = spec.rope_layout()
+            layout = m.rope_layout(layer)
             for (first, tokens, dst), rows in placed.items():
                 block, at = slice(first, first + tokens), slice(dst, dst + tokens)
                 keys = None

@@ -28,8 +28,8 @@ from transformers import AutoTokenizer
 
 from milo_store import MiloStore
 
-from ..models import (check_compatible, check_supported, config_identity, config_layer_rope_tables, model_directory,
-                      read_config)
+from ..models import (check_compatible, check_supported, config_identity, config_layer_rope_tables, media_tokens,
+                      model_directory, read_config)
 from ..runtime.interface import Answer, RowEvent
 from ..runtime.errors import RequestError, RowFailed, UpstreamError
 from ..runtime.planning import STOP_STRINGS, EngineSettings, MountedStore, QueryPlan, Request
@@ -71,8 +71,8 @@ class VllmEngine:
         self.max_positions = min([served.get("max_model_len") or config.max_position_embeddings] +
                                  [s.meta["model"]["max_position_embeddings"] for s in stores.values()])
         rope = config_layer_rope_tables(config, self.max_positions)
-        self.stores = {name: MountedStore(name, store, self.tokenizer, rope, "cpu", torch.float32,
-                                          settings.aggregate) for name, store in stores.items()}
+        self.stores = {name: MountedStore(name, store, self.tokenizer, rope, "cpu", torch.float32, settings.aggregate,
+                                          media=media_tokens(config)) for name, store in stores.items()}
         self.settings = settings
 
     def plan(self, store: str, request: Request) -> QueryPlan:

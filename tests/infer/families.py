@@ -18,6 +18,8 @@ SHAPE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_la
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}  # positions past 64 are rescaled
+MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}  # time, height, width
+MROPE_INTERLEAVED = dict(MROPE, mrope_interleaved=True)  # Qwen3-VL's
 
 # family -> (config class, what its tiny config sets): each line one attention path the suite proves
 TINY = {
@@ -78,6 +80,17 @@ TINY = {
                                              layer_types=["sliding_attention", "full_attention"] * 2,
                                              num_kv_shared_layers=2, hidden_size_per_layer_input=8,
                                              vocab_size_per_layer_input=300)),
+    # multimodal checkpoints' text models (milo's causal LM over each): multimodal RoPE sections over 8 frequencies
+    "qwen2_vl_text": ("Qwen2VLTextConfig", dict(rope_parameters=MROPE)),
+    "qwen2_5_vl_text": ("Qwen2_5_VLTextConfig", dict(rope_parameters=MROPE, use_sliding_window=True, sliding_window=8,
+                                                    max_window_layers=1)),  # layer 1 slides
+    "qwen3_vl_text": ("Qwen3VLTextConfig", dict(head_dim=16, rope_parameters=MROPE_INTERLEAVED)),
+    "qwen3_vl_moe_text": ("Qwen3VLMoeTextConfig", dict(MOE, rope_parameters=MROPE_INTERLEAVED)),
+    # Llama 4: layer 0 chunked with complex interleaved RoPE and a weightless norm after it, layer 1 NoPE with the
+    # query temperature; chunks of 512 and floor_scale 512 cap its positions at 511, past every conformance row
+    "llama4_text": ("Llama4TextConfig", dict(head_dim=16, intermediate_size_mlp=96, num_local_experts=2,
+                                             no_rope_layers=[1, 0], attention_chunk_size=512, floor_scale=512,
+                                             rope_parameters=LLAMA3)),
 }
 
 TASK = TaskSpec(name="topics", template="Message: {input}\nTopic: {output}\n", anchor="Name each message's topic.",
@@ -92,10 +105,11 @@ def config(family: str, **overrides):
 def tiny_model(family: str, seed: int = 0, **overrides) -> LoadedModel:
     """The family's tiny model in fp32, random weights; biases and norm weights randomised too (transformers
     starts them at 0 and 1, which would hide a bias or a norm the capture missed)."""
-    from transformers import AutoModelForCausalLM
+    from milo_infer.models.multimodal import causal_lm_class
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config(family, **overrides), dtype=torch.float32)
+    tiny = config(family, **overrides)
+    model = causal_lm_class(tiny).from_config(tiny, dtype=torch.float32)
     with torch.no_grad():
         for parameter in model.parameters():
             if parameter.dim() == 1:

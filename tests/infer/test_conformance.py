@@ -101,6 +101,10 @@ WRONG = {  # family -> a description that misreads it, and the check that must s
     "phi": (dict(interleaved=True), "capture keys"),  # its rotary over interleaved pairs
     "stablelm": (dict(keys=("no_norm", "k_proj")), "capture keys"),  # its LayerNorm per head dropped (the fallback read)
     "nemotron": (dict(keywords_kept=False), "logits"),  # the engine's batch kept from its attention
+    "qwen3_vl_text": (dict(keys=("k_proj",)), "capture keys"),  # k_norm dropped
+    "qwen2_5_vl_text": (dict(interleaved=True), "capture keys"),  # its multimodal RoPE read as interleaved pairs
+    "qwen3_vl_moe_text": (dict(queries=("q_proj",)), "query_scales"),  # q_norm dropped
+    "llama4_text": (dict(norm_after_rope=None), "capture keys"),  # its weightless norm after RoPE left out
 }
 
 
@@ -118,9 +122,9 @@ def test_a_rotary_width_one_pair_short_fails_its_check(family, tmp_path, monkeyp
     come back turned unlike the model's."""
     from milo_infer.runtime.prefix import StorePrefix
 
-    real = StorePrefix.rope_layout.fget
-    monkeypatch.setattr(StorePrefix, "rope_layout", property(lambda self: {
-        **real(self), "rotary_dim": real(self)["rotary_dim"] - 2}))
+    real = StorePrefix.rope_layout
+    monkeypatch.setattr(StorePrefix, "rope_layout", lambda self, layer: {
+        **real(self, layer), "rotary_dim": real(self, layer)["rotary_dim"] - 2})
     r = conformance(families.tiny_model(family), tmp_path)
     assert any("capture keys" in failure for failure in r.failures()), r.failures()
 

@@ -186,7 +186,7 @@ def test_rope_tables_shape_and_dtype():
 # --- refusals and identity ---------------------------------------------------------------------
 
 def chunked_llama():
-    """Llama 4's chunked attention layers, which milo does not attend."""
+    """Chunked attention layers (Llama 4's) in a family whose description has none."""
     config = LlamaConfig(**TINY)
     config.layer_types = ["chunked_attention", "full_attention"]
     return config
