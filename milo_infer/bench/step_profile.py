@@ -31,7 +31,7 @@ import time
 import torch
 
 from ..runtime import attention, cache, engine
-from ..runtime.pages import run_start
+from ..runtime.pages import FULL, run_start
 from ..runtime.planning import Request
 
 STAGES = ("scheduler", "admission", "pool_growth", "prefix_rebuild", "pool_writes", "gathers", "row_sdpa",
@@ -102,8 +102,9 @@ class Endless:
 def reversed_pages(batch) -> None:
     """Every row this batch seats gets its pages in reverse order: none is one run, so the attention gathers each
     row's columns and the rebuild scatters its prefix (what a row on the pages other rows gave back gets)."""
-    take = batch.pages.take
-    batch.pages.take = lambda n: take(n)[::-1]
+    full = batch.pages[FULL]
+    take = full.take
+    full.take = lambda n: take(n)[::-1]
 
 
 def decoding_batch(eng, store: str, texts: list[str], rows: int, scattered: bool = False):

@@ -44,12 +44,11 @@ from .decoding import GreedyDecoder, LabelDecoder
 from .device_tier import DeviceTier
 from .errors import AdmissionOutOfMemory, BlockLoadError, RequestError, RowFailed
 from .interface import Answer, RowEvent
-from .pages import (GROWTH_HEADROOM, PAGE_TOKENS, PageAllocator, kv_budget_bytes, pages_for,
-                    window_pages_needed, window_skip, window_table)
+from .pages import FULL, GROWTH_HEADROOM, PAGE_TOKENS, WINDOW, PageGroups, kv_budget_bytes, pages_for, window_skip
 from .planning import STOP_STRINGS, EngineSettings, MountedStore, QueryPlan, Request
 from .prefetch import TransferPool
 from .prefix import FETCH_STATS, UNREADABLE, PrefixRebuild, rebuild_layer
-from .shared_blocks import HeldBlock, layers_reached, own_run, own_table
+from .shared_blocks import Build, HeldBlock, HeldBlocks, layers_reached, own_run, own_table
 from .timing import StageClock
 
 log = logging.getLogger("milo.engine")
@@ -122,9 +121,11 @@ class Engine:
         # layer attends its source's, of its own layer type and window
         self.window_layers = frozenset(l for l, w in enumerate(self.windows or ()) if w is not None)
         self.window_span = max((w for w in self.windows or () if w is not None), default=0)
-        self.group_page_bytes = {windowed: PAGE_TOKENS * column_bytes(
-            [spec for l, spec in enumerate(self.layers) if (l in self.window_layers) == windowed], self.dtype)
-            for windowed in (False, True)}
+        # each page group's bytes a page (`pages.PageGroups`): the full layers', and the window layers' where they hold
+        # pages of their own, of the layers holding K/V in each
+        self.group_page_bytes = {group: PAGE_TOKENS * column_bytes(
+            [spec for l, spec in enumerate(self.layers) if (l in self.window_layers) == (group == WINDOW)], self.dtype)
+            for group in (FULL, WINDOW) if group == FULL or self.window_layers}
         self.kv_budget = kv_budget_bytes(kv_cache_memory, self.device, reserved=device_cache_bytes)
         self.kv_pages = self.kv_budget // self.page_bytes
         if not self.kv_pages:
@@ -336,17 +337,6 @@ class Seat:
     held: list[tuple[HeldBlock, int]]
 
 
-@dataclass(frozen=True)
-class Build:
-    """A held block an admission writes: at ``layers`` (all it holds, when ``created`` by it; else the window layers
-    a later row reached first)."""
-    block: HeldBlock
-    layers: frozenset
-    created: bool
-
-
-
-
 class Batch:
     """A running batch, used from one thread, over a `PagedCache` within ``engine.kv_pages`` pages. ``admit``
     seats rows whose pages fit (at most ``engine.max_rows`` rows) and reads their blocks (plans that do not
@@ -370,15 +360,11 @@ class Batch:
         self.rows: list[Row] = []  # rows holding pages
         self.waiting: list[QueryPlan] = []  # plans admitted that did not fit yet
         self.executing: dict[int, QueryPlan] = {}  # id(waiting plan) -> what it executes, where not the plan itself
-        windowed = bool(engine.window_layers)
-        bytes_each = engine.group_page_bytes
         # the full layers' pages (every layer's without windows) and the window layers' (one budget of bytes)
-        self.pages = PageAllocator(engine.kv_budget // max(1, bytes_each[False]) if windowed else engine.kv_pages)
-        self.window_alloc = PageAllocator(engine.kv_budget // bytes_each[True]) if windowed else None
+        self.pages = PageGroups(engine.group_page_bytes, engine.kv_budget)
         self.cache: PagedCache | None = None
         self.admissions: list[Admission] = []  # not yet rebuilt
-        self.held: dict[tuple, HeldBlock] = {}  # (mounted version's prefix, block; None: its anchor)
-        self.retired: list[HeldBlock] = []  # blocks of given-up admissions: their pages go once nothing writes them
+        self.held = HeldBlocks(self.pages, engine.window_layers)
         self.seatings = 0  # `_seat` calls so far: when a held block was last placed
         self.fetch_stats: dict = {}
         self.unreadable_blocks = 0  # blocks the last admission could not read
@@ -466,18 +452,18 @@ class Batch:
         if self._shares(executed, placing):
             wanted = self._placed_blocks(executed)
             skip = executed.prefix_tokens // PAGE_TOKENS  # pages wholly inside its prefix: none of them its own
-            if self._fits_held(need - skip, wanted):
-                own = self.pages.take(need - skip)
-                window = own_table(self.window_alloc.take(need - skip), skip) if self.window_alloc is not None else None
-                return Seat(plan, executed, own_table(own, skip), window, self._hold(wanted, builds))
-            if self._fits_held(need - skip, wanted, now=False):  # fits the budget, not now: it waits
+            if self.held.fits(need - skip, wanted):
+                own = self.pages.take(FULL, need - skip)
+                window = own_table(self.pages.take(WINDOW, need - skip), skip) if self.pages.windowed else None
+                return Seat(plan, executed, own_table(own, skip), window, self.held.hold(wanted, builds, self.seatings))
+            if self.held.fits(need - skip, wanted, now=False):  # fits the budget, not now: it waits
                 return None
             # more than the budget holds as blocks in pages: as a row of its own (that fits: `check_fits`)
         skip = self._window_skip(executed)
-        while not self._fits(need, skip):
-            if not self._let_go(set()):
+        while not self.pages.fits(self.pages.row_pages(need, skip)):
+            if not self.held.let_go(set()):
                 return None
-        return Seat(plan, executed, self.pages.take(need), self._take_window(executed, need), [])
+        return Seat(plan, executed, self.pages.take(FULL, need), self.pages.take_window(need, skip), [])
 
     def _shares(self, plan: QueryPlan, placing: Counter) -> bool:
         """Its row places held blocks: sharing is on, it recomputes none of its prefix, and a block of it is held
@@ -501,82 +487,10 @@ class Batch:
                                                                    plan.prefix_tokens))
             for b, dst, end in zip(plan.blocks, plan.placement.dst_rows, ends)]
 
-    def _new_pages(self, wanted) -> tuple[int, int]:
-        """Pages the blocks ``wanted`` add to the full and the window layers' pools: those not held yet, and window
-        pages of those held without any that some window layer of the row now attends."""
-        full = window = 0
-        for key, _, tokens, layers in wanted:
-            held = self.held.get(key)
-            if held is None:
-                full += pages_for(tokens)
-            if (self.window_alloc is not None and (held is None or held.window_pages is None)
-                    and layers & self.engine.window_layers):
-                window += pages_for(tokens)
-        return full, window
-
-    def _fits_held(self, own: int, wanted, now: bool = True) -> bool:
-        """A row of ``own`` pages placing the blocks ``wanted`` fits now, once blocks no row holds (other than
-        ``wanted``'s) are let go as needed; ``now`` False: whether it would fit an empty batch."""
-        e, each = self.engine, self.engine.group_page_bytes
-        while True:
-            full, window = self._new_pages(wanted) if now else (
-                sum(pages_for(t) for _, _, t, _ in wanted),
-                sum(pages_for(t) for _, _, t, layers in wanted if layers & e.window_layers))
-            used_full = (self.pages.in_use if now else 0) + own + full
-            if self.window_alloc is None:
-                fits = used_full <= self.pages.limit
-            else:
-                used_window = (self.window_alloc.in_use if now else 0) + own + window
-                fits = (used_full <= self.pages.limit and used_window <= self.window_alloc.limit
-                        and used_full * each[False] + used_window * each[True] <= e.kv_budget)
-            if fits or not now or not self._let_go({key for key, _, _, _ in wanted}):
-                return fits
-
-    def _hold(self, wanted, builds: dict) -> list[tuple[HeldBlock, int]]:
-        """Take the blocks ``wanted`` for a row: a held one once more, a new one with its pages (and window pages
-        where a window layer attends it); what is to be written at which layers joins ``builds``."""
-        held = []
-        for key, offset, tokens, layers in wanted:
-            block = self.held.get(key)
-            created = block is None
-            if created:
-                block = self.held[key] = HeldBlock(*key, tokens, self.pages.take(pages_for(tokens)))
-            added = layers - block.layers
-            if added & self.engine.window_layers and block.window_pages is None and self.window_alloc is not None:
-                block.window_pages = self.window_alloc.take(pages_for(tokens))
-            if added:
-                block.layers |= added
-                before = builds.get(block)
-                builds[block] = Build(block, added | (before.layers if before else frozenset()),
-                                      created or (before is not None and before.created))
-            block.rows += 1
-            block.used = self.seatings
-            held.append((block, offset))
-        return held
-
-    def _let_go(self, keep: set) -> bool:
-        """Give back the pages of the least recently placed held block no row holds (none of ``keep``'s): False when
-        there is none."""
-        idle = [b for key, b in self.held.items() if b.cached and key not in keep]
-        if not idle:
-            return False
-        self._drop(min(idle, key=lambda b: b.used))
-        return True
-
-    def _drop(self, block: HeldBlock) -> None:
-        del self.held[block.key]
-        self._give_pages(block)
-
-    def _give_pages(self, block: HeldBlock) -> None:
-        self.pages.give(block.pages)
-        if block.window_pages is not None:
-            self.window_alloc.give(block.window_pages)
-
     def _release(self, seat: "Seat") -> None:
         """A seat taken and not run: its pages back, its blocks one row fewer."""
-        self.pages.give(list(dict.fromkeys(seat.pages)))
-        if self.window_alloc is not None and seat.window_pages is not None:
-            self.window_alloc.give(list(dict.fromkeys(seat.window_pages)))
+        self.pages.give(FULL, seat.pages)
+        self.pages.give(WINDOW, seat.window_pages)
         for block, _ in seat.held:
             block.rows -= 1
 
@@ -621,7 +535,7 @@ class Batch:
             if block.key in bad_keys or (build.created and not block.rows):
                 del builds[block]
                 if build.created:
-                    self._drop(block)
+                    self.held.drop(block)
                 else:
                     block.layers -= build.layers
         again = []
@@ -639,10 +553,10 @@ class Batch:
     def _recomputing(self, seat: "Seat", executed: QueryPlan) -> "Seat":
         """``seat`` (a row holding its own prefix) executing ``executed``, which computes blocks instead of reading
         them: that moves the row's first fed token back, so its window layers' pages start where it reaches."""
-        if self.window_alloc is not None and self._window_skip(executed) < self._window_skip(seat.executed):
-            self.window_alloc.give(list(dict.fromkeys(seat.window_pages)))
-            return replace(seat, executed=executed,
-                           window_pages=self._take_window(executed, len(seat.pages)))
+        skip = self._window_skip(executed)
+        if self.pages.windowed and skip < self._window_skip(seat.executed):
+            self.pages.give(WINDOW, seat.window_pages)
+            return replace(seat, executed=executed, window_pages=self.pages.take_window(len(seat.pages), skip))
         return replace(seat, executed=executed)
 
     def _fetch(self, seated: list["Seat"], builds: dict, clock: StageClock) -> PrefixRebuild | None:
@@ -658,62 +572,27 @@ class Batch:
 
     def _grow_pools(self) -> None:
         """Grow the pools to the allocators' capacities (with headroom): a new pool, or one the seated rows outgrew."""
-        e, window = self.engine, self.window_alloc
+        e, pages = self.engine, self.pages
         if self.cache is None:
             self.cache = PagedCache(e.layers, e.dtype, e.device, e.window_layers)
-        if self.pages.capacity > self.cache.pages or (window is not None and window.capacity > self.cache.window_pages):
+        held = self.cache.page_counts
+        if any(capacity > held[group] for group, capacity in pages.capacities().items()):
             # growing a pool that holds rows copies every layer's pools (2 s for 600 pages of the default model
             # on a CPU; in a served run at 64 clients each row a little longer than the one that left grew it
-            # again, 27 s of 43): take an eighth more, so the next longer row finds free pages
-            if window is None:
-                self.pages.grow(self.cache.pages // GROWTH_HEADROOM)
-            else:  # both groups' headroom within the one budget of bytes
-                for alloc, held in ((self.pages, self.cache.pages), (window, self.cache.window_pages)):
-                    room = e.kv_budget - self._allocated_bytes()
-                    alloc.grow(min(held // GROWTH_HEADROOM, room // max(1, e.group_page_bytes[alloc is window])))
-            if e.attention == "flex":
-                self._flex_pool_sizes()
-            self.cache.resize(self.pages.capacity, window.capacity if window is not None else None)
+            # again, 27 s of 43): take an eighth more, so the next longer row finds free pages (every group's within
+            # the one budget of bytes)
+            pages.grow({group: held[group] // GROWTH_HEADROOM for group in pages.groups})
+            if e.attention == "flex":  # each pool size a shape compiled FlexAttention compiles for
+                pages.grow({group: flex_pool_pages(alloc.capacity, alloc.limit) - alloc.capacity
+                            for group, alloc in pages.groups.items()})
+            self.cache.resize(pages[FULL].capacity, pages[WINDOW].capacity if pages.windowed else None)
             self.kv_bytes_allocated = max(self.kv_bytes_allocated, self.cache.allocated_bytes)
-
-    def _flex_pool_sizes(self) -> None:
-        """Grow the pools to their next power of two of pages (`attention.flex_pool_pages`), within the budget:
-        each pool size is a shape compiled FlexAttention compiles for."""
-        e, window = self.engine, self.window_alloc
-        for alloc in (self.pages, window) if window is not None else (self.pages,):
-            extra = flex_pool_pages(alloc.capacity, alloc.limit) - alloc.capacity
-            if window is not None:  # both groups within the one budget of bytes
-                room = e.kv_budget - self._allocated_bytes()
-                extra = min(extra, room // max(1, e.group_page_bytes[alloc is window]))
-            alloc.grow(extra)
 
     def _window_skip(self, plan: QueryPlan) -> int:
         """Pages of ``plan``'s row its window layers never attend (0 without window layers of their own)."""
-        if self.window_alloc is None:
+        if not self.pages.windowed:
             return 0
         return window_skip(int(plan.positions[0]) if len(plan.query_ids) else 0, self.engine.window_span)
-
-    def _fits(self, need: int, skip: int) -> bool:
-        """A row of ``need`` pages, its window layers' from page ``skip`` on, fits the KV budget now."""
-        if self.window_alloc is None:
-            return self.pages.fits(need)
-        each = self.engine.group_page_bytes
-        taken = ((self.pages.in_use + need) * each[False]
-                 + (self.window_alloc.in_use + window_pages_needed(need, skip)) * each[True])
-        return taken <= self.engine.kv_budget and self.pages.fits(need)
-
-    def _take_window(self, plan: QueryPlan, need: int) -> list[int] | None:
-        """The window layers' page table of ``plan``'s row of ``need`` pages (None: no window layers of their own)."""
-        if self.window_alloc is None:
-            return None
-        skip = self._window_skip(plan)
-        return window_table(self.window_alloc.take(window_pages_needed(need, skip)), skip)
-
-    def _allocated_bytes(self) -> int:
-        """Bytes the pools would take at the allocators' capacities."""
-        each = self.engine.group_page_bytes
-        window = self.window_alloc.capacity * each[True] if self.window_alloc is not None else 0
-        return self.pages.capacity * each[False] + window
 
     # -- the step ------------------------------------------------------------------------------
     def cancel(self, plan: QueryPlan) -> None:
@@ -768,7 +647,7 @@ class Batch:
             return Pack(segments, torch.cat(columns).to(e.device) if columns else torch.zeros(0, dtype=torch.long),
                         attention=e.attention, held=self._held_queries(placing, window) if placing else None)
         pack = pack_of(segments, columns, False)
-        if self.window_alloc is not None:
+        if self.pages.windowed:
             pack.window, pack.window_layers = pack_of(window_segments, window_columns, True), e.window_layers
         return pack, fed
 
@@ -805,7 +684,7 @@ class Batch:
         prefixes of ``joining`` rows' admissions first; logits [K, V] at the ``keep`` indices."""
         e = self.engine
         todo = list(dict.fromkeys(a for row in joining for a in row.waits_for() if not a.filled))
-        pack.fills = [a.fill(self.window_alloc is not None) for a in todo]
+        pack.fills = [a.fill(self.pages.windowed) for a in todo]
         staged = sum(a.rebuild.fetch_stats["buffer_bytes"] for a in todo)
         self._count_held(staged)
         self.cache.pack, self.cache.updated = pack, 0
@@ -891,17 +770,10 @@ class Batch:
     def _needed_bytes(self, row: Row) -> int:
         """Bytes of K/V ``row``'s columns take: its context and answer budget at every full layer, and at each
         window layer those from the first page its windows reach (and its spill page)."""
-        e, columns = self.engine, row.executed.prompt_tokens + row.executed.max_new_tokens
+        columns = row.executed.prompt_tokens + row.executed.max_new_tokens
         if row.held:  # its query and answer: its blocks are counted once, with the batch's held blocks
-            each = e.group_page_bytes
-            per_page = each[False] + each[True] if row.window_pages is not None else e.page_bytes
-            return (columns - row.own_from) * per_page // PAGE_TOKENS
-        if row.window_pages is None:
-
-            return columns * e.page_bytes // PAGE_TOKENS
-        skip = self._window_skip(row.executed)
-        window_columns = columns - skip * PAGE_TOKENS + (PAGE_TOKENS if skip else 0)
-        return (columns * e.group_page_bytes[False] + window_columns * e.group_page_bytes[True]) // PAGE_TOKENS
+            return self.pages.bytes_of(dict.fromkeys(self.pages.groups, columns - row.own_from)) // PAGE_TOKENS
+        return self.pages.bytes_of(self.pages.row_columns(columns, self._window_skip(row.executed))) // PAGE_TOKENS
 
     @staticmethod
     def _feed(row: Row, n: int) -> list[int]:
@@ -947,25 +819,15 @@ class Batch:
         each once), of the held blocks no row holds any more, kept for the next rows until their pages are needed
         (``kv_bytes_kept``), the distinct blocks rows hold (``held_blocks``, anchors not counted) and the blocks the
         running rows place (``placed_blocks``: rows × k)."""
-        each = self.engine.group_page_bytes
-        in_use = self.pages.in_use * each[False] + (self.window_alloc.in_use * each[True]
-                                                    if self.window_alloc is not None else 0)
-        kept = sum(pages_for(b.tokens) * self._page_bytes(b) for b in self.held.values() if not b.rows)
-        return {"kv_bytes_held": in_use - kept, "kv_bytes_kept": kept,
-                "held_blocks": sum(b.block is not None and b.rows > 0 for b in self.held.values()),
+        kept = self.held.kept_bytes()
+        return {"kv_bytes_held": self.pages.in_use_bytes() - kept, "kv_bytes_kept": kept,
+                "held_blocks": self.held.held_blocks(),
                 "placed_blocks": sum(len(r.executed.blocks) for r in self.rows if not r.finished)}
-
-    def _page_bytes(self, block: HeldBlock) -> int:
-        """Bytes a page of ``block`` takes in the pools it is held in (the window layers' only once it has pages there;
-        every layer's in the full pools where window layers have none of their own)."""
-        each = self.engine.group_page_bytes
-        return each[False] + (each[True] if block.window_pages is not None else 0)
 
     def _count_held(self, staged: int) -> None:
         """The most K/V bytes this batch needed and held, and blocks it held and placed, counted at this step: the
         columns rows need (each held block's once), with the factors ``staged`` for this step's rebuilds."""
-        needed = sum(self._needed_bytes(r) for r in self.rows) + sum(
-            b.tokens * self._page_bytes(b) for b in self.held.values() if b.rows) // PAGE_TOKENS
+        needed = sum(self._needed_bytes(r) for r in self.rows) + self.held.held_bytes()
         self.kv_bytes_needed = max(self.kv_bytes_needed, needed)
         self.peak_kv_bytes = max(self.peak_kv_bytes, needed + staged)
         now = self.held_counts()
@@ -987,23 +849,18 @@ class Batch:
             self.admissions.remove(a)
             for build in a.builds:
                 if build.created:
-                    self.held.pop(build.block.key, None)
-                    self.retired.append(build.block)
+                    self.held.retire(build.block)
                 else:
                     build.block.layers -= build.layers
             a.settle()
-        for block in [b for b in self.retired if not b.builders]:
-            self.retired.remove(block)
-            self._give_pages(block)
+        self.held.free_retired()
         self._leave([row for row in self.rows if row.finished and row.admission not in self.admissions])
 
     def _leave(self, leaving: list[Row]) -> None:
         """These rows give their pages back and let go of their held blocks."""
-        window = self.window_alloc
         for row in leaving:
-            self.pages.give(list(dict.fromkeys(row.pages)))
-            if window is not None:
-                window.give(row.window_pages_held())
+            self.pages.give(FULL, row.pages)
+            self.pages.give(WINDOW, row.window_pages_held())
             for block, _ in row.held:
                 block.rows -= 1
         self.rows = [row for row in self.rows if row not in leaving]
@@ -1014,15 +871,9 @@ class Batch:
         row holds a page. A batch keeps them when its last row leaves: a lone query after another would grow them
         again, zero-filling every page (issue 47: ~0.25 s for the 4,992 columns of a 512-shot Banking77 row at k 6
         on this CPU)."""
-        for block in [b for b in self.held.values() if b.cached]:
-            self._drop(block)
-        window = self.window_alloc
-        released = self.pages.release()
-
-        if window is not None:
-            released = window.release() or released
-        if released and self.cache is not None:
-            self.cache.resize(0, 0 if window is not None else None)
+        self.held.drop_cached()
+        if self.pages.release() and self.cache is not None:
+            self.cache.resize(0, 0)
 
 
 def model_windows(config) -> list[int | None] | None:

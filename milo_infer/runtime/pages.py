@@ -122,6 +122,82 @@ class PageAllocator:
         return True
 
 
+FULL, WINDOW = False, True  # the page groups, keyed as `cache.PagedCache.page_counts`: whether a group's layers slide
+
+
+class PageGroups:
+    """The pages of each page group under one KV budget of bytes. A group is the layers whose pools share page tables:
+    the full layers, and a model's sliding-window layers, which hold pages of their own (`window_table`).
+    ``page_bytes``: each group's bytes a page, K and V of its every layer (`Engine.group_page_bytes`; the window group
+    only where there are window layers). A group's allocator is bounded by what the whole budget holds of its pages;
+    what the groups take together, by the budget in bytes."""
+
+    def __init__(self, page_bytes: dict, budget: int):
+        self.page_bytes, self.budget = dict(page_bytes), budget
+        self.groups = {group: PageAllocator(budget // max(1, each)) for group, each in self.page_bytes.items()}
+
+    def __getitem__(self, group) -> PageAllocator:
+        return self.groups[group]
+
+    @property
+    def windowed(self) -> bool:
+        """The window layers hold pages of their own."""
+        return WINDOW in self.groups
+
+    def bytes_of(self, pages: dict) -> int:
+        """Bytes of ``pages`` pages of each group (columns, when the caller divides by `PAGE_TOKENS`)."""
+        return sum(n * self.page_bytes[group] for group, n in pages.items())
+
+    def row_pages(self, pages: int, skip: int) -> dict:
+        """Each group's pages a row of ``pages`` pages takes, its window layers' from page ``skip`` on."""
+        return {FULL: pages, **({WINDOW: window_pages_needed(pages, skip)} if self.windowed else {})}
+
+    def row_columns(self, columns: int, skip: int) -> dict:
+        """Each group's columns a row of ``columns`` columns holds, its window layers' from page ``skip`` on (and
+        their spill page's)."""
+        window = columns - skip * PAGE_TOKENS + (PAGE_TOKENS if skip else 0)
+        return {FULL: columns, **({WINDOW: window} if self.windowed else {})}
+
+    def fits(self, more: dict, now: bool = True) -> bool:
+        """``more`` pages of each group fit beside those in use (``now`` False: in an empty batch)."""
+        used = {group: (alloc.in_use if now else 0) + more.get(group, 0) for group, alloc in self.groups.items()}
+        return all(used[g] <= alloc.limit for g, alloc in self.groups.items()) and self.bytes_of(used) <= self.budget
+
+    def take(self, group, n: int) -> list[int]:
+        return self.groups[group].take(n)
+
+    def take_window(self, pages: int, skip: int) -> list[int] | None:
+        """The window layers' page table of a row of ``pages`` pages (None: no window layers of their own)."""
+        if not self.windowed:
+            return None
+        return window_table(self.take(WINDOW, window_pages_needed(pages, skip)), skip)
+
+    def give(self, group, table: list[int] | None) -> None:
+        """A page table's pages back to ``group``, each once (a table may map several columns' pages to one)."""
+        if table:
+            self.groups[group].give(list(dict.fromkeys(table)))
+
+    def in_use_bytes(self) -> int:
+        return self.bytes_of({group: alloc.in_use for group, alloc in self.groups.items()})
+
+    def allocated_bytes(self) -> int:
+        """Bytes the pools would take at the allocators' capacities."""
+        return self.bytes_of(self.capacities())
+
+    def capacities(self) -> dict:
+        return {group: alloc.capacity for group, alloc in self.groups.items()}
+
+    def grow(self, extra: dict) -> None:
+        """``extra`` more free pages of each group, in turn, within its limit and what the budget has left."""
+        for group, n in extra.items():
+            room = self.budget - self.allocated_bytes()
+            self.groups[group].grow(min(n, room // max(1, self.page_bytes[group])))
+
+    def release(self) -> bool:
+        """Forget every group's pool no row holds a page of (True when one was forgotten)."""
+        return any([alloc.release() for alloc in self.groups.values()])
+
+
 def window_skip(first_position: int, window: int) -> int:
     """Pages before the first one a window of ``window`` positions reaches from ``first_position`` (a row's first
     fed token): a window layer's columns there are never attended."""

@@ -15,12 +15,13 @@ a pure rotation of what the store keeps (`models.families.Attention.query_turns`
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 
 from .cache import HeldColumns, pool_columns
-from .pages import PAGE_TOKENS, run_start
+from .pages import FULL, PAGE_TOKENS, WINDOW, PageGroups, pages_for, run_start
 
 
 @dataclass(eq=False)
@@ -64,6 +65,134 @@ class HeldBlock:
             return self.prefix.anchor_alone()
         reach = None if len(layers) == num_layers else tuple((0,) if l in layers else () for l in range(num_layers))
         return self.prefix.alone(self.block, reach)
+
+
+@dataclass(frozen=True)
+class Build:
+    """A held block an admission writes: at ``layers`` (all it holds, when ``created`` by it; else the window layers
+    a later row reached first)."""
+    block: HeldBlock
+    layers: frozenset
+    created: bool
+
+
+class HeldBlocks(Mapping):
+    """A batch's held blocks by (StorePrefix, block; None: its anchor), in pages of its page groups (``pages``): which
+    it holds, what they take of the budget, and which go when pages are needed. ``retired``: blocks of given-up
+    admissions, out of reach of any row, whose pages go once no rebuild writes them any more."""
+
+    def __init__(self, pages: PageGroups, window_layers: frozenset):
+        self.pages, self.window_layers = pages, window_layers
+        self.blocks: dict[tuple, HeldBlock] = {}
+        self.retired: list[HeldBlock] = []
+
+    def __getitem__(self, key: tuple) -> HeldBlock:
+        return self.blocks[key]
+
+    def __iter__(self):
+        return iter(self.blocks)
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def page_bytes(self, block: HeldBlock) -> int:
+        """Bytes a page of ``block`` takes in the groups it is held in (the window layers' only once it has pages
+        there)."""
+        return self.pages.bytes_of({FULL: 1, **({WINDOW: 1} if block.window_pages is not None else {})})
+
+    def held_bytes(self) -> int:
+        """The K/V bytes of the columns of the blocks rows hold, each once."""
+        return sum(b.tokens * self.page_bytes(b) for b in self.blocks.values() if b.rows) // PAGE_TOKENS
+
+    def kept_bytes(self) -> int:
+        """The K/V bytes of the pages of the blocks no row holds, kept for later rows until their pages are needed."""
+        return sum(pages_for(b.tokens) * self.page_bytes(b) for b in self.blocks.values() if not b.rows)
+
+    def held_blocks(self) -> int:
+        """Distinct blocks rows hold (anchors not counted)."""
+        return sum(b.block is not None and b.rows > 0 for b in self.blocks.values())
+
+    def new_pages(self, wanted) -> dict:
+        """Pages the blocks ``wanted`` add to each group: those not held yet, and window pages of those held without
+        any that some window layer of the row now attends."""
+        full = window = 0
+        for key, _, tokens, layers in wanted:
+            held = self.blocks.get(key)
+            if held is None:
+                full += pages_for(tokens)
+            if (self.pages.windowed and (held is None or held.window_pages is None)
+                    and layers & self.window_layers):
+                window += pages_for(tokens)
+        return {FULL: full, **({WINDOW: window} if self.pages.windowed else {})}
+
+    def fits(self, own: int, wanted, now: bool = True) -> bool:
+        """A row of ``own`` pages placing the blocks ``wanted`` fits now, once blocks no row holds (other than
+        ``wanted``'s) are let go as needed; ``now`` False: whether it would fit an empty batch."""
+        while True:
+            if now:
+                new = self.new_pages(wanted)
+            else:
+                new = {FULL: sum(pages_for(t) for _, _, t, _ in wanted),
+                       WINDOW: sum(pages_for(t) for _, _, t, layers in wanted if layers & self.window_layers)}
+            fits = self.pages.fits({group: own + new[group] for group in self.pages.groups}, now)
+            if fits or not now or not self.let_go({key for key, _, _, _ in wanted}):
+                return fits
+
+    def hold(self, wanted, builds: dict, used: int) -> list[tuple[HeldBlock, int]]:
+        """Take the blocks ``wanted`` for a row: a held one once more, a new one with its pages (and window pages
+        where a window layer attends it); what is to be written at which layers joins ``builds``. ``used``: now, in
+        the batch's seatings (the least recently placed goes first)."""
+        held = []
+        for key, offset, tokens, layers in wanted:
+            block = self.blocks.get(key)
+            created = block is None
+            if created:
+                block = self.blocks[key] = HeldBlock(*key, tokens, self.pages.take(FULL, pages_for(tokens)))
+            added = layers - block.layers
+            if added & self.window_layers and block.window_pages is None and self.pages.windowed:
+                block.window_pages = self.pages.take(WINDOW, pages_for(tokens))
+            if added:
+                block.layers |= added
+                before = builds.get(block)
+                builds[block] = Build(block, added | (before.layers if before else frozenset()),
+                                      created or (before is not None and before.created))
+            block.rows += 1
+            block.used = used
+            held.append((block, offset))
+        return held
+
+    def let_go(self, keep: set) -> bool:
+        """Give back the pages of the least recently placed held block no row holds (none of ``keep``'s): False when
+        there is none."""
+        idle = [b for key, b in self.blocks.items() if b.cached and key not in keep]
+        if not idle:
+            return False
+        self.drop(min(idle, key=lambda b: b.used))
+        return True
+
+    def drop(self, block: HeldBlock) -> None:
+        del self.blocks[block.key]
+        self.give_pages(block)
+
+    def drop_cached(self) -> None:
+        """Let go of every block no row holds (the batch is idle)."""
+        for block in [b for b in self.blocks.values() if b.cached]:
+            self.drop(block)
+
+    def retire(self, block: HeldBlock) -> None:
+        """``block`` will never be written (its admission was given up): out of reach now, its pages once no rebuild
+        writes them (`free_retired`)."""
+        self.blocks.pop(block.key, None)
+        self.retired.append(block)
+
+    def free_retired(self) -> None:
+        for block in [b for b in self.retired if not b.builders]:
+            self.retired.remove(block)
+            self.give_pages(block)
+
+    def give_pages(self, block: HeldBlock) -> None:
+        self.pages.give(FULL, block.pages)
+        self.pages.give(WINDOW, block.window_pages)
 
 
 def layers_reached(windows: list[int | None] | None, num_layers: int, offset: int, tokens: int,

@@ -10,7 +10,7 @@ from torch.nn.attention.flex_attention import flex_attention
 
 from milo_infer.runtime import attention
 from milo_infer.runtime.cache import Pack, Segment, pool_columns
-from milo_infer.runtime.pages import PAGE_TOKENS, pages_for, run_start
+from milo_infer.runtime.pages import FULL, PAGE_TOKENS, pages_for, run_start
 from milo_infer.runtime.planning import EngineSettings, Request
 from tests.infer.runtime.test_engine import REQUESTS, free_form, setup  # noqa: F401 (a fixture)
 
@@ -187,8 +187,9 @@ def decode(engine, scattered: bool) -> tuple[list[str], list[torch.Tensor]]:
 
     batch, taken = engine.batch(), []
     if scattered:
-        take = batch.pages.take
-        batch.pages.take = lambda n: taken.append(take(n)[::-1]) or taken[-1]
+        full = batch.pages[FULL]
+        take = full.take
+        full.take = lambda n: taken.append(take(n)[::-1]) or taken[-1]
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(Batch, "_advance", recording)
         plans = [engine.plan("s", r) for r in REQUESTS]

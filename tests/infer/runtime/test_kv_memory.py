@@ -13,7 +13,8 @@ from milo_infer.bench import synthetic_model
 from milo_infer.models import LoadedModel, model_identity
 from milo_infer.runtime.engine import Engine
 from milo_infer.runtime.errors import RequestError
-from milo_infer.runtime.pages import GROWTH_HEADROOM, PAGE_TOKENS, PageAllocator, kv_budget_bytes, parse_kv_memory
+from milo_infer.runtime.pages import (FULL, GROWTH_HEADROOM, PAGE_TOKENS, WINDOW, PageAllocator, PageGroups,
+                                     kv_budget_bytes, parse_kv_memory)
 from milo_infer.runtime.planning import EngineSettings, Request
 from milo_store import MiloStore
 
@@ -164,4 +165,35 @@ def test_pages_are_consecutive_where_a_free_run_allows_and_never_over_the_limit(
             assert pages.capacity <= peak  # take grows by what the free pages lack, no more
             assert pages.capacity <= pages.limit and (pages.capacity > 0 or not held)
             assert sorted(pages.free) == pages.free and set(pages.free).isdisjoint(p for h in held for p in h)
+    check()
+
+
+def test_page_groups_never_take_more_than_the_budget_in_bytes():
+    """Two page groups at their own bytes a page under one budget: ``fits`` says yes exactly when every group stays
+    within its limit and their bytes within the budget, and what rows take never passes it. (The pools may: a take
+    grows its group while the other's free pages stay; growth for headroom never adds past the budget.)"""
+    from hypothesis import given, settings, strategies as st
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.integers(1, 9), st.integers(0, 9), st.integers(10, 200),
+           st.lists(st.tuples(st.integers(0, 2), st.integers(1, 8), st.integers(1, 8)), max_size=30))
+    def check(full_bytes, window_bytes, budget, ops):
+        each = {FULL: full_bytes, **({WINDOW: window_bytes} if window_bytes else {})}
+        groups, held = PageGroups(each, budget), []
+        for op, full, window in ops:
+            more = {FULL: full, **({WINDOW: window} if groups.windowed else {})}
+            after = {g: groups[g].in_use + n for g, n in more.items()}
+            fits = all(after[g] * each[g] <= budget for g in after) and groups.bytes_of(after) <= budget
+            assert groups.fits(more) == fits
+            if op == 0 and fits:
+                held.append({g: groups.take(g, n) for g, n in more.items()})
+            elif op == 1 and held:
+                for g, table in held.pop(0).items():
+                    groups.give(g, table)
+            elif op == 2:  # headroom: never past the budget (nor grown where a take left the pools past it)
+                before = groups.allocated_bytes()
+                groups.grow(more)
+                assert groups.allocated_bytes() <= max(budget, before)
+            assert groups.in_use_bytes() <= min(budget, groups.allocated_bytes())
+            assert groups.in_use_bytes() == sum(len(t) * each[g] for h in held for g, t in h.items())
     check()

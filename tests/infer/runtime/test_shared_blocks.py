@@ -58,7 +58,7 @@ def test_rows_hold_each_block_once_and_count_it_once(setup):
     assert batch.kv_bytes_needed == (own_columns + block_columns) * page_bytes // PAGE_TOKENS
     in_use = sum(pages_for(p.prompt_tokens + p.max_new_tokens) - p.prefix_tokens // PAGE_TOKENS for p in plans) + sum(
         pages_for(b.tokens) for b in blocks.values())
-    assert batch.kv_bytes_held == in_use * page_bytes == batch.pages.in_use * page_bytes
+    assert batch.kv_bytes_held == in_use * page_bytes == batch.pages.in_use_bytes()
     assert batch.held_counts()["kv_bytes_kept"] == 0
     alone = own.batch()
     alone.admit([own.plan("s", r) for r in SHARING])
@@ -104,14 +104,14 @@ def test_a_row_joining_later_reuses_held_blocks_without_a_read(setup):
     first = run(held, batch, [held.plan("s", r) for r in SHARING[:2]])  # they share a block: held once
     assert all(b.rows == 0 for b in batch.held.values()) and len(batch.held) == 4  # kept after their rows left
     counts = batch.held_counts()
-    assert counts["kv_bytes_held"] == 0 and counts["kv_bytes_kept"] == batch.pages.in_use * held.page_bytes > 0
+    assert counts["kv_bytes_held"] == 0 and counts["kv_bytes_kept"] == batch.pages.in_use_bytes() > 0
     again = run(held, batch, [held.plan("s", SHARING[0])])  # alone, its blocks held: it places them
     assert batch.fetch_stats["bytes"] == 0 and batch.fetch_stats["staged_bytes"] == 0  # nothing read or staged
     assert set(FETCH_STATS) <= set(batch.fetch_stats)  # what a fetch reports, all of it, zero
     assert list(again.values())[0] == list(first.values())[0]
     assert list(again.values()) == list(run(own, own.batch(), [own.plan("s", SHARING[0])]).values())
     batch.idle()  # nothing to answer: the blocks no row holds go, then the pools
-    assert not batch.held and batch.pages.capacity == 0
+    assert not batch.held and batch.pages.allocated_bytes() == 0
 
 
 def test_a_lone_row_or_one_sharing_nothing_holds_its_own_copy(setup):
@@ -148,7 +148,7 @@ def test_blocks_no_row_holds_go_when_their_pages_are_needed(setup):
     answers = [run(held, batch, [held.plan("s", r) for r in pair]) for pair in pairs]
     assert set(plans[1][0].blocks) | {None} <= {key[1] for key in batch.held}
     assert not set(plans[0][0].blocks) <= {key[1] for key in batch.held}  # the first rows' went, as many as needed
-    assert batch.pages.in_use * held.page_bytes <= held.kv_budget
+    assert batch.pages.in_use_bytes() <= held.kv_budget
     assert [list(a.values()) for a in answers] == [list(run(own, own.batch(), [own.plan("s", r) for r in pair]).values())
                                                   for pair in pairs]
 
@@ -163,7 +163,7 @@ def test_a_cancelled_row_never_leaves_a_block_unwritten_for_the_next(setup):
     assert batch.held
     for plan in plans:
         batch.cancel(plan)
-    assert not batch.held and not batch.admissions and batch.pages.in_use == 0
+    assert not batch.held and not batch.admissions and batch.pages.in_use_bytes() == 0
     answer = run(held, batch, [held.plan("s", r) for r in SHARING[:2]])
     assert batch.fetch_stats["bytes"] > 0  # read again
     assert list(answer.values()) == list(run(own, own.batch(), [own.plan("s", r) for r in SHARING[:2]]).values())

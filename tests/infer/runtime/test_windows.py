@@ -140,7 +140,7 @@ def test_a_model_without_windows_plans_and_reads_as_before(stores):
     assert all(p.placement.reach is None for p in plans)
     assert stats["bytes"] == int(store.block_bytes(plans[0].blocks).sum())
     engine = Engine(loaded, {"s": store})
-    assert not engine.window_layers and engine.batch().window_alloc is None
+    assert not engine.window_layers and not engine.batch().pages.windowed
 
 
 def test_a_placement_without_windows_is_left_as_it_is():
