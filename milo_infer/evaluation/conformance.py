@@ -210,8 +210,8 @@ def model_cache(model, ids: list[int], shift: int) -> tuple[list, list]:
     out = model(input_ids=torch.tensor([ids], device=device), position_ids=positions, use_cache=True,
                 logits_to_keep=1, **{cache_keyword(model): DynamicCache()})
     cache = out.cache if hasattr(out, "cache") else out.past_key_values  # transformers renamed it after 5.19
-    written = iter(cache.layers)  # the layers holding K/V, in order
-    held = [next(written) if spec.holds_cache else None for spec in layer_specs(model.config)]
+    # the layers that write K/V come first (Gemma 4's shared layers are its last ones): the others hold none
+    held = list(cache.layers) + [None] * (model.config.num_hidden_layers - len(cache.layers))
     return [None if c is None else c.keys for c in held], [None if c is None else c.values for c in held]
 
 

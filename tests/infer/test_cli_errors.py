@@ -84,9 +84,8 @@ def model_commands(model: str, tmp_path) -> dict[str, list[str]]:
 
 
 @pytest.mark.parametrize("model_type, reason", [
-    ("gemma4_text", "per-layer head sizes and RoPE"),  # its config raises where head_dim is read whole
     ("hunyuan_v1_moe", "depends on m and n, not on m - n alone"),
-    ("gemma4", "per-layer head sizes and RoPE"),  # by gemma4_text
+    ("gemma3", "image tokens attend bidirectionally"),  # refused as a whole, wrapper and all
 ])
 def test_a_refused_family_is_one_line_from_every_command_that_loads_a_model(model_type, reason, tmp_path, capsys):
     model = model_folder(tmp_path / "model", model_type)
