@@ -67,7 +67,7 @@ class Attention:
     keys_from_values: str | None = None  # a config flag: where on, its full-attention layers' keys are their values
     # times the key norm's weight (Gemma 4's attention_k_eq_v: one projection, an RMSNorm with and one without a
     # weight), so a store keeps the values alone (`milo_store.layers`)
-    kv_sharing: bool = False  # config.kv_sharing_modes: layers that "reuse" an earlier layer's K/V hold none (Gemma 4)
+    kv_sharing: bool = False  # its last num_kv_shared_layers layers attend an earlier layer's K/V and hold none (Gemma 4)
 
     def rope_layout(self, config, layer: int = 0) -> dict:
         """The kernels' RoPE layout arguments for ``layer`` of this model (``milo_kernels`` ``interleaved`` and
@@ -267,6 +267,15 @@ def layer_rope_parameters(config, layer: int) -> dict:
     return per_type[config.layer_types[layer]] if per_type else dict(getattr(config, "rope_parameters", None) or {})
 
 
+def kv_sources(config) -> dict[int, int]:
+    """Each layer that attends another's K/V, and that layer: Gemma 4's last ``num_kv_shared_layers`` each attend the
+    last earlier layer of its own type (its transformers' ``kv_sharing_modes``, which older transformers, vLLM's,
+    lack)."""
+    first = config.num_hidden_layers - (getattr(config, "num_kv_shared_layers", 0) or 0)
+    types = config.layer_types
+    return {l: max(j for j in range(first) if types[j] == types[l]) for l in range(first, config.num_hidden_layers)}
+
+
 def model_layout(config) -> Layout:
     """The store layout of this model's layers (`layer_specs` on their grid)."""
     return Layout.of(layer_specs(config))
@@ -280,7 +289,7 @@ def layer_specs(config) -> tuple[LayerSpec, ...]:
     spec = attention_of(config)
     unrotated = set(spec.unrotated_layers(config))
     types = list(getattr(config, "layer_types", None) or ())
-    sharing = list(config.kv_sharing_modes) if spec.kv_sharing else []
+    sources = kv_sources(config) if spec.kv_sharing else {}
     k_eq_v = bool(spec.keys_from_values and getattr(config, spec.keys_from_values, False))
     layers = []
     for l in range(config.num_hidden_layers):
@@ -289,10 +298,7 @@ def layer_specs(config) -> tuple[LayerSpec, ...]:
         partial = spec.partial and not spec.interleaved and turns != d
         rotary = dict(rotary="interleaved" if spec.interleaved else "half", rotary_dim=turns if partial else None,
                       nope=l in unrotated)
-        kind, source = ATTENTION, None
-        if sharing and sharing[l] == "reuse":
-            kind = SHARED
-            source = next(j for j in range(l) if sharing[j] == "store" and types[j] == types[l])
+        kind, source = (SHARED, sources[l]) if l in sources else (ATTENTION, None)
         layers.append(LayerSpec(kind, kv_heads(config, l), d, **rotary, source=source,
                                 keys_from_values=k_eq_v and kind == ATTENTION and types[l] == "full_attention"))
     return tuple(layers)

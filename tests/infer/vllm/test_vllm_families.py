@@ -21,7 +21,7 @@ import torch
 
 from milo_infer.building.config import BuildConfig, default_compression
 from milo_infer.building.shared_staging import encode_once
-from milo_infer.models.families import attention_of
+from milo_infer.models.families import attention_of, layer_specs
 from milo_infer.runtime.engine import Engine
 from milo_infer.runtime.planning import STOP_STRINGS, EngineSettings, Request
 from milo_infer.tasks.corpus import Demonstration, TaskSpec
@@ -55,13 +55,17 @@ SERVED = {
     "phi": ("rotate-half over half the head, biases, an output projection named dense", (1,)),
     "stablelm": ("rotate-half over a quarter of the head, q/k/v biases", (1,)),
     "nemotron": ("rotate-half over half the head, LayerNorm1P", (1,)),
+    "gemma4_text": ("per-layer shapes (sliding layers' heads of 64 beside full layers' one of 128), K = V on the full "
+                    "layers, proportional RoPE, two layers attending earlier layers' K/V (none written for them)",
+                    (1,)),
 }
 VLLM_OVERRIDES = {"gemma": dict(head_dim=256), "gemma3_text": dict(head_dim=64), "gpt_oss": dict(head_dim=64),
                   "ernie4_5": dict(head_dim=64, use_bias=False),  # vLLM's Ernie (a Llama) drops use_bias's biases
                   "cohere": dict(tie_word_embeddings=True),  # vLLM's Cohere always reads logits off the embeddings
                   "seed_oss": dict(head_dim=64),
                   "glm4_moe": dict(head_dim=64),  # vLLM's GLM-4.5 reads head_dim, which GLM-4.5's config.json has
-                  "stablelm": dict(qk_layernorm=False)}  # vLLM 0.32's StableLM has no per-head LayerNorm (2 12B's)
+                  "stablelm": dict(qk_layernorm=False),  # vLLM 0.32's StableLM has no per-head LayerNorm (2 12B's)
+                  "gemma4_text": dict(head_dim=64, global_head_dim=128)}
 RUNS = [(family, tp) for family, (_, sizes) in SERVED.items() for tp in sizes]
 TASK = TaskSpec(name="numbers", template="Message: {input}\nNumber: {output}\n", anchor="Number each message.",
                 answer_kind="number")
@@ -179,7 +183,8 @@ def test_a_window_layer_is_written_only_where_its_kv_cache_group_holds_pages(fam
     than all of them once the prefix passes a vLLM block beyond the window. Counted on tensor-parallel rank 0: each
     rank loads and writes every token of every layer for its own heads, and counts them."""
     name, model_dir, loaded, store, url = family
-    windows = attention_of(loaded.model.config).windows(loaded.model.config)
+    held = [spec.holds_cache for spec in layer_specs(loaded.model.config)]  # a shared layer's K/V are its source's
+    windows = [w for w, h in zip(attention_of(loaded.model.config).windows(loaded.model.config), held) if h]
     prompt = VllmPrompts("raw", store, loaded.tokenizer, settings=EngineSettings(k=K)).prompt(requests()[0])
 
     def count(key):
