@@ -30,13 +30,14 @@ sys.path.insert(0, str(ROOT))
 
 from milo_infer.bench.step_profile import (STAGES, Churn, StageClock, decoding_batch, profile_churn,  # noqa: E402
                                            profile_steps)
+from milo_infer.evaluation.conformance import cache_of, rebuilt  # noqa: E402
 from milo_infer.models import load_model  # noqa: E402
 from milo_infer.runtime.decoding import LabelDecoder  # noqa: E402
 from milo_infer.runtime.engine import Engine  # noqa: E402
 from milo_infer.runtime import attention  # noqa: E402
 from milo_infer.runtime.pages import PAGE_TOKENS, pages_for  # noqa: E402
 from milo_infer.runtime.planning import EngineSettings, Request  # noqa: E402
-from milo_infer.runtime.prefix import PrefixRebuild, rebuild_layer  # noqa: E402
+from milo_infer.runtime.prefix import rebuild_layer  # noqa: E402
 from milo_infer.tasks.corpus import load_corpus  # noqa: E402
 from milo_infer.tasks.datasets import load_dataset  # noqa: E402
 from milo_store import MiloStore  # noqa: E402
@@ -48,15 +49,7 @@ RUNNING_TEXTS = ["where is my new card", "I was charged twice", "how do I top up
 
 def prefix_cache(engine: Engine, plan) -> DynamicCache:
     """The plan's rebuilt [anchor][blocks] K/V, layer by layer, in a fresh DynamicCache."""
-    layout = engine.stores[plan.store].prefix.layout
-    rebuild = PrefixRebuild([plan.placement], engine.rope, engine.device)
-    cache = DynamicCache(config=engine.model.config)
-    shape = (1, layout.num_kv_heads, plan.prefix_tokens, layout.head_dim)
-    for layer in range(layout.num_layers):
-        k, v = torch.empty(shape, dtype=engine.dtype), torch.empty(shape, dtype=engine.dtype)
-        rebuild.fill(layer, k, v)
-        cache.update(k, v, layer)
-    return cache
+    return cache_of(*rebuilt(engine, plan.placement), config=engine.model.config)
 
 
 @torch.inference_mode()

@@ -144,7 +144,7 @@ def _check(loaded: LoadedModel, store: MiloStore, query: str, w: int) -> Conform
     for b in range(n):  # capture: the block where its encoding row put it
         context = list(range(max(0, b - w), b + 1))
         starts[b] = len(anchor) + sum(len(ids[c]) for c in context[:-1])
-        k, v = rebuilt(engine, context)
+        k, v = rebuilt(engine, engine.stores["check"].prefix.place(context))
         cached_k, cached_v = model_cache(model, anchor + [t for c in context for t in ids[c]], 0)
         span = slice(starts[b], starts[b] + len(ids[b]))
         for kind, ours, theirs in (("keys", k, cached_k), ("values", v, cached_v)):
@@ -152,7 +152,7 @@ def _check(loaded: LoadedModel, store: MiloStore, query: str, w: int) -> Conform
             record("capture", cut(ours, slice(len(anchor))), cut(theirs, slice(len(anchor))), kind)
 
     order = list(range(n))[::-1]  # a query's prefix in another order: blocks at other positions than encoded
-    k, v = rebuilt(engine, order)
+    k, v = rebuilt(engine, engine.stores["check"].prefix.place(order))
     at = len(anchor)
     for b in order:
         context = list(range(max(0, b - w), b + 1))
@@ -178,14 +178,13 @@ def cut(tensors: list, columns: slice) -> list:
     return [None if x is None else x[:, :, columns] for x in tensors]
 
 
-def rebuilt(engine: Engine, blocks: list[int]) -> tuple[list, list]:
-    """Per layer, K and V [1, H, P, d] of [anchor][blocks] as the engine's rebuild writes them into its cache (None at
-    a layer that attends another's)."""
-    mounted = engine.stores["check"]
-    rebuild = PrefixRebuild([mounted.prefix.place(blocks)], engine.rope, engine.device)
+def rebuilt(engine: Engine, placement) -> tuple[list, list]:
+    """Per layer, K and V [1, H, P, d] of a placement's [anchor][blocks] as the engine's rebuild writes them into its
+    cache (None at a layer that attends another's)."""
+    rebuild = PrefixRebuild([placement], engine.rope, engine.device)
     P = rebuild.rows[0].prefix_tokens
     keys, values = [], []
-    for layer, spec in enumerate(mounted.prefix.layers):
+    for layer, spec in enumerate(placement.prefix.layers):
         if not spec.holds_cache:
             keys.append(None)
             values.append(None)
@@ -219,15 +218,22 @@ def model_cache(model, ids: list[int], shift: int) -> tuple[list, list]:
 def plain_logits(model, keys, values, query_ids: list[int], prefix_tokens: int) -> torch.Tensor:
     """transformers alone: the query fed after a `DynamicCache` holding the prefix, its logits [T, vocab] fp32
     (every column kept, as `model_cache`'s)."""
-    cache = DynamicCache()
-    for layer, (k, v) in enumerate(zip(keys, values)):
-        if k is not None:
-            cache.update(k, v, layer)
+    cache = cache_of(keys, values)
     device = next(model.parameters()).device
     positions = torch.arange(prefix_tokens, prefix_tokens + len(query_ids), device=device)[None]
     out = model(input_ids=torch.tensor([query_ids], device=device), position_ids=positions, use_cache=True,
                 **{cache_keyword(model): cache})
     return out.logits[0].float()
+
+
+def cache_of(keys: list, values: list, config=None) -> DynamicCache:
+    """A `DynamicCache` holding each layer's K and V (none at a layer that attends another's); ``config``: the model's,
+    for a cache that keeps only a window layer's last W columns as it grows."""
+    cache = DynamicCache(config=config) if config is not None else DynamicCache()
+    for layer, (k, v) in enumerate(zip(keys, values)):
+        if k is not None:
+            cache.update(k, v, layer)
+    return cache
 
 
 RECORDING = "milo_record_queries"

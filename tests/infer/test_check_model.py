@@ -77,6 +77,14 @@ def test_too_few_demonstrations_for_two_blocks_is_an_input_error(qwen3_dir, caps
     assert "at least 4 demonstrations" in capsys.readouterr().err
 
 
+def test_gemma4_passes_with_its_shared_layers_named(tmp_path, capsys):
+    """Its per-layer shapes, K = V and proportional RoPE checked layer by layer; the layers attending another's K/V
+    have nothing of their own to check and say so."""
+    assert milo(["check-model", saved("gemma4_text", tmp_path)]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip()[:1].isdigit()]
+    assert [row[0] for row in rows] == ["0", "1", "2", "3"] and rows[2][1:5] == ["shared"] * 4, rows
+
+
 def mistral3_dir(path, tie: bool) -> str:
     """A tiny Mistral 3 checkpoint (a Pixtral vision tower wrapping the tiny Mistral), saved as transformers saves
     it: its text model is what milo judges, loads and checks."""
