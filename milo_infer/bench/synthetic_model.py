@@ -25,10 +25,11 @@ SHAPES = {
                        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
     "tiny": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=128, vocab_size=300, max_position_embeddings=4096),
-    # Gemma 4 E2B's decoder as shared/families-2026-notes.md gives it: 35 layers, four sliding ones of a KV head of 256
-    # to one full one of 512, the last 20 attending earlier layers' K/V; K = V on the full layers (attention_k_eq_v,
-    # on here to measure what it saves). Its vocabularies cut to 4,096 (the byte tokenizer's ids; the layers are
-    # E2B's, and 262,144 per-layer input rows would be 9 GB of random weights)
+    # Gemma 4 E2B's decoder as shared/families-2026-notes.md gives it: 35 layers, sliding ones of a KV head of 256
+    # and full ones of 512 in transformers' default 5:1 pattern (the last layer full), the last 20 attending earlier
+    # layers' K/V; K = V on the full layers (attention_k_eq_v, on here to measure what it saves). Its vocabularies
+    # cut to 4,096 (the byte tokenizer's ids; the layers are E2B's, and 262,144 per-layer input rows would be 9 GB of
+    # random weights)
     "gemma4-e2b": dict(num_hidden_layers=35, hidden_size=1536, num_attention_heads=8, num_key_value_heads=1,
                        head_dim=256, global_head_dim=512, num_global_key_value_heads=1, attention_k_eq_v=True,
                        num_kv_shared_layers=20, sliding_window=512, intermediate_size=6144, vocab_size=4096,
