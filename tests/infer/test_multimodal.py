@@ -97,3 +97,25 @@ def test_a_query_holding_a_video_token_is_refused_with_a_400(qwen3_vl, tmp_path)
             reply = httpx.post(f"{served.base}/v1/completions", timeout=60,
                                json={"model": "s", "prompt": "<|vision_start|> my card"})
     assert reply.status_code == 400 and "vision_start_token_id" in reply.json()["error"]["message"], reply.text
+
+
+def test_a_wrapped_gemma4_checkpoint_answers_text_as_its_multimodal_model(tmp_path, capsys):
+    """Gemma 4 (its per-layer shapes, K = V and shared layers inside a checkpoint with a vision tower): loaded as its
+    text model (`gemma4_text`), it answers text as the whole model does and passes `milo check-model`."""
+    import transformers
+
+    vision = transformers.Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, num_key_value_heads=2, head_dim=16)
+    wrapper = transformers.Gemma4Config(text_config=families.config("gemma4_text").to_dict(),
+                                        vision_config=vision.to_dict(), tie_word_embeddings=False)
+    torch.manual_seed(0)
+    transformers.AutoModelForImageTextToText.from_config(wrapper).save_pretrained(tmp_path)
+    byte_tokenizer().save_pretrained(tmp_path)
+    loaded, whole = load_model(tmp_path), transformers.AutoModelForImageTextToText.from_pretrained(tmp_path).eval()
+    assert loaded.identity["model_type"] == "gemma4_text" and loaded.identity["layers"][2]["kind"] == "shared"
+    ids = torch.tensor([[5, 80, 23, 7, 190, 41, 3]])
+    with torch.inference_mode():
+        ours, theirs = loaded.model(input_ids=ids).logits, whole(input_ids=ids).logits
+    assert (ours - theirs).abs().max() <= 1e-5 * theirs.abs().max()
+    assert milo(["check-model", str(tmp_path)]) == 0
+    assert "PASS" in capsys.readouterr().out.splitlines()[-1]
