@@ -149,14 +149,84 @@ def test_a_bits_store_rebuilds_from_its_codes_as_from_its_decoded_factors(bits_b
                                                equal_nan=True)
 
 
+@pytest.fixture(scope="module")
+def gemma4_store(tmp_path_factory):
+    """An INT8 store of Gemma 4's tiny model (`tests/infer/families.py`) and its RoPE tables on the device."""
+    from milo_infer.building.builder import build_store
+    from milo_infer.building.config import BuildConfig
+    from milo_store import CompressionConfig
+    from tests.infer import families
+
+    path = tmp_path_factory.mktemp("gemma4") / "s"
+    loaded = families.tiny_model("gemma4_text")
+    config = BuildConfig(block_size=2, compression=CompressionConfig(ratio=0.5, dtype="int8"))
+    build_store(path, loaded, families.demonstrations(8), families.TASK, config, progress=False)
+    return path, layer_rope_tables(loaded.model, 512, device="cuda" if torch.cuda.is_available() else "cpu")
+
+
+def layer_by_layer(rebuild: PrefixRebuild, layers, device):
+    """Every layer holding K/V of every row, rebuilt: {layer: (k, v)} of [rows, heads, T, d] fp32."""
+    T = max(row.prefix_tokens for row in rebuild.rows)
+    out = {}
+    for layer, spec in enumerate(layers):
+        if spec.holds_cache:
+            out[layer] = [torch.zeros(len(rebuild.rows), spec.kv_heads, T, spec.head_dim, device=device)
+                          for _ in range(2)]
+            rebuild.fill(layer, *out[layer])
+    return out
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or INTERPRET, reason="the host's decode-once path")
+def test_keys_from_values_rebuilt_per_row_equal_the_decode_once_path(gemma4_store):
+    """A K = V layer's keys, rebuilt row by row (`PrefixRebuild._keys_from_values`: the kernels' path) and decoded once
+    for every row (the host's path, which the conformance suite holds to the model): the same."""
+    path, rope = gemma4_store
+    with MiloStore.open(path) as store:
+        prefix = StorePrefix("s", store, rope, "cpu", torch.float32)
+        rows = [prefix.place([0, 2]), prefix.place([3, 1, 2])]
+        once = PrefixRebuild(rows, rope, "cpu")
+        per_row = PrefixRebuild(rows, rope, "cpu", rebuild=lambda *a, **kw: reconstruct_layer(*a, **kw))
+        assert once.shared is not None and per_row.shared is None and 1 in prefix.key_gain
+        got, want = (layer_by_layer(r, store.layout.layers, "cpu") for r in (per_row, once))
+        for layer in want:
+            for g, w in zip(got[layer], want[layer]):
+                torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6 * float(w.abs().max()))
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET and os.environ.get("MILO_KERNEL") == "triton"),
+                    reason="needs CUDA, or MILO_KERNEL=triton with TRITON_INTERPRET=1")
+def test_layers_of_other_shapes_rebuild_through_the_kernel_as_on_the_host(gemma4_store):
+    """Gemma 4's layers (sliding ones of 2 heads of 16, full ones of 1 of 32 whose keys are their values times a gain,
+    shared ones holding nothing), a window's reach per layer: the Triton kernel, planned once per shape of segment
+    table, writes every layer as the kernels' reference does."""
+    from milo_infer.runtime.prefix import rebuild_layer
+
+    path, rope = gemma4_store
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with MiloStore.open(path) as store:
+        prefix = StorePrefix("s", store, rope, device, torch.float32)
+        windows = [8 if spec.head_dim == 16 else None for spec in store.layout.layers]
+        rows = [prefix.place([0, 2]), prefix.place([3, 1, 2]).windowed(30, windows)]
+        kernel = PrefixRebuild(rows, rope, device)
+        reference = PrefixRebuild(rows, rope, device,
+                                  rebuild=lambda *a, **kw: reconstruct_layer(*a, **kw, backend="reference"))
+        assert kernel.rebuild is rebuild_layer and reference.shared is None
+        got, want = (layer_by_layer(r, store.layout.layers, device) for r in (kernel, reference))
+        for layer in want:
+            for g, w in zip(got[layer], want[layer]):  # INT8 in the kernel's fp16 products, as the bits test above
+                torch.testing.assert_close(g.cpu(), w.cpu(), rtol=2e-3, atol=2e-3 * float(w.abs().max()))
+
+
 @pytest.mark.skipif(torch.cuda.is_available() or INTERPRET, reason="runs in this process")
-def test_bits_rebuild_from_codes_under_the_interpreter():
+def test_the_kernel_paths_under_the_interpreter():
+    """The two tests above that need the Triton kernel, in a process of their own under its interpreter."""
     pytest.importorskip("triton")
     import subprocess
     import sys
     from pathlib import Path
     repo = Path(__file__).resolve().parents[3]
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "from_its_codes",
-                             __file__], cwd=repo, capture_output=True, text=True, timeout=600,
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
+                             "from_its_codes or through_the_kernel_as_on_the_host", __file__],
+                            cwd=repo, capture_output=True, text=True, timeout=600,
                             env={**os.environ, "TRITON_INTERPRET": "1", "MILO_KERNEL": "triton", "PYTHONPATH": str(repo)})
-    assert result.returncode == 0 and " passed" in result.stdout, result.stdout[-4000:] + result.stderr[-2000:]
+    assert result.returncode == 0 and "2 passed" in result.stdout, result.stdout[-4000:] + result.stderr[-2000:]
