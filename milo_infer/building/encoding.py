@@ -22,7 +22,7 @@ def group_blocks(n: int, block_size: int, order: str, seed: int) -> list[list[in
 
 def tokenize(tokenizer, task: TaskSpec, demos: list[Demonstration]) -> tuple[list[int], list[list[int]]]:
     """Anchor ids (with the tokenizer's special prefix, if any) and each demonstration's ids alone."""
-    anchor = tokenizer(task.anchor, add_special_tokens=True).input_ids
+    anchor = tokenizer(task.anchor_text, add_special_tokens=True).input_ids
     return anchor, [tokenizer(task.render(d), add_special_tokens=False).input_ids for d in demos]
 
 

@@ -38,6 +38,8 @@ from ..models import RopeTables
 from ..tasks.corpus import TaskSpec
 from .decoding import LabelTrie
 from .errors import BlockLoadError, RequestError
+from .grammar import SchemaGrammar, compile_schema
+from .sampling import GREEDY, SamplingParams
 from .prefix import BlockPlacement, StorePrefix, prefix_token_ids
 from .retrieval import order_blocks, store_retriever
 
@@ -86,6 +88,11 @@ class Request:
     stop: tuple[str, ...] = ()  # extra stop strings (free-form answers)
     prefill: bool = False  # the model prefills the retrieved demonstrations' tokens instead of rebuilding their K/V
     recompute: int | None = None  # first tokens of each block the model computes again (None: the engine's default)
+    sampling: SamplingParams = GREEDY  # how its tokens are chosen, and the log probabilities it reports
+    schema: str | None = None  # a JSON schema (its JSON text) the answer is held to, as JSON
+    choices: tuple[str, ...] = ()  # or strings the answer is one of (as a label store's labels)
+    context: str = ""  # text read after the demonstrations, before the query (a system message unlike the
+    # store's, earlier turns of a chat)
 
 
 @dataclass(frozen=True, eq=False)
@@ -102,6 +109,8 @@ class QueryPlan:
     # of the rebuilt tokens computed again, ascending; their ids open query_ids
     mount: "MountedStore | None" = None  # the store version it was planned against, which answers it (a server
     # that mounts a newer version meanwhile still answers this plan from this one); None: a test's fake plan
+    form: "LabelTrie | SchemaGrammar | None" = None  # what its answer must be: a label (of the store's or the
+    # request's choices), JSON of a schema, or free text (None); each gives its row's decoder (``form.decoder``)
 
     @property
     def store(self) -> str:
@@ -157,16 +166,29 @@ class StoreQueries:
         groups = self.select(request.text, k, token_budget, settings.order)
         return groups, self.store.blocks_of(groups)
 
-    def query_ids(self, text: str) -> list[int]:
-        return self.tokenizer(self.task.render_query(text), add_special_tokens=False).input_ids
+    def query_ids(self, text: str, context: str = "") -> list[int]:
+        """The query as the store's template writes it, after ``context`` (a request's own text before it)."""
+        return self.tokenizer(context + self.task.render_query(text), add_special_tokens=False).input_ids
 
-    def answer_budget(self, request: Request, default: int) -> int:
+    def form(self, request: Request) -> LabelTrie | SchemaGrammar | None:
+        """What the answer must be: JSON of the request's schema, one of its choices, else the store's labels (or
+        free text for a store without)."""
+        if request.schema is not None:
+            return compile_schema(self.tokenizer, request.schema)
+        if request.choices:
+            try:
+                return LabelTrie(self.tokenizer, list(request.choices))
+            except ValueError as e:
+                raise RequestError(f"choices: {e}") from None
+        return self.trie
+
+    def answer_budget(self, request: Request, default: int, form=None) -> int:
         """New tokens the answer may take: a label's trie length (or less, if asked), else the request's."""
         asked = request.max_new_tokens
         if asked is not None and asked < 1:
             raise RequestError(f"max_new_tokens must be at least 1, got {asked}")
-        if self.trie is not None:
-            return min(self.trie.max_tokens, asked) if asked is not None else self.trie.max_tokens
+        if isinstance(form, LabelTrie):
+            return min(form.max_tokens, asked) if asked is not None else form.max_tokens
         return asked if asked is not None else default
 
 
@@ -206,17 +228,18 @@ class MountedStore:
         if recompute < 0:
             raise RequestError(f"recompute must be 0 or more tokens per block, got {recompute}")
         groups, blocks = self.queries.choose(request, settings, block_ids)
-        query_ids = self.queries.query_ids(request.text)
-        budget = self.queries.answer_budget(request, settings.max_new_tokens)
+        query_ids = self.queries.query_ids(request.text, request.context)
+        form = self.queries.form(request)
+        budget = self.queries.answer_budget(request, settings.max_new_tokens, form)
         seconds = time.perf_counter() - t
         placed = self.prefix.place(blocks, with_segments=not request.prefill)
         check_context(self.prefix.anchor_len, placed.prefix_tokens, len(query_ids), budget, max_positions)
         if request.prefill:
-            return self.prefill_plan(request, groups, blocks, query_ids, budget, seconds)
+            return self.prefill_plan(request, groups, blocks, query_ids, budget, seconds, form)
         positions, ids = self.recompute_tokens(blocks, placed.dst_rows, recompute)
         placed = placed.windowed(int(positions[0]) if len(positions) else placed.prefix_tokens, self.windows)
         return QueryPlan(request=request, groups=groups, placement=placed, query_ids=ids + query_ids,
-                         max_new_tokens=budget, retrieve_seconds=seconds, recompute=positions, mount=self)
+                         max_new_tokens=budget, retrieve_seconds=seconds, recompute=positions, mount=self, form=form)
 
     def without_blocks(self, plan: QueryPlan, unread: set[int]) -> QueryPlan:
         """``plan`` with the blocks of ``unread`` computed by the model from the token ids the store keeps for
@@ -252,11 +275,19 @@ class MountedStore:
         return positions, [int(t) for h in heads for t in h]
 
     def prefill_plan(self, request: Request, groups: list[int], blocks: list[int], query_ids: list[int],
-                     budget: int, seconds: float) -> QueryPlan:
+                     budget: int, seconds: float, form=None) -> QueryPlan:
         """The plan that feeds [anchor ids][each block's ids][query ids] to the model, with nothing to rebuild."""
         prefix = prefix_token_ids(self.store, blocks)
         if prefix is None:
             raise RequestError(f"{self.store.path} keeps no token ids for its anchor or blocks: prefill needs a "
                                f"store `milo build` wrote")
         return QueryPlan(request=request, groups=groups, placement=self.prefix.nothing_placed(),
-                         query_ids=prefix + query_ids, max_new_tokens=budget, retrieve_seconds=seconds, mount=self)
+                         query_ids=prefix + query_ids, max_new_tokens=budget, retrieve_seconds=seconds, mount=self,
+                         form=form)
+
+
+def answers_of(plan: QueryPlan, n: int) -> list[QueryPlan]:
+    """``n`` answers to ``plan``'s request as ``n`` rows of one plan (its retrieval and blocks, read and held once by
+    a batch that seats them together): the first is ``plan`` itself, answer i samples with its seed moved by i."""
+    return [plan] + [replace(plan, request=replace(plan.request, sampling=plan.request.sampling.sample(i)))
+                     for i in range(1, n)]
