@@ -35,7 +35,7 @@ import torch
 from milo_store import MiloStore
 
 from ..models import RopeTables
-from ..tasks.corpus import TaskSpec
+from ..tasks.corpus import SYSTEM_SEPARATOR, Demonstration, TaskSpec
 from .decoding import LabelTrie
 from .errors import BlockLoadError, RequestError
 from .grammar import SchemaGrammar, compile_schema
@@ -91,8 +91,10 @@ class Request:
     sampling: SamplingParams = GREEDY  # how its tokens are chosen, and the log probabilities it reports
     schema: str | None = None  # a JSON schema (its JSON text) the answer is held to, as JSON
     choices: tuple[str, ...] = ()  # or strings the answer is one of (as a label store's labels)
-    context: str = ""  # text read after the demonstrations, before the query (a system message unlike the
-    # store's, earlier turns of a chat)
+    system: str | None = None  # a chat's system message: the store's own is answered as built; another is read
+    # after the demonstrations, before the query (`StoreQueries.context`)
+    turns: tuple[tuple[str, str], ...] = ()  # a chat's earlier (user, assistant) turns: read as demonstrations
+    # after the retrieved ones, before the query
 
 
 @dataclass(frozen=True, eq=False)
@@ -166,9 +168,19 @@ class StoreQueries:
         groups = self.select(request.text, k, token_budget, settings.order)
         return groups, self.store.blocks_of(groups)
 
-    def query_ids(self, text: str, context: str = "") -> list[int]:
-        """The query as the store's template writes it, after ``context`` (a request's own text before it)."""
-        return self.tokenizer(context + self.task.render_query(text), add_special_tokens=False).input_ids
+    def query_ids(self, request: Request) -> list[int]:
+        """The query as the store's template writes it, after the request's own context (`context`)."""
+        text = self.context(request) + self.task.render_query(request.text)
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def context(self, request: Request) -> str:
+        """What a request reads between the retrieved demonstrations and its query: a system message other than the
+        one the store was built with (that one is in the anchor already), then its earlier turns, each written as a
+        demonstration of the store's template (a turn is a question and its answer, as a demonstration is)."""
+        system = request.system
+        own = system if system is not None and system.strip() != self.task.system.strip() else None
+        turns = "".join(self.task.render(Demonstration(user, assistant, "")) for user, assistant in request.turns)
+        return (own + SYSTEM_SEPARATOR if own else "") + turns
 
     def form(self, request: Request) -> LabelTrie | SchemaGrammar | None:
         """What the answer must be: JSON of the request's schema, one of its choices, else the store's labels (or
@@ -183,7 +195,9 @@ class StoreQueries:
         return self.trie
 
     def answer_budget(self, request: Request, default: int, form=None) -> int:
-        """New tokens the answer may take: a label's trie length (or less, if asked), else the request's."""
+        """New tokens the answer may take: a label's trie length (or less, if asked), else the request's; ``form``:
+        the answer's (`form`; None: the store's)."""
+        form = self.trie if form is None else form
         asked = request.max_new_tokens
         if asked is not None and asked < 1:
             raise RequestError(f"max_new_tokens must be at least 1, got {asked}")
@@ -228,7 +242,7 @@ class MountedStore:
         if recompute < 0:
             raise RequestError(f"recompute must be 0 or more tokens per block, got {recompute}")
         groups, blocks = self.queries.choose(request, settings, block_ids)
-        query_ids = self.queries.query_ids(request.text, request.context)
+        query_ids = self.queries.query_ids(request)
         form = self.queries.form(request)
         budget = self.queries.answer_budget(request, settings.max_new_tokens, form)
         seconds = time.perf_counter() - t

@@ -87,5 +87,5 @@ def test_a_store_built_with_a_system_prompt_answers_as_a_prefill_of_the_same_pro
     stored, prefilled = (engine.plan("s", Request("topic2 demonstration", k=1, prefill=p)) for p in (False, True))
     assert stored.blocks and len(prefilled.query_ids) > len(stored.query_ids)
     assert (engine.logits([stored])[0][-1] - engine.logits([prefilled])[0][-1]).abs().max() < 1e-4
-    other = engine.plan("s", Request("topic2 demonstration", k=1, context="Be brief.\n\n"))
+    other = engine.plan("s", Request("topic2 demonstration", k=1, system="Be brief."))
     assert other.query_ids[-len(stored.query_ids):] == stored.query_ids and len(other.query_ids) > len(stored.query_ids)
