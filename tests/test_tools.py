@@ -57,6 +57,8 @@ SMOKE = {
                                     "and a model load each); bench_build.py runs the same build in process"),
     "bench_shared_blocks.py": Run(lambda i: [i.tiny_store, "--model", i.tiny_model, "--k", "1", "--queries", "3",
                                             "--batch", "1,2"], needs=("tiny",)),
+    "bench_chat.py": Help("answers Banking77 queries from two 512-shot stores of the default model, one built with "
+                          "--system (minutes each to build); its pieces are tests/infer/server/test_serve.py's"),
     "bench_dtype.py": Run(lambda i: [i.tiny_store, "--model", i.tiny_model, "--queries", "2", "--alone", "1",
                                      "--rounds", "1", "--k", "1"], needs=("banking77", "tiny")),
     "bench_engine.py": Run(lambda i: [[i.tiny_store, "--model", i.tiny_model, "--k", "1", "--queries", "1",

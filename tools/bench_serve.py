@@ -13,7 +13,10 @@ first traffic paid for compiling (issue 55). ``--shared-blocks on,off`` serves e
 once for every row and once with each row holding its own copy (`milo serve --shared-blocks`), one after the
 other in the same run, and reports the most K/V bytes each level held and the distinct blocks held against the
 blocks placed then (the server's `milo:kv_cache_bytes_held`, `milo:held_blocks` and `milo:placed_blocks`, read
-every 0.2 s; issue 54). Prints a markdown table; ``--out`` also writes JSON. ``--synthetic SHAPE`` serves stores `milo bench --synthetic SHAPE` built, with the random model
+every 0.2 s; issue 54). ``--sampled`` runs each level a second time at once on the same server with requests as a
+chat front end sends them (temperature 0.7, top_p 0.8, a seed each, and the top 5 log probabilities of every token),
+twice, then the greedy level once more (greedy, sampled, sampled, greedy: a drift in the machine's speed weighs on
+both alike), and reports the sampled runs' mean q/s and completion tokens/s against the greedy runs' (issue 63). Prints a markdown table; ``--out`` also writes JSON. ``--synthetic SHAPE`` serves stores `milo bench --synthetic SHAPE` built, with the random model
 of that shape (``--model synthetic:SHAPE``) and queries naming their blocks' topics (tools/gpu_bench.sh). Run:
 
     HF_HUB_OFFLINE=1 .venv/bin/python tools/bench_serve.py stores/banking77 stores/banking77-r025 \\
@@ -156,28 +159,37 @@ def batch_histogram(base: str) -> tuple[float, float]:
     return values["milo:batch_size_sum"], values["milo:batch_size_count"]
 
 
-async def load(base: str, model: str, queries: list[str], concurrency: int) -> dict:
-    """Every query once, ``concurrency`` at a time; latency and time to first token per request."""
+def sampled(i: int) -> dict:
+    """Request ``i``'s fields as a chat front end sends them, asking for the top 5 log probabilities too."""
+    return {"temperature": 0.7, "top_p": 0.8, "seed": i, "logprobs": 5}
+
+
+async def load(base: str, model: str, queries: list[str], concurrency: int, fields=lambda i: {}) -> dict:
+    """Every query once, ``concurrency`` at a time, with ``fields(i)`` added to request i; latency, time to first
+    token per request, and completion tokens/s."""
     client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=600)
     limit = asyncio.Semaphore(concurrency)
-    latency, first = [], []
+    latency, first, tokens = [], [], []
 
-    async def ask(query: str) -> None:
+    async def ask(i: int, query: str) -> None:
         async with limit:
             start = time.perf_counter()
             seen = None
-            async for _chunk in await client.completions.create(model=model, prompt=query, stream=True):
+            async for chunk in await client.completions.create(model=model, prompt=query, stream=True,
+                                                               stream_options={"include_usage": True}, **fields(i)):
                 seen = seen or time.perf_counter()
+                if chunk.usage is not None:
+                    tokens.append(chunk.usage.completion_tokens)
             latency.append(time.perf_counter() - start)
             first.append((seen or time.perf_counter()) - start)
 
     start = time.perf_counter()
     try:
-        await asyncio.gather(*(ask(q) for q in queries))
+        await asyncio.gather(*(ask(i, q) for i, q in enumerate(queries)))
     finally:
         await client.close()
     wall = time.perf_counter() - start
-    return {"qps": len(queries) / wall, "p50_s": float(np.percentile(latency, 50)),
+    return {"qps": len(queries) / wall, "tokens_per_s": sum(tokens) / wall, "p50_s": float(np.percentile(latency, 50)),
             "p99_s": float(np.percentile(latency, 99)), "ttft_p50_s": float(np.percentile(first, 50))}
 
 
@@ -227,6 +239,14 @@ def bench_store(store: str, queries: list[str], loaded, args, on_level=lambda re
             row["kv_bytes_held"], row["held_blocks"], row["placed_blocks"] = (held.most[name] for name in HELD)
             after = batch_histogram(base)
             row["mean_batch"] = (after[0] - before[0]) / max(1.0, after[1] - before[1])
+            if args.sampled:  # sampled requests asking for log probabilities twice, then greedy again (ABBA)
+                runs = [asyncio.run(load(base, model, queries[:args.requests], concurrency, fields))
+                        for fields in (sampled, sampled, lambda i: {})]
+                greedy = [row, runs[2]]
+                for key in ("qps", "tokens_per_s"):
+                    row[f"greedy_{key}"] = float(np.mean([r[key] for r in greedy]))
+                    row[f"sampled_{key}"] = float(np.mean([r[key] for r in runs[:2]]))
+                row["sampled_over_greedy"] = row["sampled_qps"] / row["greedy_qps"]
             if args.repeat:  # the same level again at once: what it runs at with nothing left to compile
                 row["repeat_qps"] = asyncio.run(load(base, model, queries[:args.requests], concurrency))["qps"]
                 row["first_over_repeat"] = row["qps"] / row["repeat_qps"]
@@ -269,6 +289,13 @@ def table(results: list[dict]) -> str:
                          f"| {lv['p50_s']:.3f} | {lv['p99_s']:.3f} | {lv['ttft_p50_s']:.3f} | {lv['mean_batch']:.1f} "
                          f"| {lv['engine_qps']:.2f} | {lv['overhead'] * 100:.0f}% | {'-' if late is None else f'{late:.0f}'} "
                          f"| {lv['kv_bytes_held'] / 2**20:.0f} | {lv['held_blocks']:.0f} / {lv['placed_blocks']:.0f} |")
+    sampled = [(r, lv) for r in results for lv in r["levels"] if "sampled_qps" in lv]
+    if sampled:
+        lines += ["", "| store | clients | greedy q/s | sampled + top-5 logprobs q/s | sampled / greedy | greedy tokens/s "
+                      "| sampled tokens/s | tokens/s ratio |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r['store']} | {lv['concurrency']} | {lv['greedy_qps']:.2f} | {lv['sampled_qps']:.2f} "
+                  f"| {lv['sampled_over_greedy']:.3f} | {lv['greedy_tokens_per_s']:.1f} | {lv['sampled_tokens_per_s']:.1f} "
+                  f"| {lv['sampled_tokens_per_s'] / lv['greedy_tokens_per_s']:.3f} |" for r, lv in sampled]
     for r in results:
         if r["memory"]:
             m = r["memory"]
@@ -300,6 +327,8 @@ def main():
     ap.add_argument("--client-warmup", type=int, default=8,
                     help="requests (4 at a time) sent before the levels (default 8; 0: none, the first level is first)")
     ap.add_argument("--repeat", action="store_true", help="run each level twice in a row (first vs repeated q/s)")
+    ap.add_argument("--sampled", action="store_true",
+                    help="run each level again with sampled requests asking for the top 5 log probabilities")
     ap.add_argument("--shared-blocks", type=lambda s: s.split(","), default=["on"], metavar="on,off",
                     help="serve each store with blocks held once (on), each row's own copy (off), or both, one after "
                          "the other (default on)")

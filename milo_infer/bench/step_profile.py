@@ -90,10 +90,13 @@ class StageClock:
 
 class Endless:
     """A decoder that never stops: every step feeds each row one more token, so a timed batch keeps its size."""
-    done, ids = False, []
+    done, ids = False, ()
 
-    def push(self, logits) -> int:
-        return int(logits.argmax())
+    def allowed(self) -> None:
+        return None
+
+    def accept(self, token: int) -> None:
+        pass
 
     def text(self) -> str:
         return ""

@@ -269,7 +269,7 @@ def commit(out: Path, loaded: LoadedModel, demos, task, config: BuildConfig, pla
     (``purge``, `write_store`); its anchor is the previous one."""
     model, layout, anchor_ids = loaded.model, plan.layout, plan.anchor_ids
     anchor_kv = previous.anchor_kv() if previous is not None else encode_anchor(model, anchor_ids, layout)
-    attrs = {"model": loaded.identity, "task": asdict(task),
+    attrs = {"model": loaded.identity, "task": task.record(),
              "build": {"block_size": config.block_size, "context_blocks": config.context_blocks,
                        "order": config.order, "seed": config.seed, "anchor_token_ids": anchor_ids}}
     examples = {"input": [], "output": [], "id": [], "block": [], "tokens": []}

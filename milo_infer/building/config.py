@@ -3,7 +3,7 @@ compression, encode batch), the error for unusable input, and the fingerprint a 
 reused under."""
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 
@@ -105,6 +105,6 @@ class BuildConfig:
 def corpus_fingerprint(identity: dict, task: TaskSpec, demos, config: BuildConfig) -> dict:
     """What pass one depends on: a staged block is reused only when all of it matches."""
     text = hashlib.sha256(json.dumps([[d.id, d.input, d.output] for d in demos]).encode()).hexdigest()
-    return {"model": identity["config_hash"], "model_name": identity["name"], "task": asdict(task), "corpus": text,
+    return {"model": identity["config_hash"], "model_name": identity["name"], "task": task.record(), "corpus": text,
             "block_size": config.block_size, "context_blocks": config.context_blocks, "order": config.order,
             "seed": config.seed, "codec": staging_codec(config.compression.codec)}

@@ -22,9 +22,10 @@ def group_blocks(n: int, block_size: int, order: str, seed: int) -> list[list[in
 
 def tokenize(tokenizer, task: TaskSpec, demos: list[Demonstration],
              media: dict[str, int] | None = None) -> tuple[list[int], list[list[int]]]:
-    """Anchor ids (with the tokenizer's special prefix, if any) and each demonstration's ids alone; a `BuildError`
-    where one holds a token of ``media`` (a multimodal checkpoint's image or video tokens: `models.media_tokens`)."""
-    anchor = tokenizer(task.anchor, add_special_tokens=True).input_ids
+    """Anchor ids (the task's system prompt and anchor, with the tokenizer's special prefix, if any) and each
+    demonstration's ids alone; a `BuildError` where one holds a token of ``media`` (a multimodal checkpoint's image or
+    video tokens: `models.media_tokens`)."""
+    anchor = tokenizer(task.anchor_text, add_special_tokens=True).input_ids
     demo_ids = [tokenizer(task.render(d), add_special_tokens=False).input_ids for d in demos]
     named = [("the task's anchor", anchor), *((f"demonstration {d.id!r}", ids) for d, ids in zip(demos, demo_ids))]
     for what, ids in named:

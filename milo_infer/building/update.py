@@ -188,7 +188,7 @@ def check_model(store: MiloStore, loaded: LoadedModel, task: TaskSpec) -> None:
     if stored.get("dtype") != loaded.identity["dtype"]:
         raise BuildError(f"{store.path} holds K/V computed in {stored.get('dtype')}; the model runs in "
                          f"{loaded.identity['dtype']}")
-    anchor_ids = loaded.tokenizer(task.anchor, add_special_tokens=True).input_ids
+    anchor_ids = loaded.tokenizer(task.anchor_text, add_special_tokens=True).input_ids
     if anchor_ids != store.meta["build"].get("anchor_token_ids"):
         raise BuildError(f"{store.path}: this model's tokenizer writes the store's anchor as other token ids "
                          "than the store's: it is not the tokenizer the store was built with")

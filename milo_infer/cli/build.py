@@ -86,6 +86,9 @@ def add_arguments(p):
     p.add_argument("--template", metavar="T",
                    help=r"how a demonstration is written, with {input} then {output}; \n and \t are read as escapes")
     p.add_argument("--anchor", metavar="A", help=r"instruction text before all demonstrations; \n and \t are escapes")
+    p.add_argument("--system", metavar="TEXT",
+                   help=r"a system prompt, encoded before the anchor: `milo serve` answers a chat whose system message "
+                        r"is this text exactly as built (and lists it in /v1/models); \n and \t are escapes")
     p.add_argument("--staging", metavar="DIR", help="where finished blocks wait for pass two, and a rerun resumes "
                    "from (default <out>.staging); with several machines, a directory they all share")
     p.add_argument("--encode-batch", type=int, metavar="N",
@@ -140,6 +143,10 @@ def demonstrations(args):
                                        anchor=task.anchor if anchor is None else anchor)
     except ValueError as e:
         raise CommandError(f"--template: {e}") from None
+    if args.system is not None:
+        if not args.system.strip():
+            raise CommandError("--system: the system prompt is empty")
+        task = dataclasses.replace(task, system=unescape(args.system))
     if args.shots is not None:
         if args.shots > len(demos):
             raise CommandError(f"--shots {args.shots}: {source} has only {len(demos)} demonstrations")

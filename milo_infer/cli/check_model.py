@@ -41,6 +41,7 @@ def add_arguments(p):
     p.add_argument("--context-blocks", type=int, default=1, help="previous blocks each block is encoded after (default 1)")
     p.add_argument("--template", metavar="T", help=r"how a demonstration is written, as for milo build")
     p.add_argument("--anchor", metavar="A", help=r"instruction text before all demonstrations, as for milo build")
+    p.add_argument("--system", metavar="TEXT", help="a system prompt before the anchor, as for milo build")
     p.add_argument("--seed", type=int, default=0, help="shuffles a data set as milo build does")
     p.add_argument("--device", default=None, help="compute device (default: cuda if available, else cpu)")
     p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's)")

@@ -1,9 +1,11 @@
-"""Greedy decoding, free and label-constrained, one row at a time, independent of the model.
+"""Decoding one row's answer, a token at a time, independent of the model.
 
-A decoder (:class:`LabelDecoder`, :class:`GreedyDecoder`) takes the logits for the next position,
-``push(logits) -> token``, until ``done``; the batched engine keeps one per row of a batch, feeds
-each chosen token back to the model, and stops running a row once its decoder is done. Logits may be
-numpy arrays, lists or torch tensors on any device.
+A decoder (:class:`LabelDecoder`, :class:`FreeDecoder`, `milo_infer.runtime.grammar.SchemaDecoder`) says which
+tokens may come next (``allowed()``: sorted ids, a bool mask, or None for any) and takes the token chosen
+(``accept(token)``) until ``done``; the batched engine keeps one per row and chooses every row's token of a step at
+once (`milo_infer.runtime.sampling.choose`: greedy or sampled, each row with its own settings). ``push(logits)``
+is one greedy step, for a caller that drives a decoder alone. Logits may be numpy arrays, lists or torch tensors
+on any device.
 
 Classification tasks use :class:`LabelDecoder` over a :class:`LabelTrie`: the answer is forced to
 be one of the label strings, so accuracy measures the model's choice rather than its formatting.
@@ -15,7 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
+from .sampling import GREEDY, RowSampler, choose
 
 @dataclass(frozen=True)
 class Decoded:
@@ -43,15 +47,16 @@ def _as_logits(raw: object) -> np.ndarray:
     return logits
 
 
-def _argmax(logits: np.ndarray) -> int:
-    """Index of the largest logit, the first on ties; nan ranks lowest.
+def greedy_step(decoder, raw_logits) -> int:
+    """``decoder``'s greedy choice among the tokens it allows (the largest logit, the lowest id on ties, nan
+    lowest), accepted."""
+    logits = torch.from_numpy(_as_logits(raw_logits))[None]
+    (token,), _ = choose(logits, [RowSampler(GREEDY)], [decoder.allowed()], [decoder.ids])
+    decoder.accept(token)
+    return token
 
-    np.argmax would return the first nan, letting one corrupt logit decide.
-    """
-    return int(np.argmax(np.where(np.isnan(logits), -np.inf, logits)))
 
-
-def _complete(text: str) -> str:
+def complete(text: str) -> str:
     """``text`` less a trailing U+FFFD: while decoding goes on, that is a character whose bytes byte-level BPE
     split across tokens and whose other bytes are still to come (its first bytes alone decode to U+FFFD);
     once they have come, it decodes to the character."""
@@ -121,6 +126,9 @@ class LabelTrie:
             nxt |= self.terminators
         return sorted(nxt)
 
+    def decoder(self, tokenizer, limit: int | None = None) -> "LabelDecoder":
+        return LabelDecoder(self, tokenizer, limit)
+
     def label(self, prefix_ids: Sequence[int]) -> str | None:
         """The label spelled by ``prefix_ids`` (terminator optional), or None."""
         prefix = tuple(int(t) for t in prefix_ids)
@@ -130,13 +138,11 @@ class LabelTrie:
 
 
 class LabelDecoder:
-    """One row's label-constrained greedy choice, a token at a time (the batched engine keeps one per row).
+    """One row's label-constrained answer, a token at a time (the batched engine keeps one per row).
 
-    ``push(logits)`` takes the logits for the next position and returns the chosen token; once
-    ``done``, ``result()`` is the answer. At each step the logits are masked to the tokens the trie
-    allows and the best one is taken (the lowest id on exact ties); when only one token is allowed the
-    logits are not read. ``limit`` (default: what the longest label needs) may be smaller: decoding
-    then stops there with ``stop == "length"`` and the partial label's text.
+    At each step only the tokens the trie allows may come (when only one is allowed, it comes whatever the logits
+    say); once ``done``, ``result()`` is the answer. ``limit`` (default: what the longest label needs) may be
+    smaller: decoding then stops there with ``stop == "length"`` and the partial label's text.
     """
 
     def __init__(self, trie: LabelTrie, tokenizer=None, limit: int | None = None) -> None:
@@ -151,21 +157,18 @@ class LabelDecoder:
     def done(self) -> bool:
         return self.stop is not None
 
-    def push(self, raw_logits) -> int:
-        allowed = self.trie.allowed(self.ids)
-        if len(allowed) == 1:
-            choice = allowed[0]
-        else:
-            logits = _as_logits(raw_logits)
-            if allowed[-1] >= len(logits):
-                raise ValueError(f"logits cover {len(logits)} tokens, but label token {allowed[-1]} is allowed")
-            choice = allowed[_argmax(logits[allowed])]
+    def allowed(self) -> list[int]:
+        return self.trie.allowed(self.ids)
+
+    def accept(self, choice: int) -> None:
         self.ids.append(choice)
         if choice in self.trie.terminators:
             self.stop = "label"
         elif len(self.ids) >= self.limit:
             self.stop = "length"
-        return choice
+
+    def push(self, raw_logits) -> int:
+        return greedy_step(self, raw_logits)
 
     def text(self) -> str:
         """The answer so far: the label once closed, else the decoded tokens (needs a tokenizer)."""
@@ -175,14 +178,14 @@ class LabelDecoder:
         if self.tokenizer is None:
             return ""
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True).strip()
-        return text if self.done else _complete(text)
+        return text if self.done else complete(text)
 
     def result(self) -> Decoded:
         return Decoded(text=self.text(), token_ids=list(self.ids), stop=self.stop)
 
 
-class GreedyDecoder:
-    """One row's plain greedy decoding until eos, a stop string, or ``max_new_tokens``.
+class FreeDecoder:
+    """One row's free-form answer, any token allowed, until eos, a stop string, or ``max_new_tokens``.
 
     The text is cut just before the earliest stop string found, since stop strings mark where the
     answer ends (e.g. the start of the next demonstration), not part of it; eos is never part of it.
@@ -204,12 +207,17 @@ class GreedyDecoder:
     def done(self) -> bool:
         return self.stop is not None
 
+    def allowed(self) -> None:
+        return None
+
     def push(self, raw_logits) -> int:
-        choice = _argmax(_as_logits(raw_logits))
+        return greedy_step(self, raw_logits)
+
+    def accept(self, choice: int) -> None:
         self.ids.append(choice)
         if choice == self.tokenizer.eos_token_id:
             self._text, self.stop = self.tokenizer.decode(self.ids[:-1], skip_special_tokens=True), "eos"
-            return choice
+            return
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
         cuts = [i for i in (text.find(s) for s in self.stop_strings) if i >= 0]
         if cuts:
@@ -218,12 +226,11 @@ class GreedyDecoder:
             self._text = text
             if len(self.ids) == self.max_new_tokens:
                 self.stop = "length"
-        return choice
 
     def text(self) -> str:
         if self.done:
             return self._text
-        text = _complete(self._text)
+        text = complete(self._text)
         held = max((n for s in self.stop_strings for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
         return text[: len(text) - held]
 

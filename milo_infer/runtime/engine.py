@@ -11,8 +11,9 @@ store, so one fetched block serves rows that place it at different positions). E
 over a packed sequence: each running row's last token and the next chunk of the rows being prefilled (a
 row that recomputes tokens of its prefix feeds them first, at their own positions, then its query), at
 most ``EngineSettings.prefill_chunk`` prompt tokens in all; a row decodes its first token after its last
-chunk, then one per step, each with its own stopping (`LabelDecoder`, `GreedyDecoder`), and a finished or
-cancelled row gives its pages back at once. No join or leave copies another row's K/V.
+chunk, then one per step, each with its own decoder (`LabelDecoder`, `FreeDecoder`, `SchemaDecoder`: which
+tokens may come, when it stops) and sampling (`sampling.choose`: greedy, or drawn with its request's settings and
+seed), and a finished or cancelled row gives its pages back at once. No join or leave copies another row's K/V.
 
 Nothing per query is written on a long-lived object: a batch's stage seconds and fetch statistics
 live on the batch and its rows; each row's ``Answer.seconds`` is its share of the stages it was part
@@ -40,13 +41,14 @@ from milo_store import IncompatibleStoreError, MiloStore, StoreError
 from ..models import FAMILIES, LoadedModel, check_compatible, layer_rope_tables, media_tokens
 from .attention import ATTENTION, choose_attention, flex_pool_pages
 from .cache import HeldQueries, Pack, PagedCache, PrefixFill, Segment, column_bytes, pool_columns
-from .decoding import GreedyDecoder, LabelDecoder
+from .decoding import FreeDecoder
 from .device_tier import DeviceTier
 from .errors import AdmissionOutOfMemory, BlockLoadError, RequestError, RowFailed
 from .interface import Answer, RowEvent
 from .pages import FULL, GROWTH_HEADROOM, PAGE_TOKENS, WINDOW, PageGroups, kv_budget_bytes, pages_for, window_skip
 from .planning import STOP_STRINGS, EngineSettings, MountedStore, QueryPlan, Request
 from .prefetch import TransferPool
+from .sampling import RowSampler, TokenLogprob, choose
 from .prefix import FETCH_STATS, UNREADABLE, PrefixRebuild, rebuild_layer
 from .shared_blocks import Build, HeldBlock, HeldBlocks, layers_reached, own_run, own_table
 from .timing import StageClock
@@ -256,7 +258,7 @@ def release_version(store: MiloStore, name: str, version: str) -> None:
 class Row:
     plan: QueryPlan  # as submitted
     executed: QueryPlan  # as run: unreadable blocks computed instead (`MountedStore.without_blocks`)
-    decoder: LabelDecoder | GreedyDecoder
+    decoder: object  # a `decoding` decoder: allowed(), accept(token), done, text(), result()
     pages: list[int]  # its page table: column c lives at pages[c // PAGE_TOKENS]
     window_pages: list[int] | None  # its window layers' page table (None: they use ``pages``)
     admission: "Admission"
@@ -271,6 +273,8 @@ class Row:
     held: list[tuple[HeldBlock, int]] = field(default_factory=list)  # the held blocks it places, each at its offset
     # (none: it holds its own copy of its whole prefix)
     own_from: int = 0  # its first own column: past its prefix when it places held blocks
+    sampler: RowSampler = field(default_factory=RowSampler)  # how it chooses its tokens (its own generator)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # its chosen tokens', where its request asks
 
     def waits_for(self) -> list["Admission"]:
         """The admissions whose rebuilds must fill before its first forward: its own, and its held blocks' builders."""
@@ -421,12 +425,12 @@ class Batch:
             build.block.builders.append(admission)
         for seat in seated:
             p, x = seat.plan, seat.executed
-            trie = p.mount.queries.trie
-            decoder = (LabelDecoder(trie, e.tokenizer, p.max_new_tokens) if trie is not None else
-                       GreedyDecoder(e.tokenizer, STOP_STRINGS + tuple(p.request.stop), p.max_new_tokens))
+            decoder = (p.form.decoder(e.tokenizer, p.max_new_tokens) if p.form is not None else
+                       FreeDecoder(e.tokenizer, STOP_STRINGS + tuple(p.request.stop), p.max_new_tokens))
             admission.rows.append(Row(p, x, decoder, seat.pages, seat.window_pages, admission,
                                       {"retrieve": p.retrieve_seconds}, next_position=x.prompt_tokens,
-                                      held=seat.held, own_from=x.prefix_tokens if seat.held else 0))
+                                      held=seat.held, own_from=x.prefix_tokens if seat.held else 0,
+                                      sampler=RowSampler(p.request.sampling)))
         placed = [b for s in seated for b in s.executed.blocks]
         self.fetch_stats = {**(rebuild.fetch_stats if rebuild is not None else dict.fromkeys(FETCH_STATS, 0)),
                             "rows": len(seated), "blocks": len(placed),
@@ -792,18 +796,23 @@ class Batch:
         return [torch.cat(self.query_logits[id(p)]) for p in plans]
 
     def _advance(self, row: Row, logits: torch.Tensor) -> RowEvent:
-        """The row's next token and its event; a row whose own work raises ends alone, with `RowFailed`."""
+        """The row's next token, chosen from its ``logits`` among those its decoder allows as its sampler says, and
+        its event; a row whose own work raises ends alone, with `RowFailed`."""
         try:
-            row.last_token = row.decoder.push(logits)
-            text = row.decoder.text()
+            (token,), (logprob,) = choose(logits[None], [row.sampler], [row.decoder.allowed()], [row.decoder.ids])
+            row.decoder.accept(token)
+            row.last_token, text = token, row.decoder.text()
         except Exception as err:  # a decoder's fault is this row's alone: the batch and the others go on
             row.cancelled = True
             failure = RowFailed(f"decoding this request failed: {type(err).__name__}: {err}")
             failure.__cause__ = err
             return RowEvent(row.plan, "", True, "error", error=failure)
         delta, row.sent = text[row.sent:], len(text)
+        logprobs = [logprob] if logprob is not None else None
+        if logprob is not None:
+            row.logprobs.append(logprob)
         if not row.decoder.done:
-            return RowEvent(row.plan, delta, False)
+            return RowEvent(row.plan, delta, False, logprobs=logprobs)
         p, x, reason = row.plan, row.executed, "length" if row.decoder.stop == "length" else "stop"
         answer = Answer(text=row.decoder.result().text.strip(), blocks=p.blocks, groups=p.groups,
                         prefix_tokens=p.prefix_tokens, kv_bytes_full=p.placement.kv_bytes_full,
@@ -811,8 +820,9 @@ class Batch:
                         kv_bytes_moved=row.admission.bytes_moved_each,
                         completion_tokens=len(row.decoder.ids), finish_reason=reason,
                         first_token_seconds=row.first_token_seconds, prefill_tokens=len(x.query_ids),
-                        recomputed_blocks=[b for b in p.blocks if b not in x.blocks])
-        return RowEvent(p, delta, True, reason, answer)
+                        recomputed_blocks=[b for b in p.blocks if b not in x.blocks],
+                        logprobs=row.logprobs if p.request.sampling.logprobs is not None else None)
+        return RowEvent(p, delta, True, reason, answer, logprobs=logprobs)
 
     def held_counts(self) -> dict:
         """Now: the K/V bytes of the pages rows hold (``kv_bytes_held``: their own, and the held blocks they place,

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, Protocol, runtime_checkable
 
 from .planning import QueryPlan, Request
+from .sampling import TokenLogprob
 
 
 @dataclass
@@ -29,6 +30,7 @@ class Answer:
     first_token_seconds: float = 0.0  # retrieval + its admission's wall time (every row of it waits for the whole)
     prefill_tokens: int = 0  # prompt tokens the model computed for it (its prefill chunks)
     recomputed_blocks: list[int] = field(default_factory=list)  # blocks that could not be read, computed by the model
+    logprobs: list[TokenLogprob] | None = None  # each chosen token's, where its request asked (`SamplingParams`)
 
 
 @dataclass
@@ -40,6 +42,7 @@ class RowEvent:
     finish_reason: str | None = None
     answer: Answer | None = None
     error: Exception | None = None  # the row ended with this instead of an answer (a `RowError`)
+    logprobs: list[TokenLogprob] | None = None  # those of the tokens this forward chose, where its request asked
 
 
 @runtime_checkable

@@ -35,9 +35,11 @@ import torch
 from milo_store import MiloStore
 
 from ..models import RopeTables, media_problem
-from ..tasks.corpus import TaskSpec
+from ..tasks.corpus import SYSTEM_SEPARATOR, Demonstration, TaskSpec
 from .decoding import LabelTrie
 from .errors import BlockLoadError, RequestError
+from .grammar import SchemaGrammar, compile_schema
+from .sampling import GREEDY, SamplingParams
 from .prefix import BlockPlacement, StorePrefix, prefix_token_ids
 from .retrieval import order_blocks, store_retriever
 
@@ -86,6 +88,13 @@ class Request:
     stop: tuple[str, ...] = ()  # extra stop strings (free-form answers)
     prefill: bool = False  # the model prefills the retrieved demonstrations' tokens instead of rebuilding their K/V
     recompute: int | None = None  # first tokens of each block the model computes again (None: the engine's default)
+    sampling: SamplingParams = GREEDY  # how its tokens are chosen, and the log probabilities it reports
+    schema: str | None = None  # a JSON schema (its JSON text) the answer is held to, as JSON
+    choices: tuple[str, ...] = ()  # or strings the answer is one of (as a label store's labels)
+    system: str | None = None  # a chat's system message: the store's own is answered as built; another is read
+    # after the demonstrations, before the query (`StoreQueries.context`)
+    turns: tuple[tuple[str, str], ...] = ()  # a chat's earlier (user, assistant) turns: read as demonstrations
+    # after the retrieved ones, before the query
 
 
 @dataclass(frozen=True, eq=False)
@@ -102,6 +111,8 @@ class QueryPlan:
     # of the rebuilt tokens computed again, ascending; their ids open query_ids
     mount: "MountedStore | None" = None  # the store version it was planned against, which answers it (a server
     # that mounts a newer version meanwhile still answers this plan from this one); None: a test's fake plan
+    form: "LabelTrie | SchemaGrammar | None" = None  # what its answer must be: a label (of the store's or the
+    # request's choices), JSON of a schema, or free text (None); each gives its row's decoder (``form.decoder``)
 
     @property
     def store(self) -> str:
@@ -157,16 +168,41 @@ class StoreQueries:
         groups = self.select(request.text, k, token_budget, settings.order)
         return groups, self.store.blocks_of(groups)
 
-    def query_ids(self, text: str) -> list[int]:
-        return self.tokenizer(self.task.render_query(text), add_special_tokens=False).input_ids
+    def query_ids(self, request: Request) -> list[int]:
+        """The query as the store's template writes it, after the request's own context (`context`)."""
+        text = self.context(request) + self.task.render_query(request.text)
+        return self.tokenizer(text, add_special_tokens=False).input_ids
 
-    def answer_budget(self, request: Request, default: int) -> int:
-        """New tokens the answer may take: a label's trie length (or less, if asked), else the request's."""
+    def context(self, request: Request) -> str:
+        """What a request reads between the retrieved demonstrations and its query: a system message other than the
+        one the store was built with (that one is in the anchor already), then its earlier turns, each written as a
+        demonstration of the store's template (a turn is a question and its answer, as a demonstration is)."""
+        system = request.system
+        own = system if system is not None and system.strip() != self.task.system.strip() else None
+        turns = "".join(self.task.render(Demonstration(user, assistant, "")) for user, assistant in request.turns)
+        return (own + SYSTEM_SEPARATOR if own else "") + turns
+
+    def form(self, request: Request) -> LabelTrie | SchemaGrammar | None:
+        """What the answer must be: JSON of the request's schema, one of its choices, else the store's labels (or
+        free text for a store without)."""
+        if request.schema is not None:
+            return compile_schema(self.tokenizer, request.schema)
+        if request.choices:
+            try:
+                return LabelTrie(self.tokenizer, list(request.choices))
+            except ValueError as e:
+                raise RequestError(f"choices: {e}") from None
+        return self.trie
+
+    def answer_budget(self, request: Request, default: int, form=None) -> int:
+        """New tokens the answer may take: a label's trie length (or less, if asked), else the request's; ``form``:
+        the answer's (`form`; None: the store's)."""
+        form = self.trie if form is None else form
         asked = request.max_new_tokens
         if asked is not None and asked < 1:
             raise RequestError(f"max_new_tokens must be at least 1, got {asked}")
-        if self.trie is not None:
-            return min(self.trie.max_tokens, asked) if asked is not None else self.trie.max_tokens
+        if isinstance(form, LabelTrie):
+            return min(form.max_tokens, asked) if asked is not None else form.max_tokens
         return asked if asked is not None else default
 
 
@@ -207,19 +243,20 @@ class MountedStore:
         if recompute < 0:
             raise RequestError(f"recompute must be 0 or more tokens per block, got {recompute}")
         groups, blocks = self.queries.choose(request, settings, block_ids)
-        query_ids = self.queries.query_ids(request.text)
+        query_ids = self.queries.query_ids(request)
         if problem := media_problem(self.media, query_ids, "the query"):
             raise RequestError(problem)
-        budget = self.queries.answer_budget(request, settings.max_new_tokens)
+        form = self.queries.form(request)
+        budget = self.queries.answer_budget(request, settings.max_new_tokens, form)
         seconds = time.perf_counter() - t
         placed = self.prefix.place(blocks, with_segments=not request.prefill)
         check_context(self.prefix.anchor_len, placed.prefix_tokens, len(query_ids), budget, max_positions)
         if request.prefill:
-            return self.prefill_plan(request, groups, blocks, query_ids, budget, seconds)
+            return self.prefill_plan(request, groups, blocks, query_ids, budget, seconds, form)
         positions, ids = self.recompute_tokens(blocks, placed.dst_rows, recompute)
         placed = placed.windowed(int(positions[0]) if len(positions) else placed.prefix_tokens, self.windows)
         return QueryPlan(request=request, groups=groups, placement=placed, query_ids=ids + query_ids,
-                         max_new_tokens=budget, retrieve_seconds=seconds, recompute=positions, mount=self)
+                         max_new_tokens=budget, retrieve_seconds=seconds, recompute=positions, mount=self, form=form)
 
     def without_blocks(self, plan: QueryPlan, unread: set[int]) -> QueryPlan:
         """``plan`` with the blocks of ``unread`` computed by the model from the token ids the store keeps for
@@ -255,11 +292,19 @@ class MountedStore:
         return positions, [int(t) for h in heads for t in h]
 
     def prefill_plan(self, request: Request, groups: list[int], blocks: list[int], query_ids: list[int],
-                     budget: int, seconds: float) -> QueryPlan:
+                     budget: int, seconds: float, form=None) -> QueryPlan:
         """The plan that feeds [anchor ids][each block's ids][query ids] to the model, with nothing to rebuild."""
         prefix = prefix_token_ids(self.store, blocks)
         if prefix is None:
             raise RequestError(f"{self.store.path} keeps no token ids for its anchor or blocks: prefill needs a "
                                f"store `milo build` wrote")
         return QueryPlan(request=request, groups=groups, placement=self.prefix.nothing_placed(),
-                         query_ids=prefix + query_ids, max_new_tokens=budget, retrieve_seconds=seconds, mount=self)
+                         query_ids=prefix + query_ids, max_new_tokens=budget, retrieve_seconds=seconds, mount=self,
+                         form=form)
+
+
+def answers_of(plan: QueryPlan, n: int) -> list[QueryPlan]:
+    """``n`` answers to ``plan``'s request as ``n`` rows of one plan (its retrieval and blocks, read and held once by
+    a batch that seats them together): the first is ``plan`` itself, answer i samples with its seed moved by i."""
+    return [plan] + [replace(plan, request=replace(plan.request, sampling=plan.request.sampling.sample(i)))
+                     for i in range(1, n)]

@@ -67,7 +67,7 @@ class MiloSession:
         return self.plan(text).groups
 
     def query_ids(self, text: str) -> list[int]:
-        return self.mounted.queries.query_ids(text)
+        return self.mounted.queries.query_ids(Request(text))
 
     def logits(self, text: str, block_ids: list[int] | None = None) -> torch.Tensor:
         """Logits [T_query, vocab] of the query in the assembled context of these store blocks (default:

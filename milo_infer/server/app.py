@@ -22,9 +22,10 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..runtime.errors import AdmissionOutOfMemory, BlockLoadError, RequestError, UpstreamError
+from ..runtime.planning import answers_of
 from . import MAX_BODY_BYTES, protocol
 from .metrics import ServerMetrics
-from .protocol import APIError, ChunkWriter, ParsedRequest, StreamedText
+from .protocol import APIError, ChunkWriter, ParsedRequest
 from .reload import StoreReloader
 from .scheduler import EngineLoop, NotAccepting, QueueFull, ShuttingDown
 
@@ -116,10 +117,14 @@ async def prometheus(request: HTTPRequest):
 
 @router.get("/v1/models", dependencies=KEYED)
 async def models(request: HTTPRequest):
-    """OpenAI's model list, one entry per store, with the store version that answers new requests."""
+    """OpenAI's model list, one entry per store, with the store version that answers new requests, its system
+    prompt (a chat whose system message is this one is answered exactly as the store was built) and, for a label
+    store, its labels and a ``response_format`` whose JSON schema's enum they are (a client sends it back to have
+    every answer be one of them, as JSON)."""
     state = request.app.state
     return {"object": "list", "data": [{"id": name, "object": "model", "created": state.started, "owned_by": "milo",
-                                        "version": mounted.version} for name, mounted in state.engine.stores.items()]}
+                                        "version": mounted.version, **protocol.store_card(mounted)}
+                                       for name, mounted in state.engine.stores.items()]}
 
 
 @router.post("/admin/reload", dependencies=KEYED)
@@ -170,28 +175,32 @@ async def answer(request: HTTPRequest, chat: bool):
         raise shutting_down("the server is shutting down")
     state.preparing += 1
     try:
-        parsed, plan, ticket, events = await prepare(request, chat, arrived)
+        parsed, plan, tickets, events = await prepare(request, chat, arrived)
     finally:
         state.preparing -= 1
-    loop = state.engine_loop
+    loop, tokenizer = state.engine_loop, getattr(state.engine, "tokenizer", None)
     if parsed.stream:
-        return StreamingResponse(stream(loop, state.metrics, parsed, plan, ticket, events),
+        return StreamingResponse(stream(loop, state.metrics, parsed, plan, tickets, events, tokenizer),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     try:
-        event = await last_event(request, events)
+        answers = await last_events(request, events, parsed.n)
     except ClientGone:
         return Response(status_code=499)
     finally:
-        loop.cancel(ticket)  # a no-op for a finished row
-    return protocol.completion(parsed, plan, event.answer)
+        for ticket in tickets:
+            loop.cancel(ticket)  # a no-op for a finished row
+    return protocol.completion(parsed, plan, answers, tokenizer)
 
 
 async def prepare(request: HTTPRequest, chat: bool, arrived: float):
-    """The checked body, its plan, its ticket in the engine loop, and the queue its row's events come to."""
+    """The checked body, its plan, the tickets of its n rows in the engine loop, and the queue their events come
+    to, each as (answer index, event)."""
     state = request.app.state
     engine, loop = state.engine, state.engine_loop
     body = protocol.parse_json(await read_body(request, state.max_body_bytes))
     parsed = protocol.parse_request(body, chat=chat, models=engine.stores, max_positions=engine.max_positions)
+    if parsed.n > loop.waiting.maxsize:
+        raise protocol.invalid("n", f"must be at most {loop.waiting.maxsize}: the server queues that many rows at most")
     try:
         plan = await run_in_threadpool(plan_query, state, parsed)
     except RequestError as e:
@@ -199,14 +208,17 @@ async def prepare(request: HTTPRequest, chat: bool, arrived: float):
     events: asyncio.Queue = asyncio.Queue()
     event_loop = asyncio.get_running_loop()
 
-    def deliver(item) -> None:  # on the engine loop's thread
-        try:
-            event_loop.call_soon_threadsafe(events.put_nowait, item)
-        except RuntimeError:  # the event loop has closed: nobody waits for this any more
-            pass
+    def deliver(index: int):
+        def put(item) -> None:  # on the engine loop's thread
+            try:
+                event_loop.call_soon_threadsafe(events.put_nowait, (index, item))
+            except RuntimeError:  # the event loop has closed: nobody waits for this any more
+                pass
+        return put
 
     try:
-        ticket = loop.submit(plan, deliver, arrived)
+        rows = answers_of(plan, parsed.n)
+        tickets = loop.submit_all(rows, [deliver(i) for i in range(len(rows))], arrived)
     except QueueFull as e:
         raise APIError(503, f"the server is busy ({e}); retry later", kind="server_error", code="queue_full",
                        headers={"Retry-After": str(RETRY_AFTER_S)}) from None
@@ -214,7 +226,7 @@ async def prepare(request: HTTPRequest, chat: bool, arrived: float):
         if loop.failure is None:
             raise shutting_down(str(e)) from None
         raise APIError(503, str(e), kind="server_error", code="unavailable") from None
-    return parsed, plan, ticket, events
+    return parsed, plan, tickets, events
 
 
 def plan_query(state, parsed: ParsedRequest):
@@ -226,15 +238,18 @@ def plan_query(state, parsed: ParsedRequest):
         return state.engine.plan(parsed.model, parsed.request)
 
 
-async def last_event(request: HTTPRequest, events: asyncio.Queue):
-    """The row's finishing event, looking every DISCONNECT_POLL_S whether the client is still there."""
+async def last_events(request: HTTPRequest, events: asyncio.Queue, n: int):
+    """The answers of the request's ``n`` rows, in order, looking every DISCONNECT_POLL_S whether the client is still
+    there; the first row that fails fails the request."""
     async def finishing():
-        while True:
-            item = await events.get()
+        answers = {}
+        while len(answers) < n:
+            index, item = await events.get()
             if isinstance(item, Exception):
                 raise as_api_error(item)
             if item.finished:
-                return item
+                answers[index] = item.answer
+        return [answers[i] for i in range(n)]
 
     waiter = asyncio.ensure_future(finishing())
     while not (await asyncio.wait({waiter}, timeout=DISCONNECT_POLL_S))[0]:
@@ -244,28 +259,31 @@ async def last_event(request: HTTPRequest, events: asyncio.Queue):
     return waiter.result()
 
 
-async def stream(loop: EngineLoop, metrics: ServerMetrics, parsed: ParsedRequest, plan, ticket,
-                 events: asyncio.Queue):
-    """SSE frames of one row; a client that leaves cancels the generator, and so its row."""
-    writer, text = ChunkWriter(parsed), StreamedText()
+async def stream(loop: EngineLoop, metrics: ServerMetrics, parsed: ParsedRequest, plan, tickets,
+                 events: asyncio.Queue, tokenizer=None):
+    """SSE frames of the request's rows, each chunk naming its answer's index; a client that leaves cancels the
+    generator, and so its rows. The first row that fails ends the stream with its error."""
+    writer, answers = ChunkWriter(parsed, tokenizer), {}
     try:
-        while True:
-            item = await events.get()
+        while len(answers) < parsed.n:
+            index, item = await events.get()
             if isinstance(item, Exception):
                 error = as_api_error(item)
                 count_error(metrics, error)
                 yield writer.error(error)
                 break
-            delta = text.push(item.delta)
-            if delta or item.finished or not writer.started:
-                yield writer.chunk(delta, item.finish_reason if item.finished else None)
+            frame = writer.event(index, item.delta, item.finish_reason if item.finished else None, item.logprobs)
+            if frame is not None:
+                yield frame
             if item.finished:
-                if parsed.include_usage:
-                    yield writer.usage_chunk(plan, item.answer)
-                break
+                answers[index] = item.answer
+        else:
+            if parsed.include_usage:
+                yield writer.usage_chunk(plan, [answers[i] for i in range(parsed.n)])
         yield writer.done()
     finally:
-        loop.cancel(ticket)
+        for ticket in tickets:
+            loop.cancel(ticket)
 
 
 @asynccontextmanager

@@ -114,19 +114,28 @@ class EngineLoop:
     def submit(self, plan: QueryPlan, deliver: Callable[[object], None], arrived: float | None = None) -> Ticket:
         """Queue a plan (from any thread) whose request came at ``arrived`` (time.monotonic; default now), from
         when its latencies are measured; raises `QueueFull` or `NotAccepting`."""
-        ticket = Ticket(plan, deliver, time.monotonic() if arrived is None else arrived)
+        return self.submit_all([plan], [deliver], arrived)[0]
+
+    def submit_all(self, plans: list[QueryPlan], delivers: list[Callable[[object], None]],
+                   arrived: float | None = None) -> list[Ticket]:
+        """Queue the rows of one request (its n answers) together, all or none, one after the other: the loop
+        admits them in one batch when they fit, so their blocks are read and held once."""
+        arrived = time.monotonic() if arrived is None else arrived
+        tickets = [Ticket(plan, deliver, arrived) for plan, deliver in zip(plans, delivers)]
         with self._lock:
             if self.failure is not None:
                 raise NotAccepting(f"the engine failed: {self.failure}")
             if self._closed:
                 raise NotAccepting("the server is shutting down")
-            try:
+            with self.waiting.mutex:  # only submits add to the queue, and they hold self._lock
+                free = self.waiting.maxsize - len(self.waiting.queue)
+            if len(tickets) > free:
+                raise QueueFull(f"{free} of the {self.waiting.maxsize} queue slots are free, {len(tickets)} asked")
+            for ticket in tickets:
                 self.waiting.put_nowait(ticket)
-            except queue.Full:
-                raise QueueFull(f"all {self.waiting.maxsize} queue slots are taken") from None
-            self._held += 1
+            self._held += len(tickets)
         self._report_waiting()
-        return ticket
+        return tickets
 
     def cancel(self, ticket: Ticket) -> None:
         """The client left (from any thread): its row leaves the batch at the next iteration."""

@@ -13,7 +13,7 @@ import io
 import json
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .scoring import extract_number
@@ -25,6 +25,7 @@ DEMO_QUERIES = SHIPPED_DATA / "demo_queries.jsonl"
 GENERIC_TEMPLATE = "Input: {input}\nOutput: {output}\n\n"
 # An anchor lists the labels only when there are few enough to read at a glance.
 MAX_LABELS_IN_ANCHOR = 20
+SYSTEM_SEPARATOR = "\n\n"  # between a system prompt and the anchor, and a request's own system message and its query
 
 _FIELD = re.compile(r"\{(input|output)\}")
 # What makes a user's output numeric: a bare number, or a stated "answer is N" / "#### N".
@@ -51,7 +52,8 @@ class TaskSpec:
     ``template`` holds ``{input}`` then ``{output}`` (no other fields; other braces are literal).
     The query is the template cut just before ``{output}``, trailing spaces removed, so the model's
     continuation is the answer. ``anchor`` is the instruction text put before all demonstrations.
-    ``answer_kind`` is "label" (one of ``labels``) or "number".
+    ``answer_kind`` is "label" (one of ``labels``) or "number". ``system`` is a system prompt written before the
+    anchor (`anchor_text`), so a chat request whose system message is this one is answered exactly.
     """
 
     name: str
@@ -59,6 +61,7 @@ class TaskSpec:
     anchor: str
     answer_kind: str
     labels: tuple[str, ...] = field(default=())
+    system: str = ""
 
     def __post_init__(self):
         fields = _FIELD.findall(self.template)
@@ -70,6 +73,18 @@ class TaskSpec:
             raise ValueError(f"task {self.name!r}: answer_kind must be 'label' or 'number', not {self.answer_kind!r}")
         if self.answer_kind == "label" and not self.labels:
             raise ValueError(f"task {self.name!r}: a label task needs its list of labels")
+
+    @property
+    def anchor_text(self) -> str:
+        """What the store's anchor encodes: the system prompt (if any), a blank line, then the anchor."""
+        return f"{self.system}{SYSTEM_SEPARATOR}{self.anchor}" if self.system else self.anchor
+
+    def record(self) -> dict:
+        """The task as a store's metadata keeps it (a task without a system prompt as before there was one)."""
+        record = asdict(self)
+        if not self.system:
+            del record["system"]
+        return record
 
     @property
     def query_prefix(self) -> str:

@@ -81,6 +81,9 @@ class VllmEngine:
             raise KeyError(f"no store named {store!r} is mounted (mounted: {', '.join(self.stores)})")
         if request.recompute:
             raise RequestError("recompute is milo's own engine's: vLLM loads a stored prefix as it is")
+        if request.sampling.logprobs is not None or request.schema is not None or request.choices:
+            raise RequestError("log probabilities and structured output are milo's own engine's: over --vllm, milo "
+                               "forwards sampling only (ask vLLM itself for these)")
         return self.stores[store].plan(request, self.settings, self.max_positions)
 
     def prompt(self, plan: QueryPlan) -> VllmPrompt:
@@ -90,6 +93,13 @@ class VllmEngine:
     def request_body(self, plan: QueryPlan) -> dict:
         """The completions request vLLM answers ``plan`` with (not yet streamed)."""
         body = self.prompt(plan).body(self.model_name, max_tokens=plan.max_new_tokens)
+        sampling = plan.request.sampling
+        if not sampling.greedy or sampling.penalised:  # vLLM samples with the same settings (its own generator)
+            body.update({"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k or -1,
+                         "min_p": sampling.min_p, "presence_penalty": sampling.presence_penalty,
+                         "frequency_penalty": sampling.frequency_penalty})
+            if sampling.seed is not None:
+                body["seed"] = sampling.seed
         if not self.stores[plan.store].queries.task.labels:
             body["stop"] = list(STOP_STRINGS + tuple(plan.request.stop))
         return body

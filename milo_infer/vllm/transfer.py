@@ -65,7 +65,7 @@ class VllmPrompts:
         """``blocks`` overrides retrieval (exactness checks place chosen blocks); raises `RequestError`
         where milo's engine would (the context past the model's positions, k below 1)."""
         groups, blocks = self.queries.choose(request, self.settings, blocks)
-        query_ids = self.queries.query_ids(request.text)
+        query_ids = self.queries.query_ids(request)
         prompt = vllm_prompt(self.name, self.store, groups, blocks, query_ids, tuple(self.queries.task.labels))
         anchor = len(prefix_token_ids(self.store, []))
         check_context(anchor, prompt.prefix_tokens, len(query_ids),

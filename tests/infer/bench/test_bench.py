@@ -252,6 +252,7 @@ def test_the_gpu_sweep_runs_on_the_cpu_at_tiny_shapes(tmp_path):
                                                      for lv in served[0]["levels"])
     levels = served[0]["levels"]
     assert [lv["concurrency"] for lv in levels] == [1, 2] and all(lv["qps"] > 0 < lv["repeat_qps"] for lv in levels)
+    assert all(lv["sampled_qps"] > 0 < lv["sampled_tokens_per_s"] for lv in levels)  # sampled, top-5 logprobs
     assert all(lv["compiled_after_warmup"] == 0 for lv in levels)  # the CPU's per-row attention compiles nothing
 
 

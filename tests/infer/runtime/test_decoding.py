@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from milo_infer.bench.synthetic_model import byte_tokenizer
-from milo_infer.runtime.decoding import GreedyDecoder, LabelDecoder, LabelTrie
+from milo_infer.runtime.decoding import FreeDecoder, LabelDecoder, LabelTrie
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # " card" is a token-prefix of " card lost": both must stay reachable.
@@ -167,13 +167,13 @@ def test_label_decoder_always_returns_a_label(tok, labels, data):
     assert out.token_ids[-1] in trie.terminators
 
 
-# --- GreedyDecoder ---------------------------------------------------------
+# --- FreeDecoder ---------------------------------------------------------
 
 
 def test_greedy_decoder_trims_at_a_stop_string_spanning_tokens(tok):
     script = tok.encode(" 42 apples\nQuestion: how many", add_special_tokens=False)
     model = ScriptedModel(len(tok), script)
-    out = decode(model, GreedyDecoder(tok, ["\nQuestion", "###"], max_new_tokens=50))
+    out = decode(model, FreeDecoder(tok, ["\nQuestion", "###"], max_new_tokens=50))
     assert out.text == " 42 apples" and out.stop == "stop_string"
     assert tok.decode(out.token_ids).startswith(" 42 apples\nQuestion")
     assert len(out.token_ids) < len(script)
@@ -181,25 +181,25 @@ def test_greedy_decoder_trims_at_a_stop_string_spanning_tokens(tok):
 
 def test_greedy_decoder_stops_at_eos_without_its_text(tok):
     script = tok.encode(" done", add_special_tokens=False) + [tok.eos_token_id]
-    out = decode(ScriptedModel(len(tok), script), GreedyDecoder(tok, ["\n"], max_new_tokens=50))
+    out = decode(ScriptedModel(len(tok), script), FreeDecoder(tok, ["\n"], max_new_tokens=50))
     assert out.text == " done" and out.stop == "eos"
     assert out.token_ids == script
 
 
 def test_greedy_decoder_stops_at_the_length_limit(tok):
     script = tok.encode(" one two three four five six", add_special_tokens=False)
-    out = decode(ScriptedModel(len(tok), script), GreedyDecoder(tok, [], max_new_tokens=3))
+    out = decode(ScriptedModel(len(tok), script), FreeDecoder(tok, [], max_new_tokens=3))
     assert out.token_ids == script[:3] and out.stop == "length"
     assert out.text == tok.decode(script[:3])
 
 
 def test_greedy_decoder_earliest_stop_string_wins(tok):
     script = tok.encode(" a; b. c", add_special_tokens=False)
-    out = decode(ScriptedModel(len(tok), script), GreedyDecoder(tok, [".", ";"], max_new_tokens=20))
+    out = decode(ScriptedModel(len(tok), script), FreeDecoder(tok, [".", ";"], max_new_tokens=20))
     assert out.text == " a"
     # One token (" table") completes two stop strings at once: cut at the earlier.
     (table,) = tok.encode(" table", add_special_tokens=False)
-    out = decode(ScriptedModel(len(tok), [table]), GreedyDecoder(tok, ["le", "ab"], max_new_tokens=5))
+    out = decode(ScriptedModel(len(tok), [table]), FreeDecoder(tok, ["le", "ab"], max_new_tokens=5))
     assert out.text == " t" and out.token_ids == [table]
 
 
@@ -210,14 +210,14 @@ def test_greedy_decoder_ignores_nan_logits(tok):
         logits[tok.eos_token_id] = 1.0
         return logits
 
-    assert decode(step, GreedyDecoder(tok, [], max_new_tokens=5)).token_ids == [tok.eos_token_id]
+    assert decode(step, FreeDecoder(tok, [], max_new_tokens=5)).token_ids == [tok.eos_token_id]
 
 
 def test_greedy_decoder_argument_errors(tok):
     with pytest.raises(ValueError, match="max_new_tokens"):
-        GreedyDecoder(tok, [], max_new_tokens=0)
+        FreeDecoder(tok, [], max_new_tokens=0)
     with pytest.raises(ValueError, match="empty"):
-        GreedyDecoder(tok, [""], max_new_tokens=5)
+        FreeDecoder(tok, [""], max_new_tokens=5)
 
 
 
@@ -232,7 +232,7 @@ def test_text_while_decoding_never_ends_inside_a_multi_byte_character(kind):
     tok = byte_tokenizer()  # one token per byte: every multi-byte character is split
     answer = "né 中🙂!"
     if kind == "greedy":
-        decoder, ids = GreedyDecoder(tok, ["\n\n"], 64), tok.encode(answer, add_special_tokens=False)
+        decoder, ids = FreeDecoder(tok, ["\n\n"], 64), tok.encode(answer, add_special_tokens=False)
     else:
         decoder, ids = LabelDecoder(LabelTrie(tok, [answer, "other"]), tok), label_ids(tok, answer) + [newline(tok)]
     texts = []

@@ -108,10 +108,10 @@ def test_a_decoder_that_raises_ends_its_row_alone(stores):
     batch = engine.batch()
     events = batch.admit(plans)
 
-    def broken(logits):
+    def broken(token):
         raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "a test's broken decoder")
 
-    batch.rows[0].decoder.push = broken
+    batch.rows[0].decoder.accept = broken
     text, ended = {}, {}
     while len(batch):
         for e in events + batch.step():

@@ -9,7 +9,8 @@ order: a query holding the word ``crash`` makes the batch raise at its next step
 batches were made; one holding ``damaged`` finds block 0 unreadable and computes it. An admission
 finds one block in the device tier and reads the rest from disk. The batch records what the scheduler
 did to it: the size of every admission,
-the rows at every step, the cancelled plans.
+the rows at every step, the cancelled plans. A request asking for log probabilities gets each word's token
+(`FakeTokenizer`) at -0.5 and its ``logprobs`` likeliest: the word, then lower-cased words at -1.5, -2.5, ...
 """
 import threading
 import time
@@ -20,6 +21,7 @@ import numpy as np
 from milo_infer.runtime.interface import Answer, RowEvent
 from milo_infer.runtime.errors import RequestError
 from milo_infer.runtime.planning import QueryPlan
+from milo_infer.runtime.sampling import TokenLogprob
 from milo_infer.runtime.prefix import BlockPlacement
 
 MAX_QUERY_WORDS = 40
@@ -38,6 +40,27 @@ def expected_answer(text: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, sto
     return " ".join(words), "stop"
 
 
+class FakeTokenizer:
+    """Words as tokens: a word's id is its place in the vocabulary seen so far."""
+
+    def __init__(self):
+        self.words: list[str] = []
+
+    def id(self, word: str) -> int:
+        if word not in self.words:
+            self.words.append(word)
+        return self.words.index(word)
+
+    def decode(self, ids) -> str:
+        return "".join(self.words[i] for i in ids)
+
+
+def fake_logprob(tokenizer: FakeTokenizer, word: str, top: int) -> TokenLogprob:
+    token = tokenizer.id(" " + word)
+    others = [(tokenizer.id(f" {word.lower()}{i}"), -1.5 - i) for i in range(top - 1)]
+    return TokenLogprob(token, -0.5, tuple([(token, -0.5), *others][:top]))
+
+
 def damaged(plan: QueryPlan) -> bool:
     return "damaged" in plan.request.text.split()
 
@@ -49,6 +72,7 @@ class FakeEngine:
         self.max_positions, self.plan_s, self.step_s, self.batch_limit = max_positions, plan_s, step_s, batch_limit
         self.crash_gate = crash_gate  # when given, a crashing step first waits for it (a test's "now")
         self.batches: list[FakeBatch] = []
+        self.tokenizer = FakeTokenizer()
 
     def plan(self, store: str, request) -> QueryPlan:
         if store not in self.stores:
@@ -115,20 +139,23 @@ class FakeBatch:
 
     def _advance(self, key) -> RowEvent:
         plan, to_come, given, reason = self.rows[key]
-        delta = ""
+        delta, top = "", plan.request.sampling.logprobs
+        logprobs = None
         if to_come:
             word = to_come.pop(0)
             delta = " " + word
             given.append(word)
+            logprobs = None if top is None else [fake_logprob(self.engine.tokenizer, word, top)]
         if to_come:
-            return RowEvent(plan=plan, delta=delta, finished=False, finish_reason=None, answer=None)
+            return RowEvent(plan=plan, delta=delta, finished=False, finish_reason=None, answer=None, logprobs=logprobs)
         delta += "\n"
         del self.rows[key]
         answer = Answer(text=" ".join(given), blocks=plan.blocks, groups=plan.groups, prefix_tokens=plan.prefix_tokens,
                         kv_bytes_full=plan.placement.kv_bytes_full, kv_bytes_stored=plan.placement.kv_bytes_stored,
                         seconds={"model": 0.001}, completion_tokens=len(given), finish_reason=reason,
-                        recomputed_blocks=[0] if damaged(plan) else [])
-        return RowEvent(plan=plan, delta=delta, finished=True, finish_reason=reason, answer=answer)
+                        recomputed_blocks=[0] if damaged(plan) else [],
+                        logprobs=None if top is None else [fake_logprob(self.engine.tokenizer, w, top) for w in given])
+        return RowEvent(plan=plan, delta=delta, finished=True, finish_reason=reason, answer=answer, logprobs=logprobs)
 
     def cancel(self, plan):
         self._check_thread()

@@ -60,7 +60,7 @@ def test_errors_by_code_queue_full_refusals_and_aborts_are_counted():
     with serving(engine, max_batch=1, max_queue=1, batch_wait_ms=0) as served:
         base = served.base
         assert httpx.post(base + "/v1/completions", json={"model": "nope", "prompt": "hi"}).status_code == 404
-        assert httpx.post(base + "/v1/completions", json={"model": "demo", "prompt": "hi", "n": 3}).status_code == 400
+        assert httpx.post(base + "/v1/completions", json={"model": "demo", "prompt": "hi", "n": 17}).status_code == 400
         assert httpx.get(base + "/v1/nothing").status_code == 404
         with httpx.stream("POST", base + "/v1/completions", timeout=10,
                           json={"model": "demo", "prompt": "w crash", "stream": True}) as r:

@@ -2,6 +2,7 @@
 real default model, talked to with the official openai client and raw httpx; nothing is left running.
 """
 import asyncio
+import dataclasses
 import json
 import os
 import shutil
@@ -16,11 +17,16 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
 
 from tests.infer.demo_stores import DEMO, encoded_demo_stores
-from milo_infer.tasks.corpus import load_corpus
+from milo_infer.building.config import BuildConfig
+from milo_infer.building.shared_staging import encode_once
+from milo_infer.runtime.engine import Engine
+from milo_infer.runtime.planning import Request
+from milo_infer.tasks.corpus import load_corpus, task_from_corpus
 from milo_infer.runtime.session import MiloSession
-from milo_store import CompressionConfig
+from milo_store import CompressionConfig, MiloStore
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[3]
@@ -96,10 +102,25 @@ def built(tmp_path_factory, default_model):
     next(stores, None)
 
 
+SYSTEM = "You sort customer messages by what they ask for."
+
+
 @pytest.fixture(scope="module")
-def server(built, tmp_path_factory):
-    with milo_serve(tmp_path_factory.mktemp("serve"), [built[0]], "--api-key", KEY, "--max-batch", "16",
-                    "--batch-wait-ms", "30") as served:
+def system_store(tmp_path_factory, default_model):
+    """An identity store (fp32) of the same 8 demonstrations built with a system prompt, each block of 4 encoded after
+    the anchor alone: a one-block context holds exactly what a prefill of the same prompt computes."""
+    corpus = load_corpus(DEMO)[:8]
+    root = tmp_path_factory.mktemp("system")
+    encode_once(default_model, corpus, dataclasses.replace(task_from_corpus(corpus), system=SYSTEM),
+                BuildConfig(block_size=4, context_blocks=0, order="corpus"),
+                {"demo-system": CompressionConfig(codec="identity", ratio=1.0, dtype="float32")}, root, progress=False)
+    return root / "demo-system"
+
+
+@pytest.fixture(scope="module")
+def server(built, system_store, tmp_path_factory):
+    with milo_serve(tmp_path_factory.mktemp("serve"), [built[0], system_store], "--api-key", KEY, "--max-batch",
+                    "16", "--batch-wait-ms", "30") as served:
         yield served
 
 
@@ -120,7 +141,7 @@ def test_answers_equal_the_sessions(client, built):
         assert chat.choices[0].message.content == expected[query]
         streamed = client.completions.create(model="demo", prompt=query, stream=True)
         assert "".join(c.choices[0].text for c in streamed) == expected[query]  # exactly, unstripped
-    assert [m.id for m in client.models.list()] == ["demo"]
+    assert [m.id for m in client.models.list()] == ["demo", "demo-system"]
 
 
 def test_raw_sse_framing_and_error_bodies(server):
@@ -135,7 +156,7 @@ def test_raw_sse_framing_and_error_bodies(server):
     bad = {"unknown model": ({"model": "nope", "prompt": "hi"}, 404, "not mounted"),
            "too many tokens": ({"model": "demo", "prompt": "hi", "max_tokens": 10 ** 6}, 400, "max_tokens"),
            "context too long": ({"model": "demo", "prompt": "card " * 9000}, 400, "positions"),
-           "n": ({"model": "demo", "prompt": "hi", "n": 3}, 400, "n=1")}
+           "n": ({"model": "demo", "prompt": "hi", "n": 17}, 400, "between 1 and 16")}
     for name, (body, status, words) in bad.items():
         r = httpx.post(server.base + "/v1/completions", headers=auth, json=body, timeout=60)
         assert r.status_code == status and words in r.json()["error"]["message"], (name, r.text)
@@ -250,3 +271,71 @@ def test_refuses_a_kv_budget_it_cannot_parse_or_that_holds_no_page(built):
                                str(free_port()), "--kv-cache-memory", value], env=env, capture_output=True, text=True,
                               timeout=120)
         assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_a_front_ends_request_sampled_with_a_system_message_and_seeds_that_reproduce_alone_and_in_16(client, server):
+    """What a chat front end sends (temperature 0.7, top_p 0.8, its own system message), and seeded samples: each
+    the same alone as among 15 other sampled requests in flight."""
+    front = client.chat.completions.create(model="demo", temperature=0.7, top_p=0.8, messages=[
+        {"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": QUERIES[0]}])
+    assert front.choices[0].message.content and front.choices[0].finish_reason == "stop"
+
+    def body(i, seed):
+        return {"model": "demo", "prompt": QUERIES[i], "temperature": 1.0, "seed": seed, "logprobs": 0}
+
+    alone = [client.completions.create(**body(i, 100 + i)) for i in range(3)]
+
+    async def sixteen():
+        async with openai.AsyncOpenAI(base_url=server.base + "/v1", api_key=KEY, max_retries=0, timeout=120) as c:
+            return await asyncio.gather(*(c.completions.create(**body(i % len(QUERIES), 100 + i)) for i in range(16)))
+
+    together = asyncio.run(asyncio.wait_for(sixteen(), 150))
+    for a, b in zip(alone, together[:3]):
+        assert (a.choices[0].text, a.choices[0].logprobs.tokens) == (b.choices[0].text, b.choices[0].logprobs.tokens)
+
+
+def test_label_log_probabilities_are_the_models_softmax_and_n_answers_share_one_retrieval(client, built,
+                                                                                           default_model):
+    """A lone row's label log probabilities against the model's softmax of the same row's logits computed here (on
+    one thread, as the server runs); n answers are n choices whose tokens the usage counts."""
+    r = client.completions.create(model="demo", prompt=QUERIES[1], logprobs=5, n=3, temperature=1.0, seed=5)
+    assert [c.index for c in r.choices] == [0, 1, 2] and r.usage.completion_tokens == sum(
+        len(c.logprobs.tokens) for c in r.choices)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with MiloStore.open(built[0]) as store:
+            engine = Engine(default_model, {"demo": store})
+            reference = torch.log_softmax(engine.logits([engine.plan("demo", Request(QUERIES[1]))])[0][-1].double(), 0)
+    finally:
+        torch.set_num_threads(threads)
+    first = client.completions.create(model="demo", prompt=QUERIES[1], logprobs=5).choices[0].logprobs.top_logprobs[0]
+    top = reference.topk(5)
+    expected = {default_model.tokenizer.decode([t]): float(v) for t, v in zip(top.indices.tolist(), top.values)}
+    assert max(abs(first[token] - lp) for token, lp in expected.items()) < 1e-5
+
+
+def test_a_system_message_equal_to_the_stores_is_answered_as_a_prefill_of_the_same_prompt(client, system_store,
+                                                                                        default_model):
+    served = client.chat.completions.create(model="demo-system", logprobs=True, top_logprobs=3, extra_body={"k": 1},
+                                            messages=[{"role": "system", "content": SYSTEM},
+                                                      {"role": "user", "content": QUERIES[2]}])
+    card = {m.id: m.model_extra for m in client.models.list()}["demo-system"]
+    assert card["system_prompt"] == SYSTEM
+    with MiloStore.open(system_store) as store:
+        engine = Engine(default_model, {"s": store})
+        prefill = engine.answer([engine.plan("s", Request(QUERIES[2], k=1, prefill=True))])[0]
+        logits = engine.logits([engine.plan("s", Request(QUERIES[2], k=1, prefill=True))])[0][-1].double()
+    assert served.choices[0].message.content == prefill.text
+    top = torch.log_softmax(logits, 0).topk(3)
+    got = served.choices[0].logprobs.content[0].top_logprobs
+    assert [t.token for t in got] == [default_model.tokenizer.decode([i]) for i in top.indices.tolist()]
+    assert max(abs(t.logprob - float(v)) for t, v in zip(got, top.values)) < 1e-4
+
+
+def test_a_label_schema_from_the_models_list_makes_every_answer_a_label(client):
+    card = {m.id: m.model_extra for m in client.models.list()}["demo"]
+    for query in QUERIES[:4]:
+        r = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": query}],
+                                           response_format=card["response_format"], temperature=0.7, seed=1)
+        assert json.loads(r.choices[0].message.content) in card["labels"]

@@ -82,6 +82,55 @@ def test_streams_add_up_to_the_whole_answer(client):
     assert chat[-1].usage.prompt_tokens_details.cached_tokens == 10
 
 
+def test_sampling_logprobs_n_a_system_message_turns_and_forms_reach_the_engines_request():
+    from milo_infer.server.protocol import parse_request
+
+    def parsed(body, chat=True):
+        base = {"model": "demo", "messages": [{"role": "user", "content": "hi"}]} if chat else {"model": "demo",
+                                                                                               "prompt": "hi"}
+        return parse_request({**base, **body}, chat=chat, models={"demo"}, max_positions=2048)
+
+    front_end = parsed({"temperature": 0.7, "top_p": 0.8, "top_k": -1, "min_p": 0.05, "seed": 3, "n": 4,
+                        "presence_penalty": 0.5, "logprobs": True, "top_logprobs": 5, "messages": [
+                            {"role": "system", "content": "Be brief."}, {"role": "user", "content": "card gone"},
+                            {"role": "assistant", "content": "lost_card"}, {"role": "user", "content": "and now?"}]})
+    s = front_end.request.sampling
+    assert (s.temperature, s.top_p, s.top_k, s.min_p, s.seed, s.presence_penalty, s.logprobs) == (0.7, 0.8, 0, 0.05, 3,
+                                                                                                  0.5, 5)
+    assert front_end.n == 4 and front_end.request.text == "and now?" and front_end.request.system == "Be brief."
+    assert front_end.request.turns == (("card gone", "lost_card"),)
+    assert parsed({"logprobs": 0}, chat=False).request.sampling.logprobs == 0
+    assert parsed({}).request.sampling.greedy and parsed({}).request.sampling.logprobs is None
+    schema = {"type": "string", "enum": ["a", "b"]}
+    assert json.loads(parsed({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "label", "schema": schema}}}).request.schema) == schema
+    assert parsed({"guided_choice": ["a", "b"]}).request.choices == ("a", "b")
+    assert parsed({"structured_outputs": {"choice": ["x"]}}).request.choices == ("x",)
+
+
+def test_logprobs_and_n_answers_in_both_formats_streamed_or_not(client):
+    r = client.completions.create(model="demo", prompt="card lost now", n=2, logprobs=2)
+    assert [c.index for c in r.choices] == [0, 1] and {c.text for c in r.choices} == {"CARD LOST NOW"}
+    lp = r.choices[1].logprobs
+    assert lp.tokens == [" CARD", " LOST", " NOW"] and lp.token_logprobs == [-0.5] * 3 and lp.text_offset == [0, 5, 10]
+    assert lp.top_logprobs[0] == {" CARD": -0.5, " card0": -1.5}
+    assert r.usage.completion_tokens == 6 and r.usage.prompt_tokens == 13  # the prompt once, both answers' tokens
+    chat = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "card lost"}],
+                                          logprobs=True, top_logprobs=1)
+    content = chat.choices[0].logprobs.content
+    assert [c.token for c in content] == [" CARD", " LOST"] and content[0].bytes == list(b" CARD")
+    assert [t.token for t in content[0].top_logprobs] == [" CARD"]
+    assert client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "x"}]
+                                          ).choices[0].logprobs is None
+    chunks = list(client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "a b c"}], n=3,
+                                                 logprobs=True, stream=True, stream_options={"include_usage": True}))
+    for i in range(3):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i]
+        assert "".join(c.delta.content or "" for c in mine) == "A B C" and mine[-1].finish_reason == "stop"
+        assert [t.token for c in mine if c.logprobs for t in c.logprobs.content] == [" A", " B", " C"]
+    assert chunks[-1].usage.completion_tokens == 9
+
+
 def test_streamed_text_never_sends_what_the_answer_strips():
     """Deltas join to the stripped answer: leading whitespace never goes out, whitespace inside goes out with
     the text after it, trailing whitespace never goes out."""
@@ -120,8 +169,10 @@ BAD_INPUTS = [
     ("/v1/completions", {"model": "demo", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "between 1 and 2048"),
     ("/v1/completions", {"model": "demo", "prompt": "hi", "max_tokens": 4096}, 400, "max_tokens", "between 1 and 2048"),
     ("/v1/completions", {"model": "demo", "prompt": "hi", "max_tokens": "9"}, 400, "max_tokens", "integer"),
-    ("/v1/completions", {"model": "demo", "prompt": "hi", "n": 2}, 400, "n", "only n=1"),
-    ("/v1/completions", {"model": "demo", "prompt": "hi", "temperature": 0.7}, 400, "temperature", "greedy"),
+    ("/v1/completions", {"model": "demo", "prompt": "hi", "n": 17}, 400, "n", "between 1 and 16"),
+    ("/v1/completions", {"model": "demo", "prompt": "hi", "temperature": 2.5}, 400, "temperature", "at most 2"),
+    ("/v1/completions", {"model": "demo", "prompt": "hi", "top_p": 0}, 400, "top_p", "above 0"),
+    ("/v1/completions", {"model": "demo", "prompt": "hi", "seed": "7"}, 400, "seed", "integer"),
     ("/v1/completions", {"model": "demo", "prompt": "hi", "echo": True}, 400, "echo", "echo"),
     ("/v1/completions", {"model": "demo", "prompt": "hi", "k": 0}, 400, "k", "at least 1"),
     ("/v1/completions", {"model": "demo", "prompt": "hi", "recompute": -1}, 400, "recompute", "between 0 and 2048"),
@@ -130,28 +181,31 @@ BAD_INPUTS = [
     ("/v1/completions", {"model": "demo", "prompt": "x" * 70_000}, 413, None, "exceeds the server's limit"),
     ("/v1/chat/completions", {"model": "demo", "messages": []}, 400, "messages", "non-empty list"),
     ("/v1/chat/completions", {"model": "demo", "messages": [{"role": "system", "content": "x"}]}, 400, "messages", "user"),
-    ("/v1/chat/completions", {"model": "demo", "messages": [{"role": "system", "content": "be brief"},
-                                                            {"role": "user", "content": "hi"}]},
-     400, "messages", "a system message or earlier turns would be dropped"),
+    ("/v1/chat/completions", {"model": "demo", "messages": [{"role": "user", "content": "be brief"},
+                                                            {"role": "system", "content": "hi"}]},
+     400, "messages", "then user and assistant turns in turn"),
     ("/v1/chat/completions", {"model": "demo", "messages": [{"role": "user", "content": "first"},
-                                                            {"role": "assistant", "content": "FIRST"},
                                                             {"role": "user", "content": "second"}]},
-     400, "messages", "exactly one message"),
+     400, "messages", "got roles ['user', 'user']"),
     ("/v1/completions", b"[" * 30_000 + b"]" * 30_000, 400, None, "nests too deeply"),
     ("/v1/completions", {"model": "demo", "prompt": "hi", "best_of": 3}, 400, "best_of", "best_of=1"),
-    ("/v1/completions", {"model": "demo", "prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty", "penalties"),
-    ("/v1/completions", {"model": "demo", "prompt": "hi", "frequency_penalty": -1}, 400, "frequency_penalty", "penalties"),
+    ("/v1/completions", {"model": "demo", "prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty", "at most 2"),
+    ("/v1/completions", {"model": "demo", "prompt": "hi", "frequency_penalty": "x"}, 400, "frequency_penalty", "number"),
     ("/v1/completions", {"model": "demo", "prompt": "hi", "logit_bias": {"50256": -100}}, 400, "logit_bias", "biases"),
-    ("/v1/completions", {"model": "demo", "prompt": "hi", "logprobs": 0}, 400, "logprobs", "log probabilities"),
+    ("/v1/completions", {"model": "demo", "prompt": "hi", "logprobs": 21}, 400, "logprobs", "between 0 and 20"),
     ("/v1/completions", {"model": "demo", "prompt": "hi", "suffix": "!"}, 400, "suffix", "suffix"),
     ("/v1/completions", {"model": "demo", "prompt": "hi", "stream_options": {"include_usage": True}}, 400,
      "stream_options", "only allowed with stream"),
-    ("/v1/chat/completions", {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "logprobs": True,
-                              "top_logprobs": 2}, 400, "logprobs", "log probabilities"),
+    ("/v1/chat/completions", {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "logprobs": 2},
+     400, "logprobs", "true or false"),
     ("/v1/chat/completions", {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
-     400, "top_logprobs", "log probabilities"),
+     400, "top_logprobs", "needs logprobs: true"),
     ("/v1/chat/completions", {"model": "demo", "messages": [{"role": "user", "content": "hi"}],
-                              "response_format": {"type": "json_object"}}, 400, "response_format", "structured output"),
+                              "response_format": {"type": "xml"}}, 400, "response_format", "json_schema or json_object"),
+    ("/v1/chat/completions", {"model": "demo", "messages": [{"role": "user", "content": "hi"}],
+                              "response_format": {"type": "json_object"}, "guided_choice": ["a"]}, 400,
+     "response_format", "one form of structured output"),
+    ("/v1/completions", {"model": "demo", "prompt": "hi", "guided_choice": []}, 400, "guided_choice", "non-empty list"),
     ("/v1/chat/completions", {"model": "demo", "messages": [{"role": "user", "content": "hi"}],
                               "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", "tool calling"),
     ("/v1/chat/completions", {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"},
