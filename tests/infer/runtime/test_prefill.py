@@ -70,7 +70,7 @@ def test_prefill_answers_report_the_tokens_prefilled_and_time_to_first_token(set
         assert answer.prefill_tokens == len(p.query_ids) and answer.groups == p.groups
         assert answer.first_token_seconds > 0 and answer.kv_bytes_moved == 0
     stored = engine.answer([engine.plan("s", Request("refund", k=2))])[0]
-    assert stored.prefill_tokens == len(engine.stores["s"].queries.query_ids("refund"))
+    assert stored.prefill_tokens == len(engine.stores["s"].queries.query_ids(Request("refund")))
 
 
 def test_a_store_without_token_ids_cannot_be_prefilled(tmp_path):

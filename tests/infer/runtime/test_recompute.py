@@ -38,7 +38,7 @@ def test_recomputing_every_token_reproduces_prefill(setup):
     prefilled = engine.logits([engine.plan("s", r) for r in QUERIES])
     rebuilt = engine.logits([engine.plan("s", r) for r in STORED])
     for p, got, want, stale in zip(plans, engine.logits(plans), prefilled, rebuilt):
-        q = len(engine.stores["s"].queries.query_ids(p.request.text))
+        q = len(engine.stores["s"].queries.query_ids(p.request))
         assert len(p.recompute) == p.prefix_tokens - engine.stores["s"].prefix.anchor_len
         assert (stale - want[-q:]).abs().max() > 10 * ATOL  # the context blocks do make a difference
         assert (got[-q:] - want[-q:]).abs().max() <= ATOL
@@ -48,7 +48,7 @@ def test_recomputing_no_token_is_the_plain_store_path(setup):
     loaded, store = setup
     engine = Engine(loaded, {"s": store}, settings=EngineSettings(recompute=4))
     plain = [engine.plan("s", Request(r.text, k=r.k, recompute=0)) for r in STORED]
-    assert all(len(p.recompute) == 0 and p.query_ids == engine.stores["s"].queries.query_ids(p.request.text) for p in plain)
+    assert all(len(p.recompute) == 0 and p.query_ids == engine.stores["s"].queries.query_ids(p.request) for p in plain)
     default = Engine(loaded, {"s": store})
     for got, want in zip(engine.logits(plain), default.logits([default.plan("s", r) for r in STORED])):
         assert torch.equal(got, want)
