@@ -96,7 +96,7 @@ def sdpa_rows(query, key, value, pack: Pack, layer: LayerAttention | None) -> to
     held = Merge.of(pack.held, query)
     for s in pack.segments:
         # a window layer reads the columns from the first its earliest token's window reaches; a row placing held
-        # blocks reads its own pages from its prefix's end
+        # blocks reads its own pages from its own columns' first
         lo = max(s.first, 0 if layer.window is None else int(s.positions.min()) - layer.window + 1)
         if s.run is not None:
             at = slice(s.run * PAGE_TOKENS + lo, s.run * PAGE_TOKENS + s.keys)

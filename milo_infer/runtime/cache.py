@@ -30,6 +30,7 @@ import functools
 import weakref
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -43,8 +44,8 @@ class Segment:
     """One row's tokens in a pack: ``start:stop`` of the packed sequence, its pages (``run``: the first one when
     they are consecutive, else None), the columns [first, keys) it reads from them, its tokens' positions and the
     bool mask [tokens, keys] it needs (None: every column, i.e. one token at the end). A row that places blocks
-    held once for every row (`milo_infer.runtime.shared_blocks`) reads its own pages from ``first`` (its prefix's
-    end) and those blocks through `HeldQueries`; its tokens are ``shared_at`` on there (None: a row holding its own
+    held once for every row (`milo_infer.runtime.shared_blocks`) reads its own pages from ``first`` (its own blocks,
+    packed before its query, or its prefix's end) and those blocks through `HeldQueries`; its tokens are ``shared_at`` on there (None: a row holding its own
     copy of its whole prefix)."""
     pages: list[int]
     device_pages: torch.Tensor  # int64 [n]: the same, on the device
@@ -108,11 +109,13 @@ class HeldQueries:
 
 @dataclass
 class PrefixFill:
-    """An admission's prefixes to rebuild: its `PrefixRebuild` and, in its rows' order, each row's pages and
-    prefix length (``window_rows``: its window layers' page tables, where they hold pages of their own)."""
+    """An admission's prefixes to rebuild: its `PrefixRebuild` and, in its rows' order, each row's pages, prefix
+    length and the positions it keeps (None: every column 0..length-1 where it is; else those positions' K/V packed,
+    in order, into the columns that end at ``length``: a row's own blocks beside blocks held once) (``window_rows``:
+    its window layers' page tables, where they hold pages of their own)."""
     rebuild: object  # PrefixRebuild: fill(layer, k_dsts, v_dsts)
-    rows: list[tuple[list[int], int]]
-    window_rows: list[tuple[list[int], int]] | None = None
+    rows: list[tuple[list[int], int, np.ndarray | None]]
+    window_rows: list[tuple[list[int], int, None]] | None = None
 
 
 @dataclass
@@ -178,13 +181,21 @@ class PagedLayer(CacheLayerMixin):
         """Rebuild this layer of an admission's prefixes into their rows' pages."""
         ks, vs, scattered = [], [], []
         rows = prefixes.window_rows if self.windowed and prefixes.window_rows is not None else prefixes.rows
-        for pages, length in rows:
+        for pages, length, kept in rows:
             if pages is None:  # a held block no layer of this group rebuilds: nothing to write
                 ks.append(self.k_pool[:, :0])
                 vs.append(self.v_pool[:, :0])
                 continue
             start = run_start(pages[:pages_for(length)])
-            if start is not None:  # in place
+            if kept is not None:  # rebuilt at its positions, then packed before the row's query
+                k = torch.empty(self.k_pool.shape[0], length, self.k_pool.shape[2], dtype=self.k_pool.dtype,
+                                device=self.k_pool.device)
+                ks.append(k)
+                vs.append(torch.empty_like(k))
+                at = torch.from_numpy(kept).to(k.device)
+                columns = pool_columns(pages, torch.arange(length - len(kept), length)).to(k.device)
+                scattered.append((columns, k, vs[-1], at))
+            elif start is not None:  # in place
                 at = slice(start * PAGE_TOKENS, start * PAGE_TOKENS + length)
                 ks.append(self.k_pool[:, at])
                 vs.append(self.v_pool[:, at])
@@ -195,11 +206,11 @@ class PagedLayer(CacheLayerMixin):
                     device=self.k_pool.device)
                 ks.append(k)
                 vs.append(torch.zeros_like(k) if self.windowed else torch.empty_like(k))
-                scattered.append((pool_columns(pages, torch.arange(length)).to(k.device), k, vs[-1]))
+                scattered.append((pool_columns(pages, torch.arange(length)).to(k.device), k, vs[-1], None))
         prefixes.rebuild.fill(self.index, ks, vs)
-        for columns, k, v in scattered:
-            self.k_pool[:, columns] = k
-            self.v_pool[:, columns] = v
+        for columns, k, v, kept in scattered:
+            self.k_pool[:, columns] = k if kept is None else k.index_select(1, kept)
+            self.v_pool[:, columns] = v if kept is None else v.index_select(1, kept)
 
     def update(self, key_states, value_states, *args, **kwargs):
         """Rebuild the joining rows' prefixes of this layer, write the new tokens' K/V to their pool columns, and

@@ -49,7 +49,7 @@ from .pages import FULL, GROWTH_HEADROOM, PAGE_TOKENS, WINDOW, PageGroups, kv_bu
 from .planning import STOP_STRINGS, EngineSettings, MountedStore, QueryPlan, Request
 from .prefetch import TransferPool
 from .sampling import RowSampler, TokenLogprob, choose
-from .prefix import FETCH_STATS, UNREADABLE, PrefixRebuild, rebuild_layer
+from .prefix import FETCH_STATS, UNREADABLE, BlockPlacement, PrefixRebuild, rebuild_layer
 from .shared_blocks import Build, HeldBlock, HeldBlocks, layers_reached, own_run, own_table
 from .timing import StageClock
 
@@ -75,8 +75,8 @@ class Engine:
     sliding-window layers reads and rebuilds, at each window layer, only the blocks its window reaches from a row's
     first fed token, and holds pages there only from the first its windows reach (False: every block and page at
     every layer, the same answers; what `tools/bench_windows.py` compares against). ``shared_blocks``: a block that
-    rows place is held once and attended by each of them at its own offset, by turning its query
-    (`milo_infer.runtime.shared_blocks`); False: every row holds and attends its own copy of its whole prefix, the
+    enough rows place is held once and attended by each of them at its own offset, by turning its query
+    (`milo_infer.runtime.shared_blocks`; a row's other blocks stay in its own pages); False: every row holds and attends its own copy of its whole prefix, the
     same answers (what `tools/bench_serve.py --shared-blocks off` compares against). A family whose keys are not a
     rotation of what the store keeps always takes the per-row path (`families.Attention.query_turns`)."""
 
@@ -112,6 +112,9 @@ class Engine:
         self.identity, self.swapping = loaded.identity, threading.Lock()
         self.windows = model_windows(self.model_config) if window_reach else None
         self.shared_blocks = shared_blocks and query_turns(self.model_config)
+        # a row sharing some blocks keeps its others in its own pages, packed before its query: only where no layer
+        # masks by the distance between positions (a window's mask reads a column as its position)
+        self.holds_what_pays = self.shared_blocks and model_windows(self.model_config) is None
         self.stores = {name: self.mount(name, store) for name, store in stores.items()}
         self.device_tier = DeviceTier(device_cache_bytes, self.device) if device_cache_bytes else None
         self.attention = choose_attention(attention, self.device)
@@ -209,7 +212,8 @@ class Engine:
         error raises it). ``stats`` (a dict the caller owns) gains the batch's fetch statistics, summed, and its
         peak K/V bytes (its rows' columns and the staged factors), the most its rows' columns took, the most its
         pages took (what it allocated) and the most pages it held (``kv_bytes_held``), the most distinct blocks it
-        held and the block placements of its rows then (``held_blocks``, ``placed_blocks``), maxed, and its forwards
+        held, the block placements of its rows and those attended in a held copy (``held_blocks``, ``placed_blocks``,
+        ``held_placements``), each maxed, and its forwards
         (``steps``), summed."""
 
         batch = self.batch()
@@ -231,7 +235,7 @@ class Engine:
             stats["kv_bytes_allocated"] = max(stats.get("kv_bytes_allocated", 0), batch.kv_bytes_allocated)
             stats["kv_bytes_needed"] = max(stats.get("kv_bytes_needed", 0), batch.kv_bytes_needed)
             stats["kv_bytes_held"] = max(stats.get("kv_bytes_held", 0), batch.kv_bytes_held)
-            for name in ("held_blocks", "placed_blocks"):  # at the step that held the most
+            for name in ("held_blocks", "placed_blocks", "held_placements"):  # each at its most
                 stats[name] = max(stats.get(name, 0), batch.most_held[name])
             stats["steps"] = stats.get("steps", 0) + batch.steps
         return [done[id(p)] for p in plans]
@@ -272,7 +276,9 @@ class Row:
     device_pages: dict = field(default_factory=dict, repr=False)
     held: list[tuple[HeldBlock, int]] = field(default_factory=list)  # the held blocks it places, each at its offset
     # (none: it holds its own copy of its whole prefix)
-    own_from: int = 0  # its first own column: past its prefix when it places held blocks
+    own_from: int = 0  # its first own column: where its own blocks, packed before its query, start when it places
+    # held blocks (its prefix's end when it holds none of its own)
+    rebuilt: BlockPlacement | None = None  # what its admission rebuilds into its own pages (None: nothing)
     sampler: RowSampler = field(default_factory=RowSampler)  # how it chooses its tokens (its own generator)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # its chosen tokens', where its request asks
 
@@ -316,11 +322,12 @@ class Admission:
 
     def fill(self, windowed: bool) -> PrefixFill:
         """Its rebuild's destinations, in its placements' order: rows holding their own prefixes, then held blocks."""
-        own = [row for row in self.rows if not row.held]
+        own = [row for row in self.rows if row.rebuilt is not None]
         blocks = [build.block for build in self.builds]
-        rows = [(row.pages, row.executed.prefix_tokens) for row in own] + [(b.pages, b.tokens) for b in blocks]
-        window = ([(row.window_pages, row.executed.prefix_tokens) for row in own]
-                  + [(b.window_pages, b.tokens) for b in blocks]) if windowed else None
+        rows = ([(row.pages, row.executed.prefix_tokens, row.rebuilt.block_positions() if row.held else None)
+                 for row in own] + [(b.pages, b.tokens, None) for b in blocks])
+        window = ([(row.window_pages, row.executed.prefix_tokens, None) for row in own]
+                  + [(b.window_pages, b.tokens, None) for b in blocks]) if windowed else None
         return PrefixFill(self.rebuild, rows, window)
 
     def settle(self) -> None:
@@ -333,12 +340,26 @@ class Admission:
 
 @dataclass(frozen=True)
 class Seat:
-    """A waiting plan given pages: submitted and as executed, its page tables, the held blocks it places."""
+    """A waiting plan given pages: submitted and as executed, its page tables, the held blocks it places and, when it
+    places any, which of its blocks (indices into ``executed.blocks``) it keeps in its own pages."""
     plan: QueryPlan
     executed: QueryPlan
     pages: list[int]
     window_pages: list[int] | None
     held: list[tuple[HeldBlock, int]]
+    own: tuple[int, ...] = ()
+
+    @property
+    def own_from(self) -> int:
+        """Its first own column: 0 holding its whole prefix, else where its own blocks start, before its query."""
+        return own_start(self.executed, self.own) if self.held else 0
+
+    @property
+    def rebuilt(self) -> BlockPlacement | None:
+        """What its admission rebuilds into its own pages: its whole prefix, its own blocks, or nothing."""
+        if not self.held:
+            return self.executed.placement
+        return self.executed.placement.only(list(self.own)) if self.own else None
 
 
 class Batch:
@@ -347,9 +368,9 @@ class Batch:
     fit wait, oldest first; one that could never fit ends at once with a `RequestError`); ``step`` runs one
     forward that feeds every running row's next token and the next chunk (at most ``settings.prefill_chunk``
     tokens in all) of the rows being prefilled, rebuilding the prefixes of rows fed for the first time; a
-    finished or cancelled row gives its pages back at once. With ``engine.shared_blocks`` a row's blocks and its
+    finished or cancelled row gives its pages back at once. With ``engine.shared_blocks`` the blocks worth it and the
     store's anchor are held once for every row that places them (``held``: `milo_infer.runtime.shared_blocks`) and
-    its own pages hold its query and answer only. ``fetch_stats`` describes the last admission,
+    a row's own pages hold its other blocks, its query and its answer. ``fetch_stats`` describes the last admission,
     ``peak_kv_bytes`` the most K/V it needed at once: the columns its seated rows need (each row's context and
     answer budget, a held block's once) and, in a forward that rebuilds prefixes, the factors staged for it (the
     transfer buffers on CUDA, a layer of gathered factors on CPU), ``kv_bytes_needed`` the columns alone;
@@ -376,7 +397,7 @@ class Batch:
         self.kv_bytes_allocated = 0
         self.kv_bytes_needed = 0
         self.kv_bytes_held = 0
-        self.most_held = {"held_blocks": 0, "placed_blocks": 0}
+        self.most_held = {"held_blocks": 0, "placed_blocks": 0, "held_placements": 0}
         self.steps = 0
         self.query_logits: dict[int, torch.Tensor] = {}  # id(plan) -> [T_query, vocab] fp32, with keep_all
 
@@ -429,7 +450,7 @@ class Batch:
                        FreeDecoder(e.tokenizer, STOP_STRINGS + tuple(p.request.stop), p.max_new_tokens))
             admission.rows.append(Row(p, x, decoder, seat.pages, seat.window_pages, admission,
                                       {"retrieve": p.retrieve_seconds}, next_position=x.prompt_tokens,
-                                      held=seat.held, own_from=x.prefix_tokens if seat.held else 0,
+                                      held=seat.held, own_from=seat.own_from, rebuilt=seat.rebuilt,
                                       sampler=RowSampler(p.request.sampling)))
         placed = [b for s in seated for b in s.executed.blocks]
         self.fetch_stats = {**(rebuild.fetch_stats if rebuild is not None else dict.fromkeys(FETCH_STATS, 0)),
@@ -454,12 +475,15 @@ class Batch:
         ``placing``: how many waiting plans place each (store prefix, block)."""
         need = pages_for(executed.prompt_tokens + executed.max_new_tokens)
         if self._shares(executed, placing):
-            wanted = self._placed_blocks(executed)
-            skip = executed.prefix_tokens // PAGE_TOKENS  # pages wholly inside its prefix: none of them its own
+            kept = self._kept(executed, placing)
+            own = tuple(i for i in range(len(executed.blocks)) if i not in kept)
+            wanted = self._placed_blocks(executed, kept)
+            skip = own_start(executed, own) // PAGE_TOKENS  # pages wholly before its own columns: none of them its own
             if self.held.fits(need - skip, wanted):
-                own = self.pages.take(FULL, need - skip)
+                pages = self.pages.take(FULL, need - skip)
                 window = own_table(self.pages.take(WINDOW, need - skip), skip) if self.pages.windowed else None
-                return Seat(plan, executed, own_table(own, skip), window, self.held.hold(wanted, builds, self.seatings))
+                return Seat(plan, executed, own_table(pages, skip), window,
+                            self.held.hold(wanted, builds, self.seatings), own)
             if self.held.fits(need - skip, wanted, now=False):  # fits the budget, not now: it waits
                 return None
             # more than the budget holds as blocks in pages: as a row of its own (that fits: `check_fits`)
@@ -470,26 +494,39 @@ class Batch:
         return Seat(plan, executed, self.pages.take(FULL, need), self.pages.take_window(need, skip), [])
 
     def _shares(self, plan: QueryPlan, placing: Counter) -> bool:
-        """Its row places held blocks: sharing is on, it recomputes none of its prefix, and a block of it is held
-        already or another waiting plan places it too. A row that would share none holds its own copy, as every row
-        did before: a lone query (or one whose blocks no other row has) is answered exactly as before, one attention
-        call a layer over its own columns, not one per block (docs/benchmarks.md, issue 54)."""
+        """Its row places held blocks: sharing is on, it recomputes none of its prefix, and a block of it is worth
+        holding once (`_kept`). A row that would share none holds its own copy, as every row did before: a lone query
+        (or one whose blocks no other row has) is answered exactly as before, one attention call a layer over its own
+        columns, not one per block (docs/benchmarks.md, issue 54)."""
         if not (self.engine.shared_blocks and plan.prefix_tokens > 0 and plan.mount is not None
                 and not len(plan.recompute)):
             return False
-        prefix = plan.placement.prefix
-        return any((prefix, b) in self.held or placing[prefix, b] > 1 for b in plan.blocks)
+        return bool(self._kept(plan, placing))
 
-    def _placed_blocks(self, plan: QueryPlan) -> list[tuple[tuple, int, int, frozenset]]:
-        """(held key, offset, tokens, layers its row attends it at) of the anchor and each block ``plan`` places, in
-        context order. The anchor is held at every layer (a page or so): a fill always finds its destination."""
+    def _kept(self, plan: QueryPlan, placing: Counter) -> set[int]:
+        """Which of ``plan``'s blocks (indices into its blocks) its row attends held once: those held already, and
+        those the waiting plans place often enough to be worth it (`HeldBlocks.worth_holding`). A model with window
+        layers holds all of a row's blocks once one is held or another row places it (its own columns are its
+        positions there: none can be packed)."""
+        prefix = plan.placement.prefix
+        if not self.engine.holds_what_pays:
+            shares = any((prefix, b) in self.held or placing[prefix, b] > 1 for b in plan.blocks)
+            return set(range(len(plan.blocks))) if shares else set()
+        tokens = plan.placement.block_tokens()
+        return {i for i, b in enumerate(plan.blocks)
+                if (prefix, b) in self.held or self.held.worth_holding(placing[prefix, b], int(tokens[i]))}
+
+    def _placed_blocks(self, plan: QueryPlan, kept) -> list[tuple[tuple, int, int, frozenset]]:
+        """(held key, offset, tokens, layers its row attends it at) of the anchor and each block of ``plan`` its row
+        attends held (``kept``: indices into its blocks), in context order. The anchor is held at every layer (a page
+        or so): a fill always finds its destination."""
         e, prefix = self.engine, plan.placement.prefix
         ends = plan.placement.block_ends()
         L = len(e.layers)
         return [((prefix, None), 0, prefix.anchor_len, frozenset(range(L)))] + [
             ((prefix, b), int(dst), int(end - dst), layers_reached(e.windows, L, int(dst), int(end - dst),
                                                                    plan.prefix_tokens))
-            for b, dst, end in zip(plan.blocks, plan.placement.dst_rows, ends)]
+            for i, (b, dst, end) in enumerate(zip(plan.blocks, plan.placement.dst_rows, ends)) if i in kept]
 
     def _release(self, seat: "Seat") -> None:
         """A seat taken and not run: its pages back, its blocks one row fewer."""
@@ -567,7 +604,7 @@ class Batch:
         """Read the union of the blocks to rebuild (raises what an unreadable block raises): each own row's prefix,
         then each held block in ``builds``, in that order (`Admission.fill`)."""
         e = self.engine
-        placements = ([s.executed.placement for s in seated if not s.held]
+        placements = ([s.rebuilt for s in seated if s.rebuilt is not None]
                       + [build.block.placement(build.layers, len(e.layers)) for build in builds.values()])
         if not placements:
             return None
@@ -775,7 +812,7 @@ class Batch:
         """Bytes of K/V ``row``'s columns take: its context and answer budget at every full layer, and at each
         window layer those from the first page its windows reach (and its spill page)."""
         columns = row.executed.prompt_tokens + row.executed.max_new_tokens
-        if row.held:  # its query and answer: its blocks are counted once, with the batch's held blocks
+        if row.own_from:  # its own blocks, query and answer: the others are counted once, with the held blocks
             return self.pages.bytes_of(dict.fromkeys(self.pages.groups, columns - row.own_from)) // PAGE_TOKENS
         return self.pages.bytes_of(self.pages.row_columns(columns, self._window_skip(row.executed))) // PAGE_TOKENS
 
@@ -827,12 +864,15 @@ class Batch:
     def held_counts(self) -> dict:
         """Now: the K/V bytes of the pages rows hold (``kv_bytes_held``: their own, and the held blocks they place,
         each once), of the held blocks no row holds any more, kept for the next rows until their pages are needed
-        (``kv_bytes_kept``), the distinct blocks rows hold (``held_blocks``, anchors not counted) and the blocks the
-        running rows place (``placed_blocks``: rows × k)."""
+        (``kv_bytes_kept``), the distinct blocks rows hold (``held_blocks``, anchors not counted), the blocks the
+        running rows place (``placed_blocks``: rows × k) and how many of those placements they attend in a held copy
+        (``held_placements``; the others are in the rows' own pages)."""
         kept = self.held.kept_bytes()
+        running = [r for r in self.rows if not r.finished]
         return {"kv_bytes_held": self.pages.in_use_bytes() - kept, "kv_bytes_kept": kept,
                 "held_blocks": self.held.held_blocks(),
-                "placed_blocks": sum(len(r.executed.blocks) for r in self.rows if not r.finished)}
+                "placed_blocks": sum(len(r.executed.blocks) for r in running),
+                "held_placements": sum(block.block is not None for r in running for block, _ in r.held)}
 
     def _count_held(self, staged: int) -> None:
         """The most K/V bytes this batch needed and held, and blocks it held and placed, counted at this step: the
@@ -847,12 +887,15 @@ class Batch:
 
 
     def _free_finished(self) -> None:
-        """Finished and cancelled rows give their pages back (nothing else moves) and let go of their held blocks,
-        except a row holding its own prefix whose admission is still to be rebuilt: that rebuild writes every one
-        of its rows' pages, so they wait for it. An admission all of whose rows ended and none of whose blocks a row
-        holds is given up: a block it was to create is never written, so no row may find it (it goes once no other
-        rebuild writes to it). The pools and the blocks no row holds stay (`idle`)."""
-        self._leave([row for row in self.rows if row.finished and row.held])
+        """Finished and cancelled rows let go of their held blocks and give their pages back (nothing else moves),
+        except the pages of a row with blocks of its own whose admission is still to be rebuilt: that rebuild writes
+        every one of its rows' pages, so they wait for it. An admission all of whose rows ended and none of whose
+        blocks a row holds is given up: a block it was to create is never written, so no row may find it (it goes once
+        no other rebuild writes to it). The pools and the blocks no row holds stay (`idle`)."""
+        for row in self.rows:
+            if row.finished:
+                self._let_go(row)
+        self._leave([row for row in self.rows if row.finished and row.own_from and row.rebuilt is None])
         given_up = [a for a in self.admissions
                     if all(row.finished for row in a.rows) and not any(b.block.rows for b in a.builds)]
         for a in given_up:
@@ -871,9 +914,15 @@ class Batch:
         for row in leaving:
             self.pages.give(FULL, row.pages)
             self.pages.give(WINDOW, row.window_pages_held())
-            for block, _ in row.held:
-                block.rows -= 1
+            self._let_go(row)
         self.rows = [row for row in self.rows if row not in leaving]
+
+    @staticmethod
+    def _let_go(row: Row) -> None:
+        """``row`` holds its held blocks no more (its ``own_from`` still says where its own columns start)."""
+        for block, _ in row.held:
+            block.rows -= 1
+        row.held = []
 
 
     def idle(self) -> None:
@@ -884,6 +933,12 @@ class Batch:
         self.held.drop_cached()
         if self.pages.release() and self.cache is not None:
             self.cache.resize(0, 0)
+
+
+def own_start(executed: QueryPlan, own) -> int:
+    """The first own column of a row placing held blocks that keeps its blocks ``own`` (indices into
+    ``executed.blocks``) in its own pages: they are packed, in context order, just before its query."""
+    return executed.prefix_tokens - int(executed.placement.block_tokens()[list(own)].sum())
 
 
 def model_windows(config) -> list[int | None] | None:

@@ -76,11 +76,20 @@ class BlockPlacement:
         return [list(range(len(self.blocks))) if w is None else
                 [i for i, end in enumerate(ends) if int(end) - 1 > first_position - w] for w in windows]
 
-    def block_ends(self) -> np.ndarray:
-        """Each placed block's end in the context, exclusive (an unread block between two keeps its columns)."""
+    def block_tokens(self) -> np.ndarray:
+        """Each placed block's tokens (int64)."""
         tokens = self.prefix.store.block_tokens[self.blocks] if self.prefix is not None else np.diff(
             np.append(self.dst_rows, self.prefix_tokens))
-        return self.dst_rows + np.asarray(tokens, dtype=np.int64)
+        return np.asarray(tokens, dtype=np.int64)
+
+    def block_ends(self) -> np.ndarray:
+        """Each placed block's end in the context, exclusive (an unread block between two keeps its columns)."""
+        return self.dst_rows + self.block_tokens()
+
+    def block_positions(self) -> np.ndarray:
+        """The context positions of its blocks' tokens, in order (int64)."""
+        return np.concatenate([np.arange(dst, end) for dst, end in zip(self.dst_rows, self.block_ends())]
+                              or [np.zeros(0, np.int64)])
 
     def windowed(self, first_position: int, windows: list[int | None] | None) -> "BlockPlacement":
         """This placement reading and rebuilding, at each window layer, only the blocks its window reaches from
@@ -92,6 +101,22 @@ class BlockPlacement:
     def layer_blocks(self, layer: int) -> list[int]:
         """The blocks (indices into ``blocks``) read and rebuilt at ``layer``."""
         return list(range(len(self.blocks))) if self.reach is None else list(self.reach[layer])
+
+    def only(self, keep: list[int]) -> "BlockPlacement":
+        """The blocks ``keep`` (indices into ``blocks``) where they are, without the anchor and the others: what a row
+        holding the rest once for every row rebuilds into its own pages (`engine.Batch`). Its rebuild still writes
+        the context's positions (``prefix_tokens`` unchanged); the bytes are the kept blocks'."""
+        if self.reach is not None:
+            raise ValueError("a placement read by windows' reach keeps every block's columns where they are")
+        segments = tuple(table.reshape(len(self.blocks), -1, table.shape[1])[keep].reshape(-1, table.shape[1])
+                         if len(self.blocks) else table for table in self.segments)
+        blocks = [self.blocks[i] for i in keep]
+        tokens = self.block_tokens()
+        share = tokens[keep].sum() / max(1, tokens.sum())
+        return replace(self, blocks=blocks, dst_rows=self.dst_rows[keep], segments=segments, anchor=False,
+                       kv_bytes_full=int(self.kv_bytes_full * share),
+                       kv_bytes_stored=int(self.prefix.store.block_bytes(blocks).sum()) if self.prefix is not None
+                       else int(self.kv_bytes_stored * share))
 
 
 def tensor_parallel_heads(num_kv_heads: int, tp_size: int, tp_rank: int) -> range:

@@ -3,8 +3,10 @@
 Rows of a batch retrieve mostly the same blocks, each row in its own order. A block's K/V is rebuilt once per
 layer into pages of the batch's pools, its keys rotated at the block's own positions 0..T-1 (a store version's
 anchor, at 0..Ta-1 in every row, likewise), and every row that places it at offset p attends it with its query
-turned back by p (⟨R(m)q, R(p+i)k⟩ = ⟨R(m−p)q, R(i)k⟩: `milo_infer.runtime.attention.Merge`). A row's own pages
-hold only its query and answer. A held block counts once against the KV budget, lives while any row holds it, and
+turned back by p (⟨R(m)q, R(p+i)k⟩ = ⟨R(m−p)q, R(i)k⟩: `milo_infer.runtime.attention.Merge`). Only a block worth
+it is held (`HeldBlocks.worth_holding`: rows enough that one copy takes fewer columns than theirs); a row's own pages
+hold its other blocks, packed before its query, then its query and answer. A held block counts once against the KV
+budget, lives while any row holds it, and
 after that stays until its pages are needed or the batch is idle, so a row joining later reuses it: no read, no
 rebuild. At a window layer a block is rebuilt only once some row that holds it reaches it there (issue 46's reach,
 per block): a later row that reaches more layers has them rebuilt then.
@@ -111,6 +113,13 @@ class HeldBlocks(Mapping):
     def held_blocks(self) -> int:
         """Distinct blocks rows hold (anchors not counted)."""
         return sum(b.block is not None and b.rows > 0 for b in self.blocks.values())
+
+    @staticmethod
+    def worth_holding(rows: int, tokens: int) -> bool:
+        """Whether a block of ``tokens`` that ``rows`` rows place is held once rather than in each row's own pages:
+        where one copy in whole pages takes fewer columns than the rows' copies (never more K/V), so never for a block
+        one row places, which would gain nothing and cost an attention call a layer (issue 64)."""
+        return rows > 1 and rows * tokens > pages_for(tokens) * PAGE_TOKENS
 
     def new_pages(self, wanted) -> dict:
         """Pages the blocks ``wanted`` add to each group: those not held yet, and window pages of those held without

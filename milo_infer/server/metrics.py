@@ -63,6 +63,8 @@ class ServerMetrics:
                                    "for the next rows until their pages are needed", registry=r)
         self.held_blocks = Gauge("milo:held_blocks", "Distinct blocks the running rows hold once, now", registry=r)
         self.placed_blocks = Gauge("milo:placed_blocks", "Blocks the running rows place (rows x k), now", registry=r)
+        self.held_placements = Gauge("milo:held_placements", "Placements the running rows attend in a block held once "
+                                     "(the others are in the rows' own pages), now", registry=r)
         self.factor_bytes_staged = Counter("milo:factor_bytes_staged", "Factor bytes staged on the device to rebuild "
                                            "admitted rows' blocks (a window layer's unreached blocks none)", registry=r)
         self.blocks_read = Counter("milo:blocks_read", "Blocks admissions read (shared blocks once), by the tier each "
@@ -124,7 +126,8 @@ class ServerMetrics:
     def held(self, counts: dict) -> None:
         """The running batch's `held_counts` (none: another process holds the K/V)."""
         for name, gauge in (("kv_bytes_held", self.kv_bytes_held), ("kv_bytes_kept", self.kv_bytes_kept),
-                            ("held_blocks", self.held_blocks), ("placed_blocks", self.placed_blocks)):
+                            ("held_blocks", self.held_blocks), ("placed_blocks", self.placed_blocks),
+                            ("held_placements", self.held_placements)):
             if name in counts:
                 gauge.set(counts[name])
 

@@ -7,6 +7,8 @@ test_faults.py's, which runs with blocks held (the default).
 import dataclasses
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 import torch
 
 from milo_infer.models import FAMILIES
@@ -14,7 +16,18 @@ from milo_infer.runtime.engine import Engine
 from milo_infer.runtime.pages import PAGE_TOKENS, pages_for
 from milo_infer.runtime.planning import EngineSettings, Request
 from milo_infer.runtime.prefix import FETCH_STATS
+from milo_infer.runtime.shared_blocks import HeldBlocks
 from tests.infer.runtime.test_engine import ATOL, REQUESTS, free_form, setup  # noqa: F401 (a fixture)
+
+WORTH_HOLDING = HeldBlocks.worth_holding  # the engine's rule, for the tests that check it
+
+
+@pytest.fixture(autouse=True)
+def every_shared_block_held(monkeypatch):
+    """The test models' blocks are a few tokens each, none worth a page held once for two rows (`worth_holding`):
+    these tests hold every block that two rows place, as the engine does blocks of a page or more."""
+    monkeypatch.setattr(HeldBlocks, "worth_holding", staticmethod(lambda rows, tokens: rows > 1))
+
 
 SHARING = [Request("topic1 topic2", k=2), Request("topic2 topic3", k=2), Request("topic3 topic1 topic2", k=3)]
 
@@ -51,7 +64,7 @@ def test_rows_hold_each_block_once_and_count_it_once(setup):
     assert set(blocks) == union | {None}  # each block once, and the store's anchor
     assert all(blocks[b].rows == sum(b in p.blocks for p in plans) for b in union) and blocks[None].rows == 3
     assert batch.fetch_stats["blocks"] == 7 and batch.fetch_stats["unique_blocks"] == len(union)
-    assert batch.most_held == {"held_blocks": len(union), "placed_blocks": 7}
+    assert batch.most_held == {"held_blocks": len(union), "placed_blocks": 7, "held_placements": 7}
     page_bytes = held.page_bytes
     own_columns = sum(p.prompt_tokens + p.max_new_tokens - p.prefix_tokens for p in plans)
     block_columns = sum(b.tokens for b in blocks.values())
@@ -101,15 +114,17 @@ def test_rows_placing_held_blocks_decode_as_rows_holding_their_own(setup):
 def test_a_row_joining_later_reuses_held_blocks_without_a_read(setup):
     held, own = engines(setup)
     batch = held.batch()
-    first = run(held, batch, [held.plan("s", r) for r in SHARING[:2]])  # they share a block: held once
-    assert all(b.rows == 0 for b in batch.held.values()) and len(batch.held) == 4  # kept after their rows left
-    counts = batch.held_counts()
+    plans = [held.plan("s", r) for r in SHARING[:2]]
+    shared = sorted(set(plans[0].blocks) & set(plans[1].blocks))
+    run(held, batch, plans)  # they share a block: held once, with the anchor
+    assert all(b.rows == 0 for b in batch.held.values()) and {key[1] for key in batch.held} == {*shared, None}
+    counts = batch.held_counts()  # kept after their rows left
     assert counts["kv_bytes_held"] == 0 and counts["kv_bytes_kept"] == batch.pages.in_use_bytes() > 0
-    again = run(held, batch, [held.plan("s", SHARING[0])])  # alone, its blocks held: it places them
+    request = Request(SHARING[0].text, k=len(shared))
+    again = run(held, batch, [held.plan("s", request, block_ids=shared)])  # alone, its blocks held: it places them
     assert batch.fetch_stats["bytes"] == 0 and batch.fetch_stats["staged_bytes"] == 0  # nothing read or staged
     assert set(FETCH_STATS) <= set(batch.fetch_stats)  # what a fetch reports, all of it, zero
-    assert list(again.values())[0] == list(first.values())[0]
-    assert list(again.values()) == list(run(own, own.batch(), [own.plan("s", SHARING[0])]).values())
+    assert list(again.values()) == list(run(own, own.batch(), [own.plan("s", request, block_ids=shared)]).values())
     batch.idle()  # nothing to answer: the blocks no row holds go, then the pools
     assert not batch.held and batch.pages.allocated_bytes() == 0
 
@@ -204,3 +219,50 @@ def test_a_turned_query_is_the_query_rotated_at_the_difference():
     turn_cos, turn_sin = tables.turn(0)
     turned = rope(at_m, turn_cos[p:p + 1], -turn_sin[p:p + 1], False)
     assert torch.allclose(turned, rope(q, cos[m - p:m - p + 1], sin[m - p:m - p + 1], False), atol=1e-5)
+
+
+def test_a_row_keeps_the_blocks_only_it_places_in_its_own_pages_before_its_query(setup):
+    """Two rows sharing one block hold it (and the anchor) once; each keeps the block only it places in its own
+    pages, packed just before its query, and the counters say which placements are held (issue 64)."""
+    held, own = engines(setup)
+    store = setup[1]
+    plans = [held.plan("s", r) for r in SHARING[:2]]
+    shared = set(plans[0].blocks) & set(plans[1].blocks)
+    assert shared and all(set(p.blocks) - shared for p in plans)
+    batch = held.batch()
+    batch.admit(plans)
+    batch.step()
+    assert {key[1] for key in batch.held} == shared | {None}
+    for row, plan in zip(batch.rows, plans):
+        kept = [b for b in plan.blocks if b not in shared]
+        assert [block.block for block, _ in row.held] == [None, *(b for b in plan.blocks if b in shared)]
+        assert row.rebuilt.blocks == kept and not row.rebuilt.anchor
+        assert row.own_from == plan.prefix_tokens - int(store.block_tokens[kept].sum())
+    counts = batch.held_counts()
+    assert (counts["placed_blocks"], counts["held_placements"], counts["held_blocks"]) == (4, 2, 1)
+    for a, b in zip(held.logits(plans), own.logits([own.plan("s", r) for r in SHARING[:2]])):
+        assert (a - b).abs().max() <= ATOL
+
+
+def test_blocks_too_small_for_a_page_stay_in_the_rows_pages(setup, monkeypatch):
+    """The engine's own rule: the test store's blocks, a few tokens each, would take a whole page held once for the
+    rows that place them: every row keeps its own copy and the batch needs no more K/V than without sharing."""
+    monkeypatch.setattr(HeldBlocks, "worth_holding", staticmethod(WORTH_HOLDING))
+    held, own = engines(setup)
+    store = setup[1]
+    plans = [held.plan("s", r) for r in SHARING]
+    assert all(len(plans) * int(store.block_tokens[b]) <= PAGE_TOKENS for p in plans for b in p.blocks)
+    batch, alone = held.batch(), own.batch()
+    for b, engine in ((batch, held), (alone, own)):
+        b.admit([engine.plan("s", r) for r in SHARING])
+        b.step()
+    assert not batch.held and all(row.own_from == 0 and row.rebuilt is row.executed.placement for row in batch.rows)
+    assert batch.kv_bytes_needed == alone.kv_bytes_needed and batch.held_counts()["held_placements"] == 0
+
+
+@given(rows=st.integers(1, 256), tokens=st.integers(1, 4096))
+def test_a_block_is_held_once_only_where_it_takes_fewer_columns_than_its_rows_copies(rows, tokens):
+    pages = pages_for(tokens) * PAGE_TOKENS
+    assert WORTH_HOLDING(rows, tokens) == (rows * tokens > pages)  # never more K/V than the rows' own copies
+    if rows >= 2 and tokens % PAGE_TOKENS == 0:
+        assert WORTH_HOLDING(rows, tokens)  # whole pages placed twice: held
