@@ -4,7 +4,8 @@ For each ``--batch`` size, the same ``--queries`` test queries of a data set (or
 ``batch`` at a time by two engines over the same store, one with `Engine(shared_blocks=True)` and one with
 ``False``, their batches alternating over ``--rounds`` rounds: each engine's median queries/s, the ratio, the most
 K/V bytes its batches' rows held, the distinct blocks held against the blocks placed then, the most placements
-attended in a held copy (the others in rows' own pages), and how many answers are equal. Batch 1 is a lone query (each answered alone; a batch keeps nothing across `Engine.answer` calls). Run:
+attended in a held copy (the others in rows' own pages), and how many answers are equal. Batch 1 is a lone query
+(each answered alone; a batch keeps nothing across `Engine.answer` calls). Run:
 
     MILO_DATA=../shared/data HF_HUB_OFFLINE=1 .venv/bin/python tools/bench_shared_blocks.py STORE --dataset banking77 \\
         --queries 100 --batch 1,16,64 --threads 1
@@ -83,12 +84,14 @@ def main(argv=None) -> int:
             print(f"batch {batch}: done", file=sys.stderr, flush=True)
     print(f"store {args.store}, k {args.k}, {len(texts)} queries, {args.threads} thread(s), {args.rounds} round(s)")
     print("| batch | q/s held once | q/s own copies | ratio | K/V MiB held once | K/V MiB own copies | held / own "
-          "| blocks held / placed | placements held once | equal answers |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| blocks held / placed | placements held once | equal answers |\n"
+          "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         held = r["kv_bytes_held"]
         print(f"| {r['batch']} | {r['qps']['on']:.2f} | {r['qps']['off']:.2f} | {r['ratio']:.2f} | "
               f"{held['on'] / 2**20:.0f} | {held['off'] / 2**20:.0f} | {held['on'] / held['off']:.2f} | "
-              f"{r['held_blocks']} / {r['placed_blocks']} | {r['held_placements']} | {r['equal']} of {r['queries']} |")
+              f"{r['held_blocks']} / {r['placed_blocks']} | {r['held_placements']} | "
+              f"{r['equal']} of {r['queries']} |")
     return 0
 
 

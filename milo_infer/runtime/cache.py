@@ -45,8 +45,8 @@ class Segment:
     they are consecutive, else None), the columns [first, keys) it reads from them, its tokens' positions and the
     bool mask [tokens, keys] it needs (None: every column, i.e. one token at the end). A row that places blocks
     held once for every row (`milo_infer.runtime.shared_blocks`) reads its own pages from ``first`` (its own blocks,
-    packed before its query, or its prefix's end) and those blocks through `HeldQueries`; its tokens are ``shared_at`` on there (None: a row holding its own
-    copy of its whole prefix)."""
+    packed before its query, or its prefix's end) and those blocks through `HeldQueries`; its tokens are
+    ``shared_at`` on there (None: a row holding its own copy of its whole prefix)."""
     pages: list[int]
     device_pages: torch.Tensor  # int64 [n]: the same, on the device
     run: int | None

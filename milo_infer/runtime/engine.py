@@ -23,6 +23,7 @@ of every forward it took part in), so the seconds of a run's answers add up to t
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import threading
@@ -76,9 +77,10 @@ class Engine:
     first fed token, and holds pages there only from the first its windows reach (False: every block and page at
     every layer, the same answers; what `tools/bench_windows.py` compares against). ``shared_blocks``: a block that
     enough rows place is held once and attended by each of them at its own offset, by turning its query
-    (`milo_infer.runtime.shared_blocks`; a row's other blocks stay in its own pages); False: every row holds and attends its own copy of its whole prefix, the
-    same answers (what `tools/bench_serve.py --shared-blocks off` compares against). A family whose keys are not a
-    rotation of what the store keeps always takes the per-row path (`families.Attention.query_turns`)."""
+    (`milo_infer.runtime.shared_blocks`; a row's other blocks stay in its own pages); False: every row holds and
+    attends its own copy of its whole prefix, the same answers (what `tools/bench_serve.py --shared-blocks off`
+    compares against). A family whose keys are not a rotation of what the store keeps always takes the per-row path
+    (`families.Attention.query_turns`)."""
 
     def __init__(self, loaded: LoadedModel, stores: dict[str, MiloStore], settings: EngineSettings = EngineSettings(),
                  *, device=None, prefetch_depth: int = 2, rebuild: Rebuild = rebuild_layer,
@@ -324,7 +326,7 @@ class Admission:
         """Its rebuild's destinations, in its placements' order: rows holding their own prefixes, then held blocks."""
         own = [row for row in self.rows if row.rebuilt is not None]
         blocks = [build.block for build in self.builds]
-        rows = ([(row.pages, row.executed.prefix_tokens, row.rebuilt.block_positions() if row.held else None)
+        rows = ([(row.pages, row.executed.prefix_tokens, row.rebuilt.block_positions() if row.own_from else None)
                  for row in own] + [(b.pages, b.tokens, None) for b in blocks])
         window = ([(row.window_pages, row.executed.prefix_tokens, None) for row in own]
                   + [(b.window_pages, b.tokens, None) for b in blocks]) if windowed else None
@@ -354,7 +356,7 @@ class Seat:
         """Its first own column: 0 holding its whole prefix, else where its own blocks start, before its query."""
         return own_start(self.executed, self.own) if self.held else 0
 
-    @property
+    @functools.cached_property
     def rebuilt(self) -> BlockPlacement | None:
         """What its admission rebuilds into its own pages: its whole prefix, its own blocks, or nothing."""
         if not self.held:
@@ -474,8 +476,8 @@ class Batch:
         layer, join ``builds``), or None when they do not fit even once the blocks no row holds are let go.
         ``placing``: how many waiting plans place each (store prefix, block)."""
         need = pages_for(executed.prompt_tokens + executed.max_new_tokens)
-        if self._shares(executed, placing):
-            kept = self._kept(executed, placing)
+        kept = self._kept(executed, placing) if self._may_share(executed) else set()
+        if kept:
             own = tuple(i for i in range(len(executed.blocks)) if i not in kept)
             wanted = self._placed_blocks(executed, kept)
             skip = own_start(executed, own) // PAGE_TOKENS  # pages wholly before its own columns: none of them its own
@@ -493,15 +495,13 @@ class Batch:
                 return None
         return Seat(plan, executed, self.pages.take(FULL, need), self.pages.take_window(need, skip), [])
 
-    def _shares(self, plan: QueryPlan, placing: Counter) -> bool:
-        """Its row places held blocks: sharing is on, it recomputes none of its prefix, and a block of it is worth
-        holding once (`_kept`). A row that would share none holds its own copy, as every row did before: a lone query
-        (or one whose blocks no other row has) is answered exactly as before, one attention call a layer over its own
-        columns, not one per block (docs/benchmarks.md, issue 54)."""
-        if not (self.engine.shared_blocks and plan.prefix_tokens > 0 and plan.mount is not None
-                and not len(plan.recompute)):
-            return False
-        return bool(self._kept(plan, placing))
+    def _may_share(self, plan: QueryPlan) -> bool:
+        """Its row may place held blocks: sharing is on and it recomputes none of its prefix. It does where a block of
+        it is worth holding once (`_kept`); a row that would share none holds its own copy, as every row did before: a
+        lone query (or one whose blocks no other row has) is answered exactly as before, one attention call a layer
+        over its own columns, not one per block (docs/benchmarks.md, issue 54)."""
+        return (self.engine.shared_blocks and plan.prefix_tokens > 0 and plan.mount is not None
+                and not len(plan.recompute))
 
     def _kept(self, plan: QueryPlan, placing: Counter) -> set[int]:
         """Which of ``plan``'s blocks (indices into its blocks) its row attends held once: those held already, and

@@ -6,9 +6,8 @@ anchor, at 0..Ta-1 in every row, likewise), and every row that places it at offs
 turned back by p (⟨R(m)q, R(p+i)k⟩ = ⟨R(m−p)q, R(i)k⟩: `milo_infer.runtime.attention.Merge`). Only a block worth
 it is held (`HeldBlocks.worth_holding`: rows enough that one copy takes fewer columns than theirs); a row's own pages
 hold its other blocks, packed before its query, then its query and answer. A held block counts once against the KV
-budget, lives while any row holds it, and
-after that stays until its pages are needed or the batch is idle, so a row joining later reuses it: no read, no
-rebuild. At a window layer a block is rebuilt only once some row that holds it reaches it there (issue 46's reach,
+budget, lives while any row holds it, and after that stays until its pages are needed or the batch is idle, so a
+row joining later reuses it: no read, no rebuild. At a window layer a block is rebuilt only once some row that holds it reaches it there (issue 46's reach,
 per block): a later row that reaches more layers has them rebuilt then.
 
 A row that recomputes tokens of its prefix (``--recompute``, or a block that could not be read) holds its own copy
