@@ -10,6 +10,10 @@ connector all read):
   times a gain per channel (Gemma 4's ``attention_k_eq_v``, whose key and value are one projection, normalised by one
   RMSNorm with and one without a weight): only the values are stored, and the gain beside them (`format.KEY_GAIN`).
 - ``shared``: nothing of its own; it attends layer ``source``'s keys and values (Gemma 4's ``num_kv_shared_layers``).
+- ``latent``: multi-head latent attention's cache (DeepSeek's MLA): one unit a token, ``head_dim`` wide, its first
+  ``head_dim − latent`` channels the rope key before RoPE (the rotary: rotate-half ``rotary_dim`` over them, or
+  interleaved pairs whose tables past them are identity), the ``latent`` channels after it the compressed latent
+  (after its norm), never rotated. It is stored as keys and holds no values: the model expands both K and V from it.
 
 The rest of milo lays blocks out on a grid of (layer, kind, head) *units* (`milo_store.layout.Layout`): kind 0 the
 keys, kind 1 the values, as many heads as the widest layer has, each unit as wide as its layer. A unit a layer does
@@ -21,8 +25,8 @@ from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
-ATTENTION, SHARED = "attention", "shared"
-KINDS = (ATTENTION, SHARED)
+ATTENTION, SHARED, LATENT = "attention", "shared", "latent"
+KINDS = (ATTENTION, SHARED, LATENT)
 ROTARY = ("half", "interleaved")
 
 
@@ -37,6 +41,7 @@ class LayerSpec:
     nope: bool = False  # its keys are cached as computed, never rotated
     keys_from_values: bool = False
     source: int | None = None  # a shared layer: whose keys and values it attends
+    latent: int = 0  # a latent layer: the latent's channels, after its rope key's
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -45,6 +50,9 @@ class LayerSpec:
             raise ValueError(f"unknown rotary layout {self.rotary!r}; expected one of {ROTARY}")
         if self.kind == SHARED and self.source is None:
             raise ValueError("a shared layer names the layer whose keys and values it attends (source)")
+        if self.kind == LATENT and not (self.kv_heads == 1 and 0 < self.latent < self.head_dim):
+            raise ValueError(f"a latent layer is one unit of a rope key and a latent of 1..head_dim-1 channels; got "
+                             f"{self.kv_heads} heads of {self.head_dim} with a latent of {self.latent}")
         if self.kind == ATTENTION and (self.kv_heads < 1 or self.head_dim < 1):
             raise ValueError(f"an attention layer needs at least one KV head of at least one channel; got "
                              f"{self.kv_heads} heads of {self.head_dim}")
@@ -55,7 +63,7 @@ class LayerSpec:
 
     @property
     def stores_keys(self) -> bool:
-        return self.kind == ATTENTION and not self.keys_from_values
+        return self.kind == LATENT or self.kind == ATTENTION and not self.keys_from_values
 
     @property
     def stores_values(self) -> bool:
@@ -64,6 +72,11 @@ class LayerSpec:
     @property
     def holds_cache(self) -> bool:
         """Whether the layer caches keys and values of its own (a shared layer attends another's)."""
+        return self.kind != SHARED
+
+    @property
+    def caches_values(self) -> bool:
+        """Whether its cache has values beside its keys (a latent layer's one unit is both)."""
         return self.kind == ATTENTION
 
     def rope_layout(self) -> dict:
@@ -115,8 +128,8 @@ def unit_widths(layers: tuple[LayerSpec, ...]) -> np.ndarray:
 
 def cache_values_per_token(layers) -> int:
     """Values one token's keys and values take in an attention cache: every layer holding its own (a K = V layer's
-    both: the model attends both), none of a shared layer's."""
-    return 2 * sum(spec.kv_heads * spec.head_dim for spec in layers if spec.holds_cache)
+    both: the model attends both; a latent layer's one unit), none of a shared layer's."""
+    return sum((1 + spec.caches_values) * spec.kv_heads * spec.head_dim for spec in layers if spec.holds_cache)
 
 
 def check_layers(layers: tuple[LayerSpec, ...]) -> None:

@@ -219,10 +219,12 @@ class Layout:
         return t * self.widths * self.present * bytes_per_value
 
     def layer_groups(self) -> dict[str, list[int]]:
-        """The layers by what they hold, for reports: 'kv HxD', 'v HxD' (keys from values), 'shared'."""
+        """The layers by what they hold, for reports: 'kv HxD', 'v HxD' (keys from values), 'latent R+C' (a rope key
+        and a latent), 'shared'."""
         groups: dict[str, list[int]] = {}
         for l, spec in enumerate(self.layers):
             name = ("shared" if not spec.holds_cache else
+                    f"latent {spec.head_dim - spec.latent}+{spec.latent}" if spec.latent else
                     f"{'v' if spec.keys_from_values else 'kv'} {spec.kv_heads}x{spec.head_dim}")
             groups.setdefault(name, []).append(l)
         return groups

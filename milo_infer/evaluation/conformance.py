@@ -33,10 +33,11 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 from milo_store import CompressionConfig, MiloStore
+from milo_store.layers import LATENT
 
 from ..building.builder import build_store
 from ..building.config import BuildConfig
-from ..models import LoadedModel, layer_rope_tables, layer_specs, query_channel_scales
+from ..models import LoadedModel, latent, layer_rope_tables, layer_specs, query_channel_scales
 from ..models.capture import pooled_key_scales, query_energy
 from ..runtime.engine import Engine, cache_keyword
 from ..runtime.planning import Request
@@ -180,7 +181,7 @@ def cut(tensors: list, columns: slice) -> list:
 
 def rebuilt(engine: Engine, placement) -> tuple[list, list]:
     """Per layer, K and V [1, H, P, d] of a placement's [anchor][blocks] as the engine's rebuild writes them into its
-    cache (None at a layer that attends another's)."""
+    cache (None at a layer that attends another's; a latent layer's unit as its keys, its values None)."""
     rebuild = PrefixRebuild([placement], engine.rope, engine.device)
     P = rebuild.rows[0].prefix_tokens
     keys, values = [], []
@@ -190,8 +191,8 @@ def rebuilt(engine: Engine, placement) -> tuple[list, list]:
             values.append(None)
             continue
         k = torch.empty(1, spec.kv_heads, P, spec.head_dim, dtype=engine.dtype, device=engine.device)
-        v = torch.empty_like(k)
-        rebuild.fill(layer, k, v)
+        v = torch.empty_like(k) if spec.caches_values else None  # a latent layer's one unit is in its keys
+        rebuild.fill(layer, k, [None] if v is None else v)
         keys.append(k)
         values.append(v)
     return keys, values
@@ -211,14 +212,18 @@ def model_cache(model, ids: list[int], shift: int) -> tuple[list, list]:
     cache = out.cache if hasattr(out, "cache") else out.past_key_values  # transformers renamed it after 5.19
     # the layers that write K/V come first (Gemma 4's shared layers are its last ones): the others hold none
     held = list(cache.layers) + [None] * (model.config.num_hidden_layers - len(cache.layers))
-    return [None if c is None else c.keys for c in held], [None if c is None else c.values for c in held]
+    keys, values = [None if c is None else c.keys for c in held], [None if c is None else c.values for c in held]
+    for l, spec in enumerate(layer_specs(model.config)):
+        if spec.kind == LATENT:  # (latent, rotated rope key) as milo's unit
+            keys[l], values[l] = latent.unit_of(keys[l], values[l]), None
+    return keys, values
 
 
 @torch.inference_mode()
 def plain_logits(model, keys, values, query_ids: list[int], prefix_tokens: int) -> torch.Tensor:
     """transformers alone: the query fed after a `DynamicCache` holding the prefix, its logits [T, vocab] fp32
     (every column kept, as `model_cache`'s)."""
-    cache = cache_of(keys, values)
+    cache = cache_of(keys, values, layers=layer_specs(model.config))
     device = next(model.parameters()).device
     positions = torch.arange(prefix_tokens, prefix_tokens + len(query_ids), device=device)[None]
     out = model(input_ids=torch.tensor([query_ids], device=device), position_ids=positions, use_cache=True,
@@ -226,11 +231,15 @@ def plain_logits(model, keys, values, query_ids: list[int], prefix_tokens: int) 
     return out.logits[0].float()
 
 
-def cache_of(keys: list, values: list, config=None) -> DynamicCache:
+def cache_of(keys: list, values: list, config=None, layers=None) -> DynamicCache:
     """A `DynamicCache` holding each layer's K and V (none at a layer that attends another's); ``config``: the model's,
-    for a cache that keeps only a window layer's last W columns as it grows."""
+    for a cache that keeps only a window layer's last W columns as it grows; ``layers`` (the model's `layer_specs`,
+    default ``config``'s): a latent layer's unit handed back as its model caches it."""
     cache = DynamicCache(config=config) if config is not None else DynamicCache()
+    layers = layers or (layer_specs(config) if config is not None else ())
     for layer, (k, v) in enumerate(zip(keys, values)):
+        if k is not None and layer < len(layers) and layers[layer].kind == LATENT:
+            k, v = latent.cache_pair(k, layers[layer].latent)
         if k is not None:
             cache.update(k, v, layer)
     return cache
@@ -244,8 +253,9 @@ _RECORDED: list[dict] = []  # where the `attended_query_scales` call in progress
 def _recording_attention(module, query, key, value, attention_mask, **kwargs):
     """The model's own eager attention (windows, sinks, soft-cap as its modeling file has them), keeping what each
     layer's attention is given as queries (after RoPE and any norm)."""
-    if _RECORDED:
-        _RECORDED[-1][module.layer_idx] = query.detach()
+    if _RECORDED:  # an MLA layer's queries as one over its unit [rope key | latent], which its keys' weights are of
+        _RECORDED[-1][module.layer_idx] = (latent.absorbed_query(module, query) if hasattr(module, "kv_b_proj")
+                                           else query).detach()
     eager = sys.modules[type(module).__module__].eager_attention_forward
     return eager(module, query, key, value, attention_mask, **kwargs)
 

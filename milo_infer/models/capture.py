@@ -8,6 +8,9 @@ from typing import Iterator
 
 import torch
 
+from milo_store.layers import LATENT
+
+from . import latent
 from .families import Attention, attention_of, layer_specs
 
 
@@ -39,7 +42,9 @@ def _taps(model, spec: Attention, what: str) -> dict:
             continue
         d = shape.head_dim
         sizes = {"q": config.num_attention_heads * d, "k": shape.kv_heads * d, "v": shape.kv_heads * d}
-        if spec.fused is not None:  # [q | k | v] along the last dimension
+        if spec.latent:  # the rope key ends the projection's output; the latent is its norm's; queries absorbed
+            taps[index] = _latent_tap(attention, spec, what, shape.latent, latent.rope_order(config))
+        elif spec.fused is not None:  # [q | k | v] along the last dimension
             start = {"q": 0, "k": sizes["q"], "v": sizes["q"] + sizes["k"]}[what]
             taps[index] = (getattr(attention, spec.fused), lambda out, a=start, b=start + sizes[what]: out[..., a:b])
         else:
@@ -53,6 +58,22 @@ def _taps(model, spec: Attention, what: str) -> dict:
             else:
                 taps[index] = (module, lambda out: out)
     return taps
+
+
+def _latent_tap(attention, spec: Attention, what: str, width: int, order) -> tuple:
+    """An MLA layer's tap (`models.latent`): its rope key (in its cache's layout), its latent, or its pre-RoPE queries
+    absorbed into one over [rope key | latent], [batch, tokens, heads * (rope + latent)]."""
+    if what == "k":
+        return _module(attention, spec.keys)[0], lambda out: latent.laid_out(out[..., width:], order)
+    if what == "v":
+        return _module(attention, (spec.values,))[0], lambda out: out
+
+    def absorbed(out):
+        q = out.unflatten(-1, (attention.num_heads, -1))  # [batch, tokens, heads, nope + rope]
+        nope = attention.qk_nope_head_dim
+        q = torch.cat((q[..., :nope], latent.laid_out(q[..., nope:], order)), dim=-1)
+        return latent.absorbed_query(attention, q.transpose(1, 2)).transpose(1, 2).flatten(-2)
+    return _module(attention, spec.queries)[0], absorbed
 
 
 def hand_on_attention_keywords(model) -> None:
@@ -85,8 +106,9 @@ class CapturedKV:
 
     ``keys[l]`` is what layer ``l``'s RoPE turns (the family's key tap: ``k_proj``'s output with its bias, or
     ``k_norm``'s, or the k slice of a fused projection) and ``values[l]`` its values, both reshaped to
-    ``[batch, tokens, kv_heads, head_dim]`` of that layer (``layers``: `families.layer_specs`). A layer not yet run,
-    or one that attends another's K/V, holds None. Each forward pass replaces the previous one's tensors.
+    ``[batch, tokens, kv_heads, head_dim]`` of that layer (``layers``: `families.layer_specs`); at a latent layer its rope
+    key and its latent, [batch, tokens, 1, width] each. A layer not yet run, or one that attends another's K/V, holds
+    None. Each forward pass replaces the previous one's tensors.
     """
 
     def __init__(self, layers):
@@ -95,12 +117,19 @@ class CapturedKV:
         self.values: list[torch.Tensor | None] = [None] * len(self.layers)
 
     def _store(self, into: list, layer: int, part):
-        shape = (self.layers[layer].kv_heads, self.layers[layer].head_dim)
+        heads = self.layers[layer].kv_heads
 
         def hook(module, inputs, output):
             x = part(output.detach())
-            into[layer] = x.reshape(*x.shape[:2], *shape)
+            into[layer] = x.reshape(*x.shape[:2], heads, -1)
         return hook
+
+    def unit(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Layer ``layer``'s keys and values [batch, tokens, heads, d] as its store unit lays them: a latent layer's
+        one unit [rope key | latent], no values."""
+        if self.layers[layer].kind == LATENT:
+            return torch.cat((self.keys[layer], self.values[layer]), dim=-1), None
+        return self.keys[layer], self.values[layer]
 
     def grid(self, batch: int, tokens: slice, layout) -> tuple[torch.Tensor, torch.Tensor]:
         """Row ``batch``'s keys and values at ``tokens`` on ``layout``'s grid, each [L, H, T, d] on their device: zero
@@ -112,8 +141,10 @@ class CapturedKV:
         values = torch.zeros_like(keys)
         for l, spec in enumerate(self.layers):
             if spec.holds_cache:
-                keys[l, :spec.kv_heads, :, :spec.head_dim] = self.keys[l][batch, tokens].transpose(0, 1)
-                values[l, :spec.kv_heads, :, :spec.head_dim] = self.values[l][batch, tokens].transpose(0, 1)
+                k, v = self.unit(l)
+                keys[l, :spec.kv_heads, :, :spec.head_dim] = k[batch, tokens].transpose(0, 1)
+                if v is not None:
+                    values[l, :spec.kv_heads, :, :spec.head_dim] = v[batch, tokens].transpose(0, 1)
         return keys, values
 
 
@@ -214,6 +245,8 @@ def output_channel_scales(model, spec: Attention | None = None) -> torch.Tensor:
     layers = layer_specs(config)
     squares = _grid(layers, torch.float64)
     for index, (layer, shape) in enumerate(zip(decoder_layers(model), layers)):
+        if shape.kind == LATENT:  # no values of its own (its latent is stored as keys)
+            continue
         owner = index if shape.holds_cache else shape.source
         H, d = shape.kv_heads, shape.head_dim
         squares[owner, :H, :d] += (getattr(layer.self_attn, spec.output).weight.detach().double().square().sum(dim=0)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from milo_store import Layout
-from milo_store.layers import ATTENTION, SHARED, LayerSpec
+from milo_store.layers import ATTENTION, LATENT, SHARED, LayerSpec
 
 # RoPE variants whose tables depend only on the position: "dynamic" and "longrope" recompute their
 # frequencies from the length of the current forward pass, so a stored key could not be re-rotated.
@@ -68,6 +68,8 @@ class Attention:
     # times the key norm's weight (Gemma 4's attention_k_eq_v: one projection, an RMSNorm with and one without a
     # weight), so a store keeps the values alone (`milo_store.layers`)
     kv_sharing: bool = False  # its last num_kv_shared_layers layers attend an earlier layer's K/V and hold none (Gemma 4)
+    latent: bool = False  # multi-head latent attention (DeepSeek's MLA): ``keys`` the projection whose output ends in
+    # the rope key, ``values`` the latent's norm; each layer caches one unit [rope key | latent] (`models.latent`)
 
     def rope_layout(self, config, layer: int = 0) -> dict:
         """The kernels' RoPE layout arguments for ``layer`` of this model (``milo_kernels`` ``interleaved`` and
@@ -115,6 +117,13 @@ FUSED = Attention(fused="qkv_proj", window=True, partial=True)  # Phi-3's: q, k 
 MOE = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
        "mlp_only_layers")  # Qwen's routing
 GRANITE = ("attention_multiplier", "embedding_multiplier", "residual_multiplier", "logits_scaling")
+DEEPSEEK_MOE = ("n_routed_experts", "n_shared_experts", "num_experts_per_tok", "moe_intermediate_size",
+                "first_k_dense_replace", "norm_topk_prob", "routed_scaling_factor", "n_group", "topk_group",
+                "topk_method")
+# MLA: the latent's and the rope key's widths, the queries' and values' per head, the query's own low rank
+MLA = Attention(keys=("kv_a_proj_with_mqa",), values="kv_a_layernorm", queries=("q_proj", "q_b_proj"), latent=True,
+                identity=("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+                          "rope_interleave") + DEEPSEEK_MOE)
 
 FAMILIES: dict[str, Attention] = {
     "llama": PLAIN,
@@ -196,25 +205,37 @@ FAMILIES: dict[str, Attention] = {
                                  "no_rope_layers", "attention_chunk_size", "attn_temperature_tuning", "floor_scale",
                                  "attn_scale", "use_qk_norm", "num_local_experts", "num_experts_per_tok", "moe_layers",
                                  "intermediate_size_mlp")),  # Llama 4: complex RoPE tables, NoPE every 4th layer
+    # MLA: a latent and one rope key a token (`models.latent`); V3's rope_interleave lays the rope key out evens then
+    # odds before rotate-half, V2's complex tables turn its raw pairs (2i, 2i + 1)
+    "deepseek_v3": MLA,
+    "deepseek_v2": replace(MLA, interleaved=True, half_tables=True),
+    "glm4_moe_lite": replace(MLA, identity=MLA.identity + ("mlp_layer_types",)),  # GLM-4.7-Flash: V3's attention
 }
 
 HYBRID_LINEAR = ("hybrid linear attention: its linear-attention layers keep a recurrent state, not per-token K/V "
                  "that could be stored and placed at new positions")
-MLA = ("multi-head latent attention (MLA): its cache holds a compressed latent and one shared RoPE key per token, "
-       "not per-head K/V before RoPE")
 KEY_NORM_AFTER_ROPE = ("its query and key RMSNorms follow RoPE, each with a weight per channel, so a score "
                        "<wq*R(m)q, wk*R(n)k> depends on m and n, not on m - n alone: a block's K/V past the first layer "
                        "change with the absolute positions it was encoded at, and no stored block placed elsewhere is "
                        "what the model computes there (tried: keys stored as k/rms(k) before RoPE, the norm's weight "
                        "on each layer's tables, rebuild its cache to fp32 rounding; placed at new positions, a tiny "
                        "model's layer-1 keys were off by 19-97% of their size)")
+SPARSE_LATENT = ("DeepSeek Sparse Attention: each query attends only the index_topk columns an indexer picks from a "
+                 "second per-token key cache (its indexer keys), which milo does not store yet; its engine would attend "
+                 "every column, unlike the model past index_topk tokens")
 REFUSED: dict[str, str] = {
+    "deepseek_v32": SPARSE_LATENT, "glm_moe_dsa": SPARSE_LATENT,
+    "kimi_linear": HYBRID_LINEAR + " (beside MLA layers, which milo stores)",
+    "longcat_flash": ("two MLA attentions in each decoder layer (its cache numbers 2 x num_layers layers) and its latent "
+                      "scaled after its norm (mla_scale_kv_lora): not yet described"),
+    "deepseek_v4": ("compressed attention: its compressed and heavily compressed layers cache one entry per "
+                    "compress_rate tokens, aligned to absolute positions, beside a window: a block placed elsewhere "
+                    "would compress over other tokens"),
     "qwen3_next": HYBRID_LINEAR, "qwen3_5": HYBRID_LINEAR, "qwen3_5_text": HYBRID_LINEAR, "qwen3_5_moe": HYBRID_LINEAR,
     "qwen3_5_moe_text": HYBRID_LINEAR, "falcon_h1": HYBRID_LINEAR, "jamba": HYBRID_LINEAR,
     "gemma3": ("the multimodal Gemma 3 (gemma3): its image tokens attend bidirectionally, and its text model "
                "is not yet proven loaded out of it; its text model as a checkpoint of its own (gemma3_text) is "
                "supported"),
-    "deepseek_v2": MLA, "deepseek_v3": MLA,
     "hunyuan_v1_dense": KEY_NORM_AFTER_ROPE,
     "hunyuan_v1_moe": KEY_NORM_AFTER_ROPE,
 }
@@ -292,6 +313,11 @@ def layer_specs(config) -> tuple[LayerSpec, ...]:
     sources = kv_sources(config) if spec.kv_sharing else {}
     k_eq_v = bool(spec.keys_from_values and getattr(config, spec.keys_from_values, False))
     layers = []
+    if spec.latent:
+        rope, latent = config.qk_rope_head_dim, config.kv_lora_rank
+        rotary = dict(rotary="interleaved") if spec.interleaved else dict(rotary="half", rotary_dim=rope)
+        return tuple(LayerSpec(LATENT, 1, rope + latent, latent=latent, **rotary)
+                     for _ in range(config.num_hidden_layers))
     for l in range(config.num_hidden_layers):
         d = head_dim(config, l)
         turns = rotary_dim(config, l)

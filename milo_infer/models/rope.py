@@ -78,8 +78,9 @@ def _as_applied(config, cos, sin, d: int) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = (t.repeat_interleave(2, dim=1) if spec.interleaved else torch.cat((t, t), dim=1) for t in (cos, sin))
     if spec.regroup_tables:  # [f_0 .. f_{r/2-1}, f_0 .. f_{r/2-1}] -> [f_0, f_0, f_1, f_1, ...]
         cos, sin = (t[:, :t.shape[1] // 2].repeat_interleave(2, dim=1) for t in (cos, sin))
-    if cos.shape[1] != d:  # partial rotary: the channels past rotary_dim are kept as they are
-        if not spec.partial or cos.shape[1] > d:
+    if cos.shape[1] != d:  # partial rotary (a latent layer's latent after its rope key too): the channels past
+        # rotary_dim are kept as they are
+        if not (spec.partial or spec.latent) or cos.shape[1] > d:
             raise ValueError(f"{config.model_type}: rotary tables of {cos.shape[1]} channels for heads of {d}")
         cos = torch.cat((cos, cos.new_ones(cos.shape[0], d - cos.shape[1])), dim=1)
         sin = torch.cat((sin, sin.new_zeros(sin.shape[0], d - sin.shape[1])), dim=1)

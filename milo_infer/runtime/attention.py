@@ -42,6 +42,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from milo_kernels.cpu import rope
 
+from ..models.latent import absorbed_query, values_out
 from .cache import HeldQueries, Pack
 from .pages import PAGE_TOKENS, pages_for
 
@@ -79,8 +80,22 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       sliding_window=sliding_window, **kwargs)
     layer = LayerAttention(scaling, sliding_window, softcap, s_aux, module.layer_idx)
+    pack = milo_pack.attended(module.layer_idx)
+    if module.layer_idx in milo_pack.latent:
+        return latent_attention(module, query, milo_pack.latent[module.layer_idx], pack, layer), None
     attend = flex_rows if milo_pack.attention == "flex" else sdpa_rows
-    return attend(query, key, value, milo_pack.attended(module.layer_idx), layer).transpose(1, 2).contiguous(), None
+    return attend(query, key, value, pack, layer).transpose(1, 2).contiguous(), None
+
+
+def latent_attention(module, query, pool, pack: Pack, layer: LayerAttention) -> torch.Tensor:
+    """An MLA layer's attention [1, T, Hq, v_head_dim] over its pool of units [1, columns, rope + latent]
+    (`milo_infer.models.latent`): every query head absorbed into one over the unit, which all share as one KV head,
+    the unit's latent its value, then each head's W_uv. Per row (``rows``) whatever the engine's choice: FlexAttention
+    is not run on it yet."""
+    q = absorbed_query(module, query)
+    units = pool[None]
+    out = sdpa_rows(q, units, units[..., module.qk_rope_head_dim:], pack, layer)
+    return values_out(module, out).transpose(1, 2).contiguous()
 
 
 def sdpa_rows(query, key, value, pack: Pack, layer: LayerAttention | None) -> torch.Tensor:
@@ -91,9 +106,9 @@ def sdpa_rows(query, key, value, pack: Pack, layer: LayerAttention | None) -> to
     keys, d]: the same scores as SDPA's GQA, which is ~1.1x slower for it here. A window layer reads a row's columns
     from the first its earliest token's window reaches (a window of W over a long prefix: W columns, not all)."""
     layer = layer or LayerAttention()
-    out = torch.empty_like(query)
-    Hq, H, d = query.shape[1], key.shape[1], query.shape[3]
-    held = Merge.of(pack.held, query)
+    Hq, H, d, dv = query.shape[1], key.shape[1], query.shape[3], value.shape[3]
+    out = query.new_empty(*query.shape[:3], dv)
+    held = Merge.of(pack.held, query, dv)
     for s in pack.segments:
         # a window layer reads the columns from the first its earliest token's window reaches; a row placing held
         # blocks reads its own pages from its own columns' first
@@ -116,7 +131,7 @@ def sdpa_rows(query, key, value, pack: Pack, layer: LayerAttention | None) -> to
             out[:, :, s.start:s.stop] = scored_attention(q, k, v, mask, layer)
         elif mask is None and s.stop - s.start == 1:
             out[:, :, s.start:s.stop] = torch.nn.functional.scaled_dot_product_attention(
-                q.reshape(1, H, Hq // H, d), k, v, scale=layer.scaling).reshape(1, Hq, 1, d)
+                q.reshape(1, H, Hq // H, d), k, v, scale=layer.scaling).reshape(1, Hq, 1, dv)
         else:
             out[:, :, s.start:s.stop] = torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, scale=layer.scaling, enable_gqa=True)
@@ -126,23 +141,23 @@ def sdpa_rows(query, key, value, pack: Pack, layer: LayerAttention | None) -> to
 
 
 def partial_attention(q, k, v, mask, layer: LayerAttention) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention of q [Hq, n, d] over k, v [H, C, d] (GQA) in fp32, soft-capped as the layer says, and each
-    query's log-sum-exp of its scores: what merges with its attention over other columns (`Merge`). ``mask`` [n, C]
-    (None: every column); each query must see a column. On the CPU without a soft-cap this is the kernel SDPA runs
-    there, which returns the log-sum-exp beside the output (1.5x the scores written out, issue 54)."""
+    """Softmax attention of q [Hq, n, d] over k [H, C, d], v [H, C, dv] (GQA) in fp32, soft-capped as the layer says,
+    and each query's log-sum-exp of its scores: what merges with its attention over other columns (`Merge`). ``mask``
+    [n, C] (None: every column); each query must see a column. On the CPU without a soft-cap this is the kernel SDPA
+    runs there, which returns the log-sum-exp beside the output (1.5x the scores written out, issue 54)."""
     Hq, n, d = q.shape
-    H, C = k.shape[0], k.shape[1]
+    H, C, dv = k.shape[0], k.shape[1], v.shape[2]
     scale = layer.scaling if layer.scaling is not None else d ** -0.5
     grouped = q.float().reshape(H, Hq // H * n, d)
     if mask is not None:
         mask = mask.expand(Hq // H, n, C).reshape(-1, C)
-    if layer.softcap is None and q.device.type == "cpu":
+    if layer.softcap is None and q.device.type == "cpu" and dv == d:  # its kernel takes one head size (not MLA's)
         bias = None if mask is None else torch.zeros(mask.shape, device=q.device).masked_fill_(~mask, float("-inf"))
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             grouped[None], k.float()[None], v.float()[None], 0.0, False, attn_mask=bias, scale=scale)
-        return out[0].reshape(Hq, n, d), lse[0].reshape(Hq, n)
+        return out[0].reshape(Hq, n, dv), lse[0].reshape(Hq, n)
     out, lse = softmax_parts(torch.bmm(grouped * scale, k.float().transpose(1, 2)), v.float(), mask, layer)
-    return out.view(Hq, n, d), lse.view(Hq, n)
+    return out.view(Hq, n, dv), lse.view(Hq, n)
 
 
 def softmax_parts(scores, v, mask, layer: LayerAttention) -> tuple[torch.Tensor, torch.Tensor]:
@@ -222,15 +237,15 @@ def padded_attention(q, g: PaddedBlocks, key, value, layer: LayerAttention) -> t
     """The part of the held blocks padded into ``g`` for its pairs' queries q [Hq, p, d]: one product of every block's
     padded queries with its padded keys, the scores written out; padded queries see nothing and are dropped."""
     Hq, _, d = q.shape
-    H, (E, T), n = key.shape[0], g.columns.shape, g.n
+    H, (E, T), n, dv = key.shape[0], g.columns.shape, g.n, value.shape[2]
     grouped = q.new_zeros(Hq, E * n, d, dtype=torch.float32)
     grouped[:, g.slot] = q.float()
     grouped = grouped.view(H, Hq // H, E, n, d).permute(2, 0, 1, 3, 4).reshape(E, H, Hq // H * n, d)
     k = key.index_select(1, g.columns.flatten()).view(H, E, T, d).transpose(0, 1).float()  # [E, H, T, d]
-    v = value.index_select(1, g.columns.flatten()).view(H, E, T, d).transpose(0, 1).float()
+    v = value.index_select(1, g.columns.flatten()).view(H, E, T, dv).transpose(0, 1).float()
     scale = layer.scaling if layer.scaling is not None else d ** -0.5
     out, lse = softmax_parts(torch.matmul(grouped * scale, k.transpose(-1, -2)), v, g.mask, layer)
-    out = out.reshape(E, H, Hq // H, n, d).permute(1, 2, 0, 3, 4).reshape(Hq, E * n, d)[:, g.slot]
+    out = out.reshape(E, H, Hq // H, n, dv).permute(1, 2, 0, 3, 4).reshape(Hq, E * n, dv)[:, g.slot]
     return out, lse.reshape(E, H, Hq // H, n).permute(1, 2, 0, 3).reshape(Hq, E * n)[:, g.slot]
 
 
@@ -240,15 +255,15 @@ class Merge:
     in their rows (``finish``: ⟨R(m)q, R(p+i)k⟩ = ⟨R(m−p)q, R(i)k⟩, and a block is held at positions 0..T-1); the
     parts merge by their log-sum-exps, and a sink logit (gpt-oss) joins once per token, at the end."""
 
-    def __init__(self, held: HeldQueries, query: torch.Tensor):
-        Hq, d, S = query.shape[1], query.shape[3], len(held.packed)
+    def __init__(self, held: HeldQueries, query: torch.Tensor, value_width: int | None = None):
+        Hq, S = query.shape[1], len(held.packed)
         self.held = held
-        self.acc = query.new_zeros(Hq, S, d, dtype=torch.float32)
+        self.acc = query.new_zeros(Hq, S, value_width or query.shape[3], dtype=torch.float32)
         self.lse = query.new_full((Hq, S), float("-inf"), dtype=torch.float32)
 
     @classmethod
-    def of(cls, held: HeldQueries | None, query: torch.Tensor) -> "Merge | None":
-        return None if held is None else cls(held, query)
+    def of(cls, held: HeldQueries | None, query: torch.Tensor, value_width: int | None = None) -> "Merge | None":
+        return None if held is None else cls(held, query, value_width)
 
     def own(self, at: int, out: torch.Tensor, lse: torch.Tensor) -> None:
         self.acc[:, at:at + out.shape[1]] = out

@@ -132,6 +132,8 @@ class Pack:
     # layer holds pages of its own)
     held: HeldQueries | None = None  # what rows placing held blocks attend there (None: no such row)
     window_layers: frozenset = frozenset()  # the layers attending the window pools (a shared layer: its source's)
+    latent: dict = field(default_factory=dict)  # each latent layer's pool [1, columns, rope + latent], as its update
+    # leaves it: its attention reads the unit there (`attention.latent_attention`)
 
     def attended(self, layer: int) -> "Pack":
         """What ``layer`` attends: its own page tables' segments."""
@@ -145,18 +147,21 @@ def pool_columns(pages: list[int], positions: torch.Tensor) -> torch.Tensor:
 
 
 class PagedLayer(CacheLayerMixin):
+    """One layer's pools. A latent layer (MLA, `milo_infer.models.latent`) keeps one unit a token, [rope key |
+    latent], in its K pool and has no values (a V pool of no width)."""
     is_sliding = False
 
-    def __init__(self, index: int, cache: "PagedCache", shape, dtype, device, windowed: bool = False):
+    def __init__(self, index: int, cache: "PagedCache", spec, dtype, device, windowed: bool = False):
         super().__init__()
         self.windowed = windowed  # a window layer on page tables of its own
         # a proxy, not a reference: a cycle would keep the pools (gigabytes) alive after the batch ends, until the
         # garbage collector next ran
         self.index, self.cache = index, weakref.proxy(cache)
-        self.holds = shape is not None  # a shared layer holds no pools (shape None)
-        H, d = shape or (0, 0)
+        self.holds = spec.holds_cache  # a shared layer holds no pools
+        self.latent = spec.latent
+        H, d = (spec.kv_heads, spec.head_dim) if self.holds else (0, 0)
         self.k_pool = torch.zeros(H, 0, d, dtype=dtype, device=device)
-        self.v_pool = torch.zeros_like(self.k_pool)
+        self.v_pool = torch.zeros(H, 0, d if spec.caches_values else 0, dtype=dtype, device=device)
         self.is_initialized = True
 
     def lazy_initialization(self, key_states, value_states) -> None:
@@ -186,6 +191,15 @@ class PagedLayer(CacheLayerMixin):
                 ks.append(self.k_pool[:, :0])
                 vs.append(self.v_pool[:, :0])
                 continue
+            if self.latent:  # one unit, no values: the rebuild writes keys only
+                k = torch.empty(self.k_pool.shape[0], length, self.k_pool.shape[2], dtype=self.k_pool.dtype,
+                                device=self.k_pool.device)
+                ks.append(k)
+                vs.append(None)
+                at = None if kept is None else torch.from_numpy(kept).to(k.device)
+                columns = pool_columns(pages, torch.arange(length - (length if kept is None else len(kept)), length))
+                scattered.append((columns.to(k.device), k, None, at))
+                continue
             start = run_start(pages[:pages_for(length)])
             if kept is not None:  # rebuilt at its positions, then packed before the row's query
                 k = torch.empty(self.k_pool.shape[0], length, self.k_pool.shape[2], dtype=self.k_pool.dtype,
@@ -210,7 +224,8 @@ class PagedLayer(CacheLayerMixin):
         prefixes.rebuild.fill(self.index, ks, vs)
         for columns, k, v, kept in scattered:
             self.k_pool[:, columns] = k if kept is None else k.index_select(1, kept)
-            self.v_pool[:, columns] = v if kept is None else v.index_select(1, kept)
+            if v is not None:
+                self.v_pool[:, columns] = v if kept is None else v.index_select(1, kept)
 
     def update(self, key_states, value_states, *args, **kwargs):
         """Rebuild the joining rows' prefixes of this layer, write the new tokens' K/V to their pool columns, and
@@ -219,9 +234,15 @@ class PagedLayer(CacheLayerMixin):
         for prefixes in pack.fills:
             self.fill(prefixes)
         columns = pack.attended(self.index).columns
+        self.cache.updated += 1
+        if self.latent:  # handed (latent, rotated rope key): kept as one unit, which the attention reads from the pack;
+            # the model expands one token's (its modeling file's view takes no empty tensor), not the pool's every
+            # column for every head
+            self.k_pool[:, columns] = torch.cat((value_states[0], key_states[0]), dim=-1)
+            pack.latent[self.index] = self.k_pool
+            return key_states[:, :, :1], value_states[:, :, :1]
         self.k_pool[:, columns] = key_states[0]
         self.v_pool[:, columns] = value_states[0]
-        self.cache.updated += 1
         return self.k_pool[None], self.v_pool[None]
 
     def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
@@ -241,8 +262,8 @@ class PagedCache(Cache):
     shared layer never writes). The ``windowed`` layers hold pools of their own."""
 
     def __init__(self, layers, dtype, device, windowed=frozenset()):
-        super().__init__(layers=[PagedLayer(l, self, (spec.kv_heads, spec.head_dim) if spec.holds_cache else None,
-                                            dtype, device, l in windowed) for l, spec in enumerate(layers)])
+        super().__init__(layers=[PagedLayer(l, self, spec, dtype, device, l in windowed)
+                                 for l, spec in enumerate(layers)])
         self.writers = sum(spec.holds_cache for spec in layers)  # the layers a forward writes
         self.pack: Pack | None = None
         self.updated = 0

@@ -192,7 +192,7 @@ class StorePrefix:
             cos, sin = rope.layer(l)
             self.anchor_k.append(apply_rope(k.float(), cos[:Ta].cpu(), sin[:Ta].cpu(), **self.rope_layout(l))
                                  .to(device, dtype))
-            self.anchor_v.append(v.to(device, dtype))
+            self.anchor_v.append(v.to(device, dtype) if spec.caches_values else None)
         self.anchor_len = Ta
         # a K = V layer's keys are its values times this gain ([d], fp32, on the device)
         self.key_gain = {l: store.key_gain(l).to(device) for l, spec in enumerate(self.layers)
@@ -402,6 +402,8 @@ class PrefixRebuild:
                 for l in self.share.layers}
 
     def fill(self, layer: int, k_buf, v_buf) -> None:
+        """Write ``layer`` of every row's prefix into its buffers (a latent layer's: keys only, its rows' ``v_buf``
+        entries None)."""
         if layer not in self.share.layers:
             raise ValueError(f"layer {layer} is not in this rebuild's layers {self.share.layers}")
         if not self.rows[0].prefix.layers[layer].holds_cache:  # a shared layer attends its source's: nothing here
@@ -418,7 +420,9 @@ class PrefixRebuild:
                 m = row.prefix
                 if row.anchor:
                     k[:, :m.anchor_len] = m.anchor_k[layer][heads]
-                    v[:, :m.anchor_len] = m.anchor_v[layer][heads]
+                    if v is not None:
+                        v[:, :m.anchor_len] = m.anchor_v[layer][heads]
+                v = k if v is None else v  # a latent layer's: no value segments, so never written
                 if kernel_plans is None:  # rebuilt from its stored codes
                     self.codes[m].rebuild(segments[layer], scales[m], k[:, :row.prefix_tokens], v[:, :row.prefix_tokens],
                                           cos, sin, **m.rope_layout(layer))
@@ -454,13 +458,14 @@ class PrefixRebuild:
                 block, at = slice(first, first + tokens), slice(dst, dst + tokens)
                 keys = None
                 for r in rows:
-                    k, v = k_buf[r][:, at], v_buf[r][:, at]
+                    k = k_buf[r][:, at]
                     if k.dtype == torch.float32:
                         rope(decoded[0][:, block], cos[at], sin[at], out=k, **layout)
                     else:
                         if keys is None:
                             keys = rope(decoded[0][:, block], cos[at], sin[at], **layout)
                         k.copy_(keys)
-                    v.copy_(decoded[1][:, block])
+                    if v_buf[r] is not None:
+                        v_buf[r][:, at].copy_(decoded[1][:, block])
         if layer == self.share.layers[-1]:
             self.decoded = None

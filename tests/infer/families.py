@@ -20,6 +20,11 @@ LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_fre
           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}  # positions past 64 are rescaled
 MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}  # time, height, width
 MROPE_INTERLEAVED = dict(MROPE, mrope_interleaved=True)  # Qwen3-VL's
+MLA = dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=32, qk_nope_head_dim=8, qk_rope_head_dim=8,
+           v_head_dim=12, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+           n_group=1, topk_group=1, first_k_dense_replace=1)
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 256,
+        "mscale": 1.0, "mscale_all_dim": 1.0}  # DeepSeek V3's: the scale in the attention's, none in the tables
 
 # family -> (config class, what its tiny config sets): each line one attention path the suite proves
 TINY = {
@@ -91,6 +96,11 @@ TINY = {
     "llama4_text": ("Llama4TextConfig", dict(head_dim=16, intermediate_size_mlp=96, num_local_experts=2,
                                              no_rope_layers=[1, 0], attention_chunk_size=512, floor_scale=512,
                                              rope_parameters=LLAMA3)),
+    # MLA (a latent and one rope key a token): V3 with a low-rank query, rope_interleave and YaRN; V2 with q_proj and
+    # complex tables on raw pairs; GLM-4.7-Flash's is V3's attention
+    "deepseek_v3": ("DeepseekV3Config", dict(MLA, rope_parameters=YARN)),
+    "deepseek_v2": ("DeepseekV2Config", dict(MLA, q_lora_rank=None)),
+    "glm4_moe_lite": ("Glm4MoeLiteConfig", MLA),
 }
 
 TASK = TaskSpec(name="topics", template="Message: {input}\nTopic: {output}\n", anchor="Name each message's topic.",

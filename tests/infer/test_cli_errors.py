@@ -44,7 +44,7 @@ def test_a_closed_pipe_ends_the_command_quietly(tmp_path, command):
 @pytest.mark.parametrize("model_type, overrides, reason", [
     ("qwen3_next", {}, "hybrid linear attention"),
     ("gemma3", {}, "the multimodal Gemma 3 (gemma3)"),
-    ("deepseek_v3", {}, "multi-head latent attention"),
+    ("deepseek_v32", {}, "DeepSeek Sparse Attention"),
     ("hunyuan_v1_dense", {}, "its query and key RMSNorms follow RoPE"),
 ])
 def test_build_on_a_refused_family_is_one_line_naming_why(model_type, overrides, reason, tmp_path, capsys):
