@@ -50,8 +50,9 @@ def describe(store: MiloStore) -> dict:
 
 
 def layer_groups(store: MiloStore, acc: dict) -> list[dict]:
-    """The store's layers by what they hold (`Layout.layer_groups`: 'kv HxD', 'v HxD' for K = V, 'shared'), each
-    group's stored factor bytes and its fp16 K/V (what a store holding every layer in full would keep)."""
+    """The store's layers by what they hold (`Layout.layer_groups`: 'kv HxD', 'v HxD' for K = V, 'latent R+C',
+    'shared'), each group's stored factor bytes and its fp16 K/V (what a store holding every layer in full would keep:
+    an MLA layer's one unit)."""
     layout, tokens = store.layout, store.block_tokens
     groups = layout.layer_groups()
     per_layer = None
@@ -60,7 +61,8 @@ def layer_groups(store: MiloStore, acc: dict) -> list[dict]:
     out = []
     for name, layers in groups.items():
         spec = layout.layers[layers[0]]
-        full = 2 * int(tokens.sum()) * spec.kv_heads * spec.head_dim * 2 * len(layers)  # K and V, fp16
+        units = 1 if spec.latent else 2  # K and V; an MLA layer's one unit (its latent and rope key)
+        full = units * int(tokens.sum()) * spec.kv_heads * spec.head_dim * 2 * len(layers)  # fp16
         stored = acc["factor_bytes"] if per_layer is None else int(per_layer[layers].sum())
         out.append({"group": name, "layers": layers, "factor_bytes": stored, "full_fp16_bytes": full})
     return out

@@ -40,8 +40,18 @@ SHAPES = {
                         sliding_window=64, intermediate_size=128, vocab_size=300, vocab_size_per_layer_input=300,
                         hidden_size_per_layer_input=8, max_position_embeddings=4096,
                         layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2),
+    # DeepSeek-V2-Lite's attention (MLA: latent 512, rope key 64, 16 heads of 128 + 64, no query low rank) and dense
+    # first layer, 27 layers; its experts cut to 6 routed of which every token takes 6 (its top-6 of 64) and its 2
+    # shared, so a token's expert compute is the released model's (64 experts of random weights would be 58 GB);
+    # vocabulary cut to 4,096
+    "deepseek-v2-lite": dict(num_hidden_layers=27, hidden_size=2048, num_attention_heads=16, num_key_value_heads=16,
+                             kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                             v_head_dim=128, intermediate_size=10944, moe_intermediate_size=1408, n_routed_experts=6,
+                             num_experts_per_tok=6, n_shared_experts=2, first_k_dense_replace=1, vocab_size=4096,
+                             max_position_embeddings=32768),
 }
-CONFIG_CLASS = {"gemma4-e2b": "Gemma4TextConfig", "gemma4-tiny": "Gemma4TextConfig"}  # the others: Qwen2Config
+CONFIG_CLASS = {"gemma4-e2b": "Gemma4TextConfig", "gemma4-tiny": "Gemma4TextConfig",
+                "deepseek-v2-lite": "DeepseekV2Config"}  # the others: Qwen2Config
 SYNTHETIC_LABELS = tuple(f"c{i:02d}" for i in range(16))  # " c07" + newline: 5 generated tokens each
 
 

@@ -78,8 +78,10 @@ def print_report(r) -> None:
           f"{tol['capture']:g}, moved (re-positioned) {tol['reposition']:g}, query weights {tol['query_scales']:g}, "
           f"logits {tol['logits']:g}")
     print("layer  " + "  ".join(f"{title:>10}" for _, title in COLUMNS))
-    for layer, checks in enumerate(r.layers):  # a layer attending another's K/V has none of its own to check
-        print(f"{layer:5d}  " + "  ".join(f"{checks[name].relative:10.2e}" if name in checks else f"{'shared':>10}"
+    for layer, checks in enumerate(r.layers):  # a layer attending another's K/V has none of its own to check; an MLA
+        # layer's one unit is its keys ("in K")
+        absent = "shared" if not any(name.endswith("keys") for name in checks) else "in K"
+        print(f"{layer:5d}  " + "  ".join(f"{checks[name].relative:10.2e}" if name in checks else f"{absent:>10}"
                                           for name, _ in COLUMNS))
     print(f"logits over a query: {r.logits.relative:.2e}")
     if r.passed:

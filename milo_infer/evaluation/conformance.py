@@ -37,7 +37,7 @@ from milo_store.layers import LATENT
 
 from ..building.builder import build_store
 from ..building.config import BuildConfig
-from ..models import LoadedModel, latent, layer_rope_tables, layer_specs, query_channel_scales
+from ..models import FAMILIES, LoadedModel, latent, layer_rope_tables, layer_specs, query_channel_scales
 from ..models.capture import pooled_key_scales, query_energy
 from ..runtime.engine import Engine, cache_keyword
 from ..runtime.planning import Request
@@ -213,9 +213,8 @@ def model_cache(model, ids: list[int], shift: int) -> tuple[list, list]:
     # the layers that write K/V come first (Gemma 4's shared layers are its last ones): the others hold none
     held = list(cache.layers) + [None] * (model.config.num_hidden_layers - len(cache.layers))
     keys, values = [None if c is None else c.keys for c in held], [None if c is None else c.values for c in held]
-    for l, spec in enumerate(layer_specs(model.config)):
-        if spec.kind == LATENT:  # (latent, rotated rope key) as milo's unit
-            keys[l], values[l] = latent.unit_of(keys[l], values[l]), None
+    if getattr(FAMILIES.get(model.config.model_type), "latent", False):  # (latent, rotated rope key) as milo's unit
+        keys, values = [latent.unit_of(k, v) for k, v in zip(keys, values)], [None] * len(keys)
     return keys, values
 
 

@@ -429,7 +429,11 @@ def rope_per_layer_type(config) -> dict[str, dict]:
 def vllm_problem(config) -> str | None:
     """Why the vLLM connector cannot serve this model, or None: where vLLM's own model file attends otherwise than
     transformers' (which milo's stores are encoded by and its engine answers as), a loaded prefix would answer
-    unlike both. Only Cohere 2 with an active window, in vLLM 0.32."""
+    unlike both: Cohere 2 with an active window, in vLLM 0.32. And where the connector does not write the layer's
+    cache: MLA's."""
+    if FAMILIES.get(config.model_type, PLAIN).latent:
+        return ("its MLA layers: vLLM caches one [latent | rope key] entry a token in its MLA backends' own layout, and "
+                "the connector writes per-head K and V only: served by milo's own engine only")
     if config.model_type == "cohere2" and any(w is not None for w in attention_of(config).windows(config)):
         return (f"vLLM's Cohere 2 attends sliding_window + 1 = {config.sliding_window + 1} tokens in its window "
                 f"layers (its commandr.py: 'cohere swa layer sees [pos - sliding_window, pos]'), transformers' "

@@ -85,6 +85,15 @@ def test_gemma4_passes_with_its_shared_layers_named(tmp_path, capsys):
     assert [row[0] for row in rows] == ["0", "1", "2", "3"] and rows[2][1:5] == ["shared"] * 4, rows
 
 
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2"])
+def test_an_mla_model_passes_with_its_latent_as_keys(family, tmp_path, capsys):
+    """An MLA layer's one unit [rope key | latent] is checked as its keys; it has no values of its own."""
+    assert milo(["check-model", saved(family, tmp_path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["passed"] and report["model_type"] == family
+    assert all("capture keys" in layer and "capture values" not in layer for layer in report["layers"])
+
+
 def mistral3_dir(path, tie: bool) -> str:
     """A tiny Mistral 3 checkpoint (a Pixtral vision tower wrapping the tiny Mistral), saved as transformers saves
     it: its text model is what milo judges, loads and checks."""
