@@ -17,7 +17,7 @@ import torch
 from milo_kernels.naive import apply_rope
 from milo_store.codecs.rate_distortion import ContextAttention
 
-from ..models import attention_of, capture_queries, decoder_layers, layer_rope_tables
+from ..models import attention_modules, attention_of, capture_queries, layer_rope_tables
 
 CALIBRATION_QUERIES = 8
 
@@ -32,7 +32,7 @@ def value_attention(loaded, anchor_ids: list[int], query_ids: list[list[int]]
     queries = torch.cat(captured, dim=1).float()  # [L, M, Hq, d]
     positions = torch.cat([torch.arange(len(ids)) for ids in query_ids])
     layout = attention_of(model.config).rope_layout(model.config)
-    scaling = float(decoder_layers(model)[0].self_attn.scaling)
+    scaling = float(attention_modules(model)[0].scaling)
 
     def attend(i: int, keys: torch.Tensor) -> torch.Tensor:
         L, H, T, d = keys.shape
@@ -77,7 +77,7 @@ def context_attention(loaded, anchor_ids: list[int], anchor_kv: torch.Tensor, qu
     queries = torch.cat(last, dim=1).float()  # [L, M', Hq, d]
     offsets = torch.tensor([len(ids) - 1 for ids in query_ids])
     layout = attention_of(model.config).rope_layout(model.config)
-    scaling = float(decoder_layers(model)[0].self_attn.scaling)
+    scaling = float(attention_modules(model)[0].scaling)
     anchor_kv = anchor_kv.float().cpu()
     A = anchor_kv.shape[-2]
     rope = {"rows": 0, "tables": None}  # grown to the longest block seen

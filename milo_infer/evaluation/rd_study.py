@@ -52,7 +52,7 @@ from milo_store.staging import FINGERPRINT
 
 from ..building.builder import CALIBRATION_TOKENS
 from ..building.config import default_compression
-from ..models import attention_of, capture_queries, channel_scales, decoder_layers, layer_rope_tables
+from ..models import attention_modules, attention_of, capture_queries, channel_scales, layer_rope_tables
 
 CODECS = ("today", "today+mean", "today+bits", "today+bits+attn", "today+zstd", "transform", "transform-shared",
           "transform+attn", "transform+zstd")
@@ -132,7 +132,7 @@ def prepare(loaded, store, staging: Staging, test, task, num_queries: int, calib
                       calibration=torch.cat(calibration_queries, dim=1) if calibration_queries else queries[0][:, :0],
                       calibration_positions=torch.cat(calibration_positions) if calibration_positions else
                       torch.zeros(0, dtype=torch.int64),
-                      rope=layer_rope_tables(model, longest), scaling=float(decoder_layers(model)[0].self_attn.scaling),
+                      rope=layer_rope_tables(model, longest), scaling=float(attention_modules(model)[0].scaling),
                       rope_layout=attention_of(model.config).rope_layout(model.config))
 
 

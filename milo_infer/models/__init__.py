@@ -18,9 +18,8 @@ Face model lays these out:
   milo's own, `TextModelForCausalLM`), and its media tokens, refused in a corpus or a query (`media_tokens`,
   `media_problem`).
 """
-from .capture import (CapturedKV, capture_kv, capture_queries, channel_scales, decoder_layers, key_gains,
-                      output_channel_scales,
-                      query_channel_scales)
+from .capture import (CapturedKV, attention_modules, capture_kv, capture_queries, channel_scales, decoder_layers,
+                      key_gains, output_channel_scales, query_channel_scales)
 from .families import (FAMILIES, REFUSED, SUPPORTED_ROPE_TYPES, Attention, UnsupportedModelError, attention_of,
                        check_supported, head_dim, layer_specs, model_layout)
 from .identity import IDENTITY_FIELDS, check_compatible, config_identity, identity_layout, model_identity
@@ -30,7 +29,7 @@ from .multimodal import causal_lm_class, media_problem, media_tokens
 from .rope import RopeTables, config_layer_rope_tables, config_rope_tables, layer_rope_tables, rope_tables
 
 __all__ = ["Attention", "CapturedKV", "FAMILIES", "IDENTITY_FIELDS", "LoadedModel", "ModelUnavailable", "REFUSED",
-           "RopeTables", "SUPPORTED_ROPE_TYPES", "UnsupportedModelError", "attention_of",
+           "RopeTables", "SUPPORTED_ROPE_TYPES", "UnsupportedModelError", "attention_modules", "attention_of",
            "cache_root", "capture_kv", "capture_queries", "causal_lm_class",
            "channel_scales", "check_compatible", "check_supported", "config_identity", "config_layer_rope_tables",
            "config_rope_tables", "decoder_layers", "default_gguf_path", "head_dim", "identity_layout", "key_gains",

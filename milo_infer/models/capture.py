@@ -20,6 +20,15 @@ def decoder_layers(model) -> torch.nn.ModuleList:
     return base.layers
 
 
+def attention_modules(model) -> list[torch.nn.Module]:
+    """Every attention module in the order the model's cache numbers them: each decoder layer's ``self_attn``, or each
+    of its list (LongCat's two a layer)."""
+    found = []
+    for layer in decoder_layers(model):
+        found.extend(layer.self_attn if isinstance(layer.self_attn, torch.nn.ModuleList) else [layer.self_attn])
+    return found
+
+
 def _module(attention: torch.nn.Module, names: tuple[str, ...]) -> tuple[torch.nn.Module, bool]:
     """The first of ``names`` the attention module has (a description lists the tap first, its fallback after), and
     whether it is the first (the tap, not its fallback)."""
@@ -36,14 +45,13 @@ def _taps(model, spec: Attention, what: str) -> dict:
     shared layers) has no key or value tap."""
     config = model.config
     taps = {}
-    for index, (layer, shape) in enumerate(zip(decoder_layers(model), layer_specs(config))):
-        attention = layer.self_attn
+    for index, (attention, shape) in enumerate(zip(attention_modules(model), layer_specs(config))):
         if what != "q" and not shape.holds_cache:
             continue
         d = shape.head_dim
         sizes = {"q": config.num_attention_heads * d, "k": shape.kv_heads * d, "v": shape.kv_heads * d}
         if spec.latent:  # the rope key ends the projection's output; the latent is its norm's; queries absorbed
-            taps[index] = _latent_tap(attention, spec, what, shape.latent, latent.rope_order(config))
+            taps[index] = _latent_tap(attention, spec, what, shape.latent, latent.rope_order(config, spec))
         elif spec.fused is not None:  # [q | k | v] along the last dimension
             start = {"q": 0, "k": sizes["q"], "v": sizes["q"] + sizes["k"]}[what]
             taps[index] = (getattr(attention, spec.fused), lambda out, a=start, b=start + sizes[what]: out[..., a:b])
@@ -63,13 +71,14 @@ def _taps(model, spec: Attention, what: str) -> dict:
 def _latent_tap(attention, spec: Attention, what: str, width: int, order) -> tuple:
     """An MLA layer's tap (`models.latent`): its rope key (in its cache's layout), its latent, or its pre-RoPE queries
     absorbed into one over [rope key | latent], [batch, tokens, heads * (rope + latent)]."""
+    latent_gain, query_gain = latent.gains(attention, spec)
     if what == "k":
         return _module(attention, spec.keys)[0], lambda out: latent.laid_out(out[..., width:], order)
     if what == "v":
-        return _module(attention, (spec.values,))[0], lambda out: out
+        return _module(attention, (spec.values,))[0], lambda out: out * latent_gain
 
     def absorbed(out):
-        q = out.unflatten(-1, (attention.num_heads, -1))  # [batch, tokens, heads, nope + rope]
+        q = (out * query_gain).unflatten(-1, (attention.num_heads, -1))  # [batch, tokens, heads, nope + rope]
         nope = attention.qk_nope_head_dim
         q = torch.cat((q[..., :nope], latent.laid_out(q[..., nope:], order)), dim=-1)
         return latent.absorbed_query(attention, q.transpose(1, 2)).transpose(1, 2).flatten(-2)
@@ -244,12 +253,12 @@ def output_channel_scales(model, spec: Attention | None = None) -> torch.Tensor:
     spec = spec or attention_of(config)
     layers = layer_specs(config)
     squares = _grid(layers, torch.float64)
-    for index, (layer, shape) in enumerate(zip(decoder_layers(model), layers)):
+    for index, (attention, shape) in enumerate(zip(attention_modules(model), layers)):
         if shape.kind == LATENT:  # no values of its own (its latent is stored as keys)
             continue
         owner = index if shape.holds_cache else shape.source
         H, d = shape.kv_heads, shape.head_dim
-        squares[owner, :H, :d] += (getattr(layer.self_attn, spec.output).weight.detach().double().square().sum(dim=0)
+        squares[owner, :H, :d] += (getattr(attention, spec.output).weight.detach().double().square().sum(dim=0)
                                    .reshape(H, config.num_attention_heads // H, d).mean(dim=1).cpu())
     readers = _readers(layers)
     return (squares / readers.reshape(-1, 1, 1)).sqrt().float()
@@ -275,9 +284,9 @@ def key_gains(model) -> torch.Tensor | None:
     if not any(shape.keys_from_values for shape in layers):
         return None
     spec, gains = attention_of(model.config), _grid(layers, torch.float32)[:, 0]
-    for index, (layer, shape) in enumerate(zip(decoder_layers(model), layers)):
+    for index, (attention, shape) in enumerate(zip(attention_modules(model), layers)):
         if shape.keys_from_values:
-            gains[index, :shape.head_dim] = _module(layer.self_attn, spec.keys)[0].weight.detach().float().cpu()
+            gains[index, :shape.head_dim] = _module(attention, spec.keys)[0].weight.detach().float().cpu()
     return gains
 
 

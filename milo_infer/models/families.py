@@ -70,6 +70,10 @@ class Attention:
     kv_sharing: bool = False  # its last num_kv_shared_layers layers attend an earlier layer's K/V and hold none (Gemma 4)
     latent: bool = False  # multi-head latent attention (DeepSeek's MLA): ``keys`` the projection whose output ends in
     # the rope key, ``values`` the latent's norm; each layer caches one unit [rope key | latent] (`models.latent`)
+    rope_interleave: str | bool = "rope_interleave"  # an MLA rope key's raw pairs turned as evens then odds: where
+    # this config flag is on, or always (True: LongCat's)
+    latent_gains: tuple[str, str] | None = None  # attributes of the MLA module scaling its latent after the norm and its
+    # queries (LongCat's mla_scale_kv_lora, mla_scale_q_lora)
 
     def rope_layout(self, config, layer: int = 0) -> dict:
         """The kernels' RoPE layout arguments for ``layer`` of this model (``milo_kernels`` ``interleaved`` and
@@ -210,6 +214,12 @@ FAMILIES: dict[str, Attention] = {
     "deepseek_v3": MLA,
     "deepseek_v2": replace(MLA, interleaved=True, half_tables=True),
     "glm4_moe_lite": replace(MLA, identity=MLA.identity + ("mlp_layer_types",)),  # GLM-4.7-Flash: V3's attention
+    # LongCat-Flash: two MLAs a decoder layer (cache layers 2l, 2l + 1), evens-then-odds always, a low-rank query, its
+    # latent and queries scaled by sqrt(hidden / rank) after their norms
+    "longcat_flash": replace(MLA, rope_interleave=True, latent_gains=("mla_scale_kv_lora", "mla_scale_q_lora"),
+                             identity=("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
+                                       "v_head_dim", "head_dim", "ffn_hidden_size", "expert_ffn_hidden_size",
+                                       "n_routed_experts", "zero_expert_num", "moe_topk", "routed_scaling_factor")),
 }
 
 HYBRID_LINEAR = ("hybrid linear attention: its linear-attention layers keep a recurrent state, not per-token K/V "
@@ -226,8 +236,6 @@ SPARSE_LATENT = ("DeepSeek Sparse Attention: each query attends only the index_t
 REFUSED: dict[str, str] = {
     "deepseek_v32": SPARSE_LATENT, "glm_moe_dsa": SPARSE_LATENT,
     "kimi_linear": HYBRID_LINEAR + " (beside MLA layers, which milo stores)",
-    "longcat_flash": ("two MLA attentions in each decoder layer (its cache numbers 2 x num_layers layers) and its latent "
-                      "scaled after its norm (mla_scale_kv_lora): not yet described"),
     "deepseek_v4": ("compressed attention: its compressed and heavily compressed layers cache one entry per "
                     "compress_rate tokens, aligned to absolute positions, beside a window: a block placed elsewhere "
                     "would compress over other tokens"),

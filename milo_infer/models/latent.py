@@ -1,4 +1,4 @@
-"""Multi-head latent attention (MLA: DeepSeek V2/V3, Kimi K2, GLM-4.7-Flash) as milo stores and attends it.
+"""Multi-head latent attention (MLA: DeepSeek V2/V3, Kimi K2, GLM-4.7-Flash, LongCat-Flash) as milo stores and attends it.
 
 An MLA layer caches, per token, a latent ``c`` (``kv_lora_rank`` channels, after ``kv_a_layernorm``) and one rope
 key ``k_r`` (``qk_rope_head_dim``) shared by every head; its attention expands them through ``kv_b_proj``: head h's key
@@ -9,18 +9,28 @@ expanded score, and the softmax-weighted latents times W_uv,h are its output. So
 grouped-query attention of one KV head), a row's columns are never expanded, and a query turned back by a held block's
 offset turns its rope part alone, as for any partial rotary.
 
-The rope key is stored in the order the model's cache holds it: DeepSeek V3's ``rope_interleave`` turns the raw
-pairs (2i, 2i + 1) and writes evens then odds (rotate-half's layout), so the raw key is laid out that way first
-(`rope_order`); DeepSeek V2's complex rotation keeps the raw interleaved pairs.
+The rope key is stored in the order the model's cache holds it: DeepSeek V3's ``rope_interleave`` (LongCat's always)
+turns the raw pairs (2i, 2i + 1) and writes evens then odds (rotate-half's layout), so the raw key is laid out that
+way first (`rope_order`); DeepSeek V2's complex rotation keeps the raw interleaved pairs. LongCat scales its latent and
+queries after their norms (`gains`).
 """
+
 from __future__ import annotations
 
 import torch
 
 
-def rope_order(config) -> torch.Tensor | None:
-    """The permutation of the raw rope channels into the layout the model's cache holds them in (None: as they are)."""
-    if not getattr(config, "rope_interleave", False):
+def gains(module, spec) -> tuple[float, float]:
+    """What the module multiplies its latent and its queries by after their norms (1, 1 but for LongCat's)."""
+    if spec.latent_gains is None:
+        return 1.0, 1.0
+    return tuple(float(getattr(module, name)) for name in spec.latent_gains)
+
+
+def rope_order(config, spec) -> torch.Tensor | None:
+    """The permutation of the raw rope channels into the layout the model's cache holds them in (None: as they are),
+    as the family's description (``spec``, `families.Attention`) says."""
+    if not (spec.rope_interleave is True or getattr(config, spec.rope_interleave, False)):
         return None
     r = config.qk_rope_head_dim
     return torch.cat((torch.arange(0, r, 2), torch.arange(1, r, 2)))

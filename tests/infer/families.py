@@ -101,6 +101,10 @@ TINY = {
     "deepseek_v3": ("DeepseekV3Config", dict(MLA, rope_parameters=YARN)),
     "deepseek_v2": ("DeepseekV2Config", dict(MLA, q_lora_rank=None)),
     "glm4_moe_lite": ("Glm4MoeLiteConfig", MLA),
+    # LongCat-Flash: two MLAs in each of its 2 decoder layers (num_hidden_layers counts MLAs), zero experts too
+    "longcat_flash": ("LongcatFlashConfig", dict(MLA, num_hidden_layers=4, head_dim=8,
+                                                 ffn_hidden_size=64, expert_ffn_hidden_size=32, zero_expert_num=2,
+                                                 moe_topk=2)),
 }
 
 TASK = TaskSpec(name="topics", template="Message: {input}\nTopic: {output}\n", anchor="Name each message's topic.",

@@ -108,6 +108,7 @@ WRONG = {  # family -> a description that misreads it, and the check that must s
     "llama4_text": (dict(norm_after_rope=None), "capture keys"),  # its weightless norm after RoPE left out
     "deepseek_v3": (dict(interleaved=True, half_tables=True), "capture keys"),  # V2's raw pairs for its rope key
     "deepseek_v2": (dict(interleaved=False, half_tables=False), "capture keys"),  # V3's rotate-half layout
+    "longcat_flash": (dict(latent_gains=None), "capture keys"),  # its latent's scale after the norm left out
 }
 
 
@@ -116,7 +117,7 @@ def test_deepseek_v3s_rope_key_kept_in_its_raw_order_fails_its_check(tmp_path, m
     unlike the model's."""
     from milo_infer.models import latent
 
-    monkeypatch.setattr(latent, "rope_order", lambda config: None)
+    monkeypatch.setattr(latent, "rope_order", lambda config, spec: None)
     r = conformance(families.tiny_model("deepseek_v3"), tmp_path)
     assert any("capture keys" in failure for failure in r.failures()), r.failures()
 
