@@ -1,4 +1,4 @@
-"""Multi-head latent attention (MLA: DeepSeek V2/V3, Kimi K2, GLM-4.7-Flash, LongCat-Flash) as milo stores and attends it.
+"""Multi-head latent attention (MLA: DeepSeek V2/V3, Kimi K2, GLM-4.7-Flash, LongCat-Flash) as milo keeps it.
 
 An MLA layer caches, per token, a latent ``c`` (``kv_lora_rank`` channels, after ``kv_a_layernorm``) and one rope
 key ``k_r`` (``qk_rope_head_dim``) shared by every head; its attention expands them through ``kv_b_proj``: head h's key
