@@ -114,7 +114,7 @@ def load_model(spec: str | os.PathLike = "default", *, dtype: torch.dtype = torc
             raise ValueError(f"arch={arch!r}: only 'qwen2' (from a Llama model) can be rebuilt; got {model.config.model_type!r}")
         model = llama_as_qwen2(model)
     model.eval().requires_grad_(False)
-    tokenizer = AutoTokenizer.from_pretrained(directory)
+    tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=False)  # milo runs no remote code
     return LoadedModel(model=model, tokenizer=tokenizer, identity=model_identity(model))
 
 
@@ -123,6 +123,11 @@ def load_model(spec: str | os.PathLike = "default", *, dtype: torch.dtype = torc
 # The other towers' weights match nothing and are left unread.
 TEXT_WEIGHTS = {r"^model\.language_model\.": "model.", r"^language_model\.model\.": "model.",
                 r"^language_model\.lm_head\.": "lm_head."}
+
+
+# checkpoints naming a type of their own whose architecture is one transformers has (their config.json points at remote
+# code milo never runs): read as that architecture's config
+ARCHITECTURE_OF = {"kimi_k2": "deepseek_v3"}  # Kimi K2 (Instruct, Thinking): DeepSeek V3's, MLA
 
 
 def read_config(directory) -> object:
@@ -134,7 +139,7 @@ def read_config(directory) -> object:
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(directory)
+        config = _architecture_config(directory) or AutoConfig.from_pretrained(directory)
     except Exception as error:  # noqa: BLE001 - an unreadable config is a refusal, never a traceback
         raise UnsupportedModelError(f"model {str(directory)!r} is not supported: transformers cannot read its "
                                     f"config.json ({_first_line(error)})") from None
@@ -144,6 +149,21 @@ def read_config(directory) -> object:
         text.tie_word_embeddings = config.tie_word_embeddings  # the wrapper's says whether lm_head is saved
         setattr(text, MEDIA_TOKENS, media_token_ids(config))
         return text
+    return config
+
+
+def _architecture_config(directory):
+    """The config of a checkpoint whose ``model_type`` is in `ARCHITECTURE_OF`, as its architecture's (None: any
+    other checkpoint). Its remote-code pointers are dropped: transformers' own class reads the same fields."""
+    from transformers import AutoConfig
+
+    path = Path(directory) / "config.json"
+    raw = json.loads(path.read_text()) if path.is_file() else {}
+    if raw.get("model_type") not in ARCHITECTURE_OF:
+        return None
+    fields = {k: v for k, v in raw.items() if k not in ("model_type", "auto_map", "architectures")}
+    config = AutoConfig.for_model(ARCHITECTURE_OF[raw["model_type"]], **fields)
+    config.name_or_path = str(directory)
     return config
 
 

@@ -94,6 +94,17 @@ def test_an_mla_model_passes_with_its_latent_as_keys(family, tmp_path, capsys):
     assert all("capture keys" in layer and "capture values" not in layer for layer in report["layers"])
 
 
+def test_a_kimi_k2_checkpoint_is_checked_as_deepseek_v3(tmp_path, capsys):
+    """Kimi K2's config.json names its own type and remote code; its architecture is DeepSeek V3's."""
+    directory = saved("deepseek_v3", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.update(model_type="kimi_k2", auto_map={"AutoConfig": "configuration_deepseek.DeepseekV3Config"})
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert milo(["check-model", directory, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["passed"] and report["model_type"] == "deepseek_v3"
+
+
 def mistral3_dir(path, tie: bool) -> str:
     """A tiny Mistral 3 checkpoint (a Pixtral vision tower wrapping the tiny Mistral), saved as transformers saves
     it: its text model is what milo judges, loads and checks."""
