@@ -437,11 +437,12 @@ def rope_per_layer_type(config) -> dict[str, dict]:
 def vllm_problem(config) -> str | None:
     """Why the vLLM connector cannot serve this model, or None: where vLLM's own model file attends otherwise than
     transformers' (which milo's stores are encoded by and its engine answers as), a loaded prefix would answer
-    unlike both: Cohere 2 with an active window, in vLLM 0.32. And where the connector does not write the layer's
-    cache: MLA's."""
+    unlike both: Cohere 2 with an active window, and MLA models, in vLLM 0.32."""
     if FAMILIES.get(config.model_type, PLAIN).latent:
-        return ("its MLA layers: vLLM caches one [latent | rope key] entry a token in its MLA backends' own layout, and "
-                "the connector writes per-head K and V only: served by milo's own engine only")
+        return ("its MLA layers: vLLM 0.32's CPU DeepSeek answers unlike transformers' with no milo in the way (tiny "
+                "random DeepSeek V2 and V3: its own first-token logprobs off by up to 1.8 on a 6-token prompt), so a "
+                "loaded prefix could not answer as milo's engine does; the connector writes no MLA cache: served by "
+                "milo's own engine only")
     if config.model_type == "cohere2" and any(w is not None for w in attention_of(config).windows(config)):
         return (f"vLLM's Cohere 2 attends sliding_window + 1 = {config.sliding_window + 1} tokens in its window "
                 f"layers (its commandr.py: 'cohere swa layer sees [pos - sliding_window, pos]'), transformers' "
