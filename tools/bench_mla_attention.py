@@ -3,9 +3,9 @@
 One MLA layer of DeepSeek-V2-Lite's shape (random weights: 16 heads of 128 + 64, values of 128, latent 512), its
 columns a row's cached units [rope key | latent]:
 
-* absorbed (`milo_infer.runtime.attention.latent_attention`'s arithmetic): each head's query through W_uk into one over
-  the unit, every head attending the one shared unit (a grouped-query attention of one KV head, the latent its value),
-  the softmax-weighted latents through W_uv;
+* absorbed (the engine's own `milo_infer.runtime.attention.latent_attention`, over one row's pages): each head's query
+  through W_uk into one over the unit, every head attending the one shared unit (a grouped-query attention of one KV
+  head, the latent its value), the softmax-weighted latents through W_uv;
 * expanded (transformers' `expand_kv`): every column's latent through ``kv_b_proj`` into 16 heads of K and V, then
   SDPA.
 
@@ -26,7 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from milo_infer.bench.synthetic_model import SHAPES  # noqa: E402
-from milo_infer.models.latent import absorbed_query, values_out  # noqa: E402
+from milo_infer.runtime.attention import LayerAttention, latent_attention  # noqa: E402
+from milo_infer.runtime.cache import Pack, Segment  # noqa: E402
+from milo_infer.runtime.pages import PAGE_TOKENS, pages_for  # noqa: E402
 
 
 def mla_layer():
@@ -38,12 +40,20 @@ def mla_layer():
     return DeepseekV2Attention(config, 0).eval().requires_grad_(False), config
 
 
+def one_row(columns: int, n: int, mask) -> Pack:
+    """A pack of one row on consecutive pages whose last ``n`` columns are its new tokens."""
+    pages = list(range(pages_for(columns)))
+    segment = Segment(pages=pages, device_pages=torch.tensor(pages), run=0, start=0, stop=n, keys=columns,
+                      positions=torch.arange(columns - n, columns), mask=mask)
+    return Pack(segments=[segment], columns=torch.arange(columns - n, columns))
+
+
 def absorbed(module, query, units, mask):
-    q = absorbed_query(module, query)  # [1, H, n, rope + latent]
-    k, v = units[None], units[None, :, :, module.qk_rope_head_dim:]
-    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=module.scaling,
-                                                           enable_gqa=True)
-    return values_out(module, out)
+    """The engine's own attention of an MLA layer over one row's units (`latent_attention`), [1, H, n, v]."""
+    pool = units.new_zeros(1, pages_for(units.shape[1]) * PAGE_TOKENS, units.shape[2])
+    pool[:, :units.shape[1]] = units
+    pack = one_row(units.shape[1], query.shape[2], mask)
+    return latent_attention(module, query, pool, pack, LayerAttention(scaling=module.scaling)).transpose(1, 2)
 
 
 def expanded(module, query, units, mask):

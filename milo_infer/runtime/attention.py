@@ -132,6 +132,12 @@ def sdpa_rows(query, key, value, pack: Pack, layer: LayerAttention | None) -> to
         elif mask is None and s.stop - s.start == 1:
             out[:, :, s.start:s.stop] = torch.nn.functional.scaled_dot_product_attention(
                 q.reshape(1, H, Hq // H, d), k, v, scale=layer.scaling).reshape(1, Hq, 1, dv)
+        elif H == 1 and dv != d:  # one shared unit whose values are narrower than its keys (MLA's): every query head's
+            # tokens as one head's, the mask repeated (SDPA's GQA would copy the unit per head into its math kernel)
+            n = s.stop - s.start
+            out[:, :, s.start:s.stop] = torch.nn.functional.scaled_dot_product_attention(
+                q.reshape(1, 1, Hq * n, d), k, v, attn_mask=None if mask is None else mask.repeat(Hq, 1),
+                scale=layer.scaling).reshape(1, Hq, n, dv)
         else:
             out[:, :, s.start:s.stop] = torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, scale=layer.scaling, enable_gqa=True)
