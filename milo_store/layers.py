@@ -133,8 +133,8 @@ def cache_values_per_token(layers) -> int:
 
 
 def check_layers(layers: tuple[LayerSpec, ...]) -> None:
-    """A shared layer's source is an earlier layer that caches keys and values of its own."""
+    """A shared layer's source is an earlier attention layer that caches keys and values of its own."""
     for l, spec in enumerate(layers):
-        if spec.kind == SHARED and not (0 <= spec.source < l and layers[spec.source].holds_cache):
+        if spec.kind == SHARED and not (0 <= spec.source < l and layers[spec.source].kind == ATTENTION):
             raise ValueError(f"layer {l} shares the keys and values of layer {spec.source}, which is not an earlier "
-                             "layer holding its own")
+                             "attention layer holding its own")

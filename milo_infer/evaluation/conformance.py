@@ -192,7 +192,7 @@ def rebuilt(engine: Engine, placement) -> tuple[list, list]:
             continue
         k = torch.empty(1, spec.kv_heads, P, spec.head_dim, dtype=engine.dtype, device=engine.device)
         v = torch.empty_like(k) if spec.caches_values else None  # a latent layer's one unit is in its keys
-        rebuild.fill(layer, k, [None] if v is None else v)
+        rebuild.fill(layer, [k[0]], [None if v is None else v[0]])
         keys.append(k)
         values.append(v)
     return keys, values
@@ -253,8 +253,8 @@ def _recording_attention(module, query, key, value, attention_mask, **kwargs):
     """The model's own eager attention (windows, sinks, soft-cap as its modeling file has them), keeping what each
     layer's attention is given as queries (after RoPE and any norm)."""
     if _RECORDED:  # an MLA layer's queries as one over its unit [rope key | latent], which its keys' weights are of
-        _RECORDED[-1][module.layer_idx] = (latent.absorbed_query(module, query) if hasattr(module, "kv_b_proj")
-                                           else query).detach()
+        mla = hasattr(module, "kv_b_proj")  # the module alone is at hand here
+        _RECORDED[-1][module.layer_idx] = (latent.absorbed_query(module, query) if mla else query).detach()
     eager = sys.modules[type(module).__module__].eager_attention_forward
     return eager(module, query, key, value, attention_mask, **kwargs)
 

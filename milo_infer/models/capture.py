@@ -48,11 +48,12 @@ def _taps(model, spec: Attention, what: str) -> dict:
     for index, (attention, shape) in enumerate(zip(attention_modules(model), layer_specs(config))):
         if what != "q" and not shape.holds_cache:
             continue
-        d = shape.head_dim
-        sizes = {"q": config.num_attention_heads * d, "k": shape.kv_heads * d, "v": shape.kv_heads * d}
         if spec.latent:  # the rope key ends the projection's output; the latent is its norm's; queries absorbed
             taps[index] = _latent_tap(attention, spec, what, shape.latent, latent.rope_order(config, spec))
-        elif spec.fused is not None:  # [q | k | v] along the last dimension
+            continue
+        d = shape.head_dim
+        sizes = {"q": config.num_attention_heads * d, "k": shape.kv_heads * d, "v": shape.kv_heads * d}
+        if spec.fused is not None:  # [q | k | v] along the last dimension
             start = {"q": 0, "k": sizes["q"], "v": sizes["q"] + sizes["k"]}[what]
             taps[index] = (getattr(attention, spec.fused), lambda out, a=start, b=start + sizes[what]: out[..., a:b])
         else:
@@ -115,9 +116,9 @@ class CapturedKV:
 
     ``keys[l]`` is what layer ``l``'s RoPE turns (the family's key tap: ``k_proj``'s output with its bias, or
     ``k_norm``'s, or the k slice of a fused projection) and ``values[l]`` its values, both reshaped to
-    ``[batch, tokens, kv_heads, head_dim]`` of that layer (``layers``: `families.layer_specs`); at a latent layer its rope
-    key and its latent, [batch, tokens, 1, width] each. A layer not yet run, or one that attends another's K/V, holds
-    None. Each forward pass replaces the previous one's tensors.
+    ``[batch, tokens, kv_heads, head_dim]`` of that layer (``layers``: `families.layer_specs`); at a latent layer its
+    rope key and its latent, [batch, tokens, 1, width] each. A layer not yet run, or one that attends another's K/V,
+    holds None. Each forward pass replaces the previous one's tensors.
     """
 
     def __init__(self, layers):
@@ -235,9 +236,10 @@ def pooled_key_scales(layers, energy: dict[int, torch.Tensor]) -> torch.Tensor:
         owner = l if shape.holds_cache else shape.source
         weights[owner, :shape.kv_heads, :shape.head_dim] += energy[l]
     for l, shape in enumerate(layers):
-        if shape.holds_cache:
-            H, d = shape.kv_heads, shape.head_dim
-            weights[l, :H, :d] = rope_pairs(weights[l, :H, :d] / readers[l], **shape.rope_layout())
+        if shape.holds_cache:  # a latent layer's pairs are its rope key's; its latent never turns
+            H, d = shape.kv_heads, shape.head_dim - shape.latent
+            weights[l, :H, :shape.head_dim] /= readers[l]
+            weights[l, :H, :d] = rope_pairs(weights[l, :H, :d], **shape.rope_layout())
     return weights.sqrt().float()
 
 

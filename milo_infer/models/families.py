@@ -72,8 +72,8 @@ class Attention:
     # the rope key, ``values`` the latent's norm; each layer caches one unit [rope key | latent] (`models.latent`)
     rope_interleave: str | bool = "rope_interleave"  # an MLA rope key's raw pairs turned as evens then odds: where
     # this config flag is on, or always (True: LongCat's)
-    latent_gains: tuple[str, str] | None = None  # attributes of the MLA module scaling its latent after the norm and its
-    # queries (LongCat's mla_scale_kv_lora, mla_scale_q_lora)
+    latent_gains: tuple[str, str] | None = None  # attributes of the MLA module scaling its latent after the norm and
+    # its queries (LongCat's mla_scale_kv_lora, mla_scale_q_lora)
 
     def rope_layout(self, config, layer: int = 0) -> dict:
         """The kernels' RoPE layout arguments for ``layer`` of this model (``milo_kernels`` ``interleaved`` and
@@ -231,8 +231,8 @@ KEY_NORM_AFTER_ROPE = ("its query and key RMSNorms follow RoPE, each with a weig
                        "on each layer's tables, rebuild its cache to fp32 rounding; placed at new positions, a tiny "
                        "model's layer-1 keys were off by 19-97% of their size)")
 SPARSE_LATENT = ("DeepSeek Sparse Attention: each query attends only the index_topk columns an indexer picks from a "
-                 "second per-token key cache (its indexer keys), which milo does not store yet; its engine would attend "
-                 "every column, unlike the model past index_topk tokens")
+                 "second per-token key cache (its indexer keys), which milo does not store yet; its engine would "
+                 "attend every column, unlike the model past index_topk tokens")
 REFUSED: dict[str, str] = {
     "deepseek_v32": SPARSE_LATENT, "glm_moe_dsa": SPARSE_LATENT,
     "kimi_linear": HYBRID_LINEAR + " (beside MLA layers, which milo stores)",
@@ -316,16 +316,16 @@ def layer_specs(config) -> tuple[LayerSpec, ...]:
     (`Attention.kv_sharing`) holds nothing and names its source; it keeps its own heads, width and RoPE layout, which
     are its source's (the same layer type)."""
     spec = attention_of(config)
-    unrotated = set(spec.unrotated_layers(config))
-    types = list(getattr(config, "layer_types", None) or ())
-    sources = kv_sources(config) if spec.kv_sharing else {}
-    k_eq_v = bool(spec.keys_from_values and getattr(config, spec.keys_from_values, False))
-    layers = []
     if spec.latent:
         rope, latent = config.qk_rope_head_dim, config.kv_lora_rank
         rotary = dict(rotary="interleaved") if spec.interleaved else dict(rotary="half", rotary_dim=rope)
         return tuple(LayerSpec(LATENT, 1, rope + latent, latent=latent, **rotary)
                      for _ in range(config.num_hidden_layers))
+    unrotated = set(spec.unrotated_layers(config))
+    types = list(getattr(config, "layer_types", None) or ())
+    sources = kv_sources(config) if spec.kv_sharing else {}
+    k_eq_v = bool(spec.keys_from_values and getattr(config, spec.keys_from_values, False))
+    layers = []
     for l in range(config.num_hidden_layers):
         d = head_dim(config, l)
         turns = rotary_dim(config, l)

@@ -37,6 +37,7 @@ def rope_order(config, spec) -> torch.Tensor | None:
 
 
 def laid_out(x: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
+    """Raw rope channels ``x`` [..., rope] in the cache's layout (`rope_order`)."""
     return x if order is None else x[..., order.to(x.device)]
 
 

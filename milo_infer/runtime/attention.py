@@ -72,8 +72,9 @@ class LayerAttention:
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, milo_pack=None,
                     sliding_window=None, softcap=None, s_aux=None, **kwargs):
     """The engine's attention (registered with transformers as ``milo_pages``): query [1, Hq, T, d] packed,
-    key and value the pools [1, H, columns, d]. A forward without a milo pack (the model called by someone
-    else while this implementation is selected) is plain SDPA."""
+    key and value the pools [1, H, columns, d] (an MLA layer's: its one token's expansion, unread; its pool of units is
+    the pack's, `latent_attention`). A forward without a milo pack (the model called by someone else while this
+    implementation is selected) is plain SDPA."""
     if milo_pack is None:
         if softcap is not None or s_aux is not None:
             raise ValueError("milo_pages attention outside the engine runs SDPA, which has no soft-cap or sinks")
@@ -100,7 +101,7 @@ def latent_attention(module, query, pool, pack: Pack, layer: LayerAttention) -> 
 
 def sdpa_rows(query, key, value, pack: Pack, layer: LayerAttention | None) -> torch.Tensor:
     """One SDPA call per row over its own columns (the scores computed here where SDPA has no soft-cap or sinks):
-    [1, Hq, T, d]. A row's columns are a view of the pools when its pages are consecutive, else gathered
+    [1, Hq, T, dv] (dv: the values' width). A row's columns are a view of the pools when its pages are consecutive, else gathered
     (``index_select``: 1.6x faster than indexing on this CPU, issue 47). A row's one decode token with no mask
     to apply (no window) is attended as its KV heads' groups of query heads, [1, H, Hq / H, d] against [1, H,
     keys, d]: the same scores as SDPA's GQA, which is ~1.1x slower for it here. A window layer reads a row's columns
@@ -240,8 +241,9 @@ def held_parts(q, reach: HeldReach, key, value, layer: LayerAttention) -> tuple[
 
 
 def padded_attention(q, g: PaddedBlocks, key, value, layer: LayerAttention) -> tuple[torch.Tensor, torch.Tensor]:
-    """The part of the held blocks padded into ``g`` for its pairs' queries q [Hq, p, d]: one product of every block's
-    padded queries with its padded keys, the scores written out; padded queries see nothing and are dropped."""
+    """The part of the held blocks padded into ``g`` for its pairs' queries q [Hq, p, d], [Hq, p, dv]: one product of
+    every block's padded queries with its padded keys, the scores written out; padded queries see nothing and are
+    dropped."""
     Hq, _, d = q.shape
     H, (E, T), n, dv = key.shape[0], g.columns.shape, g.n, value.shape[2]
     grouped = q.new_zeros(Hq, E * n, d, dtype=torch.float32)

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from milo_store.layers import cache_values_per_token
+from milo_store.layers import LATENT, cache_values_per_token
 
 from .pages import PAGE_TOKENS, pages_for, run_start
 
@@ -148,7 +148,7 @@ def pool_columns(pages: list[int], positions: torch.Tensor) -> torch.Tensor:
 
 class PagedLayer(CacheLayerMixin):
     """One layer's pools. A latent layer (MLA, `milo_infer.models.latent`) keeps one unit a token, [rope key |
-    latent], in its K pool and has no values (a V pool of no width)."""
+    latent], in its K pool and no values (a V pool of no width)."""
     is_sliding = False
 
     def __init__(self, index: int, cache: "PagedCache", spec, dtype, device, windowed: bool = False):
@@ -158,7 +158,7 @@ class PagedLayer(CacheLayerMixin):
         # garbage collector next ran
         self.index, self.cache = index, weakref.proxy(cache)
         self.holds = spec.holds_cache  # a shared layer holds no pools
-        self.latent = spec.latent
+        self.is_latent = spec.kind == LATENT
         H, d = (spec.kv_heads, spec.head_dim) if self.holds else (0, 0)
         self.k_pool = torch.zeros(H, 0, d, dtype=dtype, device=device)
         self.v_pool = torch.zeros(H, 0, d if spec.caches_values else 0, dtype=dtype, device=device)
@@ -191,35 +191,26 @@ class PagedLayer(CacheLayerMixin):
                 ks.append(self.k_pool[:, :0])
                 vs.append(self.v_pool[:, :0])
                 continue
-            if self.latent:  # one unit, no values: the rebuild writes keys only
-                k = torch.empty(self.k_pool.shape[0], length, self.k_pool.shape[2], dtype=self.k_pool.dtype,
-                                device=self.k_pool.device)
-                ks.append(k)
-                vs.append(None)
-                at = None if kept is None else torch.from_numpy(kept).to(k.device)
-                columns = pool_columns(pages, torch.arange(length - (length if kept is None else len(kept)), length))
-                scattered.append((columns.to(k.device), k, None, at))
-                continue
             start = run_start(pages[:pages_for(length)])
             if kept is not None:  # rebuilt at its positions, then packed before the row's query
                 k = torch.empty(self.k_pool.shape[0], length, self.k_pool.shape[2], dtype=self.k_pool.dtype,
                                 device=self.k_pool.device)
                 ks.append(k)
-                vs.append(torch.empty_like(k))
+                vs.append(None if self.is_latent else torch.empty_like(k))  # a latent layer: keys only
                 at = torch.from_numpy(kept).to(k.device)
                 columns = pool_columns(pages, torch.arange(length - len(kept), length)).to(k.device)
                 scattered.append((columns, k, vs[-1], at))
             elif start is not None:  # in place
                 at = slice(start * PAGE_TOKENS, start * PAGE_TOKENS + length)
                 ks.append(self.k_pool[:, at])
-                vs.append(self.v_pool[:, at])
+                vs.append(None if self.is_latent else self.v_pool[:, at])
             else:  # a window layer's rebuild leaves the columns of blocks its windows do not reach: zeros there, since
                 # attention reads them masked (the spill page included) and a masked 0 × NaN would still be NaN
                 k = (torch.zeros if self.windowed else torch.empty)(
                     self.k_pool.shape[0], length, self.k_pool.shape[2], dtype=self.k_pool.dtype,
                     device=self.k_pool.device)
                 ks.append(k)
-                vs.append(torch.zeros_like(k) if self.windowed else torch.empty_like(k))
+                vs.append(None if self.is_latent else torch.zeros_like(k) if self.windowed else torch.empty_like(k))
                 scattered.append((pool_columns(pages, torch.arange(length)).to(k.device), k, vs[-1], None))
         prefixes.rebuild.fill(self.index, ks, vs)
         for columns, k, v, kept in scattered:
@@ -235,9 +226,12 @@ class PagedLayer(CacheLayerMixin):
             self.fill(prefixes)
         columns = pack.attended(self.index).columns
         self.cache.updated += 1
-        if self.latent:  # handed (latent, rotated rope key): kept as one unit, which the attention reads from the pack;
-            # the model expands one token's (its modeling file's view takes no empty tensor), not the pool's every
+        if self.is_latent:  # handed (latent, rotated rope key): kept as one unit, which the attention reads from the
+            # pack; the model expands one token's (its modeling file's view takes no empty tensor), not the pool's every
             # column for every head
+            if key_states.shape[1] != 1 or key_states.shape[-1] + value_states.shape[-1] != self.k_pool.shape[-1]:
+                raise RuntimeError(f"MLA layer {self.index}: its attention handed the cache per-head keys and values, "
+                                   "not its latent and rope key: a transformers whose MLA caches the latent is needed")
             self.k_pool[:, columns] = torch.cat((value_states[0], key_states[0]), dim=-1)
             pack.latent[self.index] = self.k_pool
             return key_states[:, :, :1], value_states[:, :, :1]

@@ -38,6 +38,7 @@ import torch
 import transformers
 
 from milo_store import IncompatibleStoreError, MiloStore, StoreError
+from milo_store.layers import LATENT
 
 from ..models import FAMILIES, LoadedModel, check_compatible, layer_rope_tables, media_tokens
 from .attention import ATTENTION, choose_attention, flex_pool_pages
@@ -119,10 +120,12 @@ class Engine:
         self.holds_what_pays = self.shared_blocks and model_windows(self.model_config) is None
         self.stores = {name: self.mount(name, store) for name, store in stores.items()}
         self.device_tier = DeviceTier(device_cache_bytes, self.device) if device_cache_bytes else None
-        self.attention = choose_attention(attention, self.device)
         # what each layer holds: the one description the pools, the rebuild and the page bytes read (stores mounted
         # together are of this model: `check_compatible`)
         self.layers = next(iter(stores.values())).layout.layers
+        # an MLA model's layers attend per row whatever is chosen: "auto" takes rows, whose pools need no flex sizes
+        latent = any(spec.kind == LATENT for spec in self.layers)
+        self.attention = choose_attention("rows" if latent and attention == "auto" else attention, self.device)
         self.page_bytes = PAGE_TOKENS * column_bytes(self.layers, self.dtype)
         # window layers hold pages of their own, from the first their windows reach (`cache`, `Batch._seat`); a shared
         # layer attends its source's, of its own layer type and window

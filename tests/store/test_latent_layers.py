@@ -53,3 +53,12 @@ def test_a_latent_store_round_trips_and_counts_its_own_bytes(tmp_path_factory, t
         anchor = store.anchor_kv()
         assert anchor.shape[1] == 2 and not anchor[:, 1].any()  # the anchor's unit is its keys too
         assert torch.isfinite(anchor).all()
+
+
+def test_a_shared_layer_attending_a_latent_layer_is_refused():
+    """A shared layer attends its source's K/V through the attention's per-head path, which a latent unit is not."""
+    from milo_store.layers import SHARED, check_layers
+
+    unit = LayerSpec(LATENT, 1, 16, rotary_dim=4, latent=12)
+    with pytest.raises(ValueError, match="not an earlier attention layer"):
+        check_layers((unit, LayerSpec(SHARED, 1, 16, source=0)))
