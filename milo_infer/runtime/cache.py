@@ -193,30 +193,30 @@ class PagedLayer(CacheLayerMixin):
                 continue
             start = run_start(pages[:pages_for(length)])
             if kept is not None:  # rebuilt at its positions, then packed before the row's query
-                k = torch.empty(self.k_pool.shape[0], length, self.k_pool.shape[2], dtype=self.k_pool.dtype,
-                                device=self.k_pool.device)
-                ks.append(k)
-                vs.append(None if self.is_latent else torch.empty_like(k))  # a latent layer: keys only
+                k, v = self._scratch(length)
                 at = torch.from_numpy(kept).to(k.device)
                 columns = pool_columns(pages, torch.arange(length - len(kept), length)).to(k.device)
-                scattered.append((columns, k, vs[-1], at))
+                scattered.append((columns, k, v, at))
             elif start is not None:  # in place
                 at = slice(start * PAGE_TOKENS, start * PAGE_TOKENS + length)
-                ks.append(self.k_pool[:, at])
-                vs.append(None if self.is_latent else self.v_pool[:, at])
+                k, v = self.k_pool[:, at], None if self.is_latent else self.v_pool[:, at]
             else:  # a window layer's rebuild leaves the columns of blocks its windows do not reach: zeros there, since
                 # attention reads them masked (the spill page included) and a masked 0 × NaN would still be NaN
-                k = (torch.zeros if self.windowed else torch.empty)(
-                    self.k_pool.shape[0], length, self.k_pool.shape[2], dtype=self.k_pool.dtype,
-                    device=self.k_pool.device)
-                ks.append(k)
-                vs.append(None if self.is_latent else torch.zeros_like(k) if self.windowed else torch.empty_like(k))
-                scattered.append((pool_columns(pages, torch.arange(length)).to(k.device), k, vs[-1], None))
+                k, v = self._scratch(length, zeroed=self.windowed)
+                scattered.append((pool_columns(pages, torch.arange(length)).to(k.device), k, v, None))
+            ks.append(k)
+            vs.append(v)
         prefixes.rebuild.fill(self.index, ks, vs)
         for columns, k, v, kept in scattered:
             self.k_pool[:, columns] = k if kept is None else k.index_select(1, kept)
             if v is not None:
                 self.v_pool[:, columns] = v if kept is None else v.index_select(1, kept)
+
+    def _scratch(self, length: int, zeroed: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """K and V buffers of ``length`` columns shaped as this layer's pools (no V for a latent layer: keys only)."""
+        make = torch.zeros if zeroed else torch.empty
+        k = make(self.k_pool.shape[0], length, self.k_pool.shape[2], dtype=self.k_pool.dtype, device=self.k_pool.device)
+        return k, None if self.is_latent else make(k.shape, dtype=k.dtype, device=k.device)
 
     def update(self, key_states, value_states, *args, **kwargs):
         """Rebuild the joining rows' prefixes of this layer, write the new tokens' K/V to their pool columns, and
