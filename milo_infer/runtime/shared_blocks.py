@@ -4,7 +4,8 @@ Rows of a batch retrieve mostly the same blocks, each row in its own order. A bl
 layer into pages of the batch's pools, its keys rotated at the block's own positions 0..T-1 (a store version's
 anchor, at 0..Ta-1 in every row, likewise), and every row that places it at offset p attends it with its query
 turned back by p (⟨R(m)q, R(p+i)k⟩ = ⟨R(m−p)q, R(i)k⟩: `milo_infer.runtime.attention.Merge`). Only a block worth
-it is held (`HeldBlocks.worth_holding`: rows enough that one copy takes fewer columns than theirs); a row's own pages
+it is held (`HeldBlocks.worth_holding`: rows enough that one copy takes fewer columns than theirs, and that the columns
+they no longer read pay for its attention call and merge); a row's own pages
 hold its other blocks, packed before its query, then its query and answer. A held block counts once against the KV
 budget, lives while any row holds it, and after that stays until its pages are needed or the batch is idle, so a
 row joining later reuses it: no read, no rebuild. At a window layer a block is rebuilt only once some row that holds it reaches it there (issue 46's reach,
@@ -23,6 +24,14 @@ import torch
 
 from .cache import HeldColumns, pool_columns
 from .pages import FULL, PAGE_TOKENS, WINDOW, PageGroups, pages_for, run_start
+
+
+# What holding a block costs at every layer, in the columns a row's own attention reads in that time (a decode token
+# ~0.1 us a column at the default model's 3 KV heads of 64 on this CPU): the block's own attention call and merge,
+# ~55 us, and for each row placing it, its query turned and merged and its own columns attended with their
+# log-sum-exp (~20 us more than one SDPA call). Measured with tools/bench_engine.py --profile and bench_shared_blocks.py
+# (docs/benchmarks.md, issue 64): below it, holding small blocks made a batch slower.
+HELD_CALL_COLUMNS, HELD_PLACEMENT_COLUMNS = 512, 256
 
 
 @dataclass(eq=False)
@@ -116,9 +125,12 @@ class HeldBlocks(Mapping):
     @staticmethod
     def worth_holding(rows: int, tokens: int) -> bool:
         """Whether a block of ``tokens`` that ``rows`` rows place is held once rather than in each row's own pages:
-        where one copy in whole pages takes fewer columns than the rows' copies (never more K/V), so never for a block
-        one row places, which would gain nothing and cost an attention call a layer (issue 64)."""
-        return rows > 1 and rows * tokens > pages_for(tokens) * PAGE_TOKENS
+        where one copy in whole pages takes fewer columns than the rows' copies (never more K/V), and the columns the
+        other rows no longer read pay for what holding it adds at every layer (`HELD_CALL_COLUMNS`,
+        `HELD_PLACEMENT_COLUMNS`); so never for a block one row places, nor on this CPU for one of fewer than ~260
+        tokens (issue 64)."""
+        return (rows > 1 and rows * tokens > pages_for(tokens) * PAGE_TOKENS
+                and (rows - 1) * tokens >= HELD_CALL_COLUMNS + rows * HELD_PLACEMENT_COLUMNS)
 
     def new_pages(self, wanted) -> dict:
         """Pages the blocks ``wanted`` add to each group: those not held yet, and window pages of those held without

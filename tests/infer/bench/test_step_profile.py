@@ -12,6 +12,7 @@ from milo_infer.runtime.planning import EngineSettings
 from milo_store import MiloStore
 
 from ..runtime.test_engine import random_llama
+from ..runtime.test_shared_blocks import hold_every_shared_block
 
 TEXTS = ["topic1 topic2 q", "topic3 a much longer question about topic0", "topic0 topic1 topic2 topic3 topic4"]
 
@@ -32,9 +33,10 @@ def engine(setup):
     return Engine(loaded, {"s": store}, EngineSettings(k=4), attention="rows", max_rows=4, shared_blocks=False)
 
 
-def test_with_blocks_held_once_their_part_is_a_stage_of_its_own(setup):
+def test_with_blocks_held_once_their_part_is_a_stage_of_its_own(setup, monkeypatch):
     """Rows placing held blocks: each row's own columns are an attention call a layer (``row_sdpa``), the held
     blocks' part one more a layer for all of them (``held_blocks``); the stages still add up to the step."""
+    hold_every_shared_block(monkeypatch)
     loaded, store = setup
     engine = Engine(loaded, {"s": store}, EngineSettings(k=4), attention="rows", max_rows=4)
     batch = decoding_batch(engine, "s", TEXTS, 3)

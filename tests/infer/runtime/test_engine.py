@@ -7,6 +7,7 @@ tests/infer/runtime/test_session.py holds to plain forwards and to a transformer
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ from milo_infer.runtime.engine import Engine
 from milo_infer.runtime.interface import RunningBatch, ServingEngine
 from milo_infer.runtime.errors import RequestError
 from milo_infer.runtime.planning import EngineSettings, Request
+from milo_infer.runtime.shared_blocks import HeldBlocks
 from milo_infer.models import LoadedModel, model_identity
 from milo_store import MiloStore
 
@@ -55,18 +57,23 @@ def expected_peak_kv_bytes(engine: Engine, plans, decoded: bool = True) -> int:
     their prefixes, each store's union of blocks staged for the rebuild (its largest layer of factors: once
     on a CPU, prefetch depth + 1 times on CUDA), and on a CPU one layer of the distinct blocks decoded (fp32 K
     and V of the largest store's union, `PrefixRebuild`; ``decoded`` False: an engine whose rebuild is replaced).
-    With blocks held once (`Engine.shared_blocks`) a row placing a block another row places too holds its query's
-    and answer's columns, and each block and anchor such rows place is counted once."""
+    With blocks held once (`Engine.shared_blocks`) a block the rows place often enough to be worth holding by the
+    engine's rule (`HeldBlocks.worth_holding`) is counted once, and so is the anchor of each store some row holds
+    one of; a row's other blocks stay in its own columns."""
     layout = engine.stores[plans[0].store].prefix.layout
     columns = sum(p.prompt_tokens + p.max_new_tokens for p in plans)
     if engine.shared_blocks:
-        placed = [(p.store, b) for p in plans for b in set(p.blocks)]
-        sharing = [p for p in plans if any(placed.count((p.store, b)) > 1 for b in p.blocks)]
-        columns -= sum(p.prefix_tokens for p in sharing)
-        for name in {p.store for p in sharing}:
+        placed = Counter((p.store, b) for p in plans for b in set(p.blocks))
+        held = {}
+        for p in plans:
+            tokens = engine.stores[p.store].store.block_tokens
+            kept = [b for b in p.blocks if HeldBlocks.worth_holding(placed[p.store, b], int(tokens[b]))]
+            if kept:
+                columns -= engine.stores[p.store].prefix.anchor_len + int(tokens[kept].sum())
+                held.setdefault(p.store, set()).update(kept)
+        for name, blocks in held.items():
             mounted = engine.stores[name]
-            union = list(dict.fromkeys(b for p in sharing if p.store == name for b in p.blocks))
-            columns += mounted.prefix.anchor_len + int(mounted.store.block_tokens[union].sum())
+            columns += mounted.prefix.anchor_len + int(mounted.store.block_tokens[sorted(blocks)].sum())
     itemsize = torch.empty(0, dtype=engine.dtype).element_size()
     cache = 2 * layout.num_layers * layout.num_kv_heads * columns * layout.head_dim * itemsize
     layers_staged = engine.prefetch_depth + 1 if engine.device.type == "cuda" else 1

@@ -14,6 +14,7 @@ from milo_store import CompressionConfig, MiloStore
 
 from tests.infer.demo_stores import DEMO, corrupted_block
 from tests.infer.runtime.test_engine import ATOL, random_qwen2
+from tests.infer.runtime.test_shared_blocks import hold_every_shared_block
 
 
 @pytest.fixture(scope="module")
@@ -157,9 +158,10 @@ def test_an_admission_without_memory_is_put_off_in_halves_and_fails_only_what_ca
     assert [text[id(p)].strip() for p in plans[:3]] == alone[:3]
 
 
-def test_rows_holding_blocks_once_recompute_an_unreadable_one_alone(stores):
+def test_rows_holding_blocks_once_recompute_an_unreadable_one_alone(stores, monkeypatch):
     """Rows sharing blocks, two of them the damaged one: those two let their held blocks go and compute it as rows of
     their own; the row that does not need it keeps the blocks it shares with them, held once, and its logits."""
+    hold_every_shared_block(monkeypatch)
     loaded, clean, damaged, bad = stores
     engine, reference = Engine(loaded, {"s": damaged}, on_load_error="recompute"), Engine(loaded, {"s": clean})
     good = [b for b in range(clean.num_blocks) if b != bad][:2]

@@ -11,6 +11,7 @@ from milo_infer.runtime.sampling import SamplingParams
 from milo_infer.tasks.corpus import Demonstration, TaskSpec
 from milo_store import CompressionConfig, MiloStore
 from tests.infer.runtime.test_engine import free_form, setup  # noqa: F401 (a fixture)
+from tests.infer.runtime.test_shared_blocks import hold_every_shared_block
 
 SAMPLED = Request("topic1 topic2 q", k=2, sampling=SamplingParams(temperature=0.9, top_p=0.95, seed=11, logprobs=3))
 
@@ -41,7 +42,8 @@ def test_label_log_probabilities_are_the_models_softmax(setup):  # noqa: F811
     assert max(abs(lp - reference[t]) for t, lp in first.top) < 1e-5
 
 
-def test_n_answers_of_one_plan_read_and_hold_its_blocks_once(setup):  # noqa: F811
+def test_n_answers_of_one_plan_read_and_hold_its_blocks_once(setup, monkeypatch):  # noqa: F811
+    hold_every_shared_block(monkeypatch)
     loaded, store = setup
     engine = free_form(Engine(loaded, {"s": store}, settings=EngineSettings(max_new_tokens=6)))
     plan = engine.plan("s", Request("topic0 topic4 n answers", k=3, sampling=SamplingParams(temperature=1.5, seed=3,

@@ -16,17 +16,21 @@ from milo_infer.runtime.engine import Engine
 from milo_infer.runtime.pages import PAGE_TOKENS, pages_for
 from milo_infer.runtime.planning import EngineSettings, Request
 from milo_infer.runtime.prefix import FETCH_STATS
-from milo_infer.runtime.shared_blocks import HeldBlocks
+from milo_infer.runtime.shared_blocks import HELD_CALL_COLUMNS, HELD_PLACEMENT_COLUMNS, HeldBlocks
 from tests.infer.runtime.test_engine import ATOL, REQUESTS, free_form, setup  # noqa: F401 (a fixture)
 
 WORTH_HOLDING = HeldBlocks.worth_holding  # the engine's rule, for the tests that check it
 
 
+def hold_every_shared_block(monkeypatch) -> None:
+    """The test models' blocks are a few tokens each, none worth holding once by the engine's rule (`worth_holding`):
+    a test of the held path holds every block that two rows place, as the engine does large blocks many rows place."""
+    monkeypatch.setattr(HeldBlocks, "worth_holding", staticmethod(lambda rows, tokens: rows > 1))
+
+
 @pytest.fixture(autouse=True)
 def every_shared_block_held(monkeypatch):
-    """The test models' blocks are a few tokens each, none worth a page held once for two rows (`worth_holding`):
-    these tests hold every block that two rows place, as the engine does blocks of a page or more."""
-    monkeypatch.setattr(HeldBlocks, "worth_holding", staticmethod(lambda rows, tokens: rows > 1))
+    hold_every_shared_block(monkeypatch)
 
 
 SHARING = [Request("topic1 topic2", k=2), Request("topic2 topic3", k=2), Request("topic3 topic1 topic2", k=3)]
@@ -263,6 +267,9 @@ def test_blocks_too_small_for_a_page_stay_in_the_rows_pages(setup, monkeypatch):
 @given(rows=st.integers(1, 256), tokens=st.integers(1, 4096))
 def test_a_block_is_held_once_only_where_it_takes_fewer_columns_than_its_rows_copies(rows, tokens):
     pages = pages_for(tokens) * PAGE_TOKENS
-    assert WORTH_HOLDING(rows, tokens) == (rows * tokens > pages)  # never more K/V than the rows' own copies
-    if rows >= 2 and tokens % PAGE_TOKENS == 0:
-        assert WORTH_HOLDING(rows, tokens)  # whole pages placed twice: held
+    if WORTH_HOLDING(rows, tokens):
+        assert rows * tokens > pages  # never more K/V than the rows' own copies
+        # the columns not read pay for the block's attention call and its rows' merge
+        assert (rows - 1) * tokens >= HELD_CALL_COLUMNS + rows * HELD_PLACEMENT_COLUMNS
+    elif rows >= 2 and tokens % PAGE_TOKENS == 0:  # whole pages placed twice are held where they pay
+        assert (rows - 1) * tokens < HELD_CALL_COLUMNS + rows * HELD_PLACEMENT_COLUMNS
