@@ -7,10 +7,10 @@
 
 Either also keeps the block's conv tail (the last kernel−1 convolution inputs). At Qwen3.5-0.8B's linear layers
 (released config: 16 key and 16 value heads of 128, kernel 4; 18 of its 24 layers; random inputs as a layer makes
-them): bytes a block and layer, the state error fp16 and bf16 inputs add after the row's blocks, and the time a row's
-state takes through `--blocks` blocks per layer and for all 18, interleaved rounds, medians, one torch thread unless
-told. ``--prefill`` also times prefilling the same tokens through a random Qwen3.5-0.8B-shaped text model (vocab cut
-to 4,096: the first token's logits are one row of it), the cost the state replaces. Run:
+them): bytes a block and layer, the state error either adds after the row's blocks when kept in fp16 or bf16, and
+the time a row's state takes through `--blocks` blocks per layer and for all 18, interleaved rounds, medians, one
+torch thread unless told. ``--prefill`` also times prefilling the same tokens through a random Qwen3.5-0.8B-shaped
+text model (vocab cut to 4,096: the first token's logits are one row of it), the cost the state replaces. Run:
 
     PYTHONPATH=$PWD .venv/bin/python tools/bench_linear_state.py --tokens 20,80,320 --blocks 6 --prefill --threads 1
 """
@@ -32,7 +32,8 @@ QWEN3_5_0_8B = dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=
                     num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
                     linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
                     full_attention_interval=4, vocab_size=4096)
-LINEAR_LAYERS = 18
+LAYERS, FULL_EVERY = QWEN3_5_0_8B["num_hidden_layers"], QWEN3_5_0_8B["full_attention_interval"]
+LINEAR_LAYERS = LAYERS - LAYERS // FULL_EVERY  # every layer but each full_attention_interval-th
 
 
 def random_block(tokens: int, heads: int, key_dim: int, value_dim: int, gen):
