@@ -116,19 +116,23 @@ def config(family: str, **overrides):
     return getattr(importlib.import_module("transformers"), name)(**{**SHAPE, **extra, **overrides})
 
 
-def tiny_model(family: str, seed: int = 0, **overrides) -> LoadedModel:
-    """The family's tiny model in fp32, random weights; biases and norm weights randomised too (transformers
+def random_model(tiny, seed: int = 0):
+    """A causal LM of config ``tiny`` in fp32, random weights; biases and norm weights randomised too (transformers
     starts them at 0 and 1, which would hide a bias or a norm the capture missed)."""
     from milo_infer.models.multimodal import causal_lm_class
 
     torch.manual_seed(seed)
-    tiny = config(family, **overrides)
     model = causal_lm_class(tiny).from_config(tiny, dtype=torch.float32)
     with torch.no_grad():
         for parameter in model.parameters():
             if parameter.dim() == 1:
                 parameter.add_(torch.randn_like(parameter) * 0.1)
-    model.eval().requires_grad_(False)
+    return model.eval().requires_grad_(False)
+
+
+def tiny_model(family: str, seed: int = 0, **overrides) -> LoadedModel:
+    """The family's tiny model (`random_model`)."""
+    model = random_model(config(family, **overrides), seed)
     return LoadedModel(model=model, tokenizer=byte_tokenizer(), identity=model_identity(model))
 
 

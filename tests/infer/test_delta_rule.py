@@ -6,6 +6,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from milo_infer.models import delta_rule
+from tests.infer.families import random_model
 
 HEADS, KEY_DIM, VALUE_DIM = 2, 8, 6
 
@@ -64,8 +65,6 @@ def test_the_order_of_blocks_changes_the_state():
 def tiny_hybrid(family: str):
     import transformers
 
-    from milo_infer.models.multimodal import causal_lm_class
-
     shape = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
                  linear_key_head_dim=8, linear_value_head_dim=6, linear_conv_kernel_dim=4)
@@ -73,13 +72,7 @@ def tiny_hybrid(family: str):
         config = transformers.Qwen3NextConfig(**shape, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
     else:
         config = transformers.Qwen3_5TextConfig(**shape)
-    torch.manual_seed(0)
-    model = causal_lm_class(config).from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for parameter in model.parameters():  # biases, norms and decays off their initial values
-            if parameter.dim() == 1:
-                parameter.add_(torch.randn_like(parameter) * 0.1)
-    return model.eval().requires_grad_(False)
+    return random_model(config)  # its decays and gated norms off their initial values too
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_next"])

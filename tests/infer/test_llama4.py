@@ -28,13 +28,7 @@ def llama4(**overrides):
     """A 4-layer tiny Llama 4 as transformers makes it (its temperature on): layer 1 NoPE, the others chunked."""
     config = families.config("llama4_text", num_hidden_layers=4, no_rope_layers=[1, 0, 1, 1],
                              max_position_embeddings=4096, **overrides)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for parameter in model.parameters():
-            if parameter.dim() == 1:
-                parameter.add_(torch.randn_like(parameter) * 0.1)
-    return model
+    return families.random_model(config)
 
 
 @torch.inference_mode()
