@@ -42,7 +42,7 @@ def compact(location, threshold: float = DEFAULT_THRESHOLD, dry_run: bool = Fals
                          purge=moved) as w:
             copy_blocks(w, store)
             if (anchor := store.anchor_kv()) is not None:
-                w.write_anchor(anchor, store.key_gains())
+                w.write_anchor(anchor, store.key_gains(), store.anchor_states())
             for k in range(len(store.segment_table)):
                 w.keep_segment(k)
             for name in store.index_names():

@@ -34,7 +34,7 @@ def _read_ahead(previous: MiloStore, reused: dict[int, int], first: int, copied)
 def write_store(path, staging: Staging, num_blocks: int, layout: Layout, config: CompressionConfig, *,
                 attrs: dict | None = None, anchor_kv: torch.Tensor | None = None, examples: dict | None = None,
                 token_ids: np.ndarray | None = None, channel_scale: torch.Tensor | None = None,
-                key_gain: torch.Tensor | None = None, force: bool = False,
+                key_gain: torch.Tensor | None = None, anchor_states: dict | None = None, force: bool = False,
                 lock=None, progress: Callable[[str, int, int], None] | None = None,
                 previous: MiloStore | None = None, reused: dict[int, int] | None = None,
                 purge: set[int] | None = None, value_attention=None) -> Path:
@@ -48,7 +48,8 @@ def write_store(path, staging: Staging, num_blocks: int, layout: Layout, config:
     demonstration) and, for ``example-svd``, ``tokens`` (each one's token count).
     In such a store a demonstration's ``block`` is its own store block and ``block_group`` names the
     staged one. ``channel_scale`` is a query-aware store's (see `codecs.planning.pass_two_source`); ``key_gain``
-    [L, d] the K = V layers' gains, which a layout holding such layers keeps beside the anchor.
+    [L, d] the K = V layers' gains, which a layout holding such layers keeps beside the anchor, and ``anchor_states``
+    each linear layer's state over the anchor (`StoreWriter.write_anchor`).
 
     An update names the store version it replaces (``previous``, the one at ``path``) and ``reused``
     {block: block of the previous version whose bytes it keeps}: those blocks keep their ranks and
@@ -87,7 +88,7 @@ def write_store(path, staging: Staging, num_blocks: int, layout: Layout, config:
                 w.write_block(codec.encode(i, source.factors(i)))
             progress("writing", i + 1, source.num_blocks + 1)
         if anchor_kv is not None:
-            w.write_anchor(anchor_kv, key_gain)
+            w.write_anchor(anchor_kv, key_gain, anchor_states)
         if examples is not None or token_ids is not None:
             write_text(w, examples or {}, demonstration_blocks(source, examples), token_ids, tokens, previous, reused)
         committed = w.commit()

@@ -28,8 +28,10 @@ EXTENTS = "extents"  # int64 [N, 3]: block i is bytes [offset, offset + length) 
 SEGMENTS = "segments"  # int64 [S, 5]: (chunk, first block, blocks, demonstrations, header CRC32C) per text segment
 CHUNKS = "chunks"  # a directory's (or a URL's root's) folder of chunk files, each named by its id
 KEY_GAIN = "key_gain"  # format 5: float32 [L, d], a K = V layer's gain per channel (its keys = values × gain)
+# format 5: float32, each linear layer's state section over the anchor (M, C, conv tail), layer after layer
+ANCHOR_STATE = "anchor_state"
 CHECKED_ARRAYS = (RANKS, TOKENS, CHECKSUMS, BLOCK_GROUP, ANCHOR, TOKEN_IDS, CHUNK_IDS, CHUNK_SIZES, EXTENTS, SEGMENTS,
-                  KEY_GAIN,
+                  KEY_GAIN, ANCHOR_STATE,
                   *(f"{EXAMPLES}/{k}" for k in ("input", "output", "id", "block")))  # under ARRAY_CHECKSUMS
 GROUP_BYTES = 4  # index bytes per block that a block_group array adds
 MAX_CHUNK_BYTES = 8 << 20  # format 4: a chunk holds whole blocks up to this (a larger block has one of its own)

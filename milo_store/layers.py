@@ -14,6 +14,12 @@ connector all read):
   ``head_dim − latent`` channels the rope key before RoPE (the rotary: rotate-half ``rotary_dim`` over them, or
   interleaved pairs whose tables past them are identity), the ``latent`` channels after it the compressed latent
   (after its norm), never rotated. It is stored as keys and holds no values: the model expands both K and V from it.
+- ``linear``: a linear-attention layer (Gated DeltaNet: Qwen3.5, Qwen3-Next) keeps no K/V but a state per value head,
+  S [key_dim, value_dim] (``kv_heads`` heads, ``head_dim`` the key dim, ``value_dim``), which a block moves affinely:
+  S_out = M S_in + C. A block stores, as a *state section* at its layer's place, M [heads, key_dim, key_dim] and C
+  [heads, key_dim, value_dim] (`milo_infer.models.delta_rule`), then its conv tail: the last ``conv_kernel`` − 1
+  inputs [conv_kernel − 1, conv_dim] of the layer's short convolution, which the next token reads. Its size is
+  fixed, whatever the block's length (`state_values`).
 
 The rest of milo lays blocks out on a grid of (layer, kind, head) *units* (`milo_store.layout.Layout`): kind 0 the
 keys, kind 1 the values, as many heads as the widest layer has, each unit as wide as its layer. A unit a layer does
@@ -25,8 +31,8 @@ from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
-ATTENTION, SHARED, LATENT = "attention", "shared", "latent"
-KINDS = (ATTENTION, SHARED, LATENT)
+ATTENTION, SHARED, LATENT, LINEAR = "attention", "shared", "latent", "linear"
+KINDS = (ATTENTION, SHARED, LATENT, LINEAR)
 ROTARY = ("half", "interleaved")
 
 
@@ -42,6 +48,9 @@ class LayerSpec:
     keys_from_values: bool = False
     source: int | None = None  # a shared layer: whose keys and values it attends
     latent: int = 0  # a latent layer: the latent's channels, after its rope key's
+    value_dim: int = 0  # a linear layer: its state's value channels (head_dim: its key channels)
+    conv_dim: int = 0  # a linear layer: its short convolution's channels
+    conv_kernel: int = 0  # a linear layer: its short convolution's width (a block keeps the last conv_kernel - 1)
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -56,6 +65,11 @@ class LayerSpec:
         if self.kind == ATTENTION and (self.kv_heads < 1 or self.head_dim < 1):
             raise ValueError(f"an attention layer needs at least one KV head of at least one channel; got "
                              f"{self.kv_heads} heads of {self.head_dim}")
+        if self.kind == LINEAR and min(self.kv_heads, self.head_dim, self.value_dim, self.conv_dim,
+                                       self.conv_kernel) < 1:
+            raise ValueError(f"a linear layer needs its state's heads, key and value dims and its convolution's "
+                             f"channels and width, each at least 1; got {self.kv_heads} heads of "
+                             f"{self.head_dim}x{self.value_dim}, a convolution of {self.conv_dim}x{self.conv_kernel}")
         if self.rotary_dim is not None and (self.rotary != "half" or self.rotary_dim % 2
                                             or not 0 < self.rotary_dim < self.head_dim):
             raise ValueError(f"rotary_dim={self.rotary_dim}: a rotate-half rotary over an even part of the "
@@ -71,8 +85,21 @@ class LayerSpec:
 
     @property
     def holds_cache(self) -> bool:
-        """Whether the layer caches keys and values of its own (a shared layer attends another's)."""
-        return self.kind != SHARED
+        """Whether the layer caches keys and values of its own (a shared layer attends another's, a linear layer
+        keeps a state instead)."""
+        return self.kind in (ATTENTION, LATENT)
+
+    @property
+    def attends(self) -> bool:
+        """Whether the layer is attention (over its own K/V or another layer's), not a linear layer's state."""
+        return self.kind != LINEAR
+
+    @property
+    def state_values(self) -> int:
+        """Values of a block's state section: a linear layer's M and C per head and its conv tail (0 elsewhere)."""
+        if self.kind != LINEAR:
+            return 0
+        return self.kv_heads * self.head_dim * (self.head_dim + self.value_dim) + (self.conv_kernel - 1) * self.conv_dim
 
     @property
     def caches_values(self) -> bool:

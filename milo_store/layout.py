@@ -20,6 +20,10 @@ widest head any layer stores; a unit's own width is its layer's (``widths``), an
 (``present``: a shared layer's, a K = V layer's keys, heads past its own) has rank 0 and no bytes. Every store
 written before per-layer descriptions has one shape for every layer: its grid is its layout.
 
+A linear layer (`LayerSpec` ``linear``) stores no units but a *state section* at the end of its layer's place in a
+block, of a fixed size whatever the block's length (``state_sizes``): its values M, C and conv tail in the factor
+dtype, or as float16 (two bytes a value) in a quantized store; `state_section` reads them back.
+
 The sizes themselves, and RAW_RANK, SCALE_SPAN and the bit widths, live in ``milo_format``, which
 the kernels read segments by too.
 """
@@ -74,6 +78,31 @@ class Layout:
     def widths(self) -> np.ndarray:
         """int64 [L, 2, 1]: each layer's keys' and values' width, broadcast over heads (0: none stored)."""
         return unit_widths(self.layers)
+
+    @cached_property
+    def state_sizes(self) -> np.ndarray:
+        """int64 [L]: elements (bytes when quantized: float16 values) of each layer's state section in a block."""
+        per_value = 2 if self.quant else 1
+        return np.array([spec.state_values * per_value for spec in self.layers], dtype=np.int64)
+
+    def state_section(self, layer: int, section: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A linear layer's state section (its ``state_sizes[layer]`` stored elements, or its values in any float
+        dtype) as views: M [heads, key_dim, key_dim], C [heads, key_dim, value_dim], conv tail [conv_kernel - 1,
+        conv_dim]."""
+        spec = self.layers[layer]
+        values = section.view(torch.float16) if section.dtype == torch.uint8 else section  # a quantized store's bytes
+        if len(values) != spec.state_values or not spec.state_values:
+            raise ValueError(f"{len(values)} values are not layer {layer}'s state section ({spec.state_values})")
+        H, dk, dv = spec.kv_heads, spec.head_dim, spec.value_dim
+        m, c = H * dk * dk, H * dk * dv
+        return {"M": values[:m].view(H, dk, dk), "C": values[m:m + c].view(H, dk, dv),
+                "conv": values[m + c:].view(spec.conv_kernel - 1, spec.conv_dim)}
+
+    def block_states(self, block_ranks: np.ndarray, tokens: int, block: torch.Tensor) -> dict[int, dict]:
+        """Every linear layer's state (`state_section`) in one block's stored elements (ranks [L, 2, H])."""
+        ends = self.layer_offsets(block_ranks, tokens)[1:]
+        return {l: self.state_section(l, block[ends[l] - size:ends[l]])
+                for l, size in enumerate(self.state_sizes.tolist()) if size}
 
     @property
     def uniform(self) -> bool:
@@ -180,13 +209,14 @@ class Layout:
 
     def block_offsets(self, ranks: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         """Start of each block in the flat factor array, plus the end: int64 [N + 1]."""
-        sizes = self.segment_sizes(ranks, tokens).reshape(len(tokens), -1).sum(axis=1)
+        sizes = self.segment_sizes(ranks, tokens).reshape(len(tokens), -1).sum(axis=1) + self.state_sizes.sum()
         return np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
 
     def layer_offsets(self, block_ranks: np.ndarray, tokens: int) -> np.ndarray:
-        """Start of each layer inside one block (ranks [L, 2, H]), plus the end: int64 [L + 1]."""
-        sizes = self._sizes(block_ranks, np.int64(tokens)).reshape(self.num_layers, -1)
-        return np.concatenate(([0], np.cumsum(sizes.sum(axis=1)))).astype(np.int64)
+        """Start of each layer inside one block (ranks [L, 2, H]), plus the end: int64 [L + 1]. A layer's state
+        section is its place's last ``state_sizes[layer]`` elements."""
+        sizes = self._sizes(block_ranks, np.int64(tokens)).reshape(self.num_layers, -1).sum(axis=1) + self.state_sizes
+        return np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
 
     def segments_per_block(self, layer: int) -> int:
         """Rows a block has in ``layer``'s segment table: the units the layer stores."""
@@ -220,10 +250,11 @@ class Layout:
 
     def layer_groups(self) -> dict[str, list[int]]:
         """The layers by what they hold, for reports: 'kv HxD', 'v HxD' (keys from values), 'latent R+C' (a rope key
-        and a latent), 'shared'."""
+        and a latent), 'linear HxKxV' (a state of H heads, K by V), 'shared'."""
         groups: dict[str, list[int]] = {}
         for l, spec in enumerate(self.layers):
-            name = ("shared" if not spec.holds_cache else
+            name = (f"linear {spec.kv_heads}x{spec.head_dim}x{spec.value_dim}" if spec.state_values else
+                    "shared" if not spec.holds_cache else
                     f"latent {spec.head_dim - spec.latent}+{spec.latent}" if spec.latent else
                     f"{'v' if spec.keys_from_values else 'kv'} {spec.kv_heads}x{spec.head_dim}")
             groups.setdefault(name, []).append(l)
@@ -243,9 +274,12 @@ def index_bytes(layout: Layout, num_blocks: int) -> int:
 
 
 def compressed_bytes(layout: Layout, ranks: np.ndarray, tokens: np.ndarray, bytes_per_value: int = 2) -> dict:
-    """Exact bytes of a compressed set: factors plus index, and their ratio to the fp16 full KV."""
+    """Exact bytes of a compressed set: factors plus index (and linear layers' state sections, ``state_bytes``, which
+    no budget compresses), and their ratio to the fp16 full KV."""
     factors = int(layout.segment_sizes(ranks, tokens).sum()) * bytes_per_value
+    state = len(tokens) * int(layout.state_sizes.sum()) * bytes_per_value
     index = index_bytes(layout, len(tokens))
     full = full_kv_bytes(layout, tokens)
-    return {"factor_bytes": factors, "index_bytes": index, "total_bytes": factors + index,
-            "full_fp16_bytes": full, "ratio": (factors + index) / full if full else 0.0}
+    total = factors + state + index
+    return {"factor_bytes": factors, "state_bytes": state, "index_bytes": index, "total_bytes": total,
+            "full_fp16_bytes": full, "ratio": total / full if full else 0.0}

@@ -38,7 +38,7 @@ def push(local, url: str, *, force: bool = False, max_chunk_bytes: int | None = 
                         w.write_block(block)
                     batch = []
             if (anchor := store.anchor_kv()) is not None:
-                w.write_anchor(anchor, store.key_gains())
+                w.write_anchor(anchor, store.key_gains(), store.anchor_states())
             examples = store.examples()
             token_ids = None if store.token_ids(0) is None else np.concatenate(
                 [store.token_ids(i) for i in range(store.num_blocks)])

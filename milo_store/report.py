@@ -33,7 +33,8 @@ def describe(store: MiloStore) -> dict:
         "factor_dtype": store.dtype, "layout": store.meta["layout"],
         "blocks": store.num_blocks, "demonstrations": store.num_examples(), "tokens": int(store.block_tokens.sum()),
         "planned_ratio": acc["planned_ratio"], "actual_ratio": acc["ratio"],
-        "bytes": {"full_fp16_kv": acc["full_fp16_bytes"], "factors": acc["factor_bytes"], "index": acc["index_bytes"],
+        "bytes": {"full_fp16_kv": acc["full_fp16_bytes"], "factors": acc["factor_bytes"],
+                  "states": acc.get("state_bytes", 0), "index": acc["index_bytes"],
                   "accounted": acc["total_bytes"], "factor_files": acc["factor_file_bytes"], "on_disk": acc["disk_bytes"],
                   "dead": acc["dead_bytes"]},
         "chunks": {"factor": (len(np.unique(store.placement.extents[:, 0])) if store.segmented
@@ -51,17 +52,18 @@ def describe(store: MiloStore) -> dict:
 
 def layer_groups(store: MiloStore, acc: dict) -> list[dict]:
     """The store's layers by what they hold (`Layout.layer_groups`: 'kv HxD', 'v HxD' for K = V, 'latent R+C',
-    'shared'), each group's stored factor bytes and its fp16 K/V (what a store holding every layer in full would keep:
-    an MLA layer's one unit)."""
+    'linear HxKxV', 'shared'), each group's stored bytes (factors; a linear layer's state sections) and its fp16 K/V
+    (what a store holding every layer in full would keep: an MLA layer's one unit, a linear layer's none)."""
     layout, tokens = store.layout, store.block_tokens
     groups = layout.layer_groups()
     per_layer = None
     if len(groups) > 1:  # block bytes by layer: the low-rank codec's segments (one group: every factor byte)
-        per_layer = (layout.segment_sizes(store.ranks, tokens).sum(axis=(0, 2, 3)) * store.itemsize)
+        per_layer = (layout.segment_sizes(store.ranks, tokens).sum(axis=(0, 2, 3))
+                     + len(tokens) * layout.state_sizes) * store.itemsize
     out = []
     for name, layers in groups.items():
         spec = layout.layers[layers[0]]
-        units = 1 if spec.latent else 2  # K and V; an MLA layer's one unit (its latent and rope key)
+        units = 0 if spec.state_values else 1 if spec.latent else 2  # K and V; MLA's one unit; a state's none
         full = units * int(tokens.sum()) * spec.kv_heads * spec.head_dim * 2 * len(layers)  # fp16
         stored = acc["factor_bytes"] if per_layer is None else int(per_layer[layers].sum())
         out.append({"group": name, "layers": layers, "factor_bytes": stored, "full_fp16_bytes": full})

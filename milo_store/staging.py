@@ -23,6 +23,7 @@ from .codecs import BlockFactors
 
 FINGERPRINT = "fingerprint.json"
 TENSORS = ("A", "S", "B")
+STATE = "state_"  # a linear layer's state values: state_<layer>
 
 
 class StagingError(ValueError):
@@ -64,6 +65,7 @@ class Staging:
 
     def put(self, i: int, factors: BlockFactors) -> None:
         tensors = {name: getattr(factors, name).detach().cpu().contiguous() for name in TENSORS}
+        tensors |= {f"{STATE}{l}": t.detach().cpu().contiguous() for l, t in factors.states.items()}
         tmp = self.dir / f".block_{i:06d}.tmp"
         save_file(tensors, str(tmp), metadata={f"crc32c_{k}": str(crc32c(t)) for k, t in tensors.items()})
         fd = os.open(tmp, os.O_RDONLY)
@@ -75,7 +77,8 @@ class Staging:
 
     def get(self, i: int) -> BlockFactors:
         t = load_file(str(self._file(i)))
-        return BlockFactors(A=t["A"], S=t["S"], B=t["B"])
+        states = {int(name.removeprefix(STATE)): v for name, v in t.items() if name.startswith(STATE)}
+        return BlockFactors(A=t["A"], S=t["S"], B=t["B"], states=states)
 
     def verify(self, i: int) -> bool:
         """Whether staged block i is there, readable, and matches its checksums (a file staged
@@ -83,7 +86,7 @@ class Staging:
         try:
             with safe_open(str(self._file(i)), framework="pt") as f:
                 sums = f.metadata() or {}
-                tensors = {name: f.get_tensor(name) for name in TENSORS}
+                tensors = {name: f.get_tensor(name) for name in (*TENSORS, *(k for k in f.keys() if k.startswith(STATE)))}
         except (OSError, SafetensorError):
             return False
         return all(f"crc32c_{k}" not in sums or sums[f"crc32c_{k}"] == str(crc32c(t)) for k, t in tensors.items())

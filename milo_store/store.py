@@ -418,6 +418,19 @@ class MiloStore:
             self._key_gains = torch.from_numpy(gains)
         return self._key_gains
 
+    def anchor_states(self) -> dict[int, torch.Tensor] | None:
+        """Each linear layer's state section over the anchor, fp32 values flat (`Layout.state_section` views them),
+        or None where no layer is linear."""
+        sizes = [spec.state_values for spec in self.layout.layers]
+        if not any(sizes):
+            return None
+        values = torch.from_numpy(np.asarray(self._read_array(fmt.ANCHOR_STATE), dtype=np.float32))
+        if values.shape != (sum(sizes),):
+            raise StoreCorruptedError(f"{self.path}: {fmt.ANCHOR_STATE} has shape {tuple(values.shape)}, expected "
+                                      f"({sum(sizes)},)")
+        ends = np.cumsum(sizes)
+        return {l: values[end - size:end] for l, (size, end) in enumerate(zip(sizes, ends)) if size}
+
     def token_ids(self, i: int) -> np.ndarray | None:
         """The token ids block i was encoded from, or None when the store does not keep them."""
         if self.segmented:

@@ -73,6 +73,13 @@ def synthetic_block_factors(layout: Layout, tokens: int, generator: torch.Genera
     return factors, k, v
 
 
+def synthetic_states(layout: Layout, generator: torch.Generator) -> dict[int, torch.Tensor]:
+    """Each linear layer's state section, random fp32 values (M, C and conv tail alike: storage does not read them);
+    nothing, and no draw, for a layout without linear layers."""
+    return {l: torch.randn(spec.state_values, generator=generator) * 0.1
+            for l, spec in enumerate(layout.layers) if spec.state_values}
+
+
 def build_synthetic_store(path, layout: Layout, block_tokens, config: CompressionConfig | None = None, *,
                           seed: int = 0, force: bool = False, staging_dir=None, anchor_tokens: int = 4,
                           texts=None, example_block=None):
@@ -86,7 +93,9 @@ def build_synthetic_store(path, layout: Layout, block_tokens, config: Compressio
                                                                   "layout": str(layout), "codec": staging_codec(config.codec)})
     for i, t in enumerate(block_tokens):
         if not staging.has(i):
-            staging.put(i, factorize_block(*synthetic_block_kv(layout, int(t), g), codec=staging_codec(config.codec)))
+            factors = factorize_block(*synthetic_block_kv(layout, int(t), g), codec=staging_codec(config.codec))
+            factors.states = synthetic_states(layout, g)
+            staging.put(i, factors)
     anchor = torch.randn(layout.num_layers, 2, layout.num_kv_heads, anchor_tokens, layout.head_dim, generator=g)
     n = len(block_tokens)
     examples = {"input": [f"synthetic demonstration {i}" for i in range(n)], "block": list(range(n)),
@@ -96,7 +105,7 @@ def build_synthetic_store(path, layout: Layout, block_tokens, config: Compressio
     m = len(examples["input"])
     examples.update(output=["x"] * m, id=[str(i) for i in range(m)])
     out = write_store(path, staging, n, layout, config, attrs={"model": {"name": "synthetic"}},
-                      anchor_kv=anchor, examples=examples, force=force)
+                      anchor_kv=anchor, anchor_states=synthetic_states(layout, g), examples=examples, force=force)
     staging.remove()
     return out
 

@@ -342,14 +342,18 @@ class StoreWriter:
         self.group.create_array(name, data=data, **kwargs)
         self.array_checksums[name] = fmt.array_checksum(data)
 
-    def write_anchor(self, anchor_kv: torch.Tensor, key_gain: torch.Tensor | None = None) -> None:
+    def write_anchor(self, anchor_kv: torch.Tensor, key_gain: torch.Tensor | None = None,
+                     states: dict[int, torch.Tensor] | None = None) -> None:
         """The anchor (instruction prefix) K/V, uncompressed, on the layout's grid [L, 2, H, T_anchor, d], pre-RoPE
         keys: kept whole where every layer is alike, else unit by unit (`Layout.pack_units`: nothing where a layer
-        stores nothing). ``key_gain`` [L, d]: each K = V layer's gain (zeros elsewhere), which such a layout needs."""
+        stores nothing). ``key_gain`` [L, d]: each K = V layer's gain (zeros elsewhere), which such a layout needs;
+        ``states``: each linear layer's state section over the anchor, its values flat (as `BlockFactors.states`)."""
         if any(spec.keys_from_values for spec in self.layout.layers):
             if key_gain is None:
                 raise ValueError("a layout with K = V layers keeps their key gain beside the anchor")
             self._write_key_gain(key_gain)
+        if self.layout.state_sizes.any():
+            self._write_anchor_states(states or {})
         want = (self.layout.num_layers, 2, self.layout.num_kv_heads)
         if tuple(anchor_kv.shape[:3]) != want or anchor_kv.shape[-1] != self.layout.head_dim:
             raise ValueError(f"anchor K/V must be [L, 2, H, T, d] with L, H, d = {want[0]}, {want[2]}, "
@@ -366,6 +370,20 @@ class StoreWriter:
         if tuple(gain.shape) != want:
             raise ValueError(f"key gain must be [L, d] = {want}; got {tuple(gain.shape)}")
         self._create_checked(fmt.KEY_GAIN, gain.detach().float().cpu().numpy())
+
+    def _write_anchor_states(self, states: dict[int, torch.Tensor]) -> None:
+        """Each linear layer's anchor state, fp32, layer after layer (`MiloStore.anchor_states`)."""
+        linear = [l for l, spec in enumerate(self.layout.layers) if spec.state_values]
+        if sorted(states) != linear:
+            raise ValueError(f"a layout with linear layers {linear} keeps each one's anchor state; got {sorted(states)}")
+        for l in linear:
+            if states[l].shape != (self.layout.layers[l].state_values,):
+                raise ValueError(f"layer {l}'s anchor state has {tuple(states[l].shape)} values; its section holds "
+                                 f"{self.layout.layers[l].state_values}")
+        values = torch.cat([states[l].detach().float().cpu() for l in linear])
+        if not torch.isfinite(values).all():
+            raise ValueError("the anchor's linear-layer state is not finite")
+        self._create_checked(fmt.ANCHOR_STATE, values.numpy())
 
     def write_index(self, name: str, arrays: dict, attrs: dict) -> None:
         """A named index under ``indexes/<name>``: 1-D arrays, each one uncompressed chunk so a reader can
@@ -408,6 +426,8 @@ class StoreWriter:
                 self._create_checked(name, data)
             if any(spec.keys_from_values for spec in self.layout.layers) and fmt.KEY_GAIN not in self.array_checksums:
                 raise StoreError("a store with K = V layers keeps their key gain (write_anchor's key_gain)")
+            if self.layout.state_sizes.any() and fmt.ANCHOR_STATE not in self.array_checksums:
+                raise StoreError("a store with linear layers keeps their anchor state (write_anchor's states)")
             version = fmt.FORMAT_VERSION if self.layout.uniform else fmt.LAYERS_VERSION
             self.group.attrs[fmt.ATTRS_KEY] = {
                 **self.attrs, **self.codec.attrs(), "format_version": version, "factor_dtype": self.dtype,

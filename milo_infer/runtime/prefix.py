@@ -178,6 +178,9 @@ class StorePrefix:
     def __init__(self, name: str, store: MiloStore, rope: RopeTables, device, dtype):
         self.name, self.store, self.layout = name, store, store.layout
         self.layers = store.layout.layers
+        if linear := [l for l, spec in enumerate(self.layers) if spec.state_values]:
+            raise IncompatibleStoreError(f"{store.path} holds linear layers' states (layers {linear}): serving a "
+                                         "hybrid model's store is not built yet (issue 61)")
         anchor = store.anchor_kv()  # [L, 2, H, Ta, d] on the layout's grid, keys pre-RoPE
         if anchor is None:
             raise IncompatibleStoreError(f"{store.path} has no anchor K/V: not a store `milo build` wrote")

@@ -27,15 +27,17 @@ def run(args) -> int:
     print(f"content      {info['blocks']} blocks, {info['demonstrations']} demonstrations, {info['tokens']} tokens")
     planned = info["planned_ratio"]
     print(f"ratio        planned {planned if planned is None else f'{planned:.4f}'}  actual {info['actual_ratio']:.4f} "
-          f"(factors + index over fp16 full KV)")
-    print(f"bytes        full KV {human_bytes(b['full_fp16_kv'])}  factors {human_bytes(b['factors'])}  "
+          f"(factors{' + states' if b['states'] else ''} + index over fp16 full KV)")
+    states = f"linear states {human_bytes(b['states'])}  " if b["states"] else ""
+    print(f"bytes        full KV {human_bytes(b['full_fp16_kv'])}  factors {human_bytes(b['factors'])}  {states}"
           f"index {human_bytes(b['index'])}  on disk {human_bytes(b['on_disk'])} (all files)")
     chunks = info["chunks"]
     print(f"chunks       {chunks['factor']} of blocks ({human_bytes(b['factor_files'])}), {chunks['text']} text segment(s); "
           f"dead bytes {human_bytes(b['dead'])} ({b['dead'] / b['factor_files'] if b['factor_files'] else 0:.1%} of the "
           "block chunks: `milo-store gc` compacts them)")
     if len(info["layer_groups"]) > 1:  # layers that differ in what they hold (format 5)
-        print("layer groups (what each holds; full: K and V of every layer in fp16, shared and K = V layers too):")
+        print("layer groups (what each holds; full: K and V of every layer in fp16, shared and K = V layers too; "
+              "a linear layer's state, none):")
         for g in info["layer_groups"]:
             layers = g["layers"]
             print(f"  {g['group']:<12} {len(layers):>3} layers ({_runs(layers)})  stored {human_bytes(g['factor_bytes'])}"

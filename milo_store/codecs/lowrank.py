@@ -10,7 +10,7 @@ they are. Reference decode: `lowrank_reference.py`.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -26,10 +26,13 @@ CODECS = ("svd", "identity")
 
 @dataclass
 class BlockFactors:
-    """Factors of one block, at most max_rank columns each: A [L,2,H,T,n], S [L,2,H,n], B [L,2,H,d,n]."""
+    """Factors of one block, at most max_rank columns each: A [L,2,H,T,n], S [L,2,H,n], B [L,2,H,d,n]; and each
+    linear layer's state section, its values flat in fp32 (``states``: layer -> [LayerSpec.state_values]), which
+    no codec factors."""
     A: torch.Tensor
     S: torch.Tensor
     B: torch.Tensor
+    states: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def tokens(self) -> int:
@@ -83,7 +86,8 @@ def pack_block(f: BlockFactors, ranks: np.ndarray, dtype: str = "float16", layou
 
     ``int8``, ``int4`` and ``int2`` pack each segment's bytes as `quant` lays them out (a uint8 tensor).
     A unit at ``RAW_RANK`` is packed raw: X = A diag(Σ) Bᵀ itself (exact given full-rank factors). A ``layout``
-    whose units differ in width packs each unit's B (and raw X) over its own width only.
+    whose units differ in width packs each unit's B (and raw X) over its own width only, and each linear layer's
+    state section after its layer's units (`Layout.state_sizes`: float16 bytes in a quantized store).
     """
     tdtype = TORCH_DTYPES[dtype]
     ranks = np.asarray(ranks)
@@ -98,18 +102,37 @@ def pack_block(f: BlockFactors, ranks: np.ndarray, dtype: str = "float16", layou
     if tdtype in (torch.float16, torch.uint8) and f.S.numel() and float(f.S.max()) > torch.finfo(torch.float16).max:
         raise ValueError(f"a singular value ({float(f.S.max()):.3g}) overflows float16; store bfloat16 or float32")
     widths = None if layout is None or layout.uniform else layout.widths
+    stateful = [] if layout is None else np.flatnonzero(layout.state_sizes).tolist()
+    if sorted(f.states) != stateful:
+        raise ValueError(f"the block has states for layers {sorted(f.states)}; its layout's linear layers are {stateful}")
     parts = []
-    for idx in np.ndindex(*ranks.shape):
-        r = int(ranks[idx])
-        b = f.B[idx] if widths is None else f.B[idx][:widths[idx[0], idx[1], 0]]
-        if r == RAW_RANK:  # the unit's K or V itself (docs/format.md, raw segments)
-            x = reconstruct(f.A[idx], f.S[idx], b)
-            parts.append(quant.pack_raw_segment(x, dtype, idx[1]) if tdtype == torch.uint8 else x.reshape(-1))
-        elif tdtype == torch.uint8:
-            parts.append(quant.pack_segment(f.A[idx][:, :r], f.S[idx][:r], b[:, :r], dtype, kind=idx[1]))
-        else:
-            parts += [f.A[idx][:, :r].reshape(-1), f.S[idx][:r], b[:, :r].reshape(-1)]
-    return torch.cat(parts).to(tdtype) if parts else torch.empty(0, dtype=tdtype)
+    for layer in range(len(ranks)):
+        for kind, head in np.ndindex(*ranks.shape[1:]):
+            idx = layer, kind, head
+            r = int(ranks[idx])
+            b = f.B[idx] if widths is None else f.B[idx][:widths[layer, kind, 0]]
+            if r == RAW_RANK:  # the unit's K or V itself (docs/format.md, raw segments)
+                x = reconstruct(f.A[idx], f.S[idx], b)
+                parts.append(quant.pack_raw_segment(x, dtype, kind) if tdtype == torch.uint8 else x.reshape(-1))
+            elif tdtype == torch.uint8:
+                parts.append(quant.pack_segment(f.A[idx][:, :r], f.S[idx][:r], b[:, :r], dtype, kind=kind))
+            else:
+                parts += [f.A[idx][:, :r].reshape(-1), f.S[idx][:r], b[:, :r].reshape(-1)]
+        if layer in f.states:
+            parts.append(_state_section(f.states[layer], layout, layer, tdtype))
+    return torch.cat([p.to(tdtype) for p in parts]) if parts else torch.empty(0, dtype=tdtype)
+
+
+def _state_section(values: torch.Tensor, layout: Layout, layer: int, tdtype: torch.dtype) -> torch.Tensor:
+    """A linear layer's state values as its section's stored elements: the factor dtype, or float16's bytes."""
+    spec = layout.layers[layer]
+    if values.shape != (spec.state_values,):
+        raise ValueError(f"layer {layer}'s state has {tuple(values.shape)} values; its section holds "
+                         f"{spec.state_values}")
+    stored = values.to(torch.float16 if tdtype == torch.uint8 else tdtype)
+    if not torch.isfinite(stored).all():
+        raise ValueError(f"layer {layer}'s state is not finite in {stored.dtype} (NaN, Inf or overflow)")
+    return stored.view(torch.uint8) if tdtype == torch.uint8 else stored
 
 
 def measured_losses(f: BlockFactors, dtype: str, scale: torch.Tensor | None = None,

@@ -230,3 +230,16 @@ def test_the_kernel_paths_under_the_interpreter():
                             cwd=repo, capture_output=True, text=True, timeout=600,
                             env={**os.environ, "TRITON_INTERPRET": "1", "MILO_KERNEL": "triton", "PYTHONPATH": str(repo)})
     assert result.returncode == 0 and "2 passed" in result.stdout, result.stdout[-4000:] + result.stderr[-2000:]
+
+
+def test_a_store_of_linear_layers_is_refused_naming_them(tmp_path, built):
+    """Serving a hybrid model's store is not built yet (issue 61): mounting one says so, rather than reading its
+    states as K/V."""
+    from milo_store import IncompatibleStoreError, Layout
+    from milo_store.layers import ATTENTION, LINEAR, LayerSpec
+    from milo_store.synthetic import build_synthetic_store
+
+    layers = [LayerSpec(LINEAR, 2, 4, value_dim=4, conv_dim=8, conv_kernel=4), LayerSpec(ATTENTION, 2, 16)]
+    build_synthetic_store(tmp_path / "s", Layout.of(layers), [24, 30])
+    with MiloStore.open(tmp_path / "s") as store, pytest.raises(IncompatibleStoreError, match=r"layers \[0\]"):
+        StorePrefix("s", store, built[1], "cpu", torch.float32)
