@@ -100,3 +100,97 @@ def test_read_inputs_give_the_models_own_state(family):
         close(delta_rule.apply(pair, torch.zeros_like(cached)), cached)
         kernel = module.conv_kernel_size
         close(cache.layers[l].conv_states[0][0], conv_inputs[0, -kernel:].mT)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_next"])
+def test_a_blocks_section_carries_the_anchors_state_on_as_the_model_does(family):
+    """`encode_blocks` keeps, per linear layer, the block's own (M, C) and conv tail: the anchor's state (its section
+    from zero) carried through the block's pair is the state transformers caches after [anchor][block], and the
+    block's tail its conv state's last kernel − 1 inputs."""
+    from milo_infer.building.builder import encode_anchor
+    from milo_infer.building.encoding import encode_blocks
+    from milo_infer.models.families import model_layout
+
+    model = tiny_hybrid(family)
+    layout = model_layout(model.config)
+    ids = torch.randint(3, 300, (30,), generator=torch.Generator().manual_seed(2)).tolist()
+    anchor, block = ids[:9], ids[9:]
+    _, anchor_states = encode_anchor(model, anchor, layout)
+    (keys, _, states), = encode_blocks(model, [(ids, len(block))])
+    assert sorted(states) == sorted(anchor_states) == [0, 1, 2] and keys.shape[2] == len(block)
+    cache = model(torch.tensor([ids]), use_cache=True).past_key_values
+    for l, section in states.items():
+        parts, before = layout.state_section(l, section), layout.state_section(l, anchor_states[l])
+        state = delta_rule.apply((parts["M"], parts["C"]), before["C"])  # the anchor from zero: its C
+        close(state, cache.layers[l].recurrent_states[0][0])
+        close(parts["conv"], cache.layers[l].conv_states[0][0, :, 1:].mT)
+
+
+def test_a_tiny_hybrid_builds_a_store_of_its_states(tmp_path):
+    """The real build path over a tiny Qwen3.5: its linear layers' sections in every block and the anchor's, exact in a
+    float32 store (what `encode_blocks` computed for the same rows), its attention layers' K/V beside them."""
+    from milo_infer.building.builder import build_store
+    from milo_infer.building.config import BuildConfig
+    from milo_infer.building.encoding import encode_blocks
+    from milo_infer.models.identity import model_identity
+    from milo_infer.models.loading import LoadedModel
+    from milo_infer.tasks.corpus import Demonstration, task_from_corpus
+    from milo_store import CompressionConfig, MiloStore
+    from tests.infer.families import byte_tokenizer
+
+    model = tiny_hybrid("qwen3_5_text")
+    loaded = LoadedModel(model=model, tokenizer=byte_tokenizer(), identity=model_identity(model))
+    demos = [Demonstration(f"message {i} about my card", ("refund", "lost")[i % 2], f"d{i}") for i in range(4)]
+    task = task_from_corpus(demos)
+    build_store(tmp_path / "s", loaded, demos, task, BuildConfig(
+        block_size=2, context_blocks=0, order="corpus", compression=CompressionConfig(codec="identity",
+                                                                                      dtype="float32")),
+        progress=False)
+    with MiloStore.open(tmp_path / "s") as store:
+        assert [spec.kind for spec in store.layout.layers] == ["linear"] * 3 + ["attention"]
+        assert store.verify_all() == [] and store.accounting()["state_bytes"] > 0
+        anchor = store.meta["build"]["anchor_token_ids"]
+        for i, block in enumerate(store.stored_blocks([0, 1])):
+            ids = store.token_ids(i).tolist()
+            (_, _, expected), = encode_blocks(model, [(anchor + ids, len(ids))])
+            states = store.layout.block_states(store.ranks[i], int(store.block_tokens[i]), block)
+            for l, section in states.items():
+                torch.testing.assert_close(torch.cat([section[k].reshape(-1) for k in ("M", "C", "conv")]),
+                                           expected[l], rtol=0, atol=0)
+        assert sorted(store.anchor_states()) == [0, 1, 2]
+
+
+@settings(max_examples=20, deadline=None)
+@given(tokens=st.sampled_from([1, 5, 63, 64, 65, 130]), decay=decays, seed=st.integers(0, 2**16))
+def test_the_chunk_forms_outputs_equal_the_recurrences(tokens, decay, seed):
+    k, v, beta, g = block(tokens, seed, decay)
+    q = torch.randn(tokens, HEADS, KEY_DIM, generator=torch.Generator().manual_seed(seed + 1))
+    start = torch.randn(HEADS, KEY_DIM, VALUE_DIM, generator=torch.Generator().manual_seed(seed))
+    state, out = delta_rule.recurrent_run(start, q, k, v, beta, g)
+    scale = max(state.abs().max().item(), out.abs().max().item()) + 1
+    chunked_state, chunked_out = delta_rule.run(start, q, k, v, beta, g)
+    close(chunked_state, state, scale)
+    close(chunked_out, out, scale)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_next"])
+def test_a_layer_step_gives_the_layers_output_from_any_state_it_reached(family):
+    """`layer_step` over a row's tokens is the layer's own output there, whole or in two parts (the second from the
+    state and conv window the first left): what the engine runs a row's prefill chunks and decode steps with."""
+    model = tiny_hybrid(family)
+    seen = {}
+    for l, layer in enumerate(model.model.layers):
+        if hasattr(layer, "linear_attn"):
+            layer.linear_attn.register_forward_hook(
+                lambda module, args, kwargs, out, l=l: seen.__setitem__(l, (module, kwargs["hidden_states"], out)),
+                with_kwargs=True)
+    model(torch.randint(3, 300, (1, 70), generator=torch.Generator().manual_seed(3)), use_cache=False)
+    for l, (module, hidden, out) in seen.items():
+        hidden, out = hidden[0], out[0]
+        state = torch.zeros(module.num_v_heads, module.head_k_dim, module.head_v_dim)
+        window = torch.zeros(module.conv_kernel_size - 1, 2 * module.key_dim + module.value_dim)
+        whole, _, _ = delta_rule.layer_step(module, hidden, state, window)
+        close(whole, out)
+        first, state, window = delta_rule.layer_step(module, hidden[:66], state, window)
+        second, _, _ = delta_rule.layer_step(module, hidden[66:], state, window)
+        close(torch.cat((first, second)), out)
