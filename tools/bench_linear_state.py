@@ -25,13 +25,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from milo_infer.bench.synthetic_model import SHAPES  # noqa: E402
 from milo_infer.models import delta_rule  # noqa: E402
 
-# Qwen3.5-0.8B's text config (its linear layers, and the rest for --prefill)
-QWEN3_5_0_8B = dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
-                    num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
-                    linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
-                    full_attention_interval=4, vocab_size=4096)
+QWEN3_5_0_8B = SHAPES["qwen3.5-0.8b"]  # Qwen3.5-0.8B's text config, vocabulary cut to 4,096
 LAYERS, FULL_EVERY = QWEN3_5_0_8B["num_hidden_layers"], QWEN3_5_0_8B["full_attention_interval"]
 LINEAR_LAYERS = LAYERS - LAYERS // FULL_EVERY  # every layer but each full_attention_interval-th
 

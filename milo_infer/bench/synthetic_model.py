@@ -1,6 +1,7 @@
 """The benchmark's workload without a real model or corpus: a model of a named shape (its family's config class
 and sizes) with random weights, a byte-level tokenizer built in memory, and every method's store over synthetic
-K/V on the model's layers (`milo_store.layers`: Gemma 4's per-layer shapes, K = V and shared layers too).
+K/V on the model's layers (`milo_store.layers`: Gemma 4's per-layer shapes, K = V and shared layers too; a hybrid's
+linear layers' state sections, random values: what they cost to store, read and compose, not what they mean).
 
 Needs no files and no download, so tests and GPU runs can use it anywhere.
 """
@@ -12,7 +13,7 @@ import numpy as np
 import torch
 
 from milo_store import CompressionConfig, Staging, factorize_block, write_store
-from milo_store.synthetic import synthetic_block_factors
+from milo_store.synthetic import synthetic_block_factors, synthetic_states
 
 from .throughput import store_configs
 from ..tasks.corpus import TaskSpec
@@ -49,9 +50,20 @@ SHAPES = {
                              v_head_dim=128, intermediate_size=10944, moe_intermediate_size=1408, n_routed_experts=6,
                              num_experts_per_tok=6, n_shared_experts=2, first_k_dense_replace=1, vocab_size=4096,
                              max_position_embeddings=32768),
+    # Qwen3.5-0.8B's text model: 18 Gated DeltaNet layers (16 key and 16 value heads of 128, a convolution of 4) and,
+    # every fourth layer, attention of 2 KV heads of 256 with a quarter of the head rotating; vocabulary cut to 4,096
+    "qwen3.5-0.8b": dict(num_hidden_layers=24, hidden_size=1024, num_attention_heads=8, num_key_value_heads=2,
+                         head_dim=256, intermediate_size=3584, linear_num_key_heads=16, linear_num_value_heads=16,
+                         linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                         full_attention_interval=4, vocab_size=4096, max_position_embeddings=32768),
+    "qwen3.5-tiny": dict(num_hidden_layers=4, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, intermediate_size=128, linear_num_key_heads=2, linear_num_value_heads=4,
+                         linear_key_head_dim=8, linear_value_head_dim=6, linear_conv_kernel_dim=4, vocab_size=300,
+                         max_position_embeddings=4096),
 }
 CONFIG_CLASS = {"gemma4-e2b": "Gemma4TextConfig", "gemma4-tiny": "Gemma4TextConfig",
-                "deepseek-v2-lite": "DeepseekV2Config"}  # the others: Qwen2Config
+                "deepseek-v2-lite": "DeepseekV2Config", "qwen3.5-0.8b": "Qwen3_5TextConfig",
+                "qwen3.5-tiny": "Qwen3_5TextConfig"}  # the others: Qwen2Config
 SYNTHETIC_LABELS = tuple(f"c{i:02d}" for i in range(16))  # " c07" + newline: 5 generated tokens each
 
 
@@ -120,17 +132,19 @@ def synthetic_stores(root, loaded: LoadedModel, *, demos: int, block_size: int, 
                                                    "tokens": tokens, "draw": f"factors on {device.type}"})
                 for c in codecs}
     g = torch.Generator(device).manual_seed(seed)
+    states = torch.Generator().manual_seed(seed + 1)  # a hybrid's linear layers' sections (none drawn elsewhere)
     with ThreadPoolExecutor(workers) as pool:
         pending = []
         for b, t in enumerate(tokens):
             factors, k, v = synthetic_block_factors(layout, t, g)  # drawn even when staged: the next block's draws
+            drawn = synthetic_states(layout, states)
             if all(s.has(b) for s in stagings.values()):
                 continue
             staged = {"svd": factors}
             if "identity" in stagings:
                 staged["identity"] = factorize_block(k, v, codec="identity", layout=layout)
             for c, f in staged.items():
-                f = dataclasses.replace(f, A=f.A.cpu(), S=f.S.cpu(), B=f.B.cpu())
+                f = dataclasses.replace(f, A=f.A.cpu(), S=f.S.cpu(), B=f.B.cpu(), states=drawn)
                 pending.append(pool.submit(stagings[c].put, b, f))
             while len(pending) > 2 * workers:  # bounded: the host holds a few blocks at most
                 pending.pop(0).result()
@@ -148,6 +162,7 @@ def synthetic_stores(root, loaded: LoadedModel, *, demos: int, block_size: int, 
     gain = None  # K = V layers' key gains (a random model's key norms' weights: drawn too)
     if any(spec.keys_from_values for spec in layout.layers):
         gain = torch.exp(0.1 * torch.randn(layout.num_layers, layout.head_dim, generator=g))
+    anchor_states = synthetic_states(layout, states)
     configs = {name: (config, {}) for name, config in store_configs(ratios, query_aware=False).items()
                if config.codec in stagings}
     configs.update({f"bits-r{ratio}": (CompressionConfig(codec="bits", ratio=ratio, query_aware=True),
@@ -155,6 +170,7 @@ def synthetic_stores(root, loaded: LoadedModel, *, demos: int, block_size: int, 
     with ThreadPoolExecutor(min(workers, len(configs))) as pool:
         written = {name: pool.submit(write_store, root / name, stagings["svd" if config.codec != "identity" else "identity"],
                                      n_blocks, layout, config, attrs=attrs, anchor_kv=anchor, key_gain=gain,
+                                     anchor_states=anchor_states,
                                      examples=examples, token_ids=ids, force=True, **extra)
                    for name, (config, extra) in configs.items()}
         return {name: future.result() for name, future in written.items()}

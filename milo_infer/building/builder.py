@@ -230,8 +230,10 @@ def encode_share(model, plan: BuildPlan, share: RankShare, config: BuildConfig, 
                      len(plan.block_ids[i])) for i in unit]
             encoded = encode_blocks(model, rows)
             t1 = time.perf_counter()
-            for i, (keys, values) in zip(unit, encoded):
-                share.staging.put(i, factorize_block(keys, values, codec=codec, layout=plan.layout))
+            for i, (keys, values, states) in zip(unit, encoded):
+                factors = factorize_block(keys, values, codec=codec, layout=plan.layout)
+                factors.states = states
+                share.staging.put(i, factors)
             encode_s += t1 - t0
             factorize_s += time.perf_counter() - t1
         mine_blocks = [i for u in share.mine for i in u]
@@ -268,7 +270,8 @@ def commit(out: Path, loaded: LoadedModel, demos, task, config: BuildConfig, pla
     and the blocks whose bytes it keeps (``reused``: block -> previous block) and those whose bytes must go
     (``purge``, `write_store`); its anchor is the previous one."""
     model, layout, anchor_ids = loaded.model, plan.layout, plan.anchor_ids
-    anchor_kv = previous.anchor_kv() if previous is not None else encode_anchor(model, anchor_ids, layout)
+    anchor_kv, anchor_states = ((previous.anchor_kv(), previous.anchor_states()) if previous is not None
+                                else encode_anchor(model, anchor_ids, layout))
     attrs = {"model": loaded.identity, "task": task.record(),
              "build": {"block_size": config.block_size, "context_blocks": config.context_blocks,
                        "order": config.order, "seed": config.seed, "anchor_token_ids": anchor_ids}}
@@ -294,7 +297,8 @@ def commit(out: Path, loaded: LoadedModel, demos, task, config: BuildConfig, pla
     bars = StageBars(progress)
     try:
         return write_store(out, share.staging, len(plan.blocks), layout, config.compression, attrs=attrs,
-                           anchor_kv=anchor_kv, key_gain=previous.key_gains() if previous is not None else key_gains(model),
+                           anchor_kv=anchor_kv, anchor_states=anchor_states,
+                           key_gain=previous.key_gains() if previous is not None else key_gains(model),
                            examples=examples, channel_scale=channel_scale,
                            token_ids=np.concatenate([np.asarray(b, dtype=np.int32) for b in plan.block_ids]),
                            force=force, lock=share.lock, progress=bars, previous=previous, reused=reused,
@@ -303,12 +307,23 @@ def commit(out: Path, loaded: LoadedModel, demos, task, config: BuildConfig, pla
         bars.close()
 
 
-def encode_anchor(model, anchor_ids: list[int], layout: Layout) -> torch.Tensor:
-    """The anchor's K/V [L, 2, H, T, d] on the CPU, on the layers' grid (`encode_blocks`). An empty anchor (no
-    instruction, no tokenizer prefix) has none, and a model refuses zero tokens."""
+def encode_anchor(model, anchor_ids: list[int], layout: Layout) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """The anchor's K/V [L, 2, H, T, d] on the CPU, on the layers' grid, and each linear layer's state section over it
+    (`encode_blocks`). An empty anchor (no instruction, no tokenizer prefix) has no K/V and hands a state on as it
+    finds it (M = I, C and the conv tail zero), and a model refuses zero tokens."""
     if not anchor_ids:
-        return torch.zeros(layout.num_layers, 2, layout.num_kv_heads, 0, layout.head_dim)
-    return torch.stack(encode_blocks(model, [(anchor_ids, len(anchor_ids))])[0], dim=1).cpu()
+        return (torch.zeros(layout.num_layers, 2, layout.num_kv_heads, 0, layout.head_dim),
+                {l: unchanged_section(spec) for l, spec in enumerate(layout.layers) if spec.state_values})
+    keys, values, states = encode_blocks(model, [(anchor_ids, len(anchor_ids))])[0]
+    return torch.stack((keys, values), dim=1).cpu(), states
+
+
+def unchanged_section(spec) -> torch.Tensor:
+    """The state section of no tokens: M = I, C and the conv tail zero."""
+    section = torch.zeros(spec.state_values)
+    section[:spec.kv_heads * spec.head_dim ** 2].view(spec.kv_heads, spec.head_dim, spec.head_dim).copy_(
+        torch.eye(spec.head_dim))
+    return section
 
 
 def summarize(path: Path, demos, plan: BuildPlan, share: RankShare, ranks: list[dict], *, write_s: float,

@@ -1,11 +1,14 @@
 """The model's part of pass one: the corpus as token ids, grouped into blocks, the blocks grouped into
 forward passes (`encoding_units`), and one forward pass over a batch of blocks that keeps each block's
-own pre-RoPE K/V (`encode_blocks`)."""
+own pre-RoPE K/V and, in a hybrid model, its linear layers' state sections (`encode_blocks`)."""
 import random
+from typing import NamedTuple
 
 import torch
 
 from ..models import capture_kv, media_problem, model_layout
+from ..models.capture import attention_modules, capture_linear_inputs
+from ..models.delta_rule import block_section
 from ..tasks.corpus import Demonstration, TaskSpec
 from .config import BuildError
 
@@ -45,9 +48,18 @@ def encoding_units(blocks, encode_batch: int) -> list[list[int]]:
     return [blocks[i:i + encode_batch] for i in range(0, len(blocks), encode_batch)]
 
 
-def encode_blocks(model, rows: list[tuple[list[int], int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Forward each row's ids in one batch; per row, its last ``captured`` tokens' pre-RoPE K and V,
-    each [L, H, T, d] fp32 on the model's device, on its layers' grid (`model_layout`).
+class EncodedBlock(NamedTuple):
+    """A block's pre-RoPE K and V, each [L, H, T, d] fp32 on its layers' grid, and each linear layer's state section
+    (`milo_store.lowrank.BlockFactors.states`: layer -> fp32 values; empty where no layer is linear)."""
+    keys: torch.Tensor
+    values: torch.Tensor
+    states: dict[int, torch.Tensor]
+
+
+def encode_blocks(model, rows: list[tuple[list[int], int]]) -> list[EncodedBlock]:
+    """Forward each row's ids in one batch; per row, its last ``captured`` tokens' pre-RoPE K and V on the model's
+    device, on its layers' grid (`model_layout`), and each linear layer's state section over them, from the state
+    zero (`delta_rule.block_section`: the block's own transition, as its K/V are its own).
 
     Rows are right-padded: under the causal mask a real token never attends to the padding after
     it, so no padding mask is needed and its positions are 0..n-1 exactly as in a one-row pass.
@@ -57,8 +69,11 @@ def encode_blocks(model, rows: list[tuple[list[int], int]]) -> list[tuple[torch.
     batch = torch.zeros(len(rows), longest, dtype=torch.long)  # token 0 pads; what follows a row is never read
     for r, (ids, _) in enumerate(rows):
         batch[r, :len(ids)] = torch.tensor(ids)
-    with capture_kv(model) as kv, torch.inference_mode():
+    with capture_kv(model) as kv, capture_linear_inputs(model) as linear, torch.inference_mode():
         model(input_ids=batch.to(model.device), use_cache=False, logits_to_keep=1)
+        modules = attention_modules(model) if linear else []
+        states = [{l: block_section(modules[l], hidden[r, :len(ids)], captured).cpu() for l, hidden in linear.items()}
+                  for r, (ids, captured) in enumerate(rows)]
     layout = model_layout(model.config)
-    return [tuple(x.float() for x in kv.grid(r, slice(len(ids) - captured, len(ids)), layout))
+    return [EncodedBlock(*(x.float() for x in kv.grid(r, slice(len(ids) - captured, len(ids)), layout)), states[r])
             for r, (ids, captured) in enumerate(rows)]

@@ -194,7 +194,7 @@ def check_model(store: MiloStore, loaded: LoadedModel, task: TaskSpec) -> None:
                          "than the store's: it is not the tokenizer the store was built with")
     kept = store.anchor_kv()
     if kept is not None and kept.numel():
-        now = encode_anchor(loaded.model, anchor_ids, store.layout).to(kept.dtype).float()
+        now = encode_anchor(loaded.model, anchor_ids, store.layout)[0].to(kept.dtype).float()
         if (now - kept.float()).abs().max() > ANCHOR_TOLERANCE * kept.float().abs().max():
             raise BuildError(f"{store.path}: this model's K/V of the anchor differ from the store's: its weights are "
                              f"not those of the model that built the store ({stored.get('name')})")

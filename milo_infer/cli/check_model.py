@@ -25,6 +25,7 @@ from .build import demonstrations
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 COLUMNS = (("capture keys", "capture K"), ("capture values", "capture V"), ("reposition keys", "moved K"),
            ("reposition values", "moved V"), ("query_scales", "query wts"))
+STATE_COLUMNS = (("capture state", "state"), ("capture conv", "conv tail"))  # a hybrid's linear layers
 
 
 def add_arguments(p):
@@ -77,12 +78,15 @@ def print_report(r) -> None:
     print("deviation: largest |milo - model| per layer, over max(1, largest |model|); tolerance capture "
           f"{tol['capture']:g}, moved (re-positioned) {tol['reposition']:g}, query weights {tol['query_scales']:g}, "
           f"logits {tol['logits']:g}")
-    print("layer  " + "  ".join(f"{title:>10}" for _, title in COLUMNS))
+    columns = COLUMNS + (STATE_COLUMNS if any("capture state" in checks for checks in r.layers) else ())
+    print("layer  " + "  ".join(f"{title:>10}" for _, title in columns))
     for layer, checks in enumerate(r.layers):  # a layer attending another's K/V has none of its own to check; an MLA
-        # layer's one unit is its keys ("in K")
-        absent = "shared" if not any(name.endswith("keys") for name in checks) else "in K"
+        # layer's one unit is its keys ("in K"); a linear layer holds a state, no K/V (and an attention layer no state)
+        absent = ("-" if any(name.endswith("keys") for name in checks) and "capture values" in checks else
+                  "linear" if "capture state" in checks else "in K" if any(name.endswith("keys") for name in checks)
+                  else "shared")
         print(f"{layer:5d}  " + "  ".join(f"{checks[name].relative:10.2e}" if name in checks else f"{absent:>10}"
-                                          for name, _ in COLUMNS))
+                                          for name, _ in columns))
     print(f"logits over a query: {r.logits.relative:.2e}")
     if r.passed:
         print(f"PASS: milo reproduces this model's cache in every layer ({len(r.layers)})")

@@ -5,14 +5,17 @@ full rank, fp32 factors) is built the way `milo build` builds any store, and rea
 engine's rebuild (the kernels, the family's RoPE tables):
 
 * capture: each block rebuilt at the positions it was encoded at, [anchor][w previous blocks][block]:
-  its keys and values must be what the model itself writes into its cache for those tokens in that row;
+  its keys and values must be what the model itself writes into its cache for those tokens in that row; at a hybrid's
+  linear layer, its stored pair (M, C) applied to the model's state before it in that row must be the model's state
+  after it, and its conv tail the model's last convolution inputs;
 * re-positioning: the blocks placed as a query's prefix in reverse order (the first block always moves, by
   every other block's tokens; the others wherever their new neighbours' lengths differ from their context's): their
   rebuilt keys and values must be what the model computes for the same tokens at those positions from
   the same context (their encoding row fed at shifted positions; RoPE makes attention depend on
   relative positions only, so only the rotation differs);
 * answering: the engine's logits for a query over that prefix must be a plain transformers forward of
-  the query over a cache holding the same prefix (the engine's attention, the module's scaling included);
+  the query over a cache holding the same prefix (the engine's attention, the module's scaling included; at a linear
+  layer, the state the rebuild composes from the blocks' pairs, run on by the model's own forward);
 * query weights: the query-aware key weights (`query_channel_scales`, which read the family's query tap)
   against the queries the model's attention itself receives.
 
@@ -46,9 +49,11 @@ from ..tasks.corpus import Demonstration, TaskSpec
 
 CHECKS = ("capture", "reposition")
 # largest relative deviation each check may show, per model dtype: fp32 rounding (seen under 1e-6 on tiny
-# models), and the dtype's own rounding, where the model rotates in its dtype and milo in fp32
+# models; up to 2.1e-5 on the tiny hybrids' anchors, encoded alone: a hidden state's last bits differ from the same
+# tokens' inside a longer row and grow through three GDN layers, 6e-8 after the first, 2e-6 after the third), and the
+# dtype's own rounding, where the model rotates in its dtype and milo in fp32
 TOLERANCES = {
-    torch.float32: {"capture": 1e-5, "reposition": 1e-4, "logits": 1e-4, "query_scales": 1e-5},
+    torch.float32: {"capture": 3e-5, "reposition": 1e-4, "logits": 1e-4, "query_scales": 1e-5},
     torch.bfloat16: {"capture": 3e-2, "reposition": 1e-1, "logits": 1e-1, "query_scales": 3e-2},
     torch.float16: {"capture": 4e-3, "reposition": 2e-2, "logits": 2e-2, "query_scales": 4e-3},
 }
@@ -134,18 +139,28 @@ def _check(loaded: LoadedModel, store: MiloStore, query: str, w: int) -> Conform
     report = Conformance(loaded.identity["name"], model.config.model_type, engine.dtype, n,
                          [{} for _ in range(model.config.num_hidden_layers)])
 
-    def record(check: str, got: list, want: list, kind: str) -> None:
-        for layer, (a, b) in enumerate(zip(got, want)):
+    def record(check: str, got, want, kind: str) -> None:
+        """``got`` and ``want`` per layer: lists over every layer, or dicts of some."""
+        for layer, a in got.items() if isinstance(got, dict) else enumerate(got):
             if a is None:  # a layer that attends another's K/V holds none
                 continue
             key = f"{check} {kind}"
-            dev = Deviation.of(a, b)
+            dev = Deviation.of(a, want[layer])
             report.layers[layer][key] = report.layers[layer][key].worst(dev) if key in report.layers[layer] else dev
 
+    linear = [l for l, spec in enumerate(store.layout.layers) if spec.state_values]
     for b in range(n):  # capture: the block where its encoding row put it
         context = list(range(max(0, b - w), b + 1))
         starts[b] = len(anchor) + sum(len(ids[c]) for c in context[:-1])
-        k, v = rebuilt(engine, engine.stores["check"].prefix.place(context))
+        if linear:
+            before = model_states(model, anchor + [t for c in context[:-1] for t in ids[c]])
+            after = model_states(model, anchor + [t for c in context for t in ids[c]])
+            block = store.layout.block_states(store.ranks[b], int(store.block_tokens[b]), store.stored_blocks([b])[0])
+            for l in linear:
+                m, c = (block[l][part].to(before[l][0]) for part in ("M", "C"))
+                record("capture", {l: m @ before[l][0] + c}, {l: after[l][0]}, "state")
+                record("capture", {l: block[l]["conv"]}, {l: after[l][1]}, "conv")
+        k, v, _ = rebuilt(engine, engine.stores["check"].prefix.place(context))
         cached_k, cached_v = model_cache(model, anchor + [t for c in context for t in ids[c]], 0)
         span = slice(starts[b], starts[b] + len(ids[b]))
         for kind, ours, theirs in (("keys", k, cached_k), ("values", v, cached_v)):
@@ -153,7 +168,7 @@ def _check(loaded: LoadedModel, store: MiloStore, query: str, w: int) -> Conform
             record("capture", cut(ours, slice(len(anchor))), cut(theirs, slice(len(anchor))), kind)
 
     order = list(range(n))[::-1]  # a query's prefix in another order: blocks at other positions than encoded
-    k, v = rebuilt(engine, engine.stores["check"].prefix.place(order))
+    k, v, states = rebuilt(engine, engine.stores["check"].prefix.place(order))
     at = len(anchor)
     for b in order:
         context = list(range(max(0, b - w), b + 1))
@@ -166,11 +181,12 @@ def _check(loaded: LoadedModel, store: MiloStore, query: str, w: int) -> Conform
 
     plan = engine.plan("check", Request(text=query), block_ids=order)
     ours = engine.logits([plan])[0]
-    report.logits = Deviation.of(ours, plain_logits(model, k, v, plan.query_ids, plan.prefix_tokens))
+    report.logits = Deviation.of(ours, plain_logits(model, k, v, plan.query_ids, plan.prefix_tokens, states))
     calibration = anchor + [t for block in ids for t in block]
     for layer, (ours, theirs) in enumerate(zip(query_channel_scales(model, calibration),
                                                attended_query_scales(model, calibration))):
-        report.layers[layer]["query_scales"] = Deviation.of(ours, theirs)
+        if store.layout.layers[layer].attends:  # a linear layer reads no queries
+            report.layers[layer]["query_scales"] = Deviation.of(ours, theirs)
     return report
 
 
@@ -179,13 +195,16 @@ def cut(tensors: list, columns: slice) -> list:
     return [None if x is None else x[:, :, columns] for x in tensors]
 
 
-def rebuilt(engine: Engine, placement) -> tuple[list, list]:
+def rebuilt(engine: Engine, placement) -> tuple[list, list, dict]:
     """Per layer, K and V [1, H, P, d] of a placement's [anchor][blocks] as the engine's rebuild writes them into its
-    cache (None at a layer that attends another's; a latent layer's unit as its keys, its values None)."""
+    cache (None at a layer that attends another's or a linear layer; a latent layer's unit as its keys, its values
+    None), and each linear layer's state and conv window the rebuild composes (`PrefixRebuild.linear_states`)."""
     rebuild = PrefixRebuild([placement], engine.rope, engine.device)
     P = rebuild.rows[0].prefix_tokens
-    keys, values = [], []
+    keys, values, states = [], [], {}
     for layer, spec in enumerate(placement.prefix.layers):
+        if spec.state_values:
+            states[layer] = rebuild.linear_states(layer)[0]
         if not spec.holds_cache:
             keys.append(None)
             values.append(None)
@@ -195,7 +214,19 @@ def rebuilt(engine: Engine, placement) -> tuple[list, list]:
         rebuild.fill(layer, [k[0]], [None if v is None else v[0]])
         keys.append(k)
         values.append(v)
-    return keys, values
+    return keys, values, states
+
+
+@torch.inference_mode()
+def model_states(model, ids: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Per linear layer, the state [H, dk, dv] the model's cache holds after ``ids`` and its convolution's last
+    kernel − 1 inputs [kernel − 1, conv_dim]."""
+    device = next(model.parameters()).device
+    out = model(input_ids=torch.tensor([ids], device=device), use_cache=True, logits_to_keep=1,
+                **{cache_keyword(model): DynamicCache(config=model.config)})
+    cache = out.cache if hasattr(out, "cache") else out.past_key_values
+    return {l: (cache.layers[l].recurrent_states[0][0].float(), cache.layers[l].conv_states[0][0, :, 1:].mT)
+            for l, spec in enumerate(layer_specs(model.config)) if spec.state_values}
 
 
 @torch.inference_mode()
@@ -207,22 +238,27 @@ def model_cache(model, ids: list[int], shift: int) -> tuple[list, list]:
     them)."""
     device = next(model.parameters()).device
     positions = torch.arange(len(ids), device=device)[None] + shift
+    hybrid = getattr(FAMILIES.get(model.config.model_type), "linear", None)  # its linear layers need the config
     out = model(input_ids=torch.tensor([ids], device=device), position_ids=positions, use_cache=True,
-                logits_to_keep=1, **{cache_keyword(model): DynamicCache()})
+                logits_to_keep=1, **{cache_keyword(model): DynamicCache(config=model.config) if hybrid else DynamicCache()})
     cache = out.cache if hasattr(out, "cache") else out.past_key_values  # transformers renamed it after 5.19
     # the layers that write K/V come first (Gemma 4's shared layers are its last ones): the others hold none
     held = list(cache.layers) + [None] * (model.config.num_hidden_layers - len(cache.layers))
-    keys, values = [None if c is None else c.keys for c in held], [None if c is None else c.values for c in held]
+    keys, values = ([getattr(c, "keys", None) for c in held],  # a linear layer's holds a state, no K/V
+                    [getattr(c, "values", None) for c in held])
     if getattr(FAMILIES.get(model.config.model_type), "latent", False):  # (latent, rotated rope key) as milo's unit
         keys, values = [latent.unit_of(k, v) for k, v in zip(keys, values)], [None] * len(keys)
     return keys, values
 
 
 @torch.inference_mode()
-def plain_logits(model, keys, values, query_ids: list[int], prefix_tokens: int) -> torch.Tensor:
+def plain_logits(model, keys, values, query_ids: list[int], prefix_tokens: int, states=None) -> torch.Tensor:
     """transformers alone: the query fed after a `DynamicCache` holding the prefix, its logits [T, vocab] fp32
-    (every column kept, as `model_cache`'s)."""
-    cache = cache_of(keys, values, layers=layer_specs(model.config))
+    (every column kept, as `model_cache`'s; ``states``: each linear layer's state and conv window)."""
+    dtype = next(model.parameters()).dtype  # the convolution reads its inputs in the model's dtype
+    states = {l: (state, window.to(dtype)) for l, (state, window) in (states or {}).items()}
+    cache = cache_of(keys, values, layers=layer_specs(model.config), states=states,
+                     config=model.config if states else None)
     device = next(model.parameters()).device
     positions = torch.arange(prefix_tokens, prefix_tokens + len(query_ids), device=device)[None]
     out = model(input_ids=torch.tensor([query_ids], device=device), position_ids=positions, use_cache=True,
@@ -230,10 +266,11 @@ def plain_logits(model, keys, values, query_ids: list[int], prefix_tokens: int) 
     return out.logits[0].float()
 
 
-def cache_of(keys: list, values: list, config=None, layers=None) -> DynamicCache:
+def cache_of(keys: list, values: list, config=None, layers=None, states=None) -> DynamicCache:
     """A `DynamicCache` holding each layer's K and V (none at a layer that attends another's); ``config``: the model's,
-    for a cache that keeps only a window layer's last W columns as it grows; ``layers`` (the model's `layer_specs`,
-    default ``config``'s): a latent layer's unit handed back as its model caches it."""
+    for a cache that keeps only a window layer's last W columns as it grows (and a hybrid's, for its linear layers);
+    ``layers`` (the model's `layer_specs`, default ``config``'s): a latent layer's unit handed back as its model
+    caches it; ``states``: each linear layer's state [H, dk, dv] and conv window [kernel − 1, conv_dim]."""
     cache = DynamicCache(config=config) if config is not None else DynamicCache()
     layers = layers or (layer_specs(config) if config is not None else ())
     for layer, (k, v) in enumerate(zip(keys, values)):
@@ -241,6 +278,10 @@ def cache_of(keys: list, values: list, config=None, layers=None) -> DynamicCache
             k, v = latent.cache_pair(k, layers[layer].latent)
         if k is not None:
             cache.update(k, v, layer)
+    for layer, (state, window) in (states or {}).items():  # the conv state's oldest column is never read again
+        conv = torch.cat((window.new_zeros(1, window.shape[1]), window)).mT[None]
+        cache.update_conv_state(conv, layer)
+        cache.update_recurrent_state(state[None], layer)
     return cache
 
 
@@ -282,4 +323,4 @@ def attended_query_scales(model, ids: list[int]) -> torch.Tensor:
     tables = layer_rope_tables(model, 1)
     return pooled_key_scales(layer_specs(config), {  # each layer's [tokens, Hq, d] over its tables' carried scale
         layer: query_energy(config, layer, seen[layer][0].transpose(0, 1)) / float(tables.layer(layer)[0][0, 0]) ** 2
-        for layer in range(config.num_hidden_layers)})
+        for layer in seen})  # a linear layer attends nothing

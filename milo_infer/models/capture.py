@@ -22,10 +22,12 @@ def decoder_layers(model) -> torch.nn.ModuleList:
 
 def attention_modules(model) -> list[torch.nn.Module]:
     """Every attention module in the order the model's cache numbers them: each decoder layer's ``self_attn``, or each
-    of its list (LongCat's two a layer)."""
+    of its list (LongCat's two a layer), or a hybrid's linear layer's module (`Attention.linear`) in its place."""
     found = []
+    linear = attention_of(model.config).linear
     for layer in decoder_layers(model):
-        found.extend(layer.self_attn if isinstance(layer.self_attn, torch.nn.ModuleList) else [layer.self_attn])
+        attention = getattr(layer, "self_attn", None) or getattr(layer, linear)
+        found.extend(attention if isinstance(attention, torch.nn.ModuleList) else [attention])
     return found
 
 
@@ -46,7 +48,7 @@ def _taps(model, spec: Attention, what: str) -> dict:
     config = model.config
     taps = {}
     for index, (attention, shape) in enumerate(zip(attention_modules(model), layer_specs(config))):
-        if what != "q" and not shape.holds_cache:
+        if not shape.attends or what != "q" and not shape.holds_cache:
             continue
         if spec.latent:  # the rope key ends the projection's output; the latent is its norm's; queries absorbed
             taps[index] = _latent_tap(attention, spec, what, shape.latent, latent.rope_order(config, spec))
@@ -180,6 +182,25 @@ def capture_kv(model, spec: Attention | None = None) -> Iterator[CapturedKV]:
             handle.remove()
 
 
+@contextlib.contextmanager
+def capture_linear_inputs(model) -> Iterator[dict[int, torch.Tensor]]:
+    """Hook every linear layer's module (`layer_specs`' ``linear``) while the block runs; yield {layer: its input
+    hidden states [batch, tokens, hidden] of the latest forward pass}, from which `delta_rule.block_section` computes a
+    block's state section. Empty for a model without linear layers."""
+    inputs: dict[int, torch.Tensor] = {}
+    handles = []
+    try:
+        for index, (module, shape) in enumerate(zip(attention_modules(model), layer_specs(model.config))):
+            if shape.state_values:
+                handles.append(module.register_forward_pre_hook(
+                    lambda module, args, kwargs, index=index: inputs.__setitem__(
+                        index, (args[0] if args else kwargs["hidden_states"]).detach()), with_kwargs=True))
+        yield inputs
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def rope_pairs(energy: torch.Tensor, interleaved: bool, rotary_dim: int | None = None) -> torch.Tensor:
     """Each channel's value replaced by the mean over its RoPE pair: (j, j + d/2) rotate-half, (2i, 2i + 1)
     interleaved; with a rotate-half ``rotary_dim``, (j, j + rotary_dim/2) over the first rotary_dim channels, each
@@ -233,6 +254,8 @@ def pooled_key_scales(layers, energy: dict[int, torch.Tensor]) -> torch.Tensor:
     takes the mean over its readers (itself and the layers that share its K/V), pooled over its RoPE pairs."""
     weights, readers = _grid(layers, torch.float64), _readers(layers)
     for l, shape in enumerate(layers):
+        if not shape.attends:  # a linear layer's state: no keys
+            continue
         owner = l if shape.holds_cache else shape.source
         weights[owner, :shape.kv_heads, :shape.head_dim] += energy[l]
     for l, shape in enumerate(layers):
@@ -256,7 +279,7 @@ def output_channel_scales(model, spec: Attention | None = None) -> torch.Tensor:
     layers = layer_specs(config)
     squares = _grid(layers, torch.float64)
     for index, (attention, shape) in enumerate(zip(attention_modules(model), layers)):
-        if shape.kind == LATENT:  # no values of its own (its latent is stored as keys)
+        if shape.kind == LATENT or not shape.attends:  # no values of its own (its latent is stored as keys; a state)
             continue
         owner = index if shape.holds_cache else shape.source
         H, d = shape.kv_heads, shape.head_dim
@@ -276,7 +299,7 @@ def _readers(layers) -> torch.Tensor:
     """Per layer, how many layers attend its K/V: itself and those that share them (1 for a layer holding none)."""
     count = torch.ones(len(layers), dtype=torch.float64)
     for shape in layers:
-        if not shape.holds_cache:
+        if shape.source is not None:
             count[shape.source] += 1
     return count
 def key_gains(model) -> torch.Tensor | None:

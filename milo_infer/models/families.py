@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from milo_store import Layout
-from milo_store.layers import ATTENTION, LATENT, SHARED, LayerSpec
+from milo_store.layers import ATTENTION, LATENT, LINEAR, SHARED, LayerSpec
 
 # RoPE variants whose tables depend only on the position: "dynamic" and "longrope" recompute their
 # frequencies from the length of the current forward pass, so a stored key could not be re-rotated.
@@ -74,6 +74,8 @@ class Attention:
     # this config flag is on, or always (True: LongCat's)
     latent_gains: tuple[str, str] | None = None  # attributes of the MLA module scaling its latent after the norm and
     # its queries (LongCat's mla_scale_kv_lora, mla_scale_q_lora)
+    linear: str | None = None  # the decoder layer's attribute holding a ``linear_attention`` layer's Gated DeltaNet
+    # (Qwen3.5's and Qwen3-Next's linear_attn): its state per block is stored (`milo_store.layers` ``linear``)
 
     def rope_layout(self, config, layer: int = 0) -> dict:
         """The kernels' RoPE layout arguments for ``layer`` of this model (``milo_kernels`` ``interleaved`` and
@@ -118,6 +120,7 @@ WINDOWED = replace(PLAIN, window=True)  # Mistral's: Llama's, config.sliding_win
 QK_NORM = Attention(keys=("k_norm",), queries=("q_norm",))  # the norm's output: per head (Qwen3), over the projection (OLMo 2)
 FUSED = Attention(fused="qkv_proj", window=True, partial=True)  # Phi-3's: q, k and v slices of one projection;
 # Phi-4-mini's rotate-half over 3/4 of the head
+GATED_DELTA = replace(QK_NORM, partial=True, linear="linear_attn", identity=("linear_num_key_heads",))
 MOE = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
        "mlp_only_layers")  # Qwen's routing
 GRANITE = ("attention_multiplier", "embedding_multiplier", "residual_multiplier", "logits_scaling")
@@ -211,6 +214,11 @@ FAMILIES: dict[str, Attention] = {
                                  "intermediate_size_mlp")),  # Llama 4: complex RoPE tables, NoPE every 4th layer
     # MLA: a latent and one rope key a token (`models.latent`); V3's rope_interleave lays the rope key out evens then
     # odds before rotate-half, V2's complex tables turn its raw pairs (2i, 2i + 1)
+    # hybrids: Gated DeltaNet layers (`linear_attn`, three in four) beside attention layers of Qwen3's per-head q/k norms,
+    # a quarter of the head rotating and an output gate from q_proj's second half (applied after attention, as it is)
+    "qwen3_5_text": GATED_DELTA,
+    "qwen3_5_moe_text": replace(GATED_DELTA, identity=GATED_DELTA.identity + MOE + ("shared_expert_intermediate_size",)),
+    "qwen3_next": replace(GATED_DELTA, identity=GATED_DELTA.identity + MOE + ("shared_expert_intermediate_size",)),
     "deepseek_v3": MLA,
     "deepseek_v2": replace(MLA, interleaved=True, half_tables=True),
     "glm4_moe_lite": replace(MLA, identity=MLA.identity + ("mlp_layer_types",)),  # GLM-4.7-Flash: V3's attention
@@ -222,8 +230,9 @@ FAMILIES: dict[str, Attention] = {
                                        "n_routed_experts", "zero_expert_num", "moe_topk", "routed_scaling_factor")),
 }
 
-HYBRID_LINEAR = ("hybrid linear attention: its linear-attention layers keep a recurrent state, not per-token K/V "
-                 "that could be stored and placed at new positions")
+HYBRID_LINEAR = ("hybrid linear attention of a kind milo does not compose: its linear layers keep a recurrent state, "
+                 "not per-token K/V; milo stores and composes Gated DeltaNet's per block (Qwen3.5, Qwen3-Next), not "
+                 "yet a Mamba layer's selective scan or Kimi's KDA")
 KEY_NORM_AFTER_ROPE = ("its query and key RMSNorms follow RoPE, each with a weight per channel, so a score "
                        "<wq*R(m)q, wk*R(n)k> depends on m and n, not on m - n alone: a block's K/V past the first layer "
                        "change with the absolute positions it was encoded at, and no stored block placed elsewhere is "
@@ -239,8 +248,7 @@ REFUSED: dict[str, str] = {
     "deepseek_v4": ("compressed attention: its compressed and heavily compressed layers cache one entry per "
                     "compress_rate tokens, aligned to absolute positions, beside a window: a block placed elsewhere "
                     "would compress over other tokens"),
-    "qwen3_next": HYBRID_LINEAR, "qwen3_5": HYBRID_LINEAR, "qwen3_5_text": HYBRID_LINEAR, "qwen3_5_moe": HYBRID_LINEAR,
-    "qwen3_5_moe_text": HYBRID_LINEAR, "falcon_h1": HYBRID_LINEAR, "jamba": HYBRID_LINEAR,
+    "falcon_h1": HYBRID_LINEAR, "jamba": HYBRID_LINEAR,
     "gemma3": ("the multimodal Gemma 3 (gemma3): its image tokens attend bidirectionally, and its text model "
                "is not yet proven loaded out of it; its text model as a checkpoint of its own (gemma3_text) is "
                "supported"),
@@ -314,7 +322,8 @@ def layer_specs(config) -> tuple[LayerSpec, ...]:
     """What each layer of a store of this model holds (`milo_store.layers.LayerSpec`): the one per-layer description
     capture, the RoPE tables, the store, the engine's cache and rebuild and the vLLM connector all read. A shared layer
     (`Attention.kv_sharing`) holds nothing and names its source; it keeps its own heads, width and RoPE layout, which
-    are its source's (the same layer type)."""
+    are its source's (the same layer type). A hybrid's ``linear_attention`` layers (`Attention.linear`) hold a state
+    (`linear_spec`)."""
     spec = attention_of(config)
     if spec.latent:
         rope, latent = config.qk_rope_head_dim, config.kv_lora_rank
@@ -327,6 +336,9 @@ def layer_specs(config) -> tuple[LayerSpec, ...]:
     k_eq_v = bool(spec.keys_from_values and getattr(config, spec.keys_from_values, False))
     layers = []
     for l in range(config.num_hidden_layers):
+        if spec.linear and types[l] == "linear_attention":
+            layers.append(linear_spec(config))
+            continue
         d = head_dim(config, l)
         turns = rotary_dim(config, l)
         partial = spec.partial and not spec.interleaved and turns != d
@@ -336,6 +348,16 @@ def layer_specs(config) -> tuple[LayerSpec, ...]:
         layers.append(LayerSpec(kind, kv_heads(config, l), d, **rotary, source=source,
                                 keys_from_values=k_eq_v and kind == ATTENTION and types[l] == "full_attention"))
     return tuple(layers)
+
+
+def linear_spec(config) -> LayerSpec:
+    """A Gated DeltaNet layer's state (`milo_infer.models.delta_rule`): a [key_dim, value_dim] state per value head,
+    and its short convolution over the queries', keys' and values' channels."""
+    key_heads, value_heads = config.linear_num_key_heads, config.linear_num_value_heads
+    key_dim, value_dim = config.linear_key_head_dim, config.linear_value_head_dim
+    return LayerSpec(LINEAR, value_heads, key_dim, value_dim=value_dim,
+                     conv_dim=2 * key_heads * key_dim + value_heads * value_dim,
+                     conv_kernel=config.linear_conv_kernel_dim)
 
 
 def check_supported(config) -> None:
@@ -393,7 +415,8 @@ def _check_config(config) -> None:
         if found and found not in problems:
             problems.append(found)
     layer_types = getattr(config, "layer_types", None) or []
-    attended = {"full_attention", "sliding_attention"} | ({"chunked_attention"} if spec and spec.first_chunk else set())
+    attended = ({"full_attention", "sliding_attention"} | ({"chunked_attention"} if spec and spec.first_chunk else set())
+                | ({"linear_attention"} if spec and spec.linear else set()))
     other = sorted({kind for kind in layer_types} - attended)
     if other:
         problems.append(f"layers of type {', '.join(map(repr, other))}: MILO attends full or sliding-window layers only")
@@ -437,12 +460,18 @@ def rope_per_layer_type(config) -> dict[str, dict]:
 def vllm_problem(config) -> str | None:
     """Why the vLLM connector cannot serve this model, or None: where vLLM's own model file attends otherwise than
     transformers' (which milo's stores are encoded by and its engine answers as), a loaded prefix would answer
-    unlike both: Cohere 2 with an active window, and MLA models, in vLLM 0.32."""
+    unlike both: Cohere 2 with an active window, and MLA models, in vLLM 0.32; a hybrid's linear layers, whose
+    state the connector does not load."""
     if FAMILIES.get(config.model_type, PLAIN).latent:
         return ("its MLA layers: vLLM 0.32's CPU DeepSeek answers unlike transformers' with no milo in the way (tiny "
                 "random DeepSeek V2 and V3: its own first-token logprobs off by up to 1.8 on a 6-token prompt), so a "
                 "loaded prefix could not answer as milo's engine does; the connector writes no MLA cache: served by "
                 "milo's own engine only")
+    if any(spec.state_values for spec in layer_specs(config)):
+        return ("its Gated DeltaNet layers' state: vLLM 0.32 hands a connector its hybrid allocator's state groups only "
+                "through SupportsHMA, each request's GDN state laid out [heads, value_dim, key_dim] beside its conv "
+                "state, while milo's connector writes K/V pages alone and would leave the rows' states unset: served "
+                "by milo's own engine only (docs/design.md, \"Hybrid linear layers\")")
     if config.model_type == "cohere2" and any(w is not None for w in attention_of(config).windows(config)):
         return (f"vLLM's Cohere 2 attends sliding_window + 1 = {config.sliding_window + 1} tokens in its window "
                 f"layers (its commandr.py: 'cohere swa layer sees [pos - sliding_window, pos]'), transformers' "

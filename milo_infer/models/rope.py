@@ -63,7 +63,8 @@ def _per_layer(config, tables_of) -> RopeTables:
     layers = layer_specs(config)
     nope = [l for l, spec in enumerate(layers) if spec.nope]
     if not per_type:
-        return RopeTables(*_as_applied(config, *tables_of(None), layers[0].head_dim), config.num_hidden_layers, nope)
+        width = next(spec.head_dim for spec in layers if spec.attends)  # a hybrid's linear layers turn nothing
+        return RopeTables(*_as_applied(config, *tables_of(None), width), config.num_hidden_layers, nope)
     kinds = list(config.layer_types)
     width = {kind: layers[kinds.index(kind)].head_dim for kind in per_type if kind in kinds}
     tables = {kind: _as_applied(config, *tables_of(kind), d) for kind, d in width.items()}

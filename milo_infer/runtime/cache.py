@@ -112,10 +112,13 @@ class PrefixFill:
     """An admission's prefixes to rebuild: its `PrefixRebuild` and, in its rows' order, each row's pages, prefix
     length and the positions it keeps (None: every column 0..length-1 where it is; else those positions' K/V packed,
     in order, into the columns that end at ``length``: a row's own blocks beside blocks held once) (``window_rows``:
-    its window layers' page tables, where they hold pages of their own)."""
-    rebuild: object  # PrefixRebuild: fill(layer, k_dsts, v_dsts)
+    its window layers' page tables, where they hold pages of their own). ``linear``: in the same order, the
+    `linear_rows.RowState` each row's linear layers start from what the rebuild composes (None: a held block's; empty:
+    a model without linear layers)."""
+    rebuild: object  # PrefixRebuild: fill(layer, k_dsts, v_dsts), linear_states(layer)
     rows: list[tuple[list[int], int, np.ndarray | None]]
     window_rows: list[tuple[list[int], int, None]] | None = None
+    linear: list = field(default_factory=list)
 
 
 @dataclass
@@ -134,6 +137,8 @@ class Pack:
     window_layers: frozenset = frozenset()  # the layers attending the window pools (a shared layer: its source's)
     latent: dict = field(default_factory=dict)  # each latent layer's pool [1, columns, rope + latent], as its update
     # leaves it: its attention reads the unit there (`attention.latent_attention`)
+    linear: list = field(default_factory=list)  # a hybrid's rows, in the segments' order: (their
+    # `linear_rows.RowState`, start, stop), which its linear layers run one by one (`linear_rows.rows_forward`)
 
     def attended(self, layer: int) -> "Pack":
         """What ``layer`` attends: its own page tables' segments."""

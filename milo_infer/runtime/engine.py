@@ -47,6 +47,7 @@ from .decoding import FreeDecoder
 from .device_tier import DeviceTier
 from .errors import AdmissionOutOfMemory, BlockLoadError, RequestError, RowFailed
 from .interface import Answer, RowEvent
+from .linear_rows import RowState, install as install_row_forwards
 from .pages import FULL, GROWTH_HEADROOM, PAGE_TOKENS, WINDOW, PageGroups, kv_budget_bytes, pages_for, window_skip
 from .planning import STOP_STRINGS, EngineSettings, MountedStore, QueryPlan, Request
 from .prefetch import TransferPool
@@ -114,15 +115,20 @@ class Engine:
         self.rope = layer_rope_tables(self.model, self.max_positions, device=self.device)  # each layer's tables
         self.identity, self.swapping = loaded.identity, threading.Lock()
         self.windows = model_windows(self.model_config) if window_reach else None
-        self.shared_blocks = shared_blocks and query_turns(self.model_config)
+        # what each layer holds: the one description the pools, the rebuild and the page bytes read (stores mounted
+        # together are of this model: `check_compatible`)
+        self.layers = next(iter(stores.values())).layout.layers
+        # a hybrid's linear layers run each row alone from its own state (`linear_rows`); its rows hold their own copies
+        # of their blocks, since a row composes its state from its own read of each block's pairs
+        self.linear = any(spec.state_values for spec in self.layers)
+        if self.linear:
+            install_row_forwards(self.model)
+        self.shared_blocks = shared_blocks and query_turns(self.model_config) and not self.linear
         # a row sharing some blocks keeps its others in its own pages, packed before its query: only where no layer
         # masks by the distance between positions (a window's mask reads a column as its position)
         self.holds_what_pays = self.shared_blocks and model_windows(self.model_config) is None
         self.stores = {name: self.mount(name, store) for name, store in stores.items()}
         self.device_tier = DeviceTier(device_cache_bytes, self.device) if device_cache_bytes else None
-        # what each layer holds: the one description the pools, the rebuild and the page bytes read (stores mounted
-        # together are of this model: `check_compatible`)
-        self.layers = next(iter(stores.values())).layout.layers
         # an MLA model's layers attend per row whatever is chosen: "auto" takes rows, whose pools need no flex sizes
         latent = any(spec.kind == LATENT for spec in self.layers)
         self.attention = choose_attention("rows" if latent and attention == "auto" else attention, self.device)
@@ -286,6 +292,7 @@ class Row:
     rebuilt: BlockPlacement | None = None  # what its admission rebuilds into its own pages (None: nothing)
     sampler: RowSampler = field(default_factory=RowSampler)  # how it chooses its tokens (its own generator)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # its chosen tokens', where its request asks
+    linear: RowState = field(default_factory=RowState)  # a hybrid's linear layers' state for it (`linear_rows`)
 
     def waits_for(self) -> list["Admission"]:
         """The admissions whose rebuilds must fill before its first forward: its own, and its held blocks' builders."""
@@ -333,7 +340,8 @@ class Admission:
                  for row in own] + [(b.pages, b.tokens, None) for b in blocks])
         window = ([(row.window_pages, row.executed.prefix_tokens, None) for row in own]
                   + [(b.window_pages, b.tokens, None) for b in blocks]) if windowed else None
-        return PrefixFill(self.rebuild, rows, window)
+        linear = [row.linear for row in own] + [None] * len(blocks) if self.rebuild is not None else []
+        return PrefixFill(self.rebuild, rows, window, linear)
 
     def settle(self) -> None:
         if self.rows and self.rebuild is not None:
@@ -691,6 +699,8 @@ class Batch:
             return Pack(segments, torch.cat(columns).to(e.device) if columns else torch.zeros(0, dtype=torch.long),
                         attention=e.attention, held=self._held_queries(placing, window) if placing else None)
         pack = pack_of(segments, columns, False)
+        if e.linear:
+            pack.linear = [(row.linear, at, at + n) for row, n, at in fed]
         if self.pages.windowed:
             pack.window, pack.window_layers = pack_of(window_segments, window_columns, True), e.window_layers
         return pack, fed
@@ -732,12 +742,16 @@ class Batch:
         staged = sum(a.rebuild.fetch_stats["buffer_bytes"] for a in todo)
         self._count_held(staged)
         self.cache.pack, self.cache.updated = pack, 0
+        for state, _, _ in pack.linear:  # what a failed forward left is not kept
+            state.pending = {}
         try:
             with e.paged_attention():
                 out = e.model(input_ids=ids, position_ids=positions, use_cache=True, logits_to_keep=keep,
                               milo_pack=pack, **{e.cache_kwarg: self.cache})
         finally:
             self.cache.pack = None
+        for state, _, _ in pack.linear:
+            state.commit()
         self.steps += 1
         if self.cache.updated != self.cache.writers:
             raise RuntimeError(f"the model did not use the milo cache (transformers {transformers.__version__} "

@@ -178,9 +178,6 @@ class StorePrefix:
     def __init__(self, name: str, store: MiloStore, rope: RopeTables, device, dtype):
         self.name, self.store, self.layout = name, store, store.layout
         self.layers = store.layout.layers
-        if linear := [l for l, spec in enumerate(self.layers) if spec.state_values]:
-            raise IncompatibleStoreError(f"{store.path} holds linear layers' states (layers {linear}): serving a "
-                                         "hybrid model's store is not built yet (issue 61)")
         anchor = store.anchor_kv()  # [L, 2, H, Ta, d] on the layout's grid, keys pre-RoPE
         if anchor is None:
             raise IncompatibleStoreError(f"{store.path} has no anchor K/V: not a store `milo build` wrote")
@@ -200,6 +197,9 @@ class StorePrefix:
         # a K = V layer's keys are its values times this gain ([d], fp32, on the device)
         self.key_gain = {l: store.key_gain(l).to(device) for l, spec in enumerate(self.layers)
                          if spec.keys_from_values}
+        # a linear layer's state after the anchor ([H, dk, dv], fp32: the anchor's C, from zero) and its conv tail
+        self.anchor_state = {l: (section["C"].to(device), section["conv"].to(device, dtype)) for l, section in (
+            (l, self.layout.state_section(l, values)) for l, values in (store.anchor_states() or {}).items())}
 
     def rope_layout(self, layer: int) -> dict:
         """The kernels' RoPE layout arguments for this store's keys at ``layer``: ``apply_rope(x, cos, sin,
@@ -367,6 +367,32 @@ class PrefixRebuild:
         self.decoded, self.decoded_shape = None, (2, width, max((c for _, c, _ in (self.shared or {}).values()),
                                                                 default=0), layout.head_dim)
         self.fetch_stats["buffer_bytes"] += int(np.prod(self.decoded_shape)) * 4
+
+    def linear_states(self, layer: int) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """Each row's state entering what its model computes at linear ``layer`` (`milo_infer.runtime.linear_rows`):
+        the anchor's state carried through its blocks' pairs (M, C) in placement order (fp32), and the conv tail of its
+        last block, or the anchor's (None: a prefill row, which starts from zero)."""
+        with self.clock.device_stage("wait"):
+            staged = {prefix: pf.layer(layer) for prefix, pf in self.fetched.items()}
+        states = []
+        with self.clock.device_stage("rebuild"):
+            for row in self.rows:
+                if not row.anchor or not row.prefix_tokens:
+                    states.append(None)
+                    continue
+                prefix = row.prefix
+                state, window = prefix.anchor_state[layer]
+                if row.blocks:
+                    flat, starts = staged[prefix]
+                    where = {b: i for i, b in enumerate(self.fetched[prefix].block_ids)}
+                    size = int(prefix.layout.state_sizes[layer])
+                    for b in row.blocks:
+                        at = int(starts[where[b]])
+                        section = prefix.layout.state_section(layer, flat[at:at + size])
+                        state = section["M"].float() @ state + section["C"].float()
+                        window = section["conv"]
+                states.append((state, window))
+        return states
 
     def heads(self, layer: int) -> range:
         """The KV heads of ``layer`` this rebuild writes (the share's), in the store's numbering."""

@@ -25,6 +25,10 @@ MLA = dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=32, qk_nope_head_
            n_group=1, topk_group=1, first_k_dense_replace=1)
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 256,
         "mscale": 1.0, "mscale_all_dim": 1.0}  # DeepSeek V3's: the scale in the attention's, none in the tables
+HYBRID = dict(num_hidden_layers=4, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+              linear_value_head_dim=6, linear_conv_kernel_dim=4)
+HYBRID_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1],
+               "mrope_interleaved": True}
 
 # family -> (config class, what its tiny config sets): each line one attention path the suite proves
 TINY = {
@@ -105,6 +109,12 @@ TINY = {
     "longcat_flash": ("LongcatFlashConfig", dict(MLA, num_hidden_layers=4, head_dim=8,
                                                  ffn_hidden_size=64, expert_ffn_hidden_size=32, zero_expert_num=2,
                                                  moe_topk=2)),
+    # hybrids: Gated DeltaNet layers 0-2 (a state per value head, 4 value heads over 2 key heads) beside attention at
+    # layer 3, its output gated, a partial rotary (Qwen3.5's multimodal sections over it, interleaved)
+    "qwen3_5_text": ("Qwen3_5TextConfig", dict(HYBRID, rope_parameters=HYBRID_ROPE)),
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", dict(HYBRID, **MOE, shared_expert_intermediate_size=32,
+                                                      rope_parameters=HYBRID_ROPE)),
+    "qwen3_next": ("Qwen3NextConfig", dict(HYBRID, **MOE, shared_expert_intermediate_size=32)),
 }
 
 TASK = TaskSpec(name="topics", template="Message: {input}\nTopic: {output}\n", anchor="Name each message's topic.",

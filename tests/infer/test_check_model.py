@@ -46,7 +46,7 @@ def test_a_rotate_half_partial_rotary_family_passes_on_its_own_weights(family, t
 def test_json_names_each_layers_deviations_and_tolerance(qwen3_dir, capsys):
     assert milo(["check-model", qwen3_dir, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["passed"] and report["dtype"] == "float32" and report["tolerance"]["capture"] == 1e-5
+    assert report["passed"] and report["dtype"] == "float32" and report["tolerance"]["capture"] == 3e-5
     assert max(layer["capture keys"] for layer in report["layers"]) <= 1e-5
 
 
@@ -66,7 +66,7 @@ def test_bfloat16_is_checked_against_its_own_tolerance(qwen3_dir, capsys):
 def test_a_refused_family_is_one_line_naming_why(tmp_path, capsys):
     from transformers import AutoConfig
 
-    AutoConfig.for_model("qwen3_next").save_pretrained(tmp_path)  # a config, no weights: refused before loading
+    AutoConfig.for_model("falcon_h1").save_pretrained(tmp_path)  # a config, no weights: refused before loading
     assert milo(["check-model", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "hybrid linear attention" in err, err
@@ -156,3 +156,14 @@ def torch_equal(a, b) -> bool:
     import torch
 
     return torch.equal(a, b)
+
+
+def test_a_hybrid_passes_with_its_linear_layers_states_checked(tmp_path, capsys):
+    """Qwen3.5's Gated DeltaNet layers (issue 61): each block's stored pair carries the model's own state across it,
+    its conv tail is the model's last inputs, and the query's logits follow from the composed states."""
+    assert milo(["check-model", saved("qwen3_5_text", tmp_path)]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+    assert len(rows) == 4 and [row[1] for row in rows] == ["linear"] * 3 + [rows[3][1]], out
+    assert all(float(row[6]) <= 3e-5 for row in rows[:3]) and rows[3][6] == "-", out  # the state column
+    assert "PASS" in out.splitlines()[-1]

@@ -42,7 +42,7 @@ def test_a_closed_pipe_ends_the_command_quietly(tmp_path, command):
 
 
 @pytest.mark.parametrize("model_type, overrides, reason", [
-    ("qwen3_next", {}, "hybrid linear attention"),
+    ("jamba", {}, "hybrid linear attention"),
     ("gemma3", {}, "the multimodal Gemma 3 (gemma3)"),
     ("deepseek_v32", {}, "DeepSeek Sparse Attention"),
     ("hunyuan_v1_dense", {}, "its query and key RMSNorms follow RoPE"),

@@ -186,8 +186,8 @@ def test_batched_encoding_equals_one_block_at_a_time(default_model):
     texts = ["Classify the intent.\nmy card was declined at the shop", "how do I top up", "where is my transfer " * 6]
     rows = [(tok(t).input_ids, captured) for t, captured in zip(texts, (5, 3, 20))]
     batched = encode_blocks(default_model.model, rows)
-    for row, (keys, values) in zip(rows, batched):
-        (k1, v1), = encode_blocks(default_model.model, [row])
+    for row, (keys, values, _) in zip(rows, batched):
+        (k1, v1, _), = encode_blocks(default_model.model, [row])
         assert keys.shape == k1.shape == (30, 3, row[1], 64)
         torch.testing.assert_close(keys, k1, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(values, v1, atol=1e-5, rtol=1e-5)

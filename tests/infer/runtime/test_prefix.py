@@ -12,7 +12,7 @@ from milo_infer.bench import synthetic_model
 from milo_infer.models import layer_rope_tables
 from milo_infer.runtime.prefix import KVShare, PrefixRebuild, StorePrefix
 from milo_kernels import reconstruct_layer
-from milo_store import MiloStore
+from milo_store import CompressionConfig, MiloStore
 
 ROWS = [[0, 2], [2, 1, 3]]  # two rows sharing block 2, of different lengths
 
@@ -232,14 +232,34 @@ def test_the_kernel_paths_under_the_interpreter():
     assert result.returncode == 0 and "2 passed" in result.stdout, result.stdout[-4000:] + result.stderr[-2000:]
 
 
-def test_a_store_of_linear_layers_is_refused_naming_them(tmp_path, built):
-    """Serving a hybrid model's store is not built yet (issue 61): mounting one says so, rather than reading its
-    states as K/V."""
-    from milo_store import IncompatibleStoreError, Layout
-    from milo_store.layers import ATTENTION, LINEAR, LayerSpec
-    from milo_store.synthetic import build_synthetic_store
+def test_a_rows_linear_state_is_the_anchors_carried_through_its_blocks_pairs_in_order(tmp_path, built):
+    """`PrefixRebuild.linear_states`: per row, M_last (... (M_first C_anchor + C_first) ...) + C_last over the blocks
+    in the row's order, and the last block's conv tail (the anchor's with none), read from the store's sections: a
+    row placing the same blocks in the other order gets another state."""
+    from unittest import mock
 
-    layers = [LayerSpec(LINEAR, 2, 4, value_dim=4, conv_dim=8, conv_kernel=4), LayerSpec(ATTENTION, 2, 16)]
-    build_synthetic_store(tmp_path / "s", Layout.of(layers), [24, 30])
-    with MiloStore.open(tmp_path / "s") as store, pytest.raises(IncompatibleStoreError, match=r"layers \[0\]"):
-        StorePrefix("s", store, built[1], "cpu", torch.float32)
+    from milo_store import Layout, synthetic
+    from milo_store.layers import ATTENTION, LINEAR, LayerSpec
+
+    layers = [LayerSpec(LINEAR, 2, 4, value_dim=3, conv_dim=8, conv_kernel=4), LayerSpec(ATTENTION, 2, 16)]
+    drawn, real = [], synthetic.synthetic_states
+    with mock.patch.object(synthetic, "synthetic_states", lambda *a: drawn.append(real(*a)) or drawn[-1]):
+        synthetic.build_synthetic_store(tmp_path / "s", Layout.of(layers), [24, 30, 20], CompressionConfig(
+            dtype="float32"))
+    layout, (anchor, blocks) = Layout.of(layers), (drawn[-1][0], [d[0] for d in drawn[:-1]])
+    with MiloStore.open(tmp_path / "s") as store:
+        prefix = StorePrefix("s", store, built[1], "cpu", torch.float32)
+        rows = [prefix.place([2, 0]), prefix.place([0, 2]), prefix.place([]), prefix.nothing_placed()]
+        states = PrefixRebuild(rows, built[1], "cpu").linear_states(0)
+    part = {name: [layout.state_section(0, x)[name] for x in blocks] for name in ("M", "C", "conv")}
+    start = layout.state_section(0, anchor)
+    for (state, window), order in zip(states[:2], ([2, 0], [0, 2])):
+        expected = start["C"]
+        for b in order:
+            expected = part["M"][b] @ expected + part["C"][b]
+        torch.testing.assert_close(state, expected)
+        torch.testing.assert_close(window, part["conv"][order[-1]])
+    assert (states[0][0] - states[1][0]).abs().max() > 1e-3
+    torch.testing.assert_close(states[2][0], start["C"])
+    torch.testing.assert_close(states[2][1], start["conv"])
+    assert states[3] is None  # no prefix at all: the row starts from zero

@@ -1,0 +1,71 @@
+"""A hybrid model's linear layers in the engine's packed forward (issue 61).
+
+The engine feeds every row's tokens as one sequence: attention keeps rows apart through their page tables, but a
+linear layer would carry its recurrence from one row into the next. So, once per model (`install`), each linear
+layer's module gets a forward that inside an engine's forward (its ``milo_pack`` keyword) runs each row's tokens
+alone from that row's own state and convolution window (`delta_rule.layer_step`), and outside one is the module's
+own. A row's state at a layer starts, in the forward that feeds its first tokens, where its admission's rebuild
+composes it (`PrefixRebuild.linear_states`: the anchor's state carried through its blocks' pairs in placement order,
+the last block's conv tail); a row with no prefix starts from zero. What a forward leaves is kept only once the
+forward has succeeded (`RowState.commit`): a step retried after the device ran out of memory runs again from the
+states it began with.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..models.capture import attention_modules
+from ..models.delta_rule import layer_step
+from ..models.families import layer_specs
+
+
+class RowState:
+    """One row's linear layers: per layer, its state [H, dk, dv] (fp32) and its convolution's last kernel − 1 inputs."""
+
+    def __init__(self):
+        self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def commit(self) -> None:
+        """Keep what the forward that just succeeded left."""
+        self.layers.update(self.pending)
+        self.pending = {}
+
+
+def install(model) -> None:
+    """Give each linear layer's module the per-row forward (once per model; the module's own forward otherwise)."""
+    for layer, (module, spec) in enumerate(zip(attention_modules(model), layer_specs(model.config))):
+        if spec.state_values and not getattr(module, "_milo_rows", False):
+            module.forward = _row_forward(module, layer, module.forward)
+            module._milo_rows = True
+
+
+def _row_forward(module, layer: int, own):
+    def forward(hidden_states, *args, milo_pack=None, **kwargs):
+        if milo_pack is None:
+            return own(hidden_states, *args, **kwargs)
+        return rows_forward(module, layer, hidden_states, milo_pack)
+    return forward
+
+
+def rows_forward(module, layer: int, hidden: torch.Tensor, pack) -> torch.Tensor:
+    """``layer``'s output for the packed ``hidden`` [1, T, hidden]: each row's tokens (``pack.linear``: its
+    `RowState` and its tokens' span) from its own state, the joining rows' first taken from their rebuilds."""
+    for fill in pack.fills:
+        if fill.linear:
+            for row, start in zip(fill.linear, fill.rebuild.linear_states(layer)):
+                if row is not None and start is not None:
+                    row.layers[layer] = start
+    outputs = []
+    for row, start, stop in pack.linear:
+        state, window = row.layers.get(layer) or zero_state(module, hidden.device)
+        out, state, window = layer_step(module, hidden[0, start:stop], state, window)
+        row.pending[layer] = state, window
+        outputs.append(out)
+    return torch.cat(outputs)[None]
+
+
+def zero_state(module, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A row with no prefix: the state zero, and zeros before its first token's convolution."""
+    return (torch.zeros(module.num_v_heads, module.head_k_dim, module.head_v_dim, device=device),
+            torch.zeros(module.conv_kernel_size - 1, 2 * module.key_dim + module.value_dim, device=device))
