@@ -25,6 +25,7 @@ MEDIA = {"vision_start_token_id": 257, "image_token_id": 258, "video_token_id": 
 SPECIAL = ["<|vision_start|>", "<|image_pad|>", "<|video_pad|>", "<|vision_end|>"]
 QWEN3_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                     num_position_embeddings=16, deepstack_visual_indexes=[0])
+QWEN3_5_VISION = {k: v for k, v in QWEN3_VISION.items() if k != "deepstack_visual_indexes"}
 WRAPPERS = {  # wrapper model type -> its config class, its vision config class and a one-block vision tower
     "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLVisionConfig",
                  dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2)),
@@ -33,6 +34,8 @@ WRAPPERS = {  # wrapper model type -> its config class, its vision config class 
                         fullatt_block_indexes=[0])),
     "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLVisionConfig", QWEN3_VISION),
     "qwen3_vl_moe": ("Qwen3VLMoeConfig", "Qwen3VLMoeVisionConfig", QWEN3_VISION),
+    "qwen3_5": ("Qwen3_5Config", "Qwen3_5VisionConfig", QWEN3_5_VISION),  # hybrids: Gated DeltaNet text models
+    "qwen3_5_moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeVisionConfig", QWEN3_5_VISION),
 }
 
 
