@@ -139,11 +139,12 @@ class WeightedBlocks:
 
     def __init__(self, staging: StagedFactors, num_blocks: int, channel_scale: torch.Tensor):
         self.staging, self.num_blocks, self.scale = staging, num_blocks, weights(channel_scale)
-        self._i, self._x = None, None
+        self._i, self._x, self._states = None, None, {}
 
     def _weighted(self, i: int) -> torch.Tensor:
         if self._i != i:
-            self._i, self._x = i, weigh(dense(self.staging.get(i)), self.scale)
+            staged = self.staging.get(i)
+            self._i, self._x, self._states = i, weigh(dense(staged), self.scale), staged.states
         return self._x
 
     def spectrum(self, i: int) -> tuple[int, torch.Tensor]:
@@ -151,8 +152,11 @@ class WeightedBlocks:
         return x.shape[-2], torch.linalg.svdvals(x)
 
     def factors(self, i: int) -> BlockFactors:
+        """Block i's factors of X from those of X diag(s), and its linear layers' state sections as staged."""
         x = self._weighted(i)
-        return unweigh(factorize_block(x[:, 0], x[:, 1], codec="svd"), self.scale)
+        factors = unweigh(factorize_block(x[:, 0], x[:, 1], codec="svd"), self.scale)
+        factors.states = self._states
+        return factors
 
 
 def weigh(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:

@@ -339,3 +339,28 @@ def test_a_label_schema_from_the_models_list_makes_every_answer_a_label(client):
         r = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": query}],
                                            response_format=card["response_format"], temperature=0.7, seed=1)
         assert json.loads(r.choices[0].message.content) in card["labels"]
+
+
+def test_a_tiny_qwen3_5_builds_answers_and_serves(tmp_path):
+    """A hybrid with Qwen3.5's released layer pattern (three Gated DeltaNet layers, then attention) saved as a user's
+    directory: `milo build` stores its blocks' states beside their K/V, and `milo serve` answers from them as the
+    engine does, free-form (issue 61)."""
+    from milo_infer.cli.main import main as milo
+    from milo_infer.models import load_model
+    from tests.infer.test_check_model import saved
+
+    model_dir = saved("qwen3_5_text", tmp_path / "model")
+    store = tmp_path / "store"
+    assert milo(["build", "--corpus", str(DEMO), "--shots", "8", "--block-size", "4", "--model", model_dir,
+                 "--out", str(store), "--threads", "1"]) == 0
+    queries = QUERIES[:4]
+    with MiloStore.open(store) as opened:
+        assert [spec.kind for spec in opened.layout.layers] == ["linear"] * 3 + ["attention"]
+        engine = Engine(load_model(model_dir), {"store": opened})
+        expected = [a.text for a in engine.answer([engine.plan("store", Request(q, max_new_tokens=16))
+                                                   for q in queries])]
+    with milo_serve(tmp_path, [store], "--model", model_dir, "--max-batch", "4") as served:
+        client = openai.OpenAI(base_url=served.base + "/v1", api_key="unused", max_retries=0, timeout=60)
+        answers = [client.completions.create(model="store", prompt=q, max_tokens=16).choices[0].text
+                   for q in queries]
+    assert answers == expected and all(expected)
