@@ -10,7 +10,8 @@ Either also keeps the block's conv tail (the last kernel−1 convolution inputs)
 them): bytes a block and layer, the state error either adds after the row's blocks when kept in fp16 or bf16, and
 the time a row's state takes through `--blocks` blocks per layer and for all 18, interleaved rounds, medians, one
 torch thread unless told. ``--prefill`` also times prefilling the same tokens through a random Qwen3.5-0.8B-shaped
-text model (vocab cut to 4,096: the first token's logits are one row of it), the cost the state replaces. Run:
+text model (vocab cut to 4,096: the first token's logits are one row of it), the cost the state replaces. ``--store
+DIR`` instead times a row's composition through the engine's own read path on a store of that shape. Run:
 
     PYTHONPATH=$PWD .venv/bin/python tools/bench_linear_state.py --tokens 20,80,320 --blocks 6 --prefill --threads 1
 """
@@ -80,6 +81,30 @@ def prefill_seconds(tokens: int, rounds: int) -> float:
         return statistics.median(seconds(lambda: model(ids, logits_to_keep=1)) for _ in range(rounds))
 
 
+def store_composition(path: str, blocks: int, rounds: int) -> None:
+    """One row's composition as the engine does it (`PrefixRebuild.linear_states` at every linear layer, the store's
+    sections staged as an admission stages them) over a Qwen3.5-0.8B-shaped store's first ``blocks`` blocks."""
+    from transformers import Qwen3_5TextConfig
+
+    from milo_infer.models import config_layer_rope_tables
+    from milo_infer.runtime.prefix import PrefixRebuild, StorePrefix
+    from milo_store import MiloStore
+
+    rope = config_layer_rope_tables(Qwen3_5TextConfig(**QWEN3_5_0_8B), 32768)
+    with MiloStore.open(path) as store:
+        prefix = StorePrefix("s", store, rope, "cpu", torch.float32)
+        linear = [l for l, spec in enumerate(store.layout.layers) if spec.state_values]
+
+        def compose():
+            rebuild = PrefixRebuild([prefix.place(list(range(blocks)))], rope, "cpu")
+            for layer in range(len(store.layout.layers)):  # in order, as the forward reaches them
+                rebuild.linear_states(layer) if layer in linear else rebuild.fetched[prefix].layer(layer)
+
+        taken = statistics.median(seconds(compose) for _ in range(rounds))
+    print(f"{path}: a row composing {blocks} blocks at {len(linear)} linear layers: {taken * 1e3:.1f} ms "
+          f"({taken * 1e3 / len(linear):.2f} ms a layer; staging the row's blocks included)")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", default="20,80,320", help="tokens a block (comma-separated)")
@@ -87,8 +112,13 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="interleaved repetitions (default 3)")
     p.add_argument("--prefill", action="store_true", help="also time prefilling the row's tokens (slow)")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--store", metavar="DIR", help="time a row's composition from this Qwen3.5-0.8B-shaped store "
+                   "instead (`milo bench --synthetic qwen3.5-0.8b` builds one)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.store:
+        store_composition(args.store, args.blocks, args.rounds)
+        return 0
     shape = QWEN3_5_0_8B
     heads, dk, dv = shape["linear_num_value_heads"], shape["linear_key_head_dim"], shape["linear_value_head_dim"]
     print(f"Qwen3.5-0.8B linear layer: {heads} value heads, k {dk}, v {dv}; a row places {args.blocks} blocks; "
