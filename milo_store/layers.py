@@ -14,12 +14,15 @@ connector all read):
   ``head_dim − latent`` channels the rope key before RoPE (the rotary: rotate-half ``rotary_dim`` over them, or
   interleaved pairs whose tables past them are identity), the ``latent`` channels after it the compressed latent
   (after its norm), never rotated. It is stored as keys and holds no values: the model expands both K and V from it.
-- ``linear``: a linear-attention layer (Gated DeltaNet: Qwen3.5, Qwen3-Next) keeps no K/V but a state per value head,
-  S [key_dim, value_dim] (``kv_heads`` heads, ``head_dim`` the key dim, ``value_dim``), which a block moves affinely:
-  S_out = M S_in + C. A block stores, as a *state section* at its layer's place, M [heads, key_dim, key_dim] and C
-  [heads, key_dim, value_dim] (`milo_infer.models.delta_rule`), then its conv tail: the last ``conv_kernel`` − 1
-  inputs [conv_kernel − 1, conv_dim] of the layer's short convolution, which the next token reads. Its size is
-  fixed, whatever the block's length (`state_values`).
+- ``linear``: a linear-attention layer keeps no K/V but a state per head, S [head_dim, value_dim] (``kv_heads``
+  heads), which a block moves affinely: S_out = M S_in + C. Its ``rule`` says how: ``gated_delta`` (Gated DeltaNet:
+  Qwen3.5, Qwen3-Next; ``head_dim`` the key dim) with M [heads, head_dim, head_dim] (`milo_infer.models.delta_rule`),
+  or ``mamba2`` (Bamba's Mamba2; ``head_dim`` a head's channels, ``value_dim`` the state size) with M a scalar a head,
+  [heads] (`milo_infer.models.ssd`). A block stores, as a *state section* at its layer's place, M, then C [heads,
+  head_dim, value_dim], then its conv tail: the last ``conv_kernel`` − 1 inputs [conv_kernel − 1, conv_dim] of the
+  layer's short convolution, which the next token reads. Its size is fixed, whatever the block's length
+  (`state_values`).
+- ``mlp``: a layer that mixes no tokens (NemotronH's MLP and MoE blocks): it holds and attends nothing.
 
 The rest of milo lays blocks out on a grid of (layer, kind, head) *units* (`milo_store.layout.Layout`): kind 0 the
 keys, kind 1 the values, as many heads as the widest layer has, each unit as wide as its layer. A unit a layer does
@@ -31,8 +34,9 @@ from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
-ATTENTION, SHARED, LATENT, LINEAR = "attention", "shared", "latent", "linear"
-KINDS = (ATTENTION, SHARED, LATENT, LINEAR)
+ATTENTION, SHARED, LATENT, LINEAR, MLP = "attention", "shared", "latent", "linear", "mlp"
+KINDS = (ATTENTION, SHARED, LATENT, LINEAR, MLP)
+RULES = ("gated_delta", "mamba2")  # how a linear layer's state moves over a block
 ROTARY = ("half", "interleaved")
 
 
@@ -51,6 +55,7 @@ class LayerSpec:
     value_dim: int = 0  # a linear layer: its state's value channels (head_dim: its key channels)
     conv_dim: int = 0  # a linear layer: its short convolution's channels
     conv_kernel: int = 0  # a linear layer: its short convolution's width (a block keeps the last conv_kernel - 1)
+    rule: str = RULES[0]  # a linear layer: how its state moves (RULES)
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -70,6 +75,8 @@ class LayerSpec:
             raise ValueError(f"a linear layer needs its state's heads, key and value dims and its convolution's "
                              f"channels and width, each at least 1; got {self.kv_heads} heads of "
                              f"{self.head_dim}x{self.value_dim}, a convolution of {self.conv_dim}x{self.conv_kernel}")
+        if self.rule not in RULES:
+            raise ValueError(f"unknown linear rule {self.rule!r}; expected one of {RULES}")
         if self.rotary_dim is not None and (self.rotary != "half" or self.rotary_dim % 2
                                             or not 0 < self.rotary_dim < self.head_dim):
             raise ValueError(f"rotary_dim={self.rotary_dim}: a rotate-half rotary over an even part of the "
@@ -91,15 +98,21 @@ class LayerSpec:
 
     @property
     def attends(self) -> bool:
-        """Whether the layer is attention (over its own K/V or another layer's), not a linear layer's state."""
-        return self.kind != LINEAR
+        """Whether the layer is attention (over its own K/V or another layer's), not a linear layer's state or an MLP."""
+        return self.kind in (ATTENTION, SHARED, LATENT)
 
     @property
     def state_values(self) -> int:
         """Values of a block's state section: a linear layer's M and C per head and its conv tail (0 elsewhere)."""
         if self.kind != LINEAR:
             return 0
-        return self.kv_heads * self.head_dim * (self.head_dim + self.value_dim) + (self.conv_kernel - 1) * self.conv_dim
+        return (self.transition_values + self.kv_heads * self.head_dim * self.value_dim
+                + (self.conv_kernel - 1) * self.conv_dim)
+
+    @property
+    def transition_values(self) -> int:
+        """Values of a linear layer's M: a matrix a head (``gated_delta``) or a scalar (``mamba2``)."""
+        return self.kv_heads * (self.head_dim ** 2 if self.rule == "gated_delta" else 1)
 
     @property
     def caches_values(self) -> bool:

@@ -87,16 +87,16 @@ class Layout:
 
     def state_section(self, layer: int, section: torch.Tensor) -> dict[str, torch.Tensor]:
         """A linear layer's state section (its ``state_sizes[layer]`` stored elements, or its values in any float
-        dtype) as views: M [heads, key_dim, key_dim], C [heads, key_dim, value_dim], conv tail [conv_kernel - 1,
-        conv_dim]."""
+        dtype) as views: M ([heads, head_dim, head_dim], or [heads] for a ``mamba2`` rule), C [heads, head_dim,
+        value_dim], conv tail [conv_kernel - 1, conv_dim]."""
         spec = self.layers[layer]
         values = section.view(torch.float16) if section.dtype == torch.uint8 else section  # a quantized store's bytes
         if len(values) != spec.state_values or not spec.state_values:
             raise ValueError(f"{len(values)} values are not layer {layer}'s state section ({spec.state_values})")
         H, dk, dv = spec.kv_heads, spec.head_dim, spec.value_dim
-        m, c = H * dk * dk, H * dk * dv
-        return {"M": values[:m].view(H, dk, dk), "C": values[m:m + c].view(H, dk, dv),
-                "conv": values[m + c:].view(spec.conv_kernel - 1, spec.conv_dim)}
+        m, c = spec.transition_values, H * dk * dv
+        return {"M": values[:m].view(H, dk, dk) if spec.rule == "gated_delta" else values[:m],
+                "C": values[m:m + c].view(H, dk, dv), "conv": values[m + c:].view(spec.conv_kernel - 1, spec.conv_dim)}
 
     def block_states(self, block_ranks: np.ndarray, tokens: int, block: torch.Tensor) -> dict[int, dict]:
         """Every linear layer's state (`state_section`) in one block's stored elements (ranks [L, 2, H])."""
@@ -253,8 +253,9 @@ class Layout:
         and a latent), 'linear HxKxV' (a state of H heads, K by V), 'shared'."""
         groups: dict[str, list[int]] = {}
         for l, spec in enumerate(self.layers):
-            name = (f"linear {spec.kv_heads}x{spec.head_dim}x{spec.value_dim}" if spec.state_values else
-                    "shared" if not spec.holds_cache else
+            name = (f"{'linear' if spec.rule == 'gated_delta' else spec.rule} "
+                    f"{spec.kv_heads}x{spec.head_dim}x{spec.value_dim}" if spec.state_values else
+                    spec.kind if spec.kind == "mlp" else "shared" if not spec.holds_cache else
                     f"latent {spec.head_dim - spec.latent}+{spec.latent}" if spec.latent else
                     f"{'v' if spec.keys_from_values else 'kv'} {spec.kv_heads}x{spec.head_dim}")
             groups.setdefault(name, []).append(l)

@@ -319,10 +319,13 @@ def encode_anchor(model, anchor_ids: list[int], layout: Layout) -> tuple[torch.T
 
 
 def unchanged_section(spec) -> torch.Tensor:
-    """The state section of no tokens: M = I, C and the conv tail zero."""
+    """The state section of no tokens: M the identity (a Mamba2 layer's, ones), C and the conv tail zero."""
     section = torch.zeros(spec.state_values)
-    section[:spec.kv_heads * spec.head_dim ** 2].view(spec.kv_heads, spec.head_dim, spec.head_dim).copy_(
-        torch.eye(spec.head_dim))
+    m = section[:spec.transition_values]
+    if spec.rule == "mamba2":
+        m.fill_(1.0)
+    else:
+        m.view(spec.kv_heads, spec.head_dim, spec.head_dim).copy_(torch.eye(spec.head_dim))
     return section
 
 

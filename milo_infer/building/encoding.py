@@ -7,8 +7,7 @@ from typing import NamedTuple
 import torch
 
 from ..models import capture_kv, media_problem, model_layout
-from ..models.capture import attention_modules, capture_linear_inputs
-from ..models.delta_rule import block_section
+from ..models.capture import attention_modules, capture_linear_inputs, linear_rule
 from ..tasks.corpus import Demonstration, TaskSpec
 from .config import BuildError
 
@@ -72,8 +71,8 @@ def encode_blocks(model, rows: list[tuple[list[int], int]]) -> list[EncodedBlock
     with capture_kv(model) as kv, capture_linear_inputs(model) as linear, torch.inference_mode():
         model(input_ids=batch.to(model.device), use_cache=False, logits_to_keep=1)
         modules = attention_modules(model) if linear else []
-        states = [{l: block_section(modules[l], hidden[r, :len(ids)], captured).cpu() for l, hidden in linear.items()}
-                  for r, (ids, captured) in enumerate(rows)]
-    layout = model_layout(model.config)
+        layout = model_layout(model.config)
+        states = [{l: linear_rule(layout.layers[l]).block_section(modules[l], hidden[r, :len(ids)], captured).cpu()
+                   for l, hidden in linear.items()} for r, (ids, captured) in enumerate(rows)]
     return [EncodedBlock(*(x.float() for x in kv.grid(r, slice(len(ids) - captured, len(ids)), layout)), states[r])
             for r, (ids, captured) in enumerate(rows)]

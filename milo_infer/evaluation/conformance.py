@@ -44,7 +44,7 @@ from ..models import FAMILIES, LoadedModel, latent, layer_rope_tables, layer_spe
 from ..models.capture import pooled_key_scales, query_energy
 from ..runtime.engine import Engine, cache_keyword
 from ..runtime.planning import Request
-from ..runtime.prefix import PrefixRebuild
+from ..runtime.prefix import PrefixRebuild, carried
 from ..tasks.corpus import Demonstration, TaskSpec
 
 CHECKS = ("capture", "reposition")
@@ -157,8 +157,7 @@ def _check(loaded: LoadedModel, store: MiloStore, query: str, w: int) -> Conform
             after = model_states(model, anchor + [t for c in context for t in ids[c]])
             block = store.layout.block_states(store.ranks[b], int(store.block_tokens[b]), store.stored_blocks([b])[0])
             for l in linear:
-                m, c = (block[l][part].to(before[l][0]) for part in ("M", "C"))
-                record("capture", {l: m @ before[l][0] + c}, {l: after[l][0]}, "state")
+                record("capture", {l: carried(block[l], before[l][0])}, {l: after[l][0]}, "state")
                 record("capture", {l: block[l]["conv"]}, {l: after[l][1]}, "conv")
         k, v, _ = rebuilt(engine, engine.stores["check"].prefix.place(context))
         cached_k, cached_v = model_cache(model, anchor + [t for c in context for t in ids[c]], 0)

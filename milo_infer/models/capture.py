@@ -201,6 +201,14 @@ def capture_linear_inputs(model) -> Iterator[dict[int, torch.Tensor]]:
             handle.remove()
 
 
+def linear_rule(spec):
+    """The module computing a linear layer's state (`LayerSpec.rule`): `delta_rule` (Gated DeltaNet) or `ssd`
+    (Mamba2), each with `block_section`, `layer_step` and `zero_state`."""
+    from . import delta_rule, ssd
+
+    return ssd if spec.rule == "mamba2" else delta_rule
+
+
 def rope_pairs(energy: torch.Tensor, interleaved: bool, rotary_dim: int | None = None) -> torch.Tensor:
     """Each channel's value replaced by the mean over its RoPE pair: (j, j + d/2) rotate-half, (2i, 2i + 1)
     interleaved; with a rotate-half ``rotary_dim``, (j, j + rotary_dim/2) over the first rotary_dim channels, each

@@ -168,3 +168,9 @@ def block_section(module, hidden: torch.Tensor, tokens: int) -> torch.Tensor:
     kept = conv_inputs[max(0, len(conv_inputs) - width):]
     tail[width - len(kept):] = kept
     return torch.cat((m.reshape(-1), c.reshape(-1), tail.float().reshape(-1)))
+
+
+def zero_state(module, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A row with no prefix: the state zero, and zeros before its first token's convolution."""
+    return (torch.zeros(module.num_v_heads, module.head_k_dim, module.head_v_dim, device=device),
+            torch.zeros(module.conv_kernel_size - 1, 2 * module.key_dim + module.value_dim, device=device))

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from milo_store import Layout
-from milo_store.layers import ATTENTION, LATENT, LINEAR, SHARED, LayerSpec
+from milo_store.layers import ATTENTION, LATENT, LINEAR, MLP, SHARED, LayerSpec
 
 # RoPE variants whose tables depend only on the position: "dynamic" and "longrope" recompute their
 # frequencies from the length of the current forward pass, so a stored key could not be re-rotated.
@@ -74,8 +74,14 @@ class Attention:
     # this config flag is on, or always (True: LongCat's)
     latent_gains: tuple[str, str] | None = None  # attributes of the MLA module scaling its latent after the norm and
     # its queries (LongCat's mla_scale_kv_lora, mla_scale_q_lora)
-    linear: str | None = None  # the decoder layer's attribute holding a ``linear_attention`` layer's Gated DeltaNet
-    # (Qwen3.5's and Qwen3-Next's linear_attn): its state per block is stored (`milo_store.layers` ``linear``)
+    linear: str | None = None  # the decoder layer's attribute holding a ``linear_attention`` layer's module (Qwen3.5's
+    # and Qwen3-Next's Gated DeltaNet linear_attn, Bamba's Mamba2 mamba): its state per block is stored
+    # (`milo_store.layers` ``linear``)
+    linear_rule: str = "gated_delta"  # how that state moves (`milo_store.layers.RULES`)
+    rope_switch: str | None = None  # a config field that must say "rope" for its attention to rotate (Granite
+    # 4.0-H's position_embedding_type; "nope" or null, as released: no layer rotates)
+    rotates: bool = True  # False: no layer has RoPE (NemotronH's attention)
+    mlp_types: tuple[str, ...] = ()  # layer types that mix no tokens (NemotronH's "mlp", "moe" blocks: `LayerSpec` mlp)
 
     def rope_layout(self, config, layer: int = 0) -> dict:
         """The kernels' RoPE layout arguments for ``layer`` of this model (``milo_kernels`` ``interleaved`` and
@@ -109,7 +115,9 @@ class Attention:
 
     def unrotated_layers(self, config) -> list[int]:
         """Every layer cached as computed: the NoPE list's, and the full layers of a family that pairs them with
-        windows."""
+        windows; every layer where its ``rope_switch`` is off."""
+        if not self.rotates or self.rope_switch and getattr(config, self.rope_switch, None) != "rope":
+            return list(range(config.num_hidden_layers))
         paired = [i for i, w in enumerate(self.windows(config)) if w is None] if self.unwindowed_nope and any(
             w is not None for w in self.windows(config)) else []
         return sorted(set(self.nope_layers(config)) | set(paired))
@@ -219,6 +227,24 @@ FAMILIES: dict[str, Attention] = {
     "qwen3_5_text": GATED_DELTA,
     "qwen3_5_moe_text": replace(GATED_DELTA, identity=GATED_DELTA.identity + MOE + ("shared_expert_intermediate_size",)),
     "qwen3_next": replace(GATED_DELTA, identity=GATED_DELTA.identity + MOE + ("shared_expert_intermediate_size",)),
+    # Bamba: Mamba2 layers (`mamba`: a scalar decay a head, groups of B and C, a gated RMSNorm by groups) beside Llama
+    # attention with half the head rotating, where attn_layer_indices says
+    "bamba": Attention(partial=True, linear="mamba", linear_rule="mamba2", identity=(
+        "mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state", "mamba_d_conv", "mamba_expand",
+        "mamba_chunk_size", "mamba_conv_bias", "mamba_proj_bias", "time_step_limit")),
+    # NemotronH (Nemotron-H, Nemotron 3 Nano): Mamba2 mixers, attention without RoPE, and blocks of an MLP or experts
+    # alone, each a layer of its own
+    "nemotron_h": Attention(linear="mixer", linear_rule="mamba2", rotates=False, mlp_types=("mlp", "moe"), identity=(
+        "mamba_num_heads", "mamba_head_dim", "n_groups", "ssm_state_size", "conv_kernel", "chunk_size",
+        "use_conv_bias", "use_bias", "time_step_limit", "mamba_hidden_act", "layer_types", "n_routed_experts",
+        "num_experts_per_tok", "moe_intermediate_size", "moe_shared_expert_intermediate_size", "n_group",
+        "topk_group", "routed_scaling_factor", "norm_topk_prob", "mlp_hidden_act")),
+    # Granite 4.0-H: Bamba's Mamba2 layers beside Granite's attention (its multipliers), shared and routed experts, and
+    # no RoPE unless position_embedding_type says "rope" (its released checkpoints: "nope")
+    "granitemoehybrid": Attention(linear="mamba", linear_rule="mamba2", rope_switch="position_embedding_type", identity=(
+        GRANITE + ("num_local_experts", "num_experts_per_tok", "shared_intermediate_size", "position_embedding_type",
+                   "mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state", "mamba_d_conv", "mamba_expand",
+                   "mamba_chunk_size", "mamba_conv_bias", "mamba_proj_bias", "time_step_limit"))),
     "deepseek_v3": MLA,
     "deepseek_v2": replace(MLA, interleaved=True, half_tables=True),
     "glm4_moe_lite": replace(MLA, identity=MLA.identity + ("mlp_layer_types",)),  # GLM-4.7-Flash: V3's attention
@@ -230,9 +256,8 @@ FAMILIES: dict[str, Attention] = {
                                        "n_routed_experts", "zero_expert_num", "moe_topk", "routed_scaling_factor")),
 }
 
-HYBRID_LINEAR = ("hybrid linear attention of a kind milo does not compose: its linear layers keep a recurrent state, "
-                 "not per-token K/V; milo stores and composes Gated DeltaNet's per block (Qwen3.5, Qwen3-Next), not "
-                 "yet a Mamba layer's selective scan or Kimi's KDA")
+HYBRID_LINEAR = ("hybrid linear attention of a kind milo does not compose yet: milo stores and composes each block's "
+                 "Gated DeltaNet state (Qwen3.5, Qwen3-Next) and Mamba2 state (Bamba, Granite 4.0-H, NemotronH)")
 KEY_NORM_AFTER_ROPE = ("its query and key RMSNorms follow RoPE, each with a weight per channel, so a score "
                        "<wq*R(m)q, wk*R(n)k> depends on m and n, not on m - n alone: a block's K/V past the first layer "
                        "change with the absolute positions it was encoded at, and no stored block placed elsewhere is "
@@ -244,11 +269,13 @@ SPARSE_LATENT = ("DeepSeek Sparse Attention: each query attends only the index_t
                  "attend every column, unlike the model past index_topk tokens")
 REFUSED: dict[str, str] = {
     "deepseek_v32": SPARSE_LATENT, "glm_moe_dsa": SPARSE_LATENT,
-    "kimi_linear": HYBRID_LINEAR + " (beside MLA layers, which milo stores)",
+    "kimi_linear": HYBRID_LINEAR + "; Kimi's KDA layers decay per channel (beside MLA layers, which milo stores)",
     "deepseek_v4": ("compressed attention: its compressed and heavily compressed layers cache one entry per "
                     "compress_rate tokens, aligned to absolute positions, beside a window: a block placed elsewhere "
                     "would compress over other tokens"),
-    "falcon_h1": HYBRID_LINEAR, "jamba": HYBRID_LINEAR,
+    "falcon_h1": HYBRID_LINEAR + "; Falcon-H1 runs attention and a Mamba2 mixer side by side in every layer, so a "
+                 "layer would hold K/V and a state at once",
+    "jamba": HYBRID_LINEAR + "; Jamba's Mamba1 layers decay per channel and state, not by a scalar a head",
     "gemma3": ("the multimodal Gemma 3 (gemma3): its image tokens attend bidirectionally, and its text model "
                "is not yet proven loaded out of it; its text model as a checkpoint of its own (gemma3_text) is "
                "supported"),
@@ -337,7 +364,10 @@ def layer_specs(config) -> tuple[LayerSpec, ...]:
     layers = []
     for l in range(config.num_hidden_layers):
         if spec.linear and types[l] == "linear_attention":
-            layers.append(linear_spec(config))
+            layers.append(linear_spec(config, spec.linear_rule))
+            continue
+        if types and types[l] in spec.mlp_types:
+            layers.append(LayerSpec(MLP))
             continue
         d = head_dim(config, l)
         turns = rotary_dim(config, l)
@@ -350,9 +380,17 @@ def layer_specs(config) -> tuple[LayerSpec, ...]:
     return tuple(layers)
 
 
-def linear_spec(config) -> LayerSpec:
+def linear_spec(config, rule: str = "gated_delta") -> LayerSpec:
     """A Gated DeltaNet layer's state (`milo_infer.models.delta_rule`): a [key_dim, value_dim] state per value head,
-    and its short convolution over the queries', keys' and values' channels."""
+    and its short convolution over the queries', keys' and values' channels; or a Mamba2 layer's (``mamba2``,
+    `milo_infer.models.ssd`): a [head_dim, d_state] state per head, its convolution over x, B and C."""
+    if rule == "mamba2":  # Bamba's and Granite's field names, or NemotronH's
+        heads = getattr(config, "mamba_n_heads", None) or config.mamba_num_heads
+        head_dim = getattr(config, "mamba_d_head", None) or config.mamba_head_dim
+        state = getattr(config, "mamba_d_state", None) or config.ssm_state_size
+        groups = getattr(config, "mamba_n_groups", None) or config.n_groups
+        return LayerSpec(LINEAR, heads, head_dim, value_dim=state, rule=rule, conv_dim=heads * head_dim + 2 * groups * state,
+                         conv_kernel=getattr(config, "mamba_d_conv", None) or config.conv_kernel)
     key_heads, value_heads = config.linear_num_key_heads, config.linear_num_value_heads
     key_dim, value_dim = config.linear_key_head_dim, config.linear_value_head_dim
     return LayerSpec(LINEAR, value_heads, key_dim, value_dim=value_dim,
@@ -394,6 +432,8 @@ def _check_config(config) -> None:
             if parameters.get("rope_type", "default") not in SUPPORTED_ROPE_TYPES or "rope_theta" not in parameters:
                 problems.append(f"the {kind} layers' RoPE {parameters} is not a supported one "
                                 f"(rope_theta and a rope_type of {', '.join(SUPPORTED_ROPE_TYPES)})")
+    elif spec is not None and not spec.rotates:
+        pass  # no layer rotates: nothing to read
     elif not rope or "rope_theta" not in rope:
         problems.append("no RoPE parameters (config.rope_parameters with rope_theta): MILO needs rotary positions")
     else:
@@ -416,7 +456,7 @@ def _check_config(config) -> None:
             problems.append(found)
     layer_types = getattr(config, "layer_types", None) or []
     attended = ({"full_attention", "sliding_attention"} | ({"chunked_attention"} if spec and spec.first_chunk else set())
-                | ({"linear_attention"} if spec and spec.linear else set()))
+                | ({"linear_attention"} if spec and spec.linear else set()) | set(spec.mlp_types if spec else ()))
     other = sorted({kind for kind in layer_types} - attended)
     if other:
         problems.append(f"layers of type {', '.join(map(repr, other))}: MILO attends full or sliding-window layers only")
@@ -468,10 +508,10 @@ def vllm_problem(config) -> str | None:
                 "loaded prefix could not answer as milo's engine does; the connector writes no MLA cache: served by "
                 "milo's own engine only")
     if any(spec.state_values for spec in layer_specs(config)):
-        return ("its Gated DeltaNet layers' state: vLLM 0.32 hands a connector its hybrid allocator's state groups only "
-                "through SupportsHMA, each request's GDN state laid out [heads, value_dim, key_dim] beside its conv "
-                "state, while milo's connector writes K/V pages alone and would leave the rows' states unset: served "
-                "by milo's own engine only (docs/design.md, \"Hybrid linear layers\")")
+        return ("its linear layers' state (Gated DeltaNet's, Mamba2's): vLLM 0.32 hands a connector its hybrid "
+                "allocator's state groups only through SupportsHMA, each request's state beside its conv state, while "
+                "milo's connector writes K/V pages alone and would leave the rows' states unset: served by milo's own "
+                "engine only (docs/design.md, \"Hybrid linear layers\")")
     if config.model_type == "cohere2" and any(w is not None for w in attention_of(config).windows(config)):
         return (f"vLLM's Cohere 2 attends sliding_window + 1 = {config.sliding_window + 1} tokens in its window "
                 f"layers (its commandr.py: 'cohere swa layer sees [pos - sliding_window, pos]'), transformers' "

@@ -29,7 +29,7 @@ def config_identity(config, dtype) -> dict:
     """
     spec = attention_of(config)
     windows = spec.windows(config)
-    rope = dict(config.rope_parameters or {})
+    rope = dict(getattr(config, "rope_parameters", None) or {})  # none where no layer rotates (NemotronH)
     layout = model_layout(config)
     kv_fields = {
         "model_type": config.model_type,

@@ -48,22 +48,26 @@ class RopeTables:
 
 def layer_rope_tables(model, n_rows: int, device=None) -> RopeTables:
     """`RopeTables` of ``model`` for positions ``0..n_rows-1``: its rotary module's, NoPE layers as its family says."""
-    return _per_layer(model.config, lambda kind: rope_tables(model, n_rows, device, kind))
+    return _per_layer(model.config, lambda kind: rope_tables(model, n_rows, device, kind), n_rows, device)
 
 
 def config_layer_rope_tables(config, n_rows: int, device=None) -> RopeTables:
     """`layer_rope_tables` without the model (the vLLM connector has its config only)."""
-    return _per_layer(config, lambda kind: config_rope_tables(config, n_rows, device, kind))
+    return _per_layer(config, lambda kind: config_rope_tables(config, n_rows, device, kind), n_rows, device)
 
 
-def _per_layer(config, tables_of) -> RopeTables:
+def _per_layer(config, tables_of, n_rows: int, device=None) -> RopeTables:
     """``tables_of(layer_type)``: the rotary module's tables for that type (None: the model's one RoPE), each laid
-    out for the head width of the layers it turns (`layer_specs`)."""
+    out for the head width of the layers it turns (`layer_specs`); identity tables of ``n_rows`` where no layer
+    rotates."""
     per_type = rope_per_layer_type(config)
     layers = layer_specs(config)
     nope = [l for l, spec in enumerate(layers) if spec.nope]
     if not per_type:
         width = next(spec.head_dim for spec in layers if spec.attends)  # a hybrid's linear layers turn nothing
+        if all(spec.nope for spec in layers if spec.attends):  # no layer rotates: the model may have no rotary module
+            return RopeTables(torch.ones(n_rows, width, device=device), torch.zeros(n_rows, width, device=device),
+                              config.num_hidden_layers, range(config.num_hidden_layers))
         return RopeTables(*_as_applied(config, *tables_of(None), width), config.num_hidden_layers, nope)
     kinds = list(config.layer_types)
     width = {kind: layers[kinds.index(kind)].head_dim for kind in per_type if kind in kinds}

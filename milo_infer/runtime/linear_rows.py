@@ -3,7 +3,8 @@
 The engine feeds every row's tokens as one sequence: attention keeps rows apart through their page tables, but a
 linear layer would carry its recurrence from one row into the next. So, once per model (`install`), each linear
 layer's module gets a forward that inside an engine's forward (its ``milo_pack`` keyword) runs each row's tokens
-alone from that row's own state and convolution window (`delta_rule.layer_step`), and outside one is the module's
+alone from that row's own state and convolution window (`delta_rule.layer_step` for a Gated DeltaNet layer,
+`ssd.layer_step` for a Mamba2 one), and outside one is the module's
 own. A row's state at a layer starts, in the forward that feeds its first tokens, where its admission's rebuild
 composes it (`PrefixRebuild.linear_states`: the anchor's state carried through its blocks' pairs in placement order,
 the last block's conv tail); a row with no prefix starts from zero. What a forward leaves is kept only once the
@@ -14,8 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..models.capture import attention_modules
-from ..models.delta_rule import layer_step
+from ..models.capture import attention_modules, linear_rule
 from ..models.families import layer_specs
 
 
@@ -36,21 +36,22 @@ def install(model) -> None:
     """Give each linear layer's module the per-row forward (once per model; the module's own forward otherwise)."""
     for layer, (module, spec) in enumerate(zip(attention_modules(model), layer_specs(model.config))):
         if spec.state_values and not getattr(module, "_milo_rows", False):
-            module.forward = _row_forward(module, layer, module.forward)
+            module.forward = _row_forward(module, layer, linear_rule(spec), module.forward)
             module._milo_rows = True
 
 
-def _row_forward(module, layer: int, own):
+def _row_forward(module, layer: int, rule, own):
     def forward(hidden_states, *args, milo_pack=None, **kwargs):
         if milo_pack is None:
             return own(hidden_states, *args, **kwargs)
-        return rows_forward(module, layer, hidden_states, milo_pack)
+        return rows_forward(module, layer, rule, hidden_states, milo_pack)
     return forward
 
 
-def rows_forward(module, layer: int, hidden: torch.Tensor, pack) -> torch.Tensor:
+def rows_forward(module, layer: int, rule, hidden: torch.Tensor, pack) -> torch.Tensor:
     """``layer``'s output for the packed ``hidden`` [1, T, hidden]: each row's tokens (``pack.linear``: its
-    `RowState` and its tokens' span) from its own state, the joining rows' first taken from their rebuilds."""
+    `RowState` and its tokens' span) from its own state (``rule``: `delta_rule` or `ssd`), the joining rows' first
+    taken from their rebuilds."""
     for fill in pack.fills:
         if fill.linear:
             for row, start in zip(fill.linear, fill.rebuild.linear_states(layer)):
@@ -58,14 +59,8 @@ def rows_forward(module, layer: int, hidden: torch.Tensor, pack) -> torch.Tensor
                     row.layers[layer] = start
     outputs = []
     for row, start, stop in pack.linear:
-        state, window = row.layers.get(layer) or zero_state(module, hidden.device)
-        out, state, window = layer_step(module, hidden[0, start:stop], state, window)
+        state, window = row.layers.get(layer) or rule.zero_state(module, hidden.device)
+        out, state, window = rule.layer_step(module, hidden[0, start:stop], state, window)
         row.pending[layer] = state, window
         outputs.append(out)
     return torch.cat(outputs)[None]
-
-
-def zero_state(module, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """A row with no prefix: the state zero, and zeros before its first token's convolution."""
-    return (torch.zeros(module.num_v_heads, module.head_k_dim, module.head_v_dim, device=device),
-            torch.zeros(module.conv_kernel_size - 1, 2 * module.key_dim + module.value_dim, device=device))

@@ -50,6 +50,13 @@ def rebuild_layer(factors, segments, out_k, out_v, cos, sin, *, interleaved, qua
                       quant=quant, plan=plan)
 
 
+def carried(section: dict, state: torch.Tensor) -> torch.Tensor:
+    """A state carried across a block by its section's pair, M S + C in fp32: a Gated DeltaNet layer's M a matrix a
+    head, a Mamba2 layer's a scalar a head."""
+    m, c = section["M"].float(), section["C"].float()
+    return (m @ state if m.dim() == 3 else m[:, None, None] * state) + c
+
+
 @dataclass(frozen=True)
 class BlockPlacement:
     """Where one row's blocks go: the one type the engine's plans and the vLLM connector's loads share."""
@@ -389,7 +396,7 @@ class PrefixRebuild:
                     for b in row.blocks:
                         at = int(starts[where[b]])
                         section = prefix.layout.state_section(layer, flat[at:at + size])
-                        state = section["M"].float() @ state + section["C"].float()
+                        state = carried(section, state)
                         window = section["conv"]
                 states.append((state, window))
         return states

@@ -115,6 +115,21 @@ TINY = {
     "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", dict(HYBRID, **MOE, shared_expert_intermediate_size=32,
                                                       rope_parameters=HYBRID_ROPE)),
     "qwen3_next": ("Qwen3NextConfig", dict(HYBRID, **MOE, shared_expert_intermediate_size=32)),
+    # Bamba: Mamba2 layers 0-2 (4 heads of 16, a state of 6, two groups of B and C) beside attention at layer 3
+    "bamba": ("BambaConfig", dict(num_hidden_layers=4, attn_layer_indices=[3], mamba_n_heads=4, mamba_d_head=16,
+                                  mamba_d_state=6, mamba_n_groups=2, mamba_d_conv=4, mamba_expand=1,
+                                  mamba_chunk_size=16)),
+    # NemotronH: a Mamba2 mixer, a block of experts, attention without RoPE and an MLP block, one a layer
+    "nemotron_h": ("NemotronHConfig", dict(num_hidden_layers=4, head_dim=16, mamba_num_heads=4, mamba_head_dim=16,
+                                           ssm_state_size=6, n_groups=2, conv_kernel=4, chunk_size=16,
+                                           n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                           moe_shared_expert_intermediate_size=32, n_group=1, topk_group=1)),
+    # Granite 4.0-H: the same Mamba2 layers beside Granite's attention without RoPE (as released), experts
+    "granitemoehybrid": ("GraniteMoeHybridConfig", dict(
+        num_hidden_layers=4, layer_types=["mamba"] * 3 + ["attention"], position_embedding_type="nope",
+        mamba_n_heads=4, mamba_d_head=16, mamba_d_state=6, mamba_n_groups=2, mamba_d_conv=4, mamba_expand=1,
+        mamba_chunk_size=16, num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=32,
+        attention_multiplier=0.6, embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=2.0)),
 }
 
 TASK = TaskSpec(name="topics", template="Message: {input}\nTopic: {output}\n", anchor="Name each message's topic.",

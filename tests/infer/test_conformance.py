@@ -474,3 +474,16 @@ def rows_together_equal_each_alone(family, engine: Engine, orders) -> None:
         alone = decoded_logits(engine, [order])[0]
         assert len(logits) == len(alone) > 0
         assert max(Deviation.of(x, y).relative for x, y in zip(logits, alone)) <= 1e-4, (family, order)
+
+
+@pytest.mark.parametrize("rope", ["rope", "nope"])
+def test_granite_4_h_with_and_without_rope_passes_every_check(rope, tmp_path):
+    """Granite 4.0-H rotates only where position_embedding_type says "rope" (its released checkpoints: "nope")."""
+    assert conformance(families.tiny_model("granitemoehybrid", position_embedding_type=rope), tmp_path).passed
+
+
+def test_granite_4_h_read_as_nope_where_it_rotates_fails_its_check(tmp_path, monkeypatch):
+    monkeypatch.setitem(FAMILIES, "granitemoehybrid",  # the switch read from a field the config does not have
+                        dataclasses.replace(FAMILIES["granitemoehybrid"], rope_switch="milo_test_missing"))
+    report = conformance(families.tiny_model("granitemoehybrid", position_embedding_type="rope"), tmp_path)
+    assert not report.passed and any("capture keys" in f for f in report.failures()), report.failures()

@@ -19,8 +19,8 @@ from milo_store.report import describe
 ATTENTION_LAYER = LayerSpec(ATTENTION, 2, 8)
 
 
-def linear(heads=3, key_dim=4, value_dim=5, conv_dim=7, kernel=4) -> LayerSpec:
-    return LayerSpec(LINEAR, heads, key_dim, value_dim=value_dim, conv_dim=conv_dim, conv_kernel=kernel)
+def linear(heads=3, key_dim=4, value_dim=5, conv_dim=7, kernel=4, rule="gated_delta") -> LayerSpec:
+    return LayerSpec(LINEAR, heads, key_dim, value_dim=value_dim, conv_dim=conv_dim, conv_kernel=kernel, rule=rule)
 
 
 def test_a_linear_layer_stores_no_units_but_a_section_of_fixed_size():
@@ -35,6 +35,11 @@ def test_a_linear_layer_stores_no_units_but_a_section_of_fixed_size():
     assert cache_values_per_token(layout.layers) == 2 * 2 * 8
     assert layout.layer_groups() == {"linear 3x4x5": [0, 2], "kv 2x8": [1]}
     assert Layout.from_record(layout.record()) == layout
+    mamba = Layout.of([linear(rule="mamba2"), ATTENTION_LAYER])  # M a scalar a head
+    assert mamba.state_sizes[0] == 3 + 3 * 4 * 5 + 3 * 7 and mamba.layer_groups()["mamba2 3x4x5"] == [0]
+    parts = mamba.state_section(0, torch.arange(float(mamba.state_sizes[0])))
+    assert parts["M"].shape == (3,) and parts["C"].shape == (3, 4, 5) and parts["conv"][0, 0] == 3 + 60
+    assert Layout.from_record(mamba.record()) == mamba
     ranks = np.ones((2, 3, 2, 2), dtype=np.int16)
     ranks[:, [0, 2]] = 0
     offsets = layout.block_offsets(ranks, np.array([6, 9]))
@@ -65,11 +70,11 @@ def drawn_states():
 
 
 @settings(max_examples=8, deadline=None)
-@given(pattern=st.lists(st.booleans(), min_size=1, max_size=4), tokens=st.lists(st.integers(20, 48), min_size=1,
-                                                                                 max_size=4),
+@given(pattern=st.lists(st.sampled_from([None, "gated_delta", "mamba2"]), min_size=1, max_size=4),
+       tokens=st.lists(st.integers(20, 48), min_size=1, max_size=4),
        dtype=st.sampled_from(["float32", "float16", "bfloat16", "int8", "int4"]), seed=st.integers(0, 2**16))
 def test_a_hybrid_store_keeps_each_blocks_states_and_the_anchors(tmp_path_factory, pattern, tokens, dtype, seed):
-    layers = [linear() if is_linear else ATTENTION_LAYER for is_linear in pattern] + [ATTENTION_LAYER]
+    layers = [linear(rule=rule) if rule else ATTENTION_LAYER for rule in pattern] + [ATTENTION_LAYER]
     path = tmp_path_factory.mktemp("linear") / "s"
     drawn, patched = drawn_states()
     with patched:
@@ -86,14 +91,14 @@ def test_a_hybrid_store_keeps_each_blocks_states_and_the_anchors(tmp_path_factor
         anchor = store.anchor_states() or {}
         assert sorted(anchor) == sorted(drawn[-1]) and all(torch.equal(anchor[l], drawn[-1][l]) for l in anchor)
         counted = compressed_bytes(store.layout, store.ranks, store.block_tokens, store.itemsize)
-        assert counted["state_bytes"] == len(tokens) * sum(pattern) * linear().state_values * (
+        assert counted["state_bytes"] == len(tokens) * sum(spec.state_values for spec in layers) * (
             2 if dtype in fmt.QUANTIZED else store.itemsize)
         assert int(store.block_bytes(list(range(len(tokens)))).sum()) == counted["factor_bytes"] + counted["state_bytes"]
         report = describe(store)
         assert report["bytes"]["states"] == counted["state_bytes"]
-        if any(pattern):
-            group = next(g for g in report["layer_groups"] if g["group"].startswith("linear"))
-            assert group["factor_bytes"] == counted["state_bytes"] and group["full_fp16_bytes"] == 0
+        linear_groups = [g for g in report["layer_groups"] if g["group"].startswith(("linear", "mamba2"))]
+        assert sum(g["factor_bytes"] for g in linear_groups) == counted["state_bytes"]
+        assert all(g["full_fp16_bytes"] == 0 for g in linear_groups)
 
 
 def test_a_damaged_state_section_is_found_by_its_blocks_checksum(tmp_path):
