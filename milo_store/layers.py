@@ -21,7 +21,8 @@ connector all read):
   [heads] (`milo_infer.models.ssd`). A block stores, as a *state section* at its layer's place, M, then C [heads,
   head_dim, value_dim], then its conv tail: the last ``conv_kernel`` − 1 inputs [conv_kernel − 1, conv_dim] of the
   layer's short convolution, which the next token reads. Its size is fixed, whatever the block's length
-  (`state_values`).
+  (`state_values`). A ``conv`` rule (LFM2's gated short convolutions) keeps no recurrent state, only the conv tail (no
+  heads: M and C are empty).
 - ``mlp``: a layer that mixes no tokens (NemotronH's MLP and MoE blocks): it holds and attends nothing.
 
 The rest of milo lays blocks out on a grid of (layer, kind, head) *units* (`milo_store.layout.Layout`): kind 0 the
@@ -36,7 +37,7 @@ import numpy as np
 
 ATTENTION, SHARED, LATENT, LINEAR, MLP = "attention", "shared", "latent", "linear", "mlp"
 KINDS = (ATTENTION, SHARED, LATENT, LINEAR, MLP)
-RULES = ("gated_delta", "mamba2")  # how a linear layer's state moves over a block
+RULES = ("gated_delta", "mamba2", "conv")  # how a linear layer's state moves over a block
 ROTARY = ("half", "interleaved")
 
 
@@ -70,13 +71,15 @@ class LayerSpec:
         if self.kind == ATTENTION and (self.kv_heads < 1 or self.head_dim < 1):
             raise ValueError(f"an attention layer needs at least one KV head of at least one channel; got "
                              f"{self.kv_heads} heads of {self.head_dim}")
-        if self.kind == LINEAR and min(self.kv_heads, self.head_dim, self.value_dim, self.conv_dim,
-                                       self.conv_kernel) < 1:
+        if self.kind == LINEAR and min(self.conv_dim, self.conv_kernel, *(
+                (self.kv_heads, self.head_dim, self.value_dim) if self.rule != "conv" else ())) < 1:
             raise ValueError(f"a linear layer needs its state's heads, key and value dims and its convolution's "
                              f"channels and width, each at least 1; got {self.kv_heads} heads of "
                              f"{self.head_dim}x{self.value_dim}, a convolution of {self.conv_dim}x{self.conv_kernel}")
         if self.rule not in RULES:
             raise ValueError(f"unknown linear rule {self.rule!r}; expected one of {RULES}")
+        if self.kind == LINEAR and self.rule == "conv" and (self.kv_heads or self.head_dim or self.value_dim):
+            raise ValueError("a short convolution (rule conv) keeps its conv tail alone: no state heads or dims")
         if self.rotary_dim is not None and (self.rotary != "half" or self.rotary_dim % 2
                                             or not 0 < self.rotary_dim < self.head_dim):
             raise ValueError(f"rotary_dim={self.rotary_dim}: a rotate-half rotary over an even part of the "
@@ -111,8 +114,8 @@ class LayerSpec:
 
     @property
     def transition_values(self) -> int:
-        """Values of a linear layer's M: a matrix a head (``gated_delta``) or a scalar (``mamba2``)."""
-        return self.kv_heads * (self.head_dim ** 2 if self.rule == "gated_delta" else 1)
+        """Values of a linear layer's M: a matrix a head (``gated_delta``) or a scalar (``mamba2``); none (``conv``)."""
+        return self.kv_heads * (self.head_dim ** 2 if self.rule == "gated_delta" else 1)  # a conv rule's: no heads
 
     @property
     def caches_values(self) -> bool:

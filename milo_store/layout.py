@@ -253,7 +253,8 @@ class Layout:
         and a latent), 'linear HxKxV' (a state of H heads, K by V), 'shared'."""
         groups: dict[str, list[int]] = {}
         for l, spec in enumerate(self.layers):
-            name = (f"{'linear' if spec.rule == 'gated_delta' else spec.rule} "
+            name = (f"conv {spec.conv_kernel - 1}x{spec.conv_dim}" if spec.rule == "conv" and spec.state_values else
+                    f"{'linear' if spec.rule == 'gated_delta' else spec.rule} "
                     f"{spec.kv_heads}x{spec.head_dim}x{spec.value_dim}" if spec.state_values else
                     spec.kind if spec.kind == "mlp" else "shared" if not spec.holds_cache else
                     f"latent {spec.head_dim - spec.latent}+{spec.latent}" if spec.latent else

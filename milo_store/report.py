@@ -76,9 +76,10 @@ def demonstrations_per_block(store: MiloStore, start: int, stop: int) -> np.ndar
     return np.diff(store.block_starts()[start:stop + 1])
 
 
-def rank_summary(ranks: np.ndarray) -> dict:
-    """min/mean/max rank of a block's factored units of one kind, and how many are raw (RAW_RANK)."""
-    r = ranks.astype(int).ravel()
+def rank_summary(ranks: np.ndarray, present: np.ndarray | None = None) -> dict:
+    """min/mean/max rank of a block's factored units of one kind, and how many are raw (RAW_RANK); ``present``: the
+    units its layout stores (a shared or linear layer's, heads past a layer's own: none)."""
+    r = ranks.astype(int)[present] if present is not None else ranks.astype(int).ravel()
     factored = r[r != RAW_RANK]
     if not len(factored):
         return {"min": None, "mean": None, "max": None, "raw": len(r)}
@@ -94,7 +95,8 @@ def block_rows(store: MiloStore, offset: int = 0, limit: int = 0) -> list[dict]:
     rows = []
     for i in range(start, stop):
         rows.append({"block": i, "tokens": int(store.block_tokens[i]), "demonstrations": int(per_block[i - start]),
-                     "key_rank": rank_summary(store.ranks[i, :, 0]), "value_rank": rank_summary(store.ranks[i, :, 1]),
+                     "key_rank": rank_summary(store.ranks[i, :, 0], store.layout.present[:, 0]),
+                     "value_rank": rank_summary(store.ranks[i, :, 1], store.layout.present[:, 1]),
                      "bytes": int(nbytes[i - start])})
     return rows
 

@@ -78,13 +78,13 @@ def print_report(r) -> None:
     print("deviation: largest |milo - model| per layer, over max(1, largest |model|); tolerance capture "
           f"{tol['capture']:g}, moved (re-positioned) {tol['reposition']:g}, query weights {tol['query_scales']:g}, "
           f"logits {tol['logits']:g}")
-    columns = COLUMNS + (STATE_COLUMNS if any("capture state" in checks for checks in r.layers) else ())
+    columns = COLUMNS + (STATE_COLUMNS if any("capture conv" in checks for checks in r.layers) else ())
     print("layer  " + "  ".join(f"{title:>10}" for _, title in columns))
     for layer, checks in enumerate(r.layers):  # a layer attending another's K/V has none of its own to check; an MLA
         # layer's one unit is its keys ("in K"); a linear layer holds a state, no K/V (and an attention layer no state);
         # an MLP block alone nothing
         absent = ("-" if any(name.endswith("keys") for name in checks) and "capture values" in checks else
-                  "linear" if "capture state" in checks else "in K" if any(name.endswith("keys") for name in checks)
+                  "linear" if "capture conv" in checks else "in K" if any(name.endswith("keys") for name in checks)
                   else "shared" if checks else "mlp")  # an MLP block alone (NemotronH's) mixes no tokens
         print(f"{layer:5d}  " + "  ".join(f"{checks[name].relative:10.2e}" if name in checks else f"{absent:>10}"
                                           for name, _ in columns))

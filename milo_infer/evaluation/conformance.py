@@ -157,7 +157,8 @@ def _check(loaded: LoadedModel, store: MiloStore, query: str, w: int) -> Conform
             after = model_states(model, anchor + [t for c in context for t in ids[c]])
             block = store.layout.block_states(store.ranks[b], int(store.block_tokens[b]), store.stored_blocks([b])[0])
             for l in linear:
-                record("capture", {l: carried(block[l], before[l][0])}, {l: after[l][0]}, "state")
+                if store.layout.layers[l].kv_heads:  # a short convolution keeps its conv tail alone
+                    record("capture", {l: carried(block[l], before[l][0])}, {l: after[l][0]}, "state")
                 record("capture", {l: block[l]["conv"]}, {l: after[l][1]}, "conv")
         k, v, _ = rebuilt(engine, engine.stores["check"].prefix.place(context))
         cached_k, cached_v = model_cache(model, anchor + [t for c in context for t in ids[c]], 0)
@@ -224,7 +225,8 @@ def model_states(model, ids: list[int]) -> dict[int, tuple[torch.Tensor, torch.T
     out = model(input_ids=torch.tensor([ids], device=device), use_cache=True, logits_to_keep=1,
                 **{cache_keyword(model): DynamicCache(config=model.config)})
     cache = out.cache if hasattr(out, "cache") else out.past_key_values
-    return {l: (cache.layers[l].recurrent_states[0][0].float(), cache.layers[l].conv_states[0][0, :, 1:].mT)
+    return {l: (torch.zeros(0, 0, 0) if cache.layers[l].recurrent_states[0] is None  # a short convolution's: none
+                else cache.layers[l].recurrent_states[0][0].float(), cache.layers[l].conv_states[0][0, :, 1:].mT)
             for l, spec in enumerate(layer_specs(model.config)) if spec.state_values}
 
 

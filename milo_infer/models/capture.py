@@ -202,11 +202,11 @@ def capture_linear_inputs(model) -> Iterator[dict[int, torch.Tensor]]:
 
 
 def linear_rule(spec):
-    """The module computing a linear layer's state (`LayerSpec.rule`): `delta_rule` (Gated DeltaNet) or `ssd`
-    (Mamba2), each with `block_section`, `layer_step` and `zero_state`."""
-    from . import delta_rule, ssd
+    """The module computing a linear layer's state (`LayerSpec.rule`): `delta_rule` (Gated DeltaNet), `ssd` (Mamba2) or
+    `short_conv` (LFM2's), each with `block_section`, `layer_step` and `zero_state`."""
+    from . import delta_rule, short_conv, ssd
 
-    return ssd if spec.rule == "mamba2" else delta_rule
+    return {"gated_delta": delta_rule, "mamba2": ssd, "conv": short_conv}[spec.rule]
 
 
 def rope_pairs(energy: torch.Tensor, interleaved: bool, rotary_dim: int | None = None) -> torch.Tensor:

@@ -113,7 +113,7 @@ def layer_inputs(module, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
     conv_inputs, _, b, a = _projections(module, hidden)
     window = conv_inputs.new_zeros(conv_inputs.shape[0], module.conv_kernel_size - 1, conv_inputs.shape[-1])
     _, k, v = _convolved(module, torch.cat((window, conv_inputs), dim=1))
-    return k, v, b.float().sigmoid(), _log_decay(module, a), conv_inputs
+    return k, v, _beta(module, b), _log_decay(module, a), conv_inputs
 
 
 def layer_step(module, hidden: torch.Tensor, state: torch.Tensor, window: torch.Tensor
@@ -124,14 +124,18 @@ def layer_step(module, hidden: torch.Tensor, state: torch.Tensor, window: torch.
     conv_inputs, z, b, a = _projections(module, hidden[None])
     inputs = torch.cat((window.to(conv_inputs.dtype)[None], conv_inputs), dim=1)
     q, k, v = _convolved(module, inputs)
-    state, out = run(state, q[0] * module.head_k_dim ** -0.5, k[0], v[0], b[0].float().sigmoid(),
-                     _log_decay(module, a)[0])
-    core = module.norm(out.reshape(-1, module.head_v_dim).to(hidden.dtype), z.reshape(-1, module.head_v_dim))
-    return module.out_proj(core.reshape(hidden.shape[0], -1)), state, inputs[0, inputs.shape[1] - window.shape[0]:]
+    state, out = run(state, q[0] * module.head_k_dim ** -0.5, k[0], v[0], _beta(module, b)[0], _log_decay(module, a)[0])
+    norm, project = (getattr(module, "o_norm", None) or module.norm), (getattr(module, "o_proj", None) or module.out_proj)
+    core = norm(out.reshape(-1, module.head_v_dim).to(hidden.dtype), z.reshape(-1, module.head_v_dim))
+    return project(core.reshape(hidden.shape[0], -1)), state, inputs[0, inputs.shape[1] - window.shape[0]:]
 
 
 def _projections(module, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The convolution's inputs [B, T, conv_dim] (q, k, v), the output gate z [B, T, H, dv], b and a."""
+    if hasattr(module, "g_proj"):  # OLMo Hybrid: a projection each, its gate g_proj's
+        conv_inputs = torch.cat([module.q_proj(hidden), module.k_proj(hidden), module.v_proj(hidden)], dim=-1)
+        z = module.g_proj(hidden).unflatten(-1, (-1, module.head_v_dim))
+        return conv_inputs, z, module.b_proj(hidden), module.a_proj(hidden)
     if hasattr(module, "in_proj_qkvz"):  # Qwen3-Next: q, k, v, z (and b, a) interleaved by key head
         q, k, v, z, b, a = module.fix_query_key_value_ordering(module.in_proj_qkvz(hidden), module.in_proj_ba(hidden))
         return torch.cat([x.flatten(2) for x in (q, k, v)], dim=-1), z, b, a
@@ -150,6 +154,11 @@ def _convolved(module, inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     q, k = ((x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)).repeat_interleave(repeat, dim=2)
             for x in (x.unflatten(-1, (module.num_k_heads, module.head_k_dim)) for x in (q, k)))
     return q, k, v.unflatten(-1, (module.num_v_heads, module.head_v_dim))
+
+
+def _beta(module, b: torch.Tensor) -> torch.Tensor:
+    """β in (0, 1), or (0, 2) where the layer allows negative eigenvalues (OLMo Hybrid's allow_neg_eigval)."""
+    return b.float().sigmoid() * (2.0 if getattr(module, "allow_neg_eigval", False) else 1.0)
 
 
 def _log_decay(module, a: torch.Tensor) -> torch.Tensor:

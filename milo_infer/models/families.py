@@ -78,6 +78,7 @@ class Attention:
     # and Qwen3-Next's Gated DeltaNet linear_attn, Bamba's Mamba2 mamba): its state per block is stored
     # (`milo_store.layers` ``linear``)
     linear_rule: str = "gated_delta"  # how that state moves (`milo_store.layers.RULES`)
+    linear_type: str = "linear_attention"  # the layer type (config.layer_types) of those layers (LFM2's "conv")
     rope_switch: str | None = None  # a config field that must say "rope" for its attention to rotate (Granite
     # 4.0-H's position_embedding_type; "nope" or null, as released: no layer rotates)
     rotates: bool = True  # False: no layer has RoPE (NemotronH's attention)
@@ -227,6 +228,13 @@ FAMILIES: dict[str, Attention] = {
     "qwen3_5_text": GATED_DELTA,
     "qwen3_5_moe_text": replace(GATED_DELTA, identity=GATED_DELTA.identity + MOE + ("shared_expert_intermediate_size",)),
     "qwen3_next": replace(GATED_DELTA, identity=GATED_DELTA.identity + MOE + ("shared_expert_intermediate_size",)),
+    # OLMo Hybrid: Gated DeltaNet layers of separate projections (β up to 2 where linear_allow_neg_eigval) beside OLMo 2's
+    # attention (q/k norms over the whole projection)
+    "olmo_hybrid": replace(QK_NORM, linear="linear_attn", identity=("linear_num_key_heads", "linear_allow_neg_eigval")),
+    # LFM2: gated short convolutions (`conv`: y = C ⊙ conv(B ⊙ x), a window of conv_L_cache, no recurrent state) beside
+    # attention with a norm per head on queries and keys and an output projection named out_proj
+    "lfm2": Attention(keys=("k_layernorm",), queries=("q_layernorm",), output="out_proj", linear="conv",
+                      linear_rule="conv", linear_type="conv", identity=("conv_L_cache", "conv_bias", "layer_types")),
     # Bamba: Mamba2 layers (`mamba`: a scalar decay a head, groups of B and C, a gated RMSNorm by groups) beside Llama
     # attention with half the head rotating, where attn_layer_indices says
     "bamba": Attention(partial=True, linear="mamba", linear_rule="mamba2", identity=(
@@ -363,7 +371,7 @@ def layer_specs(config) -> tuple[LayerSpec, ...]:
     k_eq_v = bool(spec.keys_from_values and getattr(config, spec.keys_from_values, False))
     layers = []
     for l in range(config.num_hidden_layers):
-        if spec.linear and types[l] == "linear_attention":
+        if spec.linear and types[l] == spec.linear_type:
             layers.append(linear_spec(config, spec.linear_rule))
             continue
         if types and types[l] in spec.mlp_types:
@@ -384,6 +392,8 @@ def linear_spec(config, rule: str = "gated_delta") -> LayerSpec:
     """A Gated DeltaNet layer's state (`milo_infer.models.delta_rule`): a [key_dim, value_dim] state per value head,
     and its short convolution over the queries', keys' and values' channels; or a Mamba2 layer's (``mamba2``,
     `milo_infer.models.ssd`): a [head_dim, d_state] state per head, its convolution over x, B and C."""
+    if rule == "conv":  # LFM2's gated short convolution over the hidden channels: its last inputs alone
+        return LayerSpec(LINEAR, conv_dim=config.hidden_size, conv_kernel=config.conv_L_cache, rule=rule)
     if rule == "mamba2":  # Bamba's and Granite's field names, or NemotronH's
         heads = getattr(config, "mamba_n_heads", None) or config.mamba_num_heads
         head_dim = getattr(config, "mamba_d_head", None) or config.mamba_head_dim
@@ -456,7 +466,7 @@ def _check_config(config) -> None:
             problems.append(found)
     layer_types = getattr(config, "layer_types", None) or []
     attended = ({"full_attention", "sliding_attention"} | ({"chunked_attention"} if spec and spec.first_chunk else set())
-                | ({"linear_attention"} if spec and spec.linear else set()) | set(spec.mlp_types if spec else ()))
+                | ({spec.linear_type} if spec and spec.linear else set()) | set(spec.mlp_types if spec else ()))
     other = sorted({kind for kind in layer_types} - attended)
     if other:
         problems.append(f"layers of type {', '.join(map(repr, other))}: MILO attends full or sliding-window layers only")

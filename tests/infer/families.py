@@ -115,6 +115,9 @@ TINY = {
     "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", dict(HYBRID, **MOE, shared_expert_intermediate_size=32,
                                                       rope_parameters=HYBRID_ROPE)),
     "qwen3_next": ("Qwen3NextConfig", dict(HYBRID, **MOE, shared_expert_intermediate_size=32)),
+    "olmo_hybrid": ("OlmoHybridConfig", dict(HYBRID, linear_allow_neg_eigval=True)),  # β up to 2
+    # LFM2: gated short convolutions at layers 0-2 (a window of 3), attention with per-head q/k norms at layer 3
+    "lfm2": ("Lfm2Config", dict(num_hidden_layers=4, layer_types=["conv"] * 3 + ["full_attention"], conv_L_cache=3)),
     # Bamba: Mamba2 layers 0-2 (4 heads of 16, a state of 6, two groups of B and C) beside attention at layer 3
     "bamba": ("BambaConfig", dict(num_hidden_layers=4, attn_layer_indices=[3], mamba_n_heads=4, mamba_d_head=16,
                                   mamba_d_state=6, mamba_n_groups=2, mamba_d_conv=4, mamba_expand=1,

@@ -46,7 +46,8 @@ def largest(report, name: str) -> float:
     """The largest deviation of check ``name`` over the layers, each layer holding K/V checked (a layer that attends
     another's has none of its own to check; a latent layer's one unit is its keys). None: no layer has it."""
     specs = layer_specs(families.config(report.model_type))
-    held = [bool(spec.state_values) if name.endswith(("state", "conv")) else spec.caches_values
+    held = [bool(spec.kv_heads and spec.state_values) if name.endswith("state") else bool(spec.state_values)
+            if name.endswith("conv") else spec.caches_values
             if name.endswith("values") else spec.holds_cache for spec in specs]
     if not name.startswith("query"):
         assert [name in layer for layer in report.layers] == held, name

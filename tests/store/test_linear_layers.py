@@ -20,6 +20,8 @@ ATTENTION_LAYER = LayerSpec(ATTENTION, 2, 8)
 
 
 def linear(heads=3, key_dim=4, value_dim=5, conv_dim=7, kernel=4, rule="gated_delta") -> LayerSpec:
+    if rule == "conv":  # a short convolution: its conv tail alone
+        return LayerSpec(LINEAR, conv_dim=conv_dim, conv_kernel=kernel, rule=rule)
     return LayerSpec(LINEAR, heads, key_dim, value_dim=value_dim, conv_dim=conv_dim, conv_kernel=kernel, rule=rule)
 
 
@@ -51,6 +53,7 @@ def test_a_linear_layer_stores_no_units_but_a_section_of_fixed_size():
 @pytest.mark.parametrize("fields, problem", [
     (dict(kv_heads=3, head_dim=4, value_dim=0, conv_dim=7, conv_kernel=4), "at least 1"),
     (dict(kv_heads=3, head_dim=4, value_dim=5, conv_dim=7, conv_kernel=0), "at least 1"),
+    (dict(kv_heads=3, head_dim=4, value_dim=5, conv_dim=7, conv_kernel=4, rule="conv"), "conv tail alone"),
 ])
 def test_a_linear_layer_without_its_state_or_convolution_shapes_is_refused(fields, problem):
     with pytest.raises(ValueError, match=problem):
@@ -70,7 +73,7 @@ def drawn_states():
 
 
 @settings(max_examples=8, deadline=None)
-@given(pattern=st.lists(st.sampled_from([None, "gated_delta", "mamba2"]), min_size=1, max_size=4),
+@given(pattern=st.lists(st.sampled_from([None, "gated_delta", "mamba2", "conv"]), min_size=1, max_size=4),
        tokens=st.lists(st.integers(20, 48), min_size=1, max_size=4),
        dtype=st.sampled_from(["float32", "float16", "bfloat16", "int8", "int4"]), seed=st.integers(0, 2**16))
 def test_a_hybrid_store_keeps_each_blocks_states_and_the_anchors(tmp_path_factory, pattern, tokens, dtype, seed):
@@ -96,7 +99,7 @@ def test_a_hybrid_store_keeps_each_blocks_states_and_the_anchors(tmp_path_factor
         assert int(store.block_bytes(list(range(len(tokens)))).sum()) == counted["factor_bytes"] + counted["state_bytes"]
         report = describe(store)
         assert report["bytes"]["states"] == counted["state_bytes"]
-        linear_groups = [g for g in report["layer_groups"] if g["group"].startswith(("linear", "mamba2"))]
+        linear_groups = [g for g in report["layer_groups"] if g["group"].startswith(("linear", "mamba2", "conv"))]
         assert sum(g["factor_bytes"] for g in linear_groups) == counted["state_bytes"]
         assert all(g["full_fp16_bytes"] == 0 for g in linear_groups)
 

@@ -16,7 +16,7 @@ from tests.infer.demo_stores import corrupted_block
 QUERY = "my card was charged twice"
 
 
-@pytest.fixture(scope="module", params=["qwen3_5_text", "qwen3_next", "bamba", "granitemoehybrid", "nemotron_h"])
+@pytest.fixture(scope="module", params=["qwen3_5_text", "qwen3_next", "olmo_hybrid", "bamba", "granitemoehybrid", "nemotron_h", "lfm2"])
 def hybrid(request, tmp_path_factory):
     loaded = families.tiny_model(request.param)
     root = tmp_path_factory.mktemp(request.param)
