@@ -197,3 +197,20 @@ def conformance_on_one_thread(loaded: LoadedModel, shots: int, block_size: int, 
                                  block_size=block_size, context_blocks=1, workdir=workdir)
     finally:
         torch.set_num_threads(threads)
+
+
+def linear_layer_io(model, attribute: str, ids: torch.Tensor, **forward):
+    """Each linear layer's (module, its input [T, hidden], its output [T, hidden]) over one forward of ``ids`` [1, T]
+    (the decoder layers' ``attribute`` modules: Qwen3.5's linear_attn, Bamba's mamba), and that forward's output."""
+    seen, handles = {}, []
+    for l, layer in enumerate(model.model.layers):
+        if getattr(layer, attribute, None) is not None:
+            handles.append(getattr(layer, attribute).register_forward_hook(
+                lambda module, args, kwargs, out, l=l: seen.__setitem__(
+                    l, (module, kwargs["hidden_states"][0], out[0])), with_kwargs=True))
+    try:
+        out = model(ids, **forward)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen, out

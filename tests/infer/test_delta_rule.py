@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from milo_infer.models import delta_rule
-from tests.infer.families import random_model
+from tests.infer.families import linear_layer_io, random_model
 
 HEADS, KEY_DIM, VALUE_DIM = 2, 8, 6
 
@@ -177,18 +177,10 @@ def test_the_chunk_forms_outputs_equal_the_recurrences(tokens, decay, seed):
 def test_a_layer_step_gives_the_layers_output_from_any_state_it_reached(family):
     """`layer_step` over a row's tokens is the layer's own output there, whole or in two parts (the second from the
     state and conv window the first left): what the engine runs a row's prefill chunks and decode steps with."""
-    model = tiny_hybrid(family)
-    seen = {}
-    for l, layer in enumerate(model.model.layers):
-        if hasattr(layer, "linear_attn"):
-            layer.linear_attn.register_forward_hook(
-                lambda module, args, kwargs, out, l=l: seen.__setitem__(l, (module, kwargs["hidden_states"], out)),
-                with_kwargs=True)
-    model(torch.randint(3, 300, (1, 70), generator=torch.Generator().manual_seed(3)), use_cache=False)
-    for l, (module, hidden, out) in seen.items():
-        hidden, out = hidden[0], out[0]
-        state = torch.zeros(module.num_v_heads, module.head_k_dim, module.head_v_dim)
-        window = torch.zeros(module.conv_kernel_size - 1, 2 * module.key_dim + module.value_dim)
+    ids = torch.randint(3, 300, (1, 70), generator=torch.Generator().manual_seed(3))
+    seen, _ = linear_layer_io(tiny_hybrid(family), "linear_attn", ids, use_cache=False)
+    for module, hidden, out in seen.values():
+        state, window = delta_rule.zero_state(module)
         whole, _, _ = delta_rule.layer_step(module, hidden, state, window)
         close(whole, out)
         first, state, window = delta_rule.layer_step(module, hidden[:66], state, window)

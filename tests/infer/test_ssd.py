@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from milo_infer.models import ssd
-from tests.infer.families import random_model
+from tests.infer.families import linear_layer_io, random_model
 
 HEADS, HEAD_DIM, STATE = 3, 4, 5
 
@@ -51,21 +51,15 @@ def tiny_bamba():
 
 
 def test_a_layer_step_gives_the_mixers_output_and_a_blocks_section_its_cached_state():
-    model = tiny_bamba()
-    seen = {}
-    for l, layer in enumerate(model.model.layers):
-        if hasattr(layer, "mamba"):
-            layer.mamba.register_forward_hook(
-                lambda module, args, kwargs, out, l=l: seen.__setitem__(l, (module, kwargs["hidden_states"], out)),
-                with_kwargs=True)
-    ids = torch.randint(3, 300, (1, 70), generator=torch.Generator().manual_seed(3))
     from transformers import DynamicCache
-    cache = model(ids, use_cache=True, cache=DynamicCache(config=model.config)).cache
+
+    model = tiny_bamba()
+    ids = torch.randint(3, 300, (1, 70), generator=torch.Generator().manual_seed(3))
+    seen, out = linear_layer_io(model, "mamba", ids, use_cache=True, cache=DynamicCache(config=model.config))
+    cache = out.cache
     assert len(seen) == 3
     for l, (module, hidden, out) in seen.items():
-        hidden, out = hidden[0], out[0]
-        state = torch.zeros(module.num_heads, module.head_dim, module.ssm_state_size)
-        window = torch.zeros(module.conv_kernel_size - 1, module.conv_dim)
+        state, window = ssd.zero_state(module)
         whole, final, _ = ssd.layer_step(module, hidden, state, window)
         close(whole, out)
         close(final, cache.layers[l].recurrent_states[0][0].float())
