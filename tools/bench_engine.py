@@ -48,8 +48,10 @@ RUNNING_TEXTS = ["where is my new card", "I was charged twice", "how do I top up
 
 
 def prefix_cache(engine: Engine, plan) -> DynamicCache:
-    """The plan's rebuilt [anchor][blocks] K/V, layer by layer, in a fresh DynamicCache."""
-    return cache_of(*rebuilt(engine, plan.placement), config=engine.model.config)
+    """The plan's rebuilt [anchor][blocks] K/V, layer by layer (and a hybrid's composed states), in a fresh
+    DynamicCache."""
+    keys, values, states = rebuilt(engine, plan.placement)
+    return cache_of(keys, values, config=engine.model.config, states=states)
 
 
 @torch.inference_mode()
