@@ -31,35 +31,37 @@ def recurrent_run(state: torch.Tensor, x, B, C, dt, A) -> tuple[torch.Tensor, to
     return state, torch.stack(outputs) if outputs else x.new_zeros(0, *x.shape[1:])
 
 
-def run(state: torch.Tensor, x, B, C, dt, A, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+def run(state: torch.Tensor, x, B, C, dt, A, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`recurrent_run` in chunks: within one, y_t = e^{G_t} S_0 C_t + Σ_{s<=t} e^{G_t − G_s} (C_t·B_s) dt_s x_s and
-    S_T = e^{G_T} S_0 + Σ_s e^{G_T − G_s} dt_s x_s B_sᵀ, G the cumulative dt·A."""
+    S_T = e^{G_T} S_0 + Σ_s e^{G_T − G_s} dt_s x_s B_sᵀ, G the cumulative dt·A (``C`` None: the state alone)."""
     outputs = []
     for start in range(0, x.shape[0], chunk):
         part = slice(start, start + chunk)
-        state, out = _chunk(state, x[part], B[part], C[part], dt[part], A)
+        state, out = _chunk(state, x[part], B[part], None if C is None else C[part], dt[part], A)
         outputs.append(out)
+    if C is None:
+        return state, None
     return state, torch.cat(outputs) if outputs else x.new_zeros(0, *x.shape[1:])
 
 
 def _chunk(state, x, B, C, dt, A):
     log_decay = (dt * A).transpose(0, 1).cumsum(-1)  # [H, T]
-    tokens = x.shape[0]
-    upto = torch.ones(tokens, tokens, dtype=torch.bool, device=x.device).tril()
-    decay = (log_decay[:, :, None] - log_decay[:, None, :]).masked_fill(~upto, float("-inf")).exp()  # [H, t, s]
     xs = (dt[:, :, None] * x).transpose(0, 1)  # [H, T, P]
-    Bh, Ch = B.transpose(0, 1), C.transpose(0, 1)  # [H, T, N]
-    scores = (Ch @ Bh.mT) * decay  # [H, t, s]
-    out = scores @ xs + log_decay.exp()[..., None] * (Ch @ state.mT)  # [H, T, P]
+    Bh = B.transpose(0, 1)  # [H, T, N]
+    out = None
+    if C is not None:  # outputs: the decays between every two tokens of the chunk
+        tokens, Ch = x.shape[0], C.transpose(0, 1)
+        upto = torch.ones(tokens, tokens, dtype=torch.bool, device=x.device).tril()
+        decay = (log_decay[:, :, None] - log_decay[:, None, :]).masked_fill(~upto, float("-inf")).exp()  # [H, t, s]
+        out = (((Ch @ Bh.mT) * decay) @ xs + log_decay.exp()[..., None] * (Ch @ state.mT)).transpose(0, 1)
     last = log_decay[:, -1:]
-    state = last.exp()[..., None] * state + (xs * (last - log_decay).exp()[..., None]).mT @ Bh
-    return state, out.transpose(0, 1)
+    return last.exp()[..., None] * state + (xs * (last - log_decay).exp()[..., None]).mT @ Bh, out
 
 
 def transition(x, B, dt, A) -> tuple[torch.Tensor, torch.Tensor]:
     """The block's (m [H], C [H, P, N]): the decay it hands a state on with, and its state from zero."""
     state = x.new_zeros(x.shape[1], x.shape[2], B.shape[2])
-    return (dt * A).sum(0).exp(), run(state, x, B, B, dt, A)[0]
+    return (dt * A).sum(0).exp(), run(state, x, B, None, dt, A)[0]
 
 
 def layer_inputs(module, hidden: torch.Tensor, window: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
