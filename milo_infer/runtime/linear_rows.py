@@ -3,9 +3,9 @@
 The engine feeds every row's tokens as one sequence: attention keeps rows apart through their page tables, but a
 linear layer would carry its recurrence from one row into the next. So, once per model (`install`), each linear
 layer's module gets a forward that inside an engine's forward (its ``milo_pack`` keyword) runs each row's tokens
-alone from that row's own state and convolution window (`delta_rule.layer_step` for a Gated DeltaNet layer,
-`ssd.layer_step` for a Mamba2 one), and outside one is the module's
-own. A row's state at a layer starts, in the forward that feeds its first tokens, where its admission's rebuild
+alone from that row's own state and convolution window (`capture.linear_rule`: `delta_rule.layer_step` for a Gated
+DeltaNet layer, `ssd.layer_step` for a Mamba2 one, `short_conv.layer_step` for LFM2's convolution), and outside one is
+the module's own. A row's state at a layer starts, in the forward that feeds its first tokens, where its admission's rebuild
 composes it (`PrefixRebuild.linear_states`: the anchor's state carried through its blocks' pairs in placement order,
 the last block's conv tail); a row with no prefix starts from zero. What a forward leaves is kept only once the
 forward has succeeded (`RowState.commit`): a step retried after the device ran out of memory runs again from the
@@ -20,7 +20,8 @@ from ..models.families import layer_specs
 
 
 class RowState:
-    """One row's linear layers: per layer, its state [H, dk, dv] (fp32) and its convolution's last kernel − 1 inputs."""
+    """One row's linear layers: per layer, its state (fp32; [H, dk, dv] for GDN, [H, P, N] for Mamba2, empty for a short
+    convolution) and its convolution's last kernel − 1 inputs."""
 
     def __init__(self):
         self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -50,8 +51,8 @@ def _row_forward(module, layer: int, rule, own):
 
 def rows_forward(module, layer: int, rule, hidden: torch.Tensor, pack) -> torch.Tensor:
     """``layer``'s output for the packed ``hidden`` [1, T, hidden]: each row's tokens (``pack.linear``: its
-    `RowState` and its tokens' span) from its own state (``rule``: `delta_rule` or `ssd`), the joining rows' first
-    taken from their rebuilds."""
+    `RowState` and its tokens' span) from its own state (``rule``: `capture.linear_rule`'s module), the joining rows'
+    first taken from their rebuilds."""
     for fill in pack.fills:
         if fill.linear:
             for row, start in zip(fill.linear, fill.rebuild.linear_states(layer)):

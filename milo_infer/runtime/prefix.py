@@ -381,6 +381,7 @@ class PrefixRebuild:
         last block, or the anchor's (None: a prefill row, which starts from zero)."""
         with self.clock.device_stage("wait"):
             staged = {prefix: pf.layer(layer) for prefix, pf in self.fetched.items()}
+        where = {prefix: {b: i for i, b in enumerate(pf.block_ids)} for prefix, pf in self.fetched.items()}
         states = []
         with self.clock.device_stage("rebuild"):
             for row in self.rows:
@@ -391,10 +392,9 @@ class PrefixRebuild:
                 state, window = prefix.anchor_state[layer]
                 if row.blocks:
                     flat, starts = staged[prefix]
-                    where = {b: i for i, b in enumerate(self.fetched[prefix].block_ids)}
                     size = int(prefix.layout.state_sizes[layer])
                     for b in row.blocks:
-                        at = int(starts[where[b]])
+                        at = int(starts[where[prefix][b]])
                         section = prefix.layout.state_section(layer, flat[at:at + size])
                         state = carried(section, state)
                         window = section["conv"]
