@@ -313,19 +313,20 @@ def encode_anchor(model, anchor_ids: list[int], layout: Layout) -> tuple[torch.T
     finds it (M = I, C and the conv tail zero), and a model refuses zero tokens."""
     if not anchor_ids:
         return (torch.zeros(layout.num_layers, 2, layout.num_kv_heads, 0, layout.head_dim),
-                {l: unchanged_section(spec) for l, spec in enumerate(layout.layers) if spec.state_values})
+                {l: unchanged_section(layout, l) for l, spec in enumerate(layout.layers) if spec.state_values})
     keys, values, states = encode_blocks(model, [(anchor_ids, len(anchor_ids))])[0]
     return torch.stack((keys, values), dim=1).cpu(), states
 
 
-def unchanged_section(spec) -> torch.Tensor:
-    """The state section of no tokens: M the identity (a Mamba2 layer's, ones), C and the conv tail zero."""
-    section = torch.zeros(spec.state_values)
-    m = section[:spec.transition_values]
-    if spec.rule == "mamba2":
-        m.fill_(1.0)
+def unchanged_section(layout: Layout, layer: int) -> torch.Tensor:
+    """Linear ``layer``'s state section of no tokens: M the identity (a Mamba2 layer's ones; a short convolution's
+    none), C and the conv tail zero."""
+    section = torch.zeros(layout.layers[layer].state_values)
+    m = layout.state_section(layer, section)["M"]  # a view: written through
+    if m.dim() == 3:
+        m.copy_(torch.eye(m.shape[-1]))
     else:
-        m.view(spec.kv_heads, spec.head_dim, spec.head_dim).copy_(torch.eye(spec.head_dim))
+        m.fill_(1.0)
     return section
 
 

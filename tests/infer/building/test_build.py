@@ -381,3 +381,20 @@ def test_allocating_and_writing_show_progress(tiny, tmp_path, capsys):
 def test_the_default_encode_batch_is_one_on_a_cpu_and_the_cuda_default_on_a_gpu():
     assert default_encode_batch("cpu") == 1
     assert default_encode_batch(torch.device("cuda", 0)) == CUDA_ENCODE_BATCH == 8
+
+
+@pytest.mark.parametrize("rule", ["gated_delta", "mamba2", "conv"])
+def test_an_empty_anchors_state_section_hands_any_state_on_unchanged(rule):
+    """An anchor of no tokens (no instruction, no tokenizer prefix) carries a row's state through as it is: M the
+    identity (a Mamba2 layer's ones), C zero, its conv tail zeros."""
+    from milo_infer.building.builder import unchanged_section
+    from milo_infer.runtime.prefix import carried
+    from milo_store import Layout
+    from milo_store.layers import ATTENTION, LINEAR, LayerSpec
+
+    heads = dict(kv_heads=0, head_dim=0) if rule == "conv" else dict(kv_heads=3, head_dim=4, value_dim=5)
+    layout = Layout.of([LayerSpec(LINEAR, **heads, conv_dim=7, conv_kernel=4, rule=rule), LayerSpec(ATTENTION, 2, 8)])
+    section = layout.state_section(0, unchanged_section(layout, 0))
+    state = torch.randn(section["C"].shape)
+    torch.testing.assert_close(carried(section, state), state, rtol=0, atol=0)
+    assert not section["conv"].any() and not section["C"].any()
