@@ -6,6 +6,8 @@ query-aware channel weights (`capture`), the per-layer RoPE tables (`rope`), the
 (`identity`), the engine's rebuild and the vLLM connector all read it. A MoE family shares its dense
 parent's attention: only the model type is new (and the routing fields its identity hashes). Families
 milo cannot reproduce are in `REFUSED` with the reason, which `check_supported` names in one line.
+Each family's detail (how it is read, what proves it, what was seen red, how it runs under vLLM) is
+docs/families.md.
 """
 from __future__ import annotations
 
