@@ -3,7 +3,8 @@
 docs/design.md names what a newcomer should find in backticks: every file path, module, function, class or member,
 and every `milo` / `milo-store` subcommand and option it names that way must exist (a path in the tree; a name
 defined in the code, read statically from its syntax trees, so this costs no import of torch; an option in the
-CLI's argparse calls). A backticked span that is no name (a formula, a shape, a header line) is not checked.
+CLI's argparse calls), and every relative link it has reaches a file (and heading). A backticked span that is no
+name (a formula, a shape, a header line) is not checked.
 docs/benchmarks.md's front page links each of today's figures to the dated section that measured it: each link
 must reach one of its headings, as GitHub makes their anchors.
 """
@@ -380,8 +381,24 @@ def doc_problems(text: str) -> list[str]:
     return [p for span in dict.fromkeys(inline_code(text)) for p in span_problems(span)]
 
 
+def link_problems(text: str, folder: Path) -> list[str]:
+    """Relative Markdown links that reach no file, or no heading of it."""
+    problems = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"\w+://", target):
+            continue
+        path, _, anchor = target.partition("#")
+        file = folder / path if path else None
+        if file is not None and not file.exists():
+            problems.append(f"link to {target}: no such file")
+        elif anchor and anchor not in anchors(file.read_text() if file else text):
+            problems.append(f"link to {target}: no such heading")
+    return problems
+
+
 def test_everything_design_md_names_exists_in_the_code():
-    problems = doc_problems((ROOT / "docs/design.md").read_text())
+    text = (ROOT / "docs/design.md").read_text()
+    problems = doc_problems(text) + link_problems(text, ROOT / "docs")
     assert not problems, "docs/design.md names what the code does not have:\n" + "\n".join(problems)
 
 
