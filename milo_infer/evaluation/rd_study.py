@@ -83,7 +83,7 @@ class StudyInput:
 
     @property
     def weight(self) -> torch.Tensor:
-        return weights(self.channel_scale)
+        return weights(self.channel_scale, self.layout.present)
 
     @property
     def tokens(self) -> np.ndarray:
@@ -238,7 +238,7 @@ def run_today(data: StudyInput, ratio: float, *, centre: bool = False, coded: bo
 def _today_at(data: StudyInput, config, layout: Layout, staging, mean_bytes: int) -> dict:
     N = len(data.blocks)
     ranks, tokens = plan_ranks(staging, N, data.layout, config, channel_scale=data.channel_scale)
-    source = pass_two_source(staging, N, config, channel_scale=data.channel_scale)
+    source = pass_two_source(staging, N, config, channel_scale=data.channel_scale, layout=data.layout)
     plain = coded = index_bytes(layout, N) + mean_bytes
     errors = []
     for i in range(N):

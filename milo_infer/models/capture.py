@@ -12,6 +12,7 @@ from milo_store.layers import LATENT
 
 from . import latent
 from .families import Attention, attention_of, layer_specs
+from .quantized import dense_weight
 
 
 def decoder_layers(model) -> torch.nn.ModuleList:
@@ -291,7 +292,7 @@ def output_channel_scales(model, spec: Attention | None = None) -> torch.Tensor:
             continue
         owner = index if shape.holds_cache else shape.source
         H, d = shape.kv_heads, shape.head_dim
-        squares[owner, :H, :d] += (getattr(attention, spec.output).weight.detach().double().square().sum(dim=0)
+        squares[owner, :H, :d] += (dense_weight(getattr(attention, spec.output)).detach().double().square().sum(dim=0)
                                    .reshape(H, config.num_attention_heads // H, d).mean(dim=1).cpu())
     readers = _readers(layers)
     return (squares / readers.reshape(-1, 1, 1)).sqrt().float()

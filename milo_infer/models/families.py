@@ -478,11 +478,32 @@ def _check_config(config) -> None:
     if getattr(config, "use_bidirectional_attention", None) == "all":
         problems.append("use_bidirectional_attention='all': every token attends the tokens after it, so no block "
                         "could be encoded before the blocks placed after it")
+    quantized = quantization_problem(config)
+    if quantized:
+        problems.append(quantized)
     if model_type == "olmoe" and getattr(config, "clip_qkv", None) is not None:
         problems.append(f"clip_qkv={config.clip_qkv} clamps keys after their norm, in place: not captured")
     if problems:
         name = getattr(config, "name_or_path", "") or model_type
         raise UnsupportedModelError(f"model {name!r} is not supported: " + "; ".join(problems))
+
+
+READABLE_QUANTIZATION = ("fp8",)  # transformers' fine-grained FP8: a weight and its block scales (`quantized`)
+
+
+def quantization_problem(config) -> str | None:
+    """What makes the checkpoint's quantization (``config.quantization_config``) one whose weights milo cannot read
+    (None: none, one dequantized while loading, or fine-grained FP8, which `quantized.dense_weight` reads)."""
+    quantization = getattr(config, "quantization_config", None)
+    if quantization is None:
+        return None
+    field = quantization.get if isinstance(quantization, dict) else lambda name: getattr(quantization, name, None)
+    method = getattr(field("quant_method"), "value", field("quant_method"))  # an enum in a config object
+    if field("dequantize") or method in READABLE_QUANTIZATION:
+        return None
+    return (f"its weights are quantized by {method!r} (config.quantization_config), which milo cannot read: it reads "
+            "some module weights itself (MLA's kv_b_proj, the output projection of its query-aware weights), and "
+            f"reads quantized ones of {', '.join(READABLE_QUANTIZATION)} alone (transformers' fine-grained FP8)")
 
 
 def _layer_problem(config, layer: int, heads: int) -> str | None:

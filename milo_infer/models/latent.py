@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from .quantized import dense_weight
+
 
 def gains(module, spec) -> tuple[float, float]:
     """What the module multiplies its latent and its queries by after their norms (1, 1 but for LongCat's)."""
@@ -60,7 +62,7 @@ def value_up(module) -> torch.Tensor:
 
 
 def _up(module) -> torch.Tensor:
-    weight = module.kv_b_proj.weight  # [H * (nope + v), latent]
+    weight = dense_weight(module.kv_b_proj)  # [H * (nope + v), latent]; an FP8 checkpoint's times its scales
     return weight.view(module.num_heads, module.qk_nope_head_dim + module.v_head_dim, weight.shape[-1])
 
 

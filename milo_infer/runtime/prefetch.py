@@ -13,8 +13,10 @@ prefetcher, so once for each batch that reads it.
 
 With a `DeviceTier`, blocks it holds are read from the device (a device-to-device copy into the layer's
 buffer) and the others are copied, layer by layer, into device tensors of their own that join the tier
-once the last layer has been handed out (so a later batch's side stream, which waits for the compute
-stream, never reads a block before its copies finished).
+once the last layer holding any of their bytes has been handed out (so a later batch's side stream, which
+waits for the compute stream, never reads a block before its copies finished). Layers after it hold no K/V
+or state (Gemma 4's last layers attend earlier layers' K/V, NemotronH's last block is an MLP), and no
+rebuild asks for them.
 
 With ``reach`` (a model with sliding-window layers), each layer stages only the blocks some row's window reaches
 there: the others' slices of that layer are neither copied nor concatenated, and a block no layer needs is not
@@ -99,10 +101,12 @@ class LayerPrefetcher:
         self._seconds, self._copies = 0.0, []  # CPU: wall time of layer(); CUDA: (start, end) events per copy
         if self.cuda:
             read = {i: b if b.is_pinned() else b.pin_memory() for i, b in read.items()}
+        self._joins_at = None  # the layer whose handing out puts the joining blocks in the tier
         if tier is not None:  # missing blocks get a device tensor of their own, filled as layers are copied
             self._joining = {i: (read[i], torch.empty_like(read[i], device=self.device) if self.cuda else read[i])
                              for i in missing}
             self._at = {i: self.block_ids.index(i) for i in missing}
+            self._joins_at = self.last_layer_holding(missing)
             resident.update({i: dev for i, (_, dev) in self._joining.items()})
         self.blocks = [resident[i] if i in resident else read.get(i) for i in self.block_ids]  # None: not needed
         if self.cuda:
@@ -157,11 +161,19 @@ class LayerPrefetcher:
             if l + self.depth in self.layers:
                 self._issue(l + self.depth)
             out = self.buffers[l % len(self.buffers)][:n], self.starts[l]
-        if l == self.layers[-1]:  # every layer's copies are ordered before the compute stream now
+        if l == self._joins_at:  # every copy into the joining blocks is ordered before the compute stream now
             for i, (_, dev) in self._joining.items():
                 self.tier.put(self.store.block_key(i), dev)
             self._joining = {}
         return out
+
+    def last_layer_holding(self, blocks: list[int]) -> int:
+        """The last of the staged layers holding bytes of any of ``blocks`` (the last layer else): the last one a
+        rebuild asks for of them, since a layer after it keeps no K/V or state of its own (a shared layer, an MLP
+        block) and is never asked for."""
+        at = [self.block_ids.index(i) for i in blocks]
+        held = [l for l in self.layers if any(self.bounds[j][l + 1] > self.bounds[j][l] for j in at)]
+        return held[-1] if held else self.layers[-1]
 
     def _chosen(self, l: int):
         """The blocks (indices into ``block_ids``) layer ``l`` stages, in order."""

@@ -91,11 +91,11 @@ class ExampleSplit:
     for in order.
 
     With ``channel_scale`` [L, 2, H, d] (query-aware) the rows are weighted by it before the SVD and B
-    is divided by it after (see `weights`).
+    is divided by it after (see `weights`, which ``present`` is for).
     """
 
     def __init__(self, staging: StagedFactors, example_block: list[int], example_tokens: list[int], num_groups: int,
-                 channel_scale: torch.Tensor | None = None):
+                 channel_scale: torch.Tensor | None = None, present: np.ndarray | None = None):
         self.staging = staging
         per_group, self.example_block = split_examples(example_block, example_tokens, num_groups)
         if any(not t or min(t) < 1 for t in per_group):
@@ -105,7 +105,7 @@ class ExampleSplit:
         self.starts = [s for t in per_group for s in np.concatenate(([0], np.cumsum(t)[:-1])).tolist()]
         self.tokens = np.array([x for t in per_group for x in t], dtype=np.int64)
         self.num_blocks = len(self.tokens)
-        self.scale = None if channel_scale is None else weights(channel_scale)
+        self.scale = None if channel_scale is None else weights(channel_scale, present)
         self._group, self._x = None, None
 
     def _rows(self, j: int) -> torch.Tensor:
@@ -132,13 +132,14 @@ class WeightedBlocks:
     """Pass-two source of query-aware ``svd``: each staged block's X diag(s), SVD'd, B divided by s.
 
     Pass two asks every block's spectrum, then every block's factors: the last block's weighted K/V
-    is kept between the two calls for it.
+    is kept between the two calls for it. ``present``: the units the layout stores (see `weights`).
     """
 
     block_group = None
 
-    def __init__(self, staging: StagedFactors, num_blocks: int, channel_scale: torch.Tensor):
-        self.staging, self.num_blocks, self.scale = staging, num_blocks, weights(channel_scale)
+    def __init__(self, staging: StagedFactors, num_blocks: int, channel_scale: torch.Tensor,
+                 present: np.ndarray | None = None):
+        self.staging, self.num_blocks, self.scale = staging, num_blocks, weights(channel_scale, present)
         self._i, self._x, self._states = None, None, {}
 
     def _weighted(self, i: int) -> torch.Tensor:
@@ -176,7 +177,7 @@ def unweigh(f: BlockFactors, scale: torch.Tensor | None) -> BlockFactors:
     return f
 
 
-def weights(channel_scale: torch.Tensor) -> torch.Tensor:
+def weights(channel_scale: torch.Tensor, present: np.ndarray | None = None) -> torch.Tensor:
     """Query-aware channel weights [L, 2, H, d] from raw per-channel statistics.
 
     Each kind (K, V) is divided by its largest statistic and floored at SCALE_FLOOR. A common factor
@@ -184,14 +185,21 @@ def weights(channel_scale: torch.Tensor) -> torch.Tensor:
     under the unweighted one (no fp16 overflow example-svd would not have) and B' = diag(1/s) B within
     1/SCALE_FLOOR of an orthonormal B, while heads and layers keep their relative weights (which the
     layer and global allocation scopes compare).
+
+    ``present`` [L, 2, H] (`Layout.present`; None: every unit) says which units the layout stores. A kind
+    it stores in no layer (an MLA layout's values: its latent is stored as keys) has no statistics to weigh
+    by: its scales may be all zero, and its weights are 1. A kind it stores needs some scale above zero.
     """
     s = torch.as_tensor(channel_scale, dtype=torch.float32)
     if s.dim() != 4 or s.shape[1] != 2:
         raise ValueError(f"query-aware: channel scale must be [layers, 2, kv_heads, head_dim]; got {tuple(s.shape)}")
+    stored = (torch.ones(2, dtype=torch.bool) if present is None
+              else torch.from_numpy(np.asarray(present, dtype=bool).any(axis=(0, 2))))
     top = s.amax(dim=(0, 2, 3), keepdim=True)
-    if not torch.isfinite(s).all() or (s < 0).any() or not (top > 0).all():
-        raise ValueError("query-aware: channel scales must be finite, non-negative, and not all zero for keys or values")
-    return (s / top).clamp_min(SCALE_FLOOR)
+    if not torch.isfinite(s).all() or (s < 0).any() or not (top.flatten()[stored] > 0).all():
+        raise ValueError("query-aware: channel scales must be finite, non-negative, and not all zero for a kind "
+                         "the layout stores (keys or values)")
+    return torch.where(top > 0, (s / top).clamp_min(SCALE_FLOOR), torch.ones(()))
 
 
 def split_examples(example_block: list[int], example_tokens: list[int], num_groups: int) -> tuple[list[list[int]], list[int]]:

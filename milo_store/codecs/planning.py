@@ -47,13 +47,15 @@ class StagedBlocks:
 
 
 def pass_two_source(staging: StagedFactors, num_blocks: int, config: "CompressionConfig", examples: dict | None = None,
-                    channel_scale: torch.Tensor | None = None):
+                    channel_scale: torch.Tensor | None = None, layout: Layout | None = None):
     """The store blocks ``config.codec`` writes from ``num_blocks`` staged blocks.
 
     ``example-svd`` needs ``examples`` with each demonstration's ``block`` and ``tokens``; the other
     codecs ignore them. A query-aware config also needs ``channel_scale`` [L, 2, H, d]
-    (`milo_infer.models.channel_scales`), and no other config takes one.
+    (`milo_infer.models.channel_scales`), and no other config takes one; ``layout`` says which kinds it must
+    weigh (`baselines.weights`: None, keys and values both).
     """
+    present = None if layout is None else layout.present
     if config.query_aware and channel_scale is None:
         raise ValueError("a query-aware store needs a channel scale [layers, 2, kv_heads, head_dim] "
                          "(milo_infer.models.channel_scales: from the model's queries and o_proj)")
@@ -62,11 +64,11 @@ def pass_two_source(staging: StagedFactors, num_blocks: int, config: "Compressio
     if config.codec == "global-proj":
         return GlobalProjection(staging, num_blocks)
     if config.codec in ("svd", "bits") and config.query_aware:
-        return WeightedBlocks(staging, num_blocks, channel_scale)
+        return WeightedBlocks(staging, num_blocks, channel_scale, present)
     if config.codec == "example-svd":
         if examples is None or "tokens" not in examples:
             raise ValueError(f"{config.codec} needs the demonstrations' blocks and token counts (examples['tokens'])")
-        return ExampleSplit(staging, examples["block"], examples["tokens"], num_blocks, channel_scale)
+        return ExampleSplit(staging, examples["block"], examples["tokens"], num_blocks, channel_scale, present)
     return StagedBlocks(staging, num_blocks)
 
 
@@ -160,7 +162,7 @@ def check_budget(layout: Layout, tokens, config: CompressionConfig) -> None:
 def plan_ranks(staging: StagedFactors, num_blocks: int, layout: Layout, config: CompressionConfig,
                examples: dict | None = None, channel_scale: torch.Tensor | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(ranks [N, L, 2, H], tokens [N]) of the store blocks ``config`` writes from the staged blocks."""
-    return _plan(pass_two_source(staging, num_blocks, config, examples, channel_scale),
+    return _plan(pass_two_source(staging, num_blocks, config, examples, channel_scale, layout),
                  quant_layout(layout, config.dtype), config)
 
 
@@ -223,7 +225,7 @@ def plan_store(staging: StagedFactors, num_blocks: int, layout: Layout, config: 
     store_codec = for_config(config.codec)  # None: the low-rank codec's allocation and packing
     if store_codec is not None and previous is not None:  # new blocks are factored under the store's own weights
         channel_scale = previous.codec.weights
-    source = pass_two_source(staging, num_blocks, config, examples, channel_scale)
+    source = pass_two_source(staging, num_blocks, config, examples, channel_scale, layout)
     encoded = [i for i in range(source.num_blocks) if i not in reused]
     read_one = lambda done: read(done, len(encoded))  # noqa: E731
     if store_codec is not None:

@@ -434,6 +434,33 @@ def test_the_device_tier_serves_blocks_again_without_reading_them(setup):
         assert (got - want).abs().max() <= ATOL
 
 
+@pytest.mark.parametrize("family", ["gemma4_text", "nemotron_h"])
+def test_the_device_tier_fills_where_the_last_layer_holds_no_kv(family, tmp_path):
+    """Gemma 4's last layers attend layer 0's and 1's K/V, NemotronH's last block is an MLP: no rebuild asks the last
+    layer for factors, and the blocks join the tier once the last layer holding any of them is handed out (issue 71:
+    they never joined, and every admission copied them again)."""
+    from milo_infer.building.builder import build_store
+    from milo_infer.building.config import BuildConfig
+    from milo_store import CompressionConfig
+
+    from .. import families
+
+    loaded = families.tiny_model(family)
+    config = BuildConfig(block_size=2, context_blocks=1, order="corpus",
+                         compression=CompressionConfig(ratio=1.0, codec="identity", dtype="float32"))
+    build_store(tmp_path / "s", loaded, families.demonstrations(8), families.TASK, config, progress=False)
+    with MiloStore.open(tmp_path / "s") as store:
+        plain, tiered = Engine(loaded, {"s": store}), Engine(loaded, {"s": store}, device_cache_bytes=1 << 30)
+        first = tiered.batch()
+        first.admit([tiered.plan("s", Request("my card", k=2))])
+        first.step()
+        assert first.fetch_stats["device_hits"] == 0 and len(tiered.device_tier) == 2
+        again = tiered.plan("s", Request("my card", k=2))
+        got = tiered.logits([again])[0]
+        assert tiered.device_tier.stats()["hits"] == 2
+        assert (got - plain.logits([plain.plan("s", again.request)])[0]).abs().max() <= ATOL
+
+
 def test_the_device_tier_keeps_within_its_bytes_least_recent_out_first():
     from milo_infer.runtime.device_tier import DeviceTier
 

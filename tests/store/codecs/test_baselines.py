@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from milo_store import CompressionConfig, Layout, MiloStore, Staging, factorize_block, write_store
+from milo_store.layers import LayerSpec
 from milo_store.codecs.baselines import SCALE_FLOOR, ExampleSplit, GlobalProjection, WeightedBlocks, weights
 from milo_store.codecs.planning import StagedBlocks
 from milo_store.codecs.lowrank_reference import unpack_block, reconstruct
@@ -254,6 +255,22 @@ def test_example_asvd_weights_are_scaled_per_kind_and_floored():
     kept = raw >= SCALE_FLOOR * top
     assert not kept.all()
     torch.testing.assert_close(s[kept], (raw / top)[kept], rtol=0, atol=0)
+
+
+def test_weights_of_a_kind_the_layout_stores_nowhere_may_be_zero():
+    """An MLA layout stores its latent as keys and no values: its value scales are all zero (no o_proj reads
+    them), which is legal there and weighs 1; keys it stores still need a scale, and a broken one still errors."""
+    latent = Layout.of([LayerSpec(kind="latent", kv_heads=1, head_dim=16, latent=12)] * LAYOUT.num_layers)
+    raw = scale_of(4)[:, :, :1]
+    raw[:, 1] = 0
+    s = weights(raw, latent.present)
+    torch.testing.assert_close(s[:, 0], weights(scale_of(4)[:, :, :1])[:, 0], rtol=0, atol=0)
+    assert torch.equal(s[:, 1], torch.ones_like(s[:, 1]))
+    for broken in (torch.zeros_like(raw), raw.clone().fill_(float("nan")), -raw):
+        with pytest.raises(ValueError, match="query-aware: channel scales must be finite"):
+            weights(broken, latent.present)
+    with pytest.raises(ValueError, match="not all zero for a kind the layout stores"):
+        weights(raw, Layout(LAYOUT.num_layers, 1, 16).present)  # keys and values stored: the zero values are broken
 
 
 # --- query-aware MILO blocks (svd codec): the same weighting at block granularity -------------------
