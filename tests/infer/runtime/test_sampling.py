@@ -128,9 +128,9 @@ SCHEMAS = {"enum": {"enum": LABELS},
 
 @pytest.mark.parametrize("name", list(SCHEMAS))
 def test_a_schemas_decoder_answers_json_of_the_schema_whatever_the_logits(tok, name):  # noqa: F811
-    from milo_infer.runtime.grammar import compile_schema
+    from milo_infer.runtime.grammar import compile_grammar
 
-    grammar = compile_schema(tok, json.dumps(SCHEMAS[name]))
+    grammar = compile_grammar(tok, "json", json.dumps(SCHEMAS[name]))
     rng = np.random.default_rng(0)
     for seed in range(8):
         decoder = grammar.decoder(tok, 64)
@@ -145,7 +145,7 @@ def test_a_schemas_decoder_answers_json_of_the_schema_whatever_the_logits(tok, n
 
 
 def test_a_schema_that_cannot_be_compiled_is_a_request_error(tok):  # noqa: F811
-    from milo_infer.runtime.grammar import compile_schema
+    from milo_infer.runtime.grammar import compile_grammar
 
     with pytest.raises(RequestError, match="JSON schema"):
-        compile_schema(tok, '{"type": "no such type"}')
+        compile_grammar(tok, "json", '{"type": "no such type"}')
