@@ -149,3 +149,14 @@ def test_a_schema_that_cannot_be_compiled_is_a_request_error(tok):  # noqa: F811
 
     with pytest.raises(RequestError, match="JSON schema"):
         compile_grammar(tok, "json", '{"type": "no such type"}')
+
+
+def test_the_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_prompt_and_answer_tokens():
+    logits = torch.tensor([[4.0, 3.5, -1.0, -1.2, 0.5]])
+    sampler = RowSampler(SamplingParams(repetition_penalty=2.0), prompt=[0])
+    # token 0 (in the prompt) falls to 2.0 under token 1's 3.5; token 2 (answered) to -2.0 under token 3's -1.2
+    assert choose(logits, [sampler], [None], [[]])[0] == [1]
+    assert choose(logits, [sampler], [[2, 3]], [[2]])[0] == [3]
+    assert choose(logits, [RowSampler(SamplingParams())], [[2, 3]], [[2]])[0] == [2]
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        SamplingParams(repetition_penalty=0)
