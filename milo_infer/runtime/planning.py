@@ -187,8 +187,8 @@ class StoreQueries:
 
     def form(self, request: Request) -> LabelTrie | Grammar | None:
         """What the answer must be: text of the request's grammar, one of its choices, else the store's labels (or
-        free text for a store without). A form ends where it is complete: an ending that asks for more is refused,
-        naming its field, and so is a stop token the vocabulary does not hold."""
+        free text for a store without). A form ends where it is complete: a stop string or an ending that asks for
+        more is refused, naming its field, and so is a stop token the vocabulary does not hold."""
         if request.grammar is not None:
             form = compile_grammar(self.tokenizer, *request.grammar)
         elif request.choices:
@@ -198,9 +198,10 @@ class StoreQueries:
                 raise RequestError(f"choices: {e}") from None
         else:
             form = self.trie
-        if form is not None and request.ending.asks:
+        asks = ("stop",) * bool(request.stop) + request.ending.asks
+        if form is not None and asks:
             what = "the store's labels" if form is self.trie else "its structured output"
-            raise RequestError(f"{request.ending.asks[0]}: an answer held to {what} ends where that is complete")
+            raise RequestError(f"{asks[0]}: an answer held to {what} ends where that is complete")
         if (beyond := [t for t in request.ending.stop_token_ids if t >= len(self.tokenizer)]):
             raise RequestError(f"stop_token_ids: {beyond[0]} is not a token of the model's {len(self.tokenizer)}")
         return form

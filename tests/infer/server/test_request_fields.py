@@ -312,9 +312,23 @@ def test_each_field_is_honoured_or_refused_naming_it(served, api, fields, check)
     check(served, api, fields)
 
 
-def test_a_structured_answer_refuses_an_ending_it_cannot_honour(served):
-    reply = ask(served, "completions", {"guided_regex": "[0-9]{3}", "min_tokens": 5})
-    assert reply.status_code == 400 and "min_tokens" in reply.json()["error"]["message"]
+@pytest.mark.parametrize("fields", [{"guided_regex": "[0-9]{3}", "min_tokens": 5},
+                                    {"guided_choice": ["alpha", "beta"], "stop": ["a"]},
+                                    {"guided_json": SCHEMA, "stop_token_ids": [1]},
+                                    {"structured_outputs": {"grammar": 'root ::= "yes"'}, "ignore_eos": True}])
+def test_a_structured_answer_refuses_an_ending_it_cannot_honour(served, fields):
+    """A structured answer ends where its form is complete: a field that would end it elsewhere is a 400 naming it."""
+    reply = ask(served, "completions", fields)
+    named = [f for f in fields if f in ("min_tokens", "stop", "stop_token_ids", "ignore_eos")][0]
+    assert reply.status_code == 400 and reply.json()["error"]["message"].startswith(f"{named}:")
+
+
+def test_a_field_no_api_names_is_logged(caplog):
+    from milo_infer.server.protocol import parse_request
+
+    with caplog.at_level("WARNING", logger="milo.serve"):
+        parse_request({"model": "s", "prompt": "hi", "min_token": 20}, chat=False, models={"s"}, max_positions=64)
+    assert "'min_token'" in caplog.text
 
 
 def test_logprob_bytes_are_a_tokens_own_byte_level_or_byte_fallback():
