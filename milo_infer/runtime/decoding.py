@@ -1,6 +1,6 @@
 """Decoding one row's answer, a token at a time, independent of the model.
 
-A decoder (:class:`LabelDecoder`, :class:`FreeDecoder`, `milo_infer.runtime.grammar.SchemaDecoder`) says which
+A decoder (:class:`LabelDecoder`, :class:`FreeDecoder`, `milo_infer.runtime.grammar.GrammarDecoder`) says which
 tokens may come next (``allowed()``: sorted ids, a bool mask, or None for any) and takes the token chosen
 (``accept(token)``) until ``done``; the batched engine keeps one per row and chooses every row's token of a step at
 once (`milo_infer.runtime.sampling.choose`: greedy or sampled, each row with its own settings). ``push(logits)``
@@ -26,8 +26,8 @@ class Decoded:
     """A decoding result.
 
     ``token_ids`` are all tokens chosen, in order, including the one that
-    ended decoding (label terminator or eos); ``stop`` says why it ended:
-    ``"label"``, ``"stop_string"``, ``"eos"`` or ``"length"``.
+    ended decoding (label terminator, eos or a stop token); ``stop`` says why it ended:
+    ``"label"``, ``"stop_string"``, ``"eos"``, ``"stop_token"`` or ``"length"``.
     """
 
     text: str
@@ -184,44 +184,97 @@ class LabelDecoder:
         return Decoded(text=self.text(), token_ids=list(self.ids), stop=self.stop)
 
 
-class FreeDecoder:
-    """One row's free-form answer, any token allowed, until eos, a stop string, or ``max_new_tokens``.
+@dataclass(frozen=True)
+class Ending:
+    """Where a free-form answer may end besides its stop strings and budget (vLLM's fields of those names):
+    ``stop_token_ids`` end it as eos does; none of them (eos included) may come, nor a stop string end it, before
+    ``min_tokens``; ``ignore_eos`` lets eos come without ending it; ``include_stop`` keeps the request's stop string
+    or the stop token that ended it in its text; ``skip_special_tokens`` False keeps special tokens' text."""
 
-    The text is cut just before the earliest stop string found, since stop strings mark where the
-    answer ends (e.g. the start of the next demonstration), not part of it; eos is never part of it.
-    ``text()`` while decoding holds back any tail that could still become a stop string, and a character
-    whose bytes have not all come, so text streamed from it is never taken back.
+    stop_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    include_stop: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        if self.min_tokens < 0 or any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"min_tokens and stop token ids must not be negative, got {self.min_tokens} and "
+                             f"{list(self.stop_token_ids)}")
+
+    @property
+    def asks(self) -> tuple[str, ...]:
+        """The fields that ask for more than the default ending (a structured answer's form cannot honour them)."""
+        return tuple(name for name, value in (("stop_token_ids", self.stop_token_ids), ("min_tokens", self.min_tokens),
+                                              ("ignore_eos", self.ignore_eos)) if value)
+
+
+UNTIL_EOS = Ending()
+
+
+class FreeDecoder:
+    """One row's free-form answer, any token allowed, until eos, a stop string or token, or ``max_new_tokens``.
+
+    The text is cut just before the earliest stop string found, since stop strings mark where the answer ends
+    (e.g. the start of the next demonstration), not part of it; eos and stop tokens are never part of it. The
+    request's own ``stop_strings`` (and stop token) stay in it where ``ending.include_stop`` asks; ``markers``
+    (the template's: `planning.STOP_STRINGS`) always cut. ``text()`` while decoding holds back any tail that could
+    still become a stop string, and a character whose bytes have not all come, so text streamed from it is never
+    taken back. Until ``ending.min_tokens`` tokens have come, eos and the stop tokens are masked out and no stop
+    string ends the answer (one found then never does: as vLLM's, a stop string must end past that point).
     """
 
-    def __init__(self, tokenizer, stop_strings: Sequence[str], max_new_tokens: int) -> None:
+    def __init__(self, tokenizer, stop_strings: Sequence[str], max_new_tokens: int, ending: Ending = UNTIL_EOS,
+                 markers: Sequence[str] = ()) -> None:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-        if any(s == "" for s in stop_strings):
+        if any(s == "" for s in [*stop_strings, *markers]):
             raise ValueError("stop strings must not be empty")
-        self.tokenizer, self.stop_strings, self.max_new_tokens = tokenizer, list(stop_strings), max_new_tokens
+        self.tokenizer, self.max_new_tokens, self.ending = tokenizer, max_new_tokens, ending
+        self.kept = frozenset(stop_strings) if ending.include_stop else frozenset()
+        self.stop_strings = list(dict.fromkeys([*stop_strings, *markers]))
+        eos = tokenizer.eos_token_id
+        self.ends = frozenset(ending.stop_token_ids) | ({eos} if eos is not None and not ending.ignore_eos else set())
         self.ids: list[int] = []
         self.stop: str | None = None
         self._text = ""
+        self._floor = 0  # characters of text a stop string must end past (those of the first min_tokens tokens)
+        self._without_ends = None  # bool [vocabulary]: every token but eos and the stop tokens (min_tokens)
 
     @property
     def done(self) -> bool:
         return self.stop is not None
 
-    def allowed(self) -> None:
-        return None
+    def allowed(self) -> torch.Tensor | None:
+        if len(self.ids) >= self.ending.min_tokens or not self.ends:
+            return None
+        if self._without_ends is None:
+            self._without_ends = torch.ones(max(len(self.tokenizer), max(self.ends) + 1), dtype=torch.bool)
+            self._without_ends[list(self.ends)] = False
+        return self._without_ends
 
     def push(self, raw_logits) -> int:
         return greedy_step(self, raw_logits)
 
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.ending.skip_special_tokens)
+
     def accept(self, choice: int) -> None:
         self.ids.append(choice)
-        if choice == self.tokenizer.eos_token_id:
-            self._text, self.stop = self.tokenizer.decode(self.ids[:-1], skip_special_tokens=True), "eos"
+        past_min = len(self.ids) > self.ending.min_tokens
+        if choice in self.ends and past_min:
+            kept = choice != self.tokenizer.eos_token_id and self.ending.include_stop
+            self._text = self._decode(self.ids if kept else self.ids[:-1])
+            self.stop = "eos" if choice == self.tokenizer.eos_token_id else "stop_token"
             return
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        cuts = [i for i in (text.find(s) for s in self.stop_strings) if i >= 0]
-        if cuts:
-            self._text, self.stop = text[: min(cuts)], "stop_string"
+        text = self._decode(self.ids)
+        if not past_min:
+            self._floor = len(text)
+        found = [(i, s) for s in self.stop_strings for i in [text.find(s, max(0, self._floor - len(s) + 1))]
+                 if i >= 0] if past_min else []
+        if found:
+            at, first = min(found, key=lambda f: f[0])
+            self._text, self.stop = text[: at + len(first) if first in self.kept else at], "stop_string"
         else:
             self._text = text
             if len(self.ids) == self.max_new_tokens:

@@ -11,7 +11,7 @@ store, so one fetched block serves rows that place it at different positions). E
 over a packed sequence: each running row's last token and the next chunk of the rows being prefilled (a
 row that recomputes tokens of its prefix feeds them first, at their own positions, then its query), at
 most ``EngineSettings.prefill_chunk`` prompt tokens in all; a row decodes its first token after its last
-chunk, then one per step, each with its own decoder (`LabelDecoder`, `FreeDecoder`, `SchemaDecoder`: which
+chunk, then one per step, each with its own decoder (`LabelDecoder`, `FreeDecoder`, `GrammarDecoder`: which
 tokens may come, when it stops) and sampling (`sampling.choose`: greedy, or drawn with its request's settings and
 seed), and a finished or cancelled row gives its pages back at once. No join or leave copies another row's K/V.
 
@@ -460,11 +460,11 @@ class Batch:
         for seat in seated:
             p, x = seat.plan, seat.executed
             decoder = (p.form.decoder(e.tokenizer, p.max_new_tokens) if p.form is not None else
-                       FreeDecoder(e.tokenizer, STOP_STRINGS + tuple(p.request.stop), p.max_new_tokens))
+                       FreeDecoder(e.tokenizer, p.request.stop, p.max_new_tokens, p.request.ending, STOP_STRINGS))
             admission.rows.append(Row(p, x, decoder, seat.pages, seat.window_pages, admission,
                                       {"retrieve": p.retrieve_seconds}, next_position=x.prompt_tokens,
                                       held=seat.held, own_from=seat.own_from, rebuilt=seat.rebuilt,
-                                      sampler=RowSampler(p.request.sampling)))
+                                      sampler=RowSampler(p.request.sampling, prompt=p.prompt_ids)))
         placed = [b for s in seated for b in s.executed.blocks]
         self.fetch_stats = {**(rebuild.fetch_stats if rebuild is not None else dict.fromkeys(FETCH_STATS, 0)),
                             "rows": len(seated), "blocks": len(placed),

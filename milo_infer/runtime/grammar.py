@@ -1,16 +1,16 @@
-"""Structured output: an answer held to a JSON schema, one grammar matcher per row, masking its logits each step.
+"""Structured output: an answer held to a JSON schema, a regular expression or an EBNF grammar, one grammar matcher
+per row, masking its logits each step.
 
 xgrammar does the grammar (milo's choice among the grammar libraries that install beside the CPU torch: its masks
 took 3-8 µs a token against llguidance's 45-65 µs and outlines-core's 0.4 ms, and it compiled a schema in ~6 ms
 against outlines-core's 0.4 s, on this machine's CPU with the default model's 49,152-token vocabulary; docs/
-benchmarks.md). A schema is compiled once per tokenizer and kept (`compile_schema`, at planning: a schema xgrammar
-refuses is a `RequestError`), and each row holds its own matcher (`SchemaDecoder`). The JSON is compact (no
-whitespace between its tokens, which a small model may otherwise repeat for as long as its budget lasts) and ends
-with the tokenizer's eos, which the answer's text leaves out. xgrammar is imported at the first schema: a server
-that is never asked for one never pays its import.
+benchmarks.md). A grammar is compiled once per tokenizer and kept (`compile_grammar`, at planning: one xgrammar
+refuses is a `RequestError`), and each row holds its own matcher (`GrammarDecoder`). JSON is compact (no
+whitespace between its tokens, which a small model may otherwise repeat for as long as its budget lasts; no
+property a schema does not name, xgrammar's strict mode) and every answer ends with the tokenizer's eos, which its
+text leaves out. xgrammar is imported at the first grammar: a server that is never asked for one never pays its
+import.
 """
-from __future__ import annotations
-
 import json
 from functools import lru_cache
 
@@ -31,36 +31,44 @@ def _compiler(tokenizer):
                                     max_threads=1)
 
 
-def compile_schema(tokenizer, schema: str) -> "SchemaGrammar":
-    """``schema`` (JSON text) compiled for ``tokenizer``, kept for the next request that sends it."""
-    return _compiled(tokenizer, schema)
+GRAMMAR_KINDS = {"json": "JSON schema", "regex": "regular expression", "ebnf": "EBNF grammar"}  # what compiles
 
 
 @lru_cache(maxsize=256)
-def _compiled(tokenizer, schema: str) -> "SchemaGrammar":
+def compile_grammar(tokenizer, kind: str, source: str) -> "Grammar":
+    """``source`` (a JSON schema's text, a regular expression or an EBNF grammar whose rule ``root`` is the answer,
+    as ``kind`` says) compiled for ``tokenizer``, kept for the next request that sends it."""
+    if kind not in GRAMMAR_KINDS:
+        raise ValueError(f"no grammar kind {kind!r}: one of {', '.join(GRAMMAR_KINDS)}")
+    compiler = _compiler(tokenizer)
     try:
-        json.loads(schema)
-        compiled = _compiler(tokenizer).compile_json_schema(schema, any_whitespace=False, separators=(",", ":"))
-    except (ValueError, RuntimeError) as e:  # xgrammar raises either on a schema it cannot compile
-        raise RequestError(f"the JSON schema cannot be used: {e}") from None
-    return SchemaGrammar(compiled, tokenizer)
+        if kind == "json":
+            json.loads(source)
+            compiled = compiler.compile_json_schema(source, any_whitespace=False, separators=(",", ":"))
+        elif kind == "regex":
+            compiled = compiler.compile_regex(source)
+        else:
+            compiled = compiler.compile_grammar(source)
+    except (ValueError, RuntimeError) as e:  # xgrammar raises either on a source it cannot compile
+        raise RequestError(f"the {GRAMMAR_KINDS[kind]} cannot be used: {e}") from None
+    return Grammar(compiled, tokenizer)
 
 
-class SchemaGrammar:
-    """A compiled schema: each row answering to it gets a decoder of its own (``decoder``)."""
+class Grammar:
+    """A compiled grammar: each row answering to it gets a decoder of its own (``decoder``)."""
 
     def __init__(self, compiled, tokenizer):
         self.compiled, self.tokenizer = compiled, tokenizer
 
-    def decoder(self, tokenizer, limit: int) -> "SchemaDecoder":
-        return SchemaDecoder(self, tokenizer, limit)
+    def decoder(self, tokenizer, limit: int) -> "GrammarDecoder":
+        return GrammarDecoder(self, tokenizer, limit)
 
 
-class SchemaDecoder:
-    """One row's JSON answer: at each step only the tokens its grammar allows may come; done once the grammar took
-    eos (``stop`` "eos") or at ``limit`` tokens (``stop`` "length": the JSON may be cut short)."""
+class GrammarDecoder:
+    """One row's structured answer: at each step only the tokens its grammar allows may come; done once the grammar
+    took eos (``stop`` "eos") or at ``limit`` tokens (``stop`` "length": the answer may be cut short)."""
 
-    def __init__(self, grammar: SchemaGrammar, tokenizer, limit: int):
+    def __init__(self, grammar: Grammar, tokenizer, limit: int):
         import xgrammar
 
         if limit < 1:
@@ -82,7 +90,7 @@ class SchemaDecoder:
 
     def accept(self, token: int) -> None:
         if not self.matcher.accept_token(token):
-            raise ValueError(f"token {token} does not follow the JSON schema here")
+            raise ValueError(f"token {token} does not follow the grammar here")
         self.ids.append(token)
         if self.matcher.is_terminated():
             self.stop = "eos"

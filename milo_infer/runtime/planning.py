@@ -36,9 +36,9 @@ from milo_store import MiloStore
 
 from ..models import RopeTables, media_problem
 from ..tasks.corpus import SYSTEM_SEPARATOR, Demonstration, TaskSpec
-from .decoding import LabelTrie
+from .decoding import UNTIL_EOS, Ending, LabelTrie
 from .errors import BlockLoadError, RequestError
-from .grammar import SchemaGrammar, compile_schema
+from .grammar import Grammar, compile_grammar
 from .sampling import GREEDY, SamplingParams
 from .prefix import BlockPlacement, StorePrefix, prefix_token_ids
 from .retrieval import order_blocks, store_retriever
@@ -86,10 +86,12 @@ class Request:
     token_budget: int | None = None  # or the tokens the retrieved groups may take
     max_new_tokens: int | None = None  # None: a label's length, or MAX_NEW_TOKENS for free-form answers
     stop: tuple[str, ...] = ()  # extra stop strings (free-form answers)
+    ending: Ending = UNTIL_EOS  # where else a free-form answer ends (stop tokens, min_tokens, ignore_eos, ...)
     prefill: bool = False  # the model prefills the retrieved demonstrations' tokens instead of rebuilding their K/V
     recompute: int | None = None  # first tokens of each block the model computes again (None: the engine's default)
     sampling: SamplingParams = GREEDY  # how its tokens are chosen, and the log probabilities it reports
-    schema: str | None = None  # a JSON schema (its JSON text) the answer is held to, as JSON
+    grammar: tuple[str, str] | None = None  # (kind, source) the answer is held to: a JSON schema's text, a regular
+    # expression or an EBNF grammar (`grammar.GRAMMAR_KINDS`)
     choices: tuple[str, ...] = ()  # or strings the answer is one of (as a label store's labels)
     system: str | None = None  # a chat's system message: the store's own is answered as built; another is read
     # after the demonstrations, before the query (`StoreQueries.context`)
@@ -111,8 +113,9 @@ class QueryPlan:
     # of the rebuilt tokens computed again, ascending; their ids open query_ids
     mount: "MountedStore | None" = None  # the store version it was planned against, which answers it (a server
     # that mounts a newer version meanwhile still answers this plan from this one); None: a test's fake plan
-    form: "LabelTrie | SchemaGrammar | None" = None  # what its answer must be: a label (of the store's or the
-    # request's choices), JSON of a schema, or free text (None); each gives its row's decoder (``form.decoder``)
+    form: "LabelTrie | Grammar | None" = None  # what its answer must be: a label (of the store's or the
+    # request's choices), text of a grammar, or free text (None); each gives its row's decoder (``form.decoder``)
+    prompt_ids: tuple[int, ...] = ()  # every token id of its prompt, where its repetition penalty counts them
 
     @property
     def store(self) -> str:
@@ -182,17 +185,26 @@ class StoreQueries:
         turns = "".join(self.task.render(Demonstration(user, assistant, "")) for user, assistant in request.turns)
         return (own + SYSTEM_SEPARATOR if own else "") + turns
 
-    def form(self, request: Request) -> LabelTrie | SchemaGrammar | None:
-        """What the answer must be: JSON of the request's schema, one of its choices, else the store's labels (or
-        free text for a store without)."""
-        if request.schema is not None:
-            return compile_schema(self.tokenizer, request.schema)
-        if request.choices:
+    def form(self, request: Request) -> LabelTrie | Grammar | None:
+        """What the answer must be: text of the request's grammar, one of its choices, else the store's labels (or
+        free text for a store without). A form ends where it is complete: a stop string or an ending that asks for
+        more is refused, naming its field, and so is a stop token the vocabulary does not hold."""
+        if request.grammar is not None:
+            form = compile_grammar(self.tokenizer, *request.grammar)
+        elif request.choices:
             try:
-                return LabelTrie(self.tokenizer, list(request.choices))
+                form = LabelTrie(self.tokenizer, list(request.choices))
             except ValueError as e:
                 raise RequestError(f"choices: {e}") from None
-        return self.trie
+        else:
+            form = self.trie
+        asks = ("stop",) * bool(request.stop) + request.ending.asks
+        if form is not None and asks:
+            what = "the store's labels" if form is self.trie else "its structured output"
+            raise RequestError(f"{asks[0]}: an answer held to {what} ends where that is complete")
+        if (beyond := [t for t in request.ending.stop_token_ids if t >= len(self.tokenizer)]):
+            raise RequestError(f"stop_token_ids: {beyond[0]} is not a token of the model's {len(self.tokenizer)}")
+        return form
 
     def answer_budget(self, request: Request, default: int, form=None) -> int:
         """New tokens the answer may take: a label's trie length (or less, if asked), else the request's; ``form``:
@@ -248,6 +260,9 @@ class MountedStore:
             raise RequestError(problem)
         form = self.queries.form(request)
         budget = self.queries.answer_budget(request, settings.max_new_tokens, form)
+        if request.ending.min_tokens > budget:
+            raise RequestError(f"min_tokens: {request.ending.min_tokens} is more than the answer's budget of {budget} "
+                               f"tokens (max_tokens)")
         seconds = time.perf_counter() - t
         placed = self.prefix.place(blocks, with_segments=not request.prefill)
         check_context(self.prefix.anchor_len, placed.prefix_tokens, len(query_ids), budget, max_positions)
@@ -256,7 +271,19 @@ class MountedStore:
         positions, ids = self.recompute_tokens(blocks, placed.dst_rows, recompute)
         placed = placed.windowed(int(positions[0]) if len(positions) else placed.prefix_tokens, self.windows)
         return QueryPlan(request=request, groups=groups, placement=placed, query_ids=ids + query_ids,
-                         max_new_tokens=budget, retrieve_seconds=seconds, recompute=positions, mount=self, form=form)
+                         max_new_tokens=budget, retrieve_seconds=seconds, recompute=positions, mount=self, form=form,
+                         prompt_ids=self.penalised_prompt(request, blocks, query_ids))
+
+    def penalised_prompt(self, request: Request, blocks: list[int], query_ids: list[int]) -> tuple[int, ...]:
+        """The prompt's token ids (anchor, blocks, query) where the request's repetition penalty counts them, else
+        none; a store that keeps no token ids cannot say what its blocks hold, so the penalty is refused there."""
+        if request.sampling.repetition_penalty == 1:
+            return ()
+        prefix = prefix_token_ids(self.store, blocks)
+        if prefix is None:
+            raise RequestError(f"repetition_penalty: {self.store.path} keeps no token ids for its blocks, so the "
+                               f"prompt's tokens it penalises are unknown")
+        return tuple(prefix + query_ids)
 
     def without_blocks(self, plan: QueryPlan, unread: set[int]) -> QueryPlan:
         """``plan`` with the blocks of ``unread`` computed by the model from the token ids the store keeps for
@@ -300,7 +327,8 @@ class MountedStore:
                                f"store `milo build` wrote")
         return QueryPlan(request=request, groups=groups, placement=self.prefix.nothing_placed(),
                          query_ids=prefix + query_ids, max_new_tokens=budget, retrieve_seconds=seconds, mount=self,
-                         form=form)
+                         form=form, prompt_ids=tuple(prefix + query_ids) if request.sampling.repetition_penalty != 1
+                         else ())
 
 
 def answers_of(plan: QueryPlan, n: int) -> list[QueryPlan]:

@@ -2,9 +2,10 @@
 
 A row's `SamplingParams` say how: temperature 0 is greedy (the largest logit, the lowest id on ties, nan ranking
 lowest: what milo always answered), else the logits over the temperature, cut to the top k, to the nucleus of
-mass top_p and to tokens of at least min_p times the likeliest one's probability, and one token drawn. Presence
-and frequency penalties (OpenAI's: subtracted from the logit of every token the answer already holds, once and
-per time) apply either way, before any constraint. A row may allow only some tokens (a label's trie, a grammar's
+mass top_p and to tokens of at least min_p times the likeliest one's probability, and one token drawn. vLLM's
+repetition penalty (the logit of every token the prompt or the answer holds divided by it where positive,
+multiplied by it where not), then presence and frequency penalties (OpenAI's: subtracted from the logit of every
+token the answer already holds, once and per time) apply either way, before any constraint. A row may allow only some tokens (a label's trie, a grammar's
 mask: `milo_infer.runtime.decoding`); the rest are never chosen.
 
 A row that samples draws one uniform number a step from its own generator (seeded by its request's ``seed``, or
@@ -38,6 +39,7 @@ class SamplingParams:
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     logprobs: int | None = None
 
     def __post_init__(self):
@@ -48,6 +50,7 @@ class SamplingParams:
             ("min_p", self.min_p, 0 <= self.min_p <= 1, "must be in [0, 1]"),
             ("presence_penalty", self.presence_penalty, -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
             ("frequency_penalty", self.frequency_penalty, -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
+            ("repetition_penalty", self.repetition_penalty, 0 < self.repetition_penalty <= 2, "must be in (0, 2]"),
             ("logprobs", self.logprobs, self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
              f"must be between 0 and {MAX_LOGPROBS}")) if not ok]
         if problems:
@@ -59,7 +62,7 @@ class SamplingParams:
 
     @property
     def penalised(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty)
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
 
     def sample(self, index: int) -> "SamplingParams":
         """The settings of answer ``index`` of n to one request: its seed moved by the index (as vLLM's), so the n
@@ -82,12 +85,15 @@ class TokenLogprob:
 
 @dataclass(eq=False)
 class RowSampler:
-    """One row's settings and its own random generator (None while it is greedy)."""
+    """One row's settings, its own random generator (None while it is greedy) and the token ids of its prompt
+    (what the repetition penalty counts besides the answer; empty where it asks for none)."""
 
     params: SamplingParams = GREEDY
     generator: torch.Generator | None = field(default=None, repr=False)
+    prompt: Sequence[int] = field(default=(), repr=False)
 
     def __post_init__(self):
+        self.prompt = torch.tensor(sorted(set(self.prompt)), dtype=torch.long)  # each id once
         if not self.params.greedy:
             self.generator = torch.Generator()
             if self.params.seed is None:
@@ -107,9 +113,16 @@ def choose(logits: torch.Tensor, samplers: Sequence[RowSampler], allowed: Sequen
     vocab = logits.shape[1]
     scores = torch.nan_to_num(logits, nan=float("-inf"))  # a copy: nan ranks lowest, never chosen
     for r, sampler in enumerate(samplers):
-        if sampler.params.penalised and answered[r]:
+        p = sampler.params
+        if p.repetition_penalty != 1 and (answered[r] or len(sampler.prompt)):
+            seen = torch.zeros(vocab, dtype=torch.bool)
+            seen[sampler.prompt[sampler.prompt < vocab]] = True
+            seen[[t for t in answered[r] if t < vocab]] = True
+            row = scores[r]
+            scores[r] = torch.where(seen, torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty),
+                                    row)
+        if (p.presence_penalty or p.frequency_penalty) and answered[r]:
             counts = torch.bincount(torch.tensor(answered[r]), minlength=vocab)[:vocab].float()
-            p = sampler.params
             scores[r] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
     tokens = []
     for r, sampler in enumerate(samplers):

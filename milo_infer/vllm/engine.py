@@ -32,6 +32,7 @@ from ..models import (check_compatible, check_supported, config_identity, config
                       model_directory, read_config)
 from ..runtime.interface import Answer, RowEvent
 from ..runtime.errors import RequestError, RowFailed, UpstreamError
+from ..runtime.decoding import UNTIL_EOS
 from ..runtime.planning import STOP_STRINGS, EngineSettings, MountedStore, QueryPlan, Request
 from .transfer import VllmPrompt, vllm_prompt
 
@@ -81,9 +82,12 @@ class VllmEngine:
             raise KeyError(f"no store named {store!r} is mounted (mounted: {', '.join(self.stores)})")
         if request.recompute:
             raise RequestError("recompute is milo's own engine's: vLLM loads a stored prefix as it is")
-        if request.sampling.logprobs is not None or request.schema is not None or request.choices:
+        if request.sampling.logprobs is not None or request.grammar is not None or request.choices:
             raise RequestError("log probabilities and structured output are milo's own engine's: over --vllm, milo "
-                               "forwards sampling only (ask vLLM itself for these)")
+                               "forwards sampling and where the answer ends only (ask vLLM itself for these)")
+        if request.ending.include_stop:
+            raise RequestError("include_stop_str_in_output is milo's own engine's: vLLM would keep milo's template "
+                               "markers too, which it sends as stop strings")
         return self.stores[store].plan(request, self.settings, self.max_positions)
 
     def prompt(self, plan: QueryPlan) -> VllmPrompt:
@@ -97,9 +101,14 @@ class VllmEngine:
         if not sampling.greedy or sampling.penalised:  # vLLM samples with the same settings (its own generator)
             body.update({"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k or -1,
                          "min_p": sampling.min_p, "presence_penalty": sampling.presence_penalty,
-                         "frequency_penalty": sampling.frequency_penalty})
+                         "frequency_penalty": sampling.frequency_penalty,
+                         "repetition_penalty": sampling.repetition_penalty})
             if sampling.seed is not None:
                 body["seed"] = sampling.seed
+        ending = plan.request.ending
+        if ending != UNTIL_EOS:  # vLLM's own fields of these names
+            body.update({"stop_token_ids": list(ending.stop_token_ids), "min_tokens": ending.min_tokens,
+                         "ignore_eos": ending.ignore_eos, "skip_special_tokens": ending.skip_special_tokens})
         if not self.stores[plan.store].queries.task.labels:
             body["stop"] = list(STOP_STRINGS + tuple(plan.request.stop))
         return body

@@ -213,6 +213,35 @@ def test_greedy_decoder_ignores_nan_logits(tok):
     assert decode(step, FreeDecoder(tok, [], max_new_tokens=5)).token_ids == [tok.eos_token_id]
 
 
+def test_an_ending_moves_where_the_answer_ends(tok):
+    """vLLM's ending fields: a stop token ends the answer as eos does (its text kept only where asked); before
+    min_tokens neither eos nor a stop token may come and no stop string ends it; ignore_eos runs on past eos;
+    skip_special_tokens False keeps eos's text."""
+    from milo_infer.runtime.decoding import Ending
+
+    words = tok.encode(" a b. c d. e", add_special_tokens=False)
+    script = words + [tok.eos_token_id] + words
+    stop_token = words[2]
+
+    def run(stops=(), **ending):
+        return decode(ScriptedModel(len(tok), script, margin=50.0), FreeDecoder(tok, list(stops), 40, Ending(**ending)))
+
+    assert run().text == tok.decode(words) and run().stop == "eos"
+    out = run(stop_token_ids=(stop_token,))
+    assert (out.text, out.stop, out.token_ids) == (tok.decode(words[:2]), "stop_token", words[:3])
+    assert run(stop_token_ids=(stop_token,), include_stop=True).text == tok.decode(words[:3])
+    assert run(["."]).text == tok.decode(words).split(".")[0]
+    assert run(["."], include_stop=True).text == tok.decode(words).split(".")[0] + "."
+    (dot,) = tok.encode(".", add_special_tokens=False)
+    late = run(["."], min_tokens=words.index(dot) + 1)  # the first "." comes within min_tokens: only the second cuts
+    assert late.text == tok.decode(words).rsplit(".", 1)[0] and late.stop == "stop_string"
+    held = run(min_tokens=len(words) + 2)  # eos is masked where the script says it: the answer goes on
+    assert tok.eos_token_id not in held.token_ids and len(held.token_ids) > len(words) + 2
+    past = run(ignore_eos=True)
+    assert past.stop == "length" and len(past.token_ids) == 40 and tok.eos_token_id in past.token_ids
+    assert tok.eos_token in run(ignore_eos=True, skip_special_tokens=False).text
+
+
 def test_greedy_decoder_argument_errors(tok):
     with pytest.raises(ValueError, match="max_new_tokens"):
         FreeDecoder(tok, [], max_new_tokens=0)

@@ -128,9 +128,9 @@ SCHEMAS = {"enum": {"enum": LABELS},
 
 @pytest.mark.parametrize("name", list(SCHEMAS))
 def test_a_schemas_decoder_answers_json_of_the_schema_whatever_the_logits(tok, name):  # noqa: F811
-    from milo_infer.runtime.grammar import compile_schema
+    from milo_infer.runtime.grammar import compile_grammar
 
-    grammar = compile_schema(tok, json.dumps(SCHEMAS[name]))
+    grammar = compile_grammar(tok, "json", json.dumps(SCHEMAS[name]))
     rng = np.random.default_rng(0)
     for seed in range(8):
         decoder = grammar.decoder(tok, 64)
@@ -145,7 +145,18 @@ def test_a_schemas_decoder_answers_json_of_the_schema_whatever_the_logits(tok, n
 
 
 def test_a_schema_that_cannot_be_compiled_is_a_request_error(tok):  # noqa: F811
-    from milo_infer.runtime.grammar import compile_schema
+    from milo_infer.runtime.grammar import compile_grammar
 
     with pytest.raises(RequestError, match="JSON schema"):
-        compile_schema(tok, '{"type": "no such type"}')
+        compile_grammar(tok, "json", '{"type": "no such type"}')
+
+
+def test_the_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_prompt_and_answer_tokens():
+    logits = torch.tensor([[4.0, 3.5, -1.0, -1.2, 0.5]])
+    sampler = RowSampler(SamplingParams(repetition_penalty=2.0), prompt=[0])
+    # token 0 (in the prompt) falls to 2.0 under token 1's 3.5; token 2 (answered) to -2.0 under token 3's -1.2
+    assert choose(logits, [sampler], [None], [[]])[0] == [1]
+    assert choose(logits, [sampler], [[2, 3]], [[2]])[0] == [3]
+    assert choose(logits, [RowSampler(SamplingParams())], [[2, 3]], [[2]])[0] == [2]
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        SamplingParams(repetition_penalty=0)

@@ -102,8 +102,9 @@ def test_sampling_logprobs_n_a_system_message_turns_and_forms_reach_the_engines_
     assert parsed({"logprobs": 0}, chat=False).request.sampling.logprobs == 0
     assert parsed({}).request.sampling.greedy and parsed({}).request.sampling.logprobs is None
     schema = {"type": "string", "enum": ["a", "b"]}
-    assert json.loads(parsed({"response_format": {"type": "json_schema", "json_schema": {
-        "name": "label", "schema": schema}}}).request.schema) == schema
+    kind, source = parsed({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "label", "schema": schema}}}).request.grammar
+    assert kind == "json" and json.loads(source) == schema
     assert parsed({"guided_choice": ["a", "b"]}).request.choices == ("a", "b")
     assert parsed({"structured_outputs": {"choice": ["x"]}}).request.choices == ("x",)
 
