@@ -1,19 +1,29 @@
 """A hybrid model's linear layers in the engine (`milo_infer.runtime.linear_rows`, issue 61): a block put back after
 the anchor answers as prefill does; an unreadable block is computed for its rows alone. Tiny random Qwen3.5 and
-Qwen3-Next (three Gated DeltaNet layers, one attention layer), fp32 identity stores encoded after the anchor alone."""
+Qwen3-Next (three Gated DeltaNet layers, one attention layer), fp32 identity stores encoded after the anchor alone.
+Every test runs twice: with the CPU's own staging, and with its staged layers in buffers later layers' copies reuse,
+as CUDA's are (`prefetch`, MILO_REUSE_STAGED), so that a row keeping a view of a staged layer goes red here."""
 import pytest
 import torch
 
 from milo_infer.building.builder import BuildConfig, build_store
 from milo_infer.evaluation.conformance import Deviation
 from milo_infer.runtime.engine import Engine
-from milo_infer.runtime.planning import Request
+from milo_infer.runtime.planning import EngineSettings, Request
 from milo_store import CompressionConfig, MiloStore
 
 from tests.infer import families
 from tests.infer.demo_stores import corrupted_block
 
 QUERY = "my card was charged twice"
+
+
+@pytest.fixture(autouse=True, params=["fresh", "reused"])
+def staging(request, monkeypatch):
+    """The CPU's staging as it is ("fresh": each layer a new tensor), or as CUDA's ("reused")."""
+    if request.param == "reused":
+        monkeypatch.setenv("MILO_REUSE_STAGED", "1")
+    return request.param
 
 
 @pytest.fixture(scope="module", params=["qwen3_5_text", "qwen3_next", "olmo_hybrid", "bamba", "granitemoehybrid", "nemotron_h", "lfm2"])
@@ -60,3 +70,15 @@ def test_an_unreadable_block_is_computed_for_its_row_alone(hybrid):
     assert torch.isfinite(got[0]).all()
     for ours, theirs in zip(got, want):
         assert Deviation.of(ours, theirs).relative <= 1e-5, family
+
+
+def test_a_row_fed_after_its_rebuilds_forward_starts_from_its_own_state(hybrid):
+    """Rows seated together, the later ones fed only in later forwards (a prefill chunk of 4 tokens): by then the
+    rebuild's staged layers are gone (reused, as on CUDA); each row still answers as it does alone."""
+    family, loaded, clean, _, _ = hybrid
+    chunked, alone = Engine(loaded, {"s": clean}, EngineSettings(prefill_chunk=4)), Engine(loaded, {"s": clean})
+    orders = [[0, 1], [2, 3], [1, 2]]
+    got = chunked.logits([chunked.plan("s", Request(QUERY), block_ids=o) for o in orders])
+    for order, ours in zip(orders, got):
+        theirs = alone.logits([alone.plan("s", Request(QUERY), block_ids=order)])[0]
+        assert torch.isfinite(ours).all() and Deviation.of(ours, theirs).relative <= 1e-4, (family, order)
