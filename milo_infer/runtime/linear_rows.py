@@ -21,14 +21,26 @@ from ..models.families import layer_specs
 
 class RowState:
     """One row's linear layers: per layer, its state (fp32; [H, dk, dv] for GDN, [H, P, N] for Mamba2, empty for a short
-    convolution) and its convolution's last kernel − 1 inputs."""
+    convolution) and its convolution's last kernel − 1 inputs, entering its next fed token (``layers``); per layer, the
+    points in its fed tokens where a run of blocks read after unreadable ones takes over (``joins``: `prefix.Join`s,
+    each applied before its fed token ``at``); and how many of its tokens the forwards that succeeded fed (``fed``)."""
 
     def __init__(self):
         self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.joins: dict[int, tuple] = {}
+        self.fed = 0
         self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.pending_fed = 0
+
+    def start(self, layer: int, start) -> None:
+        """Start ``layer`` where the row's rebuild leaves it (`prefix.LinearStart`)."""
+        self.layers[layer] = start.state, start.window
+        self.joins[layer] = start.joins
 
     def commit(self) -> None:
         """Keep what the forward that just succeeded left."""
+        if self.pending:
+            self.fed = self.pending_fed
         self.layers.update(self.pending)
         self.pending = {}
 
@@ -57,11 +69,27 @@ def rows_forward(module, layer: int, rule, hidden: torch.Tensor, pack) -> torch.
         if fill.linear:
             for row, start in zip(fill.linear, fill.rebuild.linear_states(layer)):
                 if row is not None and start is not None:
-                    row.layers[layer] = start
-    outputs = []
-    for row, start, stop in pack.linear:
-        state, window = row.layers.get(layer) or rule.zero_state(module, hidden.device)
-        out, state, window = rule.layer_step(module, hidden[0, start:stop], state, window)
-        row.pending[layer] = state, window
-        outputs.append(out)
-    return torch.cat(outputs)[None]
+                    row.start(layer, start)
+    return torch.cat([row_step(module, layer, rule, row, hidden[0, start:stop])
+                      for row, start, stop in pack.linear])[None]
+
+
+def row_step(module, layer: int, rule, row: RowState, hidden: torch.Tensor) -> torch.Tensor:
+    """``layer``'s output for one row's next fed tokens ``hidden`` [n, hidden] from its state, its span split where
+    one of its joins falls (before its fed token ``join.at``): there the join moves the state and replaces the conv
+    window. What the tokens leave is the row's pending state (`RowState.commit`)."""
+    state, window = row.layers.get(layer) or rule.zero_state(module, hidden.device)
+    outputs, done = [], 0
+    for join in row.joins.get(layer, ()):
+        cut = join.at - row.fed
+        if 0 <= cut < len(hidden):
+            if cut > done:
+                out, state, window = rule.layer_step(module, hidden[done:cut], state, window)
+                outputs.append(out)
+                done = cut
+            state, window = join.apply(state, window)
+    out, state, window = rule.layer_step(module, hidden[done:], state, window)
+    outputs.append(out)
+    row.pending[layer] = state, window
+    row.pending_fed = row.fed + len(hidden)
+    return torch.cat(outputs)

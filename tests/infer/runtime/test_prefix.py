@@ -253,13 +253,13 @@ def test_a_rows_linear_state_is_the_anchors_carried_through_its_blocks_pairs_in_
         states = PrefixRebuild(rows, built[1], "cpu").linear_states(0)
     part = {name: [layout.state_section(0, x)[name] for x in blocks] for name in ("M", "C", "conv")}
     start = layout.state_section(0, anchor)
-    for (state, window), order in zip(states[:2], ([2, 0], [0, 2])):
+    for (state, window), order in zip(((s.state, s.window) for s in states[:2]), ([2, 0], [0, 2])):
         expected = start["C"]
         for b in order:
             expected = part["M"][b] @ expected + part["C"][b]
         torch.testing.assert_close(state, expected)
         torch.testing.assert_close(window, part["conv"][order[-1]])
-    assert (states[0][0] - states[1][0]).abs().max() > 1e-3
-    torch.testing.assert_close(states[2][0], start["C"])
-    torch.testing.assert_close(states[2][1], start["conv"])
+    assert (states[0].state - states[1].state).abs().max() > 1e-3
+    torch.testing.assert_close(states[2].state, start["C"])
+    torch.testing.assert_close(states[2].window, start["conv"])
     assert states[3] is None  # no prefix at all: the row starts from zero
