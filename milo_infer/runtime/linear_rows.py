@@ -5,9 +5,12 @@ linear layer would carry its recurrence from one row into the next. So, once per
 layer's module gets a forward that inside an engine's forward (its ``milo_pack`` keyword) runs each row's tokens
 alone from that row's own state and convolution window (`capture.linear_rule`: `delta_rule.layer_step` for a Gated
 DeltaNet layer, `ssd.layer_step` for a Mamba2 one, `short_conv.layer_step` for LFM2's convolution), and outside one is
-the module's own. A row's state at a layer starts, in the forward that feeds its first tokens, where its admission's rebuild
-composes it (`PrefixRebuild.linear_states`: the anchor's state carried through its blocks' pairs in placement order,
-the last block's conv tail); a row with no prefix starts from zero. What a forward leaves is kept only once the
+the module's own. A row's state at a layer starts, in the forward that rebuilds its admission (its own copy: the row may be fed only
+in a later forward, when the staged layer it was read from holds another's), where that rebuild composes it (`PrefixRebuild.linear_states`: the anchor's state carried through the pairs of its blocks before its first
+unreadable one, in placement order, and the last of them's conv tail); a row with no prefix starts from zero. Its
+unreadable blocks' tokens, which it feeds first, run from there, and where read blocks follow them a `prefix.Join`
+moves the state by their pairs and sets their last tail as the window (`row_step` splits the row's span there): the
+blocks are composed in context order. What a forward leaves is kept only once the
 forward has succeeded (`RowState.commit`): a step retried after the device ran out of memory runs again from the
 states it began with.
 """
