@@ -10,8 +10,8 @@ from ..tasks.corpus import CorpusError
 from ..tasks.datasets import DatasetUnavailable
 from ..building.distributed import RankError
 from ..models import ModelUnavailable, UnsupportedModelError
-from ..runtime.errors import BlockLoadError
+from ..runtime.errors import BlockLoadError, RequestError
 from . import CommandError
 
 INPUT_ERRORS = (CommandError, BuildError, BudgetError, CorpusError, DatasetUnavailable, ModelUnavailable,
-                UnsupportedModelError, StoreError, StagingError, RankError, BlockLoadError)
+                UnsupportedModelError, StoreError, StagingError, RankError, BlockLoadError, RequestError)

@@ -204,7 +204,8 @@ def rebuilt(engine: Engine, placement) -> tuple[list, list, dict]:
     keys, values, states = [], [], {}
     for layer, spec in enumerate(placement.prefix.layers):
         if spec.state_values:
-            states[layer] = rebuild.linear_states(layer)[0]
+            start = rebuild.linear_states(layer)[0]
+            states[layer] = start.state, start.window
         if not spec.holds_cache:
             keys.append(None)
             values.append(None)

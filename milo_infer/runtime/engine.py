@@ -49,7 +49,7 @@ from .errors import AdmissionOutOfMemory, BlockLoadError, RequestError, RowFaile
 from .interface import Answer, RowEvent
 from .linear_rows import RowState, install as install_row_forwards
 from .pages import FULL, GROWTH_HEADROOM, PAGE_TOKENS, WINDOW, PageGroups, kv_budget_bytes, pages_for, window_skip
-from .planning import STOP_STRINGS, EngineSettings, MountedStore, QueryPlan, Request
+from .planning import HYBRID_RECOMPUTE, STOP_STRINGS, EngineSettings, MountedStore, QueryPlan, Request
 from .prefetch import TransferPool
 from .sampling import RowSampler, TokenLogprob, choose
 from .prefix import FETCH_STATS, UNREADABLE, BlockPlacement, PrefixRebuild, rebuild_layer
@@ -122,6 +122,8 @@ class Engine:
         # of their blocks, since a row composes its state from its own read of each block's pairs
         self.linear = any(spec.state_values for spec in self.layers)
         if self.linear:
+            if settings.recompute:
+                raise RequestError(HYBRID_RECOMPUTE)
             install_row_forwards(self.model)
         self.shared_blocks = shared_blocks and query_turns(self.model_config) and not self.linear
         # a row sharing some blocks keeps its others in its own pages, packed before its query: only where no layer

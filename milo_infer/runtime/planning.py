@@ -18,7 +18,8 @@ blocks were encoded from, then the query's, so the engine's prefill of it comput
 itself (no store read, no rebuild). The ids are the stored ones rather than a tokenization of the
 joined text, so the only difference from the `full` store is attention across blocks.
 
-A recompute request (``Request(recompute=n)``, EPIC-style) rebuilds the prefix as usual and has the
+A recompute request (``Request(recompute=n)``, EPIC-style; refused on a hybrid model, whose blocks' linear-layer
+pairs cover all of their tokens) rebuilds the prefix as usual and has the
 model compute the first n tokens of every retrieved block again, in the assembled context: the plan's
 ``recompute`` lists their context positions, and its forward feeds their stored ids before the
 query's. The engine masks their rebuilt columns out, so what follows reads only their fresh K/V
@@ -43,6 +44,9 @@ from .sampling import GREEDY, SamplingParams
 from .prefix import BlockPlacement, StorePrefix, prefix_token_ids
 from .retrieval import order_blocks, store_retriever
 
+HYBRID_RECOMPUTE = ("recompute is refused on a hybrid model: its linear layers' state is carried across each block by "
+                    "the block's stored pair over all of its tokens, so computing a block's first tokens again would "
+                    "feed them to the recurrence twice; ask for recompute 0")
 MAX_NEW_TOKENS = 64  # longest free-form answer by default (labels are bounded by their own trie)
 STOP_STRINGS = ("\n\n", "\nInput:", "\nQuery:")  # where a free-form answer ends: the next demonstration
 
@@ -242,6 +246,7 @@ class MountedStore:
         self.name, self.store, self.windows, self.media = name, store, windows, media or {}
         self.prefix = StorePrefix(name, store, rope, device, dtype)
         self.queries = StoreQueries(store, tokenizer, aggregate)
+        self.linear = any(spec.state_values for spec in store.layout.layers)  # a hybrid's: recompute refused
 
     @property
     def version(self) -> str:
@@ -268,6 +273,8 @@ class MountedStore:
         check_context(self.prefix.anchor_len, placed.prefix_tokens, len(query_ids), budget, max_positions)
         if request.prefill:
             return self.prefill_plan(request, groups, blocks, query_ids, budget, seconds, form)
+        if recompute and self.linear:
+            raise RequestError(HYBRID_RECOMPUTE)
         positions, ids = self.recompute_tokens(blocks, placed.dst_rows, recompute)
         placed = placed.windowed(int(positions[0]) if len(positions) else placed.prefix_tokens, self.windows)
         return QueryPlan(request=request, groups=groups, placement=placed, query_ids=ids + query_ids,

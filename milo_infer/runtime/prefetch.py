@@ -22,7 +22,14 @@ With ``reach`` (a model with sliding-window layers), each layer stages only the 
 there: the others' slices of that layer are neither copied nor concatenated, and a block no layer needs is not
 read at all. A block joining the device tier is still copied whole, since a later query may place it where its
 window layers reach it.
+
+With MILO_REUSE_STAGED=1 in the environment (a test mode: the suite runs its hybrid checks under it) the CPU stages
+layers as CUDA does, into ``depth + 1`` buffers that later layers' copies reuse (``_issue``), each filled with NaN
+before it is written again: whatever still reads a layer handed out earlier than the current one reads what landed
+there since, as on CUDA, and NaN where nothing did. Otherwise the CPU hands out a fresh concatenation of the host
+views (or the one block's view), which nothing overwrites.
 """
+import os
 import time
 
 import numpy as np
@@ -93,11 +100,12 @@ class LayerPrefetcher:
         self.bytes_moved = (int(store.block_bytes(missing).sum()) if reach is None or tier is not None else
                             int(sizes[self.layers.start:self.layers.stop][:, at].sum()) * store.itemsize)
         self.depth = max(1, depth)
-        # factor bytes staged for the rebuild at once: depth + 1 layer buffers on CUDA, one gathered layer on CPU
-        layers_held = self.depth + 1 if self.device.type == "cuda" else 1
+        self.cuda = self.device.type == "cuda"
+        self.reuse = self.cuda or os.environ.get("MILO_REUSE_STAGED") == "1"  # staged into reused buffers
+        # factor bytes staged for the rebuild at once: depth + 1 layer buffers reused, else one gathered layer (CPU)
+        layers_held = self.depth + 1 if self.reuse else 1
         staged = self.layer_values[self.layers.start:self.layers.stop]
         self.buffer_bytes = layers_held * int(staged.max(initial=0)) * store.itemsize
-        self.cuda = self.device.type == "cuda"
         self._seconds, self._copies = 0.0, []  # CPU: wall time of layer(); CUDA: (start, end) events per copy
         if self.cuda:
             read = {i: b if b.is_pinned() else b.pin_memory() for i, b in read.items()}
@@ -109,15 +117,15 @@ class LayerPrefetcher:
             self._joins_at = self.last_layer_holding(missing)
             resident.update({i: dev for i, (_, dev) in self._joining.items()})
         self.blocks = [resident[i] if i in resident else read.get(i) for i in self.block_ids]  # None: not needed
-        if self.cuda:
+        if self.reuse:
             cap = int(staged.max(initial=0))
             if pool is not None:
                 self.stream, self.buffers = pool.stream, pool.buffers(self.depth + 1, cap, store.torch_dtype)
             else:
-                self.stream = torch.cuda.Stream(self.device)
+                self.stream = torch.cuda.Stream(self.device) if self.cuda else None
                 self.buffers = [torch.empty(cap, dtype=store.torch_dtype, device=self.device)
                                 for _ in range(self.depth + 1)]
-            for _, dev in self._joining.values():
+            for _, dev in self._joining.values() if self.cuda else ():
                 dev.record_stream(self.stream)  # written on the side stream, like the buffers
             self.events = {}
             for l in self.layers[:self.depth]:
@@ -125,6 +133,13 @@ class LayerPrefetcher:
 
     def _issue(self, l: int) -> None:
         buf = self.buffers[l % len(self.buffers)]
+        if not self.cuda:  # the CPU's reuse mode: the same buffers, written at once
+            t = time.perf_counter()
+            buf.fill_(float("nan") if buf.is_floating_point() else -1)
+            self._stage(l, buf)
+            self.events[l] = None
+            self._seconds += time.perf_counter() - t
+            return
         compute = torch.cuda.current_stream(self.device)  # taken before the side stream becomes current
         start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.stream):
@@ -134,10 +149,7 @@ class LayerPrefetcher:
             for i, (host, dev) in self._joining.items():  # blocks joining the device tier: H2D into their own tensor
                 lo, hi = self.bounds[self._at[i]][l:l + 2]
                 dev[lo:hi].copy_(host[lo:hi], non_blocking=True)
-            for j in self._chosen(l):
-                block, b, start_at = self.blocks[j], self.bounds[j], self.starts[l, j]
-                n = int(b[l + 1] - b[l])
-                buf[start_at:start_at + n].copy_(block[b[l]:b[l + 1]], non_blocking=True)
+            self._stage(l, buf)
             done.record(self.stream)
         # allocated on the compute stream, written on this one: if the prefetcher is dropped mid-forward,
         # the allocator must not hand the memory out again before these copies finish
@@ -145,9 +157,16 @@ class LayerPrefetcher:
         self._copies.append((start, done))
         self.events[l] = done
 
+    def _stage(self, l: int, buf: torch.Tensor) -> None:
+        """Copy layer ``l``'s slice of each block it stages into ``buf`` at the block's start."""
+        for j in self._chosen(l):
+            block, b, start_at = self.blocks[j], self.bounds[j], self.starts[l, j]
+            n = int(b[l + 1] - b[l])
+            buf[start_at:start_at + n].copy_(block[b[l]:b[l + 1]], non_blocking=True)
+
     def layer(self, l: int) -> tuple[torch.Tensor, np.ndarray]:
         n = int(self.layer_values[l])
-        if not self.cuda:
+        if not self.reuse:
             t = time.perf_counter()
             parts = [self.blocks[j][self.bounds[j][l]:self.bounds[j][l + 1]] for j in self._chosen(l)]
             flat = (torch.cat(parts) if len(parts) != 1 else parts[0]) if parts else torch.empty(
@@ -157,7 +176,9 @@ class LayerPrefetcher:
         else:
             if l not in self.events:
                 self._issue(l)
-            torch.cuda.current_stream(self.device).wait_event(self.events.pop(l))
+            event = self.events.pop(l)
+            if event is not None:
+                torch.cuda.current_stream(self.device).wait_event(event)
             if l + self.depth in self.layers:
                 self._issue(l + self.depth)
             out = self.buffers[l % len(self.buffers)][:n], self.starts[l]

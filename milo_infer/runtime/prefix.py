@@ -57,6 +57,42 @@ def carried(section: dict, state: torch.Tensor) -> torch.Tensor:
     return (m @ state if m.dim() == 3 else m[:, None, None] * state) + c
 
 
+def composed(pair: tuple[torch.Tensor, torch.Tensor] | None, section: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pair (M, C) of a run of blocks followed by one more (its section): S -> M_b (M S + C) + C_b, fp32; ``pair``
+    None (the run's first block): the block's own pair, copied, since a section is a view of the staged layer."""
+    m = section["M"].float()
+    if pair is None:
+        return m.clone(), section["C"].float().clone()
+    M, C = pair
+    return (m @ M if m.dim() == 3 else m * M), carried(section, C)
+
+
+@dataclass(frozen=True)
+class Join:
+    """Where a row's fed tokens meet the blocks read after an unreadable one (`PrefixRebuild.linear_states`): before
+    its fed token ``at`` its state moves by those blocks' pairs composed (``pair``: M, C) and its conv window becomes
+    the last of them's tail. The row's own copies: nothing here is a view of a staged layer."""
+    at: int
+    pair: tuple[torch.Tensor, torch.Tensor]
+    window: torch.Tensor
+
+    def apply(self, state: torch.Tensor, window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The state and conv window after the join, from those the row's tokens before it left (``window`` is
+        replaced: the blocks' tails are what the next token's convolution reads)."""
+        m, c = self.pair
+        return carried({"M": m, "C": c}, state), self.window
+
+
+@dataclass(frozen=True)
+class LinearStart:
+    """A row's linear layer as its rebuild leaves it: the state (fp32) and conv window entering its first fed token,
+    and the `Join` at the end of each run of unreadable blocks that a read block follows, in order. The row's own
+    copies: nothing here is a view of a staged layer, which a later layer's fetch may overwrite (CUDA's buffers)."""
+    state: torch.Tensor
+    window: torch.Tensor
+    joins: tuple[Join, ...] = ()
+
+
 @dataclass(frozen=True)
 class BlockPlacement:
     """Where one row's blocks go: the one type the engine's plans and the vLLM connector's loads share."""
@@ -375,10 +411,13 @@ class PrefixRebuild:
                                                                 default=0), layout.head_dim)
         self.fetch_stats["buffer_bytes"] += int(np.prod(self.decoded_shape)) * 4
 
-    def linear_states(self, layer: int) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
-        """Each row's state entering what its model computes at linear ``layer`` (`milo_infer.runtime.linear_rows`):
-        the anchor's state carried through its blocks' pairs (M, C) in placement order (fp32), and the conv tail of its
-        last block, or the anchor's (None: a prefill row, which starts from zero)."""
+    def linear_states(self, layer: int) -> list[LinearStart | None]:
+        """Each row's start at linear ``layer`` (`milo_infer.runtime.linear_rows`), its blocks in placement order: the
+        anchor's state carried through the pairs (M, C) of the blocks before its first unreadable one (fp32) and the
+        conv tail of the last of them, or the anchor's; then, where read blocks follow unreadable ones, a `Join` at the
+        end of those unreadable blocks' tokens in what the row feeds, which opens with every unreadable block's tokens
+        in context order (the columns its placement leaves out: a hybrid recomputes nothing else, `MountedStore.plan`).
+        None: a prefill row, which starts from zero."""
         with self.clock.device_stage("wait"):
             staged = {prefix: pf.layer(layer) for prefix, pf in self.fetched.items()}
         where = {prefix: {b: i for i, b in enumerate(pf.block_ids)} for prefix, pf in self.fetched.items()}
@@ -390,15 +429,22 @@ class PrefixRebuild:
                     continue
                 prefix = row.prefix
                 state, window = prefix.anchor_state[layer]
-                if row.blocks:
-                    flat, starts = staged[prefix]
-                    size = int(prefix.layout.state_sizes[layer])
-                    for b in row.blocks:
-                        at = int(starts[where[prefix][b]])
-                        section = prefix.layout.state_section(layer, flat[at:at + size])
-                        state = carried(section, state)
-                        window = section["conv"]
-                states.append((state, window))
+                joins, column, fed = [], prefix.anchor_len, 0  # column: where the blocks walked so far end
+                flat, starts = staged[prefix] if row.blocks else (None, None)
+                size = int(prefix.layout.state_sizes[layer])
+                for b, dst, end in zip(row.blocks, row.dst_rows.tolist(), row.block_ends().tolist()):
+                    at = int(starts[where[prefix][b]])
+                    section = prefix.layout.state_section(layer, flat[at:at + size])
+                    if dst > column:  # unreadable blocks' columns before it: the row feeds their tokens first
+                        fed += dst - column
+                        joins.append([fed, None, None])
+                    if joins:
+                        joins[-1][1:] = composed(joins[-1][1], section), section["conv"]
+                    else:
+                        state, window = carried(section, state), section["conv"]
+                    column = end
+                states.append(LinearStart(state, window.clone(),
+                                          tuple(Join(at, pair, tail.clone()) for at, pair, tail in joins)))
         return states
 
     def heads(self, layer: int) -> range:

@@ -171,6 +171,18 @@ def test_windowed_variants_pass_every_check(family, tmp_path):
     assert r.passed, r.failures()
 
 
+@pytest.mark.parametrize("family", ["qwen3_5_text", "bamba", "lfm2"])  # a family of each rule: gated_delta, mamba2, conv
+def test_hybrids_pass_every_check_with_staged_layers_reused_as_on_cuda(family, tmp_path, monkeypatch):
+    """The CPU staging each layer into buffers later layers' copies reuse, as CUDA does (`prefetch`,
+    MILO_REUSE_STAGED): a linear layer's state and conv window the rebuild hands out are still its own once the
+    layers after it are staged (the check composes every layer's first, then reads the model's logits). One family
+    of each linear rule (the whole suite's hybrids take minutes); the engine's rows run under it in every hybrid
+    family (tests/infer/runtime/test_linear_rows.py)."""
+    monkeypatch.setenv("MILO_REUSE_STAGED", "1")
+    r = conformance(families.tiny_model(family), tmp_path)
+    assert r.passed, r.failures()
+
+
 def test_gemma4_with_its_key_gain_dropped_fails_its_check(tmp_path, monkeypatch):
     """A K = V layer's keys are its stored values times its key norm's weight: rebuilt with a gain of ones, the full
     layers' keys come back unlike the model's (the sliding layers, which store their keys, still pass)."""

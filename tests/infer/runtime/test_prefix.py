@@ -10,7 +10,7 @@ import torch
 
 from milo_infer.bench import synthetic_model
 from milo_infer.models import layer_rope_tables
-from milo_infer.runtime.prefix import KVShare, PrefixRebuild, StorePrefix
+from milo_infer.runtime.prefix import KVShare, PrefixRebuild, StorePrefix, carried
 from milo_kernels import reconstruct_layer
 from milo_store import CompressionConfig, MiloStore
 
@@ -253,13 +253,59 @@ def test_a_rows_linear_state_is_the_anchors_carried_through_its_blocks_pairs_in_
         states = PrefixRebuild(rows, built[1], "cpu").linear_states(0)
     part = {name: [layout.state_section(0, x)[name] for x in blocks] for name in ("M", "C", "conv")}
     start = layout.state_section(0, anchor)
-    for (state, window), order in zip(states[:2], ([2, 0], [0, 2])):
+    for (state, window), order in zip(((s.state, s.window) for s in states[:2]), ([2, 0], [0, 2])):
         expected = start["C"]
         for b in order:
             expected = part["M"][b] @ expected + part["C"][b]
         torch.testing.assert_close(state, expected)
         torch.testing.assert_close(window, part["conv"][order[-1]])
-    assert (states[0][0] - states[1][0]).abs().max() > 1e-3
-    torch.testing.assert_close(states[2][0], start["C"])
-    torch.testing.assert_close(states[2][1], start["conv"])
+    assert (states[0].state - states[1].state).abs().max() > 1e-3
+    torch.testing.assert_close(states[2].state, start["C"])
+    torch.testing.assert_close(states[2].window, start["conv"])
     assert states[3] is None  # no prefix at all: the row starts from zero
+
+
+def test_unreadable_blocks_split_a_rows_composition_into_joins_at_their_ends(tmp_path, built):
+    """Every subset of three placed blocks left unread: the start carries the anchor through the blocks before the
+    first unread one; each run of read blocks after unread ones is a `Join` at the unread tokens fed before it, whose
+    pair moves any state as those blocks' pairs one after another do, its window the run's last tail."""
+    import itertools
+
+    from milo_store import Layout, synthetic
+    from milo_store.layers import ATTENTION, LINEAR, LayerSpec
+
+    layers = [LayerSpec(LINEAR, 2, 4, value_dim=3, conv_dim=8, conv_kernel=4), LayerSpec(ATTENTION, 2, 16)]
+    synthetic.build_synthetic_store(tmp_path / "s", Layout.of(layers), [24, 30, 20], CompressionConfig(
+        dtype="float32"))
+    with MiloStore.open(tmp_path / "s") as store:
+        prefix = StorePrefix("s", store, built[1], "cpu", torch.float32)
+        order, tokens = [2, 0, 1], store.block_tokens
+        unread_sets = [set(u) for n in range(4) for u in itertools.combinations(order, n)]
+        rows = [prefix.place(order, unread=frozenset(u)) for u in unread_sets]
+        starts = PrefixRebuild(rows, built[1], "cpu").linear_states(0)
+        sections = {b: store.layout.block_states(store.ranks[b], int(tokens[b]), store.block(b))[0] for b in order}
+    anchor = prefix.anchor_state[0]
+    probe = torch.randn_like(anchor[0])
+    for unread, start in zip(unread_sets, starts):
+        runs, fed, gap = [[0, []]], 0, False  # each run of read blocks: the unread tokens fed before it, its blocks
+        for b in order:
+            if b in unread:
+                fed, gap = fed + int(tokens[b]), True
+                continue
+            if gap:
+                runs.append([fed, []])
+                gap = False
+            runs[-1][1].append(b)
+        state, window = anchor
+        for b in runs[0][1]:
+            state, window = carried(sections[b], state), sections[b]["conv"]
+        torch.testing.assert_close(start.state, state)
+        torch.testing.assert_close(start.window, window)
+        assert [join.at for join in start.joins] == [at for at, _ in runs[1:]], unread
+        for join, (_, blocks) in zip(start.joins, runs[1:]):
+            expected = probe
+            for b in blocks:
+                expected = carried(sections[b], expected)
+            moved, tail = join.apply(probe, window)
+            torch.testing.assert_close(moved, expected)
+            torch.testing.assert_close(tail, sections[blocks[-1]]["conv"])

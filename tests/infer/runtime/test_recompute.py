@@ -172,3 +172,42 @@ def test_the_cost_tool_answers_every_query_at_every_setting(setup):
     assert result["0"]["prefill_tokens"] == sum(queries) / len(texts)
     assert result["3"]["prefill_tokens"] == (sum(queries) + sum(recomputed)) / len(texts)
     assert result["prefill"]["prefill_tokens"] > result["3"]["prefill_tokens"]
+
+
+def test_recompute_on_a_hybrid_is_refused_by_the_engine_the_api_and_milo_query(tmp_path, capsys):
+    """A hybrid's blocks carry its linear layers' state by pairs over all of their tokens: recomputing a block's first
+    tokens would feed them to the recurrence twice, so recompute > 0 is refused naming why: a `RequestError` from the
+    plan and from the engine's settings, a 400 in the API's error shape from `milo serve`'s app, one line from
+    `milo query` (recompute 0 is answered)."""
+    import httpx
+
+    from milo_infer.building.builder import BuildConfig, build_store
+    from milo_infer.cli.main import main as milo
+    from milo_infer.models import load_model
+    from milo_store import CompressionConfig
+    from tests.infer import families
+    from tests.infer.server.serving import serving
+    from tests.infer.server.test_failures import error_of
+    from tests.infer.test_check_model import saved
+
+    model_dir = saved("qwen3_5_text", tmp_path / "model")
+    loaded = load_model(model_dir)
+    config = BuildConfig(block_size=2, context_blocks=0, order="corpus",
+                         compression=CompressionConfig(ratio=1.0, codec="identity", dtype="float32"))
+    build_store(tmp_path / "s", loaded, families.demonstrations(8), families.TASK, config, progress=False)
+    with MiloStore.open(tmp_path / "s") as store:
+        engine = Engine(loaded, {"s": store})
+        assert engine.plan("s", Request("refund", k=1, recompute=0)).blocks
+        with pytest.raises(RequestError, match="refused on a hybrid model.*recurrence twice"):
+            engine.plan("s", Request("refund", k=1, recompute=2))
+        with pytest.raises(RequestError, match="refused on a hybrid model"):
+            Engine(loaded, {"s": store}, EngineSettings(recompute=2))
+        with serving(engine, batch_wait_ms=1) as served:
+            body = {"model": "s", "prompt": "refund", "max_tokens": 2}
+            assert httpx.post(served.base + "/v1/completions", json=body, timeout=60).status_code == 200
+            refused = httpx.post(served.base + "/v1/completions", json={**body, "recompute": 2}, timeout=60)
+            assert "refused on a hybrid model" in error_of(refused, 400)["message"]
+    capsys.readouterr()
+    assert milo(["query", str(tmp_path / "s"), "refund", "--model", model_dir, "--recompute", "2"]) == 2
+    err = capsys.readouterr().err  # after the weights' loading bar
+    assert "refused on a hybrid model" in err.strip().splitlines()[-1] and "Traceback" not in err
