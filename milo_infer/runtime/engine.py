@@ -149,7 +149,7 @@ class Engine:
             raise ValueError(f"a KV budget of {self.kv_budget} bytes holds no page: one page ({PAGE_TOKENS} columns "
                              f"of every layer's K and V) takes {self.page_bytes} bytes")
         # each page group's pages of the budget, which every batch's pools hold from its first row on
-        self.group_pages = split_budget(self.group_page_bytes, self.kv_budget, self.typical_row()[1])
+        self.group_pages = split_budget(self.group_page_bytes, self.kv_budget, self.typical_row()[2])
         # one side stream and buffer set per store: a batch may stream from several stores at once
         self.transfers = {name: TransferPool(self.device) for name in stores} if self.device.type == "cuda" else {}
         pad = self.tokenizer.pad_token_id
