@@ -173,8 +173,9 @@ def per_row_rebuild(*args, **kwargs) -> None:
 
 
 def churn_configurations() -> dict:
-    """The two served batches a --compare-rebuild run alternates: {name: Engine keywords}, before first; both of rows holding their own copies of their prefixes (issue 47's): each row's prefix
-    rebuilt on its own, against each block decoded once per admission."""
+    """The two served batches a --compare-rebuild run alternates: {name: Engine keywords}, before first; both of
+    rows holding their own copies of their prefixes (issue 47's): each row's prefix rebuilt on its own, against
+    each block decoded once per admission."""
     own = {"shared_blocks": False}
     return {"per_row": {"rebuild": per_row_rebuild, **own}, "shared": own}
 
