@@ -110,8 +110,9 @@ def split_budget(page_bytes: dict, budget: int, row: dict) -> dict:
     One group takes all the budget holds; with a window group the two share it as a typical ``row`` (its pages of
     each group) takes them, so as many such rows fit in each, the window group's never fewer than the pages of the
     longest row the whole budget holds (``budget // (bytes a page of both)``: what `Engine.check_fits` admits fits
-    alone). A row's window pages are never more than its full ones, so neither is the full group's."""
-    full = page_bytes[FULL]
+    alone). A row's window pages are never more than its full ones, so neither is the full group's. A group of no
+    bytes (every layer slides, or holds none) is counted a byte a page: its pages cost nothing, and there are plenty."""
+    full = max(1, page_bytes[FULL])
     if WINDOW not in page_bytes:
         return {FULL: budget // full}
     window = max(1, page_bytes[WINDOW])

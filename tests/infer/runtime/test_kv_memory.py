@@ -180,12 +180,13 @@ def test_a_budget_split_between_page_groups_fits_its_bytes_and_any_row_the_budge
     from hypothesis import given, settings, strategies as st
 
     @settings(max_examples=300, deadline=None)
-    @given(st.integers(1, 50), st.integers(0, 50), st.integers(1, 5000), st.integers(1, 40), st.integers(1, 40))
+    @given(st.integers(0, 50), st.integers(0, 50), st.integers(1, 5000), st.integers(1, 40), st.integers(1, 40))
     def check(full_bytes, window_bytes, budget, row_full, row_window):
         each = {FULL: full_bytes, **({WINDOW: window_bytes} if window_bytes else {})}
         row = {FULL: row_full, WINDOW: min(row_window, row_full)}  # a row's window pages are never more
         pages = split_budget(each, budget, row)
         assert PageGroups(each, pages).bytes_of(pages) <= budget
+        full_bytes = max(1, full_bytes)  # a group of no bytes: a byte a page
         if not window_bytes:
             assert pages == {FULL: budget // full_bytes}
             return
