@@ -48,8 +48,8 @@ from .device_tier import DeviceTier
 from .errors import AdmissionOutOfMemory, BlockLoadError, RequestError, RowFailed
 from .interface import Answer, RowEvent
 from .linear_rows import RowState, install as install_row_forwards
-from .pages import (FULL, PAGE_TOKENS, WINDOW, PageGroups, kv_budget_bytes, pages_for, split_budget, window_pages_needed,
-                    window_skip)
+from .pages import (FULL, PAGE_TOKENS, WINDOW, PageGroups, kv_budget_bytes, pages_for, split_budget,
+                    window_pages_needed, window_skip)
 from .planning import STOP_STRINGS, EngineSettings, MountedStore, QueryPlan, Request
 from .prefetch import TransferPool
 from .sampling import RowSampler, TokenLogprob, choose
@@ -162,10 +162,10 @@ class Engine:
             groups = mounted.store.group_tokens() if mounted.store.num_blocks else np.zeros(1)
             tokens = self.settings.k * float(groups.mean())
             return mounted.prefix.anchor_len + int(min(tokens, self.settings.token_budget or tokens))
-        name, mounted = max(self.stores.items(), key=lambda item: prefix(item[1]))
-        columns = prefix(mounted) + self.settings.max_new_tokens
+        name, longest = max(((name, prefix(mounted)) for name, mounted in self.stores.items()), key=lambda p: p[1])
+        columns = longest + self.settings.max_new_tokens
         pages = pages_for(columns)
-        window = window_pages_needed(pages, window_skip(prefix(mounted), self.window_span)) if self.window_layers else 0
+        window = window_pages_needed(pages, window_skip(longest, self.window_span)) if self.window_layers else 0
         return name, columns, {FULL: pages, WINDOW: window}
 
     def budget_summary(self) -> str:
@@ -247,10 +247,10 @@ class Engine:
     def answer(self, plans: list[QueryPlan], stats: dict | None = None) -> list[Answer]:
         """Answer these plans as one batch, to completion; answers in the plans' order (a row that ends with an
         error raises it). ``stats`` (a dict the caller owns) gains the batch's fetch statistics, summed, and its
-        peak K/V bytes (its rows' columns and the staged factors), the most its rows' columns took, the most its
-        pages reached (``kv_bytes_allocated``: what of the pools was written) and the most pages it held (``kv_bytes_held``), the most distinct blocks it
-        held, the block placements of its rows and those attended in a held copy (``held_blocks``, ``placed_blocks``,
-        ``held_placements``), each maxed, and its forwards
+        peak K/V bytes (its rows' columns and the staged factors), the most its rows' columns took, the pages its
+        rows reached (``kv_bytes_allocated``: what of the pools was written) and the most pages it held
+        (``kv_bytes_held``), the most distinct blocks it held, the block placements of its rows and those attended
+        in a held copy (``held_blocks``, ``placed_blocks``, ``held_placements``), each maxed, and its forwards
         (``steps``), summed."""
 
         batch = self.batch()
@@ -415,9 +415,9 @@ class Batch:
     answer budget, a held block's once) and, in a forward that rebuilds prefixes, the factors staged for it (the
     transfer buffers on CUDA, a layer of gathered factors on CPU), ``kv_bytes_needed`` the columns alone;
     ``kv_bytes_allocated`` the bytes of the pages its rows reached (up to the highest page handed out: on a CPU, what
-    of its pools, made at the budget, was ever written and so is resident), ``kv_bytes_held`` the most its pages in use took (held blocks no row holds any more
-    among them); ``most_held`` the most distinct blocks it held at once and the most block placements its rows
-    made at once; ``steps`` counts its forwards.
+    of its pools, made at the budget, was ever written and so is resident), ``kv_bytes_held`` the most its pages in
+    use took (held blocks no row holds any more among them); ``most_held`` the most distinct blocks it held at once
+    and the most block placements its rows made at once; ``steps`` counts its forwards.
     ``keep_all`` keeps the logits of every fed query token (``query_logits``)."""
 
     def __init__(self, engine: Engine, keep_all: bool = False):
@@ -425,7 +425,7 @@ class Batch:
         self.rows: list[Row] = []  # rows holding pages
         self.waiting: list[QueryPlan] = []  # plans admitted that did not fit yet
         self.executing: dict[int, QueryPlan] = {}  # id(waiting plan) -> what it executes, where not the plan itself
-        # the full layers' pages (every layer's without windows) and the window layers' (one budget of bytes)
+        # the full layers' pages (every layer's without windows) and the window layers' (each its share of the budget)
         self.pages = PageGroups(engine.group_page_bytes, engine.group_pages)
         self.cache: PagedCache | None = None
         self.admissions: list[Admission] = []  # not yet rebuilt
