@@ -114,6 +114,18 @@ def test_rows_wait_for_pages_under_a_small_budget_and_answer_as_alone(long_conte
     assert 0 < stats["kv_bytes_allocated"] <= small.kv_pages * small.page_bytes < need
 
 
+def test_the_budget_summary_counts_the_pages_and_the_rows_of_the_stores_prefix(long_context):
+    loaded, store = long_context
+    engine = Engine(loaded, {"s": store}, EngineSettings(k=K), kv_cache_memory=64 << 20)
+    group = store.group_tokens()
+    columns = engine.stores["s"].prefix.anchor_len + int(K * group.mean()) + engine.settings.max_new_tokens
+    pages = engine.kv_pages  # no window layers: the whole budget in pages of every layer
+    assert engine.group_pages == {FULL: pages}
+    assert engine.budget_summary() == (f"K/V budget 0.1 GiB: {pages:,} pages of {PAGE_TOKENS} columns, up to "
+                                       f"{pages // -(-columns // PAGE_TOKENS):,} rows of store 's''s prefix ({K} groups "
+                                       f"and the answer budget: {columns:,} columns, queries aside)")
+
+
 def test_a_request_that_cannot_fit_alone_is_refused_naming_the_sizes(long_context):
     loaded, store = long_context
     engine = Engine(loaded, {"s": store}, EngineSettings(k=K))
