@@ -172,38 +172,34 @@ def per_row_rebuild(*args, **kwargs) -> None:
     rebuild_layer(*args, **kwargs)
 
 
-def churn_configurations(which: str) -> dict:
-    """The two served batches a --compare-rebuild or --compare-pools run alternates: {name: (Engine keywords, what is
-    done after each step)}, before first; both of rows holding their own copies of their prefixes (issue 47's)."""
+def churn_configurations() -> dict:
+    """The two served batches a --compare-rebuild run alternates: {name: Engine keywords}, before first; both of
+    rows holding their own copies of their prefixes (issue 47's): each row's prefix rebuilt on its own, against
+    each block decoded once per admission."""
     own = {"shared_blocks": False}
-    if which == "rebuild":  # each row's prefix rebuilt on its own, against each block decoded once per admission
-        return {"per_row": ({"rebuild": per_row_rebuild, **own}, None), "shared": (own, None)}
-    # the pools dropped as soon as no row holds a page (as before issue 47), against kept until the batch is idle
-    return {"dropped": (own, lambda batch: batch.idle()), "kept": (own, None)}
+    return {"per_row": {"rebuild": per_row_rebuild, **own}, "shared": own}
 
 
-def compare_churns(loaded, store, texts, args, which: str) -> list[dict]:
+def compare_churns(loaded, store, texts, args) -> list[dict]:
     """Per row count: two served batches (`Churn`) of the same texts (`churn_configurations`), their steps
-    alternating; the step's, the prefix rebuild's and the pool growth's mean seconds, and whether their answers
+    alternating; the step's, the prefix rebuild's and the pool setup's mean seconds, and whether their answers
     agree."""
     out = []
     for size in args.profile:
-        churns, clocks, after = {}, {}, {}
-        for name, (options, after[name]) in churn_configurations(which).items():
+        churns, clocks = {}, {}
+        for name, options in churn_configurations().items():
             engine = Engine(loaded, {"s": store}, EngineSettings(k=args.k), attention="rows", max_rows=size, **options)
             churns[name], clocks[name] = Churn(engine, "s", texts, size, args.steps), StageClock()
         for _ in range(args.steps):
             for name, churn in churns.items():
                 with clocks[name].timing():
                     churn.step()
-                if after[name]:
-                    after[name](churn.batch)
         (before, now) = (c.answers for c in churns.values())
         out.append({"rows": size, "names": list(churns), "answers": min(len(before), len(now)),
                     "equal": sum(map(str.__eq__, before, now)),
                     **{name: {"step": churn.wall / args.steps,
                               **{stage: clocks[name].seconds[stage] / args.steps
-                                 for stage in ("prefix_rebuild", "pool_growth")}}
+                                 for stage in ("prefix_rebuild", "pool_setup")}}
                        for name, churn in churns.items()}})
         del churns, clocks
     return out
@@ -214,13 +210,13 @@ def print_churn_comparison(rows: list[dict], args) -> None:
           f"{args.steps} steps, two batches of the same queries alternating (tools/bench_engine.py, "
           f"churn_configurations)")
     a, b = rows[0]["names"]
-    print(f"| rows | {a} step s | {b} step s | {a} / {b} | {a} rebuild s | {b} rebuild s | {a} pool growth s | "
-          f"{b} pool growth s | answers equal |\n|---|---|---|---|---|---|---|---|---|")
+    print(f"| rows | {a} step s | {b} step s | {a} / {b} | {a} rebuild s | {b} rebuild s | {a} pool setup s | "
+          f"{b} pool setup s | answers equal |\n|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         x, y = r[a], r[b]
         print(f"| {r['rows']} | {x['step']:.3f} | {y['step']:.3f} | {x['step'] / y['step']:.2f} | "
-              f"{x['prefix_rebuild']:.3f} | {y['prefix_rebuild']:.3f} | {x['pool_growth']:.3f} | "
-              f"{y['pool_growth']:.3f} | {r['equal']} of {r['answers']} |")
+              f"{x['prefix_rebuild']:.3f} | {y['prefix_rebuild']:.3f} | {x['pool_setup']:.3f} | "
+              f"{y['pool_setup']:.3f} | {r['equal']} of {r['answers']} |")
 
 
 def print_comparison(rows: list[dict], args) -> None:
@@ -270,9 +266,6 @@ def main(argv=None) -> int:
     ap.add_argument("--compare-rebuild", action="store_true",
                     help="--profile: instead, time a served batch alternately with each row's prefix rebuilt on its own "
                          "and with each block decoded once per admission")
-    ap.add_argument("--compare-pools", action="store_true",
-                    help="--profile: instead, time a served batch alternately with its pools dropped whenever no row "
-                         "holds a page and kept")
     ap.add_argument("--shared-blocks", type=lambda t: t.split(","), default=["on"], metavar="on,off",
                     help="--profile: blocks held once for every row (on), each row's own copy (off), or both (default on)")
     ap.add_argument("--dataset", default=None,
@@ -282,10 +275,9 @@ def main(argv=None) -> int:
     loaded = load_model(args.model)
     profile_texts = ([d.input for d in load_dataset(args.dataset)[1]] if args.dataset
                      else [d.input for d in load_corpus(DEMO)])
-    if args.profile and (args.compare_rebuild or args.compare_pools):
+    if args.profile and args.compare_rebuild:
         with MiloStore.open(args.store) as store:
-            which = "rebuild" if args.compare_rebuild else "pools"
-            print_churn_comparison(compare_churns(loaded, store, profile_texts, args, which), args)
+            print_churn_comparison(compare_churns(loaded, store, profile_texts, args), args)
         return 0
     if args.profile and args.compare:
         with MiloStore.open(args.store) as store:

@@ -5,8 +5,9 @@ another stage (exclusive time, so the stages add up to the step):
 
 - ``scheduler``: building the step's pack (each row's segment, positions, mask and pool columns) and freeing
   finished rows (`Batch._pack`, `Batch._free_finished`);
-- ``admission``: seating waiting rows and reading their blocks (`Batch._seat`), less pool growth;
-- ``pool_growth``: resizing the pools (`PagedCache.resize`: growing copies every layer's pools);
+- ``admission``: seating waiting rows and reading their blocks (`Batch._seat`), less the pool setup;
+- ``pool_setup``: making the pools at the budget (a batch's first admission) and zeroing the pages handed out
+  for the first time (`Batch._ready_pools`; no pool is ever copied, issue 73);
 - ``prefix_rebuild``: rebuilding joining rows' prefixes into their pages (`PagedLayer.fill`);
 - ``pool_writes``: writing the new tokens' K/V to their pool columns (`PagedLayer.update`, less the rebuild);
 - ``gathers``: the per-row attention loop less its SDPA calls: a view of a row's columns when its pages are
@@ -34,7 +35,7 @@ from ..runtime import attention, cache, engine
 from ..runtime.pages import FULL, run_start
 from ..runtime.planning import Request
 
-STAGES = ("scheduler", "admission", "pool_growth", "prefix_rebuild", "pool_writes", "gathers", "row_sdpa",
+STAGES = ("scheduler", "admission", "pool_setup", "prefix_rebuild", "pool_writes", "gathers", "row_sdpa",
           "held_blocks", "model", "decoding", "engine")
 TIMED = [  # (owner, attribute, stage)
     (engine.Batch, "step", "engine"),
@@ -43,7 +44,7 @@ TIMED = [  # (owner, attribute, stage)
     (engine.Batch, "_seat", "admission"),
     (engine.Batch, "_forward", "model"),
     (engine.Batch, "_advance", "decoding"),
-    (cache.PagedCache, "resize", "pool_growth"),
+    (engine.Batch, "_ready_pools", "pool_setup"),
     (cache.PagedLayer, "fill", "prefix_rebuild"),
     (cache.PagedLayer, "update", "pool_writes"),
     (attention, "sdpa_rows", "gathers"),
@@ -125,7 +126,7 @@ def decoding_batch(eng, store: str, texts: list[str], rows: int, scattered: bool
 
 class Churn:
     """A served batch: ``rows`` rows answering for real (their own decoders), each finished one replaced at once by
-    the next text's plan, so steps mix decoding with admissions, prefix rebuilds, prefill chunks and pool growth,
+    the next text's plan, so steps mix decoding with admissions, prefix rebuilds, prefill chunks and pool setup,
     and rows take the pages others gave back. Made past the first ``rows`` rows' admission and prefill."""
 
     def __init__(self, eng, store: str, texts: list[str], rows: int, steps: int):

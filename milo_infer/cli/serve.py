@@ -136,6 +136,7 @@ def run(args) -> int:
                             shared_blocks=args.shared_blocks == "on")
         except ValueError as e:  # a setting the engine cannot run with (a KV budget too small for one page)
             raise CommandError(str(e)) from None
+        print(f"milo serve: {engine.budget_summary()}", file=sys.stderr, flush=True)
     swap = {} if args.vllm else {
         "locations": store_locations(args.store), "open_store": lambda location: MiloStore.open(location, **options),
         "reload_interval_s": DEFAULT_RELOAD_S if args.reload_interval is None else args.reload_interval}

@@ -25,10 +25,11 @@ rows of a 28-layer model) and ``rows`` on the CPU, where there are no launches t
 --attention rows,flex` measures both).
 
 Compiled FlexAttention is compiled for static shapes, on the CPU and on CUDA alike, once per shape: the rows and
-each row's tokens are padded to powers of two here, and the engine sizes a flex batch's pools in powers of two
-of pages (`flex_pool_pages`), so the compiles a process makes are bounded by those buckets, not by the steps
-(tests/infer/runtime/test_attention.py counts them). Before, each pool size a batch grew to was a new shape (and
-the first GPU sweep, on an H200 on 2026-12-04, stalled after its first batch: the suspect, unconfirmed).
+each row's tokens are padded to powers of two here, and a flex batch hands its attention the pools' pages up to
+the highest its rows reached in powers of two (`flex_pool_pages`; the pools themselves hold the whole budget), so
+the compiles a process makes are bounded by those buckets, not by the steps (tests/infer/runtime/test_attention.py
+counts them). Before, each pool size a batch grew to was a new shape (and the first GPU sweep, on an H200 on
+2026-12-04, stalled after its first batch: the suspect, unconfirmed).
 """
 from __future__ import annotations
 
@@ -449,8 +450,8 @@ def flex_rows(query, key, value, pack: Pack, layer: LayerAttention, compiled: bo
 
 
 def flex_pool_pages(pages: int, limit: int) -> int:
-    """The pages a flex batch's pools hold when they must hold ``pages``: the next power of two, within the
-    ``limit`` the KV budget sets (one more size), so the pools' few sizes are few compiled shapes."""
+    """The pages a flex batch's attention is handed when its rows reached ``pages``: the next power of two, within
+    the ``limit`` its pools hold (one more size), so few sizes are few compiled shapes."""
     return min(power_of_two(pages), max(pages, limit))
 
 

@@ -2,11 +2,12 @@
 
 Each layer's K and V pools are [H, pages × PAGE_TOKENS, d] (head-major, so one row's pages are a column
 range of every head when they are consecutive). A row's page table maps its columns to the pool's: column
-c (its RoPE position) lives at ``pages[c // PAGE_TOKENS] * PAGE_TOKENS + c % PAGE_TOKENS``. The pools hold only
-the pages rows were given (`milo_infer.runtime.pages`): they grow at an admission that needs pages no row gave
-back (layer by layer, so the copy needs one layer's room more, not a second pool) and go when no row holds
-any and the batch is idle (`Batch.idle`). New pages are zero-filled: attention over a row's last page reads
-columns not written yet, masked, and a masked 0 × NaN would still be NaN.
+c (its RoPE position) lives at ``pages[c // PAGE_TOKENS] * PAGE_TOKENS + c % PAGE_TOKENS``. The pools are made
+once, at each page group's pages of the KV budget (`milo_infer.runtime.pages`), and kept for the batch's life:
+rows take pages and give them back, no pool is ever copied or resized. They are made uninitialised (on a CPU,
+memory untouched is not resident: `torch.empty` of gigabytes costs nothing until written) and a page is zeroed
+when first handed out (`zero_reached`): attention over a row's last page reads columns not written yet, masked,
+and a masked 0 × NaN would still be NaN. A page given back keeps what its last row wrote, finite.
 
 A forward feeds a `Pack`: every row's new tokens concatenated into one sequence; ``update`` first runs the
 prefix fills of rows joining in this forward (`PrefixFill`: the rebuild writes a row's prefix straight into its
@@ -156,7 +157,7 @@ class PagedLayer(CacheLayerMixin):
     latent], in its K pool and no values (a V pool of no width)."""
     is_sliding = False
 
-    def __init__(self, index: int, cache: "PagedCache", spec, dtype, device, windowed: bool = False):
+    def __init__(self, index: int, cache: "PagedCache", spec, dtype, device, columns: int, windowed: bool = False):
         super().__init__()
         self.windowed = windowed  # a window layer on page tables of its own
         # a proxy, not a reference: a cycle would keep the pools (gigabytes) alive after the batch ends, until the
@@ -164,28 +165,19 @@ class PagedLayer(CacheLayerMixin):
         self.index, self.cache = index, weakref.proxy(cache)
         self.holds = spec.holds_cache  # a shared layer holds no pools
         self.is_latent = spec.kind == LATENT
-        H, d = (spec.kv_heads, spec.head_dim) if self.holds else (0, 0)
-        self.k_pool = torch.zeros(H, 0, d, dtype=dtype, device=device)
-        self.v_pool = torch.zeros(H, 0, d if spec.caches_values else 0, dtype=dtype, device=device)
+        H, d, columns = (spec.kv_heads, spec.head_dim, columns) if self.holds else (0, 0, 0)
+        self.k_pool = torch.empty(H, columns, d, dtype=dtype, device=device)
+        self.v_pool = torch.empty(H, columns, d if spec.caches_values else 0, dtype=dtype, device=device)
         self.is_initialized = True
 
     def lazy_initialization(self, key_states, value_states) -> None:
         pass
 
-    def resize(self, columns: int) -> None:
-        """Hold ``columns`` columns: the existing ones kept (when it grows), the new ones zero."""
-        for name in ("k_pool", "v_pool") if self.holds else ():
-            old = getattr(self, name)
-            H, have, d = old.shape
-            if columns == have:
-                continue
-            setattr(self, name, None)  # the old pool goes as soon as it is copied
-            new = torch.empty(H, columns, d, dtype=old.dtype, device=old.device)
-            kept = min(have, columns)
-            new[:, :kept] = old[:, :kept]
-            new[:, kept:].zero_()
-            del old
-            setattr(self, name, new)
+    def zero(self, start: int, stop: int) -> None:
+        """Zero the columns [start, stop) of its pools (pages handed out for the first time)."""
+        if self.holds:
+            self.k_pool[:, start:stop].zero_()
+            self.v_pool[:, start:stop].zero_()
 
     def fill(self, prefixes: PrefixFill) -> None:
         """Rebuild this layer of an admission's prefixes into their rows' pages."""
@@ -242,10 +234,11 @@ class PagedLayer(CacheLayerMixin):
             return key_states[:, :, :1], value_states[:, :, :1]
         self.k_pool[:, columns] = key_states[0]
         self.v_pool[:, columns] = value_states[0]
-        return self.k_pool[None], self.v_pool[None]
+        attended = self.cache.attended[self.windowed]
+        return self.k_pool[None, :, :attended], self.v_pool[None, :, :attended]
 
     def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
-        return self.k_pool.shape[1], 0
+        return self.cache.attended[self.windowed], 0
 
     def get_seq_length(self) -> int:
         """Rows have lengths of their own: the engine always passes every token's position."""
@@ -256,31 +249,30 @@ class PagedLayer(CacheLayerMixin):
 
 
 class PagedCache(Cache):
-    """One PagedLayer per model layer, each of its layer's shape (``layers``: `milo_store.layers.LayerSpec`); ``pack``
-    is the forward in flight, ``updated`` counts the layers it wrote (a model that ignored the cache writes none; a
-    shared layer never writes). The ``windowed`` layers hold pools of their own."""
+    """One PagedLayer per model layer, each of its layer's shape (``layers``: `milo_store.layers.LayerSpec`), its pools
+    of ``capacities[windowed]`` pages (`pages.PageGroups`' groups, keyed by whether their layers slide); ``pack`` is
+    the forward in flight, ``updated`` counts the layers it wrote (a model that ignored the cache writes none; a
+    shared layer never writes). The ``windowed`` layers hold pools of their own. ``attended``: each group's columns
+    the attention is handed, from the first (the whole pool; a flex batch's fewer, `Batch._ready_pools`)."""
 
-    def __init__(self, layers, dtype, device, windowed=frozenset()):
-        super().__init__(layers=[PagedLayer(l, self, spec, dtype, device, l in windowed)
+    def __init__(self, layers, dtype, device, capacities: dict, windowed=frozenset()):
+        columns = {group: capacities.get(group, 0) * PAGE_TOKENS for group in (False, True)}
+        super().__init__(layers=[PagedLayer(l, self, spec, dtype, device, columns[l in windowed], l in windowed)
                                  for l, spec in enumerate(layers)])
         self.writers = sum(spec.holds_cache for spec in layers)  # the layers a forward writes
         self.pack: Pack | None = None
         self.updated = 0
-        self.page_counts = {False: 0, True: 0}  # pages the full layers' pools hold, and the window layers'
+        self.zeroed = {False: 0, True: 0}  # pages of each group zeroed so far, from the first
+        self.attended = dict(columns)
 
-    @property
-    def pages(self) -> int:
-        return self.page_counts[False]
-
-    @property
-    def window_pages(self) -> int:
-        return self.page_counts[True]
-
-    def resize(self, pages: int, window_pages: int | None = None) -> None:
-        """Full layers' pools to ``pages`` pages, window layers' to ``window_pages`` (default: the same)."""
-        self.page_counts = {False: pages, True: pages if window_pages is None else window_pages}
-        for layer in self.layers:
-            layer.resize(self.page_counts[layer.windowed] * PAGE_TOKENS)
+    def zero_reached(self, reached: dict) -> None:
+        """Zero each group's pages from those zeroed so far up to ``reached`` (`PageGroups.reached`)."""
+        for group, pages in reached.items():
+            if pages > self.zeroed[group]:
+                for layer in self.layers:
+                    if layer.windowed == group:
+                        layer.zero(self.zeroed[group] * PAGE_TOKENS, pages * PAGE_TOKENS)
+                self.zeroed[group] = pages
 
     @property
     def allocated_bytes(self) -> int:

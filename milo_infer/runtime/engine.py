@@ -48,7 +48,8 @@ from .device_tier import DeviceTier
 from .errors import AdmissionOutOfMemory, BlockLoadError, RequestError, RowFailed
 from .interface import Answer, RowEvent
 from .linear_rows import RowState, install as install_row_forwards
-from .pages import FULL, GROWTH_HEADROOM, PAGE_TOKENS, WINDOW, PageGroups, kv_budget_bytes, pages_for, window_skip
+from .pages import (FULL, PAGE_TOKENS, WINDOW, PageGroups, kv_budget_bytes, pages_for, split_budget,
+                    window_pages_needed, window_skip)
 from .planning import HYBRID_RECOMPUTE, STOP_STRINGS, EngineSettings, MountedStore, QueryPlan, Request
 from .prefetch import TransferPool
 from .sampling import RowSampler, TokenLogprob, choose
@@ -149,10 +150,35 @@ class Engine:
         if not self.kv_pages:
             raise ValueError(f"a KV budget of {self.kv_budget} bytes holds no page: one page ({PAGE_TOKENS} columns "
                              f"of every layer's K and V) takes {self.page_bytes} bytes")
+        # each page group's pages of the budget, which every batch's pools hold from its first row on
+        self.group_pages = split_budget(self.group_page_bytes, self.kv_budget, self.typical_row()[2])
         # one side stream and buffer set per store: a batch may stream from several stores at once
         self.transfers = {name: TransferPool(self.device) for name in stores} if self.device.type == "cuda" else {}
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else self.tokenizer.eos_token_id or 0)
+
+    def typical_row(self) -> tuple[str, int, dict]:
+        """The longest of the mounted stores' typical rows: the store, its columns (its anchor, ``settings.k`` groups of
+        its mean tokens, or its token budget, and the answer budget; no query) and each page group's pages of it."""
+        def prefix(mounted: MountedStore) -> int:
+            groups = mounted.store.group_tokens() if mounted.store.num_blocks else np.zeros(1)
+            tokens = self.settings.k * float(groups.mean())
+            return mounted.prefix.anchor_len + int(min(tokens, self.settings.token_budget or tokens))
+        name, longest = max(((name, prefix(mounted)) for name, mounted in self.stores.items()), key=lambda p: p[1])
+        columns = longest + self.settings.max_new_tokens
+        pages = pages_for(columns)
+        window = window_pages_needed(pages, window_skip(longest, self.window_span)) if self.window_layers else 0
+        return name, columns, {FULL: pages, WINDOW: window}
+
+    def budget_summary(self) -> str:
+        """What the KV budget holds, in one line (`milo serve` says it at start)."""
+        name, columns, row = self.typical_row()
+        pages = self.group_pages
+        rows = min(pages[group] // max(1, row[group]) for group in pages)
+        window = f" (and {pages[WINDOW]:,} of the window layers')" if WINDOW in pages else ""
+        return (f"K/V budget {self.kv_budget / 2**30:.1f} GiB: {pages[FULL]:,} pages of {PAGE_TOKENS} columns{window}, "
+                f"up to {rows:,} rows of store {name!r}'s prefix ({self.settings.k} groups and the answer budget: "
+                f"{columns:,} columns, queries aside)")
 
     def mount(self, name: str, store: MiloStore) -> MountedStore:
         """``store`` ready to answer from. Its token ids (what unreadable blocks and recompute are computed
@@ -223,10 +249,10 @@ class Engine:
     def answer(self, plans: list[QueryPlan], stats: dict | None = None) -> list[Answer]:
         """Answer these plans as one batch, to completion; answers in the plans' order (a row that ends with an
         error raises it). ``stats`` (a dict the caller owns) gains the batch's fetch statistics, summed, and its
-        peak K/V bytes (its rows' columns and the staged factors), the most its rows' columns took, the most its
-        pages took (what it allocated) and the most pages it held (``kv_bytes_held``), the most distinct blocks it
-        held, the block placements of its rows and those attended in a held copy (``held_blocks``, ``placed_blocks``,
-        ``held_placements``), each maxed, and its forwards
+        peak K/V bytes (its rows' columns and the staged factors), the most its rows' columns took, the pages its
+        rows reached (``kv_bytes_allocated``: what of the pools was written) and the most pages it held
+        (``kv_bytes_held``), the most distinct blocks it held, the block placements of its rows and those attended
+        in a held copy (``held_blocks``, ``placed_blocks``, ``held_placements``), each maxed, and its forwards
         (``steps``), summed."""
 
         batch = self.batch()
@@ -378,7 +404,8 @@ class Seat:
 
 
 class Batch:
-    """A running batch, used from one thread, over a `PagedCache` within ``engine.kv_pages`` pages. ``admit``
+    """A running batch, used from one thread, over a `PagedCache` of ``engine.group_pages`` pages, made when its first
+    row is seated and kept (no pool is ever copied or resized: pages are taken and given back). ``admit``
     seats rows whose pages fit (at most ``engine.max_rows`` rows) and reads their blocks (plans that do not
     fit wait, oldest first; one that could never fit ends at once with a `RequestError`); ``step`` runs one
     forward that feeds every running row's next token and the next chunk (at most ``settings.prefill_chunk``
@@ -389,10 +416,10 @@ class Batch:
     ``peak_kv_bytes`` the most K/V it needed at once: the columns its seated rows need (each row's context and
     answer budget, a held block's once) and, in a forward that rebuilds prefixes, the factors staged for it (the
     transfer buffers on CUDA, a layer of gathered factors on CPU), ``kv_bytes_needed`` the columns alone;
-    ``kv_bytes_allocated`` the most its pools took (those columns rounded up to pages, and pages no row holds now
-    until the pools go), ``kv_bytes_held`` the most its pages in use took (held blocks no row holds any more
-    among them); ``most_held`` the most distinct blocks it held at once and the most block placements its rows
-    made at once; ``steps`` counts its forwards.
+    ``kv_bytes_allocated`` the bytes of the pages its rows reached (up to the highest page handed out: on a CPU, what
+    of its pools, made at the budget, was ever written and so is resident), ``kv_bytes_held`` the most its pages in
+    use took (held blocks no row holds any more among them); ``most_held`` the most distinct blocks it held at once
+    and the most block placements its rows made at once; ``steps`` counts its forwards.
     ``keep_all`` keeps the logits of every fed query token (``query_logits``)."""
 
     def __init__(self, engine: Engine, keep_all: bool = False):
@@ -400,8 +427,8 @@ class Batch:
         self.rows: list[Row] = []  # rows holding pages
         self.waiting: list[QueryPlan] = []  # plans admitted that did not fit yet
         self.executing: dict[int, QueryPlan] = {}  # id(waiting plan) -> what it executes, where not the plan itself
-        # the full layers' pages (every layer's without windows) and the window layers' (one budget of bytes)
-        self.pages = PageGroups(engine.group_page_bytes, engine.kv_budget)
+        # the full layers' pages (every layer's without windows) and the window layers' (each its share of the budget)
+        self.pages = PageGroups(engine.group_page_bytes, engine.group_pages)
         self.cache: PagedCache | None = None
         self.admissions: list[Admission] = []  # not yet rebuilt
         self.held = HeldBlocks(self.pages, engine.window_layers)
@@ -455,7 +482,7 @@ class Batch:
         seated, rebuild, events = self._read(seated, builds, clock)
         if not seated:
             return events
-        self._grow_pools()
+        self._ready_pools()
         admission = Admission(rebuild, [], clock, started, filled=rebuild is None, builds=list(builds.values()))
         for build in admission.builds:
             build.block.builders.append(admission)
@@ -624,23 +651,19 @@ class Batch:
         return PrefixRebuild(placements, e.rope, e.device, depth=e.prefetch_depth, tier=e.device_tier,
                              pools=e.transfers, rebuild=e.rebuild, clock=clock)
 
-    def _grow_pools(self) -> None:
-        """Grow the pools to the allocators' capacities (with headroom): a new pool, or one the seated rows outgrew."""
-        e, pages = self.engine, self.pages
+    def _ready_pools(self) -> None:
+        """The pools, made at the budget's pages for the first row (never again: rows only take and give pages), with
+        the pages handed out for the first time zeroed. A flex batch's attention is handed the pages up to the
+        highest handed out, in powers of two (`flex_pool_pages`): few compiled shapes, and block masks no wider than
+        the rows reach."""
+        e, reached = self.engine, self.pages.reached()
         if self.cache is None:
-            self.cache = PagedCache(e.layers, e.dtype, e.device, e.window_layers)
-        held = self.cache.page_counts
-        if any(capacity > held[group] for group, capacity in pages.capacities().items()):
-            # growing a pool that holds rows copies every layer's pools (2 s for 600 pages of the default model
-            # on a CPU; in a served run at 64 clients each row a little longer than the one that left grew it
-            # again, 27 s of 43): take an eighth more, so the next longer row finds free pages (every group's within
-            # the one budget of bytes)
-            pages.grow({group: held[group] // GROWTH_HEADROOM for group in pages.groups})
-            if e.attention == "flex":  # each pool size a shape compiled FlexAttention compiles for
-                pages.grow({group: flex_pool_pages(alloc.capacity, alloc.limit) - alloc.capacity
-                            for group, alloc in pages.groups.items()})
-            self.cache.resize(pages[FULL].capacity, pages[WINDOW].capacity if pages.windowed else None)
-            self.kv_bytes_allocated = max(self.kv_bytes_allocated, self.cache.allocated_bytes)
+            self.cache = PagedCache(e.layers, e.dtype, e.device, self.pages.capacities(), e.window_layers)
+        self.cache.zero_reached(reached)
+        if e.attention == "flex":
+            self.cache.attended = {group: flex_pool_pages(pages, self.pages[group].capacity) * PAGE_TOKENS
+                                   for group, pages in reached.items()}
+        self.kv_bytes_allocated = max(self.kv_bytes_allocated, self.pages.bytes_of(reached))
 
     def _window_skip(self, plan: QueryPlan) -> int:
         """Pages of ``plan``'s row its window layers never attend (0 without window layers of their own)."""
@@ -945,13 +968,9 @@ class Batch:
 
 
     def idle(self) -> None:
-        """Nothing to answer for a while (an idle server's loop, `milo_infer.server.scheduler`): drop the pools if no
-        row holds a page. A batch keeps them when its last row leaves: a lone query after another would grow them
-        again, zero-filling every page (issue 47: ~0.25 s for the 4,992 columns of a 512-shot Banking77 row at k 6
-        on this CPU)."""
+        """Nothing to answer for a while (an idle server's loop, `milo_infer.server.scheduler`): the held blocks no row
+        holds go (a store version swapped out is then released). The pools stay: the next rows take their pages."""
         self.held.drop_cached()
-        if self.pages.release() and self.cache is not None:
-            self.cache.resize(0, 0)
 
 
 def own_start(executed: QueryPlan, own) -> int:

@@ -1,17 +1,16 @@
-"""KV memory in pages: how many pages the budget allows, and which pages a row gets.
+"""KV memory in pages: how many pages the budget holds, and which pages a row gets.
 
-A page is ``PAGE_TOKENS`` consecutive columns of every layer's K/V pool (`milo_infer.runtime.cache`). A row's
-need is known when it is planned (its prompt tokens plus its answer budget), so it is given every page it
-will ever write when it is seated and keeps them until it leaves: a running row never runs out, and
-nothing is preempted. Rows that do not fit wait, oldest first. The pool holds only the pages rows were
-given (it grows when a row needs pages no row gave back, by an eighth more when rows already hold pages,
-since growing copies the pools; it is kept when its last row leaves, so the next row finds its pages, and
-dropped when the batch's owner says it is idle: `release`), so what a batch allocates follows
-what its rows need, rounded to a page each (within 9/8 of the most they held at once), never the model's
-positions.
+A page is ``PAGE_TOKENS`` consecutive columns of every layer's K/V pool (`milo_infer.runtime.cache`). The pools are
+allocated once, at the budget, when a batch seats its first row, and never move: a page is handed out and taken
+back, nothing is copied. A row's need is known when it is planned (its prompt tokens plus its answer budget), so it
+is given every page it will ever write when it is seated and keeps them until it leaves: a running row never runs
+out, and nothing is preempted. Rows that do not fit wait, oldest first.
 
-The budget is bytes, or a share of the memory free on the device once the weights are loaded and the
-device cache (``--device-cache``) is counted; by default ``DEFAULT_SHARE`` of it.
+The budget is bytes, or a share of the memory free on the device once the weights are loaded and the device cache
+(``--device-cache``) is counted; by default ``DEFAULT_SHARE`` of it. A model with sliding-window layers splits it
+between two page groups (`split_budget`). A pool's pages are zeroed when first handed out (``reached``): on a CPU
+memory never touched is not resident, so what a process holds follows the most pages its rows reached, within the
+budget; on CUDA the whole budget is held from the first row on.
 """
 from __future__ import annotations
 
@@ -71,70 +70,67 @@ def kv_budget_bytes(spec: int | float | None, device: torch.device, reserved: in
     return int(share * max(0, free_memory_bytes(device) - reserved))
 
 
-GROWTH_HEADROOM = 8  # a pool that grows while rows hold pages takes an eighth of its size more, within the limit
-
-
 class PageAllocator:
-    """Which pages of a pool rows hold, at most ``limit`` pages in use. ``take`` grows the pool (``capacity``)
-    only by the pages the free ones lack, and gives a run of consecutive pages where a free run is long
-    enough (the rebuild then writes a row's prefix in place, and the per-row attention reads a view), else
-    the lowest free pages."""
+    """Which of a pool's ``capacity`` pages rows hold. ``take`` gives a run of consecutive pages where a free run is
+    long enough (the rebuild then writes a row's prefix in place, and the per-row attention reads a view), else the
+    lowest free pages; ``reached`` is one past the highest page ever handed out (the pages below it were zeroed)."""
 
-    def __init__(self, limit: int):
-        self.limit = limit
-        self.capacity = 0  # pages the pool holds
-        self.free: list[int] = []  # sorted
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.free: list[int] = list(range(capacity))  # sorted
+        self.reached = 0
 
     @property
     def in_use(self) -> int:
         return self.capacity - len(self.free)
 
     def fits(self, n: int) -> bool:
-        return self.in_use + n <= self.limit
+        return self.in_use + n <= self.capacity
 
     def take(self, n: int) -> list[int]:
         if not self.fits(n):
-            raise ValueError(f"{n} pages do not fit: {self.in_use} of {self.limit} are in use")
-        if len(self.free) < n:
-            grown = n - len(self.free)
-            self.free += range(self.capacity, self.capacity + grown)
-            self.capacity += grown
+            raise ValueError(f"{n} pages do not fit: {self.in_use} of {self.capacity} are in use")
         start = next((i for i in range(len(self.free) - n + 1) if self.free[i + n - 1] - self.free[i] == n - 1), None)
         taken = self.free[start:start + n] if start is not None else self.free[:n]
         self.free = self.free[:start] + self.free[start + n:] if start is not None else self.free[n:]
+        if taken:
+            self.reached = max(self.reached, taken[-1] + 1)
         return taken
-
-    def grow(self, pages: int) -> None:
-        """``pages`` more free pages, within the limit: the headroom a running pool takes when it grows."""
-        pages = max(0, min(pages, self.limit - self.capacity))
-        self.free += range(self.capacity, self.capacity + pages)
-        self.capacity += pages
 
     def give(self, pages: list[int]) -> None:
         for p in pages:
             bisect.insort(self.free, p)
 
-    def release(self) -> bool:
-        """Forget the pool if no row holds a page of it (True when there was one to forget)."""
-        if self.in_use or not self.capacity:
-            return False
-        self.capacity, self.free = 0, []
-        return True
+
+FULL, WINDOW = False, True  # the page groups, keyed as `cache.PagedCache.zeroed`: whether a group's layers slide
 
 
-FULL, WINDOW = False, True  # the page groups, keyed as `cache.PagedCache.page_counts`: whether a group's layers slide
+def split_budget(page_bytes: dict, budget: int, row: dict) -> dict:
+    """Each page group's pages of a budget of bytes, fixed for the pools' life (``page_bytes``: as `PageGroups`'s).
+    One group takes all the budget holds; with a window group the two share it as a typical ``row`` (its pages of
+    each group) takes them, so as many such rows fit in each, the window group's never fewer than the pages of the
+    longest row the whole budget holds (``budget // (bytes a page of both)``: what `Engine.check_fits` admits fits
+    alone). A row's window pages are never more than its full ones, so neither is the full group's. A group of no
+    bytes (every layer slides, or holds none) is counted a byte a page: its pages cost nothing, and there are plenty."""
+    full = max(1, page_bytes[FULL])
+    if WINDOW not in page_bytes:
+        return {FULL: budget // full}
+    window = max(1, page_bytes[WINDOW])
+    longest = budget // (full + window)
+    rows = budget / max(1, row[FULL] * full + row[WINDOW] * window)
+    window_pages = max(longest, int(rows * row[WINDOW]))
+    return {FULL: (budget - window_pages * window) // full, WINDOW: window_pages}
 
 
 class PageGroups:
-    """The pages of each page group under one KV budget of bytes. A group is the layers whose pools share page tables:
-    the full layers, and a model's sliding-window layers, which hold pages of their own (`window_table`).
+    """The pages of each page group, ``capacities`` of them (`split_budget`). A group is the layers whose pools share
+    page tables: the full layers, and a model's sliding-window layers, which hold pages of their own (`window_table`).
     ``page_bytes``: each group's bytes a page, K and V of its every layer (`Engine.group_page_bytes`; the window group
-    only where there are window layers). A group's allocator is bounded by what the whole budget holds of its pages;
-    what the groups take together, by the budget in bytes."""
+    only where there are window layers)."""
 
-    def __init__(self, page_bytes: dict, budget: int):
-        self.page_bytes, self.budget = dict(page_bytes), budget
-        self.groups = {group: PageAllocator(budget // max(1, each)) for group, each in self.page_bytes.items()}
+    def __init__(self, page_bytes: dict, capacities: dict):
+        self.page_bytes = dict(page_bytes)
+        self.groups = {group: PageAllocator(capacities[group]) for group in self.page_bytes}
 
     def __getitem__(self, group) -> PageAllocator:
         return self.groups[group]
@@ -160,8 +156,8 @@ class PageGroups:
 
     def fits(self, more: dict, now: bool = True) -> bool:
         """``more`` pages of each group fit beside those in use (``now`` False: in an empty batch)."""
-        used = {group: (alloc.in_use if now else 0) + more.get(group, 0) for group, alloc in self.groups.items()}
-        return all(used[g] <= alloc.limit for g, alloc in self.groups.items()) and self.bytes_of(used) <= self.budget
+        return all((alloc.in_use if now else 0) + more.get(group, 0) <= alloc.capacity
+                   for group, alloc in self.groups.items())
 
     def take(self, group, n: int) -> list[int]:
         return self.groups[group].take(n)
@@ -180,22 +176,12 @@ class PageGroups:
     def in_use_bytes(self) -> int:
         return self.bytes_of({group: alloc.in_use for group, alloc in self.groups.items()})
 
-    def allocated_bytes(self) -> int:
-        """Bytes the pools would take at the allocators' capacities."""
-        return self.bytes_of(self.capacities())
+    def reached(self) -> dict:
+        """Each group's pages up to the highest ever handed out (`PageAllocator.reached`)."""
+        return {group: alloc.reached for group, alloc in self.groups.items()}
 
     def capacities(self) -> dict:
         return {group: alloc.capacity for group, alloc in self.groups.items()}
-
-    def grow(self, extra: dict) -> None:
-        """``extra`` more free pages of each group, in turn, within its limit and what the budget has left."""
-        for group, n in extra.items():
-            room = self.budget - self.allocated_bytes()
-            self.groups[group].grow(min(n, room // max(1, self.page_bytes[group])))
-
-    def release(self) -> bool:
-        """Forget every group's pool no row holds a page of (True when one was forgotten)."""
-        return any([alloc.release() for alloc in self.groups.values()])
 
 
 def window_skip(first_position: int, window: int) -> int:

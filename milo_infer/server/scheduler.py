@@ -196,7 +196,7 @@ class EngineLoop:
             if len(batch):
                 self.metrics.batch_size.observe(len(batch))
                 self._deliver(batch.step())
-            elif not tickets:  # idle for a poll: its K/V pools go (a busy loop keeps them for the next rows)
+            elif not tickets:  # idle for a poll: the held blocks no row holds go (the K/V pools stay)
                 batch.idle()
             self.metrics.held(batch.held_counts())
             return True

@@ -4,11 +4,11 @@ answered at once ran its first 16-client level at 2.4 q/s and the same level rig
 
 Warming drives the engine as traffic does, without knowing what the attention compiles: per mounted store and for
 each batch size of 1, 2, 4, ... rows (up to the bound), a batch admits that many requests of the store's own
-demonstrations (real blocks), runs their prefill and a few decode steps and drops them, then, its pools still
-grown for them (a busy server's pools keep their size while rows come and go), does the same with half as many
-rows, a quarter, ... one. Whatever shapes that takes (rows, tokens and pool pages in powers of two), traffic then
-finds compiled: at most (log2 max_batch + 1)(log2 max_batch + 2) / 2 batches of two shapes each per store. A
-shape it never took (a query long enough for the next token bucket) is compiled under traffic and counted
+demonstrations (real blocks), runs their prefill and a few decode steps and drops them, then, the pages its
+rows reached still handed to the attention (a busy server's reach only grows while rows come and go), does the
+same with half as many rows, a quarter, ... one. Whatever shapes that takes (rows, tokens and pool pages in powers
+of two), traffic then finds compiled: at most (log2 max_batch + 1)(log2 max_batch + 2) / 2 batches of two shapes
+each per store. A shape it never took (a query long enough for the next token bucket) is compiled under traffic and counted
 (`milo:compiled_graphs_after_warmup`).
 """
 from __future__ import annotations
@@ -66,8 +66,8 @@ def warm_engine(engine, sizes: list[int], decode_steps: int = DECODE_STEPS) -> d
 
 
 def halvings(rows: int) -> list[int]:
-    """``rows``, then each power of two below it: the row counts a batch's pools, once grown for ``rows``, serve
-    (a busy server's pools keep their size while rows come and go)."""
+    """``rows``, then each power of two below it: the row counts a batch serves once its rows reached the pages of
+    ``rows`` (a busy server's attention keeps that reach while rows come and go)."""
     return [rows] + [1 << i for i in reversed(range(rows.bit_length())) if 1 << i < rows]
 
 

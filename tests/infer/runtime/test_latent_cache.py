@@ -9,8 +9,7 @@ UNIT = LayerSpec(LATENT, 1, 16, rotary_dim=4, latent=12)
 
 
 def cache_with_a_pack(columns: torch.Tensor) -> PagedCache:
-    cache = PagedCache([UNIT], torch.float32, torch.device("cpu"))
-    cache.resize(1)
+    cache = PagedCache([UNIT], torch.float32, torch.device("cpu"), {False: 1})
     cache.pack = Pack(segments=[], columns=columns)
     return cache
 

@@ -129,8 +129,8 @@ def test_a_row_joining_later_reuses_held_blocks_without_a_read(setup):
     assert batch.fetch_stats["bytes"] == 0 and batch.fetch_stats["staged_bytes"] == 0  # nothing read or staged
     assert set(FETCH_STATS) <= set(batch.fetch_stats)  # what a fetch reports, all of it, zero
     assert list(again.values()) == list(run(own, own.batch(), [own.plan("s", request, block_ids=shared)]).values())
-    batch.idle()  # nothing to answer: the blocks no row holds go, then the pools
-    assert not batch.held and batch.pages.allocated_bytes() == 0
+    batch.idle()  # nothing to answer: the blocks no row holds go (their pages free; the pools stay)
+    assert not batch.held and batch.pages.in_use_bytes() == 0
 
 
 def test_a_lone_row_or_one_sharing_nothing_holds_its_own_copy(setup):

@@ -5,6 +5,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -142,6 +143,15 @@ def test_answers_equal_the_sessions(client, built):
         streamed = client.completions.create(model="demo", prompt=query, stream=True)
         assert "".join(c.choices[0].text for c in streamed) == expected[query]  # exactly, unstripped
     assert [m.id for m in client.models.list()] == ["demo", "demo-system"]
+
+
+def test_milo_serve_says_at_start_what_its_kv_budget_holds(server):
+    """One line, computed by the engine (`Engine.budget_summary`; its numbers: tests/infer/runtime/test_kv_memory.py)."""
+    said = re.search(r"milo serve: K/V budget [\d.]+ GiB: ([\d,]+) pages of 128 columns, up to ([\d,]+) rows of "
+                     r"store '[^']+''s prefix \(6 groups and the answer budget: [\d,]+ columns, queries aside\)",
+                     server.output())
+    assert said is not None, server.output()[-2000:]
+    assert int(said[1].replace(",", "")) >= int(said[2].replace(",", "")) > 0
 
 
 def test_raw_sse_framing_and_error_bodies(server):
