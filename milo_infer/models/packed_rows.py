@@ -1,0 +1,54 @@
+"""Several rows' tokens through one linear layer at once (issue 72): what `delta_rule`, `ssd` and `short_conv`'s
+``layer_steps`` share. The engine packs every row's tokens end to end; a linear layer's projections are per token and
+run over them all in one call, but its convolution and recurrence must see each row's own tokens alone, after that
+row's own conv window and from its own state.
+
+`convolve` runs the convolution of every row in one call: the rows laid end to end, each after its window, the outputs
+that would read across two rows dropped. `scan` runs the recurrence: the rows fed one token (decoding) in one step of
+their stacked states ([R, H, dk, dv] for a GDN layer), each row fed more (a prefill chunk) alone through its rule's
+chunk form. Padding those to one length and stacking them measured slower on the CPU (2x with chunks of 20–30 tokens,
+5x beside a long one; docs/benchmarks.md, issue 72), as did the chunk form over rows of one token stacked.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def convolve(conv: torch.nn.Conv1d, inputs: torch.Tensor, windows, lengths) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The causal depthwise ``conv`` over each row's tokens of ``inputs`` [T, C] (rows of ``lengths`` tokens, end to
+    end) after that row's ``windows`` [kernel − 1, C] (what it convolved before them): (the convolution's outputs
+    [T, C], before any activation; each row's window after its tokens, its own tensor)."""
+    width = conv.kernel_size[0] - 1
+    laid, keep, after, start, at = [], [], [], 0, 0
+    for window, n in zip(windows, lengths):
+        laid += [window.to(inputs.dtype), inputs[start:start + n]]
+        keep.append(torch.arange(at, at + n))
+        after.append((at + n, at + n + width))
+        start, at = start + n, at + n + width
+    if start != inputs.shape[0]:
+        raise ValueError(f"rows of {start} tokens in all for {inputs.shape[0]} packed tokens")
+    laid = torch.cat(laid)
+    mixed = torch.nn.functional.conv1d(laid.T[None], conv.weight, conv.bias, groups=inputs.shape[-1])[0].T
+    return mixed[torch.cat(keep).to(inputs.device)], [laid[a:b].clone() for a, b in after]
+
+
+def scan(step, run, states, lengths, tokens: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Each row's recurrence over its tokens of ``tokens`` (per-token inputs [T, ...], rows end to end) from its
+    ``states``: the rows of one token in one ``step`` (stacked states [R, ...] and their tokens [R, ...] to (states,
+    outputs [R, ...])), every other row alone through ``run`` (a state and its tokens [n, ...] to (state, outputs
+    [n, ...])). Returns (the outputs [T, ...], each row's state after)."""
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    single = [r for r, n in enumerate(lengths) if n == 1]
+    after, outputs = [None] * len(lengths), [None] * len(lengths)
+    if single:
+        fed = tokens if len(single) == tokens[0].shape[0] else \
+            [x[torch.tensor([starts[r] for r in single], device=x.device)] for x in tokens]
+        stepped, out = step(torch.stack([states[r] for r in single]), *fed)
+        for j, r in enumerate(single):
+            after[r], outputs[r] = stepped[j], out[j:j + 1]
+    for r, n in enumerate(lengths):
+        if n != 1:
+            after[r], outputs[r] = run(states[r], *(x[starts[r]:starts[r + 1]] for x in tokens))
+    return torch.cat(outputs), after
