@@ -45,10 +45,24 @@ def scan(step, run, states, lengths, tokens: tuple[torch.Tensor, ...]) -> tuple[
     if single:
         fed = tokens if len(single) == tokens[0].shape[0] else \
             [x[torch.tensor([starts[r] for r in single], device=x.device)] for x in tokens]
-        stepped, out = step(torch.stack([states[r] for r in single]), *fed)
+        stepped, out = step(stacked([states[r] for r in single]), *fed)
+        if len(single) == len(lengths):  # every row decoding
+            return out, list(stepped)
         for j, r in enumerate(single):
             after[r], outputs[r] = stepped[j], out[j:j + 1]
     for r, n in enumerate(lengths):
         if n != 1:
             after[r], outputs[r] = run(states[r], *(x[starts[r]:starts[r + 1]] for x in tokens))
     return torch.cat(outputs), after
+
+
+def stacked(states: list[torch.Tensor]) -> torch.Tensor:
+    """``states`` as one tensor [R, ...]: a copy, or none where they lie end to end in one storage already (the rows a
+    step before stepped in the same order: their states are its result's rows)."""
+    first = states[0]
+    if first.is_contiguous() and all(
+            s.shape == first.shape and s.is_contiguous() and s.untyped_storage().data_ptr() ==
+            first.untyped_storage().data_ptr() and s.storage_offset() == first.storage_offset() + i * first.numel()
+            for i, s in enumerate(states)):
+        return first.as_strided((len(states), *first.shape), (first.numel(), *first.stride()), first.storage_offset())
+    return torch.stack(states)
