@@ -64,19 +64,15 @@ def advance(state: torch.Tensor, k, v, beta, g, chunk: int = CHUNK) -> torch.Ten
 
 def run(state: torch.Tensor, q, k, v, beta, g, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The state after the block and, given queries ``q`` [T, H, dk], each token's output S_tᵀ q_t [T, H, dv] (S_t the
-    state after its own update), `chunk` tokens a step. Batched too: leading dimensions before each shape (rows: a
-    state [R, H, dk, dv], k [R, T, H, dk], ...) are independent runs, as `layer_steps` stacks rows of equal length."""
+    state after its own update), `chunk` tokens a step."""
     outputs = []
-    for start in range(0, k.shape[-3], chunk):
+    for start in range(0, k.shape[0], chunk):
         part = slice(start, start + chunk)
-        state, out = _advance_chunk(state, None if q is None else q[..., part, :, :], k[..., part, :, :],
-                                    v[..., part, :, :], beta[..., part, :], g[..., part, :])
+        state, out = _advance_chunk(state, None if q is None else q[part], k[part], v[part], beta[part], g[part])
         outputs.append(out)
     if q is None:
         return state, None
-    if not outputs:
-        return state, v.new_zeros(v.shape)
-    return state, torch.cat(outputs, dim=-2).transpose(-3, -2)
+    return state, torch.cat(outputs, dim=1).transpose(0, 1) if outputs else v.new_zeros(0, *v.shape[1:])
 
 
 def _advance_chunk(state, q, k, v, beta, g):
@@ -84,21 +80,21 @@ def _advance_chunk(state, q, k, v, beta, g):
     Σ_{s<t} e^{G_t − G_s} (k_tᵀk_s) u_s), a unit-lower-triangular system; S_T = e^{G_T} S_0 + Σ_t e^{G_T − G_t} k_t u_tᵀ,
     and a query's output o_t = e^{G_t} S_0ᵀq_t + Σ_{s<=t} e^{G_t − G_s} (q_tᵀk_s) u_s. Every exponent is <= 0 (a decay
     near 0 underflows to 0, as the recurrence's does), never > 0."""
-    k, v = k.transpose(-3, -2), v.transpose(-3, -2)  # [..., H, T, dk], [..., H, T, dv]
-    beta, log_decay = beta.transpose(-2, -1)[..., None], g.transpose(-2, -1).cumsum(-1)  # [..., H, T, 1], [..., H, T]
-    tokens = k.shape[-2]
+    k, v = k.transpose(0, 1), v.transpose(0, 1)  # [H, T, dk], [H, T, dv]
+    beta, log_decay = beta.transpose(0, 1)[..., None], g.transpose(0, 1).cumsum(-1)  # [H, T, 1], [H, T]
+    tokens = k.shape[1]
     earlier = torch.ones(tokens, tokens, dtype=torch.bool, device=k.device).tril(-1)
-    gaps = log_decay[..., :, None] - log_decay[..., None, :]
+    gaps = log_decay[:, :, None] - log_decay[:, None, :]
     between = gaps.masked_fill(~earlier, float("-inf")).exp()
     system = torch.eye(tokens, device=k.device) + beta * (k @ k.mT) * between
     updates = torch.linalg.solve_triangular(system, beta * (v - log_decay.exp()[..., None] * (k @ state)),
                                             upper=False, unitriangular=True)
-    last = log_decay[..., -1:]
+    last = log_decay[:, -1:]
     out = None
     if q is not None:
-        q = q.transpose(-3, -2)
+        q = q.transpose(0, 1)
         upto = gaps.masked_fill(~(earlier | torch.eye(tokens, dtype=torch.bool, device=k.device)), float("-inf")).exp()
-        out = log_decay.exp()[..., None] * (q @ state) + ((q @ k.mT) * upto) @ updates  # [..., H, T, dv]
+        out = log_decay.exp()[..., None] * (q @ state) + ((q @ k.mT) * upto) @ updates  # [H, T, dv]
     return last.exp()[..., None] * state + k.mT @ ((last - log_decay).exp()[..., None] * updates), out
 
 
