@@ -3,8 +3,8 @@
 run over them all in one call, but its convolution and recurrence must see each row's own tokens alone, after that
 row's own conv window and from its own state.
 
-`convolve` runs the convolution of every row in one call: the rows laid end to end, each after its window, the outputs
-that would read across two rows dropped. `scan` runs the recurrence: the rows fed one token (decoding) in one step of
+`convolve` runs the convolution of every row at once: the rows laid end to end, each after its window, each token's
+output read from its own row's inputs alone. `scan` runs the recurrence: the rows fed one token (decoding) in one step of
 their stacked states ([R, H, dk, dv] for a GDN layer), each row fed more (a prefill chunk) alone through its rule's
 chunk form. Padding those to one length and stacking them measured slower on the CPU (2x with chunks of 20–30 tokens,
 5x beside a long one; docs/benchmarks.md, issue 72), as did the chunk form over rows of one token stacked.
@@ -17,19 +17,25 @@ import torch
 def convolve(conv: torch.nn.Conv1d, inputs: torch.Tensor, windows, lengths) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The causal depthwise ``conv`` over each row's tokens of ``inputs`` [T, C] (rows of ``lengths`` tokens, end to
     end) after that row's ``windows`` [kernel − 1, C] (what it convolved before them): (the convolution's outputs
-    [T, C], before any activation; each row's window after its tokens, its own tensor)."""
+    [T, C], before any activation; each row's window after its tokens, its own tensor). A token's output is its
+    kernel's taps times the inputs it reads, Σ_j w_j x_{t−kernel+1+j} + b, as transformers' own decode step sums them:
+    conv1d over the laid rows measured 2–6x slower on the CPU (its depthwise path, 6,144 channels)."""
     width = conv.kernel_size[0] - 1
-    laid, keep, after, start, at = [], [], [], 0, 0
+    laid, first, after, start, at = [], [], [], 0, 0
     for window, n in zip(windows, lengths):
         laid += [window.to(inputs.dtype), inputs[start:start + n]]
-        keep.append(torch.arange(at, at + n))
+        first.append(torch.arange(at, at + n))
         after.append((at + n, at + n + width))
         start, at = start + n, at + n + width
     if start != inputs.shape[0]:
         raise ValueError(f"rows of {start} tokens in all for {inputs.shape[0]} packed tokens")
-    laid = torch.cat(laid)
-    mixed = torch.nn.functional.conv1d(laid.T[None], conv.weight, conv.bias, groups=inputs.shape[-1])[0].T
-    return mixed[torch.cat(keep).to(inputs.device)], [laid[a:b].clone() for a, b in after]
+    laid, first, taps = torch.cat(laid), torch.cat(first).to(inputs.device), conv.weight[:, 0, :]
+    mixed = laid[first] * taps[:, 0]  # each token's first input: `first`, its last `first` + width
+    for j in range(1, width + 1):
+        mixed.addcmul_(laid[first + j], taps[:, j])
+    if conv.bias is not None:
+        mixed += conv.bias
+    return mixed, [laid[a:b].clone() for a, b in after]
 
 
 def scan(step, run, states, lengths, tokens: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
