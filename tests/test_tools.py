@@ -71,6 +71,7 @@ SMOKE = {
                                       [i.tiny_store, "--model", i.tiny_model, "--k", "1", "--profile", "2", "--steps", "2",
                                        "--compare-rebuild"]],
                            needs=("tiny", "git")),
+    "bench_linear_rows.py": Run(lambda i: ["--shape", "qwen3.5-tiny", "--rows", "1,3", "--tokens", "2", "--rounds", "1"]),
     "bench_linear_state.py": Run(lambda i: ["--tokens", "3,65", "--blocks", "2", "--rounds", "1"]),
     "bench_mla_attention.py": Run(lambda i: ["--columns", "64", "--chunk", "8", "--rounds", "1"]),
     "bench_kernels.py": Elsewhere("tests/kernels/test_bench_kernels.py::test_bench_runs_on_cpu_and_writes_json"),

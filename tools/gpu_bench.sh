@@ -18,15 +18,26 @@
 #      (issue 63), no client warm-up (tools/bench_serve.py) -> serve.json.
 #
 # 575 s of parts in all, each cut at its timeout keeping what it measured; the device's start and the model loads
-# are outside. Stage times are CUDA events on the stream that ran each stage. Reports land in $OUT/gpu_bench (or
-# /tmp/gpu_bench), stores in a temp dir; extra arguments go to both throughput runs.
+# are outside. Two more parts, not in the default PARTS (they fit one device run of their own, PARTS="hybrid
+# conformance", 420 s):
 #
-#   --device cpu   the same four parts at tiny shapes on the CPU, in about two minutes (tests/infer/bench runs it)
+#   5. hybrid      (LINEAR_S + HYBRID_S, 60 + 180 s): a Qwen3.5-0.8B-shaped hybrid (18 Gated DeltaNet layers beside 6
+#      attention layers): a decode step's linear layers at 1, 16 and 64 rows (tools/bench_linear_rows.py) ->
+#      linear_rows.txt/json, then milo bench over 512 demonstrations in 16 blocks, k = 6, batches 1, 16 and the
+#      largest the KV budget seats, full, prefill and MILO at rho 0.5 -> hybrid/bench.md (issue 72);
+#   6. conformance (CONFORMANCE_S, 180 s): tests/infer/test_conformance.py with every family's tiny model on the
+#      device (MILO_TEST_DEVICE, tests/infer/families.py) -> conformance.txt; needs pytest and hypothesis there.
+#
+# Stage times are CUDA events on the stream that ran each stage. Reports land in $OUT/gpu_bench (or
+# /tmp/gpu_bench), stores in a temp dir; extra arguments go to the throughput runs.
+#
+#   --device cpu   the same parts at tiny shapes on the CPU, the four in about two minutes (tests/infer/bench runs
+#                  them, and the two more), the conformance part over LFM2's tiny model alone
 #   ATTENTION=rows  the per-row SDPA loop instead of FlexAttention (the GPU's default) in every part
 #   SHARED=on,off   blocks held once for every row (on), each row's own copy (off), or both (issue 54): the sweep
 #                   runs once per mode (reports in throughput-MODE), serve serves each mode in turn, the profile and
 #                   the distinct-block run take the first (default on; on,off fits one device run with PARTS=sweep)
-#   PARTS="profile sweep distinct serve"   the parts to run (default all four)
+#   PARTS="profile sweep distinct serve"   the parts to run (default these four; hybrid and conformance on asking)
 #
 # Packages the device image lacks travel as wheels in .whl (tools/gpu_wheels.py fetches them where pip
 # works); where the python cannot import them and .whl is there, they are installed into /tmp/site first. Without
@@ -63,10 +74,15 @@ if [ "$DEVICE" = cpu ]; then  # tiny shapes: the pipeline, not the numbers
   DISTINCT_SHOTS=256; DISTINCT_BLOCK=4; MAX_BATCH=8; WARMUP=all  # the warm-up's path, though rows compile nothing
   EXTRA=(--kv-cache-memory 4M --threads 1); SERVE_EXTRA=(--kv-cache-memory 4M --threads 1)
   PROFILE_S=120; SWEEP_S=240; DISTINCT_S=240; SERVE_S=240
+  HYBRID=qwen3.5-tiny; HYBRID_SHOTS=32; HYBRID_BLOCK=8; HYBRID_BATCHES=1,2; HYBRID_QUERIES=2; LINEAR_ROWS=1,2
+  CONFORMANCE_K=(-k lfm2); LINEAR_S=120; HYBRID_S=240; CONFORMANCE_S=240
 else
   SHAPE=qwen2.5-7b; SHOTS=512; BLOCK=32; TOKENS=20; BATCHES=8,32,256,max; QUERIES=16; CLIENTS=1,16,64; REQUESTS=32
   PROFILE_ROWS=8,32; DISTINCT_SHOTS=2048; DISTINCT_BLOCK=32; MAX_BATCH=64; WARMUP=auto; EXTRA=(); SERVE_EXTRA=()
   PROFILE_S=${PROFILE_S:-75}; SWEEP_S=${SWEEP_S:-200}; DISTINCT_S=${DISTINCT_S:-130}; SERVE_S=${SERVE_S:-170}
+  HYBRID=qwen3.5-0.8b; HYBRID_SHOTS=512; HYBRID_BLOCK=32; HYBRID_BATCHES=1,16,max; HYBRID_QUERIES=16
+  LINEAR_ROWS=1,16,64; CONFORMANCE_K=(); LINEAR_S=${LINEAR_S:-60}; HYBRID_S=${HYBRID_S:-180}
+  CONFORMANCE_S=${CONFORMANCE_S:-180}
 fi
 status=0
 said() { [ "$1" = 124 ] && echo "gpu_bench: $2 hit its $3 s timeout; what it measured is in $4" || true; }
@@ -110,5 +126,26 @@ s.synthetic_stores('$STORES/sweep', l, demos=$SHOTS, block_size=$BLOCK, demo_tok
     --repeat --sampled --warmup "$WARMUP" --attention "$ATTENTION" --start-timeout "$((SERVE_S - 20))" --out "$REPORTS/serve.json" \
     --shared-blocks "$SHARED" ${SERVE_EXTRA[@]+"${SERVE_EXTRA[@]}"}
   code=$?; said "$code" "the serve run" "$SERVE_S" "$REPORTS/serve.json"; [ "$code" = 0 ] || status=$code
+fi
+if wants hybrid; then
+  echo "== hybrid: $HYBRID, a decode step's linear layers at $LINEAR_ROWS rows (tools/bench_linear_rows.py)"
+  THREADS=(); [ "$DEVICE" = cpu ] && THREADS=(--threads 1)
+  timeout -k 10 "$LINEAR_S" "$PY" tools/bench_linear_rows.py --shape "$HYBRID" --rows "$LINEAR_ROWS" \
+    --device "$DEVICE" --json "$REPORTS/linear_rows.json" ${THREADS[@]+"${THREADS[@]}"} | tee "$REPORTS/linear_rows.txt"
+  code=${PIPESTATUS[0]}; said "$code" "the linear layers' run" "$LINEAR_S" "$REPORTS/linear_rows.txt"
+  [ "$code" = 0 ] || status=$code
+  echo "== hybrid: $HYBRID_SHOTS demonstrations in blocks of $HYBRID_BLOCK, k 6, batches $HYBRID_BATCHES, with prefill"
+  timeout -k 10 "$HYBRID_S" "$PY" -m milo_infer.cli.bench --synthetic "$HYBRID" --device "$DEVICE" \
+    --shots "$HYBRID_SHOTS" --block-size "$HYBRID_BLOCK" --demo-tokens "$TOKENS" --stores "$STORES/hybrid" --k 6 \
+    --batch "$HYBRID_BATCHES" --n-queries "$HYBRID_QUERIES" --rounds 1 --ratios 0.5 --prefill --attention "$ATTENTION" \
+    --out "$REPORTS/hybrid" --shared-blocks "$FIRST_SHARED" ${EXTRA[@]+"${EXTRA[@]}"} "$@"
+  code=$?; said "$code" "the hybrid run" "$HYBRID_S" "$REPORTS/hybrid/bench.md"; [ "$code" = 0 ] || status=$code
+fi
+if wants conformance; then
+  echo "== conformance: tests/infer/test_conformance.py, every family's tiny model on $DEVICE"
+  MILO_TEST_DEVICE="$DEVICE" timeout -k 10 "$CONFORMANCE_S" "$PY" -m pytest -q -p no:cacheprovider \
+    tests/infer/test_conformance.py ${CONFORMANCE_K[@]+"${CONFORMANCE_K[@]}"} 2>&1 | tee "$REPORTS/conformance.txt"
+  code=${PIPESTATUS[0]}; said "$code" "the conformance run" "$CONFORMANCE_S" "$REPORTS/conformance.txt"
+  [ "$code" = 0 ] || status=$code
 fi
 exit "$status"

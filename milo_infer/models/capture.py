@@ -204,7 +204,8 @@ def capture_linear_inputs(model) -> Iterator[dict[int, torch.Tensor]]:
 
 def linear_rule(spec):
     """The module computing a linear layer's state (`LayerSpec.rule`): `delta_rule` (Gated DeltaNet), `ssd` (Mamba2) or
-    `short_conv` (LFM2's), each with `block_section`, `layer_step` and `zero_state`."""
+    `short_conv` (LFM2's), each with `block_section`, `layer_step`, `layer_steps` (several rows at once) and
+    `zero_state`."""
     from . import delta_rule, short_conv, ssd
 
     return {"gated_delta": delta_rule, "mamba2": ssd, "conv": short_conv}[spec.rule]

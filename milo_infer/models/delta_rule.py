@@ -8,12 +8,13 @@ k_t L2-normed and repeated to the value heads; β_t in (0, 1)):
 
 which is affine in the state a block starts from: S_out = M S_in + C. Blocks compose in placement order ((M1, C1) then
 (M2, C2) is (M2 M1, M2 C1 + C2)), so a block encoded once can follow any others, the same approximation milo makes
-for attention. `recurrent` runs it token by token (the reference, as transformers' decode step does); `advance` runs
-a block from a state with matmuls and one unit-triangular solve a chunk (the chunk form of the gated delta rule),
-never forming M; `transition` is a block's dense (M, C) and `compose`/`apply` use it. `recurrent_run` and `run` give
-each token's output too (what the layer attends), and `layer_step` runs a whole layer over one row's tokens from its
-state and conv window, as the engine does (`milo_infer.runtime.linear_rows`). Every argument and result is
-fp32: the chain of M loses precision in half types (flash-linear-attention's context-parallel notes say the same).
+for attention. `recurrent` runs it token by token (the reference, as transformers' decode step does; `step` is one
+token of any number of rows); `advance` runs a block from a state with matmuls and one unit-triangular solve a chunk
+(the chunk form of the gated delta rule), never forming M; `transition` is a block's dense (M, C) and
+`compose`/`apply` use it. `recurrent_run` and `run` give each token's output too (what the layer attends);
+`layer_step` runs a whole layer over one row's tokens from its state and conv window, and `layer_steps` over several
+rows' at once, as the engine does (`milo_infer.runtime.linear_rows`). Every argument and result is fp32: the chain of
+M loses precision in half types (flash-linear-attention's context-parallel notes say the same).
 
 Shapes: k [T, H, dk], v [T, H, dv], beta and g [T, H], a state [H, dk, dv], M [H, dk, dk].
 """
@@ -21,6 +22,8 @@ from __future__ import annotations
 
 import torch
 from transformers.activations import ACT2FN
+
+from . import packed_rows
 
 CHUNK = 64  # tokens a solve: the T×T triangle stays small and its decays within a chunk
 
@@ -32,15 +35,26 @@ def recurrent(state: torch.Tensor, k, v, beta, g) -> torch.Tensor:
 
 def recurrent_run(state: torch.Tensor, q, k, v, beta, g) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The state after the block and, given queries ``q``, each token's output S_tᵀ q_t, one token at a time (the
-    reference `run` is held to)."""
+    reference `run` is held to): `step` a token."""
     outputs = []
     for t in range(k.shape[0]):
-        state = state * g[t].exp()[:, None, None]
-        delta = beta[t][:, None] * (v[t] - torch.einsum("hkv,hk->hv", state, k[t]))
-        state = state + k[t][:, :, None] * delta[:, None, :]
-        if q is not None:
-            outputs.append(torch.einsum("hkv,hk->hv", state, q[t]))
+        state, out = step(state, k[t] if q is None else q[t], k[t], v[t], beta[t], g[t])
+        outputs.append(out)
     return state, None if q is None else torch.stack(outputs) if outputs else v.new_zeros(0, *v.shape[1:])
+
+
+def step(state: torch.Tensor, q, k, v, beta, g) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token: (S_t, S_tᵀ q_t) from S_{t−1} ``state`` [..., H, dk, dv] and the token's q, k [..., H, dk], v [..., H,
+    dv], beta, g [..., H] (leading dimensions: rows, as `layer_steps` stacks its decoding rows). With α = e^g and
+    δ = β (v − α S_{t−1}ᵀk), S_t = α S_{t−1} + k δᵀ and S_tᵀq = α S_{t−1}ᵀq + δ (kᵀq): the state read once for both
+    products, the new one a tensor of its own (``state`` is left as it was)."""
+    decay = g.exp()[..., None]
+    read = torch.stack((k, q), dim=-2) @ state  # [..., H, 2, dv]: kᵀS and qᵀS
+    delta = beta[..., None] * (v - decay * read[..., 0, :])
+    out = decay * read[..., 1, :] + delta * (k * q).sum(-1, keepdim=True)
+    after = state * decay[..., None]
+    after.flatten(0, -3).baddbmm_(k.flatten(0, -2)[..., None], delta.flatten(0, -2)[..., None, :])
+    return after, out
 
 
 def advance(state: torch.Tensor, k, v, beta, g, chunk: int = CHUNK) -> torch.Tensor:
@@ -112,7 +126,9 @@ def layer_inputs(module, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
     convolution reads of this block (its conv tail)."""
     conv_inputs, _, b, a = _projections(module, hidden)
     window = conv_inputs.new_zeros(conv_inputs.shape[0], module.conv_kernel_size - 1, conv_inputs.shape[-1])
-    _, k, v = _convolved(module, torch.cat((window, conv_inputs), dim=1))
+    inputs = torch.cat((window, conv_inputs), dim=1)
+    _, k, v = _convolved(module, torch.nn.functional.conv1d(inputs.mT, module.conv1d.weight, module.conv1d.bias,
+                                                            groups=inputs.shape[-1]).mT)
     return k, v, _beta(module, b), _log_decay(module, a), conv_inputs
 
 
@@ -121,13 +137,24 @@ def layer_step(module, hidden: torch.Tensor, state: torch.Tensor, window: torch.
     """The layer's output over one row's tokens ``hidden`` [T, hidden], from its state [H, dk, dv] (fp32) and its
     convolution's last kernel − 1 inputs ``window`` [kernel − 1, conv_dim]: (output [T, hidden], the state after them,
     the window after them). What transformers' forward computes for the row alone with its cache at that state."""
-    conv_inputs, z, b, a = _projections(module, hidden[None])
-    inputs = torch.cat((window.to(conv_inputs.dtype)[None], conv_inputs), dim=1)
-    q, k, v = _convolved(module, inputs)
-    state, out = run(state, q[0] * module.head_k_dim ** -0.5, k[0], v[0], _beta(module, b)[0], _log_decay(module, a)[0])
+    out, ((state, window),) = layer_steps(module, hidden, [(state, window, hidden.shape[0])])
+    return out, state, window
+
+
+def layer_steps(module, hidden: torch.Tensor, rows) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """`layer_step` of several rows at once: ``hidden`` [T, hidden] their tokens end to end, ``rows`` each row's
+    (state, window, tokens) in that order; (output [T, hidden], each row's (state, window) after). The projections,
+    the convolution (`packed_rows.convolve`), the norm and the output projection run over all T tokens in one call
+    each; the recurrence in `packed_rows.scan` (the decoding rows in one `step`, a prefill chunk through `run`)."""
+    states, windows, lengths = zip(*rows)
+    conv_inputs, z, b, a = (x[0] for x in _projections(module, hidden[None]))
+    mixed, windows = packed_rows.convolve(module.conv1d, conv_inputs, windows, lengths)
+    q, k, v = _convolved(module, mixed)
+    out, states = packed_rows.scan(step, run, states, lengths,
+                                   (q * module.head_k_dim ** -0.5, k, v, _beta(module, b), _log_decay(module, a)))
     norm, project = (getattr(module, "o_norm", None) or module.norm), (getattr(module, "o_proj", None) or module.out_proj)
     core = norm(out.reshape(-1, module.head_v_dim).to(hidden.dtype), z.reshape(-1, module.head_v_dim))
-    return project(core.reshape(hidden.shape[0], -1)), state, inputs[0, inputs.shape[1] - window.shape[0]:]
+    return project(core.reshape(hidden.shape[0], -1)), list(zip(states, windows))
 
 
 def _projections(module, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -143,15 +170,13 @@ def _projections(module, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return module.in_proj_qkv(hidden), z, module.in_proj_b(hidden), module.in_proj_a(hidden)
 
 
-def _convolved(module, inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """fp32 q and k (L2-normed, repeated to the value heads) and v of the tokens after the first kernel − 1 of
-    ``inputs`` [B, kernel − 1 + T, conv_dim] (the window the convolution reads before them)."""
-    mixed = torch.nn.functional.conv1d(inputs.mT, module.conv1d.weight, module.conv1d.bias,
-                                       groups=inputs.shape[-1])
-    mixed = ACT2FN[module.activation](mixed).mT.float()
+def _convolved(module, mixed: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """fp32 q and k (L2-normed, repeated to the value heads) and v [..., T, H, d] of the convolution's outputs
+    ``mixed`` [..., T, conv_dim] (before its activation)."""
+    mixed = ACT2FN[module.activation](mixed).float()
     q, k, v = mixed.split([module.key_dim, module.key_dim, module.value_dim], dim=-1)
     repeat = module.num_v_heads // module.num_k_heads
-    q, k = ((x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)).repeat_interleave(repeat, dim=2)
+    q, k = ((x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)).repeat_interleave(repeat, dim=-2)
             for x in (x.unflatten(-1, (module.num_k_heads, module.head_k_dim)) for x in (q, k)))
     return q, k, v.unflatten(-1, (module.num_v_heads, module.head_v_dim))
 

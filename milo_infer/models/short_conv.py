@@ -1,20 +1,30 @@
 """LFM2's gated short convolution over a block (issue 61): y = C ⊙ conv(B ⊙ x), a causal depthwise convolution of
 ``conv_L_cache`` taps. It keeps no recurrent state: what a block hands the next is its last kernel − 1 inputs of
 the convolution (B ⊙ x), its conv tail, so a block's state section is that tail alone (`LayerSpec` rule ``conv``).
-The same three functions as `delta_rule` and `ssd`, for a transformers ``Lfm2ShortConv``."""
+The same functions as `delta_rule` and `ssd`, for a transformers ``Lfm2ShortConv``."""
 from __future__ import annotations
 
 import torch
+
+from . import packed_rows
 
 
 def layer_step(module, hidden: torch.Tensor, state: torch.Tensor, window: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The layer's output over one row's tokens ``hidden`` [T, hidden] after its convolution's last kernel − 1 inputs
     ``window``: (output [T, hidden], the state as it was (none), the window after them)."""
+    out, ((state, window),) = layer_steps(module, hidden, [(state, window, hidden.shape[0])])
+    return out, state, window
+
+
+def layer_steps(module, hidden: torch.Tensor, rows) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """`layer_step` of several rows at once: ``hidden`` [T, hidden] their tokens end to end, ``rows`` each row's
+    (state, window, tokens) in that order; (output [T, hidden], each row's (state, window) after): in_proj, the
+    convolution (`packed_rows.convolve`) and out_proj over all T tokens in one call each."""
+    states, windows, lengths = zip(*rows)
     B, C, x = module.in_proj(hidden).chunk(3, dim=-1)
-    inputs = torch.cat((window.to(x.dtype), B * x))
-    mixed = torch.nn.functional.conv1d(inputs.T[None], module.conv.weight, module.conv.bias, groups=inputs.shape[-1])
-    return module.out_proj(C * mixed[0].T), state, inputs[len(inputs) - window.shape[0]:]
+    mixed, windows = packed_rows.convolve(module.conv, B * x, windows, lengths)
+    return module.out_proj(C * mixed), list(zip(states, windows))
 
 
 def block_section(module, hidden: torch.Tensor, tokens: int) -> torch.Tensor:

@@ -5,6 +5,7 @@ A new family is one entry of `TINY` (its config class and what its tiny config s
 suites are parametrized over it, and `tests/infer/test_conformance.py` fails naming any family without one.
 """
 import importlib
+import os
 
 import torch
 
@@ -12,6 +13,7 @@ from milo_infer.bench.synthetic_model import byte_tokenizer
 from milo_infer.models import LoadedModel, model_identity
 from milo_infer.tasks.corpus import Demonstration, TaskSpec
 
+DEVICE = os.environ.get("MILO_TEST_DEVICE", "cpu")  # where the tiny models live (tools/gpu_bench.sh's conformance part)
 SHAPE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=1024, pad_token_id=0, bos_token_id=1, eos_token_id=2,
              initializer_range=0.1, tie_word_embeddings=False)
@@ -145,8 +147,8 @@ def config(family: str, **overrides):
 
 
 def random_model(tiny, seed: int = 0):
-    """A causal LM of config ``tiny`` in fp32, random weights; biases and norm weights randomised too (transformers
-    starts them at 0 and 1, which would hide a bias or a norm the capture missed)."""
+    """A causal LM of config ``tiny`` in fp32 on `DEVICE`, random weights; biases and norm weights randomised too
+    (transformers starts them at 0 and 1, which would hide a bias or a norm the capture missed)."""
     from milo_infer.models.multimodal import causal_lm_class
 
     torch.manual_seed(seed)
@@ -155,7 +157,7 @@ def random_model(tiny, seed: int = 0):
         for parameter in model.parameters():
             if parameter.dim() == 1:
                 parameter.add_(torch.randn_like(parameter) * 0.1)
-    return model.eval().requires_grad_(False)
+    return model.to(DEVICE).eval().requires_grad_(False)
 
 
 def tiny_model(family: str, seed: int = 0, **overrides) -> LoadedModel:

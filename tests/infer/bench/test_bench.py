@@ -256,6 +256,23 @@ def test_the_gpu_sweep_runs_on_the_cpu_at_tiny_shapes(tmp_path):
     assert all(lv["compiled_after_warmup"] == 0 for lv in levels)  # the CPU's per-row attention compiles nothing
 
 
+def test_the_hybrid_and_conformance_parts_run_on_the_cpu(tmp_path):
+    """tools/gpu_bench.sh --device cpu, PARTS="hybrid conformance" (issue 72): a tiny Qwen3.5's decode step's linear
+    layers at 1 and 2 rows, milo bench over its stores at batches 1 and 2 with the prefill method, and the conformance
+    suite over LFM2's tiny model, each report written."""
+    result = subprocess.run(["bash", "tools/gpu_bench.sh", "--device", "cpu"], cwd=REPO, capture_output=True, text=True,
+                            timeout=900, env={**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path),
+                                              "PARTS": "hybrid conformance"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    reports = tmp_path / "gpu_bench"
+    linear = json.loads((reports / "linear_rows.json").read_text())
+    assert linear["shape"] == "qwen3.5-tiny" and [r["rows"] for r in linear["results"]] == [1, 2]
+    report = json.loads((reports / "hybrid" / "bench.json").read_text())
+    assert {(r["method"], r["batch"]) for r in report["rows"]} == {
+        (m, b) for m in ("full", "full-gemm", "prefill", "milo-r0.5") for b in (1, 2)}
+    assert " passed" in (reports / "conformance.txt").read_text() and "failed" not in result.stdout
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the script runs the full benchmark")
 def test_gpu_bench_skips_without_cuda():
     result = subprocess.run(["bash", "tools/gpu_bench.sh"], cwd=REPO, capture_output=True, text=True, timeout=60,

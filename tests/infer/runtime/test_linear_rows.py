@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from milo_infer.building.builder import BuildConfig, build_store
 from milo_infer.evaluation.conformance import Deviation
@@ -104,7 +105,8 @@ def test_unreadable_blocks_anywhere_are_composed_in_order(hybrid, unreadable, st
     """Blocks placed as encoded (each after the anchor and the blocks before it), those in ``unreadable`` failing
     their reads: the pairs before each carry the state to its start, the model computes its tokens from there, the
     pairs after it carry what they leave; every query logit within 1e-4 of transformers' forward over all the tokens.
-    A prefill chunk of 7 tokens puts some joins inside a forward's span and others past it."""
+    A prefill chunk of 7 tokens puts some joins inside a forward's span and others past it, and a row beside it whose
+    blocks all read (its span never cut) answers as alone."""
     family, loaded, *_, exact = hybrid
     read = exact.blocks
 
@@ -120,6 +122,11 @@ def test_unreadable_blocks_anywhere_are_composed_in_order(hybrid, unreadable, st
     anchor = [int(t) for t in exact.meta["build"]["anchor_token_ids"]]
     ids = anchor + [int(t) for b in order for t in exact.token_ids(b)] + plan.query_ids
     prefill = loaded.model(torch.tensor([ids])).logits[0, -len(plan.query_ids):].float()
+    readable = [b for b in order if b not in unreadable]
+    beside = engine.plan("s", Request("refund please"), block_ids=readable)
     with torch.inference_mode():
-        ours = engine.logits([plan])[0][-len(plan.query_ids):]  # the unreadable blocks' tokens' logits first
+        got = engine.logits([plan, beside])
+        alone = Engine(loaded, {"s": exact}).logits([beside])[0]
+    ours = got[0][-len(plan.query_ids):]  # the unreadable blocks' tokens' logits first
     assert Deviation.of(ours, prefill).relative <= 1e-4, (family, unreadable)
+    assert Deviation.of(got[1], alone).relative <= 1e-5, (family, unreadable)
